@@ -1,0 +1,69 @@
+"""Registry configuration. Stored in the segment header, so every attached process agrees."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _default_in_flight_capacity() -> int:
+    # gunicorn's usual ceiling is (2 x cores + 1) workers; give each up to 32 threads, twice over.
+    return max(1024, (2 * (os.cpu_count() or 1) + 1) * 32 * 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Sizes and timings of one registry. Times are in seconds.
+
+    ``max_rows``: cap on cancellation rows (``None``: up to ``capacity``); reaching it evicts.
+    ``capacity``: physical cancellation rows; ``None`` means ``max(10_000, max_rows)``.
+    ``max_rows_per_scope``: per-scope quota (``None`` disables); the only bound that rejects.
+    ``ttl``: cleanup removes cancellation rows strictly older than this.
+    ``janitor_interval``: period of the automatic sweep.
+    ``in_flight_capacity``: in-flight rows (one per running request).
+    ``stream_cancel_timeout``: grace a disconnected request's tool gets before it is stopped.
+    ``session_capacity`` / ``session_ttl``: MCP sessions kept, and their idle lifetime.
+    ``lock_timeout``: longest wait for the registry lock held by a live process.
+    """
+
+    max_rows: int | None = 10_000
+    capacity: int | None = None
+    max_rows_per_scope: int | None = 256
+    ttl: float = 300.0
+    janitor_interval: float = 60.0
+    in_flight_capacity: int = field(default_factory=_default_in_flight_capacity)
+    stream_cancel_timeout: float = 5.0
+    session_capacity: int = 4096
+    session_ttl: float = 3600.0
+    lock_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_rows_per_scope"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"Config.{name} must be a positive int or None, got {v!r}")
+        if self.capacity is None:
+            object.__setattr__(self, "capacity", max(10_000, self.max_rows or 0))
+        for name in ("capacity", "in_flight_capacity", "session_capacity"):
+            v = getattr(self, name)
+            if not _is_int(v) or not 1 <= v <= 10_000_000:
+                raise ValueError(f"Config.{name} must be an int in 1..10000000, got {v!r}")
+        if self.max_rows is not None and self.max_rows > self.capacity:  # type: ignore[operator]
+            raise ValueError(
+                f"Config.max_rows ({self.max_rows}) exceeds capacity ({self.capacity})"
+            )
+        for name in ("ttl", "janitor_interval", "stream_cancel_timeout", "session_ttl",
+                     "lock_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9:
+                raise ValueError(f"Config.{name} must be a positive number of seconds, got {v!r}")
+            object.__setattr__(self, name, float(v))
+
+    @property
+    def effective_max_rows(self) -> int:
+        """The row count at which an insert evicts: ``max_rows``, else ``capacity``."""
+        return self.max_rows if self.max_rows is not None else self.capacity  # type: ignore[return-value]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,45 @@
+"""Exceptions raised by shmcancel. Every one derives from :class:`ShmCancelError`."""
+
+from __future__ import annotations
+
+
+class ShmCancelError(Exception):
+    """Base class of every error shmcancel raises on purpose."""
+
+
+class InvalidRegistryName(ShmCancelError, ValueError):
+    """A registry name outside ``[A-Za-z0-9_.-]{1,64}``."""
+
+
+class RegistryNotFound(ShmCancelError):
+    """``Registry.attach`` named a segment that does not exist."""
+
+
+class RegistryIncompatible(ShmCancelError):
+    """The segment exists but cannot be used: foreign or older layout, truncated, another
+    user's, or (for ``create``) still owned by a live creator."""
+
+
+class SegmentTooLarge(ShmCancelError):
+    """``/dev/shm`` cannot hold the segment the config asks for (raised at ``create``)."""
+
+
+class LockTimeout(ShmCancelError):
+    """The registry lock stayed held by a live process for longer than the lock timeout."""
+
+
+class TableFull(ShmCancelError):
+    """A table has no free row left (its capacity is fixed at creation)."""
+
+
+class RowTooLarge(ShmCancelError, ValueError):
+    """A key or value does not fit the table's fixed record size. Nothing was written."""
+
+
+class InvalidRequestId(ShmCancelError, ValueError):
+    """A request id that is neither an ``int`` (not ``bool``) nor a ``str`` of at most
+    256 UTF-8 bytes."""
+
+
+class CancellationLimitReached(ShmCancelError):
+    """The scope already holds ``max_rows_per_scope`` cancellation rows."""

@@ -1,0 +1,73 @@
+"""Process-local telemetry, after Erlang's ``:telemetry``.
+
+Handlers are attached per process (attach after fork in each worker that wants them).
+``execute`` calls every handler attached to the event, in attach order, in the calling thread.
+A handler that raises is detached and the error logged; it never reaches the caller.
+
+Events emitted by shmcancel:
+
+- ``("shmcancel", "request", "cancelled")``: ``{"count": 1}``,
+  ``{"request_id": str, "scope": str, "reason": str | None}``
+- ``("shmcancel", "cancellation", "cleanup")``: ``{"removed": n, "in_flight_removed": m}``, ``{}``
+- ``("shmcancel", "lock", "recovered")``: ``{"waited": seconds}``, ``{"dead_pid": int}``
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["Event", "Handler", "attach", "detach", "execute", "list_handlers"]
+
+Event = tuple[str, ...]
+Handler = Callable[[Event, Mapping[str, Any], Mapping[str, Any], Any], object]
+
+log = logging.getLogger("shmcancel.telemetry")
+
+_lock = threading.Lock()
+# handler_id -> (event, handler, config). A dict keeps attach order; readers copy a snapshot.
+_handlers: dict[str, tuple[Event, Handler, Any]] = {}
+
+
+def attach(handler_id: str, event: Event, handler: Handler, config: Any = None) -> None:
+    """Call ``handler(event, measurements, metadata, config)`` on every ``execute(event, ...)``.
+
+    Attaching an id that exists replaces its handler (and its event and config).
+    """
+    if not callable(handler):
+        raise TypeError(f"telemetry handler must be callable, got {handler!r}")
+    event = tuple(event)
+    with _lock:
+        _handlers.pop(handler_id, None)
+        _handlers[handler_id] = (event, handler, config)
+
+
+def detach(handler_id: str) -> None:
+    """Remove a handler; an unknown id is a no-op."""
+    with _lock:
+        _handlers.pop(handler_id, None)
+
+
+def list_handlers(event: Event | None = None) -> list[str]:
+    """Ids of the handlers attached to ``event`` (all when ``None``), in attach order."""
+    with _lock:
+        return [h for h, (ev, _, _) in _handlers.items() if event is None or ev == tuple(event)]
+
+
+def execute(event: Event, measurements: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+    """Deliver an event to its handlers. Never raises because of a handler."""
+    if not _handlers:
+        return
+    with _lock:
+        targets = [(hid, h, cfg) for hid, (ev, h, cfg) in _handlers.items() if ev == event]
+    for hid, handler, cfg in targets:
+        try:
+            handler(event, measurements, metadata, cfg)
+        except Exception:
+            log.exception("telemetry handler %r for %r raised; detached", hid, event)
+            with _lock:
+                current = _handlers.get(hid)
+                if current is not None and current[1] is handler:
+                    del _handlers[hid]
