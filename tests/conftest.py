@@ -1,0 +1,66 @@
+"""Shared fixtures. Every shared-memory name a test uses comes from ``shm_name`` so that it is
+unique per test and unlinked afterwards, pass or fail."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import posix_ipc
+import pytest
+
+SHM_DIR = "/dev/shm"
+# Names a registry NAME occupies (SPEC §2: derived from the name). Kept in one place here so a
+# test run can clean up even when the library under test is broken.
+SEGMENT_PREFIX = "shmcancel."
+LOCKFILE_PREFIX = "shmcancel-lock."
+TEST_PREFIX = f"t{os.getpid()}-"
+
+
+def unlink_registry_names(name: str) -> None:
+    """Remove the segment, semaphore and lock file of registry ``name``; missing ones are fine."""
+    for unlink in (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore):
+        try:
+            unlink("/" + SEGMENT_PREFIX + name)
+        except posix_ipc.ExistentialError:
+            pass
+    try:
+        os.unlink(os.path.join(SHM_DIR, LOCKFILE_PREFIX + name))
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A registry name unique to this test; everything under it is unlinked afterwards."""
+    name = TEST_PREFIX + uuid.uuid4().hex[:12]
+    try:
+        yield name
+    finally:
+        unlink_registry_names(name)
+
+
+@pytest.fixture
+def shm_names() -> Iterator[list[str]]:
+    """A list to which a test appends extra registry names it makes; all unlinked afterwards."""
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        for name in names:
+            unlink_registry_names(name)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail loudly if this run left anything of its own in /dev/shm."""
+    try:
+        left = [f for f in os.listdir(SHM_DIR) if TEST_PREFIX in f]
+    except OSError:
+        return
+    if left:
+        for f in left:
+            name = f.split(TEST_PREFIX, 1)[1]
+            unlink_registry_names(TEST_PREFIX + name)
+        print(f"\nshmcancel tests left {len(left)} file(s) in {SHM_DIR}: {sorted(left)[:10]}")
+        session.exitstatus = 1
