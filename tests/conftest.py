@@ -3,6 +3,7 @@ unique per test and unlinked afterwards, pass or fail."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -21,14 +22,10 @@ TEST_PREFIX = f"t{os.getpid()}-"
 def unlink_registry_names(name: str) -> None:
     """Remove the segment, semaphore and lock file of registry ``name``; missing ones are fine."""
     for unlink in (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore):
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             unlink("/" + SEGMENT_PREFIX + name)
-        except posix_ipc.ExistentialError:
-            pass
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, LOCKFILE_PREFIX + name))
-    except FileNotFoundError:
-        pass
 
 
 @pytest.fixture
