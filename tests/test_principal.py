@@ -1,0 +1,168 @@
+"""SPEC §3: principal.put / id / client_bucket and the scope order."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from shmcancel import principal
+from shmcancel.principal import MAX_SCOPE_BYTES, client_bucket, put, scope
+
+
+@pytest.mark.parametrize(
+    ("given", "stored_id"),
+    [
+        ("alice", "alice"),
+        ("", ""),
+        (123, "123"),
+        (-7, "-7"),
+        (True, None),
+        (False, None),
+        (None, None),
+        (1.5, None),
+        (["alice"], None),
+        ({"id": "alice"}, "alice"),
+        ({"id": 42}, "42"),
+        ({"id": None, "sub": "bob"}, "bob"),
+        ({"sub": 9}, "9"),
+        ({"id": True, "sub": "bob"}, None),  # "id" is not None: it wins, and is no id
+        ({"id": {"id": "nested"}}, "nested"),
+        ({"id": None, "sub": None}, None),
+        ({}, None),
+        (types.MappingProxyType({"id": "m"}), "m"),
+    ],
+)
+def test_put_normalises(given, stored_id):
+    env: dict = {}
+    assert put(env, given) is env
+    assert env["shmcancel.principal"]["id"] == stored_id
+    assert principal.id(env) == stored_id
+
+
+def test_put_keeps_other_claims():
+    env: dict = {}
+    put(env, {"sub": 5, "role": "admin"})
+    assert env["shmcancel.principal"] == {"sub": 5, "role": "admin", "id": "5"}
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [{"id": 123}, {"id": {"id": "x"}}, {"id": None}, {"sub": "x"}, "alice", 5, None, ["id"]],
+)
+def test_id_without_put_only_trusts_a_str(stored):
+    env = {"shmcancel.principal": stored, "REMOTE_ADDR": "198.51.100.7"}
+    assert principal.id(env) is None
+    assert scope(env) == "ip:198.51.100.7"
+
+
+@pytest.mark.parametrize("env", [None, 5, "x", [("shmcancel.principal", {"id": "a"})]])
+def test_id_of_non_mapping(env):
+    assert principal.id(env) is None
+
+
+@pytest.mark.parametrize(
+    ("addr", "bucket"),
+    [
+        ("203.0.113.9", "203.0.113.9"),
+        ("10.0.0.1", "10.0.0.1"),
+        ("::ffff:203.0.113.9", "203.0.113.9"),
+        ("::FFFF:192.0.2.1", "192.0.2.1"),
+        ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+        ("2001:0db8:0001:0002:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+        ("2001:db8::1", "2001:db8::/64"),
+        ("::1", "::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("", "unknown"),
+        ("not-an-ip", "unknown"),
+        ("203.0.113.256", "unknown"),
+        ("010.0.0.1", "unknown"),
+        (" 203.0.113.9", "unknown"),
+        ("203.0.113.9:5000", "unknown"),
+        (None, "unknown"),
+        (b"203.0.113.9", "unknown"),
+        (2130706433, "unknown"),
+    ],
+)
+def test_client_bucket(addr, bucket):
+    assert client_bucket({"REMOTE_ADDR": addr}) == bucket
+
+
+def test_client_bucket_missing():
+    assert client_bucket({}) == "unknown"
+    assert client_bucket(None) == "unknown"
+
+
+def test_two_ipv6_hosts_in_one_64_share_a_bucket():
+    a = client_bucket({"REMOTE_ADDR": "2001:db8:1:2::a"})
+    b = client_bucket({"REMOTE_ADDR": "2001:db8:1:2:ffff::b"})
+    c = client_bucket({"REMOTE_ADDR": "2001:db8:1:3::a"})
+    assert a == b != c
+
+
+P = "shmcancel.principal"
+S = "shmcancel.session_id"
+A = "REMOTE_ADDR"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({S: "s1", P: {"id": "alice"}, A: "203.0.113.9"}, "session:s1"),
+        ({S: "", P: {"id": "alice"}, A: "203.0.113.9"}, "principal:alice"),
+        ({S: 5, P: {"id": "alice"}}, "principal:alice"),
+        ({S: None, P: {"id": 5}, A: "203.0.113.9"}, "ip:203.0.113.9"),
+        ({P: {"id": "203.0.113.9"}, A: "203.0.113.9"}, "principal:203.0.113.9"),
+        ({A: "203.0.113.9"}, "ip:203.0.113.9"),
+        ({A: "2001:db8:1:2::99"}, "ip:2001:db8:1:2::/64"),
+        ({}, "ip:unknown"),
+        (None, "global"),
+        (42, "global"),
+        ("session:x", "global"),
+    ],
+)
+def test_scope_order(env, expected):
+    assert scope(env) == expected
+
+
+def test_principal_equal_to_ip_string_is_another_scope():
+    anon = {A: "203.0.113.9"}
+    auth = put({A: "198.51.100.1"}, "203.0.113.9")
+    assert scope(anon) == "ip:203.0.113.9"
+    assert scope(auth) == "principal:203.0.113.9"
+    assert scope(anon) != scope(auth)
+
+
+@pytest.mark.parametrize(("key", "prefix"), [(S, "session:"), (P, "principal:")])
+def test_long_ids_become_a_fixed_length_digest(key, prefix):
+    def env(ident):
+        return {key: ident if key == S else {"id": ident}}
+
+    fits = "x" * (MAX_SCOPE_BYTES - len(prefix))
+    assert scope(env(fits)) == prefix + fits
+    one_more = fits + "x"
+    long_a = one_more + "a" * 1000
+    long_b = one_more + "a" * 999 + "b"  # same first 1500 bytes: truncation would merge them
+    scopes = [scope(env(v)) for v in (one_more, long_a, long_b, "é" * 300, "\ud800" * 3)]
+    assert len(set(scopes)) == len(scopes)
+    for s in scopes:
+        assert s.startswith(prefix)
+        assert len(s.encode()) == len(scopes[0].encode()) <= MAX_SCOPE_BYTES
+    assert scope(env(long_a)) == scopes[1]  # stable
+
+
+def test_multibyte_scope_limit_counts_bytes():
+    fits = "é" * ((MAX_SCOPE_BYTES - len("principal:")) // 2)
+    assert scope({P: {"id": fits}}) == "principal:" + fits
+    assert scope({P: {"id": fits + "é"}}).startswith("principal:~sha256:")
+
+
+class Exploding(dict):
+    def get(self, *a):
+        raise RuntimeError("boom")
+
+
+def test_scope_never_raises():
+    assert scope(Exploding()) == "ip:unknown"
+    assert principal.id(Exploding()) is None
+    assert client_bucket(Exploding()) == "unknown"

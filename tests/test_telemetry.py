@@ -1,0 +1,67 @@
+"""SPEC §4.7: telemetry attach/detach semantics and the events the cancellation layer emits
+(metadata checked against a real registry)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from shmcancel import telemetry
+
+EV = ("shmcancel", "test", "event")
+
+
+@pytest.fixture(autouse=True)
+def _clean_handlers():
+    before = set(telemetry.list_handlers())
+    yield
+    for hid in set(telemetry.list_handlers()) - before:
+        telemetry.detach(hid)
+
+
+def test_attach_execute_detach():
+    seen = []
+    telemetry.attach("t1", EV, lambda *a: seen.append(a), config={"c": 1})
+    telemetry.execute(EV, {"count": 1}, {"k": "v"})
+    assert seen == [(EV, {"count": 1}, {"k": "v"}, {"c": 1})]
+    telemetry.execute(("shmcancel", "other"), {}, {})
+    assert len(seen) == 1
+    telemetry.detach("t1")
+    telemetry.execute(EV, {}, {})
+    assert len(seen) == 1
+
+
+def test_attach_with_existing_id_replaces():
+    seen = []
+    telemetry.attach("t1", EV, lambda *a: seen.append("first"))
+    telemetry.attach("t1", EV, lambda *a: seen.append("second"))
+    telemetry.execute(EV, {}, {})
+    assert seen == ["second"]
+    assert telemetry.list_handlers(EV).count("t1") == 1
+
+
+def test_detach_unknown_is_a_noop():
+    telemetry.detach("never-attached")
+
+
+def test_raising_handler_is_detached_and_logged(caplog):
+    seen = []
+
+    def bad(*a):
+        raise RuntimeError("handler bug")
+
+    telemetry.attach("bad", EV, bad)
+    telemetry.attach("good", EV, lambda *a: seen.append(1))
+    with caplog.at_level(logging.ERROR, logger="shmcancel.telemetry"):
+        telemetry.execute(EV, {}, {})  # does not raise
+    assert "bad" not in telemetry.list_handlers()
+    assert seen == [1]
+    assert any("handler bug" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+    telemetry.execute(EV, {}, {})
+    assert seen == [1, 1]
+
+
+def test_attach_rejects_non_callable():
+    with pytest.raises(TypeError):
+        telemetry.attach("x", EV, "not callable")  # type: ignore[arg-type]
