@@ -21,6 +21,8 @@ from .exceptions import InvalidRequestId
 __all__ = ["MAX_ID_BYTES", "key", "require_key"]
 
 MAX_ID_BYTES = 256
+_INT_LO = -(10 ** (MAX_ID_BYTES - 1))  # exclusive bounds of ints of at most 256 characters
+_INT_HI = 10**MAX_ID_BYTES
 
 
 def key(request_id: object) -> str | None:
@@ -32,7 +34,7 @@ def key(request_id: object) -> str | None:
     if t is str:
         s = request_id
     elif t is int:
-        if -(10 ** (MAX_ID_BYTES - 1)) < request_id < 10**MAX_ID_BYTES:  # type: ignore[operator]
+        if _INT_LO < request_id < _INT_HI:  # type: ignore[operator]
             return int.__repr__(request_id)  # type: ignore[arg-type]
         return None
     elif isinstance(request_id, bool):

@@ -132,10 +132,10 @@ def id(environ: object) -> str | None:
     """The stored principal id when it is a ``str``; otherwise (no principal, a principal dict
     stored without :func:`put` whose id is ``123`` or a dict, a non-mapping environ) ``None``."""
     try:
-        if not isinstance(environ, Mapping):
+        if type(environ) is not dict and not isinstance(environ, Mapping):
             return None
         p = environ.get(PRINCIPAL_KEY)
-        if not isinstance(p, Mapping):
+        if p is None or (type(p) is not dict and not isinstance(p, Mapping)):
             return None
         v = p.get("id")
     except Exception:
@@ -152,13 +152,35 @@ def client_bucket(environ: object) -> str:
     quota; missing or malformed → ``"unknown"``.
     """
     try:
-        addr = environ.get(REMOTE_ADDR_KEY) if isinstance(environ, Mapping) else None
-        if not isinstance(addr, str) or not addr or len(addr) > 100:
+        if type(environ) is not dict and not isinstance(environ, Mapping):
             return UNKNOWN
-        if addr.startswith("[") and addr.endswith("]"):
-            addr = addr[1:-1]
-        ip = ipaddress.ip_address(addr)
+        addr = environ.get(REMOTE_ADDR_KEY)
     except Exception:
+        return UNKNOWN
+    if not isinstance(addr, str):
+        return UNKNOWN
+    b = _buckets.get(addr)
+    if b is None:
+        b = _bucket(addr)
+        if len(_buckets) >= _BUCKET_CACHE:
+            _buckets.clear()
+        _buckets[addr] = b
+    return b
+
+
+# address -> bucket: parsing costs microseconds and a poll without a handle needs the scope.
+_buckets: dict[str, str] = {}
+_BUCKET_CACHE = 4096
+
+
+def _bucket(addr: str) -> str:
+    if not addr or len(addr) > 100:
+        return UNKNOWN
+    if addr.startswith("[") and addr.endswith("]"):
+        addr = addr[1:-1]
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
         return UNKNOWN
     if ip.version == 4:
         return str(ip)
@@ -185,13 +207,13 @@ def _prefixed(prefix: str, ident: str) -> str:
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
     ``environ`` is not a mapping (SPEC §3). Never raises."""
-    if not isinstance(environ, Mapping):
+    if type(environ) is not dict and not isinstance(environ, Mapping):
         return GLOBAL
     try:
         sid = environ.get(SESSION_KEY)
     except Exception:
         sid = None
-    if isinstance(sid, str) and sid:
+    if sid and isinstance(sid, str):
         return _prefixed("session:", str.__str__(sid))
     pid = id(environ)
     if pid is not None:
