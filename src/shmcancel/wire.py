@@ -1,0 +1,393 @@
+"""Which MCP wire a request speaks, and the per-wire rules: header and ``_meta`` validation,
+result shaping, the HTTP status of an error. Pure (h11-style): the WSGI app in
+:mod:`shmcancel.server` does the I/O and asks this module what the protocol says.
+
+Two wires share ``POST /mcp`` (SPEC §6):
+
+- **legacy** — MCP 2025-11-25, 2025-06-18 and 2025-03-26: an ``initialize`` handshake (sent
+  without ``MCP-Protocol-Version``), optional sessions (``Mcp-Session-Id``), client
+  notifications such as ``notifications/cancelled``. A request without the version header is
+  taken as 2025-03-26, as those revisions ask.
+- **modern** — MCP 2026-07-28: stateless; every request carries ``MCP-Protocol-Version``,
+  ``Mcp-Method`` (and ``Mcp-Name`` for name-bearing methods) mirroring the body, and
+  ``params._meta`` with ``io.modelcontextprotocol/protocolVersion`` and
+  ``io.modelcontextprotocol/clientCapabilities``. Cancellation is closing the connection.
+
+:func:`detect` decides per request, before any session is looked at: a modern version header,
+or the modern ``_meta`` envelope key in the body, selects modern (a body that claims modern
+with a legacy or missing header then fails the header rung with ``-32020``); a legacy header or
+none selects legacy; any other header value is answered ``-32022`` (HTTP 400) naming every
+version served, which both the legacy rule ("unsupported version → 400") and the modern one
+("UnsupportedProtocolVersionError") ask for.
+
+Header values arrive as WSGI strings (latin-1 decoded bytes). Duplicate header lines are
+joined with ``,`` by gunicorn, so a duplicated routing header never equals the body and is
+rejected as a mismatch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors
+from .jsonrpc import Message, Notification, Request, RpcError
+
+__all__ = [
+    "CLIENT_CAPABILITIES_META_KEY",
+    "CLIENT_INFO_META_KEY",
+    "LEGACY_VERSIONS",
+    "MODERN_VERSIONS",
+    "PROTOCOL_VERSION_META_KEY",
+    "SERVER_INFO_META_KEY",
+    "SUPPORTED_VERSIONS",
+    "Envelope",
+    "RequestHeaders",
+    "Wire",
+    "accepts",
+    "decode_header_value",
+    "detect",
+    "detect_without_body",
+    "dispatch_status",
+    "is_json_content_type",
+    "negotiate_legacy_version",
+    "progress_token",
+    "shape_result",
+    "valid_session_id",
+    "validate_modern",
+]
+
+MODERN_VERSIONS: tuple[str, ...] = ("2026-07-28",)
+LEGACY_VERSIONS: tuple[str, ...] = ("2025-11-25", "2025-06-18", "2025-03-26")  # newest first
+SUPPORTED_VERSIONS: tuple[str, ...] = MODERN_VERSIONS + LEGACY_VERSIONS
+LATEST_LEGACY_VERSION = LEGACY_VERSIONS[0]
+#: What a legacy request without ``MCP-Protocol-Version`` is taken to speak (2025-06-18 rule).
+HEADERLESS_LEGACY_VERSION = "2025-03-26"
+
+PROTOCOL_VERSION_META_KEY = "io.modelcontextprotocol/protocolVersion"
+CLIENT_INFO_META_KEY = "io.modelcontextprotocol/clientInfo"
+CLIENT_CAPABILITIES_META_KEY = "io.modelcontextprotocol/clientCapabilities"
+SERVER_INFO_META_KEY = "io.modelcontextprotocol/serverInfo"
+
+#: Methods whose ``Mcp-Name`` header mirrors a params field (2026-07-28 transport).
+NAME_BEARING_METHODS: Mapping[str, str] = {
+    "tools/call": "name",
+    "prompts/get": "name",
+    "resources/read": "uri",
+}
+
+#: Longest header value read; longer ones are treated as malformed (never as a match).
+MAX_HEADER_VALUE = 8192
+MAX_SESSION_ID = 128
+
+_HEADER_SAFE = re.compile(r"[\x20-\x7e]*")
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
+_B64_SENTINEL = re.compile(r"=\?base64\?(.*)\?=", re.DOTALL)
+
+
+class Wire(enum.Enum):
+    LEGACY = "legacy"
+    MODERN = "2026-07-28"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeaders:
+    """The request headers the transport reads, from a WSGI environ (absent → ``None``)."""
+
+    protocol_version: str | None
+    method: str | None
+    name: str | None
+    session_id: str | None
+    accept: str | None
+    content_type: str | None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, Any]) -> RequestHeaders:
+        def h(key: str) -> str | None:
+            v = environ.get(key)
+            return v if isinstance(v, str) else None
+
+        return cls(
+            protocol_version=h("HTTP_MCP_PROTOCOL_VERSION"),
+            method=h("HTTP_MCP_METHOD"),
+            name=h("HTTP_MCP_NAME"),
+            session_id=h("HTTP_MCP_SESSION_ID"),
+            accept=h("HTTP_ACCEPT"),
+            content_type=h("CONTENT_TYPE"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """The validated per-request protocol fields of a modern request."""
+
+    protocol_version: str
+    client_info: dict[str, Any] | None
+    client_capabilities: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _meta_of(msg: Message) -> Any:
+    params = getattr(msg, "params", None)
+    return params.get("_meta") if isinstance(params, dict) else None
+
+
+def _unsupported(requested: str, id: int | str | None) -> RpcError:
+    shown = requested if len(requested) <= 128 else requested[:128] + "..."
+    return RpcError(
+        errors.UNSUPPORTED_PROTOCOL_VERSION,
+        f"Unsupported protocol version: {shown!r}",
+        id=id,
+        data={"supported": list(SUPPORTED_VERSIONS), "requested": shown},
+    )
+
+
+def detect(msg: Message, headers: RequestHeaders) -> Wire:
+    """The wire of a parsed POST body. Raises ``-32022`` (HTTP 400) for a version header that
+    names no revision served here."""
+    version = headers.protocol_version
+    meta = _meta_of(msg)
+    modern_meta = isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta
+    if version is None:
+        return Wire.MODERN if modern_meta else Wire.LEGACY
+    version = version.strip(" \t")
+    if version in MODERN_VERSIONS:
+        return Wire.MODERN
+    if version in LEGACY_VERSIONS:
+        return Wire.MODERN if modern_meta else Wire.LEGACY
+    raise _unsupported(version, msg.id if isinstance(msg, Request) else None)
+
+
+def detect_without_body(headers: RequestHeaders) -> Wire | None:
+    """The wire of a bodiless request (GET, DELETE): by the version header alone. ``None``
+    for a header naming no served revision."""
+    version = headers.protocol_version
+    if version is None:
+        return Wire.LEGACY
+    version = version.strip(" \t")
+    if version in MODERN_VERSIONS:
+        return Wire.MODERN
+    if version in LEGACY_VERSIONS:
+        return Wire.LEGACY
+    return None
+
+
+# --------------------------------------------------------------------------- modern rules
+
+
+def decode_header_value(value: str | None) -> str | None:
+    """A mirrored header value (``Mcp-Name``, ``Mcp-Param-*``) as text, or ``None`` when it is
+    absent or malformed. ``=?base64?...?=`` is decoded (canonical base64 of UTF-8 only); a
+    plain value must be printable ASCII without surrounding whitespace."""
+    if value is None or len(value) > MAX_HEADER_VALUE:
+        return None
+    m = _B64_SENTINEL.fullmatch(value)
+    if m is None:
+        if not _HEADER_SAFE.fullmatch(value) or value != value.strip(" \t"):
+            return None
+        return value
+    payload = m.group(1)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        if base64.b64encode(raw).decode("ascii") != payload:
+            return None
+        return raw.decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _mismatch(message: str, id: int | str | None) -> RpcError:
+    return RpcError(errors.HEADER_MISMATCH, f"Header mismatch: {message}", id=id)
+
+
+def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
+    """Run the 2026-07-28 validation ladder on a request; first failure wins.
+
+    1. ``params._meta`` is an object with the protocol version and client capabilities
+       → else ``-32602``;
+    2. ``MCP-Protocol-Version`` equals the ``_meta`` version, ``Mcp-Method`` equals ``method``,
+       ``Mcp-Name`` (decoded) equals the name-bearing param → else ``-32020``;
+    3. the version is served → else ``-32022`` with ``data.supported``/``data.requested``;
+    4. ``clientCapabilities`` (and ``clientInfo`` when present) are objects → else ``-32602``.
+
+    All with HTTP 400.
+    """
+    rid = msg.id
+    params = msg.params
+    meta = params.get("_meta") if params is not None else None
+    if not isinstance(meta, dict):
+        raise RpcError(errors.INVALID_PARAMS,
+                       "Invalid params: params._meta must be an object carrying "
+                       f"{PROTOCOL_VERSION_META_KEY!r} and {CLIENT_CAPABILITIES_META_KEY!r}",
+                       id=rid)
+    missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY)
+               if k not in meta]
+    if missing:
+        raise RpcError(errors.INVALID_PARAMS,
+                       f"Invalid params: params._meta lacks {', '.join(missing)}", id=rid)
+    version = meta[PROTOCOL_VERSION_META_KEY]
+    header_version = headers.protocol_version
+    if header_version is None:
+        raise _mismatch("the MCP-Protocol-Version header is missing", rid)
+    if header_version.strip(" \t") != version:
+        raise _mismatch("MCP-Protocol-Version does not match params._meta "
+                        f"{PROTOCOL_VERSION_META_KEY!r}", rid)
+    if headers.method is None:
+        raise _mismatch("the Mcp-Method header is missing", rid)
+    if headers.method.strip(" \t") != msg.method:
+        raise _mismatch("Mcp-Method does not match the request's method", rid)
+    name_key = NAME_BEARING_METHODS.get(msg.method)
+    if name_key is not None and params is not None and isinstance(params.get(name_key), str):
+        if headers.name is None:
+            raise _mismatch(f"the Mcp-Name header is missing (params.{name_key} is set)", rid)
+        if decode_header_value(headers.name) != params[name_key]:
+            raise _mismatch(f"Mcp-Name does not match params.{name_key}", rid)
+    if not isinstance(version, str):  # unreachable with a header (a header is a str), kept total
+        raise RpcError(errors.INVALID_PARAMS, "Invalid params: the protocol version must be a "
+                       "string", id=rid)
+    if version not in MODERN_VERSIONS:
+        raise _unsupported(version, rid)
+    caps = meta[CLIENT_CAPABILITIES_META_KEY]
+    if not isinstance(caps, dict):
+        raise RpcError(errors.INVALID_PARAMS,
+                       f"Invalid params: {CLIENT_CAPABILITIES_META_KEY!r} must be an object",
+                       id=rid)
+    info = meta.get(CLIENT_INFO_META_KEY)
+    if info is not None and not isinstance(info, dict):
+        raise RpcError(errors.INVALID_PARAMS,
+                       f"Invalid params: {CLIENT_INFO_META_KEY!r} must be an object", id=rid)
+    return Envelope(version, info, caps)
+
+
+# --------------------------------------------------------------------------- shared rules
+
+
+def progress_token(msg: Request | Notification) -> int | str | None:
+    """``params._meta.progressToken`` (a string or an integer), or ``None`` when absent.
+
+    Raises ``-32602`` for a ``_meta`` that is not an object or a token of another type.
+    """
+    params = msg.params
+    if params is None or "_meta" not in params:
+        return None
+    meta = params["_meta"]
+    rid = msg.id if isinstance(msg, Request) else None
+    if not isinstance(meta, dict):
+        raise RpcError(errors.INVALID_PARAMS, "Invalid params: params._meta must be an object",
+                       id=rid)
+    token = meta.get("progressToken")
+    if token is None:
+        return None
+    if isinstance(token, bool) or not isinstance(token, int | str):
+        raise RpcError(errors.INVALID_PARAMS,
+                       "Invalid params: _meta.progressToken must be a string or an integer",
+                       id=rid)
+    return token
+
+
+def negotiate_legacy_version(requested: str) -> str:
+    """The version an ``initialize`` is answered with: the requested one when served, else
+    the newest legacy revision (the client then decides whether it can speak it)."""
+    return requested if requested in LEGACY_VERSIONS else LATEST_LEGACY_VERSION
+
+
+def valid_session_id(value: str | None) -> bool:
+    """A well-formed ``Mcp-Session-Id``: 1–128 visible ASCII characters (0x21–0x7E)."""
+    return value is not None and _SESSION_ID.fullmatch(value) is not None
+
+
+def _media_types(header: str) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    for part in header[:MAX_HEADER_VALUE].split(",")[:64]:
+        fields = part.split(";")
+        mt = fields[0].strip().lower()
+        if not mt:
+            continue
+        q = 1.0
+        for p in fields[1:]:
+            k, _, v = p.partition("=")
+            if k.strip().lower() == "q":
+                try:
+                    q = float(v.strip())
+                except ValueError:
+                    q = 0.0
+        out.append((mt, q))
+    return out
+
+
+def accepts(accept: str | None) -> tuple[bool, bool]:
+    """``(json_ok, sse_ok)`` for an ``Accept`` header: wildcards count, ``q=0`` refuses, the
+    most specific entry wins. No header (or an empty one) accepts anything (RFC 9110)."""
+    if accept is None or not accept.strip():
+        return True, True
+    types = _media_types(accept)
+    if not types:
+        return True, True
+
+    def ok(full: str) -> bool:
+        major = full.split("/", 1)[0] + "/*"
+        for candidate in (full, major, "*/*"):
+            qs = [q for mt, q in types if mt == candidate]
+            if qs:
+                return max(qs) > 0
+        return False
+
+    return ok("application/json"), ok("text/event-stream")
+
+
+def is_json_content_type(content_type: str | None) -> bool:
+    """``application/json``, with at most a UTF-8 ``charset`` parameter."""
+    if content_type is None:
+        return False
+    fields = content_type[:MAX_HEADER_VALUE].split(";")
+    if fields[0].strip().lower() != "application/json":
+        return False
+    for p in fields[1:]:
+        k, _, v = p.partition("=")
+        if k.strip().lower() == "charset" and v.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+def dispatch_status(wire: Wire, code: int) -> int:
+    """HTTP status of an error produced while dispatching a well-formed request.
+
+    Modern: the 2026-07-28 table (400 for malformed input and header/version/capability
+    errors, 404 for an unknown method, 200 otherwise). Legacy: 200, as 2025-era clients read
+    a JSON-RPC error from a 200 reply and may treat a 404 as "session gone". Errors found
+    before dispatch (envelope, session, notification rules) carry their own status.
+    """
+    if wire is Wire.LEGACY:
+        return 200
+    if code in (errors.PARSE_ERROR, errors.INVALID_REQUEST, errors.INVALID_PARAMS,
+                errors.HEADER_MISMATCH, -32021, errors.UNSUPPORTED_PROTOCOL_VERSION):
+        return 400
+    if code == errors.METHOD_NOT_FOUND:
+        return 404
+    return 200
+
+
+def shape_result(wire: Wire, method: str, result: dict[str, Any], *,
+                 server_info: Mapping[str, Any], ttl_ms: int, cache_scope: str) -> dict[str, Any]:
+    """A result as the wire wants it. Legacy: unchanged. Modern: ``resultType: "complete"`` on
+    every result, ``ttlMs``/``cacheScope`` on ``tools/list`` and ``server/discover``, and the
+    server's identity in ``_meta`` (``io.modelcontextprotocol/serverInfo``)."""
+    if wire is Wire.LEGACY:
+        return result
+    out = dict(result)
+    out["resultType"] = "complete"
+    if method in ("tools/list", "server/discover"):
+        out["ttlMs"] = ttl_ms
+        out["cacheScope"] = cache_scope
+    meta = out.get("_meta")
+    meta = dict(meta) if isinstance(meta, dict) else {}
+    meta[SERVER_INFO_META_KEY] = dict(server_info)
+    out["_meta"] = meta
+    return out
