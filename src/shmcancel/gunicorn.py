@@ -1,0 +1,234 @@
+"""gunicorn server hooks: the master owns the registry, workers attach, the master cleans up after
+dead workers (SPEC §6.4).
+
+Use in a ``gunicorn.conf.py``::
+
+    from shmcancel.gunicorn import child_exit, on_exit, post_fork, when_ready  # noqa: F401
+
+    import shmcancel, shmcancel.gunicorn
+    shmcancel.gunicorn.configure(config=shmcancel.Config(ttl=120))   # optional
+
+A hook of your own with the same name must call ours (``shmcancel.gunicorn.post_fork(server,
+worker)``). gunicorn reads only the settings it knows from a config file, which is why the
+registry's :class:`~shmcancel.Config` is passed through :func:`configure` rather than as a
+variable of the file; the hooks keep their state in this module, which survives the re-reading
+of the file on ``HUP``.
+
+What each hook does
+-------------------
+``when_ready`` (master, listeners bound, before the first fork)
+    Creates the registry. Its name is ``SHMCANCEL_REGISTRY`` when set, else the ``name`` given to
+    :func:`configure`, else derived from gunicorn's ``proc_name`` and the bound addresses (stable
+    for one deployment, distinct for two side by side; see :func:`registry_name`). A name that a
+    live master elsewhere still holds stops gunicorn with a one-line error. A master started by a
+    ``USR2`` upgrade (gunicorn sets ``GUNICORN_PID`` for it) attaches to the live registry of the
+    master that started it instead. No thread is started: the master must have none when it forks.
+``post_fork`` (worker)
+    Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app).
+``child_exit`` (master, after gunicorn has reaped a worker)
+    If the dead worker held the registry lock, takes it over (``lock.recover_from``); then removes
+    the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
+    handler, which can interrupt the master anywhere, itself included: SIGCHLD is blocked
+    (``signal.pthread_sigmask``) for as long as the master works on the registry, so a second
+    worker's death is handled after the lock is released, never re-entering while it is held. It
+    logs failures and never raises into gunicorn.
+``on_exit`` (master, after its workers are stopped)
+    Unlinks the registry, unless another master still uses it: during a ``USR2`` upgrade the old
+    master (``server.reexec_pid``, its re-executed child, is alive) and the new one (its parent
+    ``server.master_pid`` is alive and has not handed over) both run, and whichever exits last
+    unlinks. A ``HUP`` reload keeps the same master, which does not exit, so the registry stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import procinfo
+from .config import Config
+from .exceptions import RegistryNotFound, ShmCancelError
+
+__all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "registry_name",
+           "when_ready"]
+
+ENV_NAME = "SHMCANCEL_REGISTRY"
+_log = logging.getLogger("shmcancel.gunicorn")
+
+
+@dataclass
+class _State:
+    config: Config | None = None
+    name: str | None = None  # from configure()
+    registry: Any = None  # the Registry this process uses (created, or attached)
+    registry_name: str | None = None
+    owner_pid: int = 0  # the process that set `registry` (a forked worker sees its master's)
+    cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
+
+
+_state = _State()
+
+
+def configure(config: Config | None = None, *, name: str | None = None) -> None:
+    """Set the :class:`~shmcancel.Config` a new registry is created with, and optionally its name
+    (``SHMCANCEL_REGISTRY`` still wins). Call it from ``gunicorn.conf.py``. It affects only a
+    registry not created yet: after a ``HUP`` reload or under a ``USR2`` upgrade, the live
+    registry keeps the config it was created with (every attached process reads it from the
+    segment's header)."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a shmcancel.Config, got {type(config).__name__}")
+    _state.config = config
+    _state.name = name
+
+
+def registry() -> Any:
+    """The registry this process set up through these hooks (``None`` before)."""
+    return _state.registry if _state.owner_pid == os.getpid() else None
+
+
+def registry_name(server: Any) -> str:
+    """The registry name for a gunicorn arbiter: ``SHMCANCEL_REGISTRY``, else the name given to
+    :func:`configure`, else ``"gunicorn-<proc_name>-<digest>"`` where the digest covers
+    ``proc_name`` and the bound addresses (``server.LISTENERS``; the configured ``bind`` before
+    they exist). A ``USR2`` master inherits the listeners, so it derives the same name."""
+    explicit = os.environ.get(ENV_NAME) or _state.name
+    if explicit:
+        return explicit
+    proc = str(server.cfg.proc_name or "gunicorn")
+    addrs = sorted(str(lnr) for lnr in getattr(server, "LISTENERS", ()) or ())
+    if not addrs:
+        addrs = sorted(str(a) for a in server.cfg.address)
+    digest = hashlib.blake2b("\0".join([proc, *addrs]).encode(), digest_size=5).hexdigest()
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", proc).strip("_.-")[:32] or "app"
+    return f"gunicorn-{slug}-{digest}"
+
+
+@contextlib.contextmanager
+def _sigchld_blocked() -> Iterator[None]:
+    """Hold SIGCHLD back (it stays pending) while the master works on the registry.
+
+    ``pthread_sigmask`` runs any Python handler already tripped before it returns, so nothing
+    of SIGCHLD runs inside the block; the pending signal is handled when the mask is restored.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie is not)."""
+    if pid <= 0:
+        return False
+    start = procinfo.start_time(pid)
+    return start is not None and procinfo.alive(pid, start)
+
+
+def _logger(server: Any) -> Any:
+    return getattr(server, "log", None) or _log
+
+
+# --- hooks ---------------------------------------------------------------------------------
+
+
+def when_ready(server: Any) -> None:
+    """Master: create the registry (or, under a ``USR2`` upgrade, attach to the live one)."""
+    from .registry import Registry
+
+    if registry() is not None:
+        return
+    name = registry_name(server)
+    log = _logger(server)
+    with _sigchld_blocked():
+        try:
+            reg = None
+            parent = int(getattr(server, "master_pid", 0) or 0)
+            if parent and _running(parent):
+                try:
+                    reg = Registry.attach(name)
+                    log.info("shmcancel: attached to registry %r of master %s (USR2 upgrade)",
+                             name, parent)
+                except RegistryNotFound:
+                    reg = None
+            if reg is None:
+                reg = Registry.create(name, config=_state.config)
+                log.info("shmcancel: created registry %r", name)
+        except ShmCancelError as e:
+            # gunicorn prints a RuntimeError from the arbiter as one line and exits 1.
+            raise RuntimeError(f"shmcancel: registry {name!r}: {e}") from e
+    _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """Worker: attach to the master's registry (sets ``shmcancel.registry.current()``)."""
+    from .registry import Registry
+
+    name = _state.registry_name
+    if name is None:
+        raise RuntimeError("shmcancel: the master made no registry; add shmcancel.gunicorn's "
+                           "when_ready hook to the gunicorn config")
+    inherited, _state.registry, _state.cancellation = _state.registry, None, None
+    if inherited is not None:
+        inherited.close()  # the master's mapping, as copied by fork: this process's to drop
+    _state.registry = Registry.attach(name)
+    _state.owner_pid = os.getpid()
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    """Master: a worker is gone; take over the lock if it held it, drop its in-flight rows."""
+    reg = registry()
+    if reg is None:
+        return
+    pid = int(worker.pid)
+    log = _logger(server)
+    try:
+        with _sigchld_blocked():
+            recovered = reg.lock.recover_from(pid)
+            removed = _reap(reg, pid)
+    except Exception:
+        log.exception("shmcancel: cleaning up after worker %s failed", pid)
+        return
+    if recovered:
+        log.warning("shmcancel: worker %s died holding the registry lock; recovered it", pid)
+    if removed:
+        log.info("shmcancel: worker %s exited with %d request(s) in flight; rows removed",
+                 pid, removed)
+
+
+def _reap(reg: Any, pid: int) -> int:
+    """Remove the in-flight rows owned by ``pid``'s dead process (not a live reuse of the pid)."""
+    from .cancellation import Cancellation
+
+    if _state.cancellation is None or _state.cancellation.registry is not reg:
+        _state.cancellation = Cancellation(reg)
+    return _state.cancellation.reap(pid)
+
+
+def on_exit(server: Any) -> None:
+    """Master: unlink the registry unless another master (a ``USR2`` peer) still uses it."""
+    reg = registry()
+    if reg is None:
+        return
+    log = _logger(server)
+    peers = [p for p in (int(getattr(server, "reexec_pid", 0) or 0),
+                         int(getattr(server, "master_pid", 0) or 0)) if _running(p)]
+    try:
+        with _sigchld_blocked():
+            if peers:
+                log.info("shmcancel: registry %r left to master %s", _state.registry_name,
+                         peers[0])
+            else:
+                reg.unlink()
+                log.info("shmcancel: registry %r unlinked", _state.registry_name)
+            reg.close()
+    except Exception:
+        log.exception("shmcancel: closing registry %r failed", _state.registry_name)
+    finally:
+        _state.registry = None
