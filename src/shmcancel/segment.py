@@ -278,20 +278,21 @@ class Segment:
         self.readonly = readonly
         self.ino = ino
         self.sem = sem
+        # Parse through struct first (may raise: Config validates), make views last.
+        (_magic, self.version, _hs, self.total_size, self.creator_word, self.created_at,
+         self.hash_key, self.sem_ino) = _HEAD.unpack_from(mm, 0)
+        self.config = _config_unpack(mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size])
+        (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
+        descs = []
+        for i in range(n):
+            off, size, cap, rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
+            descs.append(TableDesc(_KIND_NAMES.get(kind, "?"), cap, rs, off, size))
+        self.tables: tuple[TableDesc, ...] = tuple(descs)
         self._mm: mmap.mmap | None = mm
         self.buf = memoryview(mm)
         self.words = self.buf[:HEADER_SIZE].cast("Q")
         self.floats = self.buf[:HEADER_SIZE].cast("d")
         self._views: list[memoryview] = []
-        (_magic, self.version, _hs, self.total_size, self.creator_word, self.created_at,
-         self.hash_key, self.sem_ino) = _HEAD.unpack_from(self.buf, 0)
-        self.config = _config_unpack(self.buf[OFF_CONFIG:OFF_CONFIG + _CONFIG.size])
-        n = self.words[OFF_TABLE_COUNT // 8]
-        descs = []
-        for i in range(n):
-            off, size, cap, rs, kind = _DESC.unpack_from(self.buf, OFF_TABLES + i * _DESC.size)
-            descs.append(TableDesc(_KIND_NAMES.get(kind, "?"), cap, rs, off, size))
-        self.tables: tuple[TableDesc, ...] = tuple(descs)
 
     # --- header access ---
     @property
