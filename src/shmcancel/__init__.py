@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import errors, principal, telemetry
+from .cancellation import Cancellation, RequestHandle, cancelled
 from .config import Config
 from .exceptions import (
     CancellationLimitReached,
@@ -17,6 +19,7 @@ from .exceptions import (
 )
 
 __all__ = [
+    "Cancellation",
     "CancellationLimitReached",
     "Config",
     "InvalidRegistryName",
@@ -24,8 +27,13 @@ __all__ = [
     "LockTimeout",
     "RegistryIncompatible",
     "RegistryNotFound",
+    "RequestHandle",
     "RowTooLarge",
     "SegmentTooLarge",
     "ShmCancelError",
     "TableFull",
+    "cancelled",
+    "errors",
+    "principal",
+    "telemetry",
 ]
