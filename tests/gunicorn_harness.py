@@ -185,8 +185,8 @@ class Gunicorn:
 
     def start(self) -> Gunicorn:
         env = dict(os.environ)
+        env["SHMCANCEL_REGISTRY"] = self.registry_name  # ``env`` may override it (even to "")
         env.update(self.env)
-        env["SHMCANCEL_REGISTRY"] = self.registry_name
         env["PYTHONUNBUFFERED"] = "1"
         deadline = time.monotonic() + self.timeout
         with open(self.log_path, "ab") as logf:

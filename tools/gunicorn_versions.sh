@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run the gunicorn tests (hooks, SDK) against other gunicorn versions, each in its own venv
+# (build/venv-gunicorn-VERSION, git-ignored): by default 23.0.0, the oldest supported, where
+# child_exit still runs inside the master's SIGCHLD handler.
+# Usage: tools/gunicorn_versions.sh [VERSION...] [-- PYTEST_ARGS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+versions=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#versions[@]} -gt 0 ] || versions=(23.0.0)
+rc=0
+for v in "${versions[@]}"; do
+    venv="build/venv-gunicorn-$v"
+    if [ ! -x "$venv/bin/python" ]; then
+        "$PY" -m venv "$venv"
+    fi
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -e '.[test]' "gunicorn==$v"
+    got=$("$venv/bin/python" -c 'import gunicorn; print(gunicorn.__version__)')
+    if [ "$got" != "$v" ]; then
+        echo "gunicorn $v: installed $got instead" >&2
+        exit 1
+    fi
+    echo "== gunicorn $v"
+    "$venv/bin/python" -m pytest tests/test_gunicorn_hooks.py tests/test_sdk.py "$@" || rc=1
+done
+exit "$rc"
