@@ -400,12 +400,14 @@ class RequestHandle:
 
     def cancelled(self) -> bool:
         """True once this request was cancelled, here or by any process. Lock-free; never
-        raises."""
+        raises. Once true it stays true (it latches: a namesake's ``end()``, an eviction or the
+        janitor removing the shared row afterwards does not un-cancel a running tool)."""
         if self._local:
             return True
         try:
             w = self._watch
             if w is not None and w.member():
+                self._latch()
                 return True
             c = self._c
             if _now() >= c._next_check:
@@ -413,6 +415,16 @@ class RequestHandle:
         except Exception:
             return False
         return False
+
+    def _latch(self) -> None:
+        row = None
+        if self._rid is not None:
+            try:
+                row = self._c._store.get(self.scope, self._rid)
+            except Exception:
+                row = None
+        self._local_reason = row[0] if row is not None else None
+        self._local = True
 
     def cancel_local(self, reason: object = None) -> None:
         """Cancel exactly this request, in this process only (a client disconnect). Emits the
@@ -429,7 +441,8 @@ class RequestHandle:
         )
 
     def reason(self) -> str | None:
-        """The shared row's reason when one exists, else the local one (or ``None``)."""
+        """The shared row's reason when one exists, else the one latched or given to
+        :meth:`cancel_local` (or ``None``)."""
         if self._rid is not None:
             try:
                 row = self._c._store.get(self.scope, self._rid)
