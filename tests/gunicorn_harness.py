@@ -106,12 +106,13 @@ class Gunicorn:
     """A gunicorn master and its workers, started on ``__enter__`` and stopped on ``__exit__``.
 
     ``target`` is a WSGI app path (``"tests.apps.hooks_app:app"``); with ``config`` the given
-    ``gunicorn.conf.py`` is loaded too (the positional ``target`` overrides its ``wsgi_app``).
+    ``gunicorn.conf.py`` is loaded too (a ``target`` overrides its ``wsgi_app``; ``None`` keeps
+    it).
     ``timeout`` is this harness's deadline, in seconds, for start-up and for stopping (gunicorn's
     own worker ``--timeout`` can go in ``extra_args``).
     """
 
-    def __init__(self, target: str, *, registry_name: str, config: str | None = None,
+    def __init__(self, target: str | None, *, registry_name: str, config: str | None = None,
                  workers: int = 3, worker_class: str = "sync", threads: int = 1,
                  env: dict | None = None, extra_args: Sequence[str] = (),
                  timeout: float = 30.0) -> None:
@@ -181,7 +182,8 @@ class Gunicorn:
                 "--error-logfile", "-"]
         if _HAS_CONTROL_SOCKET:
             cmd.append("--no-control-socket")
-        return [*cmd, *self.extra_args, self.target]
+        cmd += self.extra_args
+        return cmd if self.target is None else [*cmd, self.target]
 
     def start(self) -> Gunicorn:
         env = dict(os.environ)
