@@ -1,0 +1,354 @@
+"""``shmtool``: inspect and maintain shmcancel registries (SPEC §7).
+
+::
+
+    shmtool list [--json]            registries in /dev/shm: name, size, creator pid and liveness
+    shmtool dump NAME [--json]       every cancellation and in-flight row
+    shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
+                                     recoveries, evictions, sweeps
+    shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
+    shmtool unlink NAME              remove the registry's names (attached processes keep their
+                                     mapping until they exit)
+
+``list``, ``dump`` and ``stats`` attach read-only: they never take the registry lock, never block
+on it and never write. ``cleanup`` attaches read-write and takes the lock like any worker.
+
+Exit status: 0 on success; 1 for a shmcancel error (a missing registry, a bad name, an
+incompatible segment, ...) with one line on stderr and no traceback; 2 for a usage error.
+
+``dump --json`` prints one object::
+
+    {"name": ..., "now": <time.time()>,
+     "cancellations": [{"scope", "request_id", "reason", "cancelled_at"}, ...],
+     "in_flight": [{"scope", "request_id", "pid", "alive", "start_time", "thread", "token"}, ...],
+     "sessions": <rows>}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from . import procinfo
+from .cancellation import Cancellation
+from .exceptions import RegistryNotFound, ShmCancelError
+from .registry import Registry
+from .registry import unlink as _unlink_names
+from .segment import SHM_DIR, check_name, segment_path
+
+__all__ = ["main"]
+
+PREFIX = "shmcancel."
+TOP_SCOPES = 10
+
+
+class _Usage(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Usage(prog="shmtool", description="Inspect and maintain shmcancel registries.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Usage)
+    s = sub.add_parser("list", help="registries in /dev/shm")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s = sub.add_parser("dump", help="every cancellation and in-flight row (read-only)")
+    s.add_argument("name")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s = sub.add_parser("stats", help="sizes, counters, top scopes, probe lengths (read-only)")
+    s.add_argument("name")
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s = sub.add_parser("cleanup", help="remove expired rows and dead processes' rows now")
+    s.add_argument("name")
+    s.add_argument("--ttl", type=float, default=None, help="seconds (default: the config's)")
+    s = sub.add_parser("unlink", help="remove the registry's segment, semaphore and lock file")
+    s.add_argument("name")
+    return p
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _age(now: float, t: float) -> str:
+    d = now - t
+    if d < 0:
+        return f"in {-d:.1f}s"
+    if d < 120:
+        return f"{d:.1f}s ago"
+    if d < 7200:
+        return f"{d / 60:.1f}m ago"
+    if d < 172800:
+        return f"{d / 3600:.1f}h ago"
+    return f"{d / 86400:.1f}d ago"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError  # pragma: no cover
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Aligned columns; numbers right-aligned."""
+    cells = [[("-" if v is None else str(v)) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(r[i], int | float) and not isinstance(r[i], bool) for r in rows)
+               and rows for i in range(len(headers))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for r in cells:
+        out.append("  ".join(
+            (c.rjust(w) if numeric[i] else c.ljust(w))
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    return "\n".join(out)
+
+
+def _printable(s: Any) -> str:
+    """A scope, id or reason for a terminal: control characters escaped (reasons are already
+    stripped of them; scopes and ids are client text)."""
+    s = str(s)
+    return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
+
+
+def _attach_ro(name: str) -> Registry:
+    return Registry.attach(check_name(name), readonly=True)
+
+
+# ------------------------------------------------------------------------------------ commands
+def _registries() -> list[dict[str, Any]]:
+    out = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except OSError as e:
+        raise ShmCancelError(f"cannot list {SHM_DIR}: {e.strerror}") from None
+    for f in entries:
+        if not f.startswith(PREFIX) or f.endswith("~creating"):
+            continue
+        name = f[len(PREFIX):]
+        try:
+            check_name(name)
+            size = os.stat(os.path.join(SHM_DIR, f)).st_size
+        except (ShmCancelError, OSError):
+            continue
+        row: dict[str, Any] = {"name": name, "size": size, "creator_pid": None,
+                               "creator_alive": None, "error": None}
+        try:
+            reg = _attach_ro(name)
+        except ShmCancelError as e:
+            msg = " ".join(str(e).split()) or type(e).__name__
+            row["error"] = msg if len(msg) <= 100 else msg[:97] + "..."
+        else:
+            try:
+                info = reg.info()
+                row["creator_pid"] = info["creator_pid"]
+                row["creator_alive"] = info["creator_alive"]
+                row["created_at"] = info["created_at"]
+            finally:
+                reg.close()
+        out.append(row)
+    return out
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    regs = _registries()
+    if args.json:
+        print(json.dumps({"registries": regs}))
+        return 0
+    if not regs:
+        print(f"no registries in {SHM_DIR}")
+        return 0
+    rows = [(r["name"], _size(r["size"]), r["creator_pid"],
+             {True: "alive", False: "gone", None: "?"}[r["creator_alive"]],
+             r["error"] or "") for r in regs]
+    print(_table(("NAME", "SIZE", "CREATOR", "STATE", "NOTE"), rows))
+    return 0
+
+
+def _dump(reg: Registry) -> dict[str, Any]:
+    now = time.time()
+    cancels = []
+    for k, v in reg.cancellations.scan():
+        scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
+        reason, at = (v[0], v[1]) if isinstance(v, tuple) and len(v) == 2 else (repr(v), None)
+        cancels.append({"scope": scope, "request_id": rid, "reason": reason, "cancelled_at": at})
+    cancels.sort(key=lambda r: (r["cancelled_at"] or 0.0, str(r["scope"]), str(r["request_id"])))
+    flights = []
+    alive_cache: dict[tuple[int, int], bool] = {}
+    for k, v in reg.in_flight.scan():
+        scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
+        if isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) for x in v):
+            pid, start, tid, token = v
+            if (pid, start) not in alive_cache:
+                alive_cache[(pid, start)] = procinfo.alive(pid, start)
+            alive: bool | None = alive_cache[(pid, start)]
+        else:
+            pid = start = tid = token = None
+            alive = None
+        flights.append({"scope": scope, "request_id": rid, "pid": pid, "alive": alive,
+                        "start_time": start, "thread": tid, "token": token})
+    flights.sort(key=lambda r: (str(r["scope"]), str(r["request_id"]), r["pid"] or 0))
+    return {"name": reg.name, "now": now, "cancellations": cancels, "in_flight": flights,
+            "sessions": reg.sessions.count()}
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    reg = _attach_ro(args.name)
+    try:
+        d = _dump(reg)
+    finally:
+        reg.close()
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    now = d["now"]
+    print(f"registry {d['name']}: {len(d['cancellations'])} cancellations, "
+          f"{len(d['in_flight'])} in flight, {d['sessions']} sessions")
+    print()
+    if d["cancellations"]:
+        print(_table(("SCOPE", "REQUEST_ID", "CANCELLED", "REASON"), [
+            (_printable(r["scope"]), _printable(r["request_id"]),
+             _age(now, r["cancelled_at"]) if r["cancelled_at"] is not None else None,
+             "" if r["reason"] is None else _printable(r["reason"]))
+            for r in d["cancellations"]]))
+    else:
+        print("no cancellations")
+    print()
+    if d["in_flight"]:
+        print(_table(("SCOPE", "REQUEST_ID", "PID", "STATE", "THREAD"), [
+            (_printable(r["scope"]), _printable(r["request_id"]), r["pid"],
+             {True: "alive", False: "dead", None: "?"}[r["alive"]], r["thread"])
+            for r in d["in_flight"]]))
+    else:
+        print("nothing in flight")
+    return 0
+
+
+def _stats(reg: Registry) -> dict[str, Any]:
+    info = reg.info()
+    tables = {}
+    for name, t in reg.tables.items():
+        st = t.stats()
+        st["kind"] = t.kind
+        st["probe_histogram"] = {str(k): v for k, v in st["probe_histogram"].items()}
+        tables[name] = st
+    per_scope = Counter(k[0] for k, _ in reg.cancellations.scan()
+                        if isinstance(k, tuple) and len(k) == 2)
+    cfg = info["config"]
+    return {
+        "name": reg.name,
+        "size": info["total_size"],
+        "created_at": info["created_at"],
+        "creator_pid": info["creator_pid"],
+        "creator_alive": info["creator_alive"],
+        "config": cfg,
+        "capacity": cfg["capacity"],
+        "max_rows": cfg["max_rows"],
+        "max_rows_per_scope": cfg["max_rows_per_scope"],
+        "rows": {n: st["rows"] for n, st in tables.items()},
+        "tables": tables,
+        "top_scopes": [{"scope": s, "rows": n} for s, n in per_scope.most_common(TOP_SCOPES)],
+        "scopes": len(per_scope),
+        "lock": {"owner_pid": info["lock_owner_pid"], "owner_alive": info["lock_owner_alive"],
+                 "generation": info["lock_generation"],
+                 "semaphore_value": info["semaphore_value"]},
+        "recoveries": info["recoveries"],
+        "evictions": info["evictions"],
+        "sweeps": info["sweeps"],
+        "last_sweep": info["last_sweep"],
+        "last_sweeper_pid": info["last_sweeper_pid"],
+    }
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    reg = _attach_ro(args.name)
+    try:
+        s = _stats(reg)
+    finally:
+        reg.close()
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    now = time.time()
+    lock = s["lock"]
+    holder = ("free" if lock["owner_pid"] is None else
+              f"held by pid {lock['owner_pid']} ({'alive' if lock['owner_alive'] else 'DEAD'})")
+    print(f"registry {s['name']}: {_size(s['size'])}, created {_age(now, s['created_at'])} "
+          f"by pid {s['creator_pid']} ({'alive' if s['creator_alive'] else 'gone'})")
+    print(f"limits: max_rows={s['max_rows']} capacity={s['capacity']} "
+          f"max_rows_per_scope={s['max_rows_per_scope']} ttl={s['config']['ttl']}s "
+          f"janitor_interval={s['config']['janitor_interval']}s")
+    print(f"lock: {holder}, generation {lock['generation']}, recoveries {s['recoveries']}")
+    last = "never" if s["sweeps"] == 0 else _age(now, s["last_sweep"])
+    print(f"evictions {s['evictions']}, sweeps {s['sweeps']} (last {last})")
+    print()
+    print(_table(("TABLE", "KIND", "ROWS", "CAPACITY", "LOAD", "MAX_PROBE"), [
+        (n, t["kind"], t["rows"], t["capacity"], f"{t['load']:.1%}", t["max_probe"])
+        for n, t in s["tables"].items()]))
+    print()
+    print("probe lengths (distance from home slot: entries)")
+    for n, t in s["tables"].items():
+        hist = ", ".join(f"{k}: {v}" for k, v in t["probe_histogram"].items()) or "empty"
+        print(f"  {n}: {hist}")
+    print()
+    if s["top_scopes"]:
+        print(f"top scopes ({s['scopes']} with rows)")
+        print(_table(("SCOPE", "ROWS"), [(_printable(r["scope"]), r["rows"])
+                                          for r in s["top_scopes"]]))
+    else:
+        print("no cancellation rows")
+    return 0
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    if args.ttl is not None and not args.ttl >= 0:
+        raise ShmCancelError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
+    reg = Registry.attach(check_name(args.name))
+    try:
+        removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
+    finally:
+        reg.close()
+    print(f"removed {removed} cancellation rows, {in_flight_removed} in-flight rows")
+    return 0
+
+
+def cmd_unlink(args: argparse.Namespace) -> int:
+    name = check_name(args.name)
+    if not os.path.exists(segment_path(name)):
+        raise RegistryNotFound(f"no registry named {name} ({segment_path(name)})")
+    _unlink_names(name)
+    print(f"unlinked {name}")
+    return 0
+
+
+COMMANDS = {"list": cmd_list, "dump": cmd_dump, "stats": cmd_stats, "cleanup": cmd_cleanup,
+            "unlink": cmd_unlink}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except ShmCancelError as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"shmtool: {msg}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            # the reader went away (shmtool dump | head): not an error worth a traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        print(f"shmtool: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""SPEC §7: shmtool run as a subprocess against real registries."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from shmcancel import Config
+from shmcancel.cancellation import Cancellation
+from shmcancel.registry import Registry
+
+SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
+               session_capacity=8)
+
+
+def shmtool(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def reg(shm_name):
+    r = Registry.create(shm_name, SMALL)
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+
+
+def _dead_row(reg: Registry, rid: str, scope: str) -> int:
+    """A child tracks (scope, rid) and is SIGKILLed before untracking; its pid."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            Cancellation(Registry.attach(reg.name)).track(rid, scope)
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return pid
+
+
+def test_dump_json_matches_the_rows(reg):
+    c = Cancellation(reg)
+    c.cancel(42, "user pressed stop", "session:abc")
+    c.cancel("x" * 256, None, "ip:2001:db8:1:2::/64")
+    c.cancel(7, "é\u202eevil", "principal:alice")
+    h = c.begin(5, "session:abc")
+    dead_pid = _dead_row(reg, "6", "ip:192.0.2.1")
+    expected = sorted(
+        ({"scope": k[0], "request_id": k[1], "reason": v[0], "cancelled_at": v[1]}
+         for k, v in reg.cancellations.scan()), key=lambda d: d["request_id"])
+    p = shmtool("dump", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    d = json.loads(p.stdout)
+    assert sorted(d["cancellations"], key=lambda d: d["request_id"]) == expected
+    assert {r["request_id"]: r["reason"] for r in d["cancellations"]} == {
+        "42": "user pressed stop", "x" * 256: None, "7": "éevil"}
+    flights = {(r["scope"], r["request_id"]): r for r in d["in_flight"]}
+    assert set(flights) == {("session:abc", "5"), ("ip:192.0.2.1", "6")}
+    assert flights[("session:abc", "5")]["pid"] == os.getpid()
+    assert flights[("session:abc", "5")]["alive"] is True
+    assert flights[("ip:192.0.2.1", "6")]["pid"] == dead_pid
+    assert flights[("ip:192.0.2.1", "6")]["alive"] is False
+    h.end()
+
+
+def test_dump_human_form(reg):
+    c = Cancellation(reg, clock=lambda: time.time() - 3.2)
+    c.cancel(1, "because", "session:abc")
+    c.track(2, "session:abc")
+    p = shmtool("dump", reg.name)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("SCOPE") and "REASON" in line)
+    row = next(line for line in lines if "because" in line)
+    assert row.index("because") == header.index("REASON")  # aligned columns
+    assert "s ago" in row
+    assert any(line.startswith("session:abc") and str(os.getpid()) in line and "alive" in line
+               for line in lines)
+
+
+def test_dump_never_locks_and_never_writes(reg):
+    c = Cancellation(reg)
+    c.cancel(1, "r", "s")
+    c.track(2, "s")
+    path = f"/dev/shm/shmcancel.{reg.name}"
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with reg.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(5)
+        with open(path, "rb") as f:
+            before = f.read()
+        started = time.monotonic()
+        for args in (("dump", reg.name, "--json"), ("stats", reg.name, "--json"),
+                     ("dump", reg.name), ("list",)):
+            p = shmtool(*args, timeout=20)
+            assert p.returncode == 0, p.stderr
+        assert time.monotonic() - started < 15  # never waited out a lock timeout
+        with open(path, "rb") as f:
+            assert f.read() == before
+    finally:
+        release.set()
+        t.join()
+
+
+def test_stats_json(reg):
+    c = Cancellation(reg)
+    for i in range(5):
+        c.cancel(i, None, "ip:big")
+    for i in range(2):
+        c.cancel(i, None, "session:small")
+    c.track(1, "ip:big")
+    p = shmtool("stats", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["capacity"] == 200 and s["max_rows"] == 100 and s["max_rows_per_scope"] == 50
+    assert s["rows"]["cancellations"] == 7 and s["rows"]["in_flight"] == 1
+    assert s["top_scopes"][:2] == [{"scope": "ip:big", "rows": 5},
+                                   {"scope": "session:small", "rows": 2}]
+    assert sum(s["tables"]["cancellations"]["probe_histogram"].values()) == 7
+    assert s["lock"]["owner_pid"] is None
+    assert s["evictions"] == 0 and s["recoveries"] == 0
+    assert s["creator_pid"] == os.getpid() and s["creator_alive"] is True
+
+
+def test_stats_counts_evictions(shm_name):
+    reg = Registry.create(shm_name, Config(capacity=100, max_rows=20, max_rows_per_scope=None,
+                                           in_flight_capacity=8, session_capacity=4))
+    try:
+        c = Cancellation(reg)
+        for i in range(21):
+            c.cancel(i, None, "s")
+        s = json.loads(shmtool("stats", shm_name, "--json").stdout)
+        assert s["evictions"] == 1 and s["rows"]["cancellations"] == 20
+        human = shmtool("stats", shm_name)
+        assert human.returncode == 0
+        assert "evictions 1" in human.stdout and "TABLE" in human.stdout
+        assert "probe lengths" in human.stdout
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def test_list_shows_the_registry(reg):
+    p = shmtool("list", "--json")
+    assert p.returncode == 0, p.stderr
+    regs = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+    mine = regs[reg.name]
+    assert mine["creator_pid"] == os.getpid() and mine["creator_alive"] is True
+    assert mine["size"] == os.stat(f"/dev/shm/shmcancel.{reg.name}").st_size
+    assert not any(n.startswith(("lock.", "-lock")) for n in regs)
+    human = shmtool("list")
+    line = next(line for line in human.stdout.splitlines() if line.startswith(reg.name))
+    assert str(os.getpid()) in line and "alive" in line
+
+
+def test_list_excludes_lock_files(reg):
+    Cancellation(reg).cancel(1, None, "s")  # takes the lock: the lock file exists
+    assert os.path.exists(f"/dev/shm/shmcancel-lock.{reg.name}")
+    names = [r["name"] for r in json.loads(shmtool("list", "--json").stdout)["registries"]]
+    assert names.count(reg.name) == 1
+    assert not any("lock" in n and reg.name in n for n in names)
+
+
+def test_cleanup_prints_counts(reg):
+    old = Cancellation(reg, clock=lambda: time.time() - 1000)
+    for i in range(3):
+        old.cancel(i, None, "s")
+    Cancellation(reg).cancel(9, None, "s")
+    _dead_row(reg, "4", "s")
+    p = shmtool("cleanup", reg.name)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "removed 3 cancellation rows, 1 in-flight rows"
+    assert reg.cancellations.count() == 1 and reg.in_flight.count() == 0
+    p = shmtool("cleanup", reg.name, "--ttl", "0")
+    assert p.stdout.strip() == "removed 1 cancellation rows, 0 in-flight rows"
+
+
+def test_unlink(shm_name):
+    reg = Registry.create(shm_name, SMALL)
+    reg.close()
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert not os.path.exists(f"/dev/shm/shmcancel.{shm_name}")
+    p = shmtool("dump", shm_name)
+    assert p.returncode == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("dump", "{name}"), ("dump", "{name}", "--json"), ("stats", "{name}"),
+     ("stats", "{name}", "--json"), ("cleanup", "{name}"), ("unlink", "{name}"),
+     ("dump", "bad name!"), ("stats", "x" * 65)],
+)
+def test_errors_exit_1_with_one_line(shm_name, args):
+    p = shmtool(*(a.format(name=shm_name) for a in args))
+    assert p.returncode == 1
+    assert p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.endswith("\n")
+    assert p.stderr.startswith("shmtool: ") and "Traceback" not in p.stderr
+
+
+def test_missing_registry_message_names_it(shm_name):
+    p = shmtool("dump", shm_name)
+    assert shm_name in p.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bogus",), ("dump",), ("stats", "a", "b"),
+                                  ("cleanup", "a", "--ttl", "x")])
+def test_usage_errors_exit_2(args):
+    p = shmtool(*args)
+    assert p.returncode == 2
+    assert "usage:" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("shmtool") is None, reason="console script not installed")
+def test_console_script(reg):
+    Cancellation(reg).cancel(1, "via script", "s")
+    p = subprocess.run(["shmtool", "dump", reg.name, "--json"], capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["cancellations"][0]["reason"] == "via script"
