@@ -17,6 +17,8 @@ from .exceptions import (
     ShmCancelError,
     TableFull,
 )
+from .lock import RegistryLock
+from .registry import Registry
 
 __all__ = [
     "Cancellation",
@@ -25,7 +27,9 @@ __all__ = [
     "InvalidRegistryName",
     "InvalidRequestId",
     "LockTimeout",
+    "Registry",
     "RegistryIncompatible",
+    "RegistryLock",
     "RegistryNotFound",
     "RequestHandle",
     "RowTooLarge",

@@ -1,0 +1,376 @@
+"""A registry: one shared segment, its lock, and the four tables the cancellation layer uses.
+
+Tables (in segment order), keys and values as msgpack packs them:
+
+- ``cancellations`` (set, ``config.capacity`` rows): ``(scope, request_id)`` ->
+  ``(reason | None, cancelled_at)``;
+- ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
+  ``(pid, start, thread_ident, token)``;
+- ``sessions`` (set, ``config.session_capacity``): ``session_id`` -> a value of at most
+  ``SESSION_VALUE_MAX`` packed bytes;
+- ``scope_counts`` (set, ``config.capacity``): 16-byte scope digest -> int.
+
+Record sizes come from the worst-case msgpack sizes of those shapes (see ``_KEY_*``/``_VAL_*``;
+tests pack the worst cases). A row larger than its table's record raises ``RowTooLarge``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import posix_ipc
+
+from . import procinfo
+from .config import Config
+from .exceptions import RegistryIncompatible, ShmCancelError
+from .lock import RegistryLock
+from .segment import (
+    LAYOUT_VERSION,
+    OFF_EVICTIONS,
+    OFF_LAST_SWEEP,
+    OFF_LAST_SWEEPER,
+    OFF_LOCK_GENERATION,
+    OFF_LOCK_OWNER,
+    OFF_RECOVERIES,
+    OFF_SWEEPS,
+    Segment,
+    TableSpec,
+    check_name,
+    lock_path,
+    segment_path,
+    sem_path,
+    unlink_names,
+)
+from .table import Table
+
+__all__ = ["TABLES", "Registry", "current", "record_sizes", "unlink"]
+
+# --- worst-case msgpack sizes (bytes) -----------------------------------------------------------
+# str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
+# bin of n bytes: bin8 2+n. int: at most 9 (uint64 / int64). float: 9 (float64). nil: 1.
+# array of <= 15 items: fixarray, 1 byte.
+SCOPE_MAX = 512  # UTF-8 bytes (SPEC §3)
+REQUEST_ID_MAX = 256  # UTF-8 bytes (SPEC §4.1)
+REASON_MAX = 800  # UTF-8 bytes (SPEC §4.2)
+SESSION_ID_MAX = 128  # UTF-8 bytes
+SESSION_VALUE_MAX = 512  # packed bytes
+SCOPE_DIGEST = 16  # bytes
+_KEY_REQUEST = 1 + (3 + SCOPE_MAX) + (3 + REQUEST_ID_MAX)  # [scope, id] = 775
+_VAL_CANCEL = 1 + (3 + REASON_MAX) + 9  # [reason, cancelled_at] = 813
+_VAL_IN_FLIGHT = 1 + 4 * 9  # [pid, start, thread_ident, token] = 37
+_KEY_SESSION = 2 + SESSION_ID_MAX  # str8 = 130
+_KEY_SCOPE_COUNT = 2 + SCOPE_DIGEST  # bin8 = 18
+_VAL_SCOPE_COUNT = 9  # int
+
+# name -> (kind, config field giving the capacity, max packed key, max packed value)
+TABLES: dict[str, tuple[str, str, int, int]] = {
+    "cancellations": ("set", "capacity", _KEY_REQUEST, _VAL_CANCEL),
+    "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT),
+    "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX),
+    "scope_counts": ("set", "capacity", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT),
+}
+
+
+def record_sizes() -> dict[str, int]:
+    """Record size of each table: what ``Table`` needs for the worst-case key + value."""
+    return {n: Table.record_size_for(k, v) for n, (_, _, k, v) in TABLES.items()}
+
+
+def _specs(config: Config) -> list[TableSpec]:
+    sizes = record_sizes()
+    out = []
+    for n, (kind, cap_field, _, _) in TABLES.items():
+        cap = getattr(config, cap_field)
+        out.append(TableSpec(kind, cap, sizes[n], Table.region_size(cap, sizes[n])))
+    return out
+
+
+_current: Registry | None = None
+
+
+def current() -> Registry | None:
+    """The registry this process most recently created or attached and has not closed."""
+    return _current
+
+
+def unlink(name: str) -> None:
+    """Remove registry ``name``'s segment, semaphore and lock file (missing ones are fine).
+    Attached processes keep their mapping until they close it."""
+    unlink_names(name)
+
+
+class _ReadOnlyLock:
+    """The lock of a read-only registry: entering it is an error (readers never need it, a
+    read-only attachment must never block on or change the segment)."""
+
+    dirty = False
+
+    def __init__(self, seg: Segment) -> None:
+        self.name = seg.name
+        self._w = seg.words
+
+    def __enter__(self) -> object:
+        raise ShmCancelError(f"registry {self.name} is attached read-only: cannot take its lock")
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
+        return None
+
+    def owner(self) -> tuple[int, int] | None:
+        return procinfo.unpack_owner(self._w[OFF_LOCK_OWNER >> 3])
+
+    @property
+    def generation(self) -> int:
+        return self._w[OFF_LOCK_GENERATION >> 3]
+
+    def held_by_me(self) -> bool:
+        return False
+
+    def recover_from(self, pid: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class Registry:
+    """A created or attached registry. Use :meth:`create` / :meth:`attach`, not the constructor.
+
+    ``close()`` unmaps (idempotent); ``unlink()`` removes the names (idempotent; only this
+    registry's own segment and semaphore, never a newer one created under the same name).
+    """
+
+    def __init__(self, seg: Segment) -> None:
+        global _current
+        self._seg = seg
+        self._name = seg.name
+        self._ino = seg.ino
+        self._sem_ino = seg.sem_ino
+        self._closed = False
+        self._tables: dict[str, Table] = {}
+        try:
+            self._check_tables()
+            self.lock: RegistryLock | _ReadOnlyLock = (
+                _ReadOnlyLock(seg) if seg.readonly else RegistryLock(seg, repair=self.fsck))
+            for i, (n, desc) in enumerate(zip(TABLES, seg.tables, strict=True)):
+                self._tables[n] = Table(n, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
+                                        capacity=desc.capacity, record_size=desc.record_size,
+                                        hash_key=seg.hash_key, lock=self.lock)
+        except BaseException:
+            self._close_parts()
+            raise
+        _current = self
+
+    def _check_tables(self) -> None:
+        seg, cfg = self._seg, self._seg.config
+        if len(seg.tables) != len(TABLES):
+            raise RegistryIncompatible(
+                f"registry {self._name}: {len(seg.tables)} tables, expected {len(TABLES)}")
+        sizes = record_sizes()
+        for (n, (kind, cap_field, _, _)), d in zip(TABLES.items(), seg.tables, strict=True):
+            cap = getattr(cfg, cap_field)
+            if (d.kind != kind or d.capacity != cap or d.record_size < sizes[n]
+                    or d.region_size != Table.region_size(d.capacity, d.record_size)):
+                raise RegistryIncompatible(
+                    f"registry {self._name}: table {n} is {d.kind}/{d.capacity} rows/"
+                    f"{d.record_size}-byte records/{d.region_size} bytes; expected {kind}/{cap}/"
+                    f">={sizes[n]}/{Table.region_size(cap, sizes[n])}")
+
+    # --- lifecycle ---
+    @classmethod
+    def create(cls, name: str, config: Config | None = None) -> Registry:
+        """Create registry ``name`` (replacing a stale one whose creator is gone)."""
+        check_name(name)
+        config = Config() if config is None else config
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a shmcancel.Config, got {type(config).__name__}")
+        specs = _specs(config)
+
+        def init(seg: Segment) -> None:
+            for i, s in enumerate(specs):
+                region = seg.region(i)
+                Table.format(region, s.capacity, s.record_size)
+
+        return cls(Segment.create(name, config, specs, init=init))
+
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> Registry:
+        """Attach to registry ``name``; its config is read from the segment header.
+        ``readonly``: map it read-only, take no lock (for inspection)."""
+        return cls(Segment.attach(name, readonly=readonly))
+
+    def _close_parts(self) -> None:
+        for t in self._tables.values():
+            t.close()
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.close()
+        self._seg.close()
+
+    def close(self) -> None:
+        """Unmap the segment and close the semaphore and lock file. Idempotent."""
+        global _current
+        if self._closed:
+            return
+        self._closed = True
+        if _current is self:
+            _current = None
+        self._close_parts()
+
+    def unlink(self) -> None:
+        """Remove this registry's names from /dev/shm. Idempotent."""
+        def ino(path: str) -> int | None:
+            try:
+                return os.stat(path).st_ino
+            except FileNotFoundError:
+                return None
+
+        name = "/shmcancel." + self._name
+        if ino(segment_path(self._name)) == self._ino:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
+        if ino(sem_path(self._name)) == self._sem_ino:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_semaphore(name)
+        if ino(segment_path(self._name)) is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path(self._name))
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("read-only" if self.readonly else "attached")
+        return f"<Registry {self._name} {state}>"
+
+    # --- properties ---
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def readonly(self) -> bool:
+        return self._seg.readonly
+
+    @property
+    def config(self) -> Config:
+        return self._seg.config
+
+    @property
+    def hash_key(self) -> bytes:
+        return self._seg.hash_key
+
+    @property
+    def created_at(self) -> float:
+        return self._seg.created_at
+
+    @property
+    def creator(self) -> tuple[int, int]:
+        c = self._seg.creator
+        assert c is not None
+        return c
+
+    @property
+    def cancellations(self) -> Table:
+        return self._tables["cancellations"]
+
+    @property
+    def in_flight(self) -> Table:
+        return self._tables["in_flight"]
+
+    @property
+    def sessions(self) -> Table:
+        return self._tables["sessions"]
+
+    @property
+    def scope_counts(self) -> Table:
+        return self._tables["scope_counts"]
+
+    @property
+    def tables(self) -> dict[str, Table]:
+        return dict(self._tables)
+
+    # --- header counters ---
+    @property
+    def recoveries(self) -> int:
+        return self._seg.u64(OFF_RECOVERIES)
+
+    @property
+    def evictions(self) -> int:
+        return self._seg.u64(OFF_EVICTIONS)
+
+    def add_evictions(self, n: int) -> None:
+        """Count ``n`` evicted rows (takes the lock; reentrant inside a held one)."""
+        with self.lock:
+            self._seg.set_u64(OFF_EVICTIONS, self._seg.u64(OFF_EVICTIONS) + n)
+
+    @property
+    def last_sweep(self) -> float:
+        return self._seg.f64(OFF_LAST_SWEEP)
+
+    def claim_sweep(self, now: float, interval: float) -> bool:
+        """True for exactly one caller per ``interval`` seconds (``now`` on ``time.time()``'s
+        scale): that caller sweeps. The first claim succeeds one interval after creation.
+        Costs one load when it is not time yet."""
+        seg = self._seg
+        if seg.readonly or now - seg.f64(OFF_LAST_SWEEP) < interval:
+            return False
+        with self.lock:
+            if now - seg.f64(OFF_LAST_SWEEP) < interval:
+                return False
+            seg.set_f64(OFF_LAST_SWEEP, now)
+            seg.set_u64(OFF_SWEEPS, seg.u64(OFF_SWEEPS) + 1)
+            seg.set_u64(OFF_LAST_SWEEPER, procinfo.pack_owner(*procinfo.me()))
+            return True
+
+    # --- repair and stats ---
+    def fsck(self) -> dict[str, dict[str, int]]:
+        """Check and repair every table (the caller holds the lock): the lock's repair callback.
+        Returns each table's repair counts (all zero when nothing was wrong)."""
+        return {n: t.fsck() for n, t in self._tables.items()}
+
+    def info(self) -> dict[str, Any]:
+        """The header, for ``shmtool stats``."""
+        seg = self._seg
+        creator = seg.creator
+        owner = self.lock.owner()
+        sweeper = procinfo.unpack_owner(seg.u64(OFF_LAST_SWEEPER))
+        sem_value = None
+        if seg.sem is not None:
+            try:
+                sem_value = seg.sem.value
+            except Exception:  # pragma: no cover
+                sem_value = None
+        return {
+            "name": self._name,
+            "path": segment_path(self._name),
+            "layout_version": LAYOUT_VERSION,
+            "total_size": seg.total_size,
+            "created_at": seg.created_at,
+            "creator_pid": creator[0] if creator else None,
+            "creator_alive": bool(creator and procinfo.alive(*creator)),
+            "config": dataclasses.asdict(seg.config),
+            "lock_owner_pid": owner[0] if owner else None,
+            "lock_owner_alive": bool(owner and procinfo.alive(*owner)),
+            "lock_generation": seg.u64(OFF_LOCK_GENERATION),
+            "semaphore_value": sem_value,
+            "recoveries": self.recoveries,
+            "evictions": self.evictions,
+            "last_sweep": self.last_sweep,
+            "sweeps": seg.u64(OFF_SWEEPS),
+            "last_sweeper_pid": sweeper[0] if sweeper else None,
+            "tables": [
+                {"name": n, "kind": d.kind, "capacity": d.capacity,
+                 "record_size": d.record_size, "offset": d.offset, "region_size": d.region_size}
+                for n, d in zip(TABLES, seg.tables, strict=True)
+            ],
+        }
