@@ -31,11 +31,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from . import eviction, procinfo
 from .config import Config
 from .exceptions import TableFull
+from .table import PreparedKey
 
 if TYPE_CHECKING:  # pragma: no cover
     from .registry import Registry
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
+
+_KEY_CACHE = 1024
 
 #: Who runs an in-flight request: ``(pid, start_time, thread_ident, token)``. ``token`` tells
 #: apart two requests of one thread (0 for plain ``track``; unique per ``RequestHandle``).
@@ -129,6 +132,9 @@ class ShmBackend:
         self._lock = reg.lock
         self._hash_key = bytes(reg.hash_key)
         self._alive = alive
+        self._ckeys: dict[tuple[str, str], PreparedKey] = {}
+        self._fkeys: dict[tuple[str, str], PreparedKey] = {}
+        self._nkeys: dict[str, PreparedKey] = {}
         self.config: Config = reg.config
         self.capacity: int = reg.config.capacity  # type: ignore[assignment]
 
@@ -136,9 +142,40 @@ class ShmBackend:
     def _digest(self, scope: str) -> bytes:
         return hashlib.blake2b(scope.encode("utf-8"), key=self._hash_key, digest_size=16).digest()
 
+    # Packing and hashing a key costs more than a lookup: keep the last keys prepared (a cancel
+    # reads, counts and writes one key several times; a request's end repeats its begin's key).
+    def _ck(self, scope: str, rid: str) -> PreparedKey:
+        k = (scope, rid)
+        pk = self._ckeys.get(k)
+        if pk is None:
+            pk = self._c.prepare(k)
+            if len(self._ckeys) >= _KEY_CACHE:
+                self._ckeys.clear()
+            self._ckeys[k] = pk
+        return pk
+
+    def _fk(self, scope: str, rid: str) -> PreparedKey:
+        k = (scope, rid)
+        pk = self._fkeys.get(k)
+        if pk is None:
+            pk = self._f.prepare(k)
+            if len(self._fkeys) >= _KEY_CACHE:
+                self._fkeys.clear()
+            self._fkeys[k] = pk
+        return pk
+
+    def _nk(self, scope: str) -> PreparedKey:
+        pk = self._nkeys.get(scope)
+        if pk is None:
+            pk = self._n.prepare(self._digest(scope))
+            if len(self._nkeys) >= _KEY_CACHE:
+                self._nkeys.clear()
+            self._nkeys[scope] = pk
+        return pk
+
     def _add(self, scope: str, delta: int) -> None:
         """Change a scope's count; caller holds the lock."""
-        d = self._digest(scope)
+        d = self._nk(scope)
         n = self._n.get(d, 0)
         n = (n if type(n) is int else 0) + delta
         if n > 0:
@@ -151,25 +188,25 @@ class ShmBackend:
 
     # --- cancellation rows
     def exists(self, scope: str, rid: str) -> bool:
-        return self._c.member((scope, rid))
+        return self._c.member(self._ck(scope, rid))
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
-        v = self._c.get((scope, rid))
+        v = self._c.get(self._ck(scope, rid))
         row = _cancel_row((scope, rid), v) if v is not None else None
         return None if row is None else (row[2], row[3])
 
     def watch(self, scope: str, rid: str) -> Poll:
-        return self._c.watch((scope, rid))
+        return self._c.watch(self._ck(scope, rid))
 
     def rows(self) -> int:
         return self._c.count()
 
     def scope_rows(self, scope: str) -> int:
-        n = self._n.get(self._digest(scope), 0)
+        n = self._n.get(self._nk(scope), 0)
         return n if type(n) is int else 0
 
     def put(self, scope: str, rid: str, reason: str | None, at: float) -> bool:
-        key = (scope, rid)
+        key = self._ck(scope, rid)
         with self._lock:
             new = not self._c.member(key)
             if new:
@@ -198,7 +235,7 @@ class ShmBackend:
             return n
 
     def clear(self, scope: str, rid: str) -> bool:
-        key = (scope, rid)
+        key = self._ck(scope, rid)
         if not self._c.member(key):  # the common case: never cancelled, no lock taken
             return False
         with self._lock:
@@ -234,7 +271,7 @@ class ShmBackend:
 
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> None:
-        key = (scope, rid)
+        key = self._fk(scope, rid)
         try:
             self._f.insert(key, owner)
         except TableFull:
@@ -243,10 +280,10 @@ class ShmBackend:
             self._f.insert(key, owner)
 
     def untrack(self, scope: str, rid: str, owner: Owner) -> bool:
-        return self._f.delete_object((scope, rid), owner)
+        return self._f.delete_object(self._fk(scope, rid), owner)
 
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
-        key = (scope, rid)
+        key = self._fk(scope, rid)
         mine = [o for o in map(_owner, self._f.lookup(key)) if o and o[:3] == (pid, start, tid)]
         if not mine:
             return False
@@ -254,7 +291,7 @@ class ShmBackend:
         return any(self._f.delete_object(key, o) for o in mine[:1])
 
     def in_flight(self, scope: str, rid: str) -> bool:
-        return self._f.member((scope, rid))
+        return self._f.member(self._fk(scope, rid))
 
     def in_flight_ids(self, scope: str) -> list[str]:
         ids = {k[1] for k, _ in self._f.scan(lambda k, v: type(k) is tuple and k[0] == scope)}

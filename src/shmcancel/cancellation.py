@@ -487,6 +487,18 @@ def _log_untracked(e: Exception) -> None:
 
 
 _defaults: dict[int, tuple[Any, Cancellation]] = {}
+_registry_module: Any = None
+
+
+def _current_registry() -> Any:
+    """``shmcancel.registry.current()``, imported on first use (the registry layer is optional
+    for a Cancellation over another backend)."""
+    global _registry_module
+    if _registry_module is None:
+        from . import registry
+
+        _registry_module = registry
+    return _registry_module.current()
 
 
 def _default_for(reg: Any) -> Cancellation:
@@ -516,9 +528,7 @@ def cancelled(conn: object) -> bool:
             return False
         c = conn.get(CANCELLATION_KEY)  # type: ignore[attr-defined]
         if not isinstance(c, Cancellation):
-            from .registry import current
-
-            reg = current()
+            reg = _current_registry()
             if reg is None:
                 return False
             c = _default_for(reg)
