@@ -858,3 +858,35 @@ def test_cancel_clear_sequences_match_the_model(shm_name, ops, max_rows, quota):
 
 def test_pid_is_this_process():
     assert shmcancel.procinfo.me()[0] == os.getpid()
+
+
+def test_a_handle_stays_cancelled_once_it_saw_it(rc):
+    _reg, c = rc
+    h = c.begin(1, "s")
+    c.cancel(1, "first", "s")
+    assert h.cancelled()
+    c.clear(1, "s")  # e.g. a namesake ended, or the janitor expired the row
+    assert h.cancelled() and h.reason() == "first"
+    h.end()
+
+
+@pytest.mark.parametrize("scope", [None, 5, b"s", ["s"]])
+def test_non_str_scope(rc, scope):
+    _reg, c = rc
+    with pytest.raises(TypeError):
+        c.cancel(1, None, scope)
+    assert c.cancelled(1, scope) is False
+    assert c.in_flight(1, scope) is False
+    assert c.reason(1, scope) is None
+    c.clear(1, scope)
+    c.track(1, scope)
+    c.untrack(1, scope)
+    assert c.begin(1, scope).tracked is False
+
+
+def test_shm_backend_implements_the_storage_protocol(rc):
+    from shmcancel.backend import ShmBackend, Storage
+
+    reg, c = rc
+    assert isinstance(c._store, ShmBackend)
+    assert isinstance(ShmBackend(reg), Storage)
