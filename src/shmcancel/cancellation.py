@@ -27,8 +27,8 @@ Rows are keyed ``(scope, str(request_id))`` where the scope names the caller (se
 quota → the table's rows below the cap (else evict) → insert. Overwriting an existing row changes
 reason and time in place and runs neither check.
 
-The transport's contract (what :mod:`shmcancel.transport` relies on)
----------------------------------------------------------------------
+The transport's contract (what :mod:`shmcancel.server` relies on)
+------------------------------------------------------------------
 For each dispatched ``tools/call``::
 
     handle = cancellation.begin(request_id, scope)      # tracks it; never raises
