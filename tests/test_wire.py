@@ -231,7 +231,8 @@ def test_is_json_content_type(ct: str | None, ok: bool) -> None:
 
 
 @pytest.mark.parametrize("wire, code, status", [
-    (Wire.LEGACY, errors.METHOD_NOT_FOUND, 200), (Wire.LEGACY, errors.INVALID_PARAMS, 200),
+    (Wire.LEGACY, errors.METHOD_NOT_FOUND, 200), (Wire.LEGACY, errors.INVALID_PARAMS, 400),
+    (Wire.LEGACY, errors.PARSE_ERROR, 400), (Wire.LEGACY, 12345, 200),
     (Wire.LEGACY, errors.REQUEST_CANCELLED, 200),
     (Wire.MODERN, errors.METHOD_NOT_FOUND, 404), (Wire.MODERN, errors.INVALID_PARAMS, 400),
     (Wire.MODERN, errors.HEADER_MISMATCH, 400), (Wire.MODERN, errors.REQUEST_CANCELLED, 200),

@@ -357,20 +357,21 @@ def is_json_content_type(content_type: str | None) -> bool:
 
 
 def dispatch_status(wire: Wire, code: int) -> int:
-    """HTTP status of an error produced while dispatching a well-formed request.
+    """HTTP status of a JSON-RPC error reply, by its code.
 
-    Modern: the 2026-07-28 table (400 for malformed input and header/version/capability
-    errors, 404 for an unknown method, 200 otherwise). Legacy: 200, as 2025-era clients read
-    a JSON-RPC error from a 200 reply and may treat a 404 as "session gone". Errors found
-    before dispatch (envelope, session, notification rules) carry their own status.
+    400 for malformed input of any kind (``-32700``, ``-32600``, ``-32602``) and the 2026-07-28
+    header/capability/version errors (``-32020``, ``-32021``, ``-32022``); ``-32601`` (unknown
+    method) is 404 on the modern wire, as 2026-07-28 requires, and 200 on the legacy wire, where
+    clients read the JSON-RPC error from a 200 reply and may take a 404 for "session gone";
+    everything else (a cancelled call ``-32800``, a tool's own error codes, ``-32603``) is 200:
+    the request was well-formed and the error is the answer. The quota refusal of a
+    ``notifications/cancelled`` (429) is decided where it happens.
     """
-    if wire is Wire.LEGACY:
-        return 200
     if code in (errors.PARSE_ERROR, errors.INVALID_REQUEST, errors.INVALID_PARAMS,
                 errors.HEADER_MISMATCH, -32021, errors.UNSUPPORTED_PROTOCOL_VERSION):
         return 400
     if code == errors.METHOD_NOT_FOUND:
-        return 404
+        return 404 if wire is Wire.MODERN else 200
     return 200
 
 
