@@ -175,6 +175,34 @@ def test_threads_serialised(seg: Segment) -> None:
     lock.close()
 
 
+def test_two_lock_objects_in_one_process_share_state(seg: Segment) -> None:
+    """Two attachments of one registry in one process: nesting them is reentrant, and a thread
+    using the other object waits; nobody takes the other for a stranded owner."""
+    a, b = RegistryLock(seg, timeout=2), RegistryLock(seg, timeout=2)
+    with a:
+        with b:
+            assert b.held_by_me() and seg.sem.value == 0
+        assert a.held_by_me() and seg.sem.value == 0
+        got: list[BaseException | None] = []
+
+        def other() -> None:
+            try:
+                with b:
+                    got.append(None)
+            except BaseException as e:
+                got.append(e)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(0.5)  # several steps: it must keep waiting, not "recover" from us
+        assert t.is_alive() and got == []
+    t.join(5)
+    assert got == [None]
+    assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+    a.close()
+    b.close()
+
+
 def test_mutual_exclusion_across_processes(seg: Segment) -> None:
     lock = RegistryLock(seg)
     n, procs = 1500, 4

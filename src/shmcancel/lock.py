@@ -100,6 +100,28 @@ class _SignalsBlocked:
             signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
 
 
+class _ProcState:
+    """Per-process, per-registry lock state (rebuilt in a fork child)."""
+
+    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "tlock")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tlock = threading.Lock()  # serialises this process's threads before the semaphore
+        self.holder: int | None = None  # thread ident of the holding thread
+        self.depth = 0
+        self.dirty = False
+        # In a fork child procinfo's own after-fork reset has run already: it registered first
+        # (after_in_child hooks run in registration order), so me() is the child's.
+        self.me = procinfo.pack_owner(*procinfo.me())
+
+
+_states: weakref.WeakValueDictionary[tuple[str, int], _ProcState] = (
+    weakref.WeakValueDictionary())
+
+
 class RegistryLock:
     """``with lock:`` holds the registry (every table of it). Reentrant per thread.
 
@@ -120,15 +142,22 @@ class RegistryLock:
         self._step = float(step)
         self._repair = repair
         self._fd: int | None = open_lockfile(self.name)
-        self._init_process_state()
+        # Every lock object of this process on the same semaphore shares one state (two
+        # attachments of one registry in one process must not take each other for strangers).
+        key = (segment.name, segment.sem_ino)
+        st = _states.get(key)
+        if st is None:
+            st = _states[key] = _ProcState()
+        self._st = st
         _locks.add(self)
 
-    def _init_process_state(self) -> None:
-        self._tlock = threading.Lock()
-        self._holder: int | None = None  # thread ident of the holding thread
-        self._depth = 0
-        self._me = procinfo.pack_owner(*procinfo.me())
-        self.dirty = False
+    @property
+    def dirty(self) -> bool:
+        return self._st.dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._st.dirty = value
 
     def _after_fork_child(self) -> None:
         # The inherited fd shares its open file description (and any flock) with the parent:
@@ -140,7 +169,6 @@ class RegistryLock:
             except OSError:
                 self._fd = None
             os.close(old)
-        self._init_process_state()
 
     # --- introspection ---
     @property
@@ -157,7 +185,7 @@ class RegistryLock:
 
     def held_by_me(self) -> bool:
         """True when the calling thread holds the lock."""
-        return self._holder == threading.get_ident() and self._depth > 0
+        return self._st.holder == threading.get_ident() and self._st.depth > 0
 
     @property
     def timeout(self) -> float:
@@ -166,11 +194,11 @@ class RegistryLock:
     # --- with ---
     def __enter__(self) -> RegistryLock:
         tid = threading.get_ident()
-        if self._holder == tid:
-            self._depth += 1
+        if self._st.holder == tid:
+            self._st.depth += 1
             return self
         t0 = time.monotonic()
-        if not self._tlock.acquire(timeout=self._timeout):
+        if not self._st.tlock.acquire(timeout=self._timeout):
             raise LockTimeout(
                 f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
                 f"held the lock for more than {self._timeout:.1f}s")
@@ -180,28 +208,28 @@ class RegistryLock:
             except posix_ipc.BusyError:
                 self._acquire_slow(tid, t0)
             else:
-                self._holder = tid
-                self._depth = 1
+                self._st.holder = tid
+                self._st.depth = 1
                 self._stamp()
         except BaseException:
-            if self._holder == tid:
+            if self._st.holder == tid:
                 self._release_unit()
-            self._tlock.release()
+            self._st.tlock.release()
             raise
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
-        if self._holder != threading.get_ident() or self._depth == 0:
+        if self._st.holder != threading.get_ident() or self._st.depth == 0:
             return  # not ours (state reset by fork in a child): nothing to release
-        if self._depth > 1:
-            self._depth -= 1
-            if et is not None and self.dirty:
+        if self._st.depth > 1:
+            self._st.depth -= 1
+            if et is not None and self._st.dirty:
                 self._run_repair()
             return
-        if self.dirty:
+        if self._st.dirty:
             self._run_repair()
         self._release_unit()
-        self._tlock.release()
+        self._st.tlock.release()
 
     def _stamp(self) -> None:
         w = self._w
@@ -210,14 +238,14 @@ class RegistryLock:
         # reorders loads with older loads, so a waiter that reads this owner also reads the
         # generation bumped above; each u64 store through the 'Q' memoryview is one aligned
         # 8-byte move, never seen torn. A weakly ordered CPU (ARM) would need fences here.
-        w[_OWNER] = self._me
+        w[_OWNER] = self._st.me
 
     def _release_unit(self) -> None:
-        self._depth = 0
+        self._st.depth = 0
         self._w[_OWNER] = 0
         self._sem.release()
-        self._holder = None
-        self.dirty = False
+        self._st.holder = None
+        self._st.dirty = False
 
     def _run_repair(self) -> None:
         if self._repair is not None:
@@ -227,7 +255,7 @@ class RegistryLock:
                 except Exception:
                     log.exception("registry %s: repair after an interrupted write failed",
                                   self.name)
-        self.dirty = False
+        self._st.dirty = False
 
     # --- waiting and recovery ---
     def _acquire_slow(self, tid: int, t0: float) -> None:
@@ -239,8 +267,8 @@ class RegistryLock:
                 sem.acquire(0)
             except posix_ipc.BusyError:
                 continue
-            self._holder = tid
-            self._depth = 1
+            self._st.holder = tid
+            self._st.depth = 1
             self._stamp()
             return
         deadline = t0 + self._timeout
@@ -257,8 +285,8 @@ class RegistryLock:
                 except posix_ipc.SignalError:  # not ours to swallow anything: just wait again
                     pass
                 if got:
-                    self._holder = tid
-                    self._depth = 1
+                    self._st.holder = tid
+                    self._st.depth = 1
                     self._stamp()
             if got:
                 return
@@ -280,10 +308,10 @@ class RegistryLock:
                 raise LockTimeout(self._timeout_message(owner))
 
     def _owner_dead(self, owner: int) -> bool:
-        if owner == self._me:
+        if owner == self._st.me:
             # Our own pid: we hold the thread lock, so no thread of ours holds the unit; it was
             # stranded by an exception raised inside acquire/release in this process.
-            return self._holder is None
+            return self._st.holder is None
         p = procinfo.unpack_owner(owner)
         return p is None or not procinfo.alive(*p)
 
@@ -313,7 +341,7 @@ class RegistryLock:
             if owner != 0 and not self._owner_dead(owner):
                 return False
             w[_GEN] = gen + 1
-            w[_OWNER] = self._me
+            w[_OWNER] = self._st.me
             w[_RECOVERIES] = w[_RECOVERIES] + 1
             return True
         finally:
@@ -323,9 +351,9 @@ class RegistryLock:
         with _SignalsBlocked():
             if not self._take_over(owner, gen):
                 return False
-            self._holder = tid
-            self._depth = 1
-            self.dirty = False
+            self._st.holder = tid
+            self._st.depth = 1
+            self._st.dirty = False
             self._call_repair_after_recovery()
         self._emit_recovered(owner, waited)
         return True
@@ -336,7 +364,7 @@ class RegistryLock:
                 self._repair()
             except Exception:
                 log.exception("registry %s: repair after lock recovery failed", self.name)
-        self.dirty = False
+        self._st.dirty = False
 
     def _emit_recovered(self, owner: int, waited: float) -> None:
         p = procinfo.unpack_owner(owner)
@@ -355,18 +383,18 @@ class RegistryLock:
         if p is None or p[0] != pid or procinfo.alive(*p):
             return False
         tid = threading.get_ident()
-        if self._holder == tid or not self._tlock.acquire(blocking=False):
+        if self._st.holder == tid or not self._st.tlock.acquire(blocking=False):
             return False  # a thread of ours is already waiting: it will recover
         try:
             with _SignalsBlocked():
                 if not self._take_over(owner, gen):
                     return False
-                self._holder = tid
-                self._depth = 1
+                self._st.holder = tid
+                self._st.depth = 1
                 self._call_repair_after_recovery()
                 self._release_unit()
         finally:
-            self._tlock.release()
+            self._st.tlock.release()
         self._emit_recovered(owner, 0.0)
         return True
 
@@ -383,6 +411,8 @@ class RegistryLock:
 
 
 def _after_fork_in_child() -> None:
+    for st in list(_states.values()):
+        st.reset()
     for lk in list(_locks):
         lk._after_fork_child()
 
