@@ -1,0 +1,91 @@
+"""The app test_http.py and test_disconnect.py serve with gunicorn (``transport_conf.py``).
+
+``/mcp``: an MCP server with sessions; ``/stateless``: the same tools without sessions (anonymous
+clients share the ``ip:`` scope). Tools record what they observe as files in
+``$SHMCANCEL_TEST_DIR`` — ``<tag>.started`` (``pid``) and ``<tag>.cancelled`` (the
+``time.monotonic()`` at which ``cancelled(conn)`` was first seen true; CLOCK_MONOTONIC is
+system-wide, so the test process can compare it with its own clock).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import shmcancel
+from shmcancel import errors
+from shmcancel.server import McpServer, ToolError
+
+OUT = os.environ.get("SHMCANCEL_TEST_DIR", "/tmp")
+POLL = 0.002  # seconds between two looks at the cancellation flag
+
+
+def _record(tag: object, what: str, text: str) -> None:
+    if not isinstance(tag, str) or not tag.isidentifier():
+        return
+    path = os.path.join(OUT, f"{tag}.{what}")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _seconds(params: dict) -> float:
+    s = params.get("seconds", 1.0)
+    if isinstance(s, bool) or not isinstance(s, int | float) or not 0 <= s <= 30:
+        raise ToolError(errors.INVALID_PARAMS, '"seconds" must be a number from 0 to 30')
+    return float(s)
+
+
+def build(sessions: bool, path: str) -> McpServer:
+    server = McpServer(name="transport-test", version="1.0", sessions=sessions, path=path)
+
+    @server.tool("echo", input_schema={"type": "object",
+                                       "properties": {"text": {"type": "string"}}})
+    def echo(conn, params):
+        return str(params.get("text", ""))
+
+    @server.tool("whoami")
+    def whoami(conn, params):
+        return str(os.getpid())
+
+    @server.tool("sleep")
+    def sleep(conn, params):
+        """Sleep ``seconds``, polling cancellation every 2 ms; -32800 when cancelled."""
+        seconds, tag = _seconds(params), params.get("tag")
+        _record(tag, "started", str(os.getpid()))
+        deadline = time.monotonic() + seconds
+        while True:
+            if shmcancel.cancelled(conn):
+                _record(tag, "cancelled", repr(time.monotonic()))
+                raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"slept {seconds:g}s"
+            time.sleep(min(POLL, left))
+
+    @server.tool("stubborn")
+    def stubborn(conn, params):
+        """Ignore cancellation (but record seeing it) for ``seconds``."""
+        seconds, tag = _seconds(params), params.get("tag")
+        _record(tag, "started", str(os.getpid()))
+        deadline = time.monotonic() + seconds
+        seen = False
+        while time.monotonic() < deadline:
+            if not seen and shmcancel.cancelled(conn):
+                seen = True
+                _record(tag, "cancelled", repr(time.monotonic()))
+            time.sleep(0.005)
+        return "stubborn done"
+
+    return server
+
+
+mcp = build(True, "/mcp")
+stateless = build(False, "/stateless")
+
+
+def app(environ, start_response):
+    if environ.get("PATH_INFO", "").rstrip("/") == "/stateless":
+        return stateless(environ, start_response)
+    return mcp(environ, start_response)

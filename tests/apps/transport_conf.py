@@ -1,0 +1,18 @@
+"""gunicorn config for tests/apps/transport_app.py: the shmcancel hooks and a registry whose
+``stream_cancel_timeout`` is short, so the disconnect tests run quickly. The harness passes
+``-b``, ``-w``, ``-k``, ``--threads`` and the app on the command line."""
+
+import os
+
+import shmcancel
+import shmcancel.gunicorn
+from shmcancel.gunicorn import child_exit, on_exit, post_fork, when_ready  # noqa: F401
+
+control_socket_disable = True
+timeout = 30
+graceful_timeout = 5
+
+shmcancel.gunicorn.configure(config=shmcancel.Config(
+    stream_cancel_timeout=float(os.environ.get("SHMCANCEL_TEST_STREAM_CANCEL_TIMEOUT", "0.5")),
+    max_rows_per_scope=16,
+))
