@@ -76,6 +76,7 @@ def build(sessions: bool, path: str) -> McpServer:
                 seen = True
                 _record(tag, "cancelled", repr(time.monotonic()))
             time.sleep(0.005)
+        _record(tag, "finished", "")
         return "stubborn done"
 
     return server
