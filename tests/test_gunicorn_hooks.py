@@ -1,0 +1,311 @@
+"""shmcancel.gunicorn against a real gunicorn (SPEC §6.4): the example's gunicorn.conf.py serving
+tests/apps/hooks_app.py on loopback, real HTTP, real signals. Nothing here sleeps to synchronise:
+every wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from gunicorn_harness import Gunicorn, alive, wait_until
+
+from shmcancel.errors import REQUEST_CANCELLED
+from shmcancel.registry import Registry
+
+CONF = "examples/gunicorn/gunicorn.conf.py"
+APP = "tests.apps.hooks_app:app"
+PROTOCOL = "2025-11-25"
+SEGMENT_DIR = "/dev/shm"
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SEGMENT_DIR, "shmcancel." + name))
+
+
+def master_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+# --- a minimal MCP client on the 2025-11-25 wire (the SDK is exercised in test_sdk.py) -------
+
+
+def _reply(r: httpx.Response) -> dict:
+    """The JSON-RPC message of a reply sent as application/json or as an SSE stream."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in r.text.splitlines():
+            if line.startswith("data:"):
+                msg = json.loads(line[5:])
+                if "id" in msg:
+                    return msg
+        raise AssertionError(f"no reply in the event stream: {r.text!r}")
+    return r.json()
+
+
+class Session:
+    """One MCP session; each call is its own HTTP connection, as separate clients would be."""
+
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._next = 0
+        r = self.post({"jsonrpc": "2.0", "id": self.next_id(), "method": "initialize",
+                       "params": {"protocolVersion": PROTOCOL, "capabilities": {},
+                                  "clientInfo": {"name": "hooks-test", "version": "0"}}},
+                      session=False)
+        assert r.status_code == 200, r.text
+        self.sid = r.headers["mcp-session-id"]
+        r = self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        assert r.status_code == 202, r.text
+
+    def next_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def headers(self, session: bool = True) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        if session:
+            h["Mcp-Session-Id"] = self.sid
+            h["MCP-Protocol-Version"] = PROTOCOL
+        return h
+
+    def post(self, msg: dict, session: bool = True, timeout: float | None = None) -> httpx.Response:
+        with httpx.Client(timeout=timeout or self.timeout) as c:
+            return c.post(self.url, json=msg, headers=self.headers(session))
+
+    def call(self, tool: str, args: dict, rid: int | None = None,
+             timeout: float | None = None) -> dict:
+        rid = self.next_id() if rid is None else rid
+        return _reply(self.post({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                                 "params": {"name": tool, "arguments": args}}, timeout=timeout))
+
+    def cancel(self, rid: int) -> httpx.Response:
+        return self.post({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                          "params": {"requestId": rid, "reason": "test"}})
+
+
+@contextlib.contextmanager
+def background(fn, *args) -> Iterator[dict]:
+    """Run ``fn(*args)`` in a thread; the dict gets ``"result"`` or ``"error"``."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn(*args)
+        except BaseException as e:  # the test inspects it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        t.join(timeout=15)
+
+
+def in_flight(reg: Registry) -> list[tuple[str, str, int]]:
+    """``(scope, request_id, pid)`` of every in-flight row."""
+    return [(k[0], k[1], v[0]) for k, v in reg.in_flight.scan()]
+
+
+def get(url: str, timeout: float = 5.0) -> dict:
+    r = httpx.get(url, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def base(g: Gunicorn) -> str:
+    return f"http://127.0.0.1:{g.port}"
+
+
+# --- one sync server shared by the tests that only kill its workers -------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_server() -> Iterator[tuple[Gunicorn, Registry]]:
+    from conftest import TEST_PREFIX, unlink_registry_names
+
+    name = TEST_PREFIX + "hooks-" + uuid.uuid4().hex[:12]  # as conftest's shm_name
+    try:
+        with Gunicorn(APP, registry_name=name, config=CONF, workers=3) as g:
+            reg = Registry.attach(name)
+            try:
+                yield g, reg
+            finally:
+                reg.close()
+    finally:
+        unlink_registry_names(name)
+
+
+def test_master_creates_workers_attach(sync_server):
+    g, reg = sync_server
+    assert reg.creator[0] == g.pid, "the master creates the registry"
+    assert master_threads(g.pid) == 1, "no thread may exist in the master when it forks"
+    seen = {}
+    deadline = time.monotonic() + 10
+    workers = set(g.worker_pids())
+    while set(seen) != workers and time.monotonic() < deadline:
+        w = get(base(g) + "/whoami")
+        seen[w["pid"]] = w["registry"]
+    assert set(seen) == workers, "every worker answered"
+    assert set(seen.values()) == {reg.name}, "every worker is attached to the master's registry"
+
+
+def test_killed_worker_leaves_no_in_flight_row(sync_server):
+    g, reg = sync_server
+    s = Session(g.url)
+    with background(s.call, "sleep", {"seconds": 30}, 7, 30):
+        rows = wait_until(lambda: [r for r in in_flight(reg) if r[1] == "7"],
+                          time.monotonic() + 5, what="the sleep call to be in flight")
+        victim = rows[0][2]
+        assert victim in g.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not any(r[2] == victim for r in in_flight(reg)),
+                   time.monotonic() + 5, what="the dead worker's row to go")
+        took = time.monotonic() - t0
+    # The janitor sweeps once a minute: only the master's child_exit can have been this quick.
+    assert took < 2.0, took
+    g.wait_workers(3, time.monotonic() + 10)
+
+
+def test_worker_killed_holding_the_lock(sync_server):
+    g, reg = sync_server
+    before = reg.lock.recoveries
+    with background(lambda: httpx.get(base(g) + "/hold-lock", timeout=20)):
+        owner = wait_until(reg.lock.owner, time.monotonic() + 5, what="a worker to hold the lock")
+        assert owner[0] in g.worker_pids()
+        os.kill(owner[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: reg.lock.recoveries > before and reg.lock.owner() is None,
+                   time.monotonic() + 5, what="the master to recover the lock")
+        took = time.monotonic() - t0
+    assert took < 2.0, took
+    assert f"worker {owner[0]} died holding the registry lock" in g.log()
+    # Every tools/call takes the lock (track/untrack): the other workers keep serving.
+    s = Session(g.url)
+    for i in range(6):
+        assert s.call("echo", {"text": f"hi {i}"})["result"]["content"][0]["text"] == f"hi {i}"
+    g.wait_workers(3, time.monotonic() + 10)
+
+
+def test_workers_dying_together(sync_server):
+    """Every worker SIGKILLed at once, each mid-call: up to gunicorn 24 the master runs
+    child_exit inside its SIGCHLD handler, so a death lands while it is cleaning up after
+    another. It must not hang: all rows go, new workers serve."""
+    g, reg = sync_server
+    s = Session(g.url)
+    with contextlib.ExitStack() as stack:
+        for i in range(3):
+            stack.enter_context(background(s.call, "sleep", {"seconds": 30}, 100 + i, 30))
+        busy = wait_until(lambda: (len(r := {p for _, _, p in in_flight(reg)}) == 3 and r),
+                          time.monotonic() + 10, what="three calls on three workers")
+        for pid in busy:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not in_flight(reg), time.monotonic() + 5, what="every row to go")
+    g.wait_workers(3, time.monotonic() + 15)
+    assert not set(busy) & set(g.worker_pids())
+    assert s.call("echo", {"text": "again"})["result"]["content"][0]["text"] == "again"
+
+
+def test_sync_cancel_across_workers(sync_server):
+    g, _ = sync_server
+    s = Session(g.url)
+    with background(s.call, "sleep", {"seconds": 20}, 11, 30) as out:
+        wait_until(lambda: s.cancel(11).status_code == 202 and "result" in out,
+                   time.monotonic() + 5, interval=0.05, what="the cancelled call to return")
+    assert out["result"]["error"]["code"] == REQUEST_CANCELLED, out
+
+
+# --- reloads and upgrades --------------------------------------------------------------------
+
+
+def test_hup_reload_keeps_the_registry(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        reg = Registry.attach(shm_name)
+        try:
+            old = set(g.worker_pids())
+            g.signal(signal.SIGHUP)
+            new = wait_until(lambda: (set(w := g.worker_pids()) & old == set() and len(w) == 2
+                                      and w), time.monotonic() + 15, what="new workers")
+            assert segment_exists(shm_name)
+            again = Registry.attach(shm_name)
+            assert again.creator == reg.creator, "the same registry, not a new one"
+            again.close()
+            assert {get(base(g) + "/whoami")["registry"] for _ in range(4)} == {shm_name}
+            assert set(new) == set(g.worker_pids())
+        finally:
+            reg.close()
+
+
+@pytest.mark.parametrize("first_to_go", ["old", "new"])
+def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_to_go):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        assert "attached to registry" in g.log(), g.log_tail()
+        assert master_threads(new) == 1
+        gone, stays = (old, new) if first_to_go == "old" else (new, old)
+        os.kill(gone, signal.SIGTERM)
+        wait_until(lambda: not alive(gone), time.monotonic() + 20, what="the master to exit")
+        assert segment_exists(shm_name), f"unlinked under master {stays}:\n{g.log_tail()}"
+        g.pid = stays
+        s = Session(g.url)
+        assert s.call("echo", {"text": "still here"})["result"]["content"][0]["text"] \
+            == "still here"
+        assert get(base(g) + "/whoami")["registry"] == shm_name
+        os.kill(stays, signal.SIGTERM)
+        wait_until(lambda: not alive(stays), time.monotonic() + 20, what="the last master")
+        assert not segment_exists(shm_name), "the last master to exit unlinks"
+
+
+def test_gthread_workers_serve_and_cancel(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2, worker_class="gthread",
+                  threads=4) as g:
+        assert master_threads(g.pid) == 1
+        s = Session(g.url)
+        assert s.call("echo", {"text": "t"})["result"]["content"][0]["text"] == "t"
+        with background(s.call, "sleep", {"seconds": 20}, 5, 30) as out:
+            wait_until(lambda: s.cancel(5).status_code == 202 and "result" in out,
+                       time.monotonic() + 5, interval=0.05, what="the cancelled call to return")
+        assert out["result"]["error"]["code"] == REQUEST_CANCELLED, out
+        os.kill(g.pid, signal.SIGTERM)
+        wait_until(lambda: not alive(g.pid), time.monotonic() + 20, what="the master to exit")
+        assert not segment_exists(shm_name)
+
+
+_CREATED = re.compile(r"shmcancel: created registry '([A-Za-z0-9_.-]+)'")
+
+
+def test_two_instances_side_by_side(shm_name, shm_names):
+    """Without SHMCANCEL_REGISTRY, each instance derives its own name (proc_name + address);
+    a third one told to reuse a live instance's name refuses to start."""
+    env = {"SHMCANCEL_REGISTRY": ""}  # the harness's registry_name (shm_name) goes unused
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, env=env) as a, \
+            Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, env=env) as b:
+        names = []
+        for g in (a, b):
+            m = wait_until(lambda g=g: _CREATED.search(g.log()), time.monotonic() + 5,
+                           what="the created line")
+            names.append(m.group(1))
+            shm_names.append(m.group(1))
+        assert names[0] != names[1]
+        assert all(n.startswith("gunicorn-shmcancel-example-") for n in names), names
+        assert get(base(a) + "/whoami")["registry"] == names[0]
+        assert get(base(b) + "/whoami")["registry"] == names[1]
+        with pytest.raises(AssertionError) as e, \
+                Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, timeout=15,
+                         env={"SHMCANCEL_REGISTRY": names[0]}):
+            pass
+        assert "RegistryIncompatible" in str(e.value) or "shmcancel: registry" in str(e.value)
+        assert segment_exists(names[0]), "the refused instance left the live registry alone"
