@@ -1,0 +1,131 @@
+"""The official MCP Python SDK client (``mcp`` 2.x, ``mcp.Client``) against the example server
+(examples/gunicorn, its own gunicorn.conf.py, sync workers) on every wire the SDK speaks.
+
+Cancellation is proven on the server side: the in-flight row of the abandoned ``sleep`` call is
+watched through a read-only attachment of the registry (the example is run unmodified).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+from gunicorn_harness import Gunicorn
+from mcp import Client
+from mcp.shared.exceptions import MCPError
+
+from shmcancel.registry import Registry
+
+CONF = "examples/gunicorn/gunicorn.conf.py"
+MODES = ["legacy", "2026-07-28", "auto"]
+SLEEP = 30.0  # what the abandoned call asks for
+STOPPED_WITHIN = 2.0  # seconds from abandonment to the row's removal on the server
+
+
+@pytest.fixture(scope="module")
+def example() -> Iterator[tuple[Gunicorn, Registry]]:
+    from conftest import TEST_PREFIX, unlink_registry_names
+
+    name = TEST_PREFIX + "sdk-" + uuid.uuid4().hex[:12]  # as conftest's shm_name
+    try:
+        with Gunicorn(None, registry_name=name, config=CONF, workers=3) as g:
+            reg = Registry.attach(name, readonly=True)
+            try:
+                yield g, reg
+            finally:
+                reg.close()
+    finally:
+        unlink_registry_names(name)
+
+
+def rows(reg: Registry) -> list[tuple[str, str]]:
+    return [k for k, _ in reg.in_flight.scan()]
+
+
+async def until(predicate, timeout: float, what: str) -> float:
+    """Poll ``predicate()`` every 10 ms; return when it held (monotonic time), fail after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await anyio.sleep(0.01)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_initialize_list_echo(example, mode):
+    g, _ = example
+
+    async def main() -> str:
+        async with Client(g.url, mode=mode) as c:
+            tools = {t.name for t in (await c.list_tools()).tools}
+            assert {"echo", "sleep"} <= tools
+            r = await c.call_tool("echo", {"text": "héllo"})
+            assert not r.is_error
+            assert r.content[0].text == "héllo"
+            return c.protocol_version
+
+    version = anyio.run(main)
+    # auto probes server/discover, which the example answers: it settles on the modern wire.
+    expected = {"legacy": ("2025-11-25", "2025-06-18", "2025-03-26")}.get(mode, ("2026-07-28",))
+    assert version in expected, version
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+@pytest.mark.parametrize("mode", MODES)
+def test_abandoned_call_stops_on_the_server(example, mode, how):
+    """The client abandons a 30 s ``sleep`` (anyio cancellation, or its read timeout) while the
+    session stays open: the tool stops and its in-flight row goes well before 30 s."""
+    g, reg = example
+    assert rows(reg) == []
+
+    async def main() -> float:
+        async with Client(g.url, mode=mode) as c:
+            await c.list_tools()
+            started = anyio.Event()
+
+            async def watch() -> None:
+                await until(lambda: rows(reg), 10, "the sleep call to be in flight")
+                started.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                if how == "cancel":
+                    tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+                    await started.wait()
+                    tg.cancel_scope.cancel()
+                else:
+                    with pytest.raises(MCPError):
+                        await c.call_tool("sleep", {"seconds": SLEEP}, read_timeout_seconds=1.0)
+                    assert started.is_set(), "the call timed out before it reached the server"
+            abandoned = time.monotonic()
+            gone = await until(lambda: not rows(reg), 10, "the tool to stop")
+            return gone - abandoned
+
+    took = anyio.run(main)
+    print(f"\n{mode}/{how}: in-flight row gone {took * 1000:.0f} ms after abandonment")
+    assert took < STOPPED_WITHIN, took
+
+
+def test_legacy_cancel_and_delete_together(example):
+    """Legacy: leaving the client right after abandoning a call sends the last
+    ``notifications/cancelled`` and the session's ``DELETE`` at the same moment; whichever the
+    server handles first, the tool stops. Several rounds, so both orders get their chance."""
+    g, reg = example
+
+    async def round_() -> float:
+        async with Client(g.url, mode="legacy") as c, anyio.create_task_group() as tg:
+            tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+            await until(lambda: rows(reg), 10, "the sleep call to be in flight")
+            tg.cancel_scope.cancel()
+        left = time.monotonic()
+        gone = await until(lambda: not rows(reg), 10, "the tool to stop")
+        return gone - left
+
+    for _ in range(4):
+        took = anyio.run(round_)
+        assert took < STOPPED_WITHIN, took
