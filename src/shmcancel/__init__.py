@@ -19,6 +19,7 @@ from .exceptions import (
 )
 from .lock import RegistryLock
 from .registry import Registry
+from .server import McpServer, ToolError
 
 __all__ = [
     "Cancellation",
@@ -27,6 +28,7 @@ __all__ = [
     "InvalidRegistryName",
     "InvalidRequestId",
     "LockTimeout",
+    "McpServer",
     "Registry",
     "RegistryIncompatible",
     "RegistryLock",
@@ -36,6 +38,7 @@ __all__ = [
     "SegmentTooLarge",
     "ShmCancelError",
     "TableFull",
+    "ToolError",
     "cancelled",
     "errors",
     "principal",
