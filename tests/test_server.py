@@ -904,3 +904,36 @@ def test_session_store_expiry_touch_and_capacity(reg: Registry) -> None:
     assert store.count() == 1
     assert store.get(None) is None and store.get("bad id") is None
     assert store.delete("x" * 200) is False
+
+
+def test_modern_param_headers_are_checked(stateless: McpServer) -> None:
+    @stateless.tool("sql", input_schema={"type": "object", "properties": {
+        "region": {"type": "string", "x-mcp-header": "Region"}, "q": {"type": "string"}}})
+    def sql(conn, params):
+        return params["region"]
+
+    args = {"region": "us-west1", "q": "select 1"}
+    r = modern(stateless, 1, "tools/call", {"name": "sql", "arguments": args}, name="sql",
+               headers={"Mcp-Param-Region": "us-west1"})
+    assert r.json["result"]["content"][0]["text"] == "us-west1"
+    for bad in ({}, {"Mcp-Param-Region": "eu-west1"}):
+        r = modern(stateless, 2, "tools/call", {"name": "sql", "arguments": args}, name="sql",
+                   headers=bad)
+        assert (r.status, r.json["error"]["code"]) == (400, errors.HEADER_MISMATCH)
+    # the legacy wire has no such headers
+    r = post(stateless, rpc(3, "tools/call", {"name": "sql", "arguments": args}))
+    assert r.json["result"]["content"][0]["text"] == "us-west1"
+
+
+def test_tool_registration_is_checked(stateless: McpServer) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        stateless.add_tool(lambda c, p: "", "echo")
+    with pytest.raises(ValueError, match="x-mcp-header"):
+        stateless.add_tool(lambda c, p: "", "bad", input_schema={
+            "type": "object", "properties": {"a": {"type": "number", "x-mcp-header": "A"}}})
+    with pytest.raises(ValueError, match='"type": "object"'):
+        stateless.add_tool(lambda c, p: "", "bad2", input_schema={"type": "string"})
+    with pytest.raises(TypeError):
+        stateless.add_tool("not callable", "bad3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ToolError("x", "m")  # type: ignore[arg-type]

@@ -30,10 +30,12 @@ from shmcancel.wire import (
     dispatch_status,
     is_json_content_type,
     negotiate_legacy_version,
+    param_headers,
     progress_token,
     shape_result,
     valid_session_id,
     validate_modern,
+    validate_param_headers,
 )
 
 MODERN = "2026-07-28"
@@ -257,3 +259,70 @@ def test_shape_result() -> None:
                            server_info=info, ttl_ms=5, cache_scope="public")
         assert (out["ttlMs"], out["cacheScope"], out["resultType"]) == (5, "public", "complete")
         assert out["_meta"] == {"k": 1, SERVER_INFO_META_KEY: info}
+
+
+# ------------------------------------------------------------------------------ Mcp-Param-*
+
+REGION_SCHEMA = {"type": "object", "properties": {
+    "region": {"type": "string", "x-mcp-header": "Region"},
+    "n": {"type": "integer", "x-mcp-header": "N"},
+    "flag": {"type": "boolean", "x-mcp-header": "Flag"},
+    "nested": {"type": "object", "properties": {"deep": {"type": "string",
+                                                         "x-mcp-header": "Deep"}}},
+    "query": {"type": "string"},
+}}
+
+
+def test_param_headers_are_collected() -> None:
+    specs = {s.token: (s.path, s.type) for s in param_headers(REGION_SCHEMA)}
+    assert specs == {"Region": (("region",), "string"), "N": (("n",), "integer"),
+                     "Flag": (("flag",), "boolean"), "Deep": (("nested", "deep"), "string")}
+    assert param_headers({"type": "object"}) == ()
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "x-mcp-header": "Root"},
+    {"type": "object", "properties": {"a": {"type": "number", "x-mcp-header": "A"}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-mcp-header": "A B"}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-mcp-header": ""}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-mcp-header": 5}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-mcp-header": "A"},
+                                      "b": {"type": "string", "x-mcp-header": "a"}}},
+    {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "type": "string", "x-mcp-header": "A"}}}},
+    {"type": "object", "anyOf": [{"properties": {"a": {"type": "string", "x-mcp-header": "A"}}}]},
+])
+def test_invalid_param_header_annotations(schema: dict) -> None:
+    with pytest.raises(ValueError):
+        param_headers(schema)
+
+
+def env(**h: str) -> dict[str, str]:
+    return {"HTTP_MCP_PARAM_" + k.upper(): v for k, v in h.items()}
+
+
+@pytest.mark.parametrize("args, headers, ok", [
+    ({"query": "q"}, {}, True),
+    ({"region": "us-west1"}, {"Region": "us-west1"}, True),
+    ({"region": "Hello, 世界"}, {"Region": "=?base64?SGVsbG8sIOS4lueVjA==?="}, True),
+    ({"region": None}, {}, True),
+    ({"n": 42}, {"N": "42"}, True), ({"n": 42}, {"N": "42.0"}, True),
+    ({"n": 42.0}, {"N": "42"}, True), ({"n": 42}, {"N": "42.5"}, False),
+    ({"n": 42}, {"N": "4.2e1"}, False),
+    ({"flag": True}, {"Flag": "true"}, True), ({"flag": False}, {"Flag": "True"}, False),
+    ({"nested": {"deep": "x"}}, {"Deep": "x"}, True),
+    ({"nested": "notanobject"}, {}, True),
+    ({"region": "us-west1"}, {}, False),
+    ({"region": "us-west1"}, {"Region": "eu-west1"}, False),
+    ({}, {"Region": "us-west1"}, False),
+    ({"region": ["a"]}, {"Region": "a"}, False),
+    ({"region": "x"}, {"Region": "=?base64?!?="}, False),
+])
+def test_validate_param_headers(args: dict, headers: dict, ok: bool) -> None:
+    specs = param_headers(REGION_SCHEMA)
+    if ok:
+        validate_param_headers(specs, args, env(**headers), 3)
+    else:
+        with pytest.raises(RpcError) as ei:
+            validate_param_headers(specs, args, env(**headers), 3)
+        assert (ei.value.code, ei.value.status, ei.value.id) == (errors.HEADER_MISMATCH, 400, 3)

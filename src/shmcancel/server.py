@@ -89,6 +89,7 @@ from .principal import SESSION_KEY
 from .sessions import SessionStore
 from .wire import (
     SUPPORTED_VERSIONS,
+    ParamHeader,
     RequestHeaders,
     Wire,
     accepts,
@@ -97,10 +98,12 @@ from .wire import (
     dispatch_status,
     is_json_content_type,
     negotiate_legacy_version,
+    param_headers,
     progress_token,
     shape_result,
     valid_session_id,
     validate_modern,
+    validate_param_headers,
 )
 
 __all__ = ["McpServer", "RequestStopped", "Tool", "ToolError", "progress"]
@@ -153,6 +156,7 @@ class Tool:
     title: str | None = None
     annotations: Mapping[str, Any] | None = None
     output_schema: Mapping[str, Any] | None = None
+    param_headers: tuple[ParamHeader, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "inputSchema": dict(self.input_schema)}
@@ -334,7 +338,11 @@ class McpServer:
         if schema.get("type") != "object":
             raise ValueError(f'tool {name!r}: input_schema must have "type": "object"')
         jsonrpc.encode(schema)  # must be JSON
-        t = Tool(name, fn, description, schema, title, annotations, output_schema)
+        try:
+            mirrored = param_headers(schema)
+        except ValueError as e:
+            raise ValueError(f"tool {name!r}: {e}") from None
+        t = Tool(name, fn, description, schema, title, annotations, output_schema, mirrored)
         self._tools[name] = t
         return t
 
@@ -657,6 +665,8 @@ class McpServer:
         tool = self._tools.get(name)
         if tool is None:
             raise RpcError(errors.INVALID_PARAMS, f"Unknown tool: {name[:100]!r}", id=msg.id)
+        if wire is Wire.MODERN and tool.param_headers:
+            validate_param_headers(tool.param_headers, arguments, environ, msg.id)
 
         st = self._process_state()
         c = st.cancellation

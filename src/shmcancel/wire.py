@@ -47,6 +47,7 @@ __all__ = [
     "SERVER_INFO_META_KEY",
     "SUPPORTED_VERSIONS",
     "Envelope",
+    "ParamHeader",
     "RequestHeaders",
     "Wire",
     "accepts",
@@ -56,10 +57,12 @@ __all__ = [
     "dispatch_status",
     "is_json_content_type",
     "negotiate_legacy_version",
+    "param_headers",
     "progress_token",
     "shape_result",
     "valid_session_id",
     "validate_modern",
+    "validate_param_headers",
 ]
 
 MODERN_VERSIONS: tuple[str, ...] = ("2026-07-28",)
@@ -264,6 +267,119 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
         raise RpcError(errors.INVALID_PARAMS,
                        f"Invalid params: {CLIENT_INFO_META_KEY!r} must be an object", id=rid)
     return Envelope(version, info, caps)
+
+
+# --------------------------------------------------------------------------- Mcp-Param-*
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CANONICAL_DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+X_MCP_HEADER = "x-mcp-header"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamHeader:
+    """A tool argument mirrored into ``Mcp-Param-{token}`` (2026-07-28 ``x-mcp-header``)."""
+
+    path: tuple[str, ...]
+    token: str
+    type: str
+
+
+def _count_annotations(node: Any, depth: int = 0) -> int:
+    if depth > 64:
+        return 0
+    if isinstance(node, dict):
+        return (X_MCP_HEADER in node) + sum(_count_annotations(v, depth + 1)
+                                             for v in node.values())
+    if isinstance(node, list):
+        return sum(_count_annotations(v, depth + 1) for v in node)
+    return 0
+
+
+def param_headers(input_schema: Mapping[str, Any]) -> tuple[ParamHeader, ...]:
+    """The ``x-mcp-header`` annotations of a tool's input schema.
+
+    Raises ``ValueError`` for an invalid one (the 2026-07-28 constraints: only on a property
+    reached from the root through ``properties`` alone, an RFC 9110 token, on an
+    ``integer``/``string``/``boolean`` property, case-insensitively unique): clients must drop
+    such a tool, so the server refuses to register it.
+    """
+    found: list[ParamHeader] = []
+    stack: list[tuple[tuple[str, ...], Any]] = [((), input_schema)]
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if path and X_MCP_HEADER in node:
+            token, typ = node[X_MCP_HEADER], node.get("type")
+            where = ".".join(path)
+            if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+                raise ValueError(f"property {where!r}: {X_MCP_HEADER} must be an RFC 9110 token")
+            if typ not in ("string", "integer", "boolean"):
+                raise ValueError(f"property {where!r}: {X_MCP_HEADER} is only allowed on "
+                                 "string, integer and boolean properties")
+            found.append(ParamHeader(path, token, typ))
+        props = node.get("properties")
+        if isinstance(props, dict):
+            stack.extend(((*path, k), v) for k, v in props.items() if isinstance(k, str))
+    if len(found) != _count_annotations(input_schema):
+        raise ValueError(f"{X_MCP_HEADER} is only allowed on properties reached through "
+                         '"properties" alone')
+    tokens = [p.token.lower() for p in found]
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"{X_MCP_HEADER} values must be case-insensitively unique")
+    return tuple(found)
+
+
+def _render(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        try:
+            return str(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _param_matches(typ: str, value: Any, rendered: str, decoded: str) -> bool:
+    if (typ == "integer" and not isinstance(value, bool) and isinstance(value, int | float)
+            and float(value).is_integer() and _CANONICAL_DECIMAL.fullmatch(decoded)):
+        whole, _, fraction = decoded.partition(".")
+        if fraction.strip("0"):
+            return False
+        try:
+            return int(whole) == int(value)
+        except (ValueError, OverflowError):
+            return False
+    return decoded == rendered
+
+
+def validate_param_headers(specs: tuple[ParamHeader, ...], arguments: Mapping[str, Any],
+                           environ: Mapping[str, Any], id: int | str | None) -> None:
+    """Check each annotated argument against its ``Mcp-Param-*`` header (2026-07-28): present
+    together and equal after decoding (integers compared numerically), or absent together
+    (``null`` counts as absent). Raises ``-32020`` (HTTP 400) on the first disagreement."""
+    for spec in specs:
+        header = f"Mcp-Param-{spec.token}"
+        raw = environ.get("HTTP_MCP_PARAM_" + spec.token.upper().replace("-", "_"))
+        raw = raw if isinstance(raw, str) else None
+        value: Any = arguments
+        for key in spec.path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        rendered = _render(value) if value is not None else None
+        if rendered is None:
+            if raw is not None:
+                raise _mismatch(f"{header} is present but the argument it mirrors is not "
+                                "a value it can carry", id)
+            continue
+        if raw is None:
+            raise _mismatch(f"{header} is missing (the argument is set)", id)
+        decoded = decode_header_value(raw)
+        if decoded is None or not _param_matches(spec.type, value, rendered, decoded):
+            raise _mismatch(f"{header} does not match the argument", id)
 
 
 # --------------------------------------------------------------------------- shared rules
