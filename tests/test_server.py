@@ -937,3 +937,13 @@ def test_tool_registration_is_checked(stateless: McpServer) -> None:
         stateless.add_tool("not callable", "bad3")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         ToolError("x", "m")  # type: ignore[arg-type]
+
+
+def test_allowed_origins(reg: Registry, signals: Signals) -> None:
+    server = make_server(reg, signals, sessions=False,
+                         allowed_origins={"http://localhost:8000"})
+    body = rpc(1, "tools/call", {"name": "echo", "arguments": {"text": "o"}})
+    assert post(server, body).status == 200  # no Origin: not a browser
+    assert post(server, body, headers={"Origin": "http://localhost:8000"}).status == 200
+    r = post(server, body, headers={"Origin": "http://evil.example"})
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (403, errors.INVALID_REQUEST, None)

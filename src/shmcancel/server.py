@@ -119,7 +119,8 @@ _HARD_EXIT_GRACE = 1.0  # seconds between SIGQUIT and os._exit for a sync worker
 _MAX_TEXT = 1000  # characters of an exception message put into an isError result
 
 _STATUS = {200: "200 OK", 202: "202 Accepted", 204: "204 No Content", 400: "400 Bad Request",
-           404: "404 Not Found", 405: "405 Method Not Allowed", 406: "406 Not Acceptable",
+           403: "403 Forbidden", 404: "404 Not Found", 405: "405 Method Not Allowed",
+           406: "406 Not Acceptable",
            411: "411 Length Required", 413: "413 Content Too Large",
            415: "415 Unsupported Media Type", 429: "429 Too Many Requests",
            500: "500 Internal Server Error", 503: "503 Service Unavailable"}
@@ -277,13 +278,17 @@ class McpServer:
     longest the disconnect watcher sleeps between two looks at its request (seconds).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
+    ``allowed_origins``: when given, a request whose ``Origin`` header is present and not in it
+    is refused with 403 (the transport's DNS-rebinding defence for servers reachable from a
+    browser, e.g. ``{"http://localhost:8000"}``); ``None`` checks nothing.
     """
 
     def __init__(self, name: str, version: str, *, sessions: bool = True, registry: Any = None,
                  max_body_bytes: int = 1_000_000, poll_interval: float = 0.01,
                  path: str | None = "/mcp", instructions: str | None = None,
                  title: str | None = None, cache_ttl_ms: int = 60_000,
-                 cache_scope: str = "public") -> None:
+                 cache_scope: str = "public",
+                 allowed_origins: Iterable[str] | None = None) -> None:
         if not isinstance(name, str) or not isinstance(version, str):
             raise TypeError("name and version must be strings")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -306,6 +311,8 @@ class McpServer:
         self.path = path
         self.cache_ttl_ms = cache_ttl_ms
         self.cache_scope = cache_scope
+        self.allowed_origins = (None if allowed_origins is None
+                                else frozenset(o.rstrip("/").lower() for o in allowed_origins))
         self._registry_spec = registry
         self._tools: dict[str, Tool] = {}
         self._state: _ProcessState | None = None
@@ -415,6 +422,10 @@ class McpServer:
             if path.rstrip("/") != self.path.rstrip("/"):
                 return _Reply(404, b"Not Found", [("Content-Type", "text/plain")])
         headers = RequestHeaders.from_environ(environ)
+        origin = environ.get("HTTP_ORIGIN")
+        if (self.allowed_origins is not None and isinstance(origin, str)
+                and origin.rstrip("/").lower() not in self.allowed_origins):
+            return _error_reply(403, None, errors.INVALID_REQUEST, "Forbidden: Origin not allowed")
         if method == "POST":
             return self._post(environ, start_response, headers)
         if method == "DELETE":
