@@ -199,6 +199,31 @@ def test_worker_killed_holding_the_lock(sync_server):
     g.wait_workers(3, time.monotonic() + 10)
 
 
+def test_stuck_lock_holder_does_not_stall_the_master(sync_server):
+    """A live worker keeps the lock while another dies mid-call: the master does not wait for
+    the lock (it would for lock_timeout, 10 s) but replaces the dead worker at once; the rows go
+    when the holder dies in turn."""
+    g, reg = sync_server
+    s = Session(g.url)
+    with background(s.call, "sleep", {"seconds": 30}, 21, 30), \
+            background(lambda: httpx.get(base(g) + "/hold-lock", timeout=30)):
+        busy = wait_until(lambda: [p for _, rid, p in in_flight(reg) if rid == "21"],
+                          time.monotonic() + 5, what="the sleep call")[0]
+        holder = wait_until(reg.lock.owner, time.monotonic() + 5, what="the lock holder")[0]
+        assert holder != busy
+        os.kill(busy, signal.SIGKILL)
+        t0 = time.monotonic()
+        g.wait_workers(3, time.monotonic() + 5)
+        assert busy not in g.worker_pids()
+        respawned = time.monotonic() - t0
+        assert respawned < 2.0, respawned
+        assert "left for later" in g.log()
+        assert any(p == busy for _, _, p in in_flight(reg)), "no write could happen meanwhile"
+        os.kill(holder, signal.SIGKILL)
+        wait_until(lambda: not in_flight(reg), time.monotonic() + 5, what="every row to go")
+    g.wait_workers(3, time.monotonic() + 10)
+
+
 def test_workers_dying_together(sync_server):
     """Every worker SIGKILLed at once, each mid-call: up to gunicorn 24 the master runs
     child_exit inside its SIGCHLD handler, so a death lands while it is cleaning up after

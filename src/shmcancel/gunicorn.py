@@ -30,8 +30,10 @@ What each hook does
     the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
     handler, which can interrupt the master anywhere, itself included: SIGCHLD is blocked
     (``signal.pthread_sigmask``) for as long as the master works on the registry, so a second
-    worker's death is handled after the lock is released, never re-entering while it is held. It
-    logs failures and never raises into gunicorn.
+    worker's death is handled after the lock is released, never re-entering while it is held.
+    A live worker that keeps the lock (stopped, say) must not stall the master either: after
+    ``LOCK_BUSY_WAIT`` the rows are left, and the next ``child_exit`` removes every dead
+    worker's rows (the janitor would too). It logs failures and never raises into gunicorn.
 ``on_exit`` (master, after its workers are stopped)
     Unlinks the registry, unless another master still uses it: during a ``USR2`` upgrade the old
     master (``server.reexec_pid``, its re-executed child, is alive) and the new one (its parent
@@ -47,6 +49,7 @@ import logging
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +62,7 @@ __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "regis
            "when_ready"]
 
 ENV_NAME = "SHMCANCEL_REGISTRY"
+LOCK_BUSY_WAIT = 0.1  # seconds child_exit waits for a live lock holder before deferring
 _log = logging.getLogger("shmcancel.gunicorn")
 
 
@@ -70,6 +74,7 @@ class _State:
     registry_name: str | None = None
     owner_pid: int = 0  # the process that set `registry` (a forked worker sees its master's)
     cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
+    deferred: bool = False  # child_exit skipped a reap (lock busy): the next one reaps all
 
 
 _state = _State()
@@ -191,7 +196,16 @@ def child_exit(server: Any, worker: Any) -> None:
     try:
         with _sigchld_blocked():
             recovered = reg.lock.recover_from(pid)
-            removed = _reap(reg, pid)
+            if _lock_busy(reg):
+                # A live worker holds the lock (stopped, or very slow): do not let it stall the
+                # master. The rows are removed at the next worker exit or by the janitor.
+                _state.deferred = True
+                log.warning("shmcancel: registry lock busy; in-flight rows of worker %s left "
+                            "for later", pid)
+                removed = 0
+            else:
+                removed = _reap(reg, None if _state.deferred else pid)
+                _state.deferred = False
     except Exception:
         log.exception("shmcancel: cleaning up after worker %s failed", pid)
         return
@@ -202,8 +216,22 @@ def child_exit(server: Any, worker: Any) -> None:
                  pid, removed)
 
 
-def _reap(reg: Any, pid: int) -> int:
-    """Remove the in-flight rows owned by ``pid``'s dead process (not a live reuse of the pid)."""
+def _lock_busy(reg: Any, wait: float = LOCK_BUSY_WAIT) -> bool:
+    """True when a live process holds the registry lock for longer than ``wait`` seconds
+    (holders normally keep it for microseconds)."""
+    deadline = time.monotonic() + wait
+    while True:
+        owner = reg.lock.owner()
+        if owner is None or not procinfo.alive(*owner):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.005)
+
+
+def _reap(reg: Any, pid: int | None) -> int:
+    """Remove the in-flight rows of ``pid`` (every dead owner's when ``None``) if its process is
+    gone (a live reuse of the pid keeps its rows)."""
     from .cancellation import Cancellation
 
     if _state.cancellation is None or _state.cancellation.registry is not reg:
