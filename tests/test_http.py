@@ -244,6 +244,19 @@ def test_session_delete_cancels_its_calls(server: Gunicorn, outdir: str) -> None
     assert c.post({"jsonrpc": "2.0", "id": 2, "method": "ping"}).status_code == 404
 
 
+def test_progress_is_streamed_as_sse(server: Gunicorn) -> None:
+    c = Client(server.url)
+    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "steps", "arguments": {"n": 3}, "_meta": {"progressToken": 11}}}
+    r = c.post(body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    msgs = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert [m.get("method") for m in msgs] == ["notifications/progress"] * 3 + [None]
+    assert msgs[2]["params"] == {"progressToken": 11, "progress": 3, "total": 3,
+                                 "message": "step 3"}
+    assert msgs[3]["id"] == 3 and msgs[3]["result"]["content"][0]["text"] == "3 of 3 sent"
+
+
 def test_modern_wire_over_http(server: Gunicorn) -> None:
     h = {"Accept": ACCEPT, "Content-Type": "application/json", "MCP-Protocol-Version": MODERN,
          "Mcp-Method": "server/discover"}

@@ -14,7 +14,7 @@ import time
 
 import shmcancel
 from shmcancel import errors
-from shmcancel.server import McpServer, ToolError
+from shmcancel.server import McpServer, ToolError, progress
 
 OUT = os.environ.get("SHMCANCEL_TEST_DIR", "/tmp")
 POLL = 0.002  # seconds between two looks at the cancellation flag
@@ -63,6 +63,15 @@ def build(sessions: bool, path: str) -> McpServer:
             if left <= 0:
                 return f"slept {seconds:g}s"
             time.sleep(min(POLL, left))
+
+    @server.tool("steps")
+    def steps(conn, params):
+        """Report ``n`` progress steps (SSE when the client asked for progress), then return."""
+        n = params.get("n", 3)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 100:
+            raise ToolError(errors.INVALID_PARAMS, '"n" must be an integer from 0 to 100')
+        sent = sum(progress(conn, i, n, f"step {i}") for i in range(1, n + 1))
+        return f"{sent} of {n} sent"
 
     @server.tool("stubborn")
     def stubborn(conn, params):
