@@ -38,6 +38,16 @@ def shm_name() -> Iterator[str]:
         unlink_registry_names(name)
 
 
+@pytest.fixture(scope="module")
+def module_shm_name() -> Iterator[str]:
+    """Like ``shm_name``, for a module-scoped resource (a gunicorn serving a whole module)."""
+    name = TEST_PREFIX + uuid.uuid4().hex[:12]
+    try:
+        yield name
+    finally:
+        unlink_registry_names(name)
+
+
 @pytest.fixture
 def shm_names() -> Iterator[list[str]]:
     """A list to which a test appends extra registry names it makes; all unlinked afterwards."""

@@ -596,6 +596,28 @@ def test_handle_poll_sees_cancel_and_end_clears(rc):
     assert reg.cancellations.count() == reg.in_flight.count() == 0
 
 
+def test_end_runs_once_even_from_racing_threads(rc):
+    # A second end() must not clear a cancellation recorded since for a namesake: end() is the
+    # request's finally and also the disconnect watcher's stop, and they can race.
+    _reg, c = rc
+    h, namesake = c.begin(3, "ip:198.51.100.7"), c.begin(3, "ip:198.51.100.7")
+    go = threading.Barrier(8)
+
+    def end() -> None:
+        go.wait(timeout=5)
+        h.end()
+
+    threads = [threading.Thread(target=end) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    c.cancel(3, "for the namesake", "ip:198.51.100.7")
+    h.end()
+    assert namesake.cancelled() and c.cancelled(3, "ip:198.51.100.7")
+    namesake.end()
+
+
 def test_cancel_local_cancels_exactly_that_request(rc, events):
     reg, c = rc
     mine, namesake = c.begin(1, "ip:203.0.113.9"), c.begin(1, "ip:203.0.113.9")

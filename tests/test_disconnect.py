@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import TEST_PREFIX, unlink_registry_names
 from gunicorn_harness import Gunicorn, alive, wait_until
 
 APP = "tests.apps.transport_app:app"
@@ -29,16 +28,6 @@ META = {"io.modelcontextprotocol/protocolVersion": MODERN,
         "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
         "io.modelcontextprotocol/clientCapabilities": {}}
 DETECT_BOUND = 0.100  # seconds from the close to the tool seeing cancelled(conn)
-
-
-@pytest.fixture(scope="module")
-def module_registry_name() -> Iterator[str]:
-    """Like conftest's ``shm_name`` (same prefix, unlinked afterwards), module-scoped."""
-    name = TEST_PREFIX + uuid.uuid4().hex[:12]
-    try:
-        yield name
-    finally:
-        unlink_registry_names(name)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +42,8 @@ def start(name: str, outdir: str, **kw: Any) -> Gunicorn:
 
 
 @pytest.fixture(scope="module")
-def server(module_registry_name: str, outdir: str) -> Iterator[Gunicorn]:
-    with start(module_registry_name, outdir, workers=3, worker_class="sync") as g:
+def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
+    with start(module_shm_name, outdir, workers=3, worker_class="sync") as g:
         yield g
 
 

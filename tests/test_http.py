@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import TEST_PREFIX, unlink_registry_names
 from gunicorn_harness import Gunicorn, wait_until
 
 from shmcancel import errors
@@ -42,17 +41,6 @@ latencies: dict[str, list[float]] = {}
 
 
 @pytest.fixture(scope="module")
-def module_registry_name() -> Iterator[str]:
-    """Like conftest's ``shm_name`` (same prefix, unlinked afterwards), for a module-scoped
-    server."""
-    name = TEST_PREFIX + uuid.uuid4().hex[:12]
-    try:
-        yield name
-    finally:
-        unlink_registry_names(name)
-
-
-@pytest.fixture(scope="module")
 def outdir() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="shmcancel-http-") as d:
         yield d
@@ -64,8 +52,8 @@ def start(name: str, outdir: str, **kw: Any) -> Gunicorn:
 
 
 @pytest.fixture(scope="module")
-def server(module_registry_name: str, outdir: str) -> Iterator[Gunicorn]:
-    with start(module_registry_name, outdir, workers=3, worker_class="sync") as g:
+def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
+    with start(module_shm_name, outdir, workers=3, worker_class="sync") as g:
         g.initial_workers = set(g.worker_pids())  # type: ignore[attr-defined]
         yield g
 

@@ -375,7 +375,9 @@ class RequestHandle:
         self.request_id = request_id
         self.scope = scope
         self.tracked = False
-        self._ended = False
+        # end() runs from the request's finally and from the disconnect watcher's stop: the
+        # first caller to take this lock ends the request, any other returns at once.
+        self._ended = threading.Lock()
         self._local = False
         self._local_reason: str | None = None
         self._owner: Owner | None = None
@@ -455,9 +457,8 @@ class RequestHandle:
     def end(self) -> None:
         """Untrack this request's own row, then clear the key's cancellation row. Idempotent;
         logs and swallows storage errors (it runs in a ``finally``)."""
-        if self._ended:
+        if not self._ended.acquire(blocking=False):
             return
-        self._ended = True
         rid = self._rid
         if rid is None:
             return
