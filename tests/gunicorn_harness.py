@@ -211,13 +211,17 @@ class Gunicorn:
             raise
         return self
 
-    def _listening(self) -> re.Match[str] | None:
+    def _exited(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:
             raise AssertionError(f"gunicorn exited with {self._proc.returncode}:\n"
                                  f"{self.log_tail()}")
+
+    def _listening(self) -> re.Match[str] | None:
+        self._exited()
         return _LISTENING.search(self.log())
 
     def _accepts(self) -> bool:
+        self._exited()
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
                 return True

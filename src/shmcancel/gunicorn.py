@@ -167,7 +167,7 @@ def when_ready(server: Any) -> None:
                 log.info("shmcancel: created registry %r", name)
         except ShmCancelError as e:
             # gunicorn prints a RuntimeError from the arbiter as one line and exits 1.
-            raise RuntimeError(f"shmcancel: registry {name!r}: {e}") from e
+            raise RuntimeError(f"shmcancel: {e}") from e
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
 
 
