@@ -12,7 +12,6 @@ import re
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -132,19 +131,13 @@ def base(g: Gunicorn) -> str:
 
 
 @pytest.fixture(scope="module")
-def sync_server() -> Iterator[tuple[Gunicorn, Registry]]:
-    from conftest import TEST_PREFIX, unlink_registry_names
-
-    name = TEST_PREFIX + "hooks-" + uuid.uuid4().hex[:12]  # as conftest's shm_name
-    try:
-        with Gunicorn(APP, registry_name=name, config=CONF, workers=3) as g:
-            reg = Registry.attach(name)
-            try:
-                yield g, reg
-            finally:
-                reg.close()
-    finally:
-        unlink_registry_names(name)
+def sync_server(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
+    with Gunicorn(APP, registry_name=module_shm_name, config=CONF, workers=3) as g:
+        reg = Registry.attach(module_shm_name, readonly=True)
+        try:
+            yield g, reg
+        finally:
+            reg.close()
 
 
 def test_master_creates_workers_attach(sync_server):
@@ -181,13 +174,13 @@ def test_killed_worker_leaves_no_in_flight_row(sync_server):
 
 def test_worker_killed_holding_the_lock(sync_server):
     g, reg = sync_server
-    before = reg.lock.recoveries
+    before = reg.recoveries
     with background(lambda: httpx.get(base(g) + "/hold-lock", timeout=20)):
         owner = wait_until(reg.lock.owner, time.monotonic() + 5, what="a worker to hold the lock")
         assert owner[0] in g.worker_pids()
         os.kill(owner[0], signal.SIGKILL)
         t0 = time.monotonic()
-        wait_until(lambda: reg.lock.recoveries > before and reg.lock.owner() is None,
+        wait_until(lambda: reg.recoveries > before and reg.lock.owner() is None,
                    time.monotonic() + 5, what="the master to recover the lock")
         took = time.monotonic() - t0
     assert took < 2.0, took

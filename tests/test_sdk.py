@@ -8,7 +8,6 @@ watched through a read-only attachment of the registry (the example is run unmod
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 
 import anyio
@@ -26,19 +25,13 @@ STOPPED_WITHIN = 2.0  # seconds from abandonment to the row's removal on the ser
 
 
 @pytest.fixture(scope="module")
-def example() -> Iterator[tuple[Gunicorn, Registry]]:
-    from conftest import TEST_PREFIX, unlink_registry_names
-
-    name = TEST_PREFIX + "sdk-" + uuid.uuid4().hex[:12]  # as conftest's shm_name
-    try:
-        with Gunicorn(None, registry_name=name, config=CONF, workers=3) as g:
-            reg = Registry.attach(name, readonly=True)
-            try:
-                yield g, reg
-            finally:
-                reg.close()
-    finally:
-        unlink_registry_names(name)
+def example(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
+    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3) as g:
+        reg = Registry.attach(module_shm_name, readonly=True)
+        try:
+            yield g, reg
+        finally:
+            reg.close()
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
