@@ -120,9 +120,12 @@ def _sigchld_blocked() -> Iterator[None]:
 
     ``pthread_sigmask`` runs any Python handler already tripped before it returns, so nothing
     of SIGCHLD runs inside the block; the pending signal is handled when the mask is restored.
+    A handler can raise from that call (gunicorn <= 24 raises ``HaltServer`` from its SIGCHLD
+    handler) after the mask changed: the mask is then restored before the exception goes on.
     """
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # changes nothing: reads the mask
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
