@@ -20,10 +20,11 @@ u64 store through a ``memoryview.cast("Q")`` is one machine store (never seen to
     V       16 x nslots               index: per slot u64 hash (keyed blake2b of the packed key,
                                       never 0; 0 = empty slot) then u64 record number
     I       record_size x (capacity+1)  heap of records:
-              0   u32 crc32 of bytes [4, 24 + klen + vlen) of the record
+              0   u32 crc32 of the klen + vlen payload bytes, seeded with
+                      (stamp ^ klen << 16 ^ vlen ^ 0x5EED5EED) mod 2**32 (so it covers the header)
               4   u32 klen, 8 u32 vlen, 12 u32 reserved (0)
               16  u64 stamp (table-wide increasing counter: the newest of two rows wins in fsck)
-              24  klen bytes msgpack key, then vlen bytes msgpack value
+              24  klen bytes msgpack key, then vlen bytes msgpack value, then zeros
     H       4 x (capacity+1) (pad to 8)  free stack: u32 record numbers, the top at free_top - 1
 
 There is one record more than ``capacity``: a set update writes a fresh record before it lets go
@@ -76,20 +77,21 @@ _SPIN_BEFORE_YIELD = 4
 
 _HDR = struct.Struct("<8sIIII")  # magic, capacity, record_size, nslots, nbuckets
 _REC = struct.Struct("<IIIIQ")  # crc, klen, vlen, reserved, stamp
-_REC_TAIL = struct.Struct("<IIIQ")  # the part after the crc (what the crc covers, with payload)
-_CRC = struct.Struct("<I")
+_SEED = 0x5EED5EED
+_M32 = 0xFFFF_FFFF
 # u64 word numbers in the header
 _ROWS, _TOP, _STAMP = 3, 4, 5
 
-_packb = msgpack.packb
 _unpackb = msgpack.unpackb
 _blake2b = hashlib.blake2b
 _crc32 = zlib.crc32
 _from_bytes = int.from_bytes
 
 
-def _pack(x: Any) -> bytes:
-    return _packb(x, use_bin_type=True)
+# One Packer per process: ``msgpack.packb`` builds a Packer per call (4x slower). Packer.pack
+# holds the GIL from start to end (no Python code runs for the types msgpack packs natively, and
+# it resets its buffer on error), so threads of one process cannot interleave inside it.
+_pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def _unpack(b: bytes) -> Any:
@@ -105,8 +107,7 @@ def _round64(n: int) -> int:
 
 
 def _geometry(capacity: int, record_size: int) -> tuple[int, int, int, int, int, int]:
-    """(nslots, nbuckets, versions offset... ) -> nslots, nbuckets, idx_off, heap_off, free_off,
-    total size."""
+    """(nslots, nbuckets, index offset, heap offset, free-stack offset, region size)."""
     if not isinstance(capacity, int) or not 1 <= capacity <= 0xFFFF_FFFE:
         raise ValueError(f"table capacity must be an int in 1..2**32-2, got {capacity!r}")
     if not isinstance(record_size, int) or record_size < RECORD_HEADER + 2 or record_size % 8:
@@ -137,7 +138,7 @@ class Lock(Protocol):
 class PreparedKey:
     """A key with its msgpack bytes, keyed hash and home slot computed once (for one table).
 
-    ``b`` is the home slot's bucket and ``j`` the home slot's word in the index (``2 * home``);
+    ``j`` is the home slot's first word in the index (``2 * home``) and ``b`` its bucket;
     ``t`` is the table it was prepared for (a key prepared for another table is re-prepared).
     """
 
@@ -150,7 +151,7 @@ class PreparedKey:
         self.hash = h
         self.home = home
         self.j = 2 * home
-        self.b = home // BUCKET_SLOTS
+        self.b = home >> 4
 
     def __repr__(self) -> str:
         return f"PreparedKey({self.key!r}, home={self.home})"
@@ -160,11 +161,13 @@ class Watch:
     """A cached lookup of one prepared key: ``member()``/``values()`` re-read the table only
     when a bucket version seen last time has moved.
 
-    Valid because records are immutable while referenced and every change of a slot moves its
-    bucket's version: unchanged versions of every bucket the probe read mean an unchanged answer.
+    Valid because a referenced record is never written and every change of a slot moves its
+    bucket's version: unchanged versions of every bucket the last probe read mean an unchanged
+    answer. When that probe spanned several buckets ``_v`` is -1 (never a version) and the
+    slow path compares them all.
     """
 
-    __slots__ = ("_b", "_member", "_pk", "_seen", "_t", "_v", "_values", "_ver")
+    __slots__ = ("_b", "_member", "_pk", "_raw", "_seen", "_t", "_v", "_values", "_ver")
 
     def __init__(self, table: Table, pk: PreparedKey) -> None:
         self._t = table
@@ -174,25 +177,29 @@ class Watch:
         self._v = -1  # never equal to a version: the first call reads
         self._seen: tuple[tuple[int, int], ...] = ()
         self._member = False
-        self._values: tuple[Any, ...] = ()
+        self._raw: tuple[bytes, ...] = ()
+        self._values: tuple[Any, ...] | None = ()
 
     @property
     def key(self) -> PreparedKey:
         return self._pk
 
     def member(self) -> bool:
-        """True while the key has a row. Costs one version load when nothing moved."""
+        """True while the key has a row. One version load when nothing moved."""
         if self._ver[self._b] == self._v:
             return self._member
-        return self._refresh()._member
+        return self._refresh()
 
     def values(self) -> tuple[Any, ...]:
-        """The key's values (one for a set, any number for a bag), cached like ``member``."""
-        if self._ver[self._b] == self._v:
-            return self._values
-        return self._refresh()._values
+        """The key's values (at most one for a set), cached like ``member``."""
+        if self._ver[self._b] != self._v:
+            self._refresh()
+        vals = self._values
+        if vals is None:
+            vals = self._values = tuple(_unpack(x) for x in self._raw)
+        return vals
 
-    def _refresh(self) -> Watch:
+    def _refresh(self) -> bool:
         ver = self._ver
         seen = self._seen
         if seen:
@@ -200,16 +207,17 @@ class Watch:
                 if ver[b] != v:
                     break
             else:
-                return self
-        vals, seen = self._t._read(self._pk, True)
-        self._values = tuple(vals)
-        self._member = bool(vals)
+                return self._member
+        raw, seen = self._t._read(self._pk)
+        self._raw = raw = tuple(raw)
+        self._values = None
+        self._member = m = bool(raw)
         self._seen = seen
         if len(seen) == 1:
             self._b, self._v = seen[0]
-        else:  # the probe spans several buckets (or no valid versions): slow path checks all
+        else:
             self._b, self._v = self._pk.b, -1
-        return self
+        return m
 
 
 class Table:
@@ -218,10 +226,13 @@ class Table:
 
     Keys and values are anything msgpack packs; they come back as msgpack unpacks them
     (arrays as tuples). Keys are compared by their packed bytes (so ``1``, ``1.0`` and ``True``
-    are three keys). Every public operation accepts a key or a :class:`PreparedKey`.
+    are three keys). Every operation accepts a key or a :class:`PreparedKey` (prepare keys you
+    use more than once: packing and hashing cost more than the lookup itself).
 
     Writes take ``lock`` (reentrant: hold it around several operations to compose them
-    atomically); reads never do, except as a fallback after ``READ_RETRIES`` torn attempts.
+    atomically; the same methods then simply run under the held lock). Reads never take it,
+    except after ``READ_RETRIES`` attempts that met a writer (or a bucket a killed writer left
+    odd, which the lock's recovery repairs).
     """
 
     RECORD_HEADER = RECORD_HEADER
@@ -235,13 +246,14 @@ class Table:
 
     @staticmethod
     def record_size_for(max_key: int, max_value: int) -> int:
-        """The record size holding a packed key of ``max_key`` and a value of ``max_value``
-        bytes."""
+        """The record size holding a packed key of ``max_key`` and a packed value of
+        ``max_value`` bytes."""
         return _round8(RECORD_HEADER + max_key + max_value)
 
     @staticmethod
     def format(buf: memoryview, capacity: int, record_size: int) -> None:
-        """Write an empty table into ``buf`` (at least ``region_size`` bytes; zero-filled here)."""
+        """Write an empty table into ``buf`` (at least ``region_size`` bytes; zero-filled here,
+        which also touches every page)."""
         nslots, nbuckets, _, _, free_off, size = _geometry(capacity, record_size)
         if len(buf) < size:
             raise ValueError(f"region of {len(buf)} bytes is smaller than the table's {size}")
@@ -252,7 +264,7 @@ class Table:
         _HDR.pack_into(buf, 0, MAGIC, capacity, record_size, nslots, nbuckets)
         free = buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
         try:
-            for i in range(capacity + 1):  # pop order 0, 1, 2, ...
+            for i in range(capacity + 1):  # pops 0, 1, 2, ...
                 free[i] = capacity - i
         finally:
             free.release()
@@ -268,10 +280,10 @@ class Table:
         if len(buf) < size:
             raise RegistryIncompatible(
                 f"table {name!r}: region of {len(buf)} bytes, layout needs {size}")
-        magic, cap, rs, ns, nb = _HDR.unpack_from(buf, 0)
-        if (magic, cap, rs, ns, nb) != (MAGIC, capacity, record_size, nslots, nbuckets):
+        header = _HDR.unpack_from(buf, 0)
+        if header != (MAGIC, capacity, record_size, nslots, nbuckets):
             raise RegistryIncompatible(
-                f"table {name!r}: header {(magic, cap, rs, ns, nb)!r} does not match the layout "
+                f"table {name!r}: header {header!r} does not match the layout "
                 f"{(MAGIC, capacity, record_size, nslots, nbuckets)!r}")
         self.name = name
         self.kind: Kind = kind
@@ -279,12 +291,13 @@ class Table:
         self.record_size = record_size
         self.nslots = nslots
         self._set = kind == "set"
-        self._hash_key = bytes(hash_key)
+        self._h0 = _blake2b(key=bytes(hash_key), digest_size=8)
         self._lock = lock
         self._mask = nslots - 1
-        self._wmask = 2 * nslots - 1  # index words
+        self._wmask = 2 * nslots - 1  # over index words
         self._nwords = 2 * nslots
         self._payload = record_size - RECORD_HEADER
+        self._rs = struct.Struct(f"<IIIIQ{self._payload}s")  # a whole record, zero padded
         self._heap = heap_off
         self._buf = buf[:size]
         self._hq = self._buf[0:HEADER_SIZE].cast("Q")
@@ -293,7 +306,7 @@ class Table:
         self._free = self._buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
 
     def close(self) -> None:
-        """Release the memoryviews on the segment (so the mapping can be closed)."""
+        """Release the memoryviews on the segment (so that the mapping can be closed)."""
         for name in ("_hq", "_ver", "_idx", "_free", "_buf"):
             mv = getattr(self, name, None)
             if mv is not None:
@@ -304,8 +317,9 @@ class Table:
 
     # ---------------------------------------------------------------- keys
     def _hash(self, kbytes: bytes) -> int:
-        h = _from_bytes(_blake2b(kbytes, key=self._hash_key, digest_size=8).digest(), "little")
-        return h or 1
+        h = self._h0.copy()  # keyed blake2b: copying the keyed state skips the key block
+        h.update(kbytes)
+        return _from_bytes(h.digest(), "little") or 1
 
     def prepare(self, key: Any) -> PreparedKey:
         """Pack and hash ``key`` once; pass the result to any operation of this table."""
@@ -317,26 +331,20 @@ class Table:
         h = self._hash(kbytes)
         return PreparedKey(self, key, kbytes, h, h & self._mask)
 
-    def _pk(self, key: Any) -> PreparedKey:
-        if key.__class__ is PreparedKey and key.t is self:
-            return key
-        return self.prepare(key)
-
     # ---------------------------------------------------------------- records
     def _record(self, r: int) -> tuple[bytes, bytes, int] | None:
         """(kbytes, vbytes, stamp) of record ``r``, or None when it fails validation."""
         if r > self.capacity:
             return None
-        buf = self._buf
         off = self._heap + r * self.record_size
-        n = sum(_REC.unpack_from(buf, off)[1:3])
+        crc, kl, vl, _, stamp, body = self._rs.unpack_from(self._buf, off)
+        n = kl + vl
         if n > self._payload:
             return None
-        raw = buf[off:off + RECORD_HEADER + n].tobytes()
-        crc, kl, vl, _, stamp = _REC.unpack_from(raw)
-        if kl + vl != n or _crc32(memoryview(raw)[4:]) != crc:
+        body = body[:n]
+        if _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32) != crc:
             return None
-        return raw[RECORD_HEADER:RECORD_HEADER + kl], raw[RECORD_HEADER + kl:], stamp
+        return body[:kl], body[kl:], stamp
 
     def _check_size(self, kbytes: bytes, vbytes: bytes) -> None:
         if len(kbytes) + len(vbytes) > self._payload:
@@ -345,99 +353,125 @@ class Table:
                 f"the record payload of {self._payload} bytes")
 
     # ---------------------------------------------------------------- lock-free reads
-    def _read(self, pk: PreparedKey, decode: bool) -> tuple[list[Any], tuple[tuple[int, int], ...]]:
-        """Values (decoded, or raw bytes) of ``pk``'s rows and the (bucket, version) pairs the
-        probe validated. Never torn; falls back to the lock after READ_RETRIES attempts."""
+    # Memory ordering: the seqlock relies on x86-64 (TSO): a writer's plain stores (version odd,
+    # slots, version even) become visible in program order, and a reader's loads (version, slots,
+    # version again) are not reordered with older loads; every u64 goes through a 'Q' memoryview
+    # as one aligned 8-byte move, never torn, and CPython cannot reorder the separate C calls.
+    # A weakly ordered CPU (ARM, POWER) would need fences around these stores and loads.
+
+    def _probe(self, pk: PreparedKey) -> tuple[list[bytes], list[tuple[int, int]]] | None:
+        """One optimistic probe: (raw values, [(bucket, version) read]) or None when it met a
+        writer (odd or moved version) or a record failing validation."""
         ver = self._ver
         idx = self._idx
         wmask = self._wmask
         h = pk.hash
-        kb = pk.kbytes
-        for attempt in range(READ_RETRIES):
-            if attempt >= _SPIN_BEFORE_YIELD:
-                os.sched_yield()
-            j = pk.j
-            b = j >> 5
-            v = ver[b]
-            if v & 1:
-                continue
-            seen = [(b, v)]
-            out: list[Any] = []
-            torn = False
-            for _ in range(self.nslots):
-                sh = idx[j]
-                if sh == 0:
-                    break
-                if sh == h:
-                    rec = self._record(idx[j + 1])
-                    if rec is None:
-                        torn = True
-                        break
-                    if rec[0] == kb:
-                        out.append(rec[1])
-                j = (j + 2) & wmask
-                if not j & 31:
-                    b = j >> 5
-                    v = ver[b]
-                    if v & 1:
-                        torn = True
-                        break
-                    seen.append((b, v))
-            else:
-                torn = True  # no empty slot seen: impossible unless torn
-            if torn:
-                continue
-            for b, v in seen:
-                if ver[b] != v:
-                    break
-            else:
-                if decode:
-                    try:
-                        out = [_unpack(x) for x in out]
-                    except Exception:  # crc-valid but undecodable: treat as torn
-                        continue
-                return out, tuple(seen)
-        with self._lock:
-            return self._read_locked(pk, decode)
-
-    def _read_locked(self, pk: PreparedKey, decode: bool
-                     ) -> tuple[list[Any], tuple[tuple[int, int], ...]]:
-        out = [e[3] for e in self._find(pk)]
-        if decode:
-            out = [_unpack(x) for x in out]
-        ver = self._ver
-        b = pk.b
-        seen = [(b, ver[b])]
         j = pk.j
-        while self._idx[j]:
-            j = (j + 2) & self._wmask
-            if not j & 31:
-                seen.append((j >> 5, ver[j >> 5]))
-        if any(v & 1 for _, v in seen):
-            seen = []  # not cacheable
-        return out, tuple(seen)
+        b = pk.b
+        v = ver[b]
+        if v & 1:
+            return None
+        seen = [(b, v)]
+        out: list[bytes] = []
+        for _ in range(self.nslots):
+            sh = idx[j]
+            if not sh:
+                break
+            if sh == h:
+                rec = self._record(idx[j + 1])
+                if rec is None:
+                    return None
+                if rec[0] == pk.kbytes:
+                    out.append(rec[1])
+                    if self._set:  # a set holds one row per key: the probe can stop here
+                        break
+            j = (j + 2) & wmask
+            if not j & 31:  # the next slot opens a new bucket
+                b = j >> 5
+                v = ver[b]
+                if v & 1:
+                    return None
+                seen.append((b, v))
+        else:
+            return None  # no empty slot met: only a torn read can look like that
+        for b, v in seen:
+            if ver[b] != v:
+                return None
+        return out, seen
+
+    def _read(self, pk: PreparedKey) -> tuple[list[bytes], tuple[tuple[int, int], ...]]:
+        """Raw values of ``pk``'s rows and the (bucket, version) pairs that validated them; never
+        torn. Falls back to reading under the lock after READ_RETRIES attempts."""
+        for attempt in range(READ_RETRIES):
+            got = self._probe(pk)
+            if got is not None:
+                return got[0], tuple(got[1])
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()  # let a preempted writer finish
+        with self._lock:
+            out = [e[3] for e in self._find(pk)]
+            got = self._probe(pk)  # under the lock no writer moves a version
+            seen = tuple(got[1]) if got is not None else ()
+            return out, seen
 
     def member(self, key: Any) -> bool:
-        """True if ``key`` has a row. A miss on an empty home slot costs three loads."""
-        if key.__class__ is not PreparedKey or key.t is not self:
+        """True if ``key`` has a row. A miss costs a version load, the hashes of the probed slots
+        of the home bucket, and the version again."""
+        try:
+            if key.t is not self:  # prepared for another table
+                key = self.prepare(key)
+        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
             key = self.prepare(key)
         ver = self._ver
         b = key.b
         v = ver[b]
-        if self._idx[key.j] == 0 and ver[b] == v and not v & 1:
-            return False
-        return bool(self._read(key, False)[0])
+        j = key.j
+        idx = self._idx
+        sh = idx[j]
+        if not sh:  # empty home slot
+            if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                return False
+        else:  # hashes only, within the home bucket
+            h = key.hash
+            while sh != h:
+                j += 2
+                if not j & 31:
+                    break
+                sh = idx[j]
+                if not sh:
+                    if ver[b] == v & -2:
+                        return False
+                    break
+        return bool(self._read(key)[0])
 
     def lookup(self, key: Any) -> list[Any]:
         """The values of ``key``'s rows: ``[]``, ``[value]`` for a set, any number for a bag."""
-        if key.__class__ is not PreparedKey or key.t is not self:
+        try:
+            if key.t is not self:  # prepared for another table
+                key = self.prepare(key)
+        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
             key = self.prepare(key)
         ver = self._ver
         b = key.b
         v = ver[b]
-        if self._idx[key.j] == 0 and ver[b] == v and not v & 1:
-            return []
-        return self._read(key, True)[0]
+        j = key.j
+        idx = self._idx
+        sh = idx[j]
+        if not sh:  # empty home slot
+            if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                return []
+        else:  # hashes only, within the home bucket
+            h = key.hash
+            while sh != h:
+                j += 2
+                if not j & 31:
+                    break
+                sh = idx[j]
+                if not sh:
+                    if ver[b] == v & -2:
+                        return []
+                    break
+        return [_unpack(x) for x in self._read(key)[0]]
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value of ``key`` (for a bag: one of its values), or ``default``."""
@@ -450,12 +484,11 @@ class Table:
 
     def watch(self, key: Any) -> Watch:
         """A cached poll of ``key`` (see :class:`Watch`)."""
-        return Watch(self, self._pk(key))
+        return Watch(self, self.prepare(key))
 
-    def _entries(self) -> list[tuple[int, int, bytes, bytes, int]]:
-        """Every (slot, record, kbytes, vbytes, stamp) with a valid record, read without
-        version checks (the caller validates or holds the lock)."""
-        words = self._idx.tolist()
+    def _entries(self, words: list[int]) -> list[tuple[int, int, bytes, bytes, int]]:
+        """(slot, record, kbytes, vbytes, stamp) of every entry of ``words`` (the index as a
+        list); stamp is -1 (and the bytes empty) where the record fails validation."""
         out = []
         rec = self._record
         for j in range(0, self._nwords, 2):
@@ -468,23 +501,23 @@ class Table:
         return out
 
     def _snapshot(self) -> list[tuple[int, int, bytes, bytes, int]]:
-        """A consistent copy of all valid rows: optimistic (every version unchanged and even
-        around the read), else under the lock."""
+        """A consistent copy of every row: optimistic (all versions even and unchanged around
+        the copy), else under the lock."""
         ver = self._ver
         for attempt in range(READ_RETRIES // 4):
             if attempt >= _SPIN_BEFORE_YIELD:
                 os.sched_yield()
-            v0 = ver.tobytes()
-            if any(v & 1 for v in ver.tolist()):
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
                 continue
-            ents = self._entries()
-            if ver.tobytes() == v0 and all(e[4] >= 0 for e in ents):
+            ents = self._entries(self._idx.tolist())
+            if ver.tolist() == v0 and all(e[4] >= 0 for e in ents):
                 return ents
         with self._lock:
-            return [e for e in self._entries() if e[4] >= 0]
+            return [e for e in self._entries(self._idx.tolist()) if e[4] >= 0]
 
     def scan(self, pred: Callable[[Any, Any], bool] | None = None) -> list[tuple[Any, Any]]:
-        """Every (key, value) row for which ``pred(key, value)`` is true (all when None), from
+        """Every (key, value) for which ``pred(key, value)`` is true (all rows when None), from
         one consistent snapshot, in index order."""
         out = []
         for _, _, kb, vb, _ in self._snapshot():
@@ -497,19 +530,18 @@ class Table:
         """The index as a list of u64 words, consistent (optimistic, else under the lock)."""
         ver = self._ver
         for _ in range(READ_RETRIES // 4):
-            v0 = ver.tobytes()
+            v0 = ver.tolist()
             words = self._idx.tolist()
-            if ver.tobytes() == v0 and not any(v & 1 for v in ver.tolist()):
+            if not any(v & 1 for v in v0) and ver.tolist() == v0:
                 return words
             os.sched_yield()
         with self._lock:
             return self._idx.tolist()
 
     def stats(self) -> dict[str, Any]:
-        """rows, capacity, nslots, load (rows / nslots), probe-length histogram
-        {distance from home: entries}, max_probe (from one consistent snapshot)."""
+        """``rows``, ``capacity``, ``nslots``, ``load`` (rows / nslots), ``probe_histogram``
+        {distance from home slot: entries}, ``max_probe``; from one consistent index read."""
         hist: dict[int, int] = {}
-        n = 0
         mask = self._mask
         words = self._index_words()
         for j in range(0, self._nwords, 2):
@@ -517,7 +549,7 @@ class Table:
             if h:
                 d = ((j >> 1) - (h & mask)) & mask
                 hist[d] = hist.get(d, 0) + 1
-                n += 1
+        n = sum(hist.values())
         return {
             "rows": n,
             "capacity": self.capacity,
@@ -529,30 +561,30 @@ class Table:
 
     # ---------------------------------------------------------------- writes (hold the lock)
     def _find(self, pk: PreparedKey) -> list[tuple[int, int, bytes, bytes]]:
-        """(slot, record, kbytes, vbytes) of ``pk``'s rows; caller holds the lock."""
+        """(slot, record, kbytes, vbytes) of ``pk``'s rows; the caller holds the lock."""
         idx = self._idx
+        wmask = self._wmask
         h = pk.hash
-        kb = pk.kbytes
         j = pk.j
         out = []
         for _ in range(self.nslots):
             sh = idx[j]
-            if sh == 0:
+            if not sh:
                 break
             if sh == h:
                 r = idx[j + 1]
                 rec = self._record(r)
-                if rec is not None and rec[0] == kb:
+                if rec is not None and rec[0] == pk.kbytes:
                     out.append((j >> 1, r, rec[0], rec[1]))
-            j = (j + 2) & self._wmask
+            j = (j + 2) & wmask
         return out
 
     def _write_record(self, kbytes: bytes, vbytes: bytes) -> int:
-        """Fill the record on top of the free stack, then pop it. Returns its number."""
+        """Fill the record on top of the free stack (it is unreferenced), then pop it."""
         hq = self._hq
         top = hq[_TOP]
         r = self._free[top - 1] if 0 < top <= self.capacity + 1 else self.capacity + 1
-        if r > self.capacity:  # free stack damaged: rebuild it and retry
+        if r > self.capacity:  # the free stack is damaged: rebuild it and retry
             self.fsck()
             top = hq[_TOP]
             if top == 0:
@@ -560,10 +592,12 @@ class Table:
             r = self._free[top - 1]
         stamp = hq[_STAMP] + 1
         hq[_STAMP] = stamp
-        tail = _REC_TAIL.pack(len(kbytes), len(vbytes), 0, stamp) + kbytes + vbytes
-        off = self._heap + r * self.record_size
-        self._buf[off:off + RECORD_HEADER + len(kbytes) + len(vbytes)] = (
-            _CRC.pack(_crc32(tail)) + tail)
+        kl = len(kbytes)
+        vl = len(vbytes)
+        body = kbytes + vbytes
+        self._rs.pack_into(self._buf, self._heap + r * self.record_size,
+                           _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32),
+                           kl, vl, 0, stamp, body)
         hq[_TOP] = top - 1
         return r
 
@@ -601,7 +635,7 @@ class Table:
         while True:
             j = (j + 1) & mask
             hj = idx[2 * j]
-            if hj == 0:
+            if not hj:
                 break
             k = hj & mask
             # the entry at j stays if its home lies cyclically in (i, j]
@@ -611,8 +645,8 @@ class Table:
             if bj not in marked:
                 ver[bj] += 1
                 marked.append(bj)
-            idx[2 * i + 1] = idx[2 * j + 1]
-            idx[2 * i] = hj
+            idx[2 * i + 1] = idx[2 * j + 1]  # a half-copied slot fails fsck's hash check
+            idx[2 * i] = hj  # now a duplicate of slot j: fsck keeps one
             i = j
         idx[2 * i] = 0
         idx[2 * i + 1] = 0
@@ -622,12 +656,12 @@ class Table:
         self._free_record(r)
 
     def _locate(self, h: int, r: int) -> int:
-        """The slot holding (hash ``h``, record ``r``); caller holds the lock. -1 if none."""
+        """The slot holding (hash ``h``, record ``r``), or -1; the caller holds the lock."""
         idx = self._idx
         j = 2 * (h & self._mask)
         for _ in range(self.nslots):
             sh = idx[j]
-            if sh == 0:
+            if not sh:
                 return -1
             if sh == h and idx[j + 1] == r:
                 return j >> 1
@@ -636,73 +670,79 @@ class Table:
 
     def insert(self, key: Any, value: Any) -> None:
         """Set: insert or replace ``key``'s row. Bag: add the object unless an identical one is
-        there. Raises RowTooLarge (nothing written, no lock taken) or TableFull."""
-        pk = self._pk(key)
+        there. Raises RowTooLarge (before taking the lock or writing) or TableFull."""
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
         vb = _pack(value)
-        self._check_size(pk.kbytes, vb)
+        if len(key.kbytes) + len(vb) > self._payload:
+            self._check_size(key.kbytes, vb)
         lock = self._lock
         with lock:
-            found = self._find(pk)
+            found = self._find(key)
             if found and self._set:
                 s, old, _, oldvb = found[0]
                 if oldvb == vb:
                     return
                 lock.dirty = True
-                new = self._write_record(pk.kbytes, vb)
+                new = self._write_record(key.kbytes, vb)
                 b = s >> 4
-                self._ver[b] += 1
+                ver = self._ver
+                ver[b] += 1
                 self._idx[2 * s + 1] = new  # the commit: one aligned store
-                self._ver[b] += 1
+                ver[b] += 1
                 self._free_record(old)
                 lock.dirty = False
                 return
             for e in found:
                 if e[3] == vb:
                     return
-            self._insert_new(pk, vb)
-
-    def _insert_new(self, pk: PreparedKey, vb: bytes) -> None:
-        if self._hq[_ROWS] >= self.capacity:
-            raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
-        lock = self._lock
-        lock.dirty = True
-        r = self._write_record(pk.kbytes, vb)
-        self._publish(pk, r)
-        lock.dirty = False
+            if self._hq[_ROWS] >= self.capacity:
+                raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
+            lock.dirty = True
+            self._publish(key, self._write_record(key.kbytes, vb))
+            lock.dirty = False
 
     def insert_new(self, key: Any, value: Any) -> bool:
         """Insert only if ``key`` has no row; False (nothing written) if it has one."""
-        pk = self._pk(key)
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
         vb = _pack(value)
-        self._check_size(pk.kbytes, vb)
-        with self._lock:
-            if self._find(pk):
+        self._check_size(key.kbytes, vb)
+        lock = self._lock
+        with lock:
+            if self._find(key):
                 return False
-            self._insert_new(pk, vb)
+            if self._hq[_ROWS] >= self.capacity:
+                raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
+            lock.dirty = True
+            self._publish(key, self._write_record(key.kbytes, vb))
+            lock.dirty = False
             return True
 
     def delete(self, key: Any) -> int:
         """Remove every row of ``key``; returns how many."""
-        pk = self._pk(key)
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
         lock = self._lock
-        n = 0
         with lock:
-            while True:
-                found = self._find(pk)
-                if not found:
-                    return n
+            found = self._find(key)
+            if found:
                 lock.dirty = True
-                self._delete_slot(found[0][0])
+                # from the far end: a backward shift moves only entries after the hole, never
+                # the ones found before it (the cluster cannot wrap: load <= 50 %)
+                for s, _, _, _ in reversed(found):
+                    self._delete_slot(s)
                 lock.dirty = False
-                n += 1
+            return len(found)
 
     def delete_object(self, key: Any, value: Any) -> bool:
         """Remove exactly one row equal to (key, value); False if there is none."""
-        pk = self._pk(key)
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
         vb = _pack(value)
         lock = self._lock
         with lock:
-            for s, _, _, v in self._find(pk):
+            for s, _, _, v in self._find(key):
                 if v == vb:
                     lock.dirty = True
                     self._delete_slot(s)
@@ -712,13 +752,12 @@ class Table:
 
     def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
         """Remove every row for which ``pred(key, value)`` is true; returns how many. ``pred``
-        runs on all rows before anything is removed (if it raises, nothing is)."""
+        sees every row before anything is removed (if it raises, nothing is)."""
         lock = self._lock
         with lock:
-            doomed = []
-            for s, r, kb, vb, stamp in self._entries():
-                if stamp >= 0 and pred(_unpack(kb), _unpack(vb)):
-                    doomed.append((self._idx[2 * s], r))
+            words = self._idx.tolist()
+            doomed = [(words[2 * s], r) for s, r, kb, vb, stamp in self._entries(words)
+                      if stamp >= 0 and pred(_unpack(kb), _unpack(vb))]
             n = 0
             for h, r in doomed:
                 s = self._locate(h, r)
@@ -731,34 +770,26 @@ class Table:
 
     # ---------------------------------------------------------------- recovery
     def fsck(self) -> dict[str, int]:
-        """Check and repair the table; the caller holds the lock. Returns counts of repairs
-        (all zero for a healthy table, which it leaves untouched).
+        """Check and repair the table; the caller holds the lock. Returns counts of repairs,
+        all zero for a healthy table (which it leaves untouched: no version moves).
 
         Drops index entries whose record number is out of range, whose record fails its
-        length/crc check, or whose key does not hash to the entry; drops all but one of entries
-        sharing a record; for a set keeps only the newest (highest stamp) row of a key; moves
-        entries back so that no empty slot lies between an entry's home and the entry; rebuilds
-        the free stack from the records referenced; recounts the rows; makes every bucket
-        version even. Every step leaves a state that fsck handles, so a killed fsck is finished
-        by the next one.
+        length/crc check, or whose key does not hash to the entry; keeps one of entries sharing
+        a record; for a set keeps only the newest (highest stamp) row of a key; moves entries
+        back so that no empty slot lies between an entry's home and the entry; rebuilds the
+        free stack from the records referenced; recounts the rows; makes every bucket version
+        even. Every step leaves a state fsck handles, so a killed fsck is finished by the next.
         """
         rep = {"odd_versions": 0, "bad_entries": 0, "duplicate_entries": 0,
                "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0}
         idx = self._idx
         ver = self._ver
-        mask = self._mask
-        nslots = self.nslots
         words = idx.tolist()
         drop: list[int] = []
         by_rec: dict[int, int] = {}
         by_key: dict[bytes, tuple[int, int]] = {}
-        for s in range(nslots):
-            h = words[2 * s]
-            if not h:
-                continue
-            r = words[2 * s + 1]
-            rec = self._record(r)
-            if rec is None or self._hash(rec[0]) != h:
+        for s, r, kb, _, stamp in self._entries(words):
+            if stamp < 0 or self._hash(kb) != words[2 * s]:
                 drop.append(s)
                 rep["bad_entries"] += 1
                 continue
@@ -768,57 +799,55 @@ class Table:
                 continue
             by_rec[r] = s
             if self._set:
-                prev = by_key.get(rec[0])
+                prev = by_key.get(kb)
                 if prev is not None:
                     rep["stale_rows"] += 1
-                    if prev[0] >= rec[2]:
+                    if prev[0] >= stamp:
                         drop.append(s)
                         del by_rec[r]
                         continue
                     drop.append(prev[1])
                     del by_rec[words[2 * prev[1] + 1]]
-                by_key[rec[0]] = (rec[2], s)
+                by_key[kb] = (stamp, s)
         for s in drop:
             words[2 * s] = words[2 * s + 1] = 0
-        moves = _reachability_moves(words, mask)
-        odd = [b for b, v in enumerate(ver.tolist()) if v & 1]
-        changing = bool(drop or moves)
-        if changing:
-            for b in range(len(ver)):
-                if not ver[b] & 1:
-                    ver[b] += 1
+        moves = _reachability_moves(words, self._mask)
+        versions = ver.tolist()
+        odd = [b for b, v in enumerate(versions) if v & 1]
+        rep["odd_versions"] = len(odd)
+        rep["moved"] = len(moves)
+        if drop or moves:
+            for b, v in enumerate(versions):  # readers retry (or wait on our lock) meanwhile
+                if not v & 1:
+                    ver[b] = v + 1
             for s in drop:
                 idx[2 * s] = 0
                 idx[2 * s + 1] = 0
             for src, dst in moves:
                 idx[2 * dst + 1] = idx[2 * src + 1]
-                idx[2 * dst] = idx[2 * src]
+                idx[2 * dst] = idx[2 * src]  # a duplicate until the next store: fsck keeps one
                 idx[2 * src] = 0
                 idx[2 * src + 1] = 0
-            rep["moved"] = len(moves)
-        # free stack: exactly the unreferenced records
-        referenced = set(by_rec)
-        nfree = self.capacity + 1 - len(referenced)
+            odd = range(len(versions))
         hq = self._hq
+        nrec = self.capacity + 1
+        nfree = nrec - len(by_rec)
         top = hq[_TOP]
-        stack = self._free.tolist()
-        if top != nfree or set(stack[:top]) | referenced != set(range(self.capacity + 1)):
-            free = [r for r in range(self.capacity, -1, -1) if r not in referenced]
-            for i, r in enumerate(free):
-                self._free[i] = r
+        if top != nfree or set(self._free.tolist()[:top]) | by_rec.keys() != set(range(nrec)):
+            free = self._free
+            for i, r in enumerate(r for r in range(nrec - 1, -1, -1) if r not in by_rec):
+                free[i] = r
             hq[_TOP] = nfree
             rep["free_stack"] = 1
-        if hq[_ROWS] != len(referenced):
-            hq[_ROWS] = len(referenced)
+        if hq[_ROWS] != len(by_rec):
+            hq[_ROWS] = len(by_rec)
             rep["rows"] = 1
-        if changing:
-            for b in range(len(ver)):
-                if ver[b] & 1:
-                    ver[b] += 1
-        else:
-            for b in odd:
-                ver[b] += 1
-        rep["odd_versions"] = len(odd)
+        if hq[_STAMP] < max((e[0] for e in by_key.values()), default=0):
+            hq[_STAMP] = max(e[0] for e in by_key.values())
+        for b in odd:
+            v = ver[b]
+            if v & 1:
+                ver[b] = v + 1
         return rep
 
 
@@ -826,9 +855,9 @@ def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
     """Moves (src slot, dst slot) that leave no empty slot between any entry's home and the
     entry, applied to ``words`` (the index as a list of u64 words) as they are computed.
 
-    One pass in probe order starting after an empty slot: each entry goes to the first empty
-    slot between its home and itself. Entries already passed stay reachable (a move only empties
-    the slot it leaves, which lies after them), so one pass suffices.
+    One pass in probe order, starting after an empty slot: each entry goes to the first empty
+    slot from its home on. Entries passed earlier stay reachable (a move empties only the slot
+    it leaves, which lies after them), so one pass suffices.
     """
     nslots = mask + 1
     start = next((s for s in range(nslots) if not words[2 * s]), None)
@@ -840,8 +869,7 @@ def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
         h = words[2 * s]
         if not h:
             continue
-        k = h & mask
-        e = k
+        e = h & mask
         while e != s and words[2 * e]:
             e = (e + 1) & mask
         if e != s:
