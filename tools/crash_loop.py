@@ -154,6 +154,7 @@ class RoundResult:
     acked: int
     outcome: str  # "absent" | "applied" | "partial" | "done"
     held: bool  # the child died (or exited) holding the lock
+    midwrite: bool  # ... between two stores of one mutation (a bucket version left odd)
     recovery: float  # seconds the parent's `with reg.lock` took
 
 
@@ -196,6 +197,7 @@ def one_round(reg: Registry, model: Model, rng: random.Random, mode: str,
 
     owner = reg.lock.owner()
     held = owner is not None and owner[0] != os.getpid()
+    midwrite = any(v & 1 for t in reg.tables.values() for v in t._ver.tolist())
     t0 = time.monotonic()
     with reg.lock:
         recovery = time.monotonic() - t0
@@ -208,7 +210,7 @@ def one_round(reg: Registry, model: Model, rng: random.Random, mode: str,
     got = state(reg)
     if done or acked == len(ops):
         assert got == model, "state differs from the model after every op completed"
-        return model, RoundResult(acked, "done", held, recovery)
+        return model, RoundResult(acked, "done", held, midwrite, recovery)
     nxt = model.apply(ops[acked])
     if got == model:
         outcome = "absent"
@@ -222,7 +224,7 @@ def one_round(reg: Registry, model: Model, rng: random.Random, mode: str,
                    and all(r[0] == k for r in model.f - got.f))
         assert partial, f"state after a crash in {op!r} is neither before nor after it"
         outcome, model = "partial", got
-    return model, RoundResult(acked, outcome, held, recovery)
+    return model, RoundResult(acked, outcome, held, midwrite, recovery)
 
 
 def run(name: str, rounds: int, mode: str, seed: int, verbose: bool = False) -> list[RoundResult]:
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"died holding the lock: {len(rec)} rounds; recovery s: median "
               f"{statistics.median(rec):.3f}, p99 {rec[int(len(rec) * 0.99) - 1]:.3f}, "
               f"max {rec[-1]:.3f}")
+    print(f"killed between two stores of a mutation: {sum(r.midwrite for r in res)} rounds")
     print("every round: recovered, second fsck clean, acked ops present, nothing torn")
     return 0
 
