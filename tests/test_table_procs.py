@@ -143,7 +143,7 @@ def test_reader_never_sees_a_torn_row(shm_name) -> None:
     """Two writers rewrite (and delete, reinsert) the same keys with values whose length varies
     from a few bytes to nearly the record; the reader (this process) checks every read."""
     keys = [("k", i) for i in range(6)]
-    rig = Rig(shm_name, [("set", 16, 320), ("bag", 16, 320)])
+    rig = Rig(shm_name, [("set", 16, 320), ("bag", 40, 320)])  # bag: 6 keys x 6 values
     st, bag = rig.tables
     pids: list[int] = []
     try:
