@@ -474,3 +474,58 @@ def test_layout_sizes_and_header_check(rig_factory) -> None:
               hash_key=HASH_KEY, lock=rig.lock)
     with pytest.raises(ValueError):
         Table.region_size(8, 30)
+
+
+def test_reader_validates_records_and_falls_back_to_the_lock(rig_factory) -> None:
+    """A referenced record failing its crc is never decoded: the reader retries, then reads
+    under the lock, where the entry is skipped; fsck drops it. An odd version (a writer killed
+    mid-mutation) sends readers to the lock, which answers correctly."""
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    t.insert("a", "va")
+    t.insert("b", "vb")
+    pa = t.prepare("a")
+    r = t._find(pa)[0][1]
+    off = t._heap + r * t.record_size + Table.RECORD_HEADER + 2
+    region = rig.region(0)
+    region[off] ^= 0xFF  # a byte of the value: the crc no longer matches
+    acq = rig.lock.acquisitions
+    assert t.lookup(pa) == [] and t.get("b") == "vb"
+    assert rig.lock.acquisitions == acq + 1  # the fallback took the lock once
+    with rig.lock:
+        assert t.fsck()["bad_entries"] == 1
+    healthy(t)
+    assert t.lookup("a") == [] and t.count() == 1
+
+    pb = t.prepare("b")
+    t._ver[pb.b] += 1  # odd: as a killed writer leaves it
+    w = t.watch(pb)
+    acq = rig.lock.acquisitions
+    assert t.lookup(pb) == ["vb"] and t.member(pb) and w.values() == ("vb",)
+    assert rig.lock.acquisitions > acq
+    with rig.lock:
+        assert t.fsck()["odd_versions"] == 1
+    assert w.values() == ("vb",)
+    acq = rig.lock.acquisitions
+    assert w.member() and t.lookup(pb) == ["vb"]
+    assert rig.lock.acquisitions == acq  # healthy again: no lock
+
+
+def test_record_with_torn_header_is_rejected(rig_factory) -> None:
+    rig = rig_factory([("bag", 8, 64)])
+    t = rig.tables[0]
+    t.insert("k", "value")
+    r = t._find(t.prepare("k"))[0][1]
+    base = t._heap + r * t.record_size
+    region = rig.region(0)
+    good = region[base:base + t.record_size].tobytes()
+    for field_off in (4, 8, 16):  # klen, vlen, stamp: each is covered by the crc seed
+        region[base + field_off] ^= 1
+        assert t._record(r) is None
+        region[base:base + t.record_size] = good
+    assert t._record(r) is not None
+    region[base + 4:base + 8] = (10_000).to_bytes(4, "little")  # klen beyond the record
+    assert t._record(r) is None
+    region[base:base + t.record_size] = good
+    region[base:base + t.record_size] = bytes(t.record_size)  # all zero: invalid too
+    assert t._record(r) is None
