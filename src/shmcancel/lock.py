@@ -37,6 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from threading import get_ident as _get_ident
 from typing import TYPE_CHECKING, Any
 
 import posix_ipc
@@ -193,47 +194,58 @@ class RegistryLock:
 
     # --- with ---
     def __enter__(self) -> RegistryLock:
-        tid = threading.get_ident()
-        if self._st.holder == tid:
-            self._st.depth += 1
+        # The uncontended path is the cost of every write: no clock read, no timed waits.
+        st = self._st
+        tid = _get_ident()
+        if st.holder == tid:
+            st.depth += 1
             return self
-        t0 = time.monotonic()
-        if not self._st.tlock.acquire(timeout=self._timeout):
-            raise LockTimeout(
-                f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
-                f"held the lock for more than {self._timeout:.1f}s")
+        tlock = st.tlock
+        t0 = None
+        if not tlock.acquire(False):
+            t0 = time.monotonic()
+            if not tlock.acquire(timeout=self._timeout):
+                raise LockTimeout(
+                    f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
+                    f"held the lock for more than {self._timeout:.1f}s")
         try:
             try:
                 self._sem.acquire(0)  # fast path: sem_trywait, never interrupted
             except posix_ipc.BusyError:
-                self._acquire_slow(tid, t0)
+                self._acquire_slow(tid, time.monotonic() if t0 is None else t0)
             else:
-                self._st.holder = tid
-                self._st.depth = 1
-                self._stamp()
+                st.holder = tid
+                st.depth = 1
+                w = self._w
+                w[_GEN] += 1
+                w[_OWNER] = st.me  # ordering: see _stamp
         except BaseException:
-            if self._st.holder == tid:
+            if st.holder == tid:
                 self._release_unit()
-            self._st.tlock.release()
+            tlock.release()
             raise
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
-        if self._st.holder != threading.get_ident() or self._st.depth == 0:
+        st = self._st
+        if st.holder != _get_ident() or st.depth == 0:
             return  # not ours (state reset by fork in a child): nothing to release
-        if self._st.depth > 1:
-            self._st.depth -= 1
-            if et is not None and self._st.dirty:
+        if st.depth > 1:
+            st.depth -= 1
+            if et is not None and st.dirty:
                 self._run_repair()
             return
-        if self._st.dirty:
+        if st.dirty:
             self._run_repair()
-        self._release_unit()
-        self._st.tlock.release()
+        st.depth = 0  # _release_unit, inlined: this is every write's exit
+        self._w[_OWNER] = 0
+        self._sem.release()
+        st.holder = None
+        st.tlock.release()
 
     def _stamp(self) -> None:
         w = self._w
-        w[_GEN] = w[_GEN] + 1
+        w[_GEN] += 1
         # Memory ordering: x86-64 (TSO) makes plain stores visible in program order and never
         # reorders loads with older loads, so a waiter that reads this owner also reads the
         # generation bumped above; each u64 store through the 'Q' memoryview is one aligned
@@ -241,11 +253,12 @@ class RegistryLock:
         w[_OWNER] = self._st.me
 
     def _release_unit(self) -> None:
-        self._st.depth = 0
+        st = self._st
+        st.depth = 0
         self._w[_OWNER] = 0
         self._sem.release()
-        self._st.holder = None
-        self._st.dirty = False
+        st.holder = None
+        st.dirty = False
 
     def _run_repair(self) -> None:
         if self._repair is not None:
