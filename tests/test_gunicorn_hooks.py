@@ -198,21 +198,27 @@ def test_stuck_lock_holder_does_not_stall_the_master(sync_server):
     when the holder dies in turn."""
     g, reg = sync_server
     s = Session(g.url)
-    with background(s.call, "sleep", {"seconds": 30}, 21, 30), \
-            background(lambda: httpx.get(base(g) + "/hold-lock", timeout=30)):
+    holder = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(background(s.call, "sleep", {"seconds": 30}, 21, 30))
+        # in flight first: tools/call takes the lock to track itself
         busy = wait_until(lambda: [p for _, rid, p in in_flight(reg) if rid == "21"],
                           time.monotonic() + 5, what="the sleep call")[0]
-        holder = wait_until(reg.lock.owner, time.monotonic() + 5, what="the lock holder")[0]
-        assert holder != busy
-        os.kill(busy, signal.SIGKILL)
-        t0 = time.monotonic()
-        g.wait_workers(3, time.monotonic() + 5)
-        assert busy not in g.worker_pids()
-        respawned = time.monotonic() - t0
-        assert respawned < 2.0, respawned
-        assert "left for later" in g.log()
-        assert any(p == busy for _, _, p in in_flight(reg)), "no write could happen meanwhile"
-        os.kill(holder, signal.SIGKILL)
+        stack.enter_context(background(lambda: httpx.get(base(g) + "/hold-lock", timeout=30)))
+        try:
+            holder = wait_until(reg.lock.owner, time.monotonic() + 5, what="the holder")[0]
+            assert holder != busy
+            os.kill(busy, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda: busy not in (w := g.worker_pids()) and len(w) == 3,
+                       time.monotonic() + 5, what="the dead worker's replacement")
+            respawned = time.monotonic() - t0
+            assert respawned < 2.0, respawned
+            assert "left for later" in g.log()
+            assert any(p == busy for _, _, p in in_flight(reg)), "no write could happen"
+        finally:
+            if holder:  # a live holder would stall every later test
+                os.kill(holder, signal.SIGKILL)
         wait_until(lambda: not in_flight(reg), time.monotonic() + 5, what="every row to go")
     g.wait_workers(3, time.monotonic() + 10)
 

@@ -110,11 +110,20 @@ def test_legacy_cancel_and_delete_together(example):
     server handles first, the tool stops. Several rounds, so both orders get their chance."""
     g, reg = example
 
+    sdk_races = 0
+
     async def round_() -> float:
-        async with Client(g.url, mode="legacy") as c, anyio.create_task_group() as tg:
-            tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
-            await until(lambda: rows(reg), 10, "the sleep call to be in flight")
-            tg.cancel_scope.cancel()
+        nonlocal sdk_races
+        try:
+            async with Client(g.url, mode="legacy") as c, anyio.create_task_group() as tg:
+                tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+                await until(lambda: rows(reg), 10, "the sleep call to be in flight")
+                tg.cancel_scope.cancel()
+        except* anyio.ClosedResourceError:
+            # The SDK's own race (mcp 2.3.0): the server's -32800 reply to the abandoned call
+            # can arrive after the client closed its read stream, and leaving the client then
+            # raises this. What the server did is checked below either way.
+            sdk_races += 1
         left = time.monotonic()
         gone = await until(lambda: not rows(reg), 10, "the tool to stop")
         return gone - left
@@ -122,3 +131,4 @@ def test_legacy_cancel_and_delete_together(example):
     for _ in range(4):
         took = anyio.run(round_)
         assert took < STOPPED_WITHIN, took
+    print(f"\nlegacy cancel + DELETE: 4 rounds, the SDK raised on exit in {sdk_races}")
