@@ -203,6 +203,49 @@ def test_create_over_live_and_dead_creator(shm_name: str) -> None:
         old.close()
 
 
+def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
+    # The USR2 case: the creator hands the registry to a successor and exits.
+    def creator(w: int) -> None:
+        Registry.create(shm_name, SMALL)
+        os.write(w, b"c")
+        select.select([], [], [], 60)
+
+    pid, r = _child(creator)
+    try:
+        assert _recv(r) == b"c"
+        successor = Registry.attach(shm_name)
+        assert successor.creator[0] == pid
+        successor.adopt()
+        assert successor.creator == procinfo.me()
+    finally:
+        _reap(pid)
+        os.close(r)
+    try:
+        successor.cancellations.insert(("global", "1"), (None, 1.0))
+
+        def rival(w: int) -> None:  # another process creating the same name
+            try:
+                Registry.create(shm_name, SMALL)
+                os.write(w, b"replaced")
+            except RegistryIncompatible as e:
+                os.write(w, str(e).encode())
+
+        rpid, rr = _child(rival)
+        try:
+            assert _recv(rr).decode() == (
+                f"registry {shm_name} is in use by live pid {os.getpid()}")
+        finally:
+            _reap(rpid)
+            os.close(rr)
+        assert successor.cancellations.get(("global", "1")) == (None, 1.0)
+        with Registry.attach(shm_name, readonly=True) as ro, pytest.raises(
+                ShmCancelError, match="read-only"):
+            ro.adopt()
+    finally:
+        successor.close()
+        successor.unlink()
+
+
 def test_incompatible_table_layout(shm_name: str) -> None:
     import struct
 

@@ -161,6 +161,7 @@ def when_ready(server: Any) -> None:
             if parent and _running(parent):
                 try:
                     reg = Registry.attach(name)
+                    reg.adopt()  # so that the registry outlives the old master's record
                     log.info("shmcancel: attached to registry %r of master %s (USR2 upgrade)",
                              name, parent)
                 except RegistryNotFound:

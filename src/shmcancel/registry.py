@@ -29,6 +29,7 @@ from .exceptions import RegistryIncompatible, ShmCancelError
 from .lock import RegistryLock
 from .segment import (
     LAYOUT_VERSION,
+    OFF_CREATOR,
     OFF_EVICTIONS,
     OFF_LAST_SWEEP,
     OFF_LAST_SWEEPER,
@@ -278,6 +279,18 @@ class Registry:
         c = self._seg.creator
         assert c is not None
         return c
+
+    def adopt(self) -> None:
+        """Record the calling process as the registry's creator.
+
+        ``create`` replaces a registry only when its creator is gone; a process that takes over
+        a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade) adopts
+        it so that the registry is not taken for stale once the old creator exits.
+        """
+        if self.readonly:
+            raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
+        with self.lock:
+            self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
 
     @property
     def cancellations(self) -> Table:

@@ -297,7 +297,8 @@ class Segment:
     # --- header access ---
     @property
     def creator(self) -> tuple[int, int] | None:
-        return procinfo.unpack_owner(self.creator_word)
+        """The creating (or adopting, ``Registry.adopt``) process, read live from the header."""
+        return procinfo.unpack_owner(self.words[OFF_CREATOR >> 3])
 
     def u64(self, off: int) -> int:
         return self.words[off >> 3]
