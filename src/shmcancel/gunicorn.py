@@ -22,7 +22,9 @@ What each hook does
     for one deployment, distinct for two side by side; see :func:`registry_name`). A name that a
     live master elsewhere still holds stops gunicorn with a one-line error. A master started by a
     ``USR2`` upgrade (gunicorn sets ``GUNICORN_PID`` for it) attaches to the live registry of the
-    master that started it instead. No thread is started: the master must have none when it forks.
+    master that started it instead, and adopts it (``Registry.adopt``), so the registry is not
+    taken for stale once the old master has exited. No thread is started: the master must have
+    none when it forks.
 ``post_fork`` (worker)
     Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app).
 ``child_exit`` (master, after gunicorn has reaped a worker)
