@@ -222,8 +222,7 @@ class Cancellation:
             rid = ids.key(x)
             if rid is None or (type(scope) is not str and not isinstance(scope, str)):
                 return False
-            if _now() >= self._next_check:
-                self._tick()
+            self._maybe_tick()
             k = (scope, rid)
             w = self._watches.get(k)
             if w is None:
@@ -242,6 +241,7 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return None
+        self._maybe_tick()
         row = self._store.get(scope, rid)
         return None if row is None else row[0]
 
@@ -250,6 +250,7 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return None
+        self._maybe_tick()
         row = self._store.get(scope, rid)
         return None if row is None else row[1]
 
@@ -259,8 +260,8 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return
-        if self._store.clear(scope, rid):
-            self._tick()
+        self._maybe_tick()
+        self._store.clear(scope, rid)
 
     def cancel_scope(self, scope: str, reason: object = None) -> int:
         """Cancel every request in flight in ``scope`` (a session's ``DELETE``). Returns how many
@@ -299,12 +300,14 @@ class Cancellation:
             return
         pid, start = procinfo.me()
         self._store.untrack_thread(scope, rid, pid, start, threading.get_ident())
+        self._maybe_tick()
 
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
         """True while any in-flight row exists for ``(scope, id)``. Never raises."""
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return False
+        self._maybe_tick()
         return self._store.in_flight(scope, rid)
 
     def begin(self, request_id: object, scope: str) -> RequestHandle:
@@ -338,6 +341,12 @@ class Cancellation:
         """Remove in-flight rows of dead owners now (only ``pid``'s when given: what gunicorn's
         master calls from ``child_exit``). Returns the rows removed."""
         return self._store.reap(pid)
+
+    def _maybe_tick(self) -> None:
+        """The janitor's check on every read: one clock read and a comparison until a sweep
+        may be due (reads count as use of the registry, SPEC §4.6)."""
+        if _now() >= self._next_check:
+            self._tick()
 
     def _tick(self) -> None:
         """The janitor's piggy-back: sweep when this process wins the interval's claim."""
