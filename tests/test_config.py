@@ -43,7 +43,7 @@ def test_capacity_follows_max_rows(kwargs: dict, capacity: int, effective: int) 
         {"capacity": 0},
         {"in_flight_capacity": 0},
         {"session_capacity": "10"},
-        {"ttl": 0},
+        {"janitor_interval": 0},
         {"ttl": -5},
         {"ttl": "300"},
         {"ttl": float("nan")},

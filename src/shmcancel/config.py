@@ -18,7 +18,7 @@ class Config:
     ``max_rows``: cap on cancellation rows (``None``: up to ``capacity``); reaching it evicts.
     ``capacity``: physical cancellation rows; ``None`` means ``max(10_000, max_rows)``.
     ``max_rows_per_scope``: per-scope quota (``None`` disables); the only bound that rejects.
-    ``ttl``: cleanup removes cancellation rows strictly older than this.
+    ``ttl``: cleanup removes cancellation rows strictly older than this (``0`` allowed).
     ``janitor_interval``: period of the automatic sweep.
     ``in_flight_capacity``: in-flight rows (one per running request).
     ``stream_cancel_timeout``: grace a disconnected request's tool gets before it is stopped.
@@ -55,7 +55,10 @@ class Config:
         for name in ("ttl", "janitor_interval", "stream_cancel_timeout", "session_ttl",
                      "lock_timeout"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e9:
+            # ttl may be 0: every row older than now (strictly) goes at the next sweep
+            low_ok = name == "ttl" and v == 0
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (
+                    0 < v < 1e9 or low_ok):
                 raise ValueError(f"Config.{name} must be a positive number of seconds, got {v!r}")
             object.__setattr__(self, name, float(v))
 
