@@ -470,7 +470,7 @@ CANCEL_TABLE = [
     ({"requestId": {"a": 1}}, 400, errors.INVALID_PARAMS),
     ({"requestId": [1]}, 400, errors.INVALID_PARAMS),
     ({"requestId": "x" * 257}, 400, errors.INVALID_PARAMS),
-    ({"requestId": 1, "reason": 5}, 400, errors.INVALID_PARAMS),
+    ({"requestId": 1, "reason": 5}, 202, None),  # reason: any value, made text (SPEC §4.2)
     ([1, 2], 400, errors.INVALID_PARAMS),
     ("str", 400, errors.INVALID_PARAMS),
     (None, 400, errors.INVALID_PARAMS),

@@ -539,8 +539,10 @@ class McpServer:
         validate_modern(msg, headers)
         environ.pop(SESSION_KEY, None)  # an Mcp-Session-Id header is ignored on this wire
         if msg.method == "server/discover":
+            # serverInfo also travels in _meta (io.modelcontextprotocol/serverInfo) on every
+            # 2026-07-28 result; discover names it plainly too, as initialize does.
             result = {"supportedVersions": list(SUPPORTED_VERSIONS),
-                      "capabilities": self.capabilities()}
+                      "capabilities": self.capabilities(), "serverInfo": self.server_info()}
             if self.instructions is not None:
                 result["instructions"] = self.instructions
             return self._result(Wire.MODERN, msg, result, json_ok)
@@ -617,10 +619,7 @@ class McpServer:
         rid = params.get("requestId")
         if rid is None:
             return _Reply(202)
-        reason = params.get("reason")
-        if reason is not None and not isinstance(reason, str):
-            return _error_reply(400, None, errors.INVALID_PARAMS,
-                                'Invalid params: "reason" must be a string')
+        reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
         if ids.key(rid) is None:
             return _error_reply(400, None, errors.INVALID_PARAMS,
                                 'Invalid params: "requestId" must be an integer or a string of '
