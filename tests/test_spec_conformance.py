@@ -294,6 +294,21 @@ def test_s4_3_cancelled_conn_without_a_handle_uses_the_attached_registry(
     assert not shmcancel.cancelled(None) and not shmcancel.cancelled({})
 
 
+def test_s4_6_cancelled_conn_keeps_working_when_another_attachment_closes(
+        reg: shmcancel.Registry, shm_name: str) -> None:
+    """``shmcancel.cancelled(conn)`` uses "the process's attached registry": closing a second
+    attachment (a simulated other process, say) leaves the first one in use."""
+    other = shmcancel.Registry.attach(shm_name)
+    try:
+        shmcancel.Cancellation(other).cancel(7, scope="session:abc")
+    finally:
+        other.close()
+    conn = {"shmcancel.request_id": 7, "shmcancel.session_id": "abc"}
+    assert shmcancel.cancelled(conn)
+    reg.close()
+    assert not shmcancel.cancelled(conn)  # no registry left: False, never raises
+
+
 def _eviction_expected(rows: list[tuple[str, str, float]], batch: int) -> set[tuple[str, str]]:
     size = Counter(s for s, _, _ in rows)
     ranked = sorted(rows, key=lambda r: (-size[r[0]], r[2], r[0], r[1]))

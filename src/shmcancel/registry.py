@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from typing import Any
 
 import posix_ipc
@@ -90,11 +91,22 @@ def _specs(config: Config) -> list[TableSpec]:
 
 
 _current: Registry | None = None
+# Every registry created or attached here, oldest first (weakly: an unreferenced one may go).
+_opened: list[weakref.ref[Registry]] = []
 
 
 def current() -> Registry | None:
-    """The registry this process most recently created or attached and has not closed."""
+    """The registry this process most recently created or attached and has not closed (when
+    that one is closed, the most recent other one still open)."""
     return _current
+
+
+def _forget(reg: Registry) -> None:
+    """``reg`` is closed: drop it, and make the most recent registry still open current."""
+    global _current
+    _opened[:] = [w for w in _opened if (r := w()) is not None and r is not reg and not r.closed]
+    if _current is reg or (_current is not None and _current.closed):
+        _current = _opened[-1]() if _opened else None
 
 
 def unlink(name: str) -> None:
@@ -163,6 +175,8 @@ class Registry:
             self._close_parts()
             raise
         _current = self
+        _opened[:] = [w for w in _opened if w() is not None]
+        _opened.append(weakref.ref(self))
 
     def _check_tables(self) -> None:
         seg, cfg = self._seg, self._seg.config
@@ -212,12 +226,10 @@ class Registry:
 
     def close(self) -> None:
         """Unmap the segment and close the semaphore and lock file. Idempotent."""
-        global _current
         if self._closed:
             return
         self._closed = True
-        if _current is self:
-            _current = None
+        _forget(self)
         self._close_parts()
 
     def unlink(self) -> None:
