@@ -222,7 +222,7 @@ class Cancellation:
             rid = ids.key(x)
             if rid is None or (type(scope) is not str and not isinstance(scope, str)):
                 return False
-            self._maybe_tick()
+            self._tick()
             k = (scope, rid)
             w = self._watches.get(k)
             if w is None:
@@ -241,7 +241,7 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return None
-        self._maybe_tick()
+        self._tick()
         row = self._store.get(scope, rid)
         return None if row is None else row[0]
 
@@ -250,7 +250,7 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return None
-        self._maybe_tick()
+        self._tick()
         row = self._store.get(scope, rid)
         return None if row is None else row[1]
 
@@ -260,7 +260,7 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return
-        self._maybe_tick()
+        self._tick()
         self._store.clear(scope, rid)
 
     def cancel_scope(self, scope: str, reason: object = None) -> int:
@@ -300,14 +300,14 @@ class Cancellation:
             return
         pid, start = procinfo.me()
         self._store.untrack_thread(scope, rid, pid, start, threading.get_ident())
-        self._maybe_tick()
+        self._tick()
 
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
         """True while any in-flight row exists for ``(scope, id)``. Never raises."""
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return False
-        self._maybe_tick()
+        self._tick()
         return self._store.in_flight(scope, rid)
 
     def begin(self, request_id: object, scope: str) -> RequestHandle:
@@ -342,17 +342,11 @@ class Cancellation:
         master calls from ``child_exit``). Returns the rows removed."""
         return self._store.reap(pid)
 
-    def _maybe_tick(self) -> None:
-        """The janitor's check on every read: one clock read and a comparison until a sweep
-        may be due (reads count as use of the registry, SPEC §4.6)."""
-        if _now() >= self._next_check:
-            self._tick()
-
-    def _tick(self) -> None:
-        """The janitor's piggy-back: sweep when this process wins the interval's claim."""
+    def tick(self) -> bool:
+        """Sweep now if this process wins the interval's claim (``Registry.claim_sweep``: one
+        winner per ``janitor_interval`` across processes). Returns whether it swept. What the
+        janitor does on the back of calls, and what :class:`shmcancel.janitor.Janitor` calls."""
         now = _now()
-        if now < self._next_check:
-            return
         try:
             won = self._store.claim_sweep(now, self._interval)
         except Exception:
@@ -364,6 +358,14 @@ class Cancellation:
                 self.sweep()
             except Exception:
                 log.warning("janitor: cleanup failed", exc_info=True)
+        return won
+
+    def _tick(self) -> None:
+        """The janitor's piggy-back on every call, reads included (they count as use of the
+        registry, SPEC §4.6): one clock read and a comparison until this process's next
+        check."""
+        if _now() >= self._next_check:
+            self.tick()
 
 
 class RequestHandle:

@@ -26,7 +26,9 @@ What each hook does
     taken for stale once the old master has exited. No thread is started: the master must have
     none when it forks.
 ``post_fork`` (worker)
-    Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app).
+    Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app)
+    and starts its :class:`~shmcancel.janitor.Janitor` thread, so expired and orphaned rows are
+    swept every ``janitor_interval`` even while the server is idle.
 ``child_exit`` (master, after gunicorn has reaped a worker)
     If the dead worker held the registry lock, takes it over (``lock.recover_from``); then removes
     the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
@@ -77,6 +79,7 @@ class _State:
     owner_pid: int = 0  # the process that set `registry` (a forked worker sees its master's)
     cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
     deferred: bool = False  # child_exit skipped a reap (lock busy): the next one reaps all
+    janitor: Any = None  # a worker's Janitor thread (never the master's)
 
 
 _state = _State()
@@ -179,6 +182,8 @@ def when_ready(server: Any) -> None:
 
 def post_fork(server: Any, worker: Any) -> None:
     """Worker: attach to the master's registry (sets ``shmcancel.registry.current()``)."""
+    from .cancellation import Cancellation
+    from .janitor import Janitor
     from .registry import Registry
 
     name = _state.registry_name
@@ -190,6 +195,9 @@ def post_fork(server: Any, worker: Any) -> None:
         inherited.close()  # the master's mapping, as copied by fork: this process's to drop
     _state.registry = Registry.attach(name)
     _state.owner_pid = os.getpid()
+    # Sweeps go on while the server is idle; the master never gets a thread (it forks).
+    _state.janitor = Janitor(Cancellation(_state.registry))
+    _state.janitor.start()
 
 
 def child_exit(server: Any, worker: Any) -> None:

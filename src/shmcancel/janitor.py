@@ -1,0 +1,70 @@
+"""A janitor thread: sweeps a registry every ``janitor_interval`` even while nothing calls it.
+
+``Cancellation`` already sweeps on the back of its own calls; that stops when a server goes
+idle, and expired rows would then stay until the next request. ``shmcancel.gunicorn`` starts one
+``Janitor`` in every worker after fork (never in the master, which must have no thread when it
+forks). The workers' janitors race for ``Registry.claim_sweep``, so one sweep runs per interval
+whatever the number of workers, and the first comes one interval after the registry's creation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .cancellation import Cancellation
+
+__all__ = ["Janitor"]
+
+log = logging.getLogger("shmcancel.janitor")
+
+MIN_WAIT = 0.05  # seconds: the loop never spins faster, even when a claim keeps failing
+
+
+class Janitor:
+    """A daemon thread running ``cancellation``'s sweep when its interval is due.
+
+    ``start`` is idempotent; ``stop`` wakes the thread and waits for it (bounded). The thread
+    dies with its process; a sweep cut short by that is repaired like any interrupted write.
+    """
+
+    def __init__(self, cancellation: Cancellation, *, name: str = "shmcancel-janitor") -> None:
+        self._c = cancellation
+        self._name = name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+    def _run(self) -> None:
+        c = self._c
+        reg = c.registry
+        interval = reg.config.janitor_interval
+        while True:
+            try:
+                due = reg.last_sweep + interval - time.time()
+                if due <= 0:
+                    c.tick()
+                    due = reg.last_sweep + interval - time.time()
+            except Exception:  # a closed registry, a lock timeout: try again later
+                log.warning("janitor: sweep of %s failed", getattr(reg, "name", "?"),
+                            exc_info=True)
+                due = interval
+            if self._stop.wait(min(max(due, MIN_WAIT), interval)):
+                return
