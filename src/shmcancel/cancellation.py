@@ -155,7 +155,8 @@ class Cancellation:
         self.config = cfg
         self._quota: int | None = cfg.max_rows_per_scope
         self._cap: int = cfg.effective_max_rows
-        self._batch = batch_size(cfg.max_rows, cfg.capacity)
+        # effective_max_rows is capacity exactly when max_rows is None
+        self._batch = batch_size(cfg.max_rows, cfg.effective_max_rows)
         self._interval: float = cfg.janitor_interval
         self._next_check = -math.inf
         # (scope, id) -> cached poll, so repeated polls without a handle skip packing and hashing

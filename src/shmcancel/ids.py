@@ -30,29 +30,22 @@ def key(request_id: object) -> str | None:
 
     Never raises.
     """
-    t = type(request_id)
-    if t is str:
-        s = request_id
-    elif t is int:
-        if _INT_LO < request_id < _INT_HI:  # type: ignore[operator]
-            return int.__repr__(request_id)  # type: ignore[arg-type]
-        return None
+    if isinstance(request_id, str):
+        s = str.__str__(request_id)  # a str subclass keys as the plain text
     elif isinstance(request_id, bool):
         return None
-    elif isinstance(request_id, str):
-        s = str.__str__(request_id)
     elif isinstance(request_id, int):
-        return key(int(request_id))
+        return int.__repr__(request_id) if _INT_LO < request_id < _INT_HI else None
     else:
         return None
-    if len(s) > MAX_ID_BYTES:  # type: ignore[arg-type]
+    if len(s) > MAX_ID_BYTES:
         # at least one byte per character: longer than 256 characters cannot fit
         return None
     try:
-        n = len(s.encode("utf-8"))  # type: ignore[union-attr]
+        n = len(s.encode("utf-8"))
     except UnicodeEncodeError:
         return None
-    return s if n <= MAX_ID_BYTES else None  # type: ignore[return-value]
+    return s if n <= MAX_ID_BYTES else None
 
 
 def require_key(request_id: object) -> str:

@@ -30,7 +30,10 @@ class Janitor:
     """
 
     def __init__(self, cancellation: Cancellation, *, name: str = "shmcancel-janitor") -> None:
+        if cancellation.registry is None:
+            raise ValueError("a Janitor needs a Cancellation over a shared-memory Registry")
         self._c = cancellation
+        self._reg = cancellation.registry
         self._name = name
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -54,7 +57,7 @@ class Janitor:
 
     def _run(self) -> None:
         c = self._c
-        reg = c.registry
+        reg = self._reg
         interval = reg.config.janitor_interval
         while True:
             try:

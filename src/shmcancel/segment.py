@@ -50,7 +50,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields as dataclass_fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import posix_ipc
 
@@ -255,7 +255,7 @@ def _config_pack(config: Config) -> bytes:
 def _config_unpack(raw: bytes | memoryview) -> Config:
     mask, *values = _CONFIG.unpack(raw)
     pairs = zip(CONFIG_FIELDS, values, strict=True)
-    kw = {n: (None if mask >> i & 1 else v) for i, ((n, _), v) in enumerate(pairs)}
+    kw: dict[str, Any] = {n: (None if mask >> i & 1 else v) for i, ((n, _), v) in enumerate(pairs)}
     return Config(**kw)
 
 
@@ -329,7 +329,8 @@ class Segment:
         mm, self._mm = self._mm, None
         if mm is None:
             return
-        for v in (*self._views, self.words, self.floats, self.buf):
+        views: list[memoryview] = [*self._views, self.words, self.floats, self.buf]
+        for v in views:
             v.release()
         self._views.clear()
         # A view someone else derived may still be alive: then it is unmapped when collected.

@@ -590,13 +590,13 @@ class McpServer:
                        id=msg.id, status=dispatch_status(Wire.LEGACY, errors.METHOD_NOT_FOUND))
 
     def _initialize(self, msg: Request, json_ok: bool) -> _Reply:
-        params = msg.params
-        requested = params.get("protocolVersion") if params is not None else None
+        params = msg.params or {}
+        requested = params.get("protocolVersion")
         if not isinstance(requested, str):
             raise RpcError(errors.INVALID_PARAMS,
                            'Invalid params: initialize needs a "protocolVersion" string', id=msg.id)
         for key in ("capabilities", "clientInfo"):
-            if key in params and not isinstance(params[key], dict):  # type: ignore[operator]
+            if key in params and not isinstance(params[key], dict):
                 raise RpcError(errors.INVALID_PARAMS,
                                f'Invalid params: "{key}" must be an object', id=msg.id)
         version = negotiate_legacy_version(requested)
