@@ -22,7 +22,7 @@ import pytest
 from shmcancel import procinfo, telemetry
 from shmcancel.config import Config
 from shmcancel.exceptions import LockTimeout
-from shmcancel.lock import RegistryLock
+from shmcancel.lock import _GEN, _OWNER, RegistryLock
 from shmcancel.segment import OFF_RECOVERIES, Segment, TableSpec, open_lockfile
 
 pytestmark = pytest.mark.timeout(30)
@@ -573,4 +573,108 @@ def test_recover_from_does_not_block_on_a_busy_recoverer(seg: Segment) -> None:
     finally:
         os.close(fd)
         ch.stop()
+        lock.close()
+
+
+def _hold_forever(lock: RegistryLock) -> Callable[[Child], None]:
+    def run(ctl: Child) -> None:
+        with lock:
+            ctl.send(b"h")
+            select.select([], [], [], 60)
+    return run
+
+
+def test_take_over_rechecks_what_it_saw_under_the_flock(seg: Segment) -> None:
+    """A recoverer that read (owner, generation) before another one recovered must not take
+    over: under the flock it re-checks owner, generation and that the unit is still taken, and
+    never robs a live owner. Racing two real recoverers into that window is rare, so this calls
+    the take-over step itself, in another process, with the stale view such a recoverer has."""
+    lock = RegistryLock(seg)
+    w = seg.words
+    children: list[Child] = []
+
+    def stale_take_over(owner: int, gen: int) -> bool:
+        ch = Child(lambda ctl: ctl.send(
+            b"1" if RegistryLock(seg)._take_over(owner, gen) else b"0"))
+        children.append(ch)
+        got = ch.recv()
+        assert ch.wait() == 0
+        return got == b"1"
+
+    def state() -> tuple[int, int, int, int]:
+        return w[_OWNER], w[_GEN], seg.u64(OFF_RECOVERIES), seg.sem.value
+
+    try:
+        x = Child(_hold_forever(lock))
+        children.append(x)
+        assert x.recv() == b"h"
+        x.kill()
+        x.wait()
+        dead, gen = w[_OWNER], w[_GEN]
+        with lock:  # the first recoverer
+            assert lock.owner() == procinfo.me() and seg.u64(OFF_RECOVERIES) == 1
+            s = state()
+            assert not stale_take_over(dead, gen), "took over from a live recoverer"
+            assert state() == s
+        s = state()
+        assert s[0] == 0 and s[3] == 1
+        assert not stale_take_over(dead, gen), "took over a released unit"
+        assert not stale_take_over(0, w[_GEN]), "took over a free unit (owner 0)"
+        assert state() == s
+        y = Child(_hold_forever(lock))
+        children.append(y)
+        assert y.recv() == b"h"
+        s = state()
+        assert not stale_take_over(w[_OWNER], w[_GEN]), "robbed a live owner"
+        assert state() == s and lock.owner()[0] == y.pid
+    finally:
+        for ch in children:
+            ch.stop()
+        lock.close()
+
+
+def test_a_dead_holders_unit_is_never_free_during_recovery(seg: Segment) -> None:
+    """Taking over is not release-then-acquire: an observer process polling the semaphore while
+    20 dead holders are recovered never sees the unit free while an owner is recorded (a normal
+    release clears the owner first; an acquire bumps the generation before recording itself).
+    Released, the unit would be free for anyone to take, with the repair not yet run."""
+    lock = RegistryLock(seg, step=0.01)
+    stop_flag = Counter(seg)
+    w = seg.words
+
+    def observer(ctl: Child) -> None:
+        flag = Counter(seg)
+        sem = seg.sem
+        free = bad = 0
+        ctl.send(b"r")
+        while not flag.get():
+            g = w[_GEN]
+            if sem.value:
+                free += 1
+                if w[_OWNER] and w[_GEN] == g:
+                    bad += 1
+        ctl.send(f"{free} {bad}".encode())
+
+    obs = Child(observer)
+    children = [obs]
+    try:
+        assert obs.recv() == b"r"
+        for _ in range(20):
+            h = Child(_hold_forever(lock))
+            children.append(h)
+            assert h.recv() == b"h"
+            h.kill()
+            h.wait()
+            with lock:
+                assert seg.sem.value == 0
+        assert seg.u64(OFF_RECOVERIES) == 20
+        stop_flag.set(1)
+        free, bad = map(int, obs.recv().split())
+        assert obs.wait() == 0
+        assert bad == 0, f"the unit was free with a dead owner recorded ({bad} observations)"
+        assert free > 0  # the observer did run (it saw the normal releases)
+    finally:
+        for ch in children:
+            ch.stop()
+        stop_flag.release()
         lock.close()

@@ -529,3 +529,40 @@ def test_record_with_torn_header_is_rejected(rig_factory) -> None:
     region[base:base + t.record_size] = good
     region[base:base + t.record_size] = bytes(t.record_size)  # all zero: invalid too
     assert t._record(r) is None
+
+
+def test_every_read_path_takes_the_lock_on_an_odd_version(rig_factory) -> None:
+    """An odd bucket version (a writer mid-mutation, or killed there) is never trusted: each
+    lock-free path (probe, miss path with an empty or occupied home slot, watch, scan, stats)
+    retries and then answers from under the lock."""
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    for i in range(5):
+        t.insert(i, f"v{i}")
+    homes = {t.prepare(i).home for i in range(5)}
+    gap = next(k for k in (f"m{i}" for i in range(10_000)) if t.prepare(k).home not in homes)
+    busy = next(k for k in (f"m{i}" for i in range(10_000)) if t.prepare(k).home in homes)
+    w = t.watch(3)
+    assert w.values() == ("v3",)
+    t._ver[0] += 1  # the only bucket (16 slots): odd, as a killed writer leaves it
+    reads = [
+        ("lookup", lambda: t.lookup(3), ["v3"]),
+        ("member", lambda: t.member(3), True),
+        ("miss, empty home", lambda: t.member(gap), False),
+        ("miss, empty home (lookup)", lambda: t.lookup(gap), []),
+        ("miss, occupied home", lambda: t.member(busy), False),
+        ("miss, occupied home (lookup)", lambda: t.lookup(busy), []),
+        ("watch", lambda: t.watch(3).values(), ("v3",)),
+        ("scan", lambda: sorted(t.scan()), [(i, f"v{i}") for i in range(5)]),
+        ("stats", lambda: t.stats()["rows"], 5),
+    ]
+    for what, read, want in reads:
+        acq = rig.lock.acquisitions
+        assert read() == want, what
+        assert rig.lock.acquisitions == acq + 1, f"{what}: answered without the lock"
+    with rig.lock:
+        assert t.fsck()["odd_versions"] == 1
+    acq = rig.lock.acquisitions
+    for what, read, want in reads:
+        assert read() == want, what
+    assert rig.lock.acquisitions == acq  # even again: every path is lock-free
