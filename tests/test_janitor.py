@@ -16,20 +16,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gunicorn_harness import Gunicorn
+from gunicorn_harness import Gunicorn, wait_until
 
 from shmcancel import Cancellation, Config, Registry, procinfo
 from shmcancel.janitor import Janitor
 
 FAST = Config(max_rows=100, capacity=100, in_flight_capacity=16, session_capacity=16,
               ttl=0.1, janitor_interval=0.3)
-
-
-def _wait(pred, deadline: float, what: str) -> None:
-    end = time.monotonic() + deadline
-    while not pred():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _dead_owner() -> tuple[int, int]:
@@ -76,8 +69,8 @@ def test_janitor_thread_sweeps_without_calls(shm_name: str) -> None:
         reg.in_flight.insert(("global", "2"), (dead_pid, dead_start, 1, 1))
         with _janitor_child(shm_name) as jpid:
             # Observed through the tables only: table reads never sweep.
-            _wait(lambda: reg.cancellations.count() == 0 and reg.in_flight.count() == 0,
-                  5.0, "the janitor thread's sweep")
+            wait_until(lambda: reg.cancellations.count() == 0 and reg.in_flight.count() == 0,
+                       time.monotonic() + 5, what="the janitor thread's sweep")
             info = reg.info()
             assert info["sweeps"] >= 1 and info["last_sweeper_pid"] == jpid
     finally:
@@ -131,5 +124,5 @@ def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
         assert reg.cancellations.member(("ip:192.0.2.1", "stale"))  # a table read: no sweep
     finally:
         reg.close()  # from here on nothing but read-only dumps touches the registry
-    _wait(lambda: _dump(name)["cancellations"] == [], 5.0,
-          "an idle server's workers to sweep the expired row")
+    wait_until(lambda: _dump(name)["cancellations"] == [], time.monotonic() + 5,
+               what="an idle server's workers to sweep the expired row")

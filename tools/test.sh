@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README, CI): makes .venv, installs shmcancel with its test extra,
-# lints, and runs the suite. Extra arguments go to pytest.
+# lints and type-checks, and runs the suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,6 +10,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[test]'
 .venv/bin/ruff check src tests tools examples
+.venv/bin/mypy src/shmcancel
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -113,7 +113,7 @@ def _cancel_row(key: Any, value: Any) -> tuple[str, str, str | None, float] | No
 
 def _owner(value: Any) -> Owner | None:
     if type(value) is tuple and len(value) == 4 and all(type(v) is int for v in value):
-        return value  # type: ignore[return-value]
+        return value
     return None
 
 
@@ -184,7 +184,7 @@ class ShmBackend:
             self._n.delete(d)
 
     def atomic(self) -> contextlib.AbstractContextManager[Any]:
-        return self._lock  # type: ignore[return-value]
+        return self._lock
 
     # --- cancellation rows
     def exists(self, scope: str, rid: str) -> bool:

@@ -72,7 +72,7 @@ _locks: weakref.WeakSet[RegistryLock] = weakref.WeakSet()
 
 def _handled_signals() -> set[int]:
     """Signals that currently have a Python handler (the ones posix_ipc could swallow)."""
-    out = set()
+    out: set[int] = set()
     for s in _CATCHABLE:
         try:
             h = signal.getsignal(s)

@@ -184,7 +184,7 @@ def _bucket(addr: str) -> str:
         return UNKNOWN
     if ip.version == 4:
         return str(ip)
-    mapped = ip.ipv4_mapped  # type: ignore[union-attr]
+    mapped = ip.ipv4_mapped
     if mapped is not None:
         return str(mapped)
     packed = int(ip) >> 64 << 64

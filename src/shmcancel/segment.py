@@ -329,7 +329,7 @@ class Segment:
         mm, self._mm = self._mm, None
         if mm is None:
             return
-        views: list[memoryview] = [*self._views, self.words, self.floats, self.buf]
+        views: list[memoryview[Any]] = [*self._views, self.words, self.floats, self.buf]
         for v in views:
             v.release()
         self._views.clear()

@@ -132,7 +132,7 @@ class Lock(Protocol):
     dirty: bool
 
     def __enter__(self) -> object: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, et: object, ev: object, tb: object) -> None: ...
 
 
 class PreparedKey:
@@ -208,8 +208,8 @@ class Watch:
                     break
             else:
                 return self._member
-        raw, seen = self._t._read(self._pk)
-        self._raw = raw = tuple(raw)
+        rows, seen = self._t._read(self._pk)
+        self._raw = raw = tuple(rows)
         self._values = None
         self._member = m = bool(raw)
         self._seen = seen
@@ -828,7 +828,7 @@ class Table:
                 idx[2 * dst] = idx[2 * src]  # a duplicate until the next store: fsck keeps one
                 idx[2 * src] = 0
                 idx[2 * src + 1] = 0
-            odd = range(len(versions))
+            odd = list(range(len(versions)))
         hq = self._hq
         nrec = self.capacity + 1
         nfree = nrec - len(by_rec)
