@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from procs import wait_zombie
 
 from shmcancel import CancellationLimitReached, Config, TableFull, telemetry
 from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
@@ -306,23 +307,13 @@ def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registr
     assert live.wait() == 0
 
 
-def _wait_zombie(pid: int) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rpartition(b")")[2].split()[0] == b"Z":
-                return
-        time.sleep(0.002)
-    raise TimeoutError(f"{pid} never became a zombie")
-
-
 def test_an_unreaped_zombie_counts_as_dead(registry, spawn):
     reg = registry()
     c = Cancellation(reg)
     z = spawn(tracker, reg.name, [1, 2], "s")
     z.recv()
     z.send("exit")  # exits without untracking; not reaped yet
-    _wait_zombie(z.pid)
+    wait_zombie(z.pid, TIMEOUT)
     assert c.reap() == 2
     assert reg.in_flight.count() == 0
     assert z.wait() == 0

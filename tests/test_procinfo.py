@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import select
 import signal
-import time
 
 import pytest
+from procs import wait_zombie
 
 from shmcancel import procinfo
 
@@ -24,18 +24,6 @@ def _fork_waiting() -> tuple[int, int]:
             os._exit(0)
     os.close(r)
     return pid, w
-
-
-def _wait_zombie(pid: int, timeout: float = 5.0) -> None:
-    """Poll /proc until ``pid`` is a zombie (it exited and nobody reaped it yet)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-        if state == b"Z":
-            return
-        select.select([], [], [], 0.005)
-    raise AssertionError(f"pid {pid} did not become a zombie")
 
 
 def test_me_and_own_start_time() -> None:
@@ -88,7 +76,7 @@ def test_unreaped_zombie_is_dead() -> None:
         assert start is not None
         os.close(w)  # the child exits; we do not reap it yet
         w = -1
-        _wait_zombie(pid)
+        wait_zombie(pid)
         os.kill(pid, 0)  # a zombie still "exists" for kill(2) ...
         assert not procinfo.alive(pid, start)  # ... but is dead
     finally:

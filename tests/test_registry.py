@@ -3,16 +3,15 @@ janitor claim; recovery repairing the tables."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import select
 import signal
-import traceback
 from collections.abc import Callable
 
 import msgpack
 import pytest
+from procs import child, reap, recv
 
 import shmcancel
 from shmcancel import procinfo, registry
@@ -36,36 +35,6 @@ SMALL = Config(max_rows=100, capacity=200, in_flight_capacity=64, session_capaci
 
 def _leftovers(name: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
-
-
-def _child(fn: Callable[[int], None]) -> tuple[int, int]:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            os.close(r)
-            fn(w)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def _recv(fd: int, timeout: float = 10) -> bytes:
-    ready, _, _ = select.select([fd], [], [], timeout)
-    assert ready, "no message from child"
-    return os.read(fd, 4096)
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
 
 
 def test_roundtrip(shm_name: str) -> None:
@@ -173,20 +142,24 @@ def test_too_large_for_dev_shm(shm_name: str) -> None:
     assert not os.path.exists(sem_path(shm_name))
 
 
-def test_create_over_live_and_dead_creator(shm_name: str) -> None:
+def _creator(name: str) -> Callable[[int], None]:
+    """A child's body: create registry ``name``, say b"c", then wait to be killed."""
     def creator(w: int) -> None:
-        Registry.create(shm_name, SMALL)
+        Registry.create(name, SMALL)
         os.write(w, b"c")
         select.select([], [], [], 60)
+    return creator
 
-    pid, r = _child(creator)
+
+def test_create_over_live_and_dead_creator(shm_name: str) -> None:
+    pid, r = child(_creator(shm_name))
     try:
-        assert _recv(r) == b"c"
+        assert recv(r) == b"c"
         with pytest.raises(RegistryIncompatible, match=f"in use by live pid {pid}"):
             Registry.create(shm_name, SMALL)
         old = Registry.attach(shm_name)
     finally:
-        _reap(pid)
+        reap(pid)
         os.close(r)
     try:
         new = Registry.create(shm_name, Config(max_rows=300, capacity=300, lock_timeout=5))
@@ -205,20 +178,15 @@ def test_create_over_live_and_dead_creator(shm_name: str) -> None:
 
 def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
     # The USR2 case: the creator hands the registry to a successor and exits.
-    def creator(w: int) -> None:
-        Registry.create(shm_name, SMALL)
-        os.write(w, b"c")
-        select.select([], [], [], 60)
-
-    pid, r = _child(creator)
+    pid, r = child(_creator(shm_name))
     try:
-        assert _recv(r) == b"c"
+        assert recv(r) == b"c"
         successor = Registry.attach(shm_name)
         assert successor.creator[0] == pid
         successor.adopt()
         assert successor.creator == procinfo.me()
     finally:
-        _reap(pid)
+        reap(pid)
         os.close(r)
     try:
         successor.cancellations.insert(("global", "1"), (None, 1.0))
@@ -230,12 +198,12 @@ def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
             except RegistryIncompatible as e:
                 os.write(w, str(e).encode())
 
-        rpid, rr = _child(rival)
+        rpid, rr = child(rival)
         try:
-            assert _recv(rr).decode() == (
+            assert recv(rr).decode() == (
                 f"registry {shm_name} is in use by live pid {os.getpid()}")
         finally:
-            _reap(rpid)
+            reap(rpid)
             os.close(rr)
         assert successor.cancellations.get(("global", "1")) == (None, 1.0)
         with Registry.attach(shm_name, readonly=True) as ro, pytest.raises(
@@ -314,12 +282,12 @@ def test_claim_sweep_one_winner_across_processes(shm_name: str) -> None:
         def contender(w: int) -> None:
             os.write(w, b"1" if reg.claim_sweep(now, 60.0) else b"0")
 
-        kids = [_child(contender) for _ in range(6)]
+        kids = [child(contender) for _ in range(6)]
         try:
-            results = [_recv(r) for _, r in kids]
+            results = [recv(r) for _, r in kids]
         finally:
             for pid, r in kids:
-                _reap(pid)
+                reap(pid)
                 os.close(r)
         assert sorted(results) == [b"0"] * 5 + [b"1"]
         reg.unlink()
@@ -343,9 +311,9 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
             os.write(w, b"mid")
             select.select([], [], [], 60)
 
-    pid, r = _child(writer)
+    pid, r = child(writer)
     try:
-        assert _recv(r) == b"mid"
+        assert recv(r) == b"mid"
         os.kill(pid, signal.SIGKILL)
         reg.cancellations.insert(("global", "new"), ("after", 99.0))
         assert events == [{"dead_pid": pid}]
@@ -356,7 +324,7 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
         assert all(all(v == 0 for v in rep.values()) for rep in reg.fsck().values())
     finally:
         shmcancel.telemetry.detach("t-reg")
-        _reap(pid)
+        reap(pid)
         os.close(r)
         reg.close()
         reg.unlink()

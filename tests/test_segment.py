@@ -6,11 +6,10 @@ import dataclasses
 import os
 import select
 import struct
-import traceback
-from collections.abc import Callable
 
 import posix_ipc
 import pytest
+from procs import child
 
 from shmcancel import procinfo
 from shmcancel.config import Config
@@ -38,25 +37,6 @@ SPECS = [TableSpec("set", 10, 64, 5000), TableSpec("bag", 3, 128, 100)]
 
 def _leftovers(name: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
-
-
-def _child(fn: Callable[[int], None]) -> tuple[int, int]:
-    """Fork a child running fn(write_fd); returns (pid, read_fd). The child exits when fn
-    returns (status 0) or raises (status 1)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            os.close(r)
-            fn(w)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    return pid, r
 
 
 def test_config_fields_cover_config() -> None:
@@ -126,7 +106,7 @@ def test_create_over_live_creator_refused(shm_name: str) -> None:
         select.select([], [], [], 30)  # until the parent kills us
         seg.close()
 
-    pid, r = _child(creator)
+    pid, r = child(creator)
     try:
         assert os.read(r, 1) == b"k"
         with pytest.raises(RegistryIncompatible, match=f"in use by live pid {pid}"):
@@ -149,7 +129,7 @@ def test_create_over_dead_creator_replaces(shm_name: str) -> None:
         seg = Segment.create(shm_name, Config(capacity=20_000), SPECS)
         os.write(w, seg.hash_key)
 
-    pid, r = _child(creator)
+    pid, r = child(creator)
     old_key = os.read(r, 16)
     os.close(r)
     _, status = os.waitpid(pid, 0)

@@ -11,12 +11,12 @@ import json
 import os
 import random
 import select
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from procs import reap
 from test_table import Rig, healthy, same_home_keys
 
 from shmcancel.exceptions import TableFull
@@ -55,11 +55,7 @@ def wait_all(pids: list[int], timeout: float = 60.0) -> list[int]:
 
 def stop(pids: list[int]) -> None:
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        reap(pid)
 
 
 N_PROCS, N_OPS, N_KEYS = 4, 1500, 10
