@@ -413,6 +413,23 @@ def test_s4_6_cleanup_is_strict_and_returns_the_cancellation_rows_removed(
         r.unlink()
 
 
+def track_in_a_process_that_exits(name: str, request_id: int, scope: str) -> None:
+    """A forked process attaches ``name``, tracks ``request_id`` in ``scope`` and exits (reaped):
+    the in-flight row it leaves has a dead owner."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            shmcancel.Cancellation(shmcancel.Registry.attach(name)).track(request_id, scope)
+            os.write(wfd, b"x")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    assert os.read(rfd, 1) == b"x"
+    os.close(rfd)
+    os.waitpid(pid, 0)
+
+
 def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> None:
     """The janitor needs no help from the user: a process that only reads (``reason``,
     ``in_flight``) still gets expired rows and dead owners' rows swept, from one
@@ -421,18 +438,7 @@ def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> N
     try:
         old = shmcancel.Cancellation(r, clock=lambda: time.time() - 100)
         old.cancel(9, "expired", "s")
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                shmcancel.Cancellation(shmcancel.Registry.attach(shm_name)).track(5, "dead")
-                os.write(wfd, b"x")
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        assert os.read(rfd, 1) == b"x"
-        os.close(rfd)
-        os.waitpid(pid, 0)
+        track_in_a_process_that_exits(shm_name, 5, "dead")
         c = shmcancel.Cancellation(r)
         assert c.reason(9, "s") == "expired" and c.in_flight(5, "dead")  # no sweep before
         wait_until(lambda: c.reason(9, "s") is None, deadline(), what="reason() to sweep")
@@ -445,18 +451,7 @@ def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> N
 def test_s4_6_janitor_sweeps_when_only_in_flight_is_polled(shm_name: str) -> None:
     r = make(shm_name, janitor_interval=0.3, ttl=1)
     try:
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                shmcancel.Cancellation(shmcancel.Registry.attach(shm_name)).track(5, "dead")
-                os.write(wfd, b"x")
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        assert os.read(rfd, 1) == b"x"
-        os.close(rfd)
-        os.waitpid(pid, 0)
+        track_in_a_process_that_exits(shm_name, 5, "dead")
         c = shmcancel.Cancellation(r)
         wait_until(lambda: not c.in_flight(5, "dead"), deadline(),
                    what="in_flight() to sweep a dead owner's row")
