@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,14 +16,12 @@ from typing import Any
 import httpx
 import pytest
 from gunicorn_harness import Gunicorn, alive, wait_until
+from mcp_client import MODERN, dump, meta, tag, wait_file
 
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"
 GRACE = 0.5  # stream_cancel_timeout of the test config
-MODERN = "2026-07-28"
-META = {"io.modelcontextprotocol/protocolVersion": MODERN,
-        "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
-        "io.modelcontextprotocol/clientCapabilities": {}}
+META = meta("t")
 DETECT_BOUND = 0.100  # seconds from the close to the tool seeing cancelled(conn)
 
 
@@ -45,10 +40,6 @@ def start(name: str, outdir: str, **kw: Any) -> Gunicorn:
 def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
     with start(module_shm_name, outdir, workers=3, worker_class="sync") as g:
         yield g
-
-
-def tag() -> str:
-    return "t" + uuid.uuid4().hex[:10]
 
 
 def send_call(port: int, tool: str, args: dict, *, id: Any = 1, path: str = "/stateless",
@@ -94,19 +85,8 @@ def read_reply(s: socket.socket) -> dict[str, Any]:
     return json.loads(body)
 
 
-def wait_file(path: str, deadline: float) -> str:
-    def read() -> str | None:
-        try:
-            return Path(path).read_text()
-        except FileNotFoundError:
-            return None
-    return wait_until(read, deadline, interval=0.002, what=path)
-
-
 def in_flight(name: str) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "dump", name, "--json"],
-                         capture_output=True, text=True, timeout=30, check=True)
-    return json.loads(out.stdout)["in_flight"]
+    return dump(name)["in_flight"]
 
 
 def whoami(g: Gunicorn, path: str = "/stateless") -> int:

@@ -6,7 +6,6 @@ every wait polls a condition with a deadline.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -17,13 +16,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from gunicorn_harness import Gunicorn, alive, wait_until
+from mcp_client import ACCEPT, LEGACY, reply_of
 
 from shmcancel.errors import REQUEST_CANCELLED
 from shmcancel.registry import Registry
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
 APP = "tests.apps.hooks_app:app"
-PROTOCOL = "2025-11-25"
 SEGMENT_DIR = "/dev/shm"
 
 
@@ -39,18 +38,6 @@ def master_threads(pid: int) -> int:
 # --- a minimal MCP client on the 2025-11-25 wire (the SDK is exercised in test_sdk.py) -------
 
 
-def _reply(r: httpx.Response) -> dict:
-    """The JSON-RPC message of a reply sent as application/json or as an SSE stream."""
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
-        for line in r.text.splitlines():
-            if line.startswith("data:"):
-                msg = json.loads(line[5:])
-                if "id" in msg:
-                    return msg
-        raise AssertionError(f"no reply in the event stream: {r.text!r}")
-    return r.json()
-
-
 class Session:
     """One MCP session; each call is its own HTTP connection, as separate clients would be."""
 
@@ -59,7 +46,7 @@ class Session:
         self.timeout = timeout
         self._next = 0
         r = self.post({"jsonrpc": "2.0", "id": self.next_id(), "method": "initialize",
-                       "params": {"protocolVersion": PROTOCOL, "capabilities": {},
+                       "params": {"protocolVersion": LEGACY, "capabilities": {},
                                   "clientInfo": {"name": "hooks-test", "version": "0"}}},
                       session=False)
         assert r.status_code == 200, r.text
@@ -72,10 +59,10 @@ class Session:
         return self._next
 
     def headers(self, session: bool = True) -> dict[str, str]:
-        h = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        h = {"Content-Type": "application/json", "Accept": ACCEPT}
         if session:
             h["Mcp-Session-Id"] = self.sid
-            h["MCP-Protocol-Version"] = PROTOCOL
+            h["MCP-Protocol-Version"] = LEGACY
         return h
 
     def post(self, msg: dict, session: bool = True, timeout: float | None = None) -> httpx.Response:
@@ -85,7 +72,7 @@ class Session:
     def call(self, tool: str, args: dict, rid: int | None = None,
              timeout: float | None = None) -> dict:
         rid = self.next_id() if rid is None else rid
-        return _reply(self.post({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+        return reply_of(self.post({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
                                  "params": {"name": tool, "arguments": args}}, timeout=timeout))
 
     def cancel(self, rid: int) -> httpx.Response:

@@ -8,30 +8,23 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn, wait_until
+from gunicorn_harness import Gunicorn
+from mcp_client import ACCEPT, LEGACY, MODERN, dump, meta, reply_of, tag, wait_file
 
 from shmcancel import errors
 
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"
-LEGACY = "2025-11-25"
-MODERN = "2026-07-28"
-ACCEPT = "application/json, text/event-stream"
-META = {"io.modelcontextprotocol/protocolVersion": MODERN,
-        "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
-        "io.modelcontextprotocol/clientCapabilities": {}}
+META = meta("t")
 LATENCY_BOUND = 0.100  # seconds, SPEC §6.1 with a 2 ms tool poll, measured at the client
 
 latencies: dict[str, list[float]] = {}
@@ -59,17 +52,6 @@ def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
 
 
 # ------------------------------------------------------------------------------ a small client
-
-
-def reply_of(r: httpx.Response) -> dict[str, Any]:
-    if r.headers.get("content-type", "").startswith("text/event-stream"):
-        for line in r.text.splitlines():
-            if line.startswith("data:"):
-                msg = json.loads(line[5:])
-                if "id" in msg:
-                    return msg
-        raise AssertionError(f"no reply in {r.text!r}")
-    return r.json()
 
 
 class Client:
@@ -131,25 +113,6 @@ class Background(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.value
-
-
-def wait_file(path: str, deadline: float) -> str:
-    def read() -> str | None:
-        try:
-            return Path(path).read_text()
-        except FileNotFoundError:
-            return None
-    return wait_until(read, deadline, interval=0.002, what=path)
-
-
-def dump(name: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "dump", name, "--json"],
-                         capture_output=True, text=True, timeout=30, check=True)
-    return json.loads(out.stdout)
-
-
-def tag() -> str:
-    return "t" + uuid.uuid4().hex[:10]
 
 
 # ------------------------------------------------------------------------------ cancellation

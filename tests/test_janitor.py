@@ -4,12 +4,9 @@ interval across processes; and gunicorn workers run one, so an idle server still
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from gunicorn_harness import Gunicorn, wait_until
+from mcp_client import dump
 
 from shmcancel import Cancellation, Config, Registry, procinfo
 from shmcancel.janitor import Janitor
@@ -97,9 +95,6 @@ def test_janitor_start_is_idempotent_and_stop_is_prompt(shm_name: str) -> None:
         reg.unlink()
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 @pytest.fixture
 def idle_server(shm_name: str) -> Iterator[Gunicorn]:
     with tempfile.TemporaryDirectory(prefix="shmcancel-janitor-") as d:
@@ -110,12 +105,6 @@ def idle_server(shm_name: str) -> Iterator[Gunicorn]:
             yield g
 
 
-def _dump(name: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "dump", name, "--json"],
-                         capture_output=True, text=True, timeout=30, cwd=ROOT, check=True)
-    return json.loads(out.stdout)
-
-
 def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
     name = idle_server.registry_name
     reg = Registry.attach(name)
@@ -124,5 +113,5 @@ def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
         assert reg.cancellations.member(("ip:192.0.2.1", "stale"))  # a table read: no sweep
     finally:
         reg.close()  # from here on nothing but read-only dumps touches the registry
-    wait_until(lambda: _dump(name)["cancellations"] == [], time.monotonic() + 5,
+    wait_until(lambda: dump(name)["cancellations"] == [], time.monotonic() + 5,
                what="an idle server's workers to sweep the expired row")

@@ -23,17 +23,13 @@ from typing import Any
 import httpx
 import pytest
 from gunicorn_harness import Gunicorn, wait_until
+from mcp_client import ACCEPT, LEGACY, MODERN, meta
 
 import shmcancel
 from shmcancel import errors, principal, telemetry
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
-LEGACY = "2025-11-25"
-MODERN = "2026-07-28"
-ACCEPT = "application/json, text/event-stream"
-META = {"io.modelcontextprotocol/protocolVersion": MODERN,
-        "io.modelcontextprotocol/clientInfo": {"name": "conformance", "version": "1"},
-        "io.modelcontextprotocol/clientCapabilities": {}}
+META = meta("conformance")
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
 
 
