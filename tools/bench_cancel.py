@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_table import measure_raw_floor
+from bench_table import measure_raw_floor, medians, running
 
 from shmcancel import Config, cancelled
 from shmcancel.cancellation import Cancellation
@@ -44,15 +41,6 @@ from shmcancel.registry import Registry
 
 _NOW = time.perf_counter_ns
 TARGET = 4.0
-Measure = Callable[[], int]
-
-
-def _medians(measures: dict[str, tuple[Measure, int]], batches: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {k: [] for k in measures}
-    for _ in range(batches):
-        for k, (fn, n) in measures.items():
-            samples[k].append(fn() / n)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def _writer(name: str) -> None:
@@ -127,23 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             "cancelled(conn), no handle": (m_conn_bare, batch),
             "Cancellation.cancelled(id, scope)": (m_id_scope, batch),
         }
-        alone = _medians(ms, args.batches)
+        alone = medians(ms, args.batches)
 
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                _writer(name)
-            finally:
-                os._exit(0)
-        try:
+        with running(_writer, name):
             e0 = reg.cancellations.count()
             deadline = time.monotonic() + 5
             while reg.cancellations.count() == e0 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            busy = _medians(ms, max(20, args.batches // 2))
-        finally:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            busy = medians(ms, max(20, args.batches // 2))
         with reg.lock:  # the writer may have died holding it: recovered here
             pass
 

@@ -12,7 +12,8 @@ writes other keys of the same table continuously. Every figure is the median ns/
 them alike. Targets (issue): lookup-miss <= 3x floor alone, <= 3.5x with a writer; insert and
 delete each < 25x floor; Watch poll ~1x alone, <= 3.5x with a writer.
 
-``measure_raw_floor()`` is importable (``sys.path.insert(0, "tools")``) for other benchmarks.
+``measure_raw_floor()``, ``medians()`` and ``running()`` are importable
+(``sys.path.insert(0, "tools")``) for other benchmarks.
 """
 
 from __future__ import annotations
@@ -82,7 +83,24 @@ def _segment(size: int) -> Iterator[tuple[str, mmap.mmap]]:
         posix_ipc.unlink_shared_memory(name)
 
 
-def _medians(measures: dict[str, tuple[Measure, int]], batches: int) -> dict[str, float]:
+@contextmanager
+def running(fn: Callable[..., object], *args: object) -> Iterator[int]:
+    """A forked child running ``fn(*args)`` (a writer that never returns) for the duration of the
+    block; SIGKILLed and reaped when the block ends. Yields its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            fn(*args)
+        finally:
+            os._exit(0)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def medians(measures: dict[str, tuple[Measure, int]], batches: int) -> dict[str, float]:
     """Median ns/op of each measure (fn, ops per batch), interleaved batch by batch."""
     samples: dict[str, list[float]] = {k: [] for k in measures}
     for _ in range(batches):
@@ -135,7 +153,7 @@ def measure_raw_floor(batches: int = 200, batch: int = 500) -> dict[str, float]:
     ``raw read (memoryview)`` and ``raw write (memoryview)``."""
     with _segment(1 << 16) as (_, mm):
         ms = _floor_measures(mm, batch)
-        res = _medians(ms, batches)
+        res = medians(ms, batches)
         del ms
     res["floor"] = res["raw read (struct)"]
     return res
@@ -260,26 +278,17 @@ def main(argv: list[str] | None = None) -> int:
             floors = _floor_measures(mm, batch)
             reads, writes = _table_measures(t, nfill, batch)
             _, bare_writes = _table_measures(bare, nfill, batch, " [bare sem lock]")
-            alone = {**_medians({**floors, **reads}, args.batches),
-                     **_medians({**floors, **writes, **bare_writes}, args.batches // 2 * 2)}
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                try:
-                    _writer(t)
-                finally:
-                    os._exit(0)
-            try:
+            alone = {**medians({**floors, **reads}, args.batches),
+                     **medians({**floors, **writes, **bare_writes}, args.batches // 2 * 2)}
+            with running(_writer, t):
                 v0 = t._ver.tobytes()
                 deadline = time.monotonic() + 5
                 while t._ver.tobytes() == v0 and time.monotonic() < deadline:
                     time.sleep(0.001)
                 v0s, t0 = sum(t._ver.tolist()), time.monotonic()
-                busy = {**_medians({**floors, **reads}, args.batches),
-                        **_medians({**floors, **writes}, args.batches // 2 * 2)}
+                busy = {**medians({**floors, **reads}, args.batches),
+                        **medians({**floors, **writes}, args.batches // 2 * 2)}
                 rate = (sum(t._ver.tolist()) - v0s) / 2 / (time.monotonic() - t0)
-            finally:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
             with reg.lock:  # the writer may have died holding it: recovered here
                 pass
             del floors, reads, writes, bare_writes
