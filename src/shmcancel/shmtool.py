@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import procinfo
@@ -121,6 +121,15 @@ def _attach_ro(name: str) -> Registry:
     return Registry.attach(check_name(name), readonly=True)
 
 
+def _read(name: str, collect: Callable[[Registry], dict[str, Any]]) -> dict[str, Any]:
+    """``collect(reg)`` over registry ``name`` attached read-only (closed afterwards)."""
+    reg = _attach_ro(name)
+    try:
+        return collect(reg)
+    finally:
+        reg.close()
+
+
 # ------------------------------------------------------------------------------------ commands
 def _registries() -> list[dict[str, Any]]:
     out = []
@@ -199,11 +208,7 @@ def _dump(reg: Registry) -> dict[str, Any]:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    reg = _attach_ro(args.name)
-    try:
-        d = _dump(reg)
-    finally:
-        reg.close()
+    d = _read(args.name, _dump)
     if args.json:
         print(json.dumps(d))
         return 0
@@ -267,11 +272,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    reg = _attach_ro(args.name)
-    try:
-        s = _stats(reg)
-    finally:
-        reg.close()
+    s = _read(args.name, _stats)
     if args.json:
         print(json.dumps(s))
         return 0
