@@ -239,21 +239,22 @@ class Cancellation:
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled
         without a reason, or the id is invalid."""
-        rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
-            return None
-        self._tick()
-        row = self._store.get(scope, rid)
+        row = self._row(request_id, scope)
         return None if row is None else row[0]
 
     def cancelled_at(self, request_id: object, scope: str = "global") -> float | None:
         """When the request was cancelled (``clock`` seconds), or ``None``."""
+        row = self._row(request_id, scope)
+        return None if row is None else row[1]
+
+    def _row(self, request_id: object, scope: str) -> tuple[str | None, float] | None:
+        """The stored ``(reason, cancelled_at)`` of the request; ``None`` when not cancelled or
+        the id or scope is invalid."""
         rid = ids.key(request_id)
         if rid is None or not _valid_scope(scope):
             return None
         self._tick()
-        row = self._store.get(scope, rid)
-        return None if row is None else row[1]
+        return self._store.get(scope, rid)
 
     def clear(self, request_id: object, scope: str = "global") -> None:
         """Remove the ``(scope, id)`` cancellation row. Reads first: when there is no row (the
