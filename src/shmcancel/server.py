@@ -546,12 +546,7 @@ class McpServer:
             if self.instructions is not None:
                 result["instructions"] = self.instructions
             return self._result(Wire.MODERN, msg, result, json_ok)
-        if msg.method == "tools/list":
-            return self._result(Wire.MODERN, msg, self._tools_list(msg), json_ok)
-        if msg.method == "tools/call":
-            return self._tools_call(environ, start_response, Wire.MODERN, msg, json_ok, sse_ok, [])
-        raise RpcError(errors.METHOD_NOT_FOUND, f"Method not found: {msg.method[:100]!r}",
-                       id=msg.id, status=dispatch_status(Wire.MODERN, errors.METHOD_NOT_FOUND))
+        return self._tool_methods(environ, start_response, Wire.MODERN, msg, json_ok, sse_ok)
 
     # ------------------------------------------------------------------ 2025-era
 
@@ -582,12 +577,18 @@ class McpServer:
             return _Reply(202)
         if msg.method == "ping":
             return self._result(Wire.LEGACY, msg, {}, json_ok)
+        return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+
+    def _tool_methods(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
+                      msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
+        """The methods both wires serve alike: ``tools/list``, ``tools/call``; any other method
+        is not found."""
         if msg.method == "tools/list":
-            return self._result(Wire.LEGACY, msg, self._tools_list(msg), json_ok)
+            return self._result(wire, msg, self._tools_list(msg), json_ok)
         if msg.method == "tools/call":
-            return self._tools_call(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok, [])
+            return self._tools_call(environ, start_response, wire, msg, json_ok, sse_ok, [])
         raise RpcError(errors.METHOD_NOT_FOUND, f"Method not found: {msg.method[:100]!r}",
-                       id=msg.id, status=dispatch_status(Wire.LEGACY, errors.METHOD_NOT_FOUND))
+                       id=msg.id, status=dispatch_status(wire, errors.METHOD_NOT_FOUND))
 
     def _initialize(self, msg: Request, json_ok: bool) -> _Reply:
         params = msg.params or {}
