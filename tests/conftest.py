@@ -28,24 +28,33 @@ def unlink_registry_names(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, LOCKFILE_PREFIX + name))
 
 
-@pytest.fixture
-def shm_name() -> Iterator[str]:
-    """A registry name unique to this test; everything under it is unlinked afterwards."""
+def leftovers(name: str) -> list[str]:
+    """What is left in /dev/shm of registry ``name`` (its names and any ``~`` temporaries)."""
+    return sorted(f for f in os.listdir(SHM_DIR) if f.endswith(name) or name + "~" in f)
+
+
+@contextlib.contextmanager
+def _registry_name() -> Iterator[str]:
+    """A fresh registry name of this run; everything under it is unlinked on leaving."""
     name = TEST_PREFIX + uuid.uuid4().hex[:12]
     try:
         yield name
     finally:
         unlink_registry_names(name)
+
+
+@pytest.fixture
+def shm_name() -> Iterator[str]:
+    """A registry name unique to this test; everything under it is unlinked afterwards."""
+    with _registry_name() as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
 def module_shm_name() -> Iterator[str]:
     """Like ``shm_name``, for a module-scoped resource (a gunicorn serving a whole module)."""
-    name = TEST_PREFIX + uuid.uuid4().hex[:12]
-    try:
+    with _registry_name() as name:
         yield name
-    finally:
-        unlink_registry_names(name)
 
 
 @pytest.fixture

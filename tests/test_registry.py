@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import msgpack
 import pytest
+from conftest import leftovers
 from procs import child, reap, recv
 
 import shmcancel
@@ -31,10 +32,6 @@ pytestmark = pytest.mark.timeout(30)
 
 SMALL = Config(max_rows=100, capacity=200, in_flight_capacity=64, session_capacity=32,
                lock_timeout=5)
-
-
-def _leftovers(name: str) -> list[str]:
-    return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
 
 
 def test_roundtrip(shm_name: str) -> None:
@@ -65,7 +62,7 @@ def test_roundtrip(shm_name: str) -> None:
         reg.close()
         reg.unlink()
         reg.unlink()  # idempotent
-    assert _leftovers(shm_name) == []
+    assert leftovers(shm_name) == []
     with pytest.raises(RegistryNotFound, match=f"no registry named {shm_name}"):
         Registry.attach(shm_name)
 
@@ -171,7 +168,7 @@ def test_create_over_live_and_dead_creator(shm_name: str) -> None:
             assert again.config.capacity == 300
         new.close()
         new.unlink()
-        assert _leftovers(shm_name) == []
+        assert leftovers(shm_name) == []
     finally:
         old.close()
 

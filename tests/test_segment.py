@@ -9,6 +9,7 @@ import struct
 
 import posix_ipc
 import pytest
+from conftest import leftovers
 from procs import child
 
 from shmcancel import procinfo
@@ -33,10 +34,6 @@ from shmcancel.segment import (
 pytestmark = pytest.mark.timeout(20)
 
 SPECS = [TableSpec("set", 10, 64, 5000), TableSpec("bag", 3, 128, 100)]
-
-
-def _leftovers(name: str) -> list[str]:
-    return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
 
 
 def test_config_fields_cover_config() -> None:
@@ -72,7 +69,7 @@ def test_create_attach_roundtrip(shm_name: str) -> None:
     finally:
         seg.close()
         unlink_names(shm_name)
-    assert _leftovers(shm_name) == []
+    assert leftovers(shm_name) == []
 
 
 def test_defaults_roundtrip_and_none_fields(shm_name: str) -> None:
@@ -263,7 +260,7 @@ def test_too_large_for_dev_shm(shm_name: str) -> None:
     huge = vfs.f_blocks * vfs.f_frsize + 2**30
     with pytest.raises(SegmentTooLarge, match=r"needs \d+ bytes .* only \d+ bytes .* free"):
         Segment.create(shm_name, Config(), [TableSpec("set", 1, 64, huge)])
-    assert _leftovers(shm_name) in ([], [f"shmcancel-lock.{shm_name}"])
+    assert leftovers(shm_name) in ([], [f"shmcancel-lock.{shm_name}"])
     assert not os.path.exists(sem_path(shm_name))
 
 
@@ -312,6 +309,6 @@ def test_unlink_names_idempotent(shm_name: str) -> None:
     assert os.path.exists(lock_path(shm_name))
     unlink_names(shm_name)
     unlink_names(shm_name)
-    assert _leftovers(shm_name) == []
+    assert leftovers(shm_name) == []
     with pytest.raises(RegistryNotFound):
         Segment.attach(shm_name)
