@@ -241,13 +241,18 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
         assert k.wait() == 0
 
 
-def test_concurrent_cancels_of_one_id_make_one_row(registry, spawn):
-    reg = registry()
-    kids = [spawn(canceller, reg.name, [9] * 50, "s", f"from {i}") for i in range(3)]
+def start_together(kids: list[Child]) -> None:
+    """Wait until every canceller is ready, then let them all go."""
     for k in kids:
         assert k.recv() == "ready"
     for k in kids:
         k.send("go")
+
+
+def test_concurrent_cancels_of_one_id_make_one_row(registry, spawn):
+    reg = registry()
+    kids = [spawn(canceller, reg.name, [9] * 50, "s", f"from {i}") for i in range(3)]
+    start_together(kids)
     for k in kids:
         assert k.recv() == {"refused": 0}
     assert reg.cancellations.count() == 1
@@ -259,10 +264,7 @@ def test_quota_holds_under_concurrent_writers(registry, spawn):
     reg = registry(max_rows_per_scope=20)
     kids = [spawn(canceller, reg.name, list(range(i * 30, i * 30 + 30)), "ip:x", "flood")
             for i in range(3)]
-    for k in kids:
-        assert k.recv() == "ready"
-    for k in kids:
-        k.send("go")
+    start_together(kids)
     refused = sum(k.recv()["refused"] for k in kids)
     assert refused == 70
     assert reg.cancellations.count() == 20
@@ -273,10 +275,7 @@ def test_quota_holds_under_concurrent_writers(registry, spawn):
 def test_cap_holds_under_concurrent_writers(registry, spawn):
     reg = registry(max_rows=60, max_rows_per_scope=None)
     kids = [spawn(canceller, reg.name, list(range(100)), f"s{i}", "x") for i in range(3)]
-    for k in kids:
-        assert k.recv() == "ready"
-    for k in kids:
-        k.send("go")
+    start_together(kids)
     for k in kids:
         assert k.recv() == {"refused": 0}
     assert reg.cancellations.count() <= 60
