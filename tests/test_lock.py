@@ -97,6 +97,15 @@ class Child:
                 os.close(fd)
 
 
+def holding(lock: RegistryLock) -> Callable[[Child], None]:
+    """A child's body: take ``lock``, say b"h", and keep it until killed."""
+    def holder(ctl: Child) -> None:
+        with lock:
+            ctl.send(b"h")
+            select.select([], [], [], 60)
+    return holder
+
+
 @pytest.fixture
 def seg(shm_name: str) -> Iterator[Segment]:
     s = Segment.create(shm_name, Config(lock_timeout=5), [TableSpec("set", 1, 64, 4096)])
@@ -353,18 +362,13 @@ def test_signal_handler_exception_during_wait_propagates(seg: Segment) -> None:
     swallow it."""
     lock = RegistryLock(seg, timeout=5)
 
-    def holder(ctl: Child) -> None:
-        with lock:
-            ctl.send(b"h")
-            select.select([], [], [], 60)
-
     class Shutdown(BaseException):
         pass
 
     def on_alarm(signum: int, frame: object) -> None:
         raise Shutdown()
 
-    ch = Child(holder)
+    ch = Child(holding(lock))
     old = signal.signal(signal.SIGALRM, on_alarm)
     try:
         assert ch.recv() == b"h"
@@ -387,12 +391,7 @@ def test_dead_holder_recovered_once(seg: Segment, events: list[tuple[Any, ...]])
     calls: list[int] = []
     lock = RegistryLock(seg, repair=lambda: calls.append(seg.sem.value))
 
-    def holder(ctl: Child) -> None:
-        with lock:
-            ctl.send(b"h")
-            select.select([], [], [], 60)
-
-    ch = Child(holder)
+    ch = Child(holding(lock))
     try:
         assert ch.recv() == b"h"
         assert lock.owner()[0] == ch.pid
@@ -483,11 +482,6 @@ def test_two_waiters_race_to_recover(seg: Segment) -> None:
     lock = RegistryLock(seg)
     counter = Counter(seg)
 
-    def holder(ctl: Child) -> None:
-        with lock:
-            ctl.send(b"h")
-            select.select([], [], [], 60)
-
     def waiter(ctl: Child) -> None:
         c = Counter(seg, 1)
         ctl.send(b"w")
@@ -496,7 +490,7 @@ def test_two_waiters_race_to_recover(seg: Segment) -> None:
             assert seg.sem.value == 0
         ctl.send(b"d")
 
-    h = Child(holder)
+    h = Child(holding(lock))
     ws: list[Child] = []
     try:
         assert h.recv() == b"h"
@@ -523,12 +517,7 @@ def test_recover_from(seg: Segment, events: list[tuple[Any, ...]]) -> None:
     calls: list[int] = []
     lock = RegistryLock(seg, repair=lambda: calls.append(seg.sem.value))
 
-    def holder(ctl: Child) -> None:
-        with lock:
-            ctl.send(b"h")
-            select.select([], [], [], 60)
-
-    ch = Child(holder)
+    ch = Child(holding(lock))
     try:
         assert ch.recv() == b"h"
         assert not lock.recover_from(ch.pid)  # alive: never robbed
@@ -553,12 +542,7 @@ def test_recover_from(seg: Segment, events: list[tuple[Any, ...]]) -> None:
 def test_recover_from_does_not_block_on_a_busy_recoverer(seg: Segment) -> None:
     lock = RegistryLock(seg)
 
-    def holder(ctl: Child) -> None:
-        with lock:
-            ctl.send(b"h")
-            select.select([], [], [], 60)
-
-    ch = Child(holder)
+    ch = Child(holding(lock))
     fd = open_lockfile(seg.name)
     try:
         assert ch.recv() == b"h"
