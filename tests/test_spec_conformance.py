@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -345,6 +345,25 @@ def test_s4_4_eviction_batch_and_order(shm_name: str, max_rows: int | None,
         r.unlink()
 
 
+def track_in_a_process_that_exits(name: str, request_ids: Iterable[int], scope: str) -> None:
+    """A forked process attaches ``name``, tracks ``request_ids`` in ``scope`` and exits
+    (reaped): the in-flight rows it leaves have a dead owner."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            child = shmcancel.Cancellation(shmcancel.Registry.attach(name))
+            for i in request_ids:
+                child.track(i, scope)
+            os.write(wfd, b"x")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    assert os.read(rfd, 1) == b"x"
+    os.close(rfd)
+    os.waitpid(pid, 0)
+
+
 def test_s4_5_track_raises_TableFull_when_live_owners_hold_every_row(shm_name: str) -> None:
     r = make(shm_name, in_flight_capacity=4)
     try:
@@ -356,20 +375,7 @@ def test_s4_5_track_raises_TableFull_when_live_owners_hold_every_row(shm_name: s
         # Rows of a dead owner make room.
         for i in range(4):
             c.untrack(i, "s")
-        rfd, wfd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                child = shmcancel.Cancellation(shmcancel.Registry.attach(shm_name))
-                for i in range(4):
-                    child.track(i, "dead")
-                os.write(wfd, b"x")
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        assert os.read(rfd, 1) == b"x"
-        os.close(rfd)
-        os.waitpid(pid, 0)
+        track_in_a_process_that_exits(shm_name, range(4), "dead")
         c.track(99, "s")
         assert c.in_flight(99, "s") and not c.in_flight(0, "dead")
     finally:
@@ -409,23 +415,6 @@ def test_s4_6_cleanup_is_strict_and_returns_the_cancellation_rows_removed(
         r.unlink()
 
 
-def track_in_a_process_that_exits(name: str, request_id: int, scope: str) -> None:
-    """A forked process attaches ``name``, tracks ``request_id`` in ``scope`` and exits (reaped):
-    the in-flight row it leaves has a dead owner."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            shmcancel.Cancellation(shmcancel.Registry.attach(name)).track(request_id, scope)
-            os.write(wfd, b"x")
-        finally:
-            os._exit(0)
-    os.close(wfd)
-    assert os.read(rfd, 1) == b"x"
-    os.close(rfd)
-    os.waitpid(pid, 0)
-
-
 def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> None:
     """The janitor needs no help from the user: a process that only reads (``reason``,
     ``in_flight``) still gets expired rows and dead owners' rows swept, from one
@@ -434,7 +423,7 @@ def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> N
     try:
         old = shmcancel.Cancellation(r, clock=lambda: time.time() - 100)
         old.cancel(9, "expired", "s")
-        track_in_a_process_that_exits(shm_name, 5, "dead")
+        track_in_a_process_that_exits(shm_name, [5], "dead")
         c = shmcancel.Cancellation(r)
         assert c.reason(9, "s") == "expired" and c.in_flight(5, "dead")  # no sweep before
         wait_until(lambda: c.reason(9, "s") is None, deadline(), what="reason() to sweep")
@@ -447,7 +436,7 @@ def test_s4_6_janitor_sweeps_while_the_registry_is_only_read(shm_name: str) -> N
 def test_s4_6_janitor_sweeps_when_only_in_flight_is_polled(shm_name: str) -> None:
     r = make(shm_name, janitor_interval=0.3, ttl=1)
     try:
-        track_in_a_process_that_exits(shm_name, 5, "dead")
+        track_in_a_process_that_exits(shm_name, [5], "dead")
         c = shmcancel.Cancellation(r)
         wait_until(lambda: not c.in_flight(5, "dead"), deadline(),
                    what="in_flight() to sweep a dead owner's row")
