@@ -9,6 +9,8 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -280,6 +282,28 @@ def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_t
         os.kill(stays, signal.SIGTERM)
         wait_until(lambda: not alive(stays), time.monotonic() + 20, what="the last master")
         assert not segment_exists(shm_name), "the last master to exit unlinks"
+
+
+def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        with Registry.attach(shm_name, readonly=True) as ro:
+            assert ro.creator[0] == new  # the new master adopted it
+        os.kill(new, signal.SIGKILL)  # the upgrade fails: no hook runs in the old master
+        wait_until(lambda: not alive(new), time.monotonic() + 20, what="the new master to die")
+        g.pid = old
+        os.kill(g.worker_pids(master=old)[0], signal.SIGKILL)  # child_exit runs in the old one
+        with Registry.attach(shm_name, readonly=True) as ro:
+            wait_until(lambda: ro.creator[0] == old, time.monotonic() + 10,
+                       what="the old master to adopt the registry again")
+        # So another create of that name is refused rather than replacing a live registry.
+        out = subprocess.run(
+            [sys.executable, "-c", "import shmcancel, sys; "
+             f"shmcancel.Registry.create({shm_name!r})"],
+            capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
+        assert segment_exists(shm_name)
 
 
 def test_gthread_workers_serve_and_cancel(shm_name):

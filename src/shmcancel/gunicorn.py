@@ -37,7 +37,9 @@ What each hook does
     worker's death is handled after the lock is released, never re-entering while it is held.
     A live worker that keeps the lock (stopped, say) must not stall the master either: after
     ``LOCK_BUSY_WAIT`` the rows are left, and the next ``child_exit`` removes every dead
-    worker's rows (the janitor would too). It logs failures and never raises into gunicorn.
+    worker's rows (the janitor would too). If the registry's recorded creator is dead (a ``USR2``
+    upgrade whose new master adopted it and then died), this master adopts it again. It logs
+    failures and never raises into gunicorn.
 ``on_exit`` (master, after its workers are stopped)
     Unlinks the registry, unless another master still uses it: during a ``USR2`` upgrade the old
     master (``server.reexec_pid``, its re-executed child, is alive) and the new one (its parent
@@ -220,9 +222,13 @@ def child_exit(server: Any, worker: Any) -> None:
             else:
                 removed = _reap(reg, None if _state.deferred else pid)
                 _state.deferred = False
+            readopted = _readopt(reg)
     except Exception:
         log.exception("shmcancel: cleaning up after worker %s failed", pid)
         return
+    if readopted:
+        log.info("shmcancel: registry %r adopted again (its recorded master has exited)",
+                 _state.registry_name)
     if recovered:
         log.warning("shmcancel: worker %s died holding the registry lock; recovered it", pid)
     if removed:
@@ -241,6 +247,17 @@ def _lock_busy(reg: Any, wait: float = LOCK_BUSY_WAIT) -> bool:
         if time.monotonic() >= deadline:
             return True
         time.sleep(0.005)
+
+
+def _readopt(reg: Any) -> bool:
+    """Record this master as the registry's creator again if the recorded one is dead: after a
+    failed ``USR2`` upgrade (the new master adopted the registry, then died; gunicorn reaps it
+    without a hook) the registry would otherwise look stale to any later ``create``."""
+    c = reg.creator
+    if c[0] == os.getpid() or procinfo.alive(*c):
+        return False
+    reg.adopt()
+    return True
 
 
 def _reap(reg: Any, pid: int | None) -> int:

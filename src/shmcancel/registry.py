@@ -296,13 +296,14 @@ class Registry:
         """Record the calling process as the registry's creator.
 
         ``create`` replaces a registry only when its creator is gone; a process that takes over
-        a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade) adopts
-        it so that the registry is not taken for stale once the old creator exits.
+        a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade, or the
+        old one when the upgrade failed) adopts it so that the registry is not taken for stale
+        once the recorded creator has exited. One aligned 8-byte store: no lock, so a gunicorn
+        master never waits on a worker that holds it.
         """
         if self.readonly:
             raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
-        with self.lock:
-            self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
+        self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
 
     @property
     def cancellations(self) -> Table:
