@@ -19,6 +19,7 @@ delete each < 25x floor; Watch poll ~1x alone, <= 3.5x with a writer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import signal
@@ -81,6 +82,8 @@ def _segment(size: int) -> Iterator[tuple[str, mmap.mmap]]:
             mm.close()
     finally:
         posix_ipc.unlink_shared_memory(name)
+        with contextlib.suppress(posix_ipc.ExistentialError):  # the bare lock's, if one was made
+            posix_ipc.unlink_semaphore(name)
 
 
 @contextmanager
