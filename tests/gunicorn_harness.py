@@ -266,7 +266,8 @@ class Gunicorn:
                 if not any(alive(p) for p in tree):
                     break
                 time.sleep(0.02)
-            tree |= self._tree()
+            # Orphans too: workers of a master a test killed are no longer under any master.
+            tree |= self._tree() | self._strays()
             for pid in tree:
                 if alive(pid):
                     with contextlib.suppress(ProcessLookupError):
@@ -276,6 +277,23 @@ class Gunicorn:
                     self._proc.wait(timeout=5)
         finally:
             unlink_registry_names(self.registry_name)
+
+    def _strays(self) -> set[int]:
+        """Live processes started with this instance's ``SHMCANCEL_REGISTRY`` (every process the
+        harness starts inherits it; the registry name is unique to the test)."""
+        mark = f"SHMCANCEL_REGISTRY={self.registry_name}".encode()
+        out = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if mark in env and alive(int(entry)):
+                out.add(int(entry))
+        return out
 
     def _tree(self) -> set[int]:
         """Every live process under the known masters (masters included)."""

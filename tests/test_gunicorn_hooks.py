@@ -290,8 +290,17 @@ def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
         new = g.upgrade(time.monotonic() + 20)
         with Registry.attach(shm_name, readonly=True) as ro:
             assert ro.creator[0] == new  # the new master adopted it
-        os.kill(new, signal.SIGKILL)  # the upgrade fails: no hook runs in the old master
-        wait_until(lambda: not alive(new), time.monotonic() + 20, what="the new master to die")
+        orphans = g.worker_pids(master=new)  # out of the harness's reach once their master dies
+        try:
+            os.kill(new, signal.SIGKILL)  # the upgrade fails: no hook runs in the old master
+            wait_until(lambda: not alive(new), time.monotonic() + 20,
+                       what="the new master to die")
+        finally:
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not any(alive(p) for p in orphans), time.monotonic() + 20,
+                   what="the failed master's workers to die")
         g.pid = old
         os.kill(g.worker_pids(master=old)[0], signal.SIGKILL)  # child_exit runs in the old one
         with Registry.attach(shm_name, readonly=True) as ro:
