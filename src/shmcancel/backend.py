@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import eviction, procinfo
@@ -91,7 +91,6 @@ class Storage(Protocol):
         """Remove one row of this thread for the key (a token-0 row first)."""
     def in_flight(self, scope: str, rid: str) -> bool: ...
     def in_flight_ids(self, scope: str) -> list[str]: ...
-    def in_flight_rows(self) -> list[tuple[str, str, Owner]]: ...
     def reap(self, pid: int | None = None) -> int:
         """Remove in-flight rows whose owner process is gone (only ``pid``'s, when given)."""
 
@@ -297,14 +296,6 @@ class ShmBackend:
         ids = {k[1] for k, _ in self._f.scan(lambda k, v: type(k) is tuple and k[0] == scope)}
         return sorted(ids)
 
-    def in_flight_rows(self) -> list[tuple[str, str, Owner]]:
-        out = []
-        for k, v in self._f.scan():
-            o = _owner(v)
-            if type(k) is tuple and len(k) == 2 and o is not None:
-                out.append((k[0], k[1], o))
-        return out
-
     def reap(self, pid: int | None = None) -> int:
         # Liveness reads /proc: decide before taking the lock, then delete under it.
         rows = self._f.scan()
@@ -325,6 +316,3 @@ class ShmBackend:
     # --- janitor
     def claim_sweep(self, now: float, interval: float) -> bool:
         return bool(self.reg.claim_sweep(now, interval))
-
-    def iter_scope_counts(self) -> Iterator[tuple[bytes, int]]:
-        return iter(self._n.scan())
