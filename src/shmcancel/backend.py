@@ -174,13 +174,11 @@ class ShmBackend:
 
     def _add(self, scope: str, delta: int) -> None:
         """Change a scope's count; caller holds the lock."""
-        d = self._nk(scope)
-        n = self._n.get(d, 0)
-        n = (n if type(n) is int else 0) + delta
+        n = self.scope_rows(scope) + delta
         if n > 0:
-            self._n.insert(d, n)
+            self._n.insert(self._nk(scope), n)
         else:
-            self._n.delete(d)
+            self._n.delete(self._nk(scope))
 
     def atomic(self) -> contextlib.AbstractContextManager[Any]:
         return self._lock
@@ -220,8 +218,7 @@ class ShmBackend:
 
     def evict(self, batch: int) -> int:
         with self._lock:
-            rows = [r for r in (_cancel_row(k, v) for k, v in self._c.scan()) if r is not None]
-            victims = eviction.choose(((s, i, t) for s, i, _, t in rows), batch)
+            victims = eviction.choose(((s, i, t) for s, i, _, t in self.cancellations()), batch)
             per_scope: Counter[str] = Counter()
             for key in victims:
                 if self._c.delete(key):
@@ -286,8 +283,8 @@ class ShmBackend:
         mine = [o for o in map(_owner, self._f.lookup(key)) if o and o[:3] == (pid, start, tid)]
         if not mine:
             return False
-        mine.sort(key=lambda o: o[3] != 0)  # a plain track() row (token 0) first
-        return any(self._f.delete_object(key, o) for o in mine[:1])
+        # a plain track() row (token 0) first
+        return self._f.delete_object(key, min(mine, key=lambda o: o[3] != 0))
 
     def in_flight(self, scope: str, rid: str) -> bool:
         return self._f.member(self._fk(scope, rid))
