@@ -116,6 +116,15 @@ def _owner(value: Any) -> Owner | None:
     return None
 
 
+def _remember(cache: dict[Any, PreparedKey], k: Any, pk: PreparedKey) -> PreparedKey:
+    """Store ``pk`` under ``k`` in a key cache of at most ``_KEY_CACHE`` entries (emptied when
+    full); returns ``pk``."""
+    if len(cache) >= _KEY_CACHE:
+        cache.clear()
+    cache[k] = pk
+    return pk
+
+
 class ShmBackend:
     """:class:`Storage` over a registry's ``cancellations``, ``in_flight`` and ``scope_counts``
     tables. Lock-free reads; writes under the registry lock (``reg.lock``, reentrant per thread).
@@ -146,31 +155,17 @@ class ShmBackend:
     def _ck(self, scope: str, rid: str) -> PreparedKey:
         k = (scope, rid)
         pk = self._ckeys.get(k)
-        if pk is None:
-            pk = self._c.prepare(k)
-            if len(self._ckeys) >= _KEY_CACHE:
-                self._ckeys.clear()
-            self._ckeys[k] = pk
-        return pk
+        return pk if pk is not None else _remember(self._ckeys, k, self._c.prepare(k))
 
     def _fk(self, scope: str, rid: str) -> PreparedKey:
         k = (scope, rid)
         pk = self._fkeys.get(k)
-        if pk is None:
-            pk = self._f.prepare(k)
-            if len(self._fkeys) >= _KEY_CACHE:
-                self._fkeys.clear()
-            self._fkeys[k] = pk
-        return pk
+        return pk if pk is not None else _remember(self._fkeys, k, self._f.prepare(k))
 
     def _nk(self, scope: str) -> PreparedKey:
         pk = self._nkeys.get(scope)
-        if pk is None:
-            pk = self._n.prepare(self._digest(scope))
-            if len(self._nkeys) >= _KEY_CACHE:
-                self._nkeys.clear()
-            self._nkeys[scope] = pk
-        return pk
+        return pk if pk is not None else _remember(
+            self._nkeys, scope, self._n.prepare(self._digest(scope)))
 
     def _add(self, scope: str, delta: int) -> None:
         """Change a scope's count; caller holds the lock."""
