@@ -202,12 +202,11 @@ class _Exchange:
     """One request/response exchange: decides JSON vs SSE, streams progress."""
 
     def __init__(self, start_response: StartResponse, *, json_ok: bool, sse_ok: bool,
-                 token: int | str | None, extra_headers: list[tuple[str, str]]) -> None:
+                 token: int | str | None) -> None:
         self._start_response = start_response
         self.json_ok = json_ok
         self.sse_ok = sse_ok
         self.token = token
-        self.extra_headers = extra_headers
         self.write: Callable[[bytes], Any] | None = None
         self.gone = False
         self.on_gone: Callable[[], None] | None = None
@@ -240,8 +239,7 @@ class _Exchange:
             return False
         try:
             if self.write is None:
-                self.write = self._start_response(_STATUS[200],
-                                                  [*_SSE_HEADERS, *self.extra_headers])
+                self.write = self._start_response(_STATUS[200], list(_SSE_HEADERS))
             self.write(_sse(obj))
             return True
         except Exception:
@@ -586,7 +584,7 @@ class McpServer:
         if msg.method == "tools/list":
             return self._result(wire, msg, self._tools_list(msg), json_ok)
         if msg.method == "tools/call":
-            return self._tools_call(environ, start_response, wire, msg, json_ok, sse_ok, [])
+            return self._tools_call(environ, start_response, wire, msg, json_ok, sse_ok)
         raise RpcError(errors.METHOD_NOT_FOUND, f"Method not found: {msg.method[:100]!r}",
                        id=msg.id, status=dispatch_status(wire, errors.METHOD_NOT_FOUND))
 
@@ -649,15 +647,14 @@ class McpServer:
                            id=msg.id)
         return {"tools": [t.describe() for t in self._tools.values()]}
 
-    def _result(self, wire: Wire, msg: Request, result: dict[str, Any], json_ok: bool,
-                extra: list[tuple[str, str]] | None = None) -> _Reply:
+    def _result(self, wire: Wire, msg: Request, result: dict[str, Any],
+                json_ok: bool) -> _Reply:
         shaped = shape_result(wire, msg.method, result, server_info=self.server_info(),
                               ttl_ms=self.cache_ttl_ms, cache_scope=self.cache_scope)
-        return _body_reply(200, jsonrpc.result_body(msg.id, shaped), json_ok, extra)
+        return _body_reply(200, jsonrpc.result_body(msg.id, shaped), json_ok)
 
     def _tools_call(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
-                    msg: Request, json_ok: bool, sse_ok: bool,
-                    extra: list[tuple[str, str]]) -> _Reply | None:
+                    msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
         params = msg.params
         if params is None:
             raise RpcError(errors.INVALID_PARAMS, "Invalid params: tools/call needs params",
@@ -681,8 +678,7 @@ class McpServer:
 
         st = self._process_state()
         c = st.cancellation
-        ex = _Exchange(start_response, json_ok=json_ok, sse_ok=sse_ok, token=token,
-                       extra_headers=extra)
+        ex = _Exchange(start_response, json_ok=json_ok, sse_ok=sse_ok, token=token)
         handle = c.begin(msg.id, c.scope(environ))
         environ[HANDLE_KEY] = handle
         environ[REQUEST_ID_KEY] = msg.id
@@ -750,7 +746,7 @@ class McpServer:
         if ex.committed:
             ex.send_event(body)
             return None
-        return _body_reply(status, body, ex.json_ok, ex.extra_headers)
+        return _body_reply(status, body, ex.json_ok)
 
     # ------------------------------------------------------------------ disconnects
 
@@ -856,12 +852,10 @@ def _unsupported_header(requested: str) -> RpcError:
                     data={"supported": list(SUPPORTED_VERSIONS), "requested": shown})
 
 
-def _body_reply(status: int, body: dict[str, Any], json_ok: bool,
-                extra: list[tuple[str, str]] | None = None) -> _Reply:
+def _body_reply(status: int, body: dict[str, Any], json_ok: bool) -> _Reply:
     if json_ok:
-        return _Reply(status, jsonrpc.encode(body),
-                      [("Content-Type", "application/json"), *(extra or [])])
-    return _Reply(status, _sse(body), [*_SSE_HEADERS, *(extra or [])])
+        return _Reply(status, jsonrpc.encode(body), [("Content-Type", "application/json")])
+    return _Reply(status, _sse(body), list(_SSE_HEADERS))
 
 
 def _error_reply(status: int, id: int | str | None, code: int, message: str, data: Any = None,
