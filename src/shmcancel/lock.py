@@ -260,14 +260,13 @@ class RegistryLock:
         st.holder = None
         st.dirty = False
 
-    def _run_repair(self) -> None:
+    def _run_repair(self, after: str = "an interrupted write") -> None:
         if self._repair is not None:
             with _SignalsBlocked():
                 try:
                     self._repair()
                 except Exception:
-                    log.exception("registry %s: repair after an interrupted write failed",
-                                  self.name)
+                    log.exception("registry %s: repair after %s failed", self.name, after)
         self._st.dirty = False
 
     # --- waiting and recovery ---
@@ -367,17 +366,9 @@ class RegistryLock:
             self._st.holder = tid
             self._st.depth = 1
             self._st.dirty = False
-            self._call_repair_after_recovery()
+            self._run_repair("lock recovery")
         self._emit_recovered(owner, waited)
         return True
-
-    def _call_repair_after_recovery(self) -> None:
-        if self._repair is not None:
-            try:
-                self._repair()
-            except Exception:
-                log.exception("registry %s: repair after lock recovery failed", self.name)
-        self._st.dirty = False
 
     def _emit_recovered(self, owner: int, waited: float) -> None:
         p = procinfo.unpack_owner(owner)
@@ -404,7 +395,7 @@ class RegistryLock:
                     return False
                 self._st.holder = tid
                 self._st.depth = 1
-                self._call_repair_after_recovery()
+                self._run_repair("lock recovery")
                 self._release_unit()
         finally:
             self._st.tlock.release()
