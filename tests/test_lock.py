@@ -478,6 +478,30 @@ def test_stopped_holder_is_not_robbed(seg: Segment) -> None:
         lock.close()
 
 
+def test_timeout_can_be_shortened_for_one_lock_object(seg: Segment) -> None:
+    # What a gunicorn master does (it must never wait long on a live worker): the config says 5 s.
+    lock = RegistryLock(seg)
+    ch = Child(holding(lock))
+    try:
+        assert ch.recv() == b"h"
+        master = RegistryLock(seg)
+        assert master.timeout == 5.0
+        master.timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match=f"held by live pid {ch.pid}"), master:
+            pass
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert lock.timeout == 5.0  # other lock objects keep theirs
+        for bad in (0, -1, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match="lock timeout"):
+                master.timeout = bad  # type: ignore[assignment]
+        assert master.timeout == 0.3
+        master.close()
+    finally:
+        ch.stop()
+        lock.close()
+
+
 def test_two_waiters_race_to_recover(seg: Segment) -> None:
     lock = RegistryLock(seg)
     counter = Counter(seg)

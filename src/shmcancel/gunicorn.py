@@ -62,13 +62,16 @@ from typing import Any
 
 from . import procinfo
 from .config import Config
-from .exceptions import RegistryNotFound, ShmCancelError
+from .exceptions import LockTimeout, RegistryNotFound, ShmCancelError
 
 __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "registry_name",
            "when_ready"]
 
 ENV_NAME = "SHMCANCEL_REGISTRY"
 LOCK_BUSY_WAIT = 0.1  # seconds child_exit waits for a live lock holder before deferring
+# The master's own wait for the registry lock (workers keep Config.lock_timeout): long enough to
+# recover a dead holder (0.1-0.3 s), short enough never to stall the master on a live one.
+MASTER_LOCK_TIMEOUT = 1.0
 _log = logging.getLogger("shmcancel.gunicorn")
 
 
@@ -155,6 +158,7 @@ def _logger(server: Any) -> Any:
 
 def when_ready(server: Any) -> None:
     """Master: create the registry (or, under a ``USR2`` upgrade, attach to the live one)."""
+    from .lock import RegistryLock
     from .registry import Registry
 
     if registry() is not None:
@@ -179,6 +183,8 @@ def when_ready(server: Any) -> None:
         except ShmCancelError as e:
             # gunicorn prints a RuntimeError from the arbiter as one line and exits 1.
             raise RuntimeError(f"shmcancel: {e}") from e
+    if isinstance(reg.lock, RegistryLock):
+        reg.lock.timeout = min(reg.lock.timeout, MASTER_LOCK_TIMEOUT)
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
 
 
@@ -223,6 +229,12 @@ def child_exit(server: Any, worker: Any) -> None:
                 removed = _reap(reg, None if _state.deferred else pid)
                 _state.deferred = False
             readopted = _readopt(reg)
+    except LockTimeout:
+        # A live worker took the lock between _lock_busy and the reap: leave the rows for later.
+        _state.deferred = True
+        log.warning("shmcancel: registry lock busy; in-flight rows of worker %s left for later",
+                    pid)
+        return
     except Exception:
         log.exception("shmcancel: cleaning up after worker %s failed", pid)
         return

@@ -190,7 +190,16 @@ class RegistryLock:
 
     @property
     def timeout(self) -> float:
+        """Seconds a waiter waits for a live holder before ``LockTimeout`` (this process's lock
+        object only; the registry's ``Config.lock_timeout`` by default)."""
         return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+                or not 0 < seconds < 1e9:
+            raise ValueError(f"lock timeout must be a positive number of seconds, got {seconds!r}")
+        self._timeout = float(seconds)
 
     # --- with ---
     def __enter__(self) -> RegistryLock:
