@@ -16,7 +16,6 @@ tests pack the worst cases). A row larger than its table's record raises ``RowTo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import weakref
@@ -44,7 +43,9 @@ from .segment import (
     lock_path,
     segment_path,
     sem_path,
+    shm_name,
     unlink_names,
+    unlink_quiet,
 )
 from .table import Table
 
@@ -240,16 +241,13 @@ class Registry:
             except FileNotFoundError:
                 return None
 
-        name = "/shmcancel." + self._name
+        name = shm_name(self._name)
         if ino(segment_path(self._name)) == self._ino:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(name)
+            unlink_quiet(posix_ipc.unlink_shared_memory, name)
         if ino(sem_path(self._name)) == self._sem_ino:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(name)
+            unlink_quiet(posix_ipc.unlink_semaphore, name)
         if ino(segment_path(self._name)) is None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_path(self._name))
+            unlink_quiet(os.unlink, lock_path(self._name))
 
     def __enter__(self) -> Registry:
         return self

@@ -214,7 +214,7 @@ def _flock_bounded(name: str, timeout: float) -> int:
         os.close(fd)
 
 
-def _unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
+def unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
     with contextlib.suppress(posix_ipc.ExistentialError, FileNotFoundError):
         fn(arg)
 
@@ -222,9 +222,9 @@ def _unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
 def unlink_names(name: str) -> None:
     """Remove the segment, semaphore and lock file of ``name``; missing ones are fine."""
     check_name(name)
-    _unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
-    _unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
-    _unlink_quiet(os.unlink, lock_path(name))
+    unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
+    unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
+    unlink_quiet(os.unlink, lock_path(name))
 
 
 def _check_stat(what: str, path: str, st: os.stat_result) -> None:
@@ -369,14 +369,14 @@ class Segment:
             _check_space(name, total)
             sem = posix_ipc.Semaphore(shm_name(name), posix_ipc.O_CREX, mode=MODE,
                                       initial_value=1)
-            made.append(lambda: _unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name)))
+            made.append(lambda: unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name)))
             made.append(sem.close)
             os.chmod(sem_path(name), MODE)  # the mode given to sem_open is filtered by umask
             sem_ino = os.stat(sem_path(name)).st_ino
             tmp = _tmp_shm_name(name)
-            _unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
+            unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
             shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=MODE, size=0)
-            made.append(lambda: _unlink_quiet(posix_ipc.unlink_shared_memory, tmp))
+            made.append(lambda: unlink_quiet(posix_ipc.unlink_shared_memory, tmp))
             try:
                 os.fchmod(shm.fd, MODE)
                 os.ftruncate(shm.fd, total)
@@ -412,7 +412,7 @@ class Segment:
                 raise RegistryIncompatible(
                     f"registry {name}: {segment_path(name)} appeared while creating it "
                     "(created outside shmcancel's lock?)") from None
-            _unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
+            unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
             return seg
         except BaseException:
             for undo in reversed(made):
@@ -530,7 +530,7 @@ def _clear_stale(name: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        _unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
+        unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
         return
     try:
         st = os.fstat(fd)
@@ -546,8 +546,8 @@ def _clear_stale(name: str) -> None:
         if owner is not None and procinfo.alive(*owner):
             raise RegistryIncompatible(f"registry {name} is in use by live pid {owner[0]}")
     # Stale (creator gone), truncated or garbage: replace.
-    _unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
-    _unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
+    unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
+    unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
 
 
 def _too_large(name: str, total: int) -> SegmentTooLarge:
