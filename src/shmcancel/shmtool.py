@@ -8,7 +8,8 @@
     shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
                                      recoveries, evictions, sweeps
     shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
-    shmtool cleanup --stale          remove every stale or leftover registry (never a live one)
+    shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
+                                     named); a live one is never removed (named: exit 1)
     shmtool unlink NAME [--force]    remove whatever exists of the registry's segment, semaphore,
                                      lock file and temporaries (attached processes keep their
                                      mapping until they exit); refused while its creator lives
@@ -89,10 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object")
     s = sub.add_parser("cleanup", help="remove expired rows and dead processes' rows now; "
                        "with --stale, remove every registry whose creator is gone")
-    s.add_argument("name", nargs="?")
+    s.add_argument("name", nargs="*")
     s.add_argument("--ttl", type=float, default=None, help="seconds (default: the config's)")
     s.add_argument("--stale", action="store_true",
-                   help="remove all stale and leftover registries (no NAME)")
+                   help="remove all stale and leftover registries (with NAMEs: only those)")
     s = sub.add_parser("unlink", help="remove the registry's segment, semaphore, lock file and "
                        "temporaries")
     s.add_argument("name")
@@ -368,14 +369,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.stale:
-        if args.name is not None or args.ttl is not None:
-            raise _UsageError("cleanup --stale takes no NAME and no --ttl")
-        return _cleanup_stale()
-    if args.name is None:
-        raise _UsageError("cleanup needs a registry NAME (or --stale)")
+        if args.ttl is not None:
+            raise _UsageError("cleanup --stale takes no --ttl")
+        return _cleanup_stale([check_name(n) for n in args.name])
+    if len(args.name) != 1:
+        raise _UsageError("cleanup needs one registry NAME (or --stale)")
     if args.ttl is not None and not args.ttl >= 0:
         raise ShmCancelError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
-    reg = Registry.attach(check_name(args.name))
+    reg = Registry.attach(check_name(args.name[0]))
     try:
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
     finally:
@@ -421,16 +422,30 @@ def _live_creator(name: str) -> int | None:
     return owner[0] if owner is not None and procinfo.alive(*owner) else None
 
 
-def _cleanup_stale() -> int:
+def _cleanup_stale(only: list[str]) -> int:
+    """Remove stale and leftover registries (all, or those in ``only``); a live one is kept,
+    and reported when named. 1 if any was skipped or kept for a reason worth a line."""
     skipped = 0
     done = 0
-    for name in _entries():
+    names = list(_entries())
+    for name in only:
+        if name not in names:
+            print(f"shmtool: skipped {name}: no registry named {name} in {SHM_DIR}",
+                  file=sys.stderr)
+            skipped += 1
+    for name in names:
+        if only and name not in only:
+            continue
         try:
             for path in name_paths(name):  # only ever removes entries of ours
                 check_entry("entry", path)
             with _creation_lock(name, force=False):
                 pid = _live_creator(name)
                 if pid is not None:
+                    if only:
+                        print(f"shmtool: kept {name}: its creator, pid {pid}, is alive",
+                              file=sys.stderr)
+                        skipped += 1
                     continue
                 if not name_paths(name):  # gone meanwhile
                     continue
