@@ -328,3 +328,26 @@ def test_console_script(reg):
                        timeout=30)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["cancellations"][0]["reason"] == "via script"
+
+
+def test_unlink_under_a_running_gunicorn_is_refused_and_the_server_survives(shm_name):
+    """Defect: unlink succeeded, the next replacement worker failed to attach and gunicorn
+    halted. Refused now; a worker killed afterwards is replaced and serves."""
+    from gunicorn_harness import Gunicorn
+
+    with Gunicorn("tests.apps.hooks_app:app", registry_name=shm_name,
+                  config="examples/gunicorn/gunicorn.conf.py", workers=1) as g:
+        p = shmtool("unlink", shm_name)
+        assert p.returncode == 1 and f"pid {g.pid}" in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+        (worker,) = g.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            pids = g.worker_pids()
+            if pids and worker not in pids:
+                break
+            assert time.monotonic() < deadline, g.log_tail()
+            time.sleep(0.02)
+        g.wait_workers(1, deadline)
+        Registry.attach(shm_name, readonly=True).close()

@@ -194,6 +194,8 @@ def _registry_row(name: str, files: list[str]) -> dict[str, Any]:
     try:
         st = check_entry("segment", segment_path(name))
         if st is None:
+            for path in name_paths(name):
+                check_entry("entry", path)
             row["state"] = "leftover"
             row["error"] = (f"no segment, only {', '.join(files)}: shmtool cleanup --stale "
                             "removes it")
@@ -464,16 +466,17 @@ def _cleanup_stale(only: list[str]) -> int:
 
 def cmd_unlink(args: argparse.Namespace) -> int:
     name = check_name(args.name)
-    if not name_paths(name):
+    existing = name_paths(name)
+    if not existing:
         raise RegistryNotFound(f"no registry named {name} (nothing of it in {SHM_DIR})")
-    with _creation_lock(name, args.force):
+    with _creation_lock(name, args.force):  # may create the lock file: not reported
         pid = _live_creator(name)
         if pid is not None and not args.force:
             raise ShmCancelError(
                 f"registry {name} is in use: its creator, pid {pid}, is alive (unlinking it "
                 "would make the server's next worker fail to start); stop that server first, "
                 "or pass --force")
-        removed = _unlink_names(name)
+        removed = [p for p in _unlink_names(name) if p in existing]
     print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")
     return 0
 
