@@ -269,3 +269,35 @@ def test_gunicorn_over_a_squatted_name_exits_with_one_line(shm_name, squat, kind
     assert "Traceback" not in log, log
     errors = [line for line in log.splitlines() if line.startswith("Error: shmcancel:")]
     assert len(errors) == 1 and path in errors[0], log
+
+
+def test_unlink_refuses_another_users_live_registry(shm_name):
+    """Root running ``shmtool unlink`` on a live server of another user: refused too (the
+    segment is not ours to use, but its header still names a live creator)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            Registry.create(shm_name, SMALL)
+            os.write(w, b"x")
+            time.sleep(DEADLINE)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        assert os.stat(paths(shm_name)["segment"]).st_uid == NOBODY
+        p = shmtool_cli("unlink", shm_name)
+        assert p.returncode == 1, p
+        assert f"pid {pid}" in one_line(p, shm_name)
+        assert os.path.exists(paths(shm_name)["segment"])
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    p = shmtool_cli("unlink", shm_name)  # its creator is gone now
+    assert p.returncode == 0, p
+    assert not any(os.path.lexists(q) for q in paths(shm_name).values())

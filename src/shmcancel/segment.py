@@ -186,15 +186,16 @@ def tmp_path(name: str) -> str:
 _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _problem(st: os.stat_result) -> str | None:
-    """Why an entry of /dev/shm is not one shmcancel may use, or ``None`` if it is."""
+def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
+    """Why an entry of /dev/shm is not one shmcancel may use, or ``None`` if it is
+    (``any_owner``: a regular file of another user will do, to be read only)."""
     if stat.S_ISLNK(st.st_mode):
         return "is a symbolic link"
     if stat.S_ISFIFO(st.st_mode):
         return "is a FIFO"
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
-    if st.st_uid != os.geteuid():
+    if st.st_uid != os.geteuid() and not any_owner:
         return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
     return None
 
@@ -229,7 +230,8 @@ def check_entry(what: str, path: str) -> os.stat_result | None:
     return st
 
 
-def open_entry(what: str, path: str, flags: int, mode: int = MODE) -> int:
+def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
+               any_owner: bool = False) -> int:
     """Open ``path`` without following a symbolic link or blocking on a FIFO, and return the fd
     only if it is a regular file owned by us (else :class:`RegistryIncompatible`, fd closed).
     ``FileNotFoundError`` (and ``FileExistsError`` under ``O_EXCL``) pass through."""
@@ -240,7 +242,7 @@ def open_entry(what: str, path: str, flags: int, mode: int = MODE) -> int:
     except OSError as e:
         raise not_ours(what, path, _os_problem(e)) from None
     try:
-        problem = _problem(os.fstat(fd))
+        problem = _problem(os.fstat(fd), any_owner)
     except BaseException:
         os.close(fd)
         raise
@@ -640,12 +642,13 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     return sem
 
 
-def creator_of(name: str) -> tuple[int, int] | None:
+def creator_of(name: str, *, any_owner: bool = False) -> tuple[int, int] | None:
     """The creator recorded in registry ``name``'s segment header (pid, start time); ``None``
     if the segment holds no complete shmcancel header. Never blocks and never follows a link:
     ``FileNotFoundError`` when there is no segment, :class:`RegistryIncompatible` when the entry
-    is not a regular file owned by us."""
-    fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY)
+    is not a regular file owned by us (``any_owner``: or by anyone, if readable)."""
+    fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY,
+                    any_owner=any_owner)
     try:
         head = os.pread(fd, _HEAD.size, 0)
     finally:

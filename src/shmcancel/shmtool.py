@@ -19,9 +19,10 @@ on it and never write. ``cleanup`` attaches read-write and takes the lock like a
 No command follows, blocks on or uses an entry of /dev/shm that is not a regular file owned by the
 current user (a symbolic link, a FIFO, another user's file): it is reported in one line.
 
-Exit status: 0 on success; 1 for a shmcancel error (or, for ``cleanup --stale``, any registry
-it had to skip) (a missing registry, a bad name, an
-incompatible segment, ...) with one line on stderr and no traceback; 2 for a usage error.
+Exit status: 0 on success; 1 for a shmcancel error (a missing registry, a bad name, an
+incompatible segment, a live creator's registry to unlink, ...) with one line on stderr and no
+traceback, or for ``cleanup --stale`` when it skipped any registry (one line each); 2 for a usage
+error.
 
 ``dump --json`` prints one object::
 
@@ -416,9 +417,10 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
 
 def _live_creator(name: str) -> int | None:
     """The pid of ``name``'s creator if it is alive (``None``: no segment, no readable header,
-    not ours, or its creator is gone)."""
+    not a regular file, or its creator is gone). Another user's segment counts too: root must
+    not remove a live server's registry by accident either."""
     try:
-        owner = creator_of(name)
+        owner = creator_of(name, any_owner=True)
     except (FileNotFoundError, ShmCancelError):
         return None
     return owner[0] if owner is not None and procinfo.alive(*owner) else None
