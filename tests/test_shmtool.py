@@ -16,6 +16,7 @@ import pytest
 
 from shmcancel import Config
 from shmcancel.cancellation import Cancellation
+from shmcancel.exceptions import ShmCancelError
 from shmcancel.registry import Registry
 
 SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
@@ -204,14 +205,91 @@ def test_cleanup_prints_counts(reg):
     assert p.stdout.strip() == "removed 1 cancellation rows, 0 in-flight rows"
 
 
+def _stale(name: str) -> int:
+    """Registry ``name`` created by a child that is then SIGKILLed (a killed master); its pid."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            Registry.create(name, SMALL)
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return pid
+
+
+def _entries(name: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
+
+
 def test_unlink(shm_name):
-    reg = Registry.create(shm_name, SMALL)
-    reg.close()
+    _stale(shm_name)
     p = shmtool("unlink", shm_name)
     assert p.returncode == 0, p.stderr
-    assert not os.path.exists(f"/dev/shm/shmcancel.{shm_name}")
+    assert _entries(shm_name) == []
     p = shmtool("dump", shm_name)
     assert p.returncode == 1
+
+
+def test_unlink_refuses_while_the_creator_lives(reg):
+    """SPEC §7: unlinking under a live server makes its next worker fail to boot."""
+    p = shmtool("unlink", reg.name)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1 and f"pid {os.getpid()}" in p.stderr, p.stderr
+    assert "--force" in p.stderr
+    Registry.attach(reg.name).close()  # still there: a new worker could attach
+    p = shmtool("unlink", reg.name, "--force")
+    assert p.returncode == 0, p.stderr
+    assert _entries(reg.name) == []
+
+
+def test_unlink_removes_a_failed_creates_leftovers(shm_name):
+    """A create that failed left a lock file (and a temporary) but no segment: unlink removes
+    whatever of the name exists; and a failing create no longer leaves its lock file."""
+    os.symlink("/dev/null", f"/dev/shm/shmcancel.{shm_name}")  # makes create fail
+    with pytest.raises((ShmCancelError, OSError)):
+        Registry.create(shm_name, SMALL)
+    assert _entries(shm_name) == [f"shmcancel.{shm_name}"], "a failed create left entries"
+    os.unlink(f"/dev/shm/shmcancel.{shm_name}")
+    for f in (f"shmcancel-lock.{shm_name}", f"shmcancel.{shm_name}~creating"):
+        os.close(os.open(f"/dev/shm/{f}", os.O_CREAT | os.O_WRONLY, 0o600))
+    p = shmtool("list", "--json")
+    row = {r["name"]: r for r in json.loads(p.stdout)["registries"]}[shm_name]
+    assert row["state"] == "leftover", row
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert _entries(shm_name) == []
+
+
+def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_removes_it(
+        reg, shm_names):
+    stale = reg.name + "-dead"
+    shm_names.append(stale)
+    pid = _stale(stale)
+    p = shmtool("list", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+    assert rows[stale]["state"] == "stale" and rows[stale]["creator_alive"] is False
+    assert rows[stale]["creator_pid"] == pid
+    assert rows[reg.name]["state"] == "alive"
+    line = next(x for x in shmtool("list").stdout.splitlines() if x.startswith(stale + " "))
+    assert "stale" in line.split(), line
+    # Named, so as not to sweep other test runs' registries; without names it sweeps them all.
+    p = shmtool("cleanup", "--stale", stale, reg.name)
+    assert p.returncode == 1, "a named live registry is refused"
+    assert p.stdout.splitlines() == [f"removed stale registry {stale} (shmcancel.{stale}, "
+                                     f"sem.shmcancel.{stale}, shmcancel-lock.{stale})"]
+    assert p.stderr == f"shmtool: kept {reg.name}: its creator, pid {os.getpid()}, is alive\n"
+    assert _entries(stale) == []
+    Registry.attach(reg.name).close()  # the live one is untouched
 
 
 @pytest.mark.parametrize(
@@ -241,10 +319,35 @@ def test_usage_errors_exit_2(args):
     assert "usage:" in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.skipif(shutil.which("shmtool") is None, reason="console script not installed")
 def test_console_script(reg):
+    """The installed ``shmtool`` script: on PATH, else beside this interpreter (a venv's bin)."""
+    script = shutil.which("shmtool") or os.path.join(os.path.dirname(sys.executable), "shmtool")
+    assert os.access(script, os.X_OK), f"console script not installed ({script})"
     Cancellation(reg).cancel(1, "via script", "s")
-    p = subprocess.run(["shmtool", "dump", reg.name, "--json"], capture_output=True, text=True,
+    p = subprocess.run([script, "dump", reg.name, "--json"], capture_output=True, text=True,
                        timeout=30)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["cancellations"][0]["reason"] == "via script"
+
+
+def test_unlink_under_a_running_gunicorn_is_refused_and_the_server_survives(shm_name):
+    """Defect: unlink succeeded, the next replacement worker failed to attach and gunicorn
+    halted. Refused now; a worker killed afterwards is replaced and serves."""
+    from gunicorn_harness import Gunicorn
+
+    with Gunicorn("tests.apps.hooks_app:app", registry_name=shm_name,
+                  config="examples/gunicorn/gunicorn.conf.py", workers=1) as g:
+        p = shmtool("unlink", shm_name)
+        assert p.returncode == 1 and f"pid {g.pid}" in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+        (worker,) = g.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            pids = g.worker_pids()
+            if pids and worker not in pids:
+                break
+            assert time.monotonic() < deadline, g.log_tail()
+            time.sleep(0.02)
+        g.wait_workers(1, deadline)
+        Registry.attach(shm_name, readonly=True).close()

@@ -516,7 +516,9 @@ def test_s7_shmtool_commands(reg: shmcancel.Registry, shm_name: str) -> None:
     assert isinstance(json.loads(run_shmtool("stats", shm_name, "--json").stdout), dict)
     assert run_shmtool("cleanup", shm_name).returncode == 0
     assert c.cancelled(1, "s")  # not expired
-    assert run_shmtool("unlink", shm_name).returncode == 0
+    refused = run_shmtool("unlink", shm_name)  # revised §7: its creator (this process) lives
+    assert refused.returncode == 1 and f"pid {os.getpid()}" in refused.stderr
+    assert run_shmtool("unlink", shm_name, "--force").returncode == 0
     with pytest.raises(shmcancel.RegistryNotFound):
         shmcancel.Registry.attach(shm_name)
 

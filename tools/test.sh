@@ -12,7 +12,8 @@ fi
 .venv/bin/ruff check src tests tools examples
 .venv/bin/mypy src/shmcancel
 set +e
-.venv/bin/python -m pytest "$@"
+# The suite runs the installed console scripts (shmtool) the way a user of the venv would.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

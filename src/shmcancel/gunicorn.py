@@ -20,7 +20,9 @@ What each hook does
     Creates the registry. Its name is ``SHMCANCEL_REGISTRY`` when set, else the ``name`` given to
     :func:`configure`, else derived from gunicorn's ``proc_name`` and the bound addresses (stable
     for one deployment, distinct for two side by side; see :func:`registry_name`). A name that a
-    live master elsewhere still holds stops gunicorn with a one-line error. A master started by a
+    live master elsewhere still holds stops gunicorn with a one-line error, and so does any other
+    failure to create it (an entry of the name in /dev/shm that is not a regular file of ours:
+    a FIFO, a symbolic link, another user's file), naming the path. A master started by a
     ``USR2`` upgrade (gunicorn sets ``GUNICORN_PID`` for it) attaches to the live registry of the
     master that started it instead, and adopts it (``Registry.adopt``), so the registry is not
     taken for stale once the old master has exited. No thread is started: the master must have
@@ -59,6 +61,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import posix_ipc
 
 from . import procinfo
 from .config import Config
@@ -149,6 +153,12 @@ def _running(pid: int) -> bool:
     return start is not None and procinfo.alive(pid, start)
 
 
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def _logger(server: Any) -> Any:
     return getattr(server, "log", None) or _log
 
@@ -180,9 +190,12 @@ def when_ready(server: Any) -> None:
             if reg is None:
                 reg = Registry.create(name, config=_state.config)
                 log.info("shmcancel: created registry %r", name)
-        except ShmCancelError as e:
-            # gunicorn prints a RuntimeError from the arbiter as one line and exits 1.
-            raise RuntimeError(f"shmcancel: {e}") from e
+        except (ShmCancelError, OSError, posix_ipc.Error) as e:
+            # gunicorn prints a RuntimeError from the arbiter as one line and exits 1. Our
+            # errors name the path and what to do; anything else still gets one line.
+            raise RuntimeError(f"shmcancel: registry {name}: {_one_line(e)}"
+                               if not isinstance(e, ShmCancelError)
+                               else f"shmcancel: {_one_line(e)}") from e
     if isinstance(reg.lock, RegistryLock):
         reg.lock.timeout = min(reg.lock.timeout, MASTER_LOCK_TIMEOUT)
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()

@@ -21,8 +21,6 @@ import os
 import weakref
 from typing import Any
 
-import posix_ipc
-
 from . import procinfo
 from .config import Config
 from .exceptions import RegistryIncompatible, ShmCancelError
@@ -43,7 +41,6 @@ from .segment import (
     lock_path,
     segment_path,
     sem_path,
-    shm_name,
     unlink_names,
     unlink_quiet,
 )
@@ -110,10 +107,33 @@ def _forget(reg: Registry) -> None:
         _current = _opened[-1]() if _opened else None
 
 
-def unlink(name: str) -> None:
-    """Remove registry ``name``'s segment, semaphore and lock file (missing ones are fine).
-    Attached processes keep their mapping until they close it."""
-    unlink_names(name)
+def unlink(name: str) -> list[str]:
+    """Remove whatever exists of registry ``name``'s segment, semaphore, lock file and creation
+    temporaries (missing ones are fine); the paths removed. Attached processes keep their
+    mapping until they close it. One :class:`ShmCancelError` naming a path that could not be
+    removed (another user's, say)."""
+    return unlink_names(name)
+
+
+def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
+    """Remove ``name``'s segment and semaphore if they are still the inodes ``ino`` and
+    ``sem_ino`` (never a newer registry's), then its lock file if no segment is left."""
+    def at(path: str) -> int | None:
+        try:
+            return os.lstat(path).st_ino
+        except FileNotFoundError:
+            return None
+
+    try:
+        if at(segment_path(name)) == ino:
+            unlink_quiet(os.unlink, segment_path(name))
+        if at(sem_path(name)) == sem_ino:
+            unlink_quiet(os.unlink, sem_path(name))
+        if at(segment_path(name)) is None:
+            unlink_quiet(os.unlink, lock_path(name))
+    except OSError as e:
+        raise ShmCancelError(f"registry {name}: cannot remove {e.filename}: {e.strerror}") \
+            from None
 
 
 class _ReadOnlyLock:
@@ -209,7 +229,13 @@ class Registry:
                 region = seg.region(i)
                 Table.format(region, s.capacity, s.record_size)
 
-        return cls(Segment.create(name, config, specs, init=init))
+        seg = Segment.create(name, config, specs, init=init)
+        try:
+            return cls(seg)
+        except BaseException:
+            # Nobody else can have attached to what this process just made and failed to open.
+            _unlink_own(name, seg.ino, seg.sem_ino)
+            raise
 
     @classmethod
     def attach(cls, name: str, *, readonly: bool = False) -> Registry:
@@ -235,19 +261,7 @@ class Registry:
 
     def unlink(self) -> None:
         """Remove this registry's names from /dev/shm. Idempotent."""
-        def ino(path: str) -> int | None:
-            try:
-                return os.stat(path).st_ino
-            except FileNotFoundError:
-                return None
-
-        name = shm_name(self._name)
-        if ino(segment_path(self._name)) == self._ino:
-            unlink_quiet(posix_ipc.unlink_shared_memory, name)
-        if ino(sem_path(self._name)) == self._sem_ino:
-            unlink_quiet(posix_ipc.unlink_semaphore, name)
-        if ino(segment_path(self._name)) is None:
-            unlink_quiet(os.unlink, lock_path(self._name))
+        _unlink_own(self._name, self._ino, self._sem_ino)
 
     def __enter__(self) -> Registry:
         return self

@@ -32,6 +32,12 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
                     u32 record size, u8 kind (1 set, 2 bag), 7 pad
     4096            table regions, each at a 4096-aligned offset, in descriptor order
 
+/dev/shm is world-writable: anyone can put a FIFO, a symbolic link or a file of their own under
+these names. Every entry is opened ``O_NOFOLLOW | O_NONBLOCK`` (never follows a link, never blocks
+on a FIFO) and ``fstat``-checked to be a regular file owned by the effective uid before it is used
+(the semaphore, which ``sem_open`` opens itself, is ``lstat``-checked first and its inode compared
+after); anything else is a :class:`RegistryIncompatible` naming the path, never a hang.
+
 A segment is built under a temporary name and ``link``-ed into place only once complete, so an
 attacher never sees a half-written one; the semaphore is created first, so a visible segment
 always has its semaphore (the header records which one, by inode).
@@ -61,6 +67,7 @@ from .exceptions import (
     RegistryIncompatible,
     RegistryNotFound,
     SegmentTooLarge,
+    ShmCancelError,
 )
 
 __all__ = [
@@ -72,6 +79,7 @@ __all__ = [
     "TableDesc",
     "TableSpec",
     "check_name",
+    "creator_of",
     "lock_path",
     "open_lockfile",
     "unlink_names",
@@ -171,16 +179,83 @@ def _tmp_shm_name(name: str) -> str:
     return f"/shmcancel.{name}~creating"
 
 
+def tmp_path(name: str) -> str:
+    return SHM_DIR + _tmp_shm_name(name)
+
+
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
+    """Why an entry of /dev/shm is not one shmcancel may use, or ``None`` if it is
+    (``any_owner``: a regular file of another user will do, to be read only)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if stat.S_ISFIFO(st.st_mode):
+        return "is a FIFO"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid() and not any_owner:
+        return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
+    return None
+
+
+def not_ours(what: str, path: str, problem: str) -> RegistryIncompatible:
+    """The one-line error for an entry of /dev/shm that shmcancel will not use."""
+    return RegistryIncompatible(
+        f"{what} {path} {problem}: not using it; remove it (as its owner or root) or choose "
+        "another registry name")
+
+
+def _os_problem(e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "is a symbolic link"
+    if e.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader
+        return "is a FIFO"
+    return f"cannot be opened ({e.strerror})"
+
+
+def check_entry(what: str, path: str) -> os.stat_result | None:
+    """``lstat`` ``path``: ``None`` if absent; its stat if it is a regular file of ours; else
+    :class:`RegistryIncompatible`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    problem = _problem(st)
+    if problem is not None:
+        raise not_ours(what, path, problem)
+    return st
+
+
+def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
+               any_owner: bool = False) -> int:
+    """Open ``path`` without following a symbolic link or blocking on a FIFO, and return the fd
+    only if it is a regular file owned by us (else :class:`RegistryIncompatible`, fd closed).
+    ``FileNotFoundError`` (and ``FileExistsError`` under ``O_EXCL``) pass through."""
+    try:
+        fd = os.open(path, flags | _SAFE, mode)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    try:
+        problem = _problem(os.fstat(fd), any_owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise not_ours(what, path, problem)
+    return fd
+
+
 def open_lockfile(name: str) -> int:
     """Open (creating if needed) the registry's lock file; a new open file description, so the
     ``flock`` on it is this process's own."""
-    fd = os.open(lock_path(name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, MODE)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise RegistryIncompatible(
-            f"lock file {lock_path(name)} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
-    return fd
+    return open_entry("lock file", lock_path(name), os.O_RDWR | os.O_CREAT)
 
 
 def _flock_bounded(name: str, timeout: float) -> int:
@@ -203,7 +278,7 @@ def _flock_bounded(name: str, timeout: float) -> int:
             # The file may have been unlinked (Registry.unlink) and recreated while we waited:
             # only a lock on the inode currently at the path serialises anything.
             try:
-                same = os.stat(lock_path(name)).st_ino == os.fstat(fd).st_ino
+                same = os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -219,12 +294,41 @@ def unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
         fn(arg)
 
 
-def unlink_names(name: str) -> None:
-    """Remove the segment, semaphore and lock file of ``name``; missing ones are fine."""
+def name_paths(name: str) -> list[str]:
+    """Every path in /dev/shm that belongs to registry ``name`` and exists: segment, semaphore,
+    lock file and temporaries of a creation (``shmcancel.NAME~...``)."""
     check_name(name)
-    unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
-    unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
-    unlink_quiet(os.unlink, lock_path(name))
+    paths = [segment_path(name), sem_path(name), lock_path(name)]
+    tmp_prefix = f"shmcancel.{name}~"
+    with contextlib.suppress(OSError):  # /dev/shm unreadable: the fixed names still go
+        paths += [f"{SHM_DIR}/{f}" for f in sorted(os.listdir(SHM_DIR))
+                  if f.startswith(tmp_prefix)]
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def unlink_names(name: str) -> list[str]:
+    """Remove whatever exists of ``name``'s segment, semaphore, lock file and temporaries (the
+    entries themselves: a symbolic link is removed, never followed); the paths removed.
+    Raises one :class:`ShmCancelError` naming the first path that could not be removed, after
+    trying them all."""
+    removed, failed = [], []
+    for path in name_paths(name):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append((path, e))
+    if failed:
+        path, err = failed[0]
+        try:
+            owner = f"it belongs to uid {os.lstat(path).st_uid}; "
+        except OSError:
+            owner = ""
+        raise ShmCancelError(f"cannot remove {path}: {err.strerror} ({owner}remove it as its "
+                             "owner or root)")
+    return removed
 
 
 def _check_stat(what: str, path: str, st: os.stat_result) -> None:
@@ -367,30 +471,41 @@ class Segment:
         try:
             _clear_stale(name)
             _check_space(name, total)
-            sem = posix_ipc.Semaphore(shm_name(name), posix_ipc.O_CREX, mode=MODE,
-                                      initial_value=1)
-            made.append(lambda: unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name)))
-            made.append(sem.close)
-            os.chmod(sem_path(name), MODE)  # the mode given to sem_open is filtered by umask
-            sem_ino = os.stat(sem_path(name)).st_ino
-            tmp = _tmp_shm_name(name)
-            unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
-            shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=MODE, size=0)
-            made.append(lambda: unlink_quiet(posix_ipc.unlink_shared_memory, tmp))
             try:
-                os.fchmod(shm.fd, MODE)
-                os.ftruncate(shm.fd, total)
+                sem = posix_ipc.Semaphore(shm_name(name), posix_ipc.O_CREX, mode=MODE,
+                                          initial_value=1)
+            except posix_ipc.ExistentialError:
+                raise not_ours("semaphore", sem_path(name),
+                               "appeared while creating the registry") from None
+            made.append(lambda: unlink_quiet(os.unlink, sem_path(name)))
+            made.append(sem.close)
+            fd = open_entry("semaphore", sem_path(name), os.O_RDWR)
+            try:
+                os.fchmod(fd, MODE)  # the mode given to sem_open is filtered by umask
+                sem_ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+            tmp = tmp_path(name)
+            try:
+                fd = open_entry("temporary segment", tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                raise not_ours("temporary segment", tmp,
+                               "appeared while creating the registry") from None
+            made.append(lambda: unlink_quiet(os.unlink, tmp))
+            try:
+                os.fchmod(fd, MODE)
+                os.ftruncate(fd, total)
                 try:
                     # Back every page now: a full /dev/shm fails here, never as SIGBUS later.
-                    os.posix_fallocate(shm.fd, 0, total)
+                    os.posix_fallocate(fd, 0, total)
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                         raise _too_large(name, total) from e
                     raise
-                ino = os.fstat(shm.fd).st_ino
-                mm = mmap.mmap(shm.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                ino = os.fstat(fd).st_ino
+                mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
-                shm.close_fd()
+                os.close(fd)
             created_at = time.time()
             mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size] = _config_pack(config)
             struct.pack_into("<Q", mm, OFF_TABLE_COUNT, len(descs))
@@ -407,17 +522,21 @@ class Segment:
             if init is not None:
                 init(seg)
             try:
-                os.link(SHM_DIR + tmp, segment_path(name))  # publish atomically
+                os.link(tmp, segment_path(name))  # publish atomically; never follows a link
             except FileExistsError:
                 raise RegistryIncompatible(
                     f"registry {name}: {segment_path(name)} appeared while creating it "
                     "(created outside shmcancel's lock?)") from None
-            unlink_quiet(posix_ipc.unlink_shared_memory, tmp)
+            unlink_quiet(os.unlink, tmp)
             return seg
-        except BaseException:
+        except BaseException as e:
             for undo in reversed(made):
                 with contextlib.suppress(Exception):  # best effort
                     undo()
+            _drop_lockfile(name, lockfd)
+            if isinstance(e, OSError | posix_ipc.Error):
+                raise RegistryIncompatible(
+                    f"registry {name}: creating it in {SHM_DIR} failed: {_describe(e)}") from e
             raise
         finally:
             os.close(lockfd)  # drops the flock
@@ -430,20 +549,18 @@ class Segment:
         check_name(name)
         path = segment_path(name)
         try:
-            shm = posix_ipc.SharedMemory(shm_name(name), 0, size=0, read_only=readonly)
-        except posix_ipc.ExistentialError:
+            fd = open_entry("segment", path, os.O_RDONLY if readonly else os.O_RDWR)
+        except FileNotFoundError:
             raise RegistryNotFound(f"no registry named {name} ({path})") from None
-        except posix_ipc.PermissionsError as e:
-            raise RegistryIncompatible(f"registry {name}: cannot open {path}: {e}") from None
         try:
-            st = os.fstat(shm.fd)
+            st = os.fstat(fd)
             _check_stat("segment", path, st)
             size = st.st_size
             if size < HEADER_SIZE:
                 raise RegistryIncompatible(
                     f"registry {name}: {path} is truncated ({size} bytes, smaller than its "
                     f"{HEADER_SIZE}-byte header)")
-            head = os.pread(shm.fd, _HEAD.size, 0)
+            head = os.pread(fd, _HEAD.size, 0)
             magic, version, hsize, total = struct.unpack_from("<8sQQQ", head)
             if magic != MAGIC:
                 raise RegistryIncompatible(
@@ -459,12 +576,11 @@ class Segment:
                 raise RegistryIncompatible(
                     f"registry {name}: header says {total} bytes but {path} has {size}")
             if readonly:
-                mm = mmap.mmap(shm.fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
             else:
-                mm = mmap.mmap(shm.fd, size, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            shm.close_fd()
+            os.close(fd)
         sem = None
         try:
             _validate_tables(name, mm, size)
@@ -501,11 +617,12 @@ def _validate_tables(name: str, mm: mmap.mmap, size: int) -> None:
 
 def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     path = sem_path(name)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
+    # sem_open opens the file itself (O_NOFOLLOW, but blocking): check the entry first, and its
+    # inode afterwards (only its owner could have swapped a file of ours in between).
+    st = check_entry("semaphore", path)
+    if st is None:
         raise RegistryIncompatible(
-            f"registry {name}: segment exists but its semaphore {path} is missing") from None
+            f"registry {name}: segment exists but its semaphore {path} is missing")
     _check_stat("semaphore", path, st)
     if st.st_size < SEM_MIN_SIZE:
         raise RegistryIncompatible(
@@ -515,7 +632,9 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     except posix_ipc.ExistentialError:
         raise RegistryIncompatible(
             f"registry {name}: segment exists but its semaphore {path} is missing") from None
-    if os.stat(path).st_ino != expected_ino:
+    except posix_ipc.Error as e:
+        raise RegistryIncompatible(f"registry {name}: cannot open semaphore {path}: {e}") from None
+    if os.lstat(path).st_ino != expected_ino:
         sem.close()
         raise RegistryIncompatible(
             f"registry {name}: semaphore {path} is not the one created with the segment "
@@ -523,31 +642,57 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     return sem
 
 
-def _clear_stale(name: str) -> None:
-    """Under the creation flock: refuse a live creator's segment, remove a dead one's (or
-    garbage, or a semaphore left without its segment)."""
-    path = segment_path(name)
+def creator_of(name: str, *, any_owner: bool = False) -> tuple[int, int] | None:
+    """The creator recorded in registry ``name``'s segment header (pid, start time); ``None``
+    if the segment holds no complete shmcancel header. Never blocks and never follows a link:
+    ``FileNotFoundError`` when there is no segment, :class:`RegistryIncompatible` when the entry
+    is not a regular file owned by us (``any_owner``: or by anyone, if readable)."""
+    fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY,
+                    any_owner=any_owner)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
-        return
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise RegistryIncompatible(
-                f"registry {name}: {path} belongs to uid {st.st_uid}; not replacing it")
         head = os.pread(fd, _HEAD.size, 0)
     finally:
         os.close(fd)
-    if len(head) == _HEAD.size and head[:8] == MAGIC:
-        (creator,) = struct.unpack_from("<Q", head, OFF_CREATOR)
-        owner = procinfo.unpack_owner(creator)
+    if len(head) < _HEAD.size or head[:8] != MAGIC:
+        return None
+    (creator,) = struct.unpack_from("<Q", head, OFF_CREATOR)
+    return procinfo.unpack_owner(creator)
+
+
+def _clear_stale(name: str) -> None:
+    """Under the creation flock: refuse a live creator's segment and any entry of the name that
+    is not a regular file of ours; remove a dead creator's segment (or garbage, or a semaphore
+    or temporary left without a live creation)."""
+    check_entry("temporary segment", tmp_path(name))
+    check_entry("semaphore", sem_path(name))
+    try:
+        owner = creator_of(name)
+    except FileNotFoundError:
+        pass
+    else:
         if owner is not None and procinfo.alive(*owner):
             raise RegistryIncompatible(f"registry {name} is in use by live pid {owner[0]}")
     # Stale (creator gone), truncated or garbage: replace.
-    unlink_quiet(posix_ipc.unlink_shared_memory, shm_name(name))
-    unlink_quiet(posix_ipc.unlink_semaphore, shm_name(name))
+    for path in (segment_path(name), sem_path(name), tmp_path(name)):
+        unlink_quiet(os.unlink, path)
+
+
+def _drop_lockfile(name: str, lockfd: int) -> None:
+    """After a failed create, under its flock: remove the lock file it created, unless a
+    segment of ours (a registry others may be attached to) is at the name."""
+    with contextlib.suppress(ShmCancelError, OSError):
+        if check_entry("segment", segment_path(name)) is not None:
+            return
+    with contextlib.suppress(OSError):
+        if os.lstat(lock_path(name)).st_ino == os.fstat(lockfd).st_ino:
+            os.unlink(lock_path(name))
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    return str(e) or type(e).__name__
 
 
 def _too_large(name: str, total: int) -> SegmentTooLarge:

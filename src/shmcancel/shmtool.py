@@ -2,19 +2,27 @@
 
 ::
 
-    shmtool list [--json]            registries in /dev/shm: name, size, creator pid and liveness
+    shmtool list [--json]            registries in /dev/shm: name, size, creator pid, state
+                                     (alive, stale: creator gone, leftover: no segment)
     shmtool dump NAME [--json]       every cancellation and in-flight row
     shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
                                      recoveries, evictions, sweeps
     shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
-    shmtool unlink NAME              remove the registry's names (attached processes keep their
-                                     mapping until they exit)
+    shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
+                                     named); a live one is never removed (named: exit 1)
+    shmtool unlink NAME [--force]    remove whatever exists of the registry's segment, semaphore,
+                                     lock file and temporaries (attached processes keep their
+                                     mapping until they exit); refused while its creator lives
 
 ``list``, ``dump`` and ``stats`` attach read-only: they never take the registry lock, never block
 on it and never write. ``cleanup`` attaches read-write and takes the lock like any worker.
+No command follows, blocks on or uses an entry of /dev/shm that is not a regular file owned by the
+current user (a symbolic link, a FIFO, another user's file): it is reported in one line.
 
 Exit status: 0 on success; 1 for a shmcancel error (a missing registry, a bad name, an
-incompatible segment, ...) with one line on stderr and no traceback; 2 for a usage error.
+incompatible segment, a live creator's registry to unlink, ...) with one line on stderr and no
+traceback, or for ``cleanup --stale`` when it skipped any registry (one line each); 2 for a usage
+error.
 
 ``dump --json`` prints one object::
 
@@ -27,25 +35,40 @@ incompatible segment, ...) with one line on stderr and no traceback; 2 for a usa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import posix_ipc
 
 from . import procinfo
 from .cancellation import Cancellation
-from .exceptions import RegistryNotFound, ShmCancelError
+from .exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
 from .registry import Registry
 from .registry import unlink as _unlink_names
-from .segment import SHM_DIR, check_name, segment_path
+from .segment import (
+    SHM_DIR,
+    _flock_bounded,
+    check_entry,
+    check_name,
+    creator_of,
+    lock_path,
+    name_paths,
+    segment_path,
+)
 
 __all__ = ["main"]
 
 PREFIX = "shmcancel."
+# Entries of /dev/shm that belong to a registry NAME: prefix + NAME (+ "~..." for temporaries).
+ENTRY_PREFIXES = ("shmcancel.", "sem.shmcancel.", "shmcancel-lock.")
 TOP_SCOPES = 10
+LOCK_WAIT = 1.0  # seconds unlink / cleanup --stale wait for a creation or recovery to finish
 
 
 class _Usage(argparse.ArgumentParser):
@@ -66,11 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="sizes, counters, top scopes, probe lengths (read-only)")
     s.add_argument("name")
     s.add_argument("--json", action="store_true", help="one JSON object")
-    s = sub.add_parser("cleanup", help="remove expired rows and dead processes' rows now")
-    s.add_argument("name")
+    s = sub.add_parser("cleanup", help="remove expired rows and dead processes' rows now; "
+                       "with --stale, remove every registry whose creator is gone")
+    s.add_argument("name", nargs="*")
     s.add_argument("--ttl", type=float, default=None, help="seconds (default: the config's)")
-    s = sub.add_parser("unlink", help="remove the registry's segment, semaphore and lock file")
+    s.add_argument("--stale", action="store_true",
+                   help="remove all stale and leftover registries (with NAMEs: only those)")
+    s = sub.add_parser("unlink", help="remove the registry's segment, semaphore, lock file and "
+                       "temporaries")
     s.add_argument("name")
+    s.add_argument("--force", action="store_true",
+                   help="even while the registry's creator (a server) is alive")
     return p
 
 
@@ -131,38 +160,73 @@ def _read(name: str, collect: Callable[[Registry], dict[str, Any]]) -> dict[str,
 
 
 # ------------------------------------------------------------------------------------ commands
-def _registries() -> list[dict[str, Any]]:
-    out = []
+def _entries() -> dict[str, list[str]]:
+    """Registry name -> its entries in /dev/shm (file names), for every valid name."""
     try:
-        entries = sorted(os.listdir(SHM_DIR))
+        files = sorted(os.listdir(SHM_DIR))
     except OSError as e:
         raise ShmCancelError(f"cannot list {SHM_DIR}: {e.strerror}") from None
-    for f in entries:
-        if not f.startswith(PREFIX) or f.endswith("~creating"):
-            continue
-        name = f[len(PREFIX):]
-        try:
-            check_name(name)
-            size = os.stat(os.path.join(SHM_DIR, f)).st_size
-        except (ShmCancelError, OSError):
-            continue
-        row: dict[str, Any] = {"name": name, "size": size, "creator_pid": None,
-                               "creator_alive": None, "error": None}
-        try:
-            reg = _attach_ro(name)
-        except ShmCancelError as e:
-            msg = " ".join(str(e).split()) or type(e).__name__
-            row["error"] = msg if len(msg) <= 100 else msg[:97] + "..."
-        else:
-            try:
-                info = reg.info()
-                row["creator_pid"] = info["creator_pid"]
-                row["creator_alive"] = info["creator_alive"]
-                row["created_at"] = info["created_at"]
-            finally:
-                reg.close()
-        out.append(row)
+    out: dict[str, list[str]] = {}
+    for f in files:
+        for prefix in ENTRY_PREFIXES:
+            if f.startswith(prefix):
+                name = f[len(prefix):].split("~", 1)[0]
+                if "~" in f and prefix != PREFIX:
+                    continue
+                try:
+                    check_name(name)
+                except ShmCancelError:
+                    continue
+                out.setdefault(name, []).append(f)
+                break
     return out
+
+
+def _short(e: BaseException) -> str:
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if len(msg) <= 160 else msg[:157] + "..."
+
+
+def _registry_row(name: str, files: list[str]) -> dict[str, Any]:
+    """One row of ``list``; ``state``: alive, stale (creator gone), leftover (no segment, only
+    a semaphore / lock file / temporary), or unusable (see ``error``)."""
+    row: dict[str, Any] = {"name": name, "size": 0, "creator_pid": None,
+                           "creator_alive": None, "state": "unusable", "error": None}
+    try:
+        st = check_entry("segment", segment_path(name))
+        if st is None:
+            for path in name_paths(name):
+                check_entry("entry", path)
+            row["state"] = "leftover"
+            row["error"] = (f"no segment, only {', '.join(files)}: shmtool cleanup --stale "
+                            "removes it")
+            return row
+        row["size"] = st.st_size
+        reg = _attach_ro(name)
+    except ShmCancelError as e:
+        row["error"] = _short(e)
+        with contextlib.suppress(ShmCancelError, OSError):
+            owner = creator_of(name)  # a readable header of another layout still has one
+            if owner is not None:
+                row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
+        if row["creator_alive"] is False:
+            row["state"] = "stale"
+        return row
+    try:
+        info = reg.info()
+    finally:
+        reg.close()
+    row["creator_pid"] = info["creator_pid"]
+    row["creator_alive"] = info["creator_alive"]
+    row["created_at"] = info["created_at"]
+    row["state"] = "alive" if info["creator_alive"] else "stale"
+    if not info["creator_alive"]:
+        row["error"] = "creator gone: shmtool cleanup --stale removes it"
+    return row
+
+
+def _registries() -> list[dict[str, Any]]:
+    return [_registry_row(name, files) for name, files in _entries().items()]
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -173,9 +237,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not regs:
         print(f"no registries in {SHM_DIR}")
         return 0
-    rows = [(r["name"], _size(r["size"]), r["creator_pid"],
-             {True: "alive", False: "gone", None: "?"}[r["creator_alive"]],
-             r["error"] or "") for r in regs]
+    rows = [(r["name"], _size(r["size"]), r["creator_pid"], r["state"], r["error"] or "")
+            for r in regs]
     print(_table(("NAME", "SIZE", "CREATOR", "STATE", "NOTE"), rows))
     return 0
 
@@ -308,9 +371,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
+    if args.stale:
+        if args.ttl is not None:
+            raise _UsageError("cleanup --stale takes no --ttl")
+        return _cleanup_stale([check_name(n) for n in args.name])
+    if len(args.name) != 1:
+        raise _UsageError("cleanup needs one registry NAME (or --stale)")
     if args.ttl is not None and not args.ttl >= 0:
         raise ShmCancelError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
-    reg = Registry.attach(check_name(args.name))
+    reg = Registry.attach(check_name(args.name[0]))
     try:
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
     finally:
@@ -319,12 +388,98 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+class _UsageError(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _creation_lock(name: str, force: bool) -> Iterator[None]:
+    """Hold ``name``'s creation flock, so that no creation or lock recovery is under way while
+    its entries are removed. A lock file that is not ours cannot be what a creator of ours
+    holds: nothing is locked then. ``force``: go on even if the flock stays held."""
+    fd = None
+    try:
+        check_entry("lock file", lock_path(name))
+    except RegistryIncompatible:
+        pass
+    else:
+        try:
+            fd = _flock_bounded(name, LOCK_WAIT)
+        except RegistryIncompatible:
+            if not force:
+                raise
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _live_creator(name: str) -> int | None:
+    """The pid of ``name``'s creator if it is alive (``None``: no segment, no readable header,
+    not a regular file, or its creator is gone). Another user's segment counts too: root must
+    not remove a live server's registry by accident either."""
+    try:
+        owner = creator_of(name, any_owner=True)
+    except (FileNotFoundError, ShmCancelError):
+        return None
+    return owner[0] if owner is not None and procinfo.alive(*owner) else None
+
+
+def _cleanup_stale(only: list[str]) -> int:
+    """Remove stale and leftover registries (all, or those in ``only``); a live one is kept,
+    and reported when named. 1 if any was skipped or kept for a reason worth a line."""
+    skipped = 0
+    done = 0
+    names = list(_entries())
+    for name in only:
+        if name not in names:
+            print(f"shmtool: skipped {name}: no registry named {name} in {SHM_DIR}",
+                  file=sys.stderr)
+            skipped += 1
+    for name in names:
+        if only and name not in only:
+            continue
+        try:
+            for path in name_paths(name):  # only ever removes entries of ours
+                check_entry("entry", path)
+            with _creation_lock(name, force=False):
+                pid = _live_creator(name)
+                if pid is not None:
+                    if only:
+                        print(f"shmtool: kept {name}: its creator, pid {pid}, is alive",
+                              file=sys.stderr)
+                        skipped += 1
+                    continue
+                if not name_paths(name):  # gone meanwhile
+                    continue
+                removed = _unlink_names(name)
+        except ShmCancelError as e:
+            print(f"shmtool: skipped {name}: {_short(e)}", file=sys.stderr)
+            skipped += 1
+            continue
+        done += 1
+        print(f"removed stale registry {name} "
+              f"({', '.join(os.path.basename(p) for p in removed)})")
+    if not done and not skipped:
+        print("no stale registries")
+    return 1 if skipped else 0
+
+
 def cmd_unlink(args: argparse.Namespace) -> int:
     name = check_name(args.name)
-    if not os.path.exists(segment_path(name)):
-        raise RegistryNotFound(f"no registry named {name} ({segment_path(name)})")
-    _unlink_names(name)
-    print(f"unlinked {name}")
+    existing = name_paths(name)
+    if not existing:
+        raise RegistryNotFound(f"no registry named {name} (nothing of it in {SHM_DIR})")
+    with _creation_lock(name, args.force):  # may create the lock file: not reported
+        pid = _live_creator(name)
+        if pid is not None and not args.force:
+            raise ShmCancelError(
+                f"registry {name} is in use: its creator, pid {pid}, is alive (unlinking it "
+                "would make the server's next worker fail to start); stop that server first, "
+                "or pass --force")
+        removed = [p for p in _unlink_names(name) if p in existing]
+    print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")
     return 0
 
 
@@ -333,10 +488,14 @@ COMMANDS = {"list": cmd_list, "dump": cmd_dump, "stats": cmd_stats, "cleanup": c
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         return COMMANDS[args.cmd](args)
-    except ShmCancelError as e:
+    except _UsageError as e:
+        parser.error(str(e))
+        return 2  # pragma: no cover - error() exits
+    except (ShmCancelError, posix_ipc.Error) as e:
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"shmtool: {msg}", file=sys.stderr)
         return 1
