@@ -377,6 +377,10 @@ class Ids:
     def __init__(self) -> None:
         self.pool = [1, 2, 3]
         self.next_fresh = 1000
+        self.last: dict[int, str] = {}  # what was last done with an id (for the samples)
+
+    def after(self, rid: int) -> str:
+        return f"id {rid} (last: {self.last.pop(rid, 'a plain call')})"
 
     def take(self, i: int) -> int:
         return self.pool[i % len(self.pool)]
@@ -409,7 +413,8 @@ def mixed_client(ctx: Ctx, idx: int) -> None:
         rid = ids.take(n)
         x = rng.random()
         if x < 0.25:
-            judge(st, s.call(rid, "echo", {"text": "hi"}), was_cancelled=False, what="echo")
+            judge(st, s.call(rid, "echo", {"text": "hi"}), was_cancelled=False,
+                  what=f"echo {s.sid} {ids.after(rid)}")
         elif x < 0.45:
             cancel_race(ctx, s, ids, rid, rng)
         elif x < 0.60:
@@ -428,7 +433,7 @@ def mixed_client(ctx: Ctx, idx: int) -> None:
                 short.delete()
         else:
             judge(st, s.call(rid, "sleep", {"seconds": rng.uniform(0.01, 0.2)}),
-                  was_cancelled=False, what="sleep")
+                  was_cancelled=False, what=f"sleep {s.sid} {ids.after(rid)}")
 
 
 def cancel_race(ctx: Ctx, s: SessionClient, ids: Ids, rid: int, rng: random.Random) -> None:
@@ -441,7 +446,7 @@ def cancel_race(ctx: Ctx, s: SessionClient, ids: Ids, rid: int, rng: random.Rand
     sid = s.sid
     args: dict[str, Any]
     if rng.random() < 0.4:
-        tool, args, span = "echo", {"text": "race"}, 0.02
+        tool, args, span = "echo", {"text": "race"}, 0.005  # ~ the call's time in the server
     else:
         seconds = rng.uniform(0.005, 0.3)
         tool, args, span = "sleep", {"seconds": seconds}, seconds + 0.02
@@ -462,10 +467,12 @@ def cancel_race(ctx: Ctx, s: SessionClient, ids: Ids, rid: int, rng: random.Rand
     for status in statuses:
         if status not in (202, None, 0, 404) and not 500 <= status < 600:
             ctx.stats.add("other", f"notifications/cancelled: {status}")
+    ids.last[rid] = (f"{tool} raced by {len(cancels)} cancel(s) {statuses}, "
+                     f"outcome {result[0][0] if result else 'none'}")
     if result:
         if result[0][0] == Outcome.CONN:
             ctx.stats.killed_keys.add((f"session:{sid}", str(rid)))
-        judge(ctx.stats, result[0], was_cancelled=True, what=f"cancelled {tool}")
+        judge(ctx.stats, result[0], was_cancelled=True, what=f"cancelled {tool} {sid} {rid}")
 
 
 def latency_client(ctx: Ctx, out: list[float], until: Callable[[], bool]) -> None:
