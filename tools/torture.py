@@ -65,10 +65,13 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
-from gunicorn_harness import Gunicorn, alive, wait_until  # noqa: E402
-from mcp_client import ACCEPT, LEGACY, MODERN, meta  # noqa: E402
+try:
+    from gunicorn_harness import Gunicorn, alive, wait_until
+    from mcp_client import ACCEPT, LEGACY, MODERN, meta
+except ImportError as e:  # gunicorn, httpx, pytest: the test extra
+    sys.exit(f"tools/torture.py needs the test extra (bash tools/test.sh makes .venv): {e}")
 
-from shmcancel import Registry  # noqa: E402
+from shmcancel import Registry, procinfo  # noqa: E402
 
 CONFIG = str(REPO_ROOT / "tools" / "torture_gunicorn.conf.py")
 SCENARIOS = ("steady", "lock-stall", "hup-usr2", "session-flood", "cancel-flood")
@@ -77,7 +80,7 @@ CANCELLED = -32800
 REQUEST_TIMEOUT = 8.0  # seconds a client waits for one reply
 MIN_LOAD = 2.0  # seconds of load per scenario, whatever the budget
 DRAIN = 2.0  # seconds reserved at the end of a scenario's slice for draining and reading rows
-ROWS_WAIT = 3.0  # seconds to wait for rows to go once the load stopped
+ROWS_WAIT = 5.0  # seconds to wait for rows to go once the load stopped
 BASELINE_CALLS = 40
 WARMUP_CALLS = 10
 LATENCY_SOURCE = "127.0.0.1"
@@ -587,6 +590,14 @@ def lock_holder(g: Gunicorn, deadline: float) -> Iterator[subprocess.Popen[bytes
             p.stdout.close()
 
 
+def _owner_alive(value: Any) -> bool:
+    """Whether the process of an in-flight row's ``(pid, start, thread, token)`` lives."""
+    if isinstance(value, tuple | list) and len(value) >= 2 and all(
+            isinstance(x, int) for x in value[:2]):
+        return procinfo.alive(value[0], value[1])
+    return False
+
+
 def rows_left(name: str, killed: set[tuple[str, str]]) -> tuple[int, int, list[str]]:
     """``(rows, killed_rows, samples)`` of registry ``name``, read-only: cancellation and
     in-flight rows, where a cancellation row of a call whose worker was killed is counted apart."""
@@ -598,7 +609,8 @@ def rows_left(name: str, killed: set[tuple[str, str]]) -> tuple[int, int, list[s
         reg.close()
     explained = [k for k in cancels if isinstance(k, tuple | list) and tuple(k) in killed]
     rest = [f"cancellation {k!r}" for k in cancels if k not in explained]
-    rest += [f"in flight {k!r} owner {v!r}" for k, v in flights]
+    rest += [f"in flight {k!r} owner {v!r} "
+             f"{'alive' if _owner_alive(v) else 'gone'}" for k, v in flights]
     return len(rest), len(explained), rest[:5]
 
 
