@@ -204,6 +204,7 @@ class Http:
             raise NoReply from None
         except (OSError, http.client.HTTPException) as e:
             self.stats.add("conn")
+            time.sleep(0.01)  # a dead server is not hammered by clients that retry at once
             raise ConnLost(str(e)) from None
         finally:
             conn.close()
