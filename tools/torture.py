@@ -4,10 +4,12 @@
     .venv/bin/python tools/torture.py [--seconds 60] [--json] [--no-fail] [--only NAME ...]
 
 Each scenario starts its own gunicorn (``tools/torture_gunicorn.conf.py``: the example's config
-with a 0.5 s ``lock_timeout`` and 256 sessions; 4 ``gthread`` workers x 8 threads by default,
-``-b 127.0.0.1:0``, a registry name of its own), measures a well-behaved client unloaded, runs
-its load, waits for the calls to end, reads what is left in the registry, and stops everything
-it started (by pid, in a ``finally``; the registry's names are unlinked). Scenarios:
+with a 0.5 s ``lock_timeout`` and 256 sessions; ``-w 4``, ``-b 127.0.0.1:0``, a registry name
+of its own; ``gthread`` x 8 threads by default, so that 20 sleeping calls and a flood run side by
+side: ``--worker-class sync``, the example's own, queues calls behind the 4 workers), measures
+a well-behaved client unloaded, runs its load, waits for the calls to end, reads what is left in
+the registry, and stops everything it started (by pid, in a ``finally``; the registry's names
+are unlinked). Scenarios:
 
 ``steady``         mixed load on both wires (echo; sleep; echo or sleep raced by one or two
                    ``notifications/cancelled``, its id then reused; sleep + disconnect on
@@ -37,7 +39,8 @@ gunicorn log.
 
 ``--seconds`` is the budget for all the scenarios together, split evenly; each has a minimum load
 phase (2 s) and every wait (start, requests, drain, stop) has its own deadline, so a run lasts
-about ``--seconds`` and never unboundedly longer. Clients are loopback only, each request on its
+``--seconds`` plus a few seconds per scenario for starting and stopping gunicorn, never
+unboundedly longer. Clients are loopback only, each request on its
 own connection (``Connection: close``), the standard library's ``http.client``.
 """
 
