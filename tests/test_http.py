@@ -274,6 +274,11 @@ BAD = [
     ("accept html only", {"Accept": "text/html"}, _rpc(id=1, method="ping"), 406,
      errors.INVALID_REQUEST),
     ("body over the limit", {}, b" " * 1_000_001, 413, errors.INVALID_REQUEST),
+    ("foreign origin", {"Origin": "http://evil.example"}, _rpc(id=1, method="ping"), 403,
+     errors.INVALID_REQUEST),
+    ("rebinding look-alike origin", {"Origin": "http://localhost.evil.example:8000"},
+     _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
+    ("null origin", {"Origin": "null"}, _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
     ("modern header mismatch",
      {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/list", "Mcp-Name": "echo"},
      _call({"name": "echo", "arguments": {}, "_meta": META}), 400, errors.HEADER_MISMATCH),
@@ -303,6 +308,14 @@ def test_bad_input_over_http(server: Gunicorn, bad_input_client: Client, name: s
     assert r.status_code == status, r.text[:300]
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["code"] == code
+
+
+def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
+    """SPEC §6.0: a page on loopback (any port) passes the default Origin check."""
+    for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):
+        h = {**bad_input_client.headers(), "Origin": origin}
+        r = httpx.post(server.url, content=_rpc(id=1, method="ping"), headers=h, timeout=15)
+        assert (r.status_code, r.json().get("result")) == (200, {}), (origin, r.text[:300])
 
 
 def test_huge_declared_length_is_refused_before_reading(server: Gunicorn) -> None:

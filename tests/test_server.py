@@ -947,3 +947,39 @@ def test_allowed_origins(reg: Registry, signals: Signals) -> None:
     assert post(server, body, headers={"Origin": "http://localhost:8000"}).status == 200
     r = post(server, body, headers={"Origin": "http://evil.example"})
     assert (r.status, r.json["error"]["code"], r.json["id"]) == (403, errors.INVALID_REQUEST, None)
+    assert post(server, body, headers={"Origin": "http://localhost:8001"}).status == 403
+
+
+@pytest.mark.parametrize("origin, status", [
+    (None, 200), ("http://localhost:8000", 200), ("http://127.0.0.1:1234", 200),
+    ("https://[::1]", 200), ("http://evil.example", 403), ("http://localhost.evil.example", 403),
+    ("null", 403), ("http://localhost:8000/mcp", 403),
+])
+@pytest.mark.parametrize("sessions", [True, False])
+def test_origin_is_checked_by_default_on_both_wires(reg: Registry, signals: Signals,
+                                                    origin: str | None, status: int,
+                                                    sessions: bool) -> None:
+    """SPEC §6.0: on by default; loopback pages pass, any other Origin is 403 with a JSON-RPC
+    error before anything else is looked at (no session, no body read)."""
+    server = make_server(reg, signals, sessions=sessions)
+    h = {"Origin": origin} if origin is not None else {}
+    r = post(server, INIT, headers=h)
+    assert r.status == status, r
+    r = modern(server, 2, "tools/call", {"name": "echo", "arguments": {"text": "m"}},
+               name="echo", headers=h)
+    assert r.status == status, r
+    if status == 403:
+        assert (r.json["error"]["code"], r.json["id"]) == (errors.INVALID_REQUEST, None)
+        assert "Origin" in r.json["error"]["message"]
+        for verb in ("GET", "DELETE"):
+            r = run(server, environ_for(verb, None, headers=h))
+            assert r.status == 403, (verb, r)
+
+
+def test_origin_opt_out(reg: Registry, signals: Signals) -> None:
+    server = make_server(reg, signals, sessions=False, allowed_origins="*")
+    for origin in ("http://evil.example", "null", "garbage"):
+        r = post(server, rpc(1, "ping"), headers={"Origin": origin})
+        assert (r.status, r.json["result"]) == (200, {}), origin
+    with pytest.raises(ValueError, match="allowed_origins"):
+        make_server(reg, signals, allowed_origins=["http://localhost/mcp"])

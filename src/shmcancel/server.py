@@ -85,6 +85,7 @@ from .cancellation import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY, Cancella
 from .disconnect import Watcher
 from .exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
 from .jsonrpc import Notification, Request, Response, RpcError
+from .origin import OriginPolicy
 from .principal import SESSION_KEY
 from .sessions import SessionStore
 from .wire import (
@@ -276,9 +277,16 @@ class McpServer:
     longest the disconnect watcher sleeps between two looks at its request (seconds).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
-    ``allowed_origins``: when given, a request whose ``Origin`` header is present and not in it
-    is refused with 403 (the transport's DNS-rebinding defence for servers reachable from a
-    browser, e.g. ``{"http://localhost:8000"}``); ``None`` checks nothing.
+    ``allowed_origins`` (SPEC §6.0, the transport's DNS-rebinding defence): a request whose
+    ``Origin`` header is present and not allowed is refused with 403 and a JSON-RPC error, on
+    both wires and every HTTP method; a request without ``Origin`` (not a browser) passes.
+    ``None`` (the default) allows ``http``/``https`` pages on ``localhost``, ``127.0.0.1`` and
+    ``[::1]``, any port (:data:`shmcancel.origin.LOCALHOST_ORIGINS`); a list replaces that with
+    exactly its origins, each ``"scheme://host[:port]"`` with ``port`` a number or ``*``, e.g.
+    ``[*LOCALHOST_ORIGINS, "https://app.example.com"]``; ``"*"`` turns the check off, for a
+    deployment whose proxy checks ``Origin`` itself. Parsing is strict
+    (:mod:`shmcancel.origin`): a malformed or ``null`` origin is refused; an invalid pattern
+    raises ``ValueError`` here.
     """
 
     def __init__(self, name: str, version: str, *, sessions: bool = True, registry: Any = None,
@@ -286,7 +294,7 @@ class McpServer:
                  path: str | None = "/mcp", instructions: str | None = None,
                  title: str | None = None, cache_ttl_ms: int = 60_000,
                  cache_scope: str = "public",
-                 allowed_origins: Iterable[str] | None = None) -> None:
+                 allowed_origins: Iterable[str] | str | None = None) -> None:
         if not isinstance(name, str) or not isinstance(version, str):
             raise TypeError("name and version must be strings")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -309,8 +317,7 @@ class McpServer:
         self.path = path
         self.cache_ttl_ms = cache_ttl_ms
         self.cache_scope = cache_scope
-        self.allowed_origins = (None if allowed_origins is None
-                                else frozenset(o.rstrip("/").lower() for o in allowed_origins))
+        self.origins = OriginPolicy(allowed_origins)
         self._registry_spec = registry
         self._tools: dict[str, Tool] = {}
         self._state: _ProcessState | None = None
@@ -421,9 +428,10 @@ class McpServer:
                 return _Reply(404, b"Not Found", [("Content-Type", "text/plain")])
         headers = RequestHeaders.from_environ(environ)
         origin = environ.get("HTTP_ORIGIN")
-        if (self.allowed_origins is not None and isinstance(origin, str)
-                and origin.rstrip("/").lower() not in self.allowed_origins):
-            return _error_reply(403, None, errors.INVALID_REQUEST, "Forbidden: Origin not allowed")
+        if not self.origins.allows(origin if isinstance(origin, str) else None):
+            log.debug("refused a request from Origin %.200r", origin)
+            return _error_reply(403, None, errors.INVALID_REQUEST,
+                                "Forbidden: Origin not allowed (DNS-rebinding protection)")
         if method == "POST":
             return self._post(environ, start_response, headers)
         if method == "DELETE":
