@@ -251,12 +251,8 @@ BAD = [
     ("method not a string", {}, _rpc(id=1, method=["ping"]), 400, errors.INVALID_REQUEST),
     ("params not an object", {}, _rpc(id=1, method="tools/list", params=[1]), 400,
      errors.INVALID_PARAMS),
-    ("tool name not a string", {}, _call({"name": 5}), 400, errors.INVALID_PARAMS),
-    ("arguments not an object", {}, _call({"name": "echo", "arguments": "x"}), 400,
-     errors.INVALID_PARAMS),
-    ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 400, errors.INVALID_PARAMS),
-    ("tool rejects its input", {}, _call({"name": "sleep", "arguments": {"seconds": "x"}}),
-     400, errors.INVALID_PARAMS),
+    ("tool name not a string", {}, _call({"name": 5}), 200, errors.INVALID_PARAMS),
+    ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 200, errors.INVALID_PARAMS),
     ("cancel params not an object", {},
      _rpc(method="notifications/cancelled", params="1"), 400, errors.INVALID_PARAMS),
     ("cancel requestId float", {},
@@ -308,6 +304,25 @@ def test_bad_input_over_http(server: Gunicorn, bad_input_client: Client, name: s
     assert r.status_code == status, r.text[:300]
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("name, args, problem", [
+    ("echo", "x", '"arguments" must be an object'),
+    ("sleep", {"seconds": "x"}, '"seconds"'),   # the tool raises ToolError(INVALID_PARAMS)
+    ("sleep", {"seconds": -1}, '"seconds"'),
+])
+def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
+                                                      bad_input_client: Client, name: str,
+                                                      args: Any, problem: str) -> None:
+    """SPEC §5: the request was read, so HTTP 200; the problem is a result with isError that
+    names it (an SDK client would raise a transport error on a 400)."""
+    r = httpx.post(server.url, content=_call({"name": name, "arguments": args}),
+                   headers=bad_input_client.headers(), timeout=15)
+    assert r.status_code == 200, r.text[:300]
+    result = r.json()["result"]
+    assert result["isError"] is True
+    text = result["content"][0]["text"]
+    assert text.startswith(f"Invalid arguments for tool {name}: ") and problem in text, text
 
 
 def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
