@@ -10,7 +10,9 @@
 # loopback port with a registry named for this run; it is stopped by pid on exit (trap).
 # Prints a table of the checks and scenarios; exits 0 when the TypeScript checks all passed.
 # Conformance scenarios are reported, not enforced: most need fixtures the example does not
-# have (tools named test_*, prompts, resources, logging, sampling, elicitation).
+# have (tools named test_*, prompts, resources, logging, sampling, elicitation). The tool
+# scenarios are run again against the example plus those test_* tools
+# (tools/peers/fixtures_app.py, rows "conf+fixt"), so they check the transport after all.
 # Usage: tools/peers.sh            env: SDK_VERSION, CONFORMANCE_VERSION, NODE22_VERSION, VENV
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,15 +45,12 @@ node -e 'process.exit(+process.versions.node.split(".")[0] >= 18 ? 0 : 1)' \
     || { echo "peers: the TypeScript SDK needs node >= 18, found $(node --version)" >&2; exit 1; }
 installed=$(date +%s)
 
-# ------------------------------------------------------------------ the example server
-port=$("$VENV/bin/python" -c \
-    'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-registry="peers-$$-$(date +%s%N | tail -c 9)"
-url="http://127.0.0.1:$port/mcp"
+# ------------------------------------------------------------------ servers
 run_dir=$PEERS/run
 rm -rf "$run_dir"
 mkdir -p "$run_dir"
 gpid=""
+registry=""
 
 stop_server() {
     [ -n "$gpid" ] || return 0
@@ -77,10 +76,19 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
-SHMCANCEL_REGISTRY=$registry "$VENV/bin/gunicorn" -c examples/gunicorn/gunicorn.conf.py \
-    -b "127.0.0.1:$port" -w 3 >"$run_dir/gunicorn.log" 2>&1 &
-gpid=$!
-"$VENV/bin/python" - "$port" "$gpid" <<'EOF' || { cat "$run_dir/gunicorn.log" >&2; exit 1; }
+# start_server LABEL [GUNICORN_ARGS...]: the example's config on a free loopback port, a registry
+# named for this run; sets gpid, registry, url.
+start_server() {
+    local label=$1 port
+    shift
+    port=$("$VENV/bin/python" -c \
+        'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    registry="peers-$$-$label-$(date +%s%N | tail -c 9)"
+    url="http://127.0.0.1:$port/mcp"
+    SHMCANCEL_REGISTRY=$registry "$VENV/bin/gunicorn" -c examples/gunicorn/gunicorn.conf.py \
+        -b "127.0.0.1:$port" -w 3 "$@" >"$run_dir/gunicorn-$label.log" 2>&1 &
+    gpid=$!
+    "$VENV/bin/python" - "$port" "$gpid" <<'EOF' || { cat "$run_dir/gunicorn-$label.log" >&2; exit 1; }
 import os, socket, sys, time
 port, pid = int(sys.argv[1]), int(sys.argv[2])
 deadline = time.monotonic() + 30
@@ -96,9 +104,11 @@ while time.monotonic() < deadline:
         time.sleep(0.1)
 sys.exit("peers: gunicorn did not listen within 30 s")
 EOF
-served=$(date +%s)
+}
 
-# ------------------------------------------------------------------ the peers
+# ------------------------------------------------------------------ the peers, on the example
+start_server example
+served=$(date +%s)
 cp tools/peers/ts_client.mjs "$PEERS/ts_client.mjs"  # resolves the SDK from build/peers
 ts_rc=0
 node "$PEERS/ts_client.mjs" "$url" >"$run_dir/ts_client.jsonl" 2>"$run_dir/ts_client.err" \
@@ -107,8 +117,19 @@ ts_done=$(date +%s)
 conf_rc=0
 "$NODE22" "$CONFORMANCE" server --url "$url" -o "$run_dir/conformance" \
     >"$run_dir/conformance.log" 2>&1 || conf_rc=$?
-conf_done=$(date +%s)
 stop_server
+
+# ------------------------------------------------------------------ tool scenarios, with fixtures
+# The same example plus the test_* tools those scenarios call (tools/peers/fixtures_app.py).
+start_server fixtures --pythonpath "$ROOT/tools/peers,$ROOT/examples/gunicorn" fixtures_app:app
+for scenario in tools-call-simple-text tools-call-image tools-call-audio \
+        tools-call-embedded-resource tools-call-mixed-content tools-call-error \
+        tools-call-with-progress; do
+    "$NODE22" "$CONFORMANCE" server --url "$url" --scenario "$scenario" \
+        -o "$run_dir/conformance-fixtures" >>"$run_dir/conformance-fixtures.log" 2>&1 || true
+done
+stop_server
+conf_done=$(date +%s)
 
 # ------------------------------------------------------------------ the table
 "$VENV/bin/python" - "$run_dir" "$ts_rc" "$conf_rc" <<'EOF'
@@ -147,12 +168,24 @@ for checks in sorted((run_dir / "conformance").glob("*/checks.json")):
 if not conf["PASS"] and not conf["FAIL"]:
     conf["FAIL"] += 1
     row("conformance", "suite", "FAIL", f"no results (exit {conf_rc}); see conformance.log")
+fix = {"PASS": 0, "FAIL": 0}
+for checks in sorted((run_dir / "conformance-fixtures").glob("*/checks.json")):
+    scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
+                      checks.parent.name.removeprefix("server-"))
+    results = json.loads(checks.read_text())
+    failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
+    status = "FAIL" if failed or not results else "PASS"
+    fix[status] += 1
+    detail = (failed[0].get("errorMessage") or failed[0].get("description", "")) if failed else \
+        f"{len(results)} check(s), with tools/peers/fixtures_app.py"
+    row("conf+fixt", scenario, status, detail)
 print("-" * 100)
 print(f"ts-sdk: {ts['PASS']} passed, {ts['FAIL']} failed, {ts['NOTE']} note(s); "
-      f"conformance: {conf['PASS']} scenarios passed, {conf['FAIL']} failed")
+      f"conformance on the example: {conf['PASS']} scenarios passed, {conf['FAIL']} failed; "
+      f"with fixtures: {fix['PASS']} passed, {fix['FAIL']} failed")
 EOF
 ended=$(date +%s)
 echo "peers: install $((installed - started)) s, server start $((served - installed)) s," \
-    "ts client $((ts_done - served)) s, conformance $((conf_done - ts_done)) s," \
+    "ts client $((ts_done - served)) s, conformance (2 servers) $((conf_done - ts_done)) s," \
     "total $((ended - started)) s; logs in ${run_dir#"$ROOT"/}"
 exit "$ts_rc"
