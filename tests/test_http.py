@@ -251,12 +251,8 @@ BAD = [
     ("method not a string", {}, _rpc(id=1, method=["ping"]), 400, errors.INVALID_REQUEST),
     ("params not an object", {}, _rpc(id=1, method="tools/list", params=[1]), 400,
      errors.INVALID_PARAMS),
-    ("tool name not a string", {}, _call({"name": 5}), 400, errors.INVALID_PARAMS),
-    ("arguments not an object", {}, _call({"name": "echo", "arguments": "x"}), 400,
-     errors.INVALID_PARAMS),
-    ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 400, errors.INVALID_PARAMS),
-    ("tool rejects its input", {}, _call({"name": "sleep", "arguments": {"seconds": "x"}}),
-     400, errors.INVALID_PARAMS),
+    ("tool name not a string", {}, _call({"name": 5}), 200, errors.INVALID_PARAMS),
+    ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 200, errors.INVALID_PARAMS),
     ("cancel params not an object", {},
      _rpc(method="notifications/cancelled", params="1"), 400, errors.INVALID_PARAMS),
     ("cancel requestId float", {},
@@ -274,6 +270,11 @@ BAD = [
     ("accept html only", {"Accept": "text/html"}, _rpc(id=1, method="ping"), 406,
      errors.INVALID_REQUEST),
     ("body over the limit", {}, b" " * 1_000_001, 413, errors.INVALID_REQUEST),
+    ("foreign origin", {"Origin": "http://evil.example"}, _rpc(id=1, method="ping"), 403,
+     errors.INVALID_REQUEST),
+    ("rebinding look-alike origin", {"Origin": "http://localhost.evil.example:8000"},
+     _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
+    ("null origin", {"Origin": "null"}, _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
     ("modern header mismatch",
      {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/list", "Mcp-Name": "echo"},
      _call({"name": "echo", "arguments": {}, "_meta": META}), 400, errors.HEADER_MISMATCH),
@@ -303,6 +304,33 @@ def test_bad_input_over_http(server: Gunicorn, bad_input_client: Client, name: s
     assert r.status_code == status, r.text[:300]
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("name, args, problem", [
+    ("echo", "x", '"arguments" must be an object'),
+    ("sleep", {"seconds": "x"}, '"seconds"'),   # the tool raises ToolError(INVALID_PARAMS)
+    ("sleep", {"seconds": -1}, '"seconds"'),
+])
+def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
+                                                      bad_input_client: Client, name: str,
+                                                      args: Any, problem: str) -> None:
+    """SPEC §5: the request was read, so HTTP 200; the problem is a result with isError that
+    names it (an SDK client would raise a transport error on a 400)."""
+    r = httpx.post(server.url, content=_call({"name": name, "arguments": args}),
+                   headers=bad_input_client.headers(), timeout=15)
+    assert r.status_code == 200, r.text[:300]
+    result = r.json()["result"]
+    assert result["isError"] is True
+    text = result["content"][0]["text"]
+    assert text.startswith(f"Invalid arguments for tool {name}: ") and problem in text, text
+
+
+def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
+    """SPEC §6.0: a page on loopback (any port) passes the default Origin check."""
+    for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):
+        h = {**bad_input_client.headers(), "Origin": origin}
+        r = httpx.post(server.url, content=_rpc(id=1, method="ping"), headers=h, timeout=15)
+        assert (r.status_code, r.json().get("result")) == (200, {}), (origin, r.text[:300])
 
 
 def test_huge_declared_length_is_refused_before_reading(server: Gunicorn) -> None:

@@ -553,12 +553,44 @@ def test_cancelled_call_is_minus_32800_even_if_the_tool_returns(stateless: McpSe
     assert tables_empty(reg)
 
 
-def test_tool_error_status_follows_its_code(stateless: McpServer) -> None:
-    r = post(stateless, rpc(1, "tools/call", {"name": "fail", "arguments": {"code": -32602}}))
-    assert (r.status, r.json["error"]["code"]) == (400, -32602)
-    r = modern(stateless, 1, "tools/call", {"name": "fail", "arguments": {"code": -32601}},
-               name="fail")
-    assert (r.status, r.json["error"]["code"]) == (404, -32601)
+def _call_on(wire: str, app: McpServer, id: int, params: dict, name: str) -> Reply:
+    if wire == "modern":
+        return modern(app, id, "tools/call", params, name=name)
+    return post(app, rpc(id, "tools/call", params))
+
+
+@pytest.mark.parametrize("wire", ["legacy", "modern"])
+def test_a_read_tools_call_is_answered_200_whatever_went_wrong(stateless: McpServer,
+                                                               reg: Registry,
+                                                               wire: str) -> None:
+    """SPEC §5 (revised): an SDK client turns a 4xx into a transport failure, so a request it
+    could read gets 200: an unknown tool is -32602, invalid arguments (not an object, or the
+    tool raising ToolError(INVALID_PARAMS)) a tool execution error naming the problem, any
+    other ToolError a JSON-RPC error with its code, even one that has a 4xx elsewhere."""
+    r = _call_on(wire, stateless, 1, {"name": "nope", "arguments": {}}, "nope")
+    assert (r.status, r.json["id"], r.json["error"]["code"]) == (200, 1, errors.INVALID_PARAMS)
+    assert "nope" in r.json["error"]["message"]
+
+    r = _call_on(wire, stateless, 2, {"name": "echo", "arguments": "x"}, "echo")
+    assert (r.status, r.json["id"]) == (200, 2), r
+    res = r.json["result"]
+    assert res["isError"] is True
+    assert res["content"][0]["text"] == \
+        'Invalid arguments for tool echo: "arguments" must be an object'
+
+    r = _call_on(wire, stateless, 3, {"name": "fail", "arguments": {"code": -32602}}, "fail")
+    assert (r.status, r.json["id"]) == (200, 3), r
+    assert r.json["result"]["isError"] is True
+    assert r.json["result"]["content"] == [
+        {"type": "text", "text": "Invalid arguments for tool fail: it failed"}]
+    if wire == "modern":
+        assert r.json["result"]["resultType"] == "complete"
+
+    for code in (-32601, -32600, -32050, errors.INTERNAL_ERROR):
+        r = _call_on(wire, stateless, 4, {"name": "fail", "arguments": {"code": code}}, "fail")
+        assert (r.status, r.json["error"]["code"]) == (200, code), r
+        assert r.json["error"]["data"] == {"why": "test"}
+    assert tables_empty(reg)
 
 
 def test_progress_streams_sse_when_accepted(stateless: McpServer, reg: Registry) -> None:
@@ -640,8 +672,7 @@ MODERN_BAD = [
     ({"name": "echo", "arguments": {}, "_meta": {PV_KEY: "2030-01-01",
                                                  CLIENT_CAPABILITIES_META_KEY: {}}},
      {"MCP-Protocol-Version": "2030-01-01"}, 400, errors.UNSUPPORTED_PROTOCOL_VERSION),
-    ({"name": "nope", "arguments": {}}, {"Mcp-Name": "nope"}, 400, errors.INVALID_PARAMS),
-    ({"name": "echo", "arguments": "x"}, {}, 400, errors.INVALID_PARAMS),
+    ({"name": "nope", "arguments": {}}, {"Mcp-Name": "nope"}, 200, errors.INVALID_PARAMS),
 ]
 
 
@@ -721,27 +752,24 @@ BAD_INPUT = [
      400, errors.INVALID_PARAMS),
     ("initialize no version", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"initialize",'
                                           '"params":{"capabilities":{}}}')},
-     400, errors.INVALID_PARAMS),
+     200, errors.INVALID_PARAMS),
     ("initialize version int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"initialize",'
                                            '"params":{"protocolVersion":2025}}')},
-     400, errors.INVALID_PARAMS),
-    ("call no params", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call"}')}, 400,
+     200, errors.INVALID_PARAMS),
+    ("call no params", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call"}')}, 200,
      errors.INVALID_PARAMS),
     ("call name int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
-                                  '"params":{"name":1}}')}, 400, errors.INVALID_PARAMS),
-    ("call args list", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
-                                   '"params":{"name":"echo","arguments":[]}}')}, 400,
-     errors.INVALID_PARAMS),
+                                  '"params":{"name":1}}')}, 200, errors.INVALID_PARAMS),
     ("call meta list", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
-                                   '"params":{"name":"echo","_meta":[]}}')}, 400,
+                                   '"params":{"name":"echo","_meta":[]}}')}, 200,
      errors.INVALID_PARAMS),
     ("progress token float", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
                                          '"params":{"name":"echo","_meta":'
-                                         '{"progressToken":1.5}}}')}, 400, errors.INVALID_PARAMS),
+                                         '{"progressToken":1.5}}}')}, 200, errors.INVALID_PARAMS),
     ("unknown tool", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
-                                 '"params":{"name":"nope"}}')}, 400, errors.INVALID_PARAMS),
+                                 '"params":{"name":"nope"}}')}, 200, errors.INVALID_PARAMS),
     ("cursor int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/list",'
-                               '"params":{"cursor":5}}')}, 400, errors.INVALID_PARAMS),
+                               '"params":{"cursor":5}}')}, 200, errors.INVALID_PARAMS),
     ("unknown method", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"resources/list"}')}, 200,
      errors.METHOD_NOT_FOUND),
     ("content-type text", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"ping"}'),
@@ -947,3 +975,39 @@ def test_allowed_origins(reg: Registry, signals: Signals) -> None:
     assert post(server, body, headers={"Origin": "http://localhost:8000"}).status == 200
     r = post(server, body, headers={"Origin": "http://evil.example"})
     assert (r.status, r.json["error"]["code"], r.json["id"]) == (403, errors.INVALID_REQUEST, None)
+    assert post(server, body, headers={"Origin": "http://localhost:8001"}).status == 403
+
+
+@pytest.mark.parametrize("origin, status", [
+    (None, 200), ("http://localhost:8000", 200), ("http://127.0.0.1:1234", 200),
+    ("https://[::1]", 200), ("http://evil.example", 403), ("http://localhost.evil.example", 403),
+    ("null", 403), ("http://localhost:8000/mcp", 403),
+])
+@pytest.mark.parametrize("sessions", [True, False])
+def test_origin_is_checked_by_default_on_both_wires(reg: Registry, signals: Signals,
+                                                    origin: str | None, status: int,
+                                                    sessions: bool) -> None:
+    """SPEC §6.0: on by default; loopback pages pass, any other Origin is 403 with a JSON-RPC
+    error before anything else is looked at (no session, no body read)."""
+    server = make_server(reg, signals, sessions=sessions)
+    h = {"Origin": origin} if origin is not None else {}
+    r = post(server, INIT, headers=h)
+    assert r.status == status, r
+    r = modern(server, 2, "tools/call", {"name": "echo", "arguments": {"text": "m"}},
+               name="echo", headers=h)
+    assert r.status == status, r
+    if status == 403:
+        assert (r.json["error"]["code"], r.json["id"]) == (errors.INVALID_REQUEST, None)
+        assert "Origin" in r.json["error"]["message"]
+        for verb in ("GET", "DELETE"):
+            r = run(server, environ_for(verb, None, headers=h))
+            assert r.status == 403, (verb, r)
+
+
+def test_origin_opt_out(reg: Registry, signals: Signals) -> None:
+    server = make_server(reg, signals, sessions=False, allowed_origins="*")
+    for origin in ("http://evil.example", "null", "garbage"):
+        r = post(server, rpc(1, "ping"), headers={"Origin": origin})
+        assert (r.status, r.json["result"]) == (200, {}), origin
+    with pytest.raises(ValueError, match="allowed_origins"):
+        make_server(reg, signals, allowed_origins=["http://localhost/mcp"])

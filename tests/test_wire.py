@@ -185,9 +185,13 @@ def test_progress_token(params: dict | None, token: object) -> None:
     {"_meta": {"progressToken": True}}, {"_meta": {"progressToken": {}}},
 ])
 def test_progress_token_rejects(params: dict) -> None:
+    """A request was read: its -32602 travels with 200 (SPEC §5); a notification's with 400."""
     with pytest.raises(RpcError) as ei:
         progress_token(Request(4, "tools/call", params))
-    assert (ei.value.code, ei.value.id, ei.value.status) == (errors.INVALID_PARAMS, 4, 400)
+    assert (ei.value.code, ei.value.id, ei.value.status) == (errors.INVALID_PARAMS, 4, 200)
+    with pytest.raises(RpcError) as ei:
+        progress_token(Notification("notifications/x", params))
+    assert (ei.value.code, ei.value.id, ei.value.status) == (errors.INVALID_PARAMS, None, 400)
 
 
 def test_negotiate_legacy_version() -> None:
@@ -233,11 +237,13 @@ def test_is_json_content_type(ct: str | None, ok: bool) -> None:
 
 
 @pytest.mark.parametrize("wire, code, status", [
-    (Wire.LEGACY, errors.METHOD_NOT_FOUND, 200), (Wire.LEGACY, errors.INVALID_PARAMS, 400),
+    (Wire.LEGACY, errors.METHOD_NOT_FOUND, 200), (Wire.LEGACY, errors.INVALID_PARAMS, 200),
     (Wire.LEGACY, errors.PARSE_ERROR, 400), (Wire.LEGACY, 12345, 200),
     (Wire.LEGACY, errors.REQUEST_CANCELLED, 200),
-    (Wire.MODERN, errors.METHOD_NOT_FOUND, 404), (Wire.MODERN, errors.INVALID_PARAMS, 400),
+    (Wire.MODERN, errors.METHOD_NOT_FOUND, 404), (Wire.MODERN, errors.INVALID_PARAMS, 200),
     (Wire.MODERN, errors.HEADER_MISMATCH, 400), (Wire.MODERN, errors.REQUEST_CANCELLED, 200),
+    (Wire.MODERN, errors.UNSUPPORTED_PROTOCOL_VERSION, 400), (Wire.MODERN, -32021, 400),
+    (Wire.LEGACY, errors.INVALID_REQUEST, 400),
     (Wire.MODERN, errors.INTERNAL_ERROR, 200),
 ])
 def test_dispatch_status(wire: Wire, code: int, status: int) -> None:

@@ -33,10 +33,13 @@ absent). It returns
 - a ``dict`` with a ``"content"`` list — used as the ``CallToolResult`` as is;
 - any other ``dict`` — sent as ``structuredContent``, with its JSON as the text content;
 
-or raises :class:`ToolError` (a JSON-RPC error reply with that code). Any other exception is a
-tool execution error: a result with ``isError: true`` naming it, as MCP asks, so the model can
-see it. A call that was cancelled — by ``notifications/cancelled``, a session ``DELETE`` or the
-client disconnecting — is answered ``-32800`` whatever the tool did.
+or raises :class:`ToolError`: with ``errors.INVALID_PARAMS`` (its arguments are invalid) the
+answer is a tool execution error, a result with ``isError: true`` naming the problem, as MCP
+2025-11-25 asks, so the model can correct its call; with any other code, a JSON-RPC error reply
+with that code. Any other exception is a tool execution error naming it. A call naming an unknown
+tool is a ``-32602`` error; ``arguments`` that are not an object are a tool execution error. A
+call that was cancelled — by ``notifications/cancelled``, a session ``DELETE`` or the client
+disconnecting — is answered ``-32800`` whatever the tool did.
 
 Cancellation plumbing
 ---------------------
@@ -63,8 +66,13 @@ Bounds
 ------
 Bodies over ``max_body_bytes`` are refused with 413 (from ``Content-Length`` before reading;
 reading is capped when it is absent or chunked). Header values read are capped
-(:data:`shmcancel.wire.MAX_HEADER_VALUE`). No malformed input yields a 5xx: each rejection is a
-JSON-RPC error with a 4xx status (:func:`shmcancel.wire.dispatch_status`).
+(:data:`shmcancel.wire.MAX_HEADER_VALUE`). No malformed input yields a 5xx.
+
+Statuses (SPEC §5): a message read as a JSON-RPC request is answered with HTTP 200 carrying its
+response, error or not (SDK clients turn a 4xx into a transport failure); 4xx only for what
+cannot be processed as a request (malformed JSON or envelope, unknown session, refused
+``Origin``, size, media types, the 2026-07-28 header/version rungs and unknown methods there),
+each with a JSON-RPC error body (:func:`shmcancel.wire.dispatch_status`).
 """
 
 from __future__ import annotations
@@ -85,6 +93,7 @@ from .cancellation import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY, Cancella
 from .disconnect import Watcher
 from .exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
 from .jsonrpc import Notification, Request, Response, RpcError
+from .origin import OriginPolicy
 from .principal import SESSION_KEY
 from .sessions import SessionStore
 from .wire import (
@@ -131,7 +140,10 @@ _SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cac
 
 class ToolError(Exception):
     """Raised by a tool to answer its call with a JSON-RPC error (``code``, ``message``,
-    optional ``data``), e.g. ``ToolError(errors.REQUEST_CANCELLED, "Request cancelled")``."""
+    optional ``data``), e.g. ``ToolError(errors.REQUEST_CANCELLED, "Request cancelled")``;
+    always with HTTP 200. ``ToolError(errors.INVALID_PARAMS, problem)`` is the exception: the
+    call's arguments are invalid, which is answered as a tool execution error (a result with
+    ``isError: true`` and the text ``Invalid arguments for tool NAME: problem``)."""
 
     def __init__(self, code: int, message: str, data: Any = None) -> None:
         if isinstance(code, bool) or not isinstance(code, int):
@@ -276,9 +288,16 @@ class McpServer:
     longest the disconnect watcher sleeps between two looks at its request (seconds).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
-    ``allowed_origins``: when given, a request whose ``Origin`` header is present and not in it
-    is refused with 403 (the transport's DNS-rebinding defence for servers reachable from a
-    browser, e.g. ``{"http://localhost:8000"}``); ``None`` checks nothing.
+    ``allowed_origins`` (SPEC §6.0, the transport's DNS-rebinding defence): a request whose
+    ``Origin`` header is present and not allowed is refused with 403 and a JSON-RPC error, on
+    both wires and every HTTP method; a request without ``Origin`` (not a browser) passes.
+    ``None`` (the default) allows ``http``/``https`` pages on ``localhost``, ``127.0.0.1`` and
+    ``[::1]``, any port (:data:`shmcancel.origin.LOCALHOST_ORIGINS`); a list replaces that with
+    exactly its origins, each ``"scheme://host[:port]"`` with ``port`` a number or ``*``, e.g.
+    ``[*LOCALHOST_ORIGINS, "https://app.example.com"]``; ``"*"`` turns the check off, for a
+    deployment whose proxy checks ``Origin`` itself. Parsing is strict
+    (:mod:`shmcancel.origin`): a malformed or ``null`` origin is refused; an invalid pattern
+    raises ``ValueError`` here.
     """
 
     def __init__(self, name: str, version: str, *, sessions: bool = True, registry: Any = None,
@@ -286,7 +305,7 @@ class McpServer:
                  path: str | None = "/mcp", instructions: str | None = None,
                  title: str | None = None, cache_ttl_ms: int = 60_000,
                  cache_scope: str = "public",
-                 allowed_origins: Iterable[str] | None = None) -> None:
+                 allowed_origins: Iterable[str] | str | None = None) -> None:
         if not isinstance(name, str) or not isinstance(version, str):
             raise TypeError("name and version must be strings")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -309,8 +328,7 @@ class McpServer:
         self.path = path
         self.cache_ttl_ms = cache_ttl_ms
         self.cache_scope = cache_scope
-        self.allowed_origins = (None if allowed_origins is None
-                                else frozenset(o.rstrip("/").lower() for o in allowed_origins))
+        self.origins = OriginPolicy(allowed_origins)
         self._registry_spec = registry
         self._tools: dict[str, Tool] = {}
         self._state: _ProcessState | None = None
@@ -421,9 +439,10 @@ class McpServer:
                 return _Reply(404, b"Not Found", [("Content-Type", "text/plain")])
         headers = RequestHeaders.from_environ(environ)
         origin = environ.get("HTTP_ORIGIN")
-        if (self.allowed_origins is not None and isinstance(origin, str)
-                and origin.rstrip("/").lower() not in self.allowed_origins):
-            return _error_reply(403, None, errors.INVALID_REQUEST, "Forbidden: Origin not allowed")
+        if not self.origins.allows(origin if isinstance(origin, str) else None):
+            log.debug("refused a request from Origin %.200r", origin)
+            return _error_reply(403, None, errors.INVALID_REQUEST,
+                                "Forbidden: Origin not allowed (DNS-rebinding protection)")
         if method == "POST":
             return self._post(environ, start_response, headers)
         if method == "DELETE":
@@ -593,11 +612,13 @@ class McpServer:
         requested = params.get("protocolVersion")
         if not isinstance(requested, str):
             raise RpcError(errors.INVALID_PARAMS,
-                           'Invalid params: initialize needs a "protocolVersion" string', id=msg.id)
+                           'Invalid params: initialize needs a "protocolVersion" string', id=msg.id,
+                           status=200)
         for key in ("capabilities", "clientInfo"):
             if key in params and not isinstance(params[key], dict):
                 raise RpcError(errors.INVALID_PARAMS,
-                               f'Invalid params: "{key}" must be an object', id=msg.id)
+                               f'Invalid params: "{key}" must be an object', id=msg.id,
+                               status=200)
         version = negotiate_legacy_version(requested)
         result: dict[str, Any] = {"protocolVersion": version,
                                   "capabilities": self.capabilities(),
@@ -644,7 +665,7 @@ class McpServer:
         cursor = params.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
             raise RpcError(errors.INVALID_PARAMS, 'Invalid params: "cursor" must be a string',
-                           id=msg.id)
+                           id=msg.id, status=200)
         return {"tools": [t.describe() for t in self._tools.values()]}
 
     def _result(self, wire: Wire, msg: Request, result: dict[str, Any],
@@ -655,24 +676,28 @@ class McpServer:
 
     def _tools_call(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
                     msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
+        # SPEC §5: the request was read, so its errors travel with HTTP 200 (an SDK client
+        # turns a 4xx into a transport failure): a call naming no tool is -32602, invalid
+        # arguments are a tool execution error the model can read.
         params = msg.params
         if params is None:
             raise RpcError(errors.INVALID_PARAMS, "Invalid params: tools/call needs params",
-                           id=msg.id)
+                           id=msg.id, status=200)
         name = params.get("name")
         if not isinstance(name, str):
             raise RpcError(errors.INVALID_PARAMS, 'Invalid params: "name" must be a string',
-                           id=msg.id)
+                           id=msg.id, status=200)
+        token = progress_token(msg)
+        tool = self._tools.get(name)
+        if tool is None:
+            raise RpcError(errors.INVALID_PARAMS, f"Unknown tool: {name[:100]!r}", id=msg.id,
+                           status=200)
         arguments = params.get("arguments")
         if arguments is None:
             arguments = {}
         elif not isinstance(arguments, dict):
-            raise RpcError(errors.INVALID_PARAMS, 'Invalid params: "arguments" must be an object',
-                           id=msg.id)
-        token = progress_token(msg)
-        tool = self._tools.get(name)
-        if tool is None:
-            raise RpcError(errors.INVALID_PARAMS, f"Unknown tool: {name[:100]!r}", id=msg.id)
+            return self._result(wire, msg, _invalid_arguments(name, '"arguments" must be an '
+                                                              "object"), json_ok)
         if wire is Wire.MODERN and tool.param_headers:
             validate_param_headers(tool.param_headers, arguments, environ, msg.id)
 
@@ -715,13 +740,16 @@ class McpServer:
             body = jsonrpc.error_body(msg.id, errors.REQUEST_CANCELLED, "Request cancelled", data)
             return self._finish(ex, wire, 200, body)
         kind, value = outcome
-        if kind == "error":
+        if kind == "error" and value.code == errors.INVALID_PARAMS:
+            result: Any = _invalid_arguments(name, value.message)
+        elif kind == "error":
+            # Whatever its code (even one that has a 4xx of its own elsewhere, such as -32601),
+            # a tool's error answers a request that was read: 200.
             body = jsonrpc.error_body(msg.id, value.code, value.message, value.data)
-            return self._finish(ex, wire, dispatch_status(wire, value.code), body)
-        if kind == "crash":
+            return self._finish(ex, wire, 200, body)
+        elif kind == "crash":
             text = f"Error executing tool {name}: {type(value).__name__}: {value}"
-            result: Any = {"content": [{"type": "text", "text": text[:_MAX_TEXT]}],
-                           "isError": True}
+            result = {"content": [{"type": "text", "text": text[:_MAX_TEXT]}], "isError": True}
         else:
             result = _tool_result(value)
             if result is None:
@@ -833,6 +861,14 @@ def _tool_result(value: Any) -> dict[str, Any] | None:
         return {"content": [{"type": "text", "text": text}], "structuredContent": value,
                 "isError": False}
     return None
+
+
+def _invalid_arguments(tool: str, problem: str) -> dict[str, Any]:
+    """The tool execution error (``isError: true``) that answers a call with invalid
+    arguments, naming the problem (MCP 2025-11-25: input validation errors are tool errors, so
+    the model can correct its call)."""
+    text = f"Invalid arguments for tool {tool}: {problem}"
+    return {"content": [{"type": "text", "text": text[:_MAX_TEXT]}], "isError": True}
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:

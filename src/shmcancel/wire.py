@@ -388,23 +388,25 @@ def validate_param_headers(specs: tuple[ParamHeader, ...], arguments: Mapping[st
 def progress_token(msg: Request | Notification) -> int | str | None:
     """``params._meta.progressToken`` (a string or an integer), or ``None`` when absent.
 
-    Raises ``-32602`` for a ``_meta`` that is not an object or a token of another type.
+    Raises ``-32602`` for a ``_meta`` that is not an object or a token of another type: with
+    HTTP 200 for a request (it was read, SPEC §5), 400 for a notification.
     """
     params = msg.params
     if params is None or "_meta" not in params:
         return None
     meta = params["_meta"]
     rid = msg.id if isinstance(msg, Request) else None
+    status = 200 if isinstance(msg, Request) else 400
     if not isinstance(meta, dict):
         raise RpcError(errors.INVALID_PARAMS, "Invalid params: params._meta must be an object",
-                       id=rid)
+                       id=rid, status=status)
     token = meta.get("progressToken")
     if token is None:
         return None
     if isinstance(token, bool) or not isinstance(token, int | str):
         raise RpcError(errors.INVALID_PARAMS,
                        "Invalid params: _meta.progressToken must be a string or an integer",
-                       id=rid)
+                       id=rid, status=status)
     return token
 
 
@@ -473,18 +475,21 @@ def is_json_content_type(content_type: str | None) -> bool:
 
 
 def dispatch_status(wire: Wire, code: int) -> int:
-    """HTTP status of a JSON-RPC error reply, by its code.
+    """HTTP status of a JSON-RPC error answering a message that was read as a request.
 
-    400 for malformed input of any kind (``-32700``, ``-32600``, ``-32602``) and the 2026-07-28
-    header/capability/version errors (``-32020``, ``-32021``, ``-32022``); ``-32601`` (unknown
-    method) is 404 on the modern wire, as 2026-07-28 requires, and 200 on the legacy wire, where
-    clients read the JSON-RPC error from a 200 reply and may take a 404 for "session gone";
-    everything else (a cancelled call ``-32800``, a tool's own error codes, ``-32603``) is 200:
-    the request was well-formed and the error is the answer. The quota refusal of a
-    ``notifications/cancelled`` (429) is decided where it happens.
+    SPEC §5 (revised 2026-12-01): SDK clients turn an HTTP 4xx into a transport failure, so a
+    request they could read gets 200 carrying its error: invalid params (``-32602``, e.g. an
+    unknown tool), a cancelled call (``-32800``), a tool's own codes, ``-32603``. 4xx only
+    where the transport asks for one: the 2026-07-28 header, capability and version rungs
+    (``-32020``, ``-32021``, ``-32022``: 400) and an unknown method on that wire (``-32601``:
+    404, as 2026-07-28 requires; 200 on the legacy wire, where a client may take a 404 for
+    "session gone"). ``-32700``/``-32600`` say the message was not a request: 400. What is
+    decided elsewhere: the envelope errors of :func:`shmcancel.jsonrpc.parse` and of
+    :func:`validate_modern` (400), session, Origin, size and media-type refusals, the quota
+    refusal of a ``notifications/cancelled`` (429).
     """
-    if code in (errors.PARSE_ERROR, errors.INVALID_REQUEST, errors.INVALID_PARAMS,
-                errors.HEADER_MISMATCH, -32021, errors.UNSUPPORTED_PROTOCOL_VERSION):
+    if code in (errors.PARSE_ERROR, errors.INVALID_REQUEST, errors.HEADER_MISMATCH, -32021,
+                errors.UNSUPPORTED_PROTOCOL_VERSION):
         return 400
     if code == errors.METHOD_NOT_FOUND:
         return 404 if wire is Wire.MODERN else 200
