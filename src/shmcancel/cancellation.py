@@ -141,6 +141,8 @@ _dropped_logged = False
 #: Tokens of the requests this process runs. A token is added before its row is written and
 #: removed when its end begins, so a row whose token is absent belongs to an ended request.
 _running: set[int] = set()
+#: Called (from the thread that owes) whenever an end becomes owed: a janitor's wake-up.
+_owed_listeners: set[Callable[[], None]] = set()
 
 
 def _reset_after_fork() -> None:
@@ -149,6 +151,7 @@ def _reset_after_fork() -> None:
     _dropped_logged = False
     _owed.clear()  # the parent's requests: the parent (or the reaper of its rows) ends them
     _running.clear()
+    _owed_listeners.clear()  # threads do not survive a fork
     _owed_lock = threading.Lock()
 
 
@@ -604,6 +607,11 @@ def _owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float
                         "are dropped (their rows are reaped later). (Logged once per process.)",
                         _OWED_MAX)
     _owed.append((st, scope, rid, owner, ended_at))
+    for wake in list(_owed_listeners):
+        try:
+            wake()
+        except Exception:
+            log.debug("an owed-end listener failed", exc_info=True)
 
 
 def owed_ends() -> int:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 
+from . import cancellation as _cancellation
 from .cancellation import Cancellation, owed_ends
 
 __all__ = ["Janitor"]
@@ -39,6 +40,7 @@ class Janitor:
         self._reg = cancellation.registry
         self._name = name
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and when this process comes to owe an end
         self._thread: threading.Thread | None = None
 
     @property
@@ -49,11 +51,14 @@ class Janitor:
         if self.running:
             return
         self._stop.clear()
+        _cancellation._owed_listeners.add(self._wake.set)
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
+        self._wake.set()
+        _cancellation._owed_listeners.discard(self._wake.set)
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
@@ -80,5 +85,7 @@ class Janitor:
                 due = interval
             if owed_ends():
                 due = min(due, OWED_RETRY)
-            if self._stop.wait(min(max(due, MIN_WAIT), interval)):
+            self._wake.wait(min(max(due, MIN_WAIT), interval))
+            self._wake.clear()
+            if self._stop.is_set():
                 return
