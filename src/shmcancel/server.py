@@ -50,7 +50,10 @@ is stopped: its rows are removed, then in a ``sync`` worker the worker exits (``
 gunicorn's own quit, which unwinds the tool with ``SystemExit``; a hard ``_exit`` if that does
 not end it within a second) and gunicorn replaces it; in ``gthread`` :class:`RequestStopped` is
 raised in the tool's thread, and if the tool still has not returned after another grace period
-the worker is asked to exit gracefully (``SIGTERM``).
+the worker is asked to exit gracefully (``SIGTERM``). A request meeting a registry lock held
+past ``lock_timeout`` by a live process (``LockTimeout``) is answered 503 with ``Retry-After``;
+a call that already ran keeps its reply, its end is owed and lands later
+(:mod:`shmcancel.cancellation`).
 
 Progress
 --------
