@@ -369,7 +369,8 @@ class Cancellation:
     # --- cleanup and the janitor
     def cleanup(self, ttl: float | None = None) -> int:
         """Remove cancellation rows older than ``ttl`` (strictly: ``now - cancelled_at > ttl``;
-        default ``Config.ttl``) and in-flight rows whose owner process is gone. Returns the
+        default ``Config.ttl``) and in-flight rows whose owner process is gone, or whose request
+        ended in this (live) process without its row going (an owed end dropped). Returns the
         number of cancellation rows removed; emits ``("shmcancel", "cancellation", "cleanup")``
         with both counts."""
         return self.sweep(ttl)[0]
