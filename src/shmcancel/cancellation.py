@@ -486,9 +486,11 @@ class RequestHandle:
             self.tracked = True
         except LockTimeout as e:
             self.error = e
+            _running.discard(token)
             log.warning("a request could not be tracked: %s", e)
         except ShmCancelError as e:
             self.error = e
+            _running.discard(token)
             _log_untracked(e)
         else:
             if _owed:
