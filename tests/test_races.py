@@ -350,7 +350,7 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
             t = tag()
             result: list[httpx.Response] = []
             running = threading.Thread(
-                target=lambda: result.append(post(call(7, "sleep", {"seconds": 1.5, "tag": t}))),
+                target=lambda: result.append(post(call(7, "sleep", {"seconds": 2.5, "tag": t}))),
                 daemon=True)
             running.start()
             wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
@@ -362,7 +362,7 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
                 running.join(TIMEOUT)
                 assert not running.is_alive()
                 done = reply_of(result[0])
-                assert done["result"]["content"][0]["text"] == "slept 1.5s", done
+                assert done["result"]["content"][0]["text"] == "slept 2.5s", done
                 assert [k[1] for k, _ in in_flight_rows(reg)] == ["7"]  # its end is owed
             try:
                 wait_until(lambda: reg.in_flight.count() == 0, time.monotonic() + TIMEOUT,
