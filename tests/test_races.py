@@ -31,6 +31,7 @@ from test_server import environ_for, run
 import shmcancel.cancellation as cancellation_mod
 from shmcancel import LockTimeout, errors
 from shmcancel.cancellation import Cancellation
+from shmcancel.janitor import Janitor
 from shmcancel.registry import Registry
 from shmcancel.server import McpServer
 
@@ -325,6 +326,24 @@ def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:  # noqa: F81
             assert [k[1] for k, _ in in_flight_rows(reg)] == ["6"]
         assert in_flight_rows(reg) == []
     finally:
+        forget_owed_ends()
+
+
+def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:  # noqa: F811
+    """With no further call: the janitor thread, woken when the end became owed, lands it once
+    the holder lets go (well before its janitor_interval of 60 s)."""
+    reg = registry(lock_timeout=0.3, janitor_interval=60)
+    janitor = Janitor(Cancellation(reg))
+    janitor.start()
+    try:
+        h = Cancellation(reg).begin(8, "s")
+        with stalled_lock(spawn, reg.name):
+            h.end()
+            assert [k[1] for k, _ in in_flight_rows(reg)] == ["8"]
+        wait_until(lambda: reg.in_flight.count() == 0 and not cancellation_mod.owed_ends(),
+                   time.monotonic() + TIMEOUT, what="the janitor to land the owed end")
+    finally:
+        janitor.stop()
         forget_owed_ends()
 
 
