@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import eviction, procinfo
@@ -79,6 +79,9 @@ class Storage(Protocol):
         """Remove ``min(batch, rows)`` rows in :mod:`~shmcancel.eviction` order; the count."""
     def clear(self, scope: str, rid: str) -> bool:
         """Remove one row; reads first and takes no lock when there is none."""
+    def clear_before(self, scope: str, rid: str, before: float) -> bool:
+        """Remove the row only if its ``cancelled_at < before`` (checked under the lock, so a
+        newer row written meanwhile stays); reads first and takes no lock when there is none."""
     def expire(self, now: float, ttl: float) -> int:
         """Remove rows with ``now - cancelled_at > ttl``; repair the scope counts."""
     def cancellations(self) -> list[tuple[str, str, str | None, float]]: ...
@@ -93,6 +96,10 @@ class Storage(Protocol):
     def in_flight_ids(self, scope: str) -> list[str]: ...
     def reap(self, pid: int | None = None) -> int:
         """Remove in-flight rows whose owner process is gone (only ``pid``'s, when given)."""
+    def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
+        """Remove the rows of the live process ``(pid, start)`` whose token (non-zero) is not
+        in ``running``: requests it no longer runs, whose end was lost. Scans without the
+        lock and takes it only when there is something to remove."""
 
     # --- janitor
     def claim_sweep(self, now: float, interval: float) -> bool: ...
@@ -235,6 +242,19 @@ class ShmBackend:
             self._add(scope, -1)
             return True
 
+    def clear_before(self, scope: str, rid: str, before: float) -> bool:
+        key = self._ck(scope, rid)
+        if not self._c.member(key):
+            return False
+        with self._lock:
+            row = self.get(scope, rid)
+            if row is None or not row[1] < before:
+                return False
+            if not self._c.delete(key):
+                return False
+            self._add(scope, -1)
+            return True
+
     def expire(self, now: float, ttl: float) -> int:
         with self._lock:
             removed = 0
@@ -304,6 +324,18 @@ class ShmBackend:
             return pid is None if o is None else (o[0], o[1]) in dead
 
         return self._f.delete_where(gone)
+
+    def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
+        def ended(key: Any, value: Any) -> bool:
+            o = _owner(value)
+            return (o is not None and o[0] == pid and o[1] == start and o[3] != 0
+                    and o[3] not in running)
+
+        if not self._f.scan(ended):
+            return 0
+        # Under the lock ``running`` is read again: a request that began since has its token
+        # in it before its row exists (the caller's invariant), so it is never taken for ended.
+        return self._f.delete_where(ended)
 
     # --- janitor
     def claim_sweep(self, now: float, interval: float) -> bool:

@@ -46,9 +46,20 @@ For each dispatched ``tools/call``::
 - ``handle.cancel_local(reason)`` sets only that flag: a client disconnect cancels exactly that
   request, never a namesake (same scope and id) run by another client behind the same address.
 - A ``notifications/cancelled`` handler records a cancellation only for a request in flight in
-  the caller's scope: ``if c.in_flight(rid, scope): c.cancel(rid, reason, scope)``.
-  ``cancel`` itself does not check, so library callers can record one directly.
+  the caller's scope, in one step under one lock hold: :meth:`Cancellation.cancel_if_in_flight`.
+  (As two steps, ``end()`` could run between them and leave a row that pre-cancels the next
+  call reusing the id.) ``cancel`` itself does not check, so library callers can record one
+  directly.
 - ``DELETE`` of a session: :meth:`Cancellation.cancel_scope` cancels every request in flight in it.
+- A handle remembers when it began (``clock``); a cancellation row older than that is not its
+  own (a leftover of an earlier namesake): the first poll that meets it removes it (only that
+  old row) and does not report it.
+- ``end()`` is never lost: when the lock cannot be had (:class:`~shmcancel.LockTimeout`, a
+  live holder stopped or stalled), the end is owed — queued in this process (at most
+  ``_OWED_MAX``) and landed by the process's next write, its next tick and its janitor thread.
+  Every process also removes its own in-flight rows whose request it no longer runs (each row
+  carries a per-process token; :data:`_running` holds the tokens of requests still running),
+  so even a dropped owed end leaves nothing behind.
 
 :func:`cancelled` (module level, what tools call) finds the request through the conn:
 ``conn["shmcancel.handle"]`` when present; else ``conn["shmcancel.request_id"]`` with
@@ -73,6 +84,8 @@ process, so an injected clock changes what a sweep removes, never when sweeps ha
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -85,7 +98,7 @@ from typing import TYPE_CHECKING, Any
 from . import ids, principal, procinfo, telemetry
 from .backend import Owner, Poll, ShmBackend, Storage
 from .eviction import batch_size
-from .exceptions import CancellationLimitReached, ShmCancelError, TableFull
+from .exceptions import CancellationLimitReached, LockTimeout, ShmCancelError, TableFull
 from .reasons import sanitize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,6 +113,8 @@ __all__ = [
     "Cancellation",
     "RequestHandle",
     "cancelled",
+    "owed_ends",
+    "settle_owed",
 ]
 
 log = logging.getLogger("shmcancel.cancellation")
@@ -118,10 +133,26 @@ _RECHECK_FRACTION = 0.125
 _tokens = itertools.count(1)
 _full_logged = False
 
+# Ends owed to a store (see the module docstring): (store, scope, rid, owner, ended_at).
+_OWED_MAX = 1024
+_owed: collections.deque[tuple[Storage, str, str, Owner | None, float]] = collections.deque()
+_owed_lock = threading.Lock()  # one thread lands owed ends at a time
+_dropped_logged = False
+#: Tokens of the requests this process runs. A token is added before its row is written and
+#: removed when its end begins, so a row whose token is absent belongs to an ended request.
+_running: set[int] = set()
+#: Called (from the thread that owes) whenever an end becomes owed: a janitor's wake-up.
+_owed_listeners: set[Callable[[], None]] = set()
+
 
 def _reset_after_fork() -> None:
-    global _full_logged
+    global _full_logged, _dropped_logged, _owed_lock
     _full_logged = False
+    _dropped_logged = False
+    _owed.clear()  # the parent's requests: the parent (or the reaper of its rows) ends them
+    _running.clear()
+    _owed_listeners.clear()  # threads do not survive a fork
+    _owed_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -183,6 +214,20 @@ class Cancellation:
         """
         if request_id is None:
             return
+        self._record(request_id, reason, scope, only_in_flight=False)
+
+    def cancel_if_in_flight(self, request_id: object, reason: object = None,
+                            scope: str = "global") -> bool:
+        """:meth:`cancel`, but only while ``request_id`` is in flight in ``scope``; the check and
+        the insert are one step under one lock hold, so a request ending meanwhile leaves no
+        row. Returns whether a row was recorded (``False`` for ``None`` or a request not in
+        flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
+        if request_id is None:
+            return False
+        return self._record(request_id, reason, scope, only_in_flight=True)
+
+    def _record(self, request_id: object, reason: object, scope: str, *,
+                only_in_flight: bool) -> bool:
         rid = ids.require_key(request_id)
         if not _valid_scope(scope):
             raise TypeError(f"scope must be a str, got {type(scope).__name__}")
@@ -190,6 +235,8 @@ class Cancellation:
         text = sanitize(reason)
         st = self._store
         with st.atomic():
+            if only_in_flight and not st.in_flight(scope, rid):
+                return False
             if not st.exists(scope, rid):
                 if self._quota is not None and st.scope_rows(scope) >= self._quota:
                     raise CancellationLimitReached(
@@ -207,6 +254,7 @@ class Cancellation:
             CANCELLED_EVENT, {"count": 1}, {"request_id": rid, "scope": scope, "reason": text}
         )
         self._tick()
+        return True
 
     def cancelled(self, conn_or_request_id: object, scope: str = "global") -> bool:
         """Whether the request is cancelled. With a conn (a mapping): its handle when it has
@@ -273,11 +321,11 @@ class Cancellation:
         n = 0
         for rid in self._store.in_flight_ids(scope):
             try:
-                self.cancel(rid, reason, scope)
+                # each one atomically: a request that ended since the scan gets no row
+                n += self.cancel_if_in_flight(rid, reason, scope)
             except CancellationLimitReached:
                 log.warning("cancel_scope(%r): quota reached after %d requests", scope[:80], n)
                 break
-            n += 1
         return n
 
     # --- in-flight rows
@@ -321,7 +369,8 @@ class Cancellation:
     # --- cleanup and the janitor
     def cleanup(self, ttl: float | None = None) -> int:
         """Remove cancellation rows older than ``ttl`` (strictly: ``now - cancelled_at > ttl``;
-        default ``Config.ttl``) and in-flight rows whose owner process is gone. Returns the
+        default ``Config.ttl``) and in-flight rows whose owner process is gone, or whose request
+        ended in this (live) process without its row going (an owed end dropped). Returns the
         number of cancellation rows removed; emits ``("shmcancel", "cancellation", "cleanup")``
         with both counts."""
         return self.sweep(ttl)[0]
@@ -333,7 +382,7 @@ class Cancellation:
         elif isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl):
             raise ValueError(f"ttl must be a number of seconds, got {ttl!r}")
         removed = self._store.expire(self.clock(), float(ttl))
-        in_flight_removed = self._store.reap()
+        in_flight_removed = self._store.reap() + self._reap_ended()
         telemetry.execute(
             CLEANUP_EVENT, {"removed": removed, "in_flight_removed": in_flight_removed}, {}
         )
@@ -349,18 +398,37 @@ class Cancellation:
         winner per ``janitor_interval`` across processes). Returns whether it swept. What the
         janitor does on the back of calls, and what :class:`shmcancel.janitor.Janitor` calls."""
         now = _now()
+        stalled = False
         try:
             won = self._store.claim_sweep(now, self._interval)
-        except Exception:
+        except Exception as e:
             log.warning("janitor: claim_sweep failed", exc_info=True)
-            won = False
+            won, stalled = False, isinstance(e, LockTimeout)
         self._next_check = now + self._interval * (1.0 if won else _RECHECK_FRACTION)
         if won:
             try:
                 self.sweep()
             except Exception:
                 log.warning("janitor: cleanup failed", exc_info=True)
+        if not stalled:  # a stalled lock would only make the settling wait once more
+            self.settle()
         return won
+
+    def settle(self) -> int:
+        """Land the ends this process owes (see the module docstring), then remove this
+        process's in-flight rows whose request ended. Returns the rows settled (ends landed
+        plus rows removed). Never raises; a :class:`~shmcancel.LockTimeout` leaves the rest
+        owed for the next try."""
+        n = settle_owed()
+        try:
+            n += self._reap_ended()
+        except Exception:
+            log.warning("removing ended requests' rows failed", exc_info=True)
+        return n
+
+    def _reap_ended(self) -> int:
+        pid, start = procinfo.me()
+        return self._store.reap_ended(pid, start, _running)
 
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
@@ -373,14 +441,19 @@ class Cancellation:
 class RequestHandle:
     """One dispatched request, as the transport holds it (see the module docstring).
 
-    ``request_id`` (as given), ``scope``, ``tracked``. ``cancelled()`` is the hot poll;
-    ``cancel_local(reason)`` cancels this request only, in this process; ``end()`` untracks then
-    clears, is idempotent and never raises.
+    ``request_id`` (as given), ``scope``, ``tracked``, ``error`` (why it is not tracked, or
+    ``None``; a :class:`~shmcancel.LockTimeout` there means the registry is stalled).
+    ``cancelled()`` is the hot poll; ``cancel_local(reason)`` cancels this request only, in this
+    process; ``end()`` untracks then clears, is idempotent and never raises.
+
+    ``began`` is the ``clock`` before the row was written: a cancellation is recorded only
+    while the request is in flight, hence at or after ``began``; a row with an older
+    ``cancelled_at`` is a leftover of an earlier namesake, never this request's.
     """
 
     __slots__ = (
-        "_c", "_ended", "_local", "_local_reason", "_owner", "_rid", "_watch",
-        "request_id", "scope", "tracked",
+        "_c", "_ended", "_local", "_local_reason", "_owner", "_rid", "_stale_at", "_token",
+        "_watch", "began", "error", "request_id", "scope", "tracked",
     )
 
     def __init__(self, c: Cancellation, request_id: object, scope: str) -> None:
@@ -395,18 +468,33 @@ class RequestHandle:
         self._local_reason: str | None = None
         self._owner: Owner | None = None
         self._watch: Poll | None = None
+        self._token = 0
+        self._stale_at: float | None = None
+        self.error: ShmCancelError | None = None
+        self.began = c.clock()
         rid = self._rid = ids.key(request_id) if _valid_scope(scope) else None
         if rid is None:
             return
+        token = self._token = next(_tokens)
+        _running.add(token)  # before the row exists: see _running
         try:
             pid, start = procinfo.me()
-            owner = (pid, start, threading.get_ident(), next(_tokens))
+            owner = (pid, start, threading.get_ident(), token)
             self._watch = c._store.watch(scope, rid)
             c._store.track(scope, rid, owner)
             self._owner = owner
             self.tracked = True
+        except LockTimeout as e:
+            self.error = e
+            _running.discard(token)
+            log.warning("a request could not be tracked: %s", e)
         except ShmCancelError as e:
+            self.error = e
+            _running.discard(token)
             _log_untracked(e)
+        else:
+            if _owed:
+                settle_owed()  # the lock answered: land what this process owes
         c._tick()
 
     def __repr__(self) -> str:
@@ -421,8 +509,7 @@ class RequestHandle:
             return True
         try:
             w = self._watch
-            if w is not None and w.member():
-                self._latch()
+            if w is not None and w.member() and self._latch():
                 return True
             c = self._c
             if _now() >= c._next_check:
@@ -431,15 +518,26 @@ class RequestHandle:
             return False
         return False
 
-    def _latch(self) -> None:
+    def _latch(self) -> bool:
+        """The shared row was seen: latch it unless it is older than this request (then
+        remove that old row, once, and return ``False``)."""
         row = None
         if self._rid is not None:
             try:
                 row = self._c._store.get(self.scope, self._rid)
             except Exception:
                 row = None
+        if row is not None and row[1] < self.began:
+            if row[1] != self._stale_at:  # try each old row once: the poll must not block
+                self._stale_at = row[1]
+                try:
+                    self._c._store.clear_before(self.scope, self._rid, self.began)  # type: ignore[arg-type]
+                except Exception:
+                    log.debug("removing a stale cancellation row failed", exc_info=True)
+            return False
         self._local_reason = row[0] if row is not None else None
         self._local = True
+        return True
 
     def cancel_local(self, reason: object = None) -> None:
         """Cancel exactly this request, in this process only (a client disconnect). Emits the
@@ -463,7 +561,7 @@ class RequestHandle:
                 row = self._c._store.get(self.scope, self._rid)
             except Exception:
                 row = None
-            if row is not None:
+            if row is not None and row[1] >= self.began:
                 return row[0]
         return self._local_reason
 
@@ -475,19 +573,94 @@ class RequestHandle:
         rid = self._rid
         if rid is None:
             return
-        st = self._c._store
+        _running.discard(self._token)
+        c = self._c
+        st = c._store
         try:
+            ended_at = c.clock()
             if self._owner is not None:
                 st.untrack(self.scope, rid, self._owner)
             st.clear(self.scope, rid)
+        except LockTimeout as e:
+            _owe(st, self.scope, rid, self._owner, ended_at)
+            log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
         except Exception:
             log.warning("ending request %r in %r failed", rid, self.scope[:80], exc_info=True)
+        else:
+            if _owed:
+                settle_owed()
 
     def __enter__(self) -> RequestHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.end()
+
+
+def _owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+    """Queue an end that could not land. At ``_OWED_MAX`` the oldest is dropped (logged once
+    per process): its in-flight row is still removed by :meth:`Cancellation.settle`."""
+    global _dropped_logged
+    if len(_owed) >= _OWED_MAX:
+        with contextlib.suppress(IndexError):
+            _owed.popleft()
+        if not _dropped_logged:
+            _dropped_logged = True
+            log.warning("more than %d request ends are owed to a stalled registry; the oldest "
+                        "are dropped (their rows are reaped later). (Logged once per process.)",
+                        _OWED_MAX)
+    _owed.append((st, scope, rid, owner, ended_at))
+    for wake in list(_owed_listeners):
+        try:
+            wake()
+        except Exception:
+            log.debug("an owed-end listener failed", exc_info=True)
+
+
+def owed_ends() -> int:
+    """How many request ends this process still owes to a registry (see the module docstring)."""
+    return len(_owed)
+
+
+def _land(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+    """An owed end, in one lock hold: untrack, then clear the key's row. While a namesake is
+    still in flight only a row from before ``ended_at`` goes (a newer one is the namesake's)."""
+    with st.atomic():
+        if owner is not None:
+            st.untrack(scope, rid, owner)
+        if st.in_flight(scope, rid):
+            st.clear_before(scope, rid, ended_at)
+        else:
+            st.clear(scope, rid)
+
+
+def settle_owed() -> int:
+    """Land the ends this process owes, oldest first; stops at the first
+    :class:`~shmcancel.LockTimeout` (the rest stay owed). Other errors drop that end (logged).
+    One thread at a time (another caller returns 0 at once). Returns the ends landed."""
+    lock = _owed_lock
+    if not _owed or not lock.acquire(blocking=False):
+        return 0
+    n = 0
+    try:
+        for _ in range(len(_owed)):  # bounded: ends owed meanwhile wait for the next call
+            try:
+                entry = _owed[0]
+            except IndexError:
+                break
+            try:
+                _land(*entry)
+            except LockTimeout:
+                break
+            except Exception:
+                log.warning("dropping an owed request end", exc_info=True)
+            else:
+                n += 1
+            if _owed and _owed[0] is entry:  # _owe may have dropped it meanwhile
+                _owed.popleft()
+    finally:
+        lock.release()
+    return n
 
 
 def _log_untracked(e: Exception) -> None:

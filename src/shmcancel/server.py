@@ -53,7 +53,10 @@ is stopped: its rows are removed, then in a ``sync`` worker the worker exits (``
 gunicorn's own quit, which unwinds the tool with ``SystemExit``; a hard ``_exit`` if that does
 not end it within a second) and gunicorn replaces it; in ``gthread`` :class:`RequestStopped` is
 raised in the tool's thread, and if the tool still has not returned after another grace period
-the worker is asked to exit gracefully (``SIGTERM``).
+the worker is asked to exit gracefully (``SIGTERM``). A request meeting a registry lock held
+past ``lock_timeout`` by a live process (``LockTimeout``) is answered 503 with ``Retry-After``;
+a call that already ran keeps its reply, its end is owed and lands later
+(:mod:`shmcancel.cancellation`).
 
 Progress
 --------
@@ -91,7 +94,7 @@ from typing import Any
 from . import errors, ids, jsonrpc
 from .cancellation import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY, Cancellation
 from .disconnect import Watcher
-from .exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
+from .exceptions import CancellationLimitReached, InvalidRequestId, LockTimeout, ShmCancelError
 from .jsonrpc import Notification, Request, Response, RpcError
 from .origin import OriginPolicy
 from .principal import SESSION_KEY
@@ -126,6 +129,7 @@ PROGRESS_KEY = "shmcancel.progress"
 _READ_CHUNK = 65536
 _HARD_EXIT_GRACE = 1.0  # seconds between SIGQUIT and os._exit for a sync worker's stuck tool
 _MAX_TEXT = 1000  # characters of an exception message put into an isError result
+_RETRY_AFTER = "1"  # seconds, the Retry-After of a 503 for a registry lock held past its timeout
 
 _STATUS = {200: "200 OK", 202: "202 Accepted", 204: "204 No Content", 400: "400 Bad Request",
            403: "403 Forbidden", 404: "404 Not Found", 405: "405 Method Not Allowed",
@@ -419,6 +423,13 @@ class McpServer:
                                  "Server misconfigured: " + str(e))
         except RequestStopped:
             reply = _error_reply(200, None, errors.REQUEST_CANCELLED, "Request cancelled")
+        except LockTimeout as e:
+            # A live process holds the registry lock (stopped, stalled): not this request's
+            # fault and not a server bug; nothing was half-written. Ask the client to retry.
+            log.warning("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
+            reply = _error_reply(503, None, errors.SERVER_ERROR,
+                                 "Service unavailable: the registry is busy; retry later",
+                                 headers=[("Retry-After", _RETRY_AFTER)])
         except Exception:
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
@@ -647,10 +658,10 @@ class McpServer:
         st = self._process_state()
         c = st.cancellation
         scope = c.scope(environ)
-        if not c.in_flight(rid, scope):
-            return _Reply(202)  # unknown or finished: ignored, as MCP permits; nothing recorded
         try:
-            c.cancel(rid, reason, scope)
+            # One step: a call ending meanwhile leaves no row. Unknown or finished: ignored, as
+            # MCP permits; nothing recorded.
+            c.cancel_if_in_flight(rid, reason, scope)
         except CancellationLimitReached:
             return _error_reply(429, None, errors.SERVER_ERROR,
                                 "Too many cancellations recorded for this client")
@@ -705,6 +716,9 @@ class McpServer:
         c = st.cancellation
         ex = _Exchange(start_response, json_ok=json_ok, sse_ok=sse_ok, token=token)
         handle = c.begin(msg.id, c.scope(environ))
+        if isinstance(handle.error, LockTimeout):
+            handle.end()
+            raise handle.error  # 503: the tool has not run, a retry is safe
         environ[HANDLE_KEY] = handle
         environ[REQUEST_ID_KEY] = msg.id
         environ[CANCELLATION_KEY] = c

@@ -17,4 +17,5 @@ shmcancel.gunicorn.configure(config=shmcancel.Config(
     max_rows_per_scope=16,
     ttl=float(os.environ.get("SHMCANCEL_TEST_TTL", "300")),
     janitor_interval=float(os.environ.get("SHMCANCEL_TEST_JANITOR_INTERVAL", "60")),
+    lock_timeout=float(os.environ.get("SHMCANCEL_TEST_LOCK_TIMEOUT", "10")),
 ))
