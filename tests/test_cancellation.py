@@ -712,9 +712,9 @@ def test_cleanup_repairs_scope_counts(rc):
 
 # --------------------------------------------------------------------------------- janitor
 def test_janitor_runs_by_itself_after_the_interval(make, events):
-    _reg, c = make(clock=Clock(time.time()), janitor_interval=0.3, ttl=0.05)
+    reg, c = make(clock=Clock(time.time()), janitor_interval=0.3, ttl=0.05)
     c.clock = time.time
-    created = time.time()
+    created = reg.created_at  # the schedule counts from the header's creation time
     c.cancel(1, None, "s")
     h = c.begin(2, "s")
     deadline = time.monotonic() + 10
