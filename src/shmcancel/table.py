@@ -645,6 +645,7 @@ class Table:
         r = self._free[top - 1] if 0 < top <= self.capacity + 1 else self.capacity + 1
         if r > self.capacity:  # the free stack is damaged: rebuild it and retry
             self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
+            self._lock.dirty = True  # the caller's write goes on
             top = hq[_TOP]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
