@@ -148,7 +148,7 @@ def assert_works(reg: Registry, t: Table) -> None:
 
 @pytest.mark.parametrize("area_name", AREAS)
 @pytest.mark.parametrize("table", TABLES)
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), lo=st.floats(0, 0.95), span=st.floats(0, 1),
        small=st.booleans())
@@ -165,6 +165,8 @@ def test_garbage_over_a_table(reg: Registry, table: str, area_name: str, seed: i
     for k, vals in zip(range(ROWS), got["lookup"], strict=False):
         assert vals in ([], [10 * k]), (k, vals)
     assert got["lookup"][-1] == [] and got["member"][-1] is False
+    assert set(got["scan"]) <= {(k, 10 * k) for k in range(ROWS)}
+    assert len(set(got["scan"])) == len(got["scan"])  # no row twice
     assert_works(reg, t)
 
 

@@ -549,7 +549,9 @@ class Table:
 
     def _snapshot(self) -> list[tuple[int, int, bytes, bytes, int]]:
         """A consistent copy of every row: optimistic (all versions even and unchanged around
-        the copy), else under the lock."""
+        the copy), else under the lock. A copy with unmoved versions in which an entry fails
+        validation or shares its record with another is corrupt: it is repaired under the lock
+        (so no row is ever returned twice)."""
         ver = self._ver
         for attempt in range(READ_RETRIES // 4):
             if attempt >= _SPIN_BEFORE_YIELD:
@@ -558,13 +560,16 @@ class Table:
             if any(v & 1 for v in v0):
                 continue
             ents = self._entries(self._idx.tolist())
-            if ver.tolist() == v0 and all(e[4] >= 0 for e in ents):
+            if ver.tolist() != v0:
+                continue
+            if _sound(ents):
                 return ents
+            break
         with self._lock:
             ents = self._entries(self._idx.tolist())
-            if any(e[4] < 0 for e in ents):  # under the lock: corruption, not a race
+            if not _sound(ents):  # under the lock: corruption, not a race
                 self._repair(f"table {self.name!r}: an index entry references a record failing "
-                             "validation")
+                             "validation or referenced twice")
                 ents = self._entries(self._idx.tolist())
             return [e for e in ents if e[4] >= 0]
 
@@ -1036,6 +1041,11 @@ class Table:
             if v & 1:
                 ver[b] = v + 1
         return rep
+
+
+def _sound(ents: list[tuple[int, int, bytes, bytes, int]]) -> bool:
+    """Every entry of ``ents`` (see ``Table._entries``) valid, no record referenced twice."""
+    return all(e[4] >= 0 for e in ents) and len({e[1] for e in ents}) == len(ents)
 
 
 def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
