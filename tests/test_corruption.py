@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -325,3 +326,38 @@ def test_a_corrupted_record_is_repaired_once_then_reads_are_lock_free(
     logged = [r for r in caplog.records if "corrupted shared memory" in r.getMessage()]
     assert len(logged) == 1 and "in_flight" in logged[0].getMessage()
     assert t.lookup(5) == [50]
+
+
+def test_attach_never_waits_long_for_a_held_lock(reg: Registry,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A live process holds the lock while the counters are implausible: attach waits at most
+    about a second for it, skips the repair (logged), and the next sweep does it."""
+    t = reg.cancellations
+    fresh(t)
+    go_r, go_w = os.pipe()
+
+    def holder(w: int) -> None:
+        r = Registry.attach(reg.name)
+        with r.lock:
+            os.write(w, b"held")
+            os.read(go_r, 1)  # until the parent lets go (or dies: EOF)
+
+    pid, fd = child(holder)
+    try:
+        assert recv(fd) == b"held"
+        t._hq[ROWS_WORD] = ROWS + 5
+        caplog.set_level(logging.WARNING, "shmcancel.registry")
+        t0 = time.monotonic()
+        r2 = Registry.attach(reg.name)
+        assert time.monotonic() - t0 < CFG.lock_timeout  # the check's own bound, not the lock's
+        r2.close()
+        assert any("check on attach skipped" in r.getMessage() for r in caplog.records)
+    finally:
+        os.write(go_w, b"x")
+        os.close(go_w)
+        os.close(go_r)
+        os.close(fd)
+        reap(pid)
+    assert t.count() == ROWS + 5
+    Cancellation(reg).sweep()  # the malformed test rows go too; the counter agrees
+    assert t.count() == len(t.scan()) and t._hq[ROWS_WORD] == t.count()

@@ -54,6 +54,8 @@ __all__ = ["TABLES", "Registry", "current", "record_sizes", "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
 
+ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the lock, at most
+
 # --- worst-case msgpack sizes (bytes) -----------------------------------------------------------
 # str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
 # bin of n bytes: bin8 2+n. int: at most 9 (uint64 / int64). float: 9 (float64). nil: 1.
@@ -220,18 +222,28 @@ class Registry:
         ``readonly``: map it read-only, take no lock (for inspection). A writable attachment
         checks the tables' header counters first (:meth:`check`)."""
         reg = cls(Segment.attach(name, readonly=readonly))
-        reg._check_on_attach()
+        try:
+            reg._check_on_attach()
+        except BaseException:
+            reg.close()
+            raise
         return reg
 
     def _check_on_attach(self) -> None:
-        """:meth:`check`, never failing the attach: a lock held past its timeout (or any other
-        error of ours) leaves the counters to the janitor's next sweep."""
-        if self.readonly:
+        """:meth:`check` (not deep), never failing the attach and waiting at most
+        ATTACH_CHECK_LOCK_TIMEOUT for the lock (it takes it only to repair): a lock held longer
+        (or any other error of ours) leaves the counters to the janitor's next sweep."""
+        lock = self.lock
+        if self.readonly or not isinstance(lock, RegistryLock):
             return
+        saved = lock.timeout
+        lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
         try:
             self.check(deep=False)
         except ShmCancelError as e:
             log.warning("registry %s: counter check on attach skipped: %s", self._name, e)
+        finally:
+            lock.timeout = saved
 
     def _close_parts(self) -> None:
         for t in self._tables.values():

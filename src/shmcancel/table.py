@@ -952,6 +952,9 @@ class Table:
         first operation that reads it."""
         if self._implausible(False, deep) is None:
             return None
+        os.sched_yield()  # a writer mid-operation looks implausible: look again before locking
+        if self._implausible(False, deep) is None:
+            return None
         with self._lock:
             if self._lock.dirty:  # called from inside a write of this thread: not now
                 return None
