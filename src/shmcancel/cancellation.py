@@ -381,6 +381,8 @@ class Cancellation:
             ttl = self.config.ttl
         elif isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl):
             raise ValueError(f"ttl must be a number of seconds, got {ttl!r}")
+        if self.registry is not None:  # header counters plausible, else recounted (fsck)
+            self.registry.check()
         removed = self._store.expire(self.clock(), float(ttl))
         in_flight_removed = self._store.reap() + self._reap_ended()
         telemetry.execute(

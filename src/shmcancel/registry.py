@@ -17,6 +17,7 @@ tests pack the worst cases). A row larger than its table's record raises ``RowTo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import weakref
 from typing import Any
@@ -47,6 +48,10 @@ from .segment import (
 from .table import Table
 
 __all__ = ["TABLES", "Registry", "current", "record_sizes", "unlink"]
+
+log = logging.getLogger("shmcancel.registry")
+
+ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the lock, at most
 
 # --- worst-case msgpack sizes (bytes) -----------------------------------------------------------
 # str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
@@ -240,8 +245,31 @@ class Registry:
     @classmethod
     def attach(cls, name: str, *, readonly: bool = False) -> Registry:
         """Attach to registry ``name``; its config is read from the segment header.
-        ``readonly``: map it read-only, take no lock (for inspection)."""
-        return cls(Segment.attach(name, readonly=readonly))
+        ``readonly``: map it read-only, take no lock (for inspection). A writable attachment
+        checks the tables' header counters first (:meth:`check`)."""
+        reg = cls(Segment.attach(name, readonly=readonly))
+        try:
+            reg._check_on_attach()
+        except BaseException:
+            reg.close()
+            raise
+        return reg
+
+    def _check_on_attach(self) -> None:
+        """:meth:`check` (not deep), never failing the attach and waiting at most
+        ATTACH_CHECK_LOCK_TIMEOUT for the lock (it takes it only to repair): a lock held longer
+        (or any other error of ours) leaves the counters to the janitor's next sweep."""
+        lock = self.lock
+        if self.readonly or not isinstance(lock, RegistryLock):
+            return
+        saved = lock.timeout
+        lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
+        try:
+            self.check(deep=False)
+        except ShmCancelError as e:
+            log.warning("registry %s: counter check on attach skipped: %s", self._name, e)
+        finally:
+            lock.timeout = saved
 
     def _close_parts(self) -> None:
         for t in self._tables.values():
@@ -371,6 +399,22 @@ class Registry:
             return True
 
     # --- repair and stats ---
+    def check(self, deep: bool = True) -> dict[str, dict[str, int]]:
+        """Check every table's header counters (row count, free-stack top, stamp) and free
+        stack for plausibility against its index (``deep``: also every row's record and hash,
+        see ``Table.check``), and repair (fsck, logged once per process and table) the tables
+        where they are not: what the janitor's sweep calls (deep) and ``Registry.attach`` (not
+        deep). Lock-free while all is plausible. Returns the repair counts of the tables
+        repaired (empty: nothing was wrong). A read-only registry: {}."""
+        if self.readonly:
+            return {}
+        out = {}
+        for n, t in self._tables.items():
+            rep = t.check(deep)
+            if rep is not None:
+                out[n] = rep
+        return out
+
     def fsck(self) -> dict[str, dict[str, int]]:
         """Check and repair every table (the caller holds the lock): the lock's repair callback.
         Returns each table's repair counts (all zero when nothing was wrong)."""

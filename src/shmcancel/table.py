@@ -49,11 +49,21 @@ leaves a table ``fsck`` restores:
 Readers take no lock: they read a bucket's version before its slots, re-check every version they
 read at the end, and validate record lengths and crc before decoding. After a bounded number of
 retries (a writer killed mid-mutation leaves a bucket odd until fsck runs) they read under the lock.
+
+Garbage in the segment (a stray write, another process scribbling over it) never makes a loop
+spin: every probe, backward shift and scan is bounded by ``nslots``, every record number by
+``capacity``. Under the lock, a probe that meets no empty slot or a referenced record failing
+validation is corruption, never a race: the operation repairs the table with ``fsck``, logs once
+(per process and table) and retries once; still corrupt, it raises :class:`TableCorrupted`. A
+lock-free reader that meets the same with unmoved versions goes straight to the lock. The header
+counters obey ``rows + free_top == capacity + 1`` whenever no writer is mid-operation;
+:meth:`Table.check` tests that and more (the janitor and ``Registry.attach`` call it) and recounts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import zlib
@@ -62,9 +72,11 @@ from typing import Any, Literal, Protocol
 
 import msgpack
 
-from .exceptions import RegistryIncompatible, RowTooLarge, TableFull
+from .exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
 
-__all__ = ["Kind", "Lock", "PreparedKey", "Table", "Watch"]
+__all__ = ["Kind", "Lock", "PreparedKey", "Table", "TableCorrupted", "Watch"]
+
+log = logging.getLogger("shmcancel.table")
 
 Kind = Literal["set", "bag"]
 
@@ -81,6 +93,7 @@ _SEED = 0x5EED5EED
 _M32 = 0xFFFF_FFFF
 # u64 word numbers in the header
 _ROWS, _TOP, _STAMP = 3, 4, 5
+_STAMP_MAX = 1 << 62  # a stamp counter above this is garbage (2**62 writes never happen)
 
 _unpackb = msgpack.unpackb
 _blake2b = hashlib.blake2b
@@ -92,6 +105,12 @@ _from_bytes = int.from_bytes
 # holds the GIL from start to end (no Python code runs for the types msgpack packs natively, and
 # it resets its buffer on error), so threads of one process cannot interleave inside it.
 _pack = msgpack.Packer(use_bin_type=True).pack
+
+
+class TableCorrupted(ShmCancelError):
+    """The table's bytes are inconsistent in a way no interrupted writer leaves (garbage in the
+    segment), and still were right after ``fsck`` repaired them. Raised only after one repair
+    and one retry of the operation; nothing was half-written (the repair ran)."""
 
 
 def _unpack(b: bytes) -> Any:
@@ -304,6 +323,7 @@ class Table:
         self._ver = self._buf[HEADER_SIZE:HEADER_SIZE + 8 * nbuckets].cast("Q")
         self._idx = self._buf[idx_off:heap_off].cast("Q")
         self._free = self._buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
+        self._logged_pid = 0  # the process that logged this table's corruption (log once)
 
     def close(self) -> None:
         """Release the memoryviews on the segment (so that the mapping can be closed)."""
@@ -380,6 +400,7 @@ class Table:
             if sh == h:
                 rec = self._record(idx[j + 1])
                 if rec is None:
+                    self._unless_corrupt(seen, "a referenced record fails validation")
                     return None
                 if rec[0] == pk.kbytes:
                     out.append(rec[1])
@@ -393,24 +414,45 @@ class Table:
                     return None
                 seen.append((b, v))
         else:
-            return None  # no empty slot met: only a torn read can look like that
+            self._unless_corrupt(seen, "a probe met no empty slot")
+            return None
         for b, v in seen:
             if ver[b] != v:
                 return None
         return out, seen
 
+    def _unless_corrupt(self, seen: list[tuple[int, int]], what: str) -> None:
+        """Return (the caller retries) if a version in ``seen`` moved: the probe raced a writer.
+        Else the bytes themselves are wrong: raise TableCorrupted (the reader goes to the lock)."""
+        ver = self._ver
+        for b, v in seen:
+            if ver[b] != v:
+                return None
+        raise TableCorrupted(f"table {self.name!r}: {what}")
+
     def _read(self, pk: PreparedKey) -> tuple[list[bytes], tuple[tuple[int, int], ...]]:
         """Raw values of ``pk``'s rows and the (bucket, version) pairs that validated them; never
-        torn. Falls back to reading under the lock after READ_RETRIES attempts."""
+        torn. Falls back to reading under the lock after READ_RETRIES attempts, or at once when
+        a probe meets corruption (which is repaired there)."""
         for attempt in range(READ_RETRIES):
-            got = self._probe(pk)
+            try:
+                got = self._probe(pk)
+            except TableCorrupted:
+                break
             if got is not None:
                 return got[0], tuple(got[1])
             if attempt >= _SPIN_BEFORE_YIELD:
                 os.sched_yield()  # let a preempted writer finish
         with self._lock:
-            out = [e[3] for e in self._find(pk)]
-            got = self._probe(pk)  # under the lock no writer moves a version
+            try:
+                out = [e[3] for e in self._find(pk)]
+            except TableCorrupted as err:
+                self._repair(str(err))
+                out = [e[3] for e in self._find(pk)]
+            try:
+                got = self._probe(pk)  # under the lock no writer moves a version
+            except TableCorrupted:  # pragma: no cover - _find just found the probe sound
+                got = None
             seen = tuple(got[1]) if got is not None else ()
             return out, seen
 
@@ -479,8 +521,13 @@ class Table:
         return vals[0] if vals else default
 
     def count(self) -> int:
-        """Number of rows (the header counter: exact whenever no writer is mid-operation)."""
-        return self._hq[_ROWS]
+        """Number of rows (the header counter: exact whenever no writer is mid-operation).
+        A counter at or above capacity that disagrees with the free stack (garbage, or a writer
+        mid-operation) is not trusted: the count then comes from the index (still lock-free)."""
+        n = self._hq[_ROWS]
+        if n >= self.capacity and n + self._hq[_TOP] != self.capacity + 1:
+            return min(self.nslots - self._idx.tolist()[::2].count(0), self.capacity)
+        return n
 
     def watch(self, key: Any) -> Watch:
         """A cached poll of ``key`` (see :class:`Watch`)."""
@@ -502,7 +549,9 @@ class Table:
 
     def _snapshot(self) -> list[tuple[int, int, bytes, bytes, int]]:
         """A consistent copy of every row: optimistic (all versions even and unchanged around
-        the copy), else under the lock."""
+        the copy), else under the lock. A copy with unmoved versions in which an entry fails
+        validation or shares its record with another is corrupt: it is repaired under the lock
+        (so no row is ever returned twice)."""
         ver = self._ver
         for attempt in range(READ_RETRIES // 4):
             if attempt >= _SPIN_BEFORE_YIELD:
@@ -511,10 +560,18 @@ class Table:
             if any(v & 1 for v in v0):
                 continue
             ents = self._entries(self._idx.tolist())
-            if ver.tolist() == v0 and all(e[4] >= 0 for e in ents):
+            if ver.tolist() != v0:
+                continue
+            if _sound(ents):
                 return ents
+            break
         with self._lock:
-            return [e for e in self._entries(self._idx.tolist()) if e[4] >= 0]
+            ents = self._entries(self._idx.tolist())
+            if not _sound(ents):  # under the lock: corruption, not a race
+                self._repair(f"table {self.name!r}: an index entry references a record failing "
+                             "validation or referenced twice")
+                ents = self._entries(self._idx.tolist())
+            return [e for e in ents if e[4] >= 0]
 
     def scan(self, pred: Callable[[Any, Any], bool] | None = None) -> list[tuple[Any, Any]]:
         """Every (key, value) for which ``pred(key, value)`` is true (all rows when None), from
@@ -561,7 +618,9 @@ class Table:
 
     # ---------------------------------------------------------------- writes (hold the lock)
     def _find(self, pk: PreparedKey) -> list[tuple[int, int, bytes, bytes]]:
-        """(slot, record, kbytes, vbytes) of ``pk``'s rows; the caller holds the lock."""
+        """(slot, record, kbytes, vbytes) of ``pk``'s rows; the caller holds the lock. Raises
+        TableCorrupted when the probe meets no empty slot or a record failing validation (under
+        the lock neither is a race)."""
         idx = self._idx
         wmask = self._wmask
         h = pk.hash
@@ -574,9 +633,14 @@ class Table:
             if sh == h:
                 r = idx[j + 1]
                 rec = self._record(r)
-                if rec is not None and rec[0] == pk.kbytes:
+                if rec is None:
+                    raise TableCorrupted(
+                        f"table {self.name!r}: a referenced record fails validation")
+                if rec[0] == pk.kbytes:
                     out.append((j >> 1, r, rec[0], rec[1]))
             j = (j + 2) & wmask
+        else:
+            raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         return out
 
     def _write_record(self, kbytes: bytes, vbytes: bytes) -> int:
@@ -585,12 +649,15 @@ class Table:
         top = hq[_TOP]
         r = self._free[top - 1] if 0 < top <= self.capacity + 1 else self.capacity + 1
         if r > self.capacity:  # the free stack is damaged: rebuild it and retry
-            self.fsck()
+            self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
+            self._lock.dirty = True  # the caller's write goes on
             top = hq[_TOP]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
             r = self._free[top - 1]
         stamp = hq[_STAMP] + 1
+        if stamp >= _STAMP_MAX:  # checked before the first store
+            raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")
         hq[_STAMP] = stamp
         kl = len(kbytes)
         vl = len(vbytes)
@@ -614,8 +681,12 @@ class Table:
         idx = self._idx
         ver = self._ver
         j = pk.j
-        while idx[j]:
+        for _ in range(self.nslots):
+            if not idx[j]:
+                break
             j = (j + 2) & self._wmask
+        else:  # before any store: fsck returns the popped record to the free stack
+            raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         b = j >> 5
         ver[b] += 1
         idx[j + 1] = r
@@ -632,7 +703,7 @@ class Table:
         marked = [s >> 4]
         ver[s >> 4] += 1
         i = j = s
-        while True:
+        for _ in range(self.nslots):
             j = (j + 1) & mask
             hj = idx[2 * j]
             if not hj:
@@ -648,11 +719,16 @@ class Table:
             idx[2 * i + 1] = idx[2 * j + 1]  # a half-copied slot fails fsck's hash check
             idx[2 * i] = hj  # now a duplicate of slot j: fsck keeps one
             i = j
+        else:  # mid-shift, marked buckets odd: the state of a killed writer, which fsck repairs
+            raise TableCorrupted(f"table {self.name!r}: a backward shift met no empty slot")
         idx[2 * i] = 0
         idx[2 * i + 1] = 0
         for b in marked:
             ver[b] += 1
-        self._hq[_ROWS] -= 1
+        hq = self._hq
+        rows = hq[_ROWS]
+        if rows:  # else the counter is garbage (check() recounts it); never store -1
+            hq[_ROWS] = rows - 1
         self._free_record(r)
 
     def _locate(self, h: int, r: int) -> int:
@@ -670,37 +746,58 @@ class Table:
 
     def insert(self, key: Any, value: Any) -> None:
         """Set: insert or replace ``key``'s row. Bag: add the object unless an identical one is
-        there. Raises RowTooLarge (before taking the lock or writing) or TableFull."""
+        there. Raises RowTooLarge (before taking the lock or writing) or TableFull (or
+        TableCorrupted: see the module docstring)."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
         if len(key.kbytes) + len(vb) > self._payload:
             self._check_size(key.kbytes, vb)
+        with self._lock:
+            try:
+                return self._insert(key, vb)
+            except TableCorrupted as e:
+                self._repair(str(e))
+            return self._insert(key, vb)
+
+    def _insert(self, key: PreparedKey, vb: bytes) -> None:
         lock = self._lock
-        with lock:
-            found = self._find(key)
-            if found and self._set:
-                s, old, _, oldvb = found[0]
-                if oldvb == vb:
-                    return
-                lock.dirty = True
-                new = self._write_record(key.kbytes, vb)
-                b = s >> 4
-                ver = self._ver
-                ver[b] += 1
-                self._idx[2 * s + 1] = new  # the commit: one aligned store
-                ver[b] += 1
-                self._free_record(old)
-                lock.dirty = False
+        found = self._find(key)
+        if found and self._set:
+            s, old, _, oldvb = found[0]
+            if oldvb == vb:
                 return
-            for e in found:
-                if e[3] == vb:
-                    return
-            if self._hq[_ROWS] >= self.capacity:
-                raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
             lock.dirty = True
-            self._publish(key, self._write_record(key.kbytes, vb))
+            new = self._write_record(key.kbytes, vb)
+            b = s >> 4
+            ver = self._ver
+            ver[b] += 1
+            self._idx[2 * s + 1] = new  # the commit: one aligned store
+            ver[b] += 1
+            self._free_record(old)
             lock.dirty = False
+            return
+        for e in found:
+            if e[3] == vb:
+                return
+        if self._hq[_ROWS] >= self.capacity:
+            self._full()
+        lock.dirty = True
+        self._publish(key, self._write_record(key.kbytes, vb))
+        lock.dirty = False
+
+    def _full(self) -> None:
+        """The row counter says full: raise TableFull, unless the counters are implausible
+        (garbage): then recount them (fsck) and return if that made room. O(1) when they are
+        plausible; the caller holds the lock."""
+        hq = self._hq
+        rows = hq[_ROWS]
+        if rows > self.capacity or rows + hq[_TOP] != self.capacity + 1:
+            self._repair(f"table {self.name!r}: row count {rows} and free-stack top {hq[_TOP]} "
+                         f"do not add up to {self.capacity + 1} records")
+            if hq[_ROWS] < self.capacity:
+                return
+        raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
 
     def insert_new(self, key: Any, value: Any) -> bool:
         """Insert only if ``key`` has no row; False (nothing written) if it has one."""
@@ -708,47 +805,68 @@ class Table:
             key = self.prepare(key)
         vb = _pack(value)
         self._check_size(key.kbytes, vb)
+        with self._lock:
+            try:
+                return self._insert_new(key, vb)
+            except TableCorrupted as e:
+                self._repair(str(e))
+            return self._insert_new(key, vb)
+
+    def _insert_new(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
-        with lock:
-            if self._find(key):
-                return False
-            if self._hq[_ROWS] >= self.capacity:
-                raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
-            lock.dirty = True
-            self._publish(key, self._write_record(key.kbytes, vb))
-            lock.dirty = False
-            return True
+        if self._find(key):
+            return False
+        if self._hq[_ROWS] >= self.capacity:
+            self._full()
+        lock.dirty = True
+        self._publish(key, self._write_record(key.kbytes, vb))
+        lock.dirty = False
+        return True
 
     def delete(self, key: Any) -> int:
         """Remove every row of ``key``; returns how many."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
+        with self._lock:
+            try:
+                return self._delete(key)
+            except TableCorrupted as e:
+                self._repair(str(e))
+            return self._delete(key)
+
+    def _delete(self, key: PreparedKey) -> int:
         lock = self._lock
-        with lock:
-            found = self._find(key)
-            if found:
-                lock.dirty = True
-                # from the far end: a backward shift moves only entries after the hole, never
-                # the ones found before it (the cluster cannot wrap: load <= 50 %)
-                for s, _, _, _ in reversed(found):
-                    self._delete_slot(s)
-                lock.dirty = False
-            return len(found)
+        found = self._find(key)
+        if found:
+            lock.dirty = True
+            # from the far end: a backward shift moves only entries after the hole, never
+            # the ones found before it (the cluster cannot wrap: load <= 50 %)
+            for s, _, _, _ in reversed(found):
+                self._delete_slot(s)
+            lock.dirty = False
+        return len(found)
 
     def delete_object(self, key: Any, value: Any) -> bool:
         """Remove exactly one row equal to (key, value); False if there is none."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
+        with self._lock:
+            try:
+                return self._delete_object(key, vb)
+            except TableCorrupted as e:
+                self._repair(str(e))
+            return self._delete_object(key, vb)
+
+    def _delete_object(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
-        with lock:
-            for s, _, _, v in self._find(key):
-                if v == vb:
-                    lock.dirty = True
-                    self._delete_slot(s)
-                    lock.dirty = False
-                    return True
-            return False
+        for s, _, _, v in self._find(key):
+            if v == vb:
+                lock.dirty = True
+                self._delete_slot(s)
+                lock.dirty = False
+                return True
+        return False
 
     def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
         """Remove every row for which ``pred(key, value)`` is true; returns how many. ``pred``
@@ -763,10 +881,85 @@ class Table:
                 s = self._locate(h, r)
                 if s >= 0:
                     lock.dirty = True
-                    self._delete_slot(s)
+                    try:
+                        self._delete_slot(s)
+                    except TableCorrupted as e:  # the rest is found again after the repair
+                        self._repair(str(e))
+                        continue
                     lock.dirty = False
                     n += 1
             return n
+
+    # ---------------------------------------------------------------- corruption
+    def _repair(self, why: str) -> dict[str, int]:
+        """Repair the table with fsck (the caller holds the lock) after finding ``why``; log it
+        once per process and table. ``lock.dirty`` stays True throughout, so a repair cut short
+        is finished by the lock's own."""
+        lock = self._lock
+        lock.dirty = True
+        rep = self.fsck()
+        lock.dirty = False
+        pid = os.getpid()
+        if self._logged_pid != pid:
+            self._logged_pid = pid
+            log.error("corrupted shared memory: %s; repaired with fsck: %s (logged once per "
+                      "process and table)", why,
+                      {k: v for k, v in rep.items() if v} or "nothing to repair")
+        return rep
+
+    def _implausible(self, locked: bool, deep: bool) -> str | None:
+        """What is wrong with the header counters or the free stack, or None. Lock-free (not
+        ``locked``) a writer mid-operation can make a healthy table look wrong: confirm under
+        the lock. O(nslots + capacity) list work; ``deep`` also validates every referenced
+        record and its hash, keys' uniqueness (set) and reachability: what fsck would repair."""
+        hq = self._hq
+        rows, top, stamp = hq[_ROWS], hq[_TOP], hq[_STAMP]
+        nrec = self.capacity + 1
+        if rows > self.capacity or top > nrec or rows + top != nrec:
+            return f"row count {rows} and free-stack top {top} do not add up to {nrec} records"
+        if stamp >= _STAMP_MAX:
+            return f"stamp counter {stamp}"
+        words = self._idx.tolist()
+        refs = [r for h, r in zip(words[::2], words[1::2], strict=True) if h]
+        if len(refs) != rows:
+            return f"row count {rows}, index entries {len(refs)}"
+        held = set(self._free.tolist()[:top])
+        held.update(refs)
+        if len(held) != nrec or max(held) >= nrec:
+            return "free stack and index do not hold each record exactly once"
+        if locked and any(v & 1 for v in self._ver.tolist()):
+            return "a bucket version is odd with no writer running"
+        if deep:
+            hash_ = self._hash
+            keys = set()
+            for s, _, kb, _, stamp in self._entries(words):
+                if stamp < 0 or hash_(kb) != words[2 * s]:
+                    return f"the entry in slot {s} does not match its record"
+                keys.add(kb)
+            if self._set and len(keys) != rows:
+                return "a key has two rows"
+            if _reachability_moves(list(words), self._mask):
+                return "an entry lies beyond an empty slot of its probe"
+        return None
+
+    def check(self, deep: bool = False) -> dict[str, int] | None:
+        """Check the header counters (rows, free-stack top, stamp) and the free stack for
+        plausibility against the index; when they are wrong, repair (fsck: recounts them) and
+        log once. Returns fsck's repair counts, or None when all was plausible. Lock-free when
+        it is, else under the lock. Only ``deep`` decodes records (about 3 us a row): it
+        finds whatever fsck would repair, e.g. garbage over the hash of an entry, which no
+        counter shows and no lookup meets. Without it, a corrupted record is repaired by the
+        first operation that reads it."""
+        if self._implausible(False, deep) is None:
+            return None
+        os.sched_yield()  # a writer mid-operation looks implausible: look again before locking
+        if self._implausible(False, deep) is None:
+            return None
+        with self._lock:
+            if self._lock.dirty:  # called from inside a write of this thread: not now
+                return None
+            why = self._implausible(True, deep)
+            return None if why is None else self._repair(f"table {self.name!r}: {why}")
 
     # ---------------------------------------------------------------- recovery
     def fsck(self) -> dict[str, int]:
@@ -788,11 +981,13 @@ class Table:
         drop: list[int] = []
         by_rec: dict[int, int] = {}
         by_key: dict[bytes, tuple[int, int]] = {}
+        newest = 0
         for s, r, kb, _, stamp in self._entries(words):
             if stamp < 0 or self._hash(kb) != words[2 * s]:
                 drop.append(s)
                 rep["bad_entries"] += 1
                 continue
+            newest = max(newest, stamp)
             if r in by_rec:
                 drop.append(s)
                 rep["duplicate_entries"] += 1
@@ -842,13 +1037,18 @@ class Table:
         if hq[_ROWS] != len(by_rec):
             hq[_ROWS] = len(by_rec)
             rep["rows"] = 1
-        if hq[_STAMP] < max((e[0] for e in by_key.values()), default=0):
-            hq[_STAMP] = max(e[0] for e in by_key.values())
+        if hq[_STAMP] < newest or hq[_STAMP] >= _STAMP_MAX:
+            hq[_STAMP] = newest
         for b in odd:
             v = ver[b]
             if v & 1:
                 ver[b] = v + 1
         return rep
+
+
+def _sound(ents: list[tuple[int, int, bytes, bytes, int]]) -> bool:
+    """Every entry of ``ents`` (see ``Table._entries``) valid, no record referenced twice."""
+    return all(e[4] >= 0 for e in ents) and len({e[1] for e in ents}) == len(ents)
 
 
 def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
