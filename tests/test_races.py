@@ -172,6 +172,17 @@ def test_cancel_if_in_flight(registry) -> None:  # noqa: F811
     assert reg.cancellations.scan() == [] and reg.in_flight.scan() == []
 
 
+def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:  # noqa: F811
+    """A flood of notifications for ids nobody runs must not queue behind the registry lock:
+    with the lock held by a stopped process, they are still answered at once."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    with stalled_lock(spawn, reg.name):
+        for rid in range(1, 21):
+            assert c.cancel_if_in_flight(rid, "flood", "ip:192.0.2.9") is False
+    assert reg.cancellations.scan() == []
+
+
 def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:  # noqa: F811
     """A leftover row (here recorded directly, before the request began) neither pre-cancels a
     request reusing the id nor outlives that request's first look; a cancel recorded during the

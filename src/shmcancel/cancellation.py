@@ -232,8 +232,13 @@ class Cancellation:
         if not _valid_scope(scope):
             raise TypeError(f"scope must be a str, got {type(scope).__name__}")
         scope = str.__str__(scope)
-        text = sanitize(reason)
         st = self._store
+        # Not in flight by a lock-free read: the notification arrived before the request began or
+        # after it ended, so it is answered without the lock (a flood of notifications for ids
+        # nobody runs never contends with the writers). In flight: re-checked under the lock.
+        if only_in_flight and not st.in_flight(scope, rid):
+            return False
+        text = sanitize(reason)
         with st.atomic():
             if only_in_flight and not st.in_flight(scope, rid):
                 return False
