@@ -65,6 +65,7 @@ SWEEP_EVERY = 0.5  # seconds between two sweep pieces of one process
 SWEEP_SLOTS = 512  # index slots of the sessions table per sweep piece (bounds its lock hold)
 SWEEP_CLIENT_SLOTS = 64  # index slots of the session_clients table per sweep piece
 RETRY_AFTER = 10  # seconds a refused initialize is told to wait (HTTP Retry-After)
+BUCKET = 16  # index slots per seqlock bucket: the unit of a sweep piece
 _PLAN_TRIES = 4  # lock-free plans re-checked under the lock before planning under it
 _OWED_MAX = 4096  # call ends kept for a retry after a lock timeout
 
@@ -396,9 +397,14 @@ class SessionStore:
         malformed rows among the next ``slots`` index slots of the sessions table, and phantom
         ids among the next :data:`SWEEP_CLIENT_SLOTS` of ``session_clients``; the lock is held
         per removed row only. Returns the sessions removed. Successive calls walk the tables
-        cyclically, so ``nslots / slots`` calls cover the table."""
+        cyclically (``slots`` rounded up to whole buckets of 16), so ``nslots / slots`` calls
+        cover the table."""
         self._settle()
-        rows, self._cursor = self._table.scan_slots(self._cursor, slots)
+        # Downwards: a removal shifts later entries back into the piece just read, never into
+        # one still to read, so a pass misses no row (but at its start, across the table's end).
+        slots = max(BUCKET, min(self._table.nslots, -(-slots // BUCKET) * BUCKET))
+        self._cursor = (self._cursor - slots) % self._table.nslots
+        rows, _ = self._table.scan_slots(self._cursor, slots)
         now = self._clock()
         removed = 0
         for sid, v in rows:
