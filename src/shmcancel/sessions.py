@@ -21,8 +21,10 @@ Policy (SPEC §6.1):
   recently seen session that has no call in flight. It never displaces another client's
   session: when it has none to give up, :class:`SessionsFull` is raised (the transport answers
   503 with ``Retry-After``).
-- A mint reads one client row and at most ``sessions_per_client`` session rows (lock-free, then
-  re-checked under the lock), whatever the fill of the table: nothing scans the table at mint.
+- A mint reads one client row; one that must give up a session of its own also reads that
+  client's session rows (at most ``sessions_per_client``, lock-free) to find the least recently
+  seen; under the lock it re-checks only what it decided on. Nothing scans the table at mint:
+  the cost is the same at any fill.
 - A session expires once it has not been seen for ``config.session_ttl`` seconds and has no call
   in flight. :meth:`get` treats an expired row as absent; :meth:`sweep` removes expired rows a
   bounded piece of the table at a time, run on the back of this store's own calls at most every
@@ -183,20 +185,34 @@ class SessionStore:
     def _plan(self, digest: bytes, now: float) -> _Plan:
         listed = self._clients.get(digest)
         ids = listed if type(listed) is tuple else ()
-        live: list[tuple[float, str, Any]] = []
-        for sid in ids[:self.per_client + 1]:  # a longer row is damage: the rest are dropped
-            if type(sid) is not str:
-                continue
+        if (len(ids) < self.per_client and self._table.count() < self.capacity
+                and all(type(s) is str for s in ids)):
+            return _Plan(listed, ids, None, None)  # room: one row read, whatever the fill
+        # At its bound, or the table is full: give up the client's own least recently seen
+        # session without a call in flight, dropping phantoms met on the way. Ids are listed in
+        # minting order and a session is seen no earlier than it was created, so the walk stops
+        # at the first one created after the best candidate was last seen: every later one was
+        # seen later still. A flood of fresh sessions is decided after two rows.
+        ids = tuple(s for s in ids[:self.per_client + 1] if type(s) is str)  # longer: damage
+        dropped: set[str] = set()
+        if ids and _row(self._table.get(ids[-1])) is None:  # where an interrupted mint leaves one
+            dropped.add(ids[-1])
+        victim, victim_value, best = None, None, math.inf
+        for sid in ids:
             v = self._table.get(sid)
             r = _row(v)
-            if r is not None and r[3] == digest:
-                live.append((r[1], sid, v))
-        keep = tuple(sid for _, sid, _ in live)
+            if r is None or r[3] != digest:
+                dropped.add(sid)
+                continue
+            if r[0] >= best:
+                break
+            if r[1] < best and not self._busy(sid):
+                victim, victim_value, best = sid, v, r[1]
+        keep = tuple(s for s in ids if s not in dropped)
         if len(keep) < self.per_client and self._table.count() < self.capacity:
             return _Plan(listed, keep, None, None)
-        for _, sid, v in sorted(live, key=lambda e: e[0]):  # least recently seen first
-            if not self._busy(sid):
-                return _Plan(listed, tuple(s for s in keep if s != sid), sid, v)
+        if victim is not None:
+            return _Plan(listed, tuple(s for s in keep if s != victim), victim, victim_value)
         if len(keep) < self.per_client:
             raise SessionsFull(
                 f"sessions table is full ({self.capacity} sessions of other clients); "
