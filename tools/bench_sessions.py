@@ -16,9 +16,10 @@ mint into an empty table:
   the per-client bound) minting into an empty and into a full table, in its own registry.
 
 ``--http``: a real gunicorn (the example app, 2 ``sync`` workers, loopback). A bystander at
-127.0.0.1 holds one session and calls ``echo`` in a loop: alone, then while two connections from
-127.0.0.2 loop ``initialize`` for ``--seconds``. Prints the bystander's p50/p90 before and during
-the flood, its 404s, and the mints. ``--src DIR`` serves another checkout's ``src`` (e.g.
+127.0.0.1 holds two sessions: it calls ``echo`` in a loop in one, alone, then while two connections
+from 127.0.0.2 loop ``initialize`` for ``--seconds``; the other stays idle until the end. Prints
+the bystander's p50/p90 alone and once the flood has minted a table's worth, its 404s, the idle
+session's status afterwards, and the mints. ``--src DIR`` serves another checkout's ``src`` (e.g.
 ``git archive REV src | tar -x -C /tmp/base`` then ``--src /tmp/base/src``) for a before/after.
 """
 
@@ -182,6 +183,8 @@ INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
 def bench_http(seconds: float, src: str | None) -> None:
     import httpx
 
+    capacity = Config().session_capacity  # the example's config keeps the default
+
     port = _free_port()
     name = _name()
     env = {**os.environ, "SHMCANCEL_REGISTRY": name}
@@ -207,6 +210,7 @@ def bench_http(seconds: float, src: str | None) -> None:
         bystander = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.1"),
                                  timeout=30)
         sid = _post(bystander, url, INIT).headers["mcp-session-id"]
+        idle_sid = _post(bystander, url, INIT).headers["mcp-session-id"]  # unused until the end
 
         def echo() -> tuple[float, int]:
             t0 = time.perf_counter()
@@ -220,12 +224,15 @@ def bench_http(seconds: float, src: str | None) -> None:
         alone = [echo()[0] for _ in range(200)]
         stop = threading.Event()
         mints: list[int] = []
+        full_at: list[float] = []  # when the flood had minted a table's worth
 
         def flood() -> None:
             with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"),
                               timeout=30) as h:
                 while not stop.is_set():
                     mints.append(_post(h, url, INIT).status_code)
+                    if len(mints) >= capacity and not full_at:
+                        full_at.append(time.monotonic() - t_start)
 
         threads = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
         t_start = time.monotonic()
@@ -239,20 +246,26 @@ def bench_http(seconds: float, src: str | None) -> None:
         for t in threads:
             t.join(30)
         elapsed = time.monotonic() - t_start
-        late = [d for at, d, s in during if at > seconds / 2 and s == 200]
+        full = full_at[0] if full_at else seconds
+        late = [d for at, d, s in during if at > full and s == 200]
         lost = sum(1 for _, _, s in during if s == 404)
+        r = _post(bystander, url, {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                   "params": {"name": "echo", "arguments": {"text": "x"}}},
+                  idle_sid)
         p = statistics.quantiles
         print(f"shmcancel from {src or 'this checkout'}: {len(mints)} initialize in "
               f"{elapsed:.1f}s ({len(mints) / elapsed:.0f}/s; {mints.count(200)} x 200, "
               f"{sum(1 for m in mints if m == 503)} x 503)")
         print(f"bystander echo alone:              p50 {statistics.median(alone) * 1e3:6.2f} ms"
               f"  p90 {p(alone, n=10)[-1] * 1e3:6.2f} ms")
+        print(f"the flood had minted {capacity} sessions (a table's worth) after "
+              f"{full:.1f}s" if full_at else f"the flood never minted {capacity} sessions")
         if late:
-            print(f"bystander echo, 2nd half of flood: p50 {statistics.median(late) * 1e3:6.2f} ms"
+            print(f"bystander echo after that:         p50 {statistics.median(late) * 1e3:6.2f} ms"
                   f"  p90 {p(late, n=10)[-1] * 1e3 if len(late) > 1 else late[0] * 1e3:6.2f} ms"
                   f"  ({statistics.median(late) / statistics.median(alone):.1f}x alone)")
         print(f"bystander calls during the flood: {len(during)}, answered 404 (session lost): "
-              f"{lost}")
+              f"{lost}; its idle session afterwards: HTTP {r.status_code}")
         bystander.close()
     finally:
         proc.terminate()
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=15)
     ap.add_argument("--baseline", help="git revision whose SessionStore to measure too")
     ap.add_argument("--http", action="store_true", help="also the bystander-during-flood run")
-    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--seconds", type=float, default=25.0)
     ap.add_argument("--src", help="the src directory gunicorn serves (default: this checkout)")
     ap.add_argument("--no-store", action="store_true", help="skip the store figures")
     args = ap.parse_args(argv)
