@@ -408,18 +408,33 @@ class SessionStore:
 
     # ------------------------------------------------------------------ expiry
 
-    def sweep(self, slots: int = SWEEP_SLOTS) -> int:
+    def sweep(self, slots: int = SWEEP_SLOTS, client_slots: int = SWEEP_CLIENT_SLOTS) -> int:
         """Remove expired sessions (idle longer than ``ttl`` with no call in flight) and
         malformed rows among the next ``slots`` index slots of the sessions table, and phantom
-        ids among the next :data:`SWEEP_CLIENT_SLOTS` of ``session_clients``; the lock is held
-        per removed row only. Returns the sessions removed. Successive calls walk the tables
-        cyclically (``slots`` rounded up to whole buckets of 16), so ``nslots / slots`` calls
-        cover the table."""
+        ids among the next ``client_slots`` of ``session_clients``; the lock is held per
+        removed row only. Returns the sessions removed. Successive calls walk the tables
+        cyclically (pieces rounded up to whole buckets of 16 slots), so ``nslots / slots``
+        calls cover the sessions table."""
         self._settle()
+        removed = self._sweep_sessions(slots)
+        self._sweep_clients(client_slots)
+        return removed
+
+    def sweep_all(self) -> int:
+        """:meth:`sweep` over the whole of both tables, piece by piece."""
+        n = 0
+        for _ in range(-(-self._table.nslots // SWEEP_SLOTS)):
+            n += self._sweep_sessions(SWEEP_SLOTS)
+        for _ in range(-(-self._clients.nslots // SWEEP_SLOTS)):
+            self._sweep_clients(SWEEP_SLOTS)
+        return n
+
+    def _sweep_sessions(self, slots: int) -> int:
         # Downwards: a removal shifts later entries back into the piece just read, never into
         # one still to read, so a pass misses no row (but at its start, across the table's end).
-        slots = max(BUCKET, min(self._table.nslots, -(-slots // BUCKET) * BUCKET))
-        self._cursor = (self._cursor - slots) % self._table.nslots
+        nslots = self._table.nslots
+        slots = max(BUCKET, min(nslots, -(-slots // BUCKET) * BUCKET))
+        self._cursor = (self._cursor - slots) % nslots
         rows, _ = self._table.scan_slots(self._cursor, slots)
         now = self._clock()
         removed = 0
@@ -427,22 +442,16 @@ class SessionStore:
             r = _row(v)
             if r is None or (now - r[1] > self.ttl and not self._busy(sid)):
                 removed += self._expire(sid, v, r)
-        crows, self._client_cursor = self._clients.scan_slots(self._client_cursor,
-                                                              SWEEP_CLIENT_SLOTS)
+        return removed
+
+    def _sweep_clients(self, slots: int) -> None:
+        crows, self._client_cursor = self._clients.scan_slots(self._client_cursor, slots)
         for digest, listed in crows:
             ids = listed if type(listed) is tuple else ()
             if len(ids) > self.per_client or any(
                     type(s) is not str or (r := _row(self._table.get(s))) is None
                     or r[3] != digest for s in ids):
                 self._prune(digest, listed)
-        return removed
-
-    def sweep_all(self) -> int:
-        """:meth:`sweep` over the whole sessions table, piece by piece."""
-        n = 0
-        for _ in range(-(-self._table.nslots // SWEEP_SLOTS)):
-            n += self.sweep()
-        return n
 
     def _prune(self, digest: Any, listed: Any) -> None:
         """Drop the ids of ``digest``'s row that have no session of that client."""
