@@ -247,6 +247,29 @@ def test_phantom_ids_are_dropped(store: SessionStore, reg: Registry, clock: Cloc
     assert reg.session_clients.get(gone) is None
 
 
+def test_processes_minting_at_once_keep_the_bound(reg: Registry) -> None:
+    store = SessionStore(reg)  # the wall clock, as the children's
+    other = [store.create(LEGACY, "ip:192.0.2.1").id for _ in range(4)]
+
+    def flood(w: int) -> None:
+        mine = SessionStore(reg)
+        for _ in range(60):
+            mine.create(LEGACY, "ip:192.0.2.66")
+        os.write(w, b"done")
+
+    kids = [child(flood) for _ in range(3)]
+    try:
+        for _, r in kids:
+            assert recv(r, timeout=60) == b"done"
+    finally:
+        for pid, r in kids:
+            os.close(r)
+            reap(pid)
+    listed = store.client_sessions("ip:192.0.2.66")
+    assert len(listed) == 4 and live(store, list(listed)) == list(listed)
+    assert live(store, other) == other and store.count() == 8
+
+
 def test_delete_unlists(store: SessionStore, clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 2)
     assert store.delete(s[0]) and not store.delete(s[0])
