@@ -105,11 +105,18 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
                      registry.SESSION_VALUE_MAX),
         "scope_counts": (b"\xff" * 16, 2**64 - 1, registry._KEY_SCOPE_COUNT,
                          registry._VAL_SCOPE_COUNT),
+        # sessions_per_client (32 by default) minted ids
+        "session_clients": (b"\xff" * 16, ("s" * registry.MINTED_ID_LEN,) * 32,
+                            registry._KEY_CLIENT, registry._val_session_clients(SMALL)),
+        "session_calls": ("s" * 128, (2**22 - 1, 2**42 - 1, 2**64 - 1, -(2**63)),
+                          registry._KEY_SESSION, registry._VAL_IN_FLIGHT),
     }
     assert cases.keys() == registry.TABLES.keys()
     sizes = record_sizes()
     assert sizes == {"cancellations": 1616, "in_flight": 840, "sessions": 672,
-                     "scope_counts": 56}
+                     "scope_counts": 56, "session_clients": 1136, "session_calls": 192}
+    assert SMALL.sessions_per_client == 32
+    assert record_sizes(Config(session_capacity=8))["session_clients"] == 320  # 24+18+3+8x34
     with Registry.create(shm_name, SMALL) as reg:
         for name, (k, v, kmax, vmax) in cases.items():
             assert size(k) == kmax, name  # the arithmetic is the worst case, exactly

@@ -183,7 +183,7 @@ def _patch(name: str, off: int, fmt: str, value: object) -> None:
 
 @pytest.mark.parametrize(("off", "fmt", "value", "match"), [
     (0, "<8s", b"shmcancX", "not a shmcancel segment"),
-    (8, "<Q", 2, "layout version 2"),
+    (8, "<Q", 1, "layout version 1"),
     (16, "<Q", 8192, "header size 8192"),
     (24, "<Q", 4096, "header says 4096 bytes"),
     (72 + 8, "<q", -5, "invalid config"),  # max_rows = -5

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+DEFAULT_SESSIONS_PER_CLIENT = 32
+MAX_SESSIONS_PER_CLIENT = 1024  # the per-client row lists them all: its record grows with this
+
 
 def _default_in_flight_capacity() -> int:
     # gunicorn's usual ceiling is (2 x cores + 1) workers; give each up to 32 threads, twice over.
@@ -24,6 +27,9 @@ class Config:
     ``stream_cancel_timeout``: grace a disconnected request's tool gets before it is stopped.
     ``session_capacity`` / ``session_ttl``: MCP sessions kept, and their idle lifetime.
     ``lock_timeout``: longest wait for the registry lock held by a live process.
+    ``sessions_per_client``: sessions one client (principal, else address; IPv6 by /64) holds at
+    once; minting one more replaces that client's own least recently seen idle session.
+    ``None`` means ``min(32, session_capacity)``; at most 1024 and ``session_capacity``.
     """
 
     max_rows: int | None = 10_000
@@ -36,6 +42,7 @@ class Config:
     session_capacity: int = 4096
     session_ttl: float = 3600.0
     lock_timeout: float = 10.0
+    sessions_per_client: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_rows_per_scope"):
@@ -52,6 +59,15 @@ class Config:
             raise ValueError(
                 f"Config.max_rows ({self.max_rows}) exceeds capacity ({self.capacity})"
             )
+        if self.sessions_per_client is None:
+            object.__setattr__(self, "sessions_per_client",
+                               min(DEFAULT_SESSIONS_PER_CLIENT, self.session_capacity))
+        v = self.sessions_per_client
+        top = min(MAX_SESSIONS_PER_CLIENT, self.session_capacity)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+            raise ValueError(
+                "Config.sessions_per_client must be an int in 1..min(1024, session_capacity) "
+                f"or None, got {v!r}")
         for name in ("ttl", "janitor_interval", "stream_cancel_timeout", "session_ttl",
                      "lock_timeout"):
             v = getattr(self, name)

@@ -1,4 +1,5 @@
-"""A registry: one shared segment, its lock, and the four tables the cancellation layer uses.
+"""A registry: one shared segment, its lock, and the tables the cancellation layer and the
+MCP sessions use.
 
 Tables (in segment order), keys and values as msgpack packs them:
 
@@ -8,10 +9,15 @@ Tables (in segment order), keys and values as msgpack packs them:
   ``(pid, start, thread_ident, token)``;
 - ``sessions`` (set, ``config.session_capacity``): ``session_id`` -> a value of at most
   ``SESSION_VALUE_MAX`` packed bytes;
-- ``scope_counts`` (set, ``config.capacity``): 16-byte scope digest -> int.
+- ``scope_counts`` (set, ``config.capacity``): 16-byte scope digest -> int;
+- ``session_clients`` (set, ``config.session_capacity``): 16-byte client digest -> the ids of
+  that client's sessions (at most ``config.sessions_per_client`` minted ids);
+- ``session_calls`` (bag, ``config.in_flight_capacity``): ``session_id`` -> ``(pid, start,
+  thread_ident, token)`` of each ``tools/call`` running in that session.
 
 Record sizes come from the worst-case msgpack sizes of those shapes (see ``_KEY_*``/``_VAL_*``;
-tests pack the worst cases). A row larger than its table's record raises ``RowTooLarge``.
+tests pack the worst cases); ``session_clients`` records grow with ``sessions_per_client``. A row
+larger than its table's record raises ``RowTooLarge``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import dataclasses
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from . import procinfo
@@ -69,23 +76,37 @@ _VAL_IN_FLIGHT = 1 + 4 * 9  # [pid, start, thread_ident, token] = 37
 _KEY_SESSION = 2 + SESSION_ID_MAX  # str8 = 130
 _KEY_SCOPE_COUNT = 2 + SCOPE_DIGEST  # bin8 = 18
 _VAL_SCOPE_COUNT = 9  # int
+MINTED_ID_LEN = 32  # characters of a minted session id (secrets.token_urlsafe(24))
+_KEY_CLIENT = 2 + SCOPE_DIGEST  # bin8 = 18
 
-# name -> (kind, config field giving the capacity, max packed key, max packed value)
-TABLES: dict[str, tuple[str, str, int, int]] = {
+
+def _val_session_clients(config: Config) -> int:
+    """[id, ...] of ``sessions_per_client`` minted ids: array16 3 + n x str8 (2 + 32)."""
+    return 3 + int(config.sessions_per_client) * (2 + MINTED_ID_LEN)  # type: ignore[arg-type]
+
+
+# name -> (kind, config field giving the capacity, max packed key, max packed value (or its
+# function of the config))
+TABLES: dict[str, tuple[str, str, int, int | Callable[[Config], int]]] = {
     "cancellations": ("set", "capacity", _KEY_REQUEST, _VAL_CANCEL),
     "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT),
     "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX),
     "scope_counts": ("set", "capacity", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT),
+    "session_clients": ("set", "session_capacity", _KEY_CLIENT, _val_session_clients),
+    "session_calls": ("bag", "in_flight_capacity", _KEY_SESSION, _VAL_IN_FLIGHT),
 }
 
 
-def record_sizes() -> dict[str, int]:
-    """Record size of each table: what ``Table`` needs for the worst-case key + value."""
-    return {n: Table.record_size_for(k, v) for n, (_, _, k, v) in TABLES.items()}
+def record_sizes(config: Config | None = None) -> dict[str, int]:
+    """Record size of each table (for ``config``, default ``Config()``): what ``Table`` needs
+    for the worst-case key + value."""
+    cfg = Config() if config is None else config
+    return {n: Table.record_size_for(k, v if isinstance(v, int) else v(cfg))
+            for n, (_, _, k, v) in TABLES.items()}
 
 
 def _specs(config: Config) -> list[TableSpec]:
-    sizes = record_sizes()
+    sizes = record_sizes(config)
     out = []
     for n, (kind, cap_field, _, _) in TABLES.items():
         cap = getattr(config, cap_field)
@@ -209,7 +230,7 @@ class Registry:
         if len(seg.tables) != len(TABLES):
             raise RegistryIncompatible(
                 f"registry {self._name}: {len(seg.tables)} tables, expected {len(TABLES)}")
-        sizes = record_sizes()
+        sizes = record_sizes(cfg)
         for (n, (kind, cap_field, _, _)), d in zip(TABLES.items(), seg.tables, strict=True):
             cap = getattr(cfg, cap_field)
             if (d.kind != kind or d.capacity != cap or d.record_size < sizes[n]
@@ -360,6 +381,14 @@ class Registry:
     @property
     def scope_counts(self) -> Table:
         return self._tables["scope_counts"]
+
+    @property
+    def session_clients(self) -> Table:
+        return self._tables["session_clients"]
+
+    @property
+    def session_calls(self) -> Table:
+        return self._tables["session_calls"]
 
     @property
     def tables(self) -> dict[str, Table]:

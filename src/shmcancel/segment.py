@@ -19,7 +19,7 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     48      16s     hash key (os.urandom(16)) for the tables' keyed hashing
     64      u64     inode of the semaphore file created with this segment
     72      u64     config None mask: bit i set = CONFIG_FIELDS[i] is None
-    80      10x8    config fields in CONFIG_FIELDS order, i64 ('q') or f64 ('d'); 0 when None
+    80      11x8    config fields in CONFIG_FIELDS order, i64 ('q') or f64 ('d'); 0 when None
     256     u64     lock owner: pack_owner of the holder, 0 = none          (see lock.py)
     264     u64     lock generation: +1 on every acquire and every recovery
     320     u64     recoveries (dead holders' units taken over)
@@ -87,7 +87,7 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: sessions_per_client in the config; session_clients, session_calls
 HEADER_SIZE = 4096
 PAGE = 4096
 MODE = 0o600
@@ -122,6 +122,7 @@ CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("session_capacity", "q"),
     ("session_ttl", "d"),
     ("lock_timeout", "d"),
+    ("sessions_per_client", "q"),
 )
 _CONFIG = struct.Struct("<Q" + "".join(t for _, t in CONFIG_FIELDS))
 assert OFF_CONFIG + _CONFIG.size <= OFF_LOCK_OWNER

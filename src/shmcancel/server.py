@@ -91,14 +91,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import errors, ids, jsonrpc
+from . import errors, ids, jsonrpc, principal
 from .cancellation import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY, Cancellation
 from .disconnect import Watcher
 from .exceptions import CancellationLimitReached, InvalidRequestId, LockTimeout, ShmCancelError
 from .jsonrpc import Notification, Request, Response, RpcError
 from .origin import OriginPolicy
-from .principal import SESSION_KEY
-from .sessions import SessionStore
+from .principal import PRINCIPAL_KEY, REMOTE_ADDR_KEY, SESSION_KEY
+from .sessions import SessionsFull, SessionStore
 from .wire import (
     SUPPORTED_VERSIONS,
     ParamHeader,
@@ -584,8 +584,9 @@ class McpServer:
         if isinstance(msg, Response):
             return _Reply(202)  # a reply to a server request; this server sends none: dropped
         if isinstance(msg, Request) and msg.method == "initialize":
-            return self._initialize(msg, json_ok)
+            return self._initialize(environ, msg, json_ok)
         rid = msg.id if isinstance(msg, Request) else None
+        call = None
         if self.sessions:
             sid = headers.session_id
             bad = _session_error(sid, rid)
@@ -593,9 +594,16 @@ class McpServer:
                 raise bad
             st = self._process_state()
             session = st.sessions.get(sid)
+            if session is not None and isinstance(msg, Request) and msg.method == "tools/call":
+                # recorded for the call's whole run: a session with a call in flight is never
+                # displaced by its client's new sessions
+                call = st.sessions.begin_call(session)
+                if call is None:
+                    session = None  # displaced or deleted since the lookup
+            elif session is not None:
+                st.sessions.touch(session)
             if session is None:
                 raise RpcError(errors.INVALID_REQUEST, "Session not found", id=rid, status=404)
-            st.sessions.touch(session)
             environ[SESSION_KEY] = sid
         else:
             environ.pop(SESSION_KEY, None)
@@ -605,7 +613,12 @@ class McpServer:
             return _Reply(202)
         if msg.method == "ping":
             return self._result(Wire.LEGACY, msg, {}, json_ok)
-        return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+        if call is None:
+            return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+        try:
+            return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+        finally:
+            st.sessions.end_call(call)
 
     def _tool_methods(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
                       msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
@@ -618,7 +631,7 @@ class McpServer:
         raise RpcError(errors.METHOD_NOT_FOUND, f"Method not found: {msg.method[:100]!r}",
                        id=msg.id, status=dispatch_status(wire, errors.METHOD_NOT_FOUND))
 
-    def _initialize(self, msg: Request, json_ok: bool) -> _Reply:
+    def _initialize(self, environ: dict[str, Any], msg: Request, json_ok: bool) -> _Reply:
         params = msg.params or {}
         requested = params.get("protocolVersion")
         if not isinstance(requested, str):
@@ -638,7 +651,15 @@ class McpServer:
             result["instructions"] = self.instructions
         extra: list[tuple[str, str]] = []
         if self.sessions:
-            session = self._process_state().sessions.create(version)
+            # Minting counts against the client: its principal, else its address bucket.
+            client = principal.scope({k: environ[k] for k in (PRINCIPAL_KEY, REMOTE_ADDR_KEY)
+                                      if k in environ})
+            try:
+                session = self._process_state().sessions.create(version, client)
+            except SessionsFull as e:
+                return _error_reply(503, msg.id, errors.SERVER_ERROR,
+                                    f"Server busy: no session available ({e})",
+                                    headers=[("Retry-After", str(e.retry_after))])
             extra.append(("Mcp-Session-Id", session.id))
         reply = self._result(Wire.LEGACY, msg, result, json_ok)
         reply.headers.extend(extra)

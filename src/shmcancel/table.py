@@ -583,6 +583,51 @@ class Table:
                 out.append((k, v))
         return out
 
+    def scan_slots(self, start: int, count: int) -> tuple[list[tuple[Any, Any]], int]:
+        """The (key, value) rows whose entries lie in index slots ``start .. start + count - 1``
+        (cyclically), and the slot to continue from: a bounded piece of a full scan, for sweeps
+        that must not hold the lock for a whole table. ``start`` is rounded down and ``count``
+        up to whole buckets; ``count`` is capped at ``nslots``. Consistent within the piece
+        (optimistic, else under the lock); a row a backward shift moves across the piece's edge
+        between two calls may be missed by that pass."""
+        nb = self.nslots // BUCKET_SLOTS
+        b0 = (start % self.nslots) // BUCKET_SLOTS
+        n = min(nb, max(1, -(-count // BUCKET_SLOTS)))
+        buckets = [(b0 + i) % nb for i in range(n)]
+        ver = self._ver
+        idx = self._idx
+        rec = self._record
+
+        def read(strict: bool) -> list[tuple[bytes, bytes]] | None:
+            out = []
+            for b in buckets:
+                j = 2 * BUCKET_SLOTS * b
+                for w in range(j, j + 2 * BUCKET_SLOTS, 2):
+                    if idx[w]:
+                        r = rec(idx[w + 1])
+                        if r is not None:
+                            out.append((r[0], r[1]))
+                        elif strict:  # torn by a writer, or damage fsck will drop
+                            return None
+            return out
+
+        got = None
+        for attempt in range(READ_RETRIES // 4):
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()
+            v0 = [ver[b] for b in buckets]
+            if any(v & 1 for v in v0):
+                continue
+            got = read(True)
+            if got is not None and [ver[b] for b in buckets] == v0:
+                break
+            got = None
+        if got is None:
+            with self._lock:
+                got = read(False) or []
+        nxt = ((b0 + n) % nb) * BUCKET_SLOTS
+        return [(_unpack(kb), _unpack(vb)) for kb, vb in got], nxt
+
     def _index_words(self) -> list[int]:
         """The index as a list of u64 words, consistent (optimistic, else under the lock)."""
         ver = self._ver
