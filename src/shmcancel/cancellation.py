@@ -408,15 +408,17 @@ class Cancellation:
         stalled = False
         try:
             won = self._store.claim_sweep(now, self._interval)
-        except Exception as e:
-            log.warning("janitor: claim_sweep failed", exc_info=True)
+        except Exception as e:  # a stalled lock is one line: expected, and nothing to debug
+            log.warning("janitor: claim_sweep failed: %s", e,
+                        exc_info=not isinstance(e, LockTimeout))
             won, stalled = False, isinstance(e, LockTimeout)
         self._next_check = now + self._interval * (1.0 if won else _RECHECK_FRACTION)
         if won:
             try:
                 self.sweep()
-            except Exception:
-                log.warning("janitor: cleanup failed", exc_info=True)
+            except Exception as e:
+                log.warning("janitor: cleanup failed: %s", e,
+                            exc_info=not isinstance(e, LockTimeout))
         if not stalled:  # a stalled lock would only make the settling wait once more
             self.settle()
         return won
@@ -429,8 +431,9 @@ class Cancellation:
         n = settle_owed()
         try:
             n += self._reap_ended()
-        except Exception:
-            log.warning("removing ended requests' rows failed", exc_info=True)
+        except Exception as e:
+            log.warning("removing ended requests' rows failed: %s", e,
+                        exc_info=not isinstance(e, LockTimeout))
         return n
 
     def _reap_ended(self) -> int:

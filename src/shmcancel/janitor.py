@@ -17,6 +17,7 @@ import time
 
 from . import cancellation as _cancellation
 from .cancellation import Cancellation, owed_ends
+from .exceptions import LockTimeout
 
 __all__ = ["Janitor"]
 
@@ -79,9 +80,9 @@ class Janitor:
                     # another worker won the sweep: this process's own rows are its own to settle
                     c.settle()
                     settled = time.monotonic()
-            except Exception:  # a closed registry, a lock timeout: try again later
-                log.warning("janitor: sweep of %s failed", getattr(reg, "name", "?"),
-                            exc_info=True)
+            except Exception as e:  # a closed registry, a lock timeout: try again later
+                log.warning("janitor: sweep of %s failed: %s", getattr(reg, "name", "?"), e,
+                            exc_info=not isinstance(e, LockTimeout))
                 due = interval
             if owed_ends():
                 due = min(due, OWED_RETRY)

@@ -474,5 +474,5 @@ class SessionStore:
         self._next_sweep = t + SWEEP_EVERY
         try:
             self.sweep()
-        except Exception:  # a lock timeout, damage fsck will repair: never fail the request
-            log.warning("session sweep failed", exc_info=True)
+        except Exception as e:  # a lock timeout, damage fsck will repair: never fail the request
+            log.warning("session sweep failed: %s", e, exc_info=not isinstance(e, LockTimeout))
