@@ -275,7 +275,8 @@ class SessionClient:
             return False
         sid = r.headers.get("mcp-session-id")
         if r.status != 200 or not sid:
-            self.http.stats.add("other", f"initialize: {r.status} {r.msg}")
+            if not 500 <= r.status < 600:  # a 5xx is counted (5xx or 503) already
+                self.http.stats.add("other", f"initialize: {r.status} {r.msg}")
             return False
         self.sid = sid
         with contextlib.suppress(ConnLost, NoReply):
