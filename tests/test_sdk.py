@@ -7,10 +7,13 @@ watched through a read-only attachment of the registry (the example is run unmod
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
+import mcp
 import pytest
 from gunicorn_harness import Gunicorn
 from mcp import Client
@@ -32,6 +35,47 @@ def example(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
             yield g, reg
         finally:
             reg.close()
+
+
+# The SDK's own race (mcp 2.3.0): the server's reply to an abandoned call (-32800, or the
+# result) can arrive after the client closed its read stream; the SDK's task that delivers it
+# then raises one of these from the client's exit, inside an ExceptionGroup.
+_EXIT_RACES = (anyio.ClosedResourceError, anyio.BrokenResourceError)
+_SDK_DIR = os.path.dirname(os.path.abspath(mcp.__file__)) + os.sep
+
+
+def _leaves(e: BaseException) -> Iterator[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            yield from _leaves(sub)
+    else:
+        yield e
+
+
+def _raised_in_sdk(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_SDK_DIR):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.asynccontextmanager
+async def client(url: str, mode: str, races: list[BaseException]) -> AsyncIterator[Client]:
+    """``async with Client(url, mode=mode)``, tolerating the SDK's known race on leaving it: the
+    ``_EXIT_RACES`` raised inside the SDK from the exit, after a body that completed, are
+    appended to ``races`` (however deep in exception groups). Anything else raised by the exit,
+    and everything raised by the body, goes on and fails the test."""
+    completed = False
+    try:
+        async with Client(url, mode=mode) as c:
+            yield c
+            completed = True
+    except* _EXIT_RACES as group:
+        if not completed or not all(_raised_in_sdk(e) for e in _leaves(group)):
+            raise
+        races.append(group)
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
@@ -75,9 +119,10 @@ def test_abandoned_call_stops_on_the_server(example, mode, how):
     session stays open: the tool stops and its in-flight row goes well before 30 s."""
     g, reg = example
     assert rows(reg) == []
+    races: list[BaseException] = []
 
     async def main() -> float:
-        async with Client(g.url, mode=mode) as c:
+        async with client(g.url, mode, races) as c:
             await c.list_tools()
             started = anyio.Event()
 
@@ -100,7 +145,8 @@ def test_abandoned_call_stops_on_the_server(example, mode, how):
             return gone - abandoned
 
     took = anyio.run(main)
-    print(f"\n{mode}/{how}: in-flight row gone {took * 1000:.0f} ms after abandonment")
+    print(f"\n{mode}/{how}: in-flight row gone {took * 1000:.0f} ms after abandonment"
+          f"{'; the SDK raised on exit' if races else ''}")
     assert took < STOPPED_WITHIN, took
 
 
@@ -110,20 +156,13 @@ def test_legacy_cancel_and_delete_together(example):
     server handles first, the tool stops. Several rounds, so both orders get their chance."""
     g, reg = example
 
-    sdk_races = 0
+    races: list[BaseException] = []
 
     async def round_() -> float:
-        nonlocal sdk_races
-        try:
-            async with Client(g.url, mode="legacy") as c, anyio.create_task_group() as tg:
-                tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
-                await until(lambda: rows(reg), 10, "the sleep call to be in flight")
-                tg.cancel_scope.cancel()
-        except* (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            # The SDK's own race (mcp 2.3.0): the server's -32800 reply to the abandoned call
-            # can arrive after the client closed its read stream, and leaving the client then
-            # raises this. What the server did is checked below either way.
-            sdk_races += 1
+        async with client(g.url, "legacy", races) as c, anyio.create_task_group() as tg:
+            tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+            await until(lambda: rows(reg), 10, "the sleep call to be in flight")
+            tg.cancel_scope.cancel()
         left = time.monotonic()
         gone = await until(lambda: not rows(reg), 10, "the tool to stop")
         return gone - left
@@ -131,4 +170,25 @@ def test_legacy_cancel_and_delete_together(example):
     for _ in range(4):
         took = anyio.run(round_)
         assert took < STOPPED_WITHIN, took
-    print(f"\nlegacy cancel + DELETE: 4 rounds, the SDK raised on exit in {sdk_races}")
+    print(f"\nlegacy cancel + DELETE: 4 rounds, the SDK raised on exit in {len(races)}")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("raised", [anyio.ClosedResourceError, anyio.BrokenResourceError,
+                                    AssertionError])
+def test_exit_allowance_is_only_for_the_sdk_exit_race(example, raised, grouped):
+    """The allowance does not hide the same errors raised by the test's own code, in an
+    exception group or not."""
+    g, _ = example
+    races: list[BaseException] = []
+
+    async def main() -> None:
+        async with client(g.url, "legacy", races) as c:
+            await c.list_tools()
+            e = raised("from the body")
+            raise BaseExceptionGroup("body", [e]) if grouped else e
+
+    with pytest.raises(BaseException) as e:
+        anyio.run(main)
+    assert [type(x) for x in _leaves(e.value)] == [raised]
+    assert races == []

@@ -30,7 +30,9 @@ What each hook does
 ``post_fork`` (worker)
     Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app)
     and starts its :class:`~shmcancel.janitor.Janitor` thread, so expired and orphaned rows are
-    swept every ``janitor_interval`` even while the server is idle.
+    swept every ``janitor_interval`` even while the server is idle. A stop signal that arrives
+    before gunicorn has installed the worker's own handlers stops the worker once it has booted
+    (gunicorn would lose it, and the master would wait ``graceful_timeout`` for that worker).
 ``child_exit`` (master, after gunicorn has reaped a worker)
     If the dead worker held the registry lock, takes it over (``lock.recover_from``); then removes
     the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
@@ -207,6 +209,7 @@ def post_fork(server: Any, worker: Any) -> None:
     from .janitor import Janitor
     from .registry import Registry
 
+    _keep_stop_signals(worker)
     name = _state.registry_name
     if name is None:
         raise RuntimeError("shmcancel: the master made no registry; add shmcancel.gunicorn's "
@@ -219,6 +222,30 @@ def post_fork(server: Any, worker: Any) -> None:
     # Sweeps go on while the server is idle; the master never gets a thread (it forks).
     _state.janitor = Janitor(Cancellation(_state.registry))
     _state.janitor.start()
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+
+
+def _keep_stop_signals(worker: Any) -> None:
+    """Until the worker installs its own handlers, make a stop signal stop it once booted.
+
+    gunicorn installs a worker's handlers (``init_signals``) only after ``post_fork`` and its
+    own set-up; until then the worker runs the master's handlers, inherited by ``fork``, which
+    merely queue the signal in the worker's copy of the arbiter, where nothing reads it. A
+    ``SIGTERM`` from the master in that window (it stops right after spawning, say) is lost:
+    the worker boots and serves on, and the stopping master waits ``graceful_timeout`` before
+    it kills it. Attaching to the registry and starting the janitor widen that window from
+    microseconds to milliseconds, so the worker gets handlers that do what gunicorn's would do
+    to a worker not serving yet: ``worker.alive = False``, which gunicorn's ``init_signals``
+    leaves as it is and every worker's run loop checks first.
+    """
+
+    def stop(signum: int, frame: Any) -> None:
+        worker.alive = False
+
+    for s in _STOP_SIGNALS:
+        signal.signal(s, stop)
 
 
 def child_exit(server: Any, worker: Any) -> None:
