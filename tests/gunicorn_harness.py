@@ -281,19 +281,7 @@ class Gunicorn:
     def _strays(self) -> set[int]:
         """Live processes started with this instance's ``SHMCANCEL_REGISTRY`` (every process the
         harness starts inherits it; the registry name is unique to the test)."""
-        mark = f"SHMCANCEL_REGISTRY={self.registry_name}".encode()
-        out = set()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-            except OSError:
-                continue
-            if mark in env and alive(int(entry)):
-                out.add(int(entry))
-        return out
+        return carrying(self.registry_name)
 
     def _tree(self) -> set[int]:
         """Every live process under the known masters (masters included)."""
@@ -322,3 +310,21 @@ class Gunicorn:
             self.stop()
         finally:
             self.cleanup()
+
+
+def carrying(registry: str, *, prefix: bool = False) -> set[int]:
+    """Live processes (this one aside) whose environment has ``SHMCANCEL_REGISTRY=registry``, or
+    a value starting with ``registry`` when ``prefix``."""
+    mark = f"SHMCANCEL_REGISTRY={registry}".encode()
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(v == mark or (prefix and v.startswith(mark)) for v in env) and alive(int(entry)):
+            out.add(int(entry))
+    return out

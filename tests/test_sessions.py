@@ -23,7 +23,7 @@ from procs import child, reap, recv
 
 from shmcancel import Config, errors
 from shmcancel.registry import Registry
-from shmcancel.sessions import SessionsFull, SessionStore
+from shmcancel.sessions import Session, SessionsFull, SessionStore
 
 TTL = 100.0
 PER_CLIENT = 4
@@ -319,6 +319,18 @@ class SessionModel(RuleBasedStateMachine):
         return (self.clock.now - self.model[sid][1] > TTL
                 and not self.calls.get(sid))
 
+    def lookup(self, data: st.DataObject) -> tuple[str, Session | None]:
+        """A session of the model and what ``get`` says of it: ``None`` exactly when the model
+        says it expired (then it leaves the model too)."""
+        sid = self.pick(data, list(self.model))
+        s = self.store.get(sid)
+        if self.expired(sid):
+            assert s is None
+            del self.model[sid]
+            return sid, None
+        assert s is not None
+        return sid, s
+
     @rule(client=st.sampled_from(CLIENTS), dt=st.sampled_from([0.0, 1.0, 30.0]))
     def create(self, client: str, dt: float) -> None:
         self.clock.now += dt
@@ -343,13 +355,9 @@ class SessionModel(RuleBasedStateMachine):
     @precondition(lambda self: self.model)
     def touch(self, data: st.DataObject) -> None:
         self.clock.now += 2
-        sid = self.pick(data, list(self.model))
-        s = self.store.get(sid)
-        if self.expired(sid):
-            assert s is None
-            del self.model[sid]
+        sid, s = self.lookup(data)
+        if s is None:
             return
-        assert s is not None
         self.store.touch(s)
         self.model[sid] = (self.model[sid][0], self.clock.now)
 
@@ -358,13 +366,10 @@ class SessionModel(RuleBasedStateMachine):
     def begin(self, data: st.DataObject) -> None:
         """(At most in_flight_capacity calls: a full session_calls table leaves a call
         unrecorded, as a full in-flight table leaves it uncancellable.)"""
-        sid = self.pick(data, list(self.model))
-        s = self.store.get(sid)
-        if self.expired(sid):
-            assert s is None
-            del self.model[sid]
+        sid, s = self.lookup(data)
+        if s is None:
             return
-        c = self.store.begin_call(s)  # type: ignore[arg-type]
+        c = self.store.begin_call(s)
         assert c is not None
         self.calls.setdefault(sid, []).append(c)
         client, last = self.model[sid]

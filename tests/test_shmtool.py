@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -11,8 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
+from procs import child, reap, recv
 
 from shmcancel import Config
 from shmcancel.cancellation import Cancellation
@@ -38,26 +39,25 @@ def reg(shm_name):
         r.unlink()
 
 
-def _dead_row(reg: Registry, rid: str, scope: str) -> int:
-    """A child tracks (scope, rid) and is SIGKILLed before untracking; its pid."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            Cancellation(Registry.attach(reg.name)).track(rid, scope)
-            os.write(w, b"x")
-            time.sleep(60)
-        finally:
-            os._exit(0)
+def _killed_after(fn: Callable[[], object]) -> int:
+    """Run ``fn`` in a forked child, then SIGKILL the child once ``fn`` has returned; its pid."""
+    def body(w: int) -> None:
+        fn()
+        os.write(w, b"x")
+        time.sleep(60)
+
+    pid, r = child(body)
     try:
-        os.close(w)
-        assert os.read(r, 1) == b"x"
+        assert recv(r) == b"x"
     finally:
         os.close(r)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        reap(pid)
     return pid
+
+
+def _dead_row(reg: Registry, rid: str, scope: str) -> int:
+    """A child tracks (scope, rid) and is SIGKILLed before untracking; its pid."""
+    return _killed_after(lambda: Cancellation(Registry.attach(reg.name)).track(rid, scope))
 
 
 def test_dump_json_matches_the_rows(reg):
@@ -207,23 +207,7 @@ def test_cleanup_prints_counts(reg):
 
 def _stale(name: str) -> int:
     """Registry ``name`` created by a child that is then SIGKILLed (a killed master); its pid."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            Registry.create(name, SMALL)
-            os.write(w, b"x")
-            time.sleep(60)
-        finally:
-            os._exit(0)
-    try:
-        os.close(w)
-        assert os.read(r, 1) == b"x"
-    finally:
-        os.close(r)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    return pid
+    return _killed_after(lambda: Registry.create(name, SMALL))
 
 
 def _entries(name: str) -> list[str]:

@@ -19,28 +19,11 @@ import subprocess
 import sys
 
 import pytest
-from gunicorn_harness import REPO_ROOT, alive
+from gunicorn_harness import REPO_ROOT, carrying
 
 SCENARIOS = ("steady", "lock-stall", "hup-usr2", "session-flood", "cancel-flood")
 SECONDS = 20
 DEADLINE = 240  # seconds for the whole run: starts, drains and stops are extra to --seconds
-
-
-def _carrying(prefix: str) -> list[int]:
-    """Live processes whose ``SHMCANCEL_REGISTRY`` starts with ``prefix``."""
-    mark = f"SHMCANCEL_REGISTRY={prefix}".encode()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(mark) for v in env) and alive(int(entry)):
-            out.append(int(entry))
-    return out
 
 
 @pytest.mark.timeout(DEADLINE + 60)
@@ -61,7 +44,7 @@ def test_torture_must_be_zero_figures_are_zero(shm_name: str, shm_names: list[st
             out, err = proc.communicate(timeout=10)
         pytest.fail(f"tools/torture.py overran {DEADLINE} s:\n{err[-3000:]}")
     finally:
-        for pid in _carrying(shm_name):
+        for pid in carrying(shm_name, prefix=True):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     print(err)

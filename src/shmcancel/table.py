@@ -68,7 +68,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgpack
 
@@ -77,6 +77,7 @@ from .exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, Table
 __all__ = ["Kind", "Lock", "PreparedKey", "Table", "TableCorrupted", "Watch"]
 
 log = logging.getLogger("shmcancel.table")
+_T = TypeVar("_T")
 
 Kind = Literal["set", "bag"]
 
@@ -798,12 +799,17 @@ class Table:
         vb = _pack(value)
         if len(key.kbytes) + len(vb) > self._payload:
             self._check_size(key.kbytes, vb)
+        return self._write(self._insert, key, vb)
+
+    def _write(self, op: Callable[..., _T], *args: Any) -> _T:
+        """``op(*args)`` under the lock; corruption it meets is repaired (fsck) and ``op`` tried
+        once more, whose :class:`TableCorrupted` then propagates."""
         with self._lock:
             try:
-                return self._insert(key, vb)
+                return op(*args)
             except TableCorrupted as e:
                 self._repair(str(e))
-            return self._insert(key, vb)
+            return op(*args)
 
     def _insert(self, key: PreparedKey, vb: bytes) -> None:
         lock = self._lock
@@ -850,12 +856,7 @@ class Table:
             key = self.prepare(key)
         vb = _pack(value)
         self._check_size(key.kbytes, vb)
-        with self._lock:
-            try:
-                return self._insert_new(key, vb)
-            except TableCorrupted as e:
-                self._repair(str(e))
-            return self._insert_new(key, vb)
+        return self._write(self._insert_new, key, vb)
 
     def _insert_new(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
@@ -872,12 +873,7 @@ class Table:
         """Remove every row of ``key``; returns how many."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
-        with self._lock:
-            try:
-                return self._delete(key)
-            except TableCorrupted as e:
-                self._repair(str(e))
-            return self._delete(key)
+        return self._write(self._delete, key)
 
     def _delete(self, key: PreparedKey) -> int:
         lock = self._lock
@@ -896,12 +892,7 @@ class Table:
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
-        with self._lock:
-            try:
-                return self._delete_object(key, vb)
-            except TableCorrupted as e:
-                self._repair(str(e))
-            return self._delete_object(key, vb)
+        return self._write(self._delete_object, key, vb)
 
     def _delete_object(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
