@@ -175,3 +175,61 @@ def test_cancel_notification_bounds(server):
         await until(lambda: not rows(reg), 10, "the call to stop")
 
     anyio.run(main)
+
+
+LEGACY_HEADERS = {"content-type": "application/json",
+                  "accept": "application/json, text/event-stream",
+                  "mcp-protocol-version": "2025-11-25"}
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_stateless_cancel_on_a_fresh_connection(server, tool):
+    """Stateless, three workers: a ``notifications/cancelled`` posted on a fresh connection (so on
+    any worker: over six rounds, almost surely on another worker than the call's at least once)
+    stops the call, which is answered ``-32800`` with HTTP 200; nothing is left. A notification
+    for an id nobody runs is the SDK's to answer (202) and writes no row."""
+    kind, g, reg = server
+    if kind != "stateless":
+        pytest.skip("a stateful session's requests must reach its worker")
+
+    async def one(rid: int) -> float:
+        call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                "params": {"name": tool, "arguments": {"seconds": SLEEP}}}
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": rid, "reason": "test"}}
+        async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
+            answer: list[httpx.Response] = []
+
+            async def post_call() -> None:
+                answer.append(await h.post(g.url, json=call, headers=LEGACY_HEADERS))
+
+            tg.start_soon(post_call)
+            await until(lambda: ("ip:127.0.0.1", str(rid)) in rows(reg), 10, "the call")
+            async with httpx.AsyncClient(timeout=10) as h2:  # a connection of its own
+                sent = time.monotonic()
+                r = await h2.post(g.url, json=note, headers=LEGACY_HEADERS)
+                assert r.status_code == 202, r.text
+            await until(lambda: answer, STOPPED_WITHIN, "the call's answer")
+            took = time.monotonic() - sent
+        assert answer[0].status_code == 200, answer[0].text
+        body = answer[0].json()
+        assert body["id"] == rid and body["error"]["code"] == -32800, body
+        return took
+
+    async def main() -> list[float]:
+        return [await one(1000 + i) for i in range(6)]
+
+    took = anyio.run(main)
+    print(f"\nstateless/{tool}: answered -32800 "
+          f"{', '.join(f'{t * 1000:.1f}' for t in took)} ms after the notification was sent")
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+    async def stray() -> int:
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 4242}}
+        async with httpx.AsyncClient(timeout=10) as h:
+            return (await h.post(g.url, json=note, headers=LEGACY_HEADERS)).status_code
+
+    assert anyio.run(stray) == 202
+    assert cancellation_rows(reg) == []
