@@ -6,13 +6,15 @@ call's in-flight row appears while the tool runs and goes when the tool has ende
 removed in the middleware's ``finally``, after the tool returned or raised), and nothing is left
 in either table afterwards.
 
-Stateless servers run on three workers (the cancel lands on whichever worker accepts it). A
-stateful session lives in the worker that created it (the SDK's issue #520, not solved here), so
-the stateful server runs on one worker.
+Both servers run on three workers: the cancel lands on whichever worker accepts it, and a stateful
+session's requests are served by the worker holding the session whichever worker accepts them
+(the SDK's issue #520).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -36,8 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]:
     kind = request.param
     env = {"SHMCANCEL_SDK_STATELESS": "1" if kind == "stateless" else "0"}
-    workers = 3 if kind == "stateless" else 1
-    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=workers,
+    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3,
                   worker_class="uvicorn_worker.UvicornWorker", env=env) as g:
         reg = Registry.attach(module_shm_name, readonly=True)
         try:
@@ -233,3 +234,116 @@ def test_stateless_cancel_on_a_fresh_connection(server, tool):
 
     assert anyio.run(stray) == 202
     assert cancellation_rows(reg) == []
+
+
+def _initialize(h: httpx.Client, url: str) -> dict[str, str]:
+    r = h.post(url, headers=LEGACY_HEADERS, json={
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                   "clientInfo": {"name": "test", "version": "0"}}})
+    assert r.status_code == 200, r.text
+    hdrs = dict(LEGACY_HEADERS, **{"mcp-session-id": r.headers["mcp-session-id"]})
+    r = h.post(url, headers=hdrs, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    assert r.status_code == 202, r.text
+    return hdrs
+
+
+def test_session_on_fresh_connections(server):
+    """The #520 repro: 12 requests of one session, each on a fresh connection (so on any of the
+    three workers), all succeed; then its DELETE (on a fresh connection too) ends it for every
+    worker."""
+    kind, g, _reg = server
+    if kind != "stateful":
+        pytest.skip("stateless: no sessions")
+    with httpx.Client(timeout=10) as h:
+        hdrs = _initialize(h, g.url)
+    statuses = []
+    for i in range(12):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=hdrs, json={
+                "jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+                "params": {"name": "echo", "arguments": {"text": f"n{i}"}}})
+            statuses.append(r.status_code)
+            assert f'"n{i}"' in r.text, r.text
+    assert statuses == [200] * 12
+    with httpx.Client(timeout=10) as h:
+        assert h.delete(g.url, headers=hdrs).status_code == 200
+    for _ in range(3):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=hdrs, json={"jsonrpc": "2.0", "id": 99,
+                                                  "method": "tools/list"})
+            assert r.status_code == 404, r.text
+
+
+def test_concurrent_sdk_calls_in_one_session(server):
+    """The #520 repro with the SDK client: 8 concurrent calls of one session (the client opens
+    connections as it needs them, and its GET stream) all succeed."""
+    _kind, g, reg = server
+
+    async def main() -> list[str]:
+        out: list[str] = []
+        async with Client(g.url, mode="legacy") as c:
+            async def one(i: int) -> None:
+                r = await c.call_tool("sleep", {"seconds": 0.2})
+                assert not r.is_error, r
+                out.append(r.content[0].text)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, i)
+        return out
+
+    for _ in range(2):
+        assert anyio.run(main) == ["slept 0.2 s"] * 8
+    assert rows(reg) == []
+
+
+def test_worker_killed_with_its_sessions(server):
+    """A worker SIGKILLed while it holds a session: that session answers 404 at once on every
+    worker (no hang), the worker's rows are reaped, and another worker's session keeps working."""
+    kind, g, reg = server
+    if kind != "stateful":
+        pytest.skip("stateless: no sessions")
+    by_token: dict[str, dict[str, str]] = {}
+    with httpx.Client(timeout=10):
+        for _ in range(30):  # fresh connections until two workers hold a session each
+            with httpx.Client(timeout=10) as h1:
+                hdrs = _initialize(h1, g.url)
+            by_token.setdefault(hdrs["mcp-session-id"].split("-")[0], hdrs)
+            if len(by_token) >= 2:
+                break
+        assert len(by_token) >= 2, by_token
+        (victim_token, victim), (_, survivor) = list(by_token.items())[:2]
+        victim_pid = int(victim_token.split("x")[0], 16)
+        assert victim_pid in g.worker_pids()
+
+        async def start_call() -> None:
+            async with httpx.AsyncClient(timeout=20) as ah, anyio.create_task_group() as tg:
+                async def call() -> None:
+                    with pytest.raises(httpx.HTTPError):  # the worker dies under it
+                        await ah.post(g.url, headers=victim, json={
+                            "jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                            "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
+
+                tg.start_soon(call)
+                await until(lambda: any(r[0].startswith("session:") for r in rows(reg)), 10,
+                            "the victim's call in flight")
+                os.kill(victim_pid, signal.SIGKILL)
+
+        anyio.run(start_call)
+        for _ in range(6):
+            with httpx.Client(timeout=10) as h1:
+                t = time.monotonic()
+                r = h1.post(g.url, headers=victim, json={"jsonrpc": "2.0", "id": 6,
+                                                         "method": "tools/list"})
+                assert r.status_code == 404, r.text
+                assert time.monotonic() - t < 5
+            with httpx.Client(timeout=10) as h1:
+                r = h1.post(g.url, headers=survivor, json={"jsonrpc": "2.0", "id": 7,
+                                                           "method": "tools/list"})
+                assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while rows(reg) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rows(reg) == []
+    g.wait_workers(3, time.monotonic() + 30)

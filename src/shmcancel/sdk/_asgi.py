@@ -28,6 +28,7 @@ from typing import Any
 
 from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
 from ._calls import EXCHANGE_KEY, Exchange, Tracker, conn_of, modern_wire, process_cancellation
+from ._routing import Router
 
 __all__ = ["asgi"]
 
@@ -43,12 +44,14 @@ CANCELLED_METHOD = "notifications/cancelled"
 RETRY_AFTER = "1"  # seconds, for a 503 on a stalled registry
 
 
-def asgi(server: Any, **options: Any) -> Any:
+def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
     """The ASGI app serving ``server`` (an ``mcp.server.mcpserver.MCPServer``) at its streamable
     HTTP path, with cross-worker cancellation installed (SPEC §9). ``options`` go to
     ``server.streamable_http_app()`` (``stateless_http``, ``json_response``, ``transport_security``,
     ``max_request_body_size``, ...). Installs one :class:`Tracker` in ``server.middleware`` (once,
-    however often it is called) and wraps the ``/mcp`` route's endpoint."""
+    however often it is called) and wraps the ``/mcp`` route's endpoint. A stateful server routes
+    each session's requests to the worker holding it (:mod:`shmcancel.sdk._routing`) unless
+    ``route_sessions=False`` (one worker, or a proxy that keeps sessions sticky)."""
     app = server.streamable_http_app(**options)
     stateful = not options.get("stateless_http", False)
     chain = server.middleware
@@ -60,10 +63,11 @@ def asgi(server: Any, **options: Any) -> Any:
         chain.append(Tracker(stateful))
     manager = server.session_manager
     path = options.get("streamable_http_path", "/mcp")
+    router = Router(app) if stateful and route_sessions else None
     wrapped = False
     for route in app.routes:
         if getattr(route, "path", None) == path and hasattr(route, "app"):
-            route.app = Layer(route.app, manager, stateful)
+            route.app = Layer(route.app, manager, stateful, router)
             wrapped = True
     if not wrapped:  # pragma: no cover - the SDK always makes that route
         raise RuntimeError(f"shmcancel.sdk.asgi: no route {path!r} in the SDK's app")
@@ -87,20 +91,40 @@ async def _respond(send: Send, status: int, body: bytes = b"",
 class Layer:
     """The ASGI layer in front of the SDK's ``/mcp`` endpoint (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, manager: Any, stateful: bool) -> None:
+    def __init__(self, app: ASGIApp, manager: Any, stateful: bool,
+                 router: Router | None = None) -> None:
         self.app = app
         self.manager = manager
         self.stateful = stateful
+        self.router = router
         self.max_body = int(getattr(manager, "max_request_body_size", 4 * 1024 * 1024))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST":
+        if scope.get("type") != "http":
             await self.app(scope, receive, send)
+            return
+        owner: str | None = None
+        router = self.router
+        if router is not None:
+            await router.ensure()
+            owner = router.route(scope)
+            send = _tagging(send, router)
+        if scope.get("method") != "POST":
+            if owner is not None and router is not None:
+                await router.forward(owner, scope, None, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
         modern = modern_wire(scope)
+        if owner is not None and router is not None:
+            # a cancel is answered here from the registry (no hop); anything else goes to the owner
+            if (modern or CANCELLED_METHOD.encode() not in body
+                    or not await self._cancel(router.with_sdk_id(scope), body, send)):
+                await router.forward(owner, scope, body, receive, send)
+            return
         if (not modern and CANCELLED_METHOD.encode() in body
                 and await self._cancel(scope, body, send)):
             return
@@ -236,6 +260,14 @@ class Layer:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+
+def _tagging(send: Send, router: Router) -> Send:
+    async def tagged(message: Message) -> None:
+        router.tag(message)
+        await send(message)
+
+    return tagged
 
 
 def _too_large(limit: int) -> tuple[int, bytes, list]:
