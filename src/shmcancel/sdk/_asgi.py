@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
@@ -71,7 +71,26 @@ def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
             wrapped = True
     if not wrapped:  # pragma: no cover - the SDK always makes that route
         raise RuntimeError(f"shmcancel.sdk.asgi: no route {path!r} in the SDK's app")
+    if router is not None:
+        _with_router(app, router)
     return app
+
+
+def _with_router(app: Any, router: Router) -> None:
+    """Start the worker's socket server with the app's lifespan and stop it (removing the
+    socket) at its shutdown, around the SDK's own lifespan."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with inner(a) as state:
+            await router.ensure()
+            try:
+                yield state
+            finally:
+                router.close()
+
+    app.router.lifespan_context = lifespan
 
 
 def _json_error(status: int, code: int, message: str,

@@ -148,15 +148,18 @@ class Router:
                 raise RuntimeError("the worker's socket server did not start within 5 s")
         finally:
             started.set()
-        import atexit
+        _sweep(os.path.dirname(self.path))
 
-        atexit.register(self._unlink, self.pid, self.path)
-
-    @staticmethod
-    def _unlink(pid: int, path: str) -> None:
-        if os.getpid() == pid:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    def close(self) -> None:
+        """Stop this worker's socket server and remove its socket (the app's lifespan shutdown).
+        A worker killed outright leaves its socket: the next worker to start, or the first
+        forward that finds no listener on it, removes it."""
+        if self.pid != os.getpid() or not self.path:
+            return
+        if self._server is not None:
+            self._server.should_exit = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
     async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """The app as served on the socket: a forwarded request, its client address restored."""
@@ -279,6 +282,25 @@ class Router:
                 watcher.cancel()
         finally:
             await resp.aclose()
+
+
+def _sweep(directory: str) -> None:
+    """Remove the sockets of workers that no longer exist (by the pid in their name)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names[:4096]:
+        m = re.match(r"^([0-9a-f]{1,8})x[0-9a-f]{12}\.sock$", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1), 16), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
 
 
 def _refused(path: str) -> bool:
