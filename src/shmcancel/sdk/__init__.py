@@ -27,12 +27,13 @@ How it works (two seams of the SDK, both public):
   ``max_request_body_size``, and on the 2026-07-28 wire watches the connection: a client that
   disconnects before its response is complete cancels its call (JSON responses included).
 
+- a stateful server's sessions work on every worker: a session's id names the worker that holds
+  it, each worker also serves the app on a unix socket of its own, and a request for another
+  worker's session is forwarded there (SSE streamed through). See :mod:`shmcancel.sdk._routing`.
+
 Tools ask :func:`cancelled` or call :func:`raise_if_cancelled` (sync tools must: their thread
 cannot be interrupted; async tools are interrupted by ``CancelledError`` at their next await).
-
-Not done here: a *stateful* session lives in the worker that created it (SDK issue #520), so on
-several workers a session's requests work only while they reach that worker; run stateless
-(``stateless_http=True``) on N workers. See README "Servers built on the official MCP SDK".
+A session dies with its worker (crash, ``max_requests``, ``HUP``): its requests then get 404.
 """
 
 from __future__ import annotations
