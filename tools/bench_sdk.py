@@ -7,6 +7,8 @@
   ``notifications/cancelled`` is posted on a fresh connection (any worker); measured from just
   before that POST is sent to the call's ``-32800`` answer arriving (so it includes two loopback
   HTTP exchanges: an upper bound of "notification reaches a worker → call ends"). p50/p99/max.
+- the routing hop: a small call of a stateful session over a keep-alive connection to the
+  worker holding it, and over one to another worker (forwarded through the unix socket): medians.
 - echo throughput: ``tools/call echo`` over ``--concurrency`` keep-alive connections for
   ``--seconds``, with the integration and without it (the SDK's app alone), same workers.
 
@@ -37,8 +39,9 @@ HEADERS = {"content-type": "application/json", "accept": "application/json, text
            "mcp-protocol-version": "2025-11-25"}
 
 
-def _server(bare: bool) -> Gunicorn:
-    env = {"SHMCANCEL_SDK_BENCH_BARE": "1" if bare else "0"}
+def _server(bare: bool, stateful: bool = False) -> Gunicorn:
+    env = {"SHMCANCEL_SDK_BENCH_BARE": "1" if bare else "0",
+           "SHMCANCEL_SDK_BENCH_STATEFUL": "1" if stateful else "0"}
     return Gunicorn("sdk_bench_app:app", registry_name=f"bench-sdk-{uuid.uuid4().hex[:8]}",
                     config=CONF, workers=3, worker_class="uvicorn_worker.UvicornWorker",
                     env=env, extra_args=["--pythonpath", HERE])
@@ -98,6 +101,50 @@ async def _echo_rate(url: str, seconds: float, concurrency: int) -> float:
     return n / (time.perf_counter() - started)
 
 
+def _session(h: httpx.Client, url: str) -> dict[str, str]:
+    r = h.post(url, headers=HEADERS, json={
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                   "clientInfo": {"name": "bench", "version": "0"}}})
+    hdrs = dict(HEADERS, **{"mcp-session-id": r.headers["mcp-session-id"]})
+    h.post(url, headers=hdrs, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    return hdrs
+
+
+def _hop(url: str, calls: int) -> tuple[float, float]:
+    """Median ms of a small call of one session over a keep-alive connection to the worker
+    holding it, and over one to another worker (forwarded)."""
+    clients = [httpx.Client(timeout=10)]
+    try:
+        owner = _session(clients[0], url)
+        token = owner["mcp-session-id"].split("-")[0]
+        other = None
+        for _ in range(200):  # fresh connections (kept open) until one reaches another worker
+            c = httpx.Client(timeout=10)
+            clients.append(c)
+            if _session(c, url)["mcp-session-id"].split("-")[0] != token:
+                other = c
+                break
+        if other is None:
+            raise RuntimeError("every connection reached the same worker")
+        out = []
+        for h in (clients[0], other):
+            ts = []
+            for i in range(calls):
+                t = time.perf_counter()
+                r = h.post(url, headers=owner, json={
+                    "jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+                    "params": {"name": "echo", "arguments": {"text": "x"}}})
+                ts.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    raise RuntimeError(f"echo failed: {r.status_code}")
+            out.append(statistics.median(ts) * 1000)
+        return out[0], out[1]
+    finally:
+        for c in clients:
+            c.close()
+
+
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
@@ -109,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hop-calls", type=int, default=200)
     args = ap.parse_args(argv)
 
     with _server(bare=False) as g:
@@ -120,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cancel {tool:10s} n={len(ms)} p50={statistics.median(ms):.1f} ms "
                   f"p99={_pct(ms, 99):.1f} ms max={max(ms):.1f} ms")
         reg.close()
+    with _server(bare=False, stateful=True) as g:
+        direct, forwarded = _hop(g.url, args.hop_calls)
+        print(f"stateful session, small call: {direct:.2f} ms median on its worker, "
+              f"{forwarded:.2f} ms forwarded from another (hop {forwarded - direct:+.2f} ms)")
     rates: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):  # alternated, so a change of the machine's load hits both
         for bare in (False, True):
