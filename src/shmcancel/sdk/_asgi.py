@@ -127,7 +127,8 @@ class Layer:
         if router is not None:
             await router.ensure()
             owner = router.route(scope)
-            send = _tagging(send, router)
+            if owner is None:  # served here: the session ids it hands out name this worker
+                send = _tagging(send, router)
         if scope.get("method") != "POST":
             if owner is not None and router is not None:
                 await router.forward(owner, scope, None, receive, send)
