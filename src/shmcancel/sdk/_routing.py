@@ -45,6 +45,9 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                         b"proxy-authorization", b"te", b"trailer", b"trailers",
                         b"transfer-encoding", b"upgrade", b"content-length", CLIENT_HEADER})
 MAX_CLIENTS = 64
+# The URL origin of a forwarded request (the socket decides where it goes; the client's own Host
+# header is forwarded as it came).
+FORWARD_ORIGIN = "http://shmcancel-worker"
 FORWARD_TIMEOUT = 10.0  # seconds to connect and to get the response head from the owner
 
 
@@ -106,6 +109,8 @@ class Router:
         self._clients: dict[str, Any] = {}  # socket path -> httpx.AsyncClient (this process's)
 
     def _client(self, path: str) -> Any:
+        if not self._clients:
+            _quiet_httpx()
         """A pooled client for the worker at ``path`` (building one costs milliseconds: an SSL
         context). At most ``MAX_CLIENTS`` are kept; the oldest goes first."""
         import httpx
@@ -233,7 +238,7 @@ class Router:
         target = scope.get("raw_path") or scope.get("path", "/").encode()
         if scope.get("query_string"):
             target = bytes(target) + b"?" + bytes(scope["query_string"])
-        url = "http://worker" + bytes(target).decode("latin-1")
+        url = FORWARD_ORIGIN + bytes(target).decode("latin-1")
         h = self._client(path)
         req = h.build_request(scope["method"], url, headers=headers, content=body or b"")
         try:
@@ -282,6 +287,22 @@ class Router:
                 watcher.cancel()
         finally:
             await resp.aclose()
+
+
+class _ForwardsFilter(logging.Filter):
+    """Drops httpx's one INFO line per request for forwarded requests (one per hop would double
+    the server's log); its other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 1
+                    and str(args[1]).startswith(FORWARD_ORIGIN))
+
+
+def _quiet_httpx() -> None:
+    lg = logging.getLogger("httpx")
+    if not any(isinstance(f, _ForwardsFilter) for f in lg.filters):
+        lg.addFilter(_ForwardsFilter())
 
 
 def _sweep(directory: str) -> None:
