@@ -358,3 +358,41 @@ def test_worker_killed_with_its_sessions(server):
         time.sleep(0.02)
     assert rows(reg) == []
     g.wait_workers(3, time.monotonic() + 30)
+
+
+def test_stateless_namesake_from_another_address_untouched(server):
+    """Stateless, anonymous: two clients on different addresses run a call with the same id;
+    cancelling one (from its own address) leaves the other running to its end."""
+    kind, g, reg = server
+    if kind != "stateless":
+        pytest.skip("the stateful namesake test covers sessions")
+
+    async def main() -> None:
+        call = {"jsonrpc": "2.0", "id": 77, "method": "tools/call",
+                "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}}
+        other = {"jsonrpc": "2.0", "id": 77, "method": "tools/call",
+                 "params": {"name": "sleep_sync", "arguments": {"seconds": 1.5}}}
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 77}}
+        b_transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        answers: dict[str, dict] = {}
+        async with httpx.AsyncClient(timeout=20) as a, \
+                httpx.AsyncClient(timeout=20, transport=b_transport) as b, \
+                anyio.create_task_group() as tg:
+            async def post(name: str, h: httpx.AsyncClient, body: dict) -> None:
+                answers[name] = (await h.post(g.url, json=body, headers=LEGACY_HEADERS)).json()
+
+            tg.start_soon(post, "a", a, call)
+            tg.start_soon(post, "b", b, other)
+            await until(lambda: {("ip:127.0.0.1", "77"), ("ip:127.0.0.2", "77")}
+                        <= set(rows(reg)), 10, "both calls in flight")
+            async with httpx.AsyncClient(timeout=10) as h:
+                assert (await h.post(g.url, json=note, headers=LEGACY_HEADERS)).status_code == 202
+            await until(lambda: "a" in answers, STOPPED_WITHIN, "a's answer")
+            assert answers["a"]["error"]["code"] == -32800, answers
+            assert "b" not in answers and ("ip:127.0.0.2", "77") in rows(reg)
+        assert answers["b"]["result"]["content"][0]["text"] == "slept 1.5 s", answers
+
+    anyio.run(main)
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []

@@ -99,7 +99,9 @@ def process_cancellation() -> Cancellation | None:
                     reg = Registry.attach(name)
                 except Exception as e:
                     if not _warned:
-                        log.warning("shmcancel.sdk: cannot attach registry %r: %s", name, e)
+                        _warned = True
+                        log.warning("shmcancel.sdk: cannot attach registry %r: %s; tool calls "
+                                    "run uncancellable", name, e)
         c = Cancellation(reg) if reg is not None else None
         if c is None and not _warned:
             _warned = True
