@@ -25,7 +25,7 @@ import pytest
 from gunicorn_harness import Gunicorn
 from mcp import Client
 
-from shmcancel.registry import Registry
+from shmcancel import Registry
 
 CONF = "examples/sdk/gunicorn.conf.py"
 SLEEP = 30.0  # what the abandoned call asks for
