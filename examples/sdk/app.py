@@ -1,0 +1,56 @@
+"""The example server built on the official MCP SDK (``MCPServer``): three tools, served by
+gunicorn's uvicorn workers with cross-worker cancellation
+(see ``gunicorn.conf.py`` and ``README.md`` here).
+
+``SHMCANCEL_SDK_STATELESS=1`` serves it stateless with JSON responses (what several workers need
+for sessions: a stateful session lives in the worker that created it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+
+import shmcancel.sdk
+
+MAX_SLEEP = 60.0
+POLL = 0.005  # seconds between two looks at the cancellation flag (the contract: <= 10 ms)
+
+mcp = MCPServer("shmcancel-sdk-example")
+
+
+def _seconds(seconds: float) -> float:
+    if not 0 <= seconds <= MAX_SLEEP:
+        raise ValueError(f"seconds must be between 0 and {MAX_SLEEP:g}")
+    return seconds
+
+
+@mcp.tool()
+def echo(text: str) -> str:
+    """Return the text it is given."""
+    return text
+
+
+@mcp.tool()
+async def sleep(seconds: float) -> str:
+    """Sleep for `seconds` (0 to 60); a cancellation interrupts it at once."""
+    await anyio.sleep(_seconds(seconds))
+    return f"slept {seconds:g} s"
+
+
+@mcp.tool()
+def sleep_sync(seconds: float) -> str:
+    """Sleep for `seconds` (0 to 60) in a worker thread, polling for cancellation every 5 ms."""
+    deadline = time.monotonic() + _seconds(seconds)
+    while (left := deadline - time.monotonic()) > 0:
+        shmcancel.sdk.raise_if_cancelled()
+        time.sleep(min(POLL, left))
+    return f"slept {seconds:g} s"
+
+
+STATELESS = os.environ.get("SHMCANCEL_SDK_STATELESS", "") not in ("", "0")
+app = (shmcancel.sdk.asgi(mcp, stateless_http=True, json_response=True) if STATELESS
+       else shmcancel.sdk.asgi(mcp))

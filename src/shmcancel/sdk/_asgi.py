@@ -1,0 +1,294 @@
+"""The ASGI half of :mod:`shmcancel.sdk`: :func:`asgi` and the layer inside the ``/mcp`` route.
+
+The layer sits where the SDK's route endpoint was, so the SDK's auth middleware (when the server
+has auth) has run before it. For every POST it reads the body itself, at most the SDK's
+``max_request_body_size`` bytes (413 beyond), and hands it on unchanged; it answers on its own
+only
+
+- a 2025-era ``notifications/cancelled`` whose request is in flight in the caller's scope on any
+  worker: recorded with ``cancel_if_in_flight`` (one lock hold), answered 202 after the same
+  Origin/Host/Content-Type checks the SDK's transport makes (its own ``TransportSecurityMiddleware``
+  with the server's settings). A notification for a request not in flight there goes on to the SDK,
+  which answers it as it always does (and, in the worker owning a stateful session, acts on it);
+- a quota refusal (429) or a stalled registry (503 with ``Retry-After``) of such a notification.
+
+On the 2026-07-28 wire, and on a stateless server, it also watches the connection: a client that
+goes away before its response is complete stops the calls of that exchange (JSON responses
+included). A stateful 2025-era exchange is not watched: its session outlives the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
+from ._calls import EXCHANGE_KEY, Exchange, Tracker, conn_of, modern_wire, process_cancellation
+from ._routing import Router
+
+__all__ = ["asgi"]
+
+log = logging.getLogger("shmcancel.sdk")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+CANCELLED_METHOD = "notifications/cancelled"
+RETRY_AFTER = "1"  # seconds, for a 503 on a stalled registry
+
+
+def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
+    """The ASGI app serving ``server`` (an ``mcp.server.mcpserver.MCPServer``) at its streamable
+    HTTP path, with cross-worker cancellation installed (SPEC §9). ``options`` go to
+    ``server.streamable_http_app()`` (``stateless_http``, ``json_response``, ``transport_security``,
+    ``max_request_body_size``, ...). Installs one :class:`Tracker` in ``server.middleware`` (once,
+    however often it is called) and wraps the ``/mcp`` route's endpoint. A stateful server routes
+    each session's requests to the worker holding it (:mod:`shmcancel.sdk._routing`) unless
+    ``route_sessions=False`` (one worker, or a proxy that keeps sessions sticky)."""
+    app = server.streamable_http_app(**options)
+    stateful = not options.get("stateless_http", False)
+    chain = server.middleware
+    for i, mw in enumerate(chain):
+        if isinstance(mw, Tracker):
+            chain[i] = Tracker(stateful)
+            break
+    else:
+        chain.append(Tracker(stateful))
+    manager = server.session_manager
+    path = options.get("streamable_http_path", "/mcp")
+    router = Router(app) if stateful and route_sessions else None
+    wrapped = False
+    for route in app.routes:
+        if getattr(route, "path", None) == path and hasattr(route, "app"):
+            route.app = Layer(route.app, manager, stateful, router)
+            wrapped = True
+    if not wrapped:  # pragma: no cover - the SDK always makes that route
+        raise RuntimeError(f"shmcancel.sdk.asgi: no route {path!r} in the SDK's app")
+    if router is not None:
+        _with_router(app, router)
+    return app
+
+
+def _with_router(app: Any, router: Router) -> None:
+    """Start the worker's socket server with the app's lifespan and stop it (removing the
+    socket) at its shutdown, around the SDK's own lifespan."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with inner(a) as state:
+            await router.ensure()
+            try:
+                yield state
+            finally:
+                router.close()
+
+    app.router.lifespan_context = lifespan
+
+
+def _json_error(status: int, code: int, message: str,
+                headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes, list]:
+    body = json.dumps({"jsonrpc": "2.0", "id": None,
+                       "error": {"code": code, "message": message}}).encode()
+    return status, body, [(b"content-type", b"application/json"), *(headers or [])]
+
+
+async def _respond(send: Send, status: int, body: bytes = b"",
+                   headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    hdrs = [*(headers or []), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Layer:
+    """The ASGI layer in front of the SDK's ``/mcp`` endpoint (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, manager: Any, stateful: bool,
+                 router: Router | None = None) -> None:
+        self.app = app
+        self.manager = manager
+        self.stateful = stateful
+        self.router = router
+        self.max_body = int(getattr(manager, "max_request_body_size", 4 * 1024 * 1024))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        owner: str | None = None
+        router = self.router
+        if router is not None:
+            await router.ensure()
+            owner = router.route(scope)
+            if owner is None:  # served here: the session ids it hands out name this worker
+                send = _tagging(send, router)
+        if scope.get("method") != "POST":
+            if owner is not None and router is not None:
+                await router.forward(owner, scope, None, receive, send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        modern = modern_wire(scope)
+        if owner is not None and router is not None:
+            # a cancel is answered here from the registry (no hop); anything else goes to the owner
+            if (modern or CANCELLED_METHOD.encode() not in body
+                    or not await self._cancel(router.with_sdk_id(scope), body, send)):
+                await router.forward(owner, scope, body, receive, send)
+            return
+        if (not modern and CANCELLED_METHOD.encode() in body
+                and await self._cancel(scope, body, send)):
+            return
+        if modern or not self.stateful:  # an exchange nobody can resume: leaving abandons it
+            await self._watched(scope, body, receive, send)
+            return
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or ``None`` when it was refused (413, answered) or the client left."""
+        for k, v in scope.get("headers") or ():
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_body:
+                    await _respond(send, *_too_large(self.max_body))
+                    return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg.get("type") == "http.disconnect":
+                return None
+            chunk = msg.get("body") or b""
+            size += len(chunk)
+            if size > self.max_body:
+                await _respond(send, *_too_large(self.max_body))
+                return None
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _cancel(self, scope: Scope, body: bytes, send: Send) -> bool:
+        """Answer a ``notifications/cancelled`` whose request is in flight in the caller's scope.
+        Returns ``False`` (nothing sent) for anything else: the SDK answers it."""
+        try:
+            msg = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return False
+        if (not isinstance(msg, dict) or msg.get("method") != CANCELLED_METHOD or "id" in msg
+                or msg.get("jsonrpc") != "2.0" or not isinstance(msg.get("params"), dict)):
+            return False
+        params = msg["params"]
+        rid = params.get("requestId")
+        if isinstance(rid, bool) or not isinstance(rid, int | str):
+            return False
+        c = process_cancellation()
+        if c is None:
+            return False
+        refused = await self._checks(scope)
+        if refused is not None:
+            status, rbody, headers = refused
+            await _respond(send, status, rbody, headers)
+            return True
+        conn = conn_of(scope, self.stateful)
+        reason = params.get("reason")
+        try:
+            recorded = c.cancel_if_in_flight(rid, reason if isinstance(reason, str) else None,
+                                             principal.scope(conn))
+        except CancellationLimitReached as e:
+            await _respond(send, *_json_error(429, errors.SERVER_ERROR, str(e)))
+            return True
+        except LockTimeout:
+            await _respond(send, *_json_error(503, errors.SERVER_ERROR, "registry busy",
+                                              [(b"retry-after", RETRY_AFTER.encode())]))
+            return True
+        except ShmCancelError:  # an id the registry refuses (too long): the SDK answers it
+            return False
+        if not recorded:
+            return False
+        await _respond(send, 202)
+        return True
+
+    async def _checks(self, scope: Scope) -> tuple[int, bytes, list] | None:
+        """The SDK transport's own Origin/Host and Content-Type checks, with the server's
+        settings; the refusal as ``(status, body, headers)`` or ``None``."""
+        from mcp.server.transport_security import TransportSecurityMiddleware
+        from starlette.requests import Request
+
+        checks = TransportSecurityMiddleware(self.manager.security_settings)
+        refusal = await checks.validate_request(Request(scope), is_post=True)
+        if refusal is None:
+            return None
+        hdrs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in refusal.headers.items()
+                if k.lower() != "content-length"]
+        return refusal.status_code, bytes(refusal.body), hdrs
+
+    async def _watched(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """Serve an exchange, stopping its calls if the client leaves before the response is
+        complete."""
+        exchange = Exchange()
+        scope[EXCHANGE_KEY] = exchange
+        gone = asyncio.Event()
+        complete = False
+        delivered = False
+
+        async def watch() -> None:
+            while (await receive()).get("type") != "http.disconnect":
+                pass
+            gone.set()
+            if not complete:
+                exchange.disconnected()
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def tx(message: Message) -> None:
+            nonlocal complete
+            if message.get("type") == "http.response.body" and not message.get("more_body"):
+                complete = True
+            await send(message)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.app(scope, replay, tx)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+
+def _tagging(send: Send, router: Router) -> Send:
+    async def tagged(message: Message) -> None:
+        router.tag(message)
+        await send(message)
+
+    return tagged
+
+
+def _too_large(limit: int) -> tuple[int, bytes, list]:
+    return _json_error(413, errors.INVALID_REQUEST, f"request body larger than {limit} bytes")

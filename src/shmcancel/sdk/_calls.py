@@ -1,0 +1,282 @@
+"""The server-middleware half of :mod:`shmcancel.sdk`: tracking each ``tools/call`` and stopping it.
+
+Invariants:
+
+- every ``tools/call`` that reaches the SDK's handler chain holds one :class:`RequestHandle` from
+  before its handler starts until after it ends (``end()`` in a ``finally``), so the registry
+  shows it in flight exactly while it runs and holds nothing of it afterwards;
+- a call is stopped only when *its own* handle says it is cancelled (a row in its scope newer than
+  its start, or a local cancel of this very call on disconnect); it is then answered ``-32800``;
+- the poller runs on the worker's event loop, never blocks it (the handle's poll is a lock-free
+  read of shared memory), and exits when no call is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import threading
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import anyio
+from mcp.shared.exceptions import MCPError
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
+from .. import Cancellation, Registry, RequestHandle, errors, principal
+
+__all__ = ["RequestCancelled", "cancelled", "current_handle", "raise_if_cancelled"]
+
+log = logging.getLogger("shmcancel.sdk")
+
+#: Seconds between two looks of the per-worker poller at the running calls' handles.
+POLL_INTERVAL = 0.002
+SESSION_HEADER = b"mcp-session-id"
+VERSION_HEADER = b"mcp-protocol-version"
+
+_current: contextvars.ContextVar[RequestHandle | None] = contextvars.ContextVar(
+    "shmcancel_sdk_handle", default=None)
+
+
+class RequestCancelled(MCPError):
+    """Raised by :func:`raise_if_cancelled`: an ``MCPError`` with code ``-32800``, which the SDK
+    passes through its tool layer untouched and answers as a JSON-RPC error."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(errors.REQUEST_CANCELLED, "Request cancelled",
+                         {"reason": reason} if reason else None)
+
+
+def current_handle() -> RequestHandle | None:
+    """The :class:`~shmcancel.RequestHandle` of the ``tools/call`` running in this context (the
+    handler task, or the worker thread of a sync tool: anyio copies the context), else ``None``."""
+    return _current.get()
+
+
+def cancelled() -> bool:
+    """Whether the current tool call was cancelled (by a ``notifications/cancelled`` reaching any
+    worker, or by its client disconnecting on the 2026-07-28 wire). ``False`` outside a call.
+    Lock-free; never raises; safe from a sync tool's thread."""
+    h = _current.get()
+    return h is not None and h.cancelled()
+
+
+def raise_if_cancelled() -> None:
+    """Raise :class:`RequestCancelled` when :func:`cancelled` is true (what a sync tool calls in its
+    loop)."""
+    h = _current.get()
+    if h is not None and h.cancelled():
+        raise RequestCancelled(h.reason())
+
+
+# --- the process's Cancellation ----------------------------------------------------------------
+
+_lock = threading.Lock()
+_cached: tuple[int, Cancellation | None] | None = None
+_warned = False
+
+
+def process_cancellation() -> Cancellation | None:
+    """The :class:`~shmcancel.Cancellation` over this worker's registry: the one the gunicorn hooks
+    attached (``shmcancel.gunicorn.registry()``), else the registry named by ``SHMCANCEL_REGISTRY``
+    (attached once per process). ``None`` when there is none: calls then run untracked (logged
+    once per process)."""
+    global _cached, _warned
+    pid = os.getpid()
+    cached = _cached
+    if cached is not None and cached[0] == pid and cached[1] is not None:
+        return cached[1]
+    with _lock:
+        from .. import gunicorn as hooks  # the hooks module imports nothing heavy
+
+        reg: Any = hooks.registry()
+        if reg is None:
+            name = os.environ.get("SHMCANCEL_REGISTRY")
+            if name:
+                try:
+                    reg = Registry.attach(name)
+                except Exception as e:
+                    if not _warned:
+                        _warned = True
+                        log.warning("shmcancel.sdk: cannot attach registry %r: %s; tool calls "
+                                    "run uncancellable", name, e)
+        c = Cancellation(reg) if reg is not None else None
+        if c is None and not _warned:
+            _warned = True
+            log.warning("shmcancel.sdk: no shmcancel registry in this process (use the "
+                        "shmcancel.gunicorn hooks or set SHMCANCEL_REGISTRY); tool calls run "
+                        "uncancellable")
+        _cached = (pid, c)
+        return c
+
+
+# --- scope -----------------------------------------------------------------------------------
+
+def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    for k, v in scope.get("headers") or ():
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+def modern_wire(scope: Mapping[str, Any]) -> bool:
+    """True when the request is on the 2026-07-28 wire (the SDK's own routing rule: a protocol
+    version header that is not one of the handshake versions)."""
+    pv = _header(scope, VERSION_HEADER)
+    return pv is not None and pv not in HANDSHAKE_PROTOCOL_VERSIONS
+
+
+def _principal_of(user: object) -> object:
+    """What identifies an authenticated Starlette user: the SDK's bearer user's subject, else its
+    client id; another user's ``identity``; ``None`` when not authenticated."""
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    token = getattr(user, "access_token", None)
+    if token is not None:
+        return getattr(token, "subject", None) or getattr(token, "client_id", None)
+    try:
+        return user.identity  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def conn_of(scope: Mapping[str, Any] | None, stateful: bool) -> dict[str, Any]:
+    """A SPEC §3 conn for an ASGI request scope: its session (stateful servers, 2025-era wire),
+    its authenticated principal (``scope["user"]``), its client address."""
+    conn: dict[str, Any] = {}
+    if not isinstance(scope, Mapping):
+        return conn
+    client = scope.get("client")
+    if client:
+        conn["REMOTE_ADDR"] = str(client[0])
+    p = _principal_of(scope.get("user"))
+    if p is not None:
+        principal.put(conn, p)
+    if stateful and not modern_wire(scope):
+        sid = _header(scope, SESSION_HEADER)
+        if sid:
+            conn["shmcancel.session_id"] = sid
+    return conn
+
+
+# --- the running calls and the poller ----------------------------------------------------------
+
+class Call:
+    """One running ``tools/call``: its handle and the cancel scope its handler runs in."""
+
+    __slots__ = ("cancel_scope", "handle")
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self.handle = handle
+        self.cancel_scope = anyio.CancelScope()
+
+    def stop(self, reason: str | None = None) -> None:
+        """Cancel this call only, in this process (a disconnect): the handle latches, the scope is
+        cancelled. Call from the event loop's thread."""
+        self.handle.cancel_local(reason)
+        self.cancel_scope.cancel()
+
+
+class _Poller:
+    """The running calls of one event loop, and the task that looks at their handles every
+    ``POLL_INTERVAL`` seconds while there are any."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: set[Call] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, call: Call) -> None:
+        self.calls.add(call)
+        if self.task is None or self.task.done():
+            self.task = self.loop.create_task(self._run())
+
+    def discard(self, call: Call) -> None:
+        self.calls.discard(call)
+
+    async def _run(self) -> None:
+        while self.calls:
+            await asyncio.sleep(POLL_INTERVAL)
+            for call in list(self.calls):
+                try:
+                    if call.handle.cancelled():
+                        call.cancel_scope.cancel()
+                        self.calls.discard(call)
+                except Exception:  # a poll never raises; a cancel scope might, once closed
+                    log.debug("poller: a call could not be stopped", exc_info=True)
+                    self.calls.discard(call)
+
+
+_pollers: dict[int, _Poller] = {}
+
+
+def _poller() -> _Poller:
+    loop = asyncio.get_running_loop()
+    p = _pollers.get(id(loop))
+    if p is None or p.loop is not loop:
+        p = _pollers[id(loop)] = _Poller(loop)
+    return p
+
+
+EXCHANGE_KEY = "shmcancel.sdk.exchange"
+
+
+class Exchange:
+    """What the ASGI layer shares with the middleware about one HTTP exchange: the calls it carries
+    and whether the client went away before its response was complete."""
+
+    __slots__ = ("calls", "gone")
+
+    def __init__(self) -> None:
+        self.calls: set[Call] = set()
+        self.gone = False
+
+    def disconnected(self) -> None:
+        self.gone = True
+        for call in list(self.calls):
+            call.stop("client disconnected")
+
+
+class Tracker:
+    """The server middleware (``MCPServer.middleware``): see the module docstring."""
+
+    def __init__(self, stateful: bool) -> None:
+        self.stateful = stateful
+
+    async def __call__(self, ctx: Any, call_next: Any) -> Any:
+        if ctx.method != "tools/call" or ctx.request_id is None:
+            return await call_next(ctx)
+        c = process_cancellation()
+        if c is None:
+            return await call_next(ctx)
+        scope = getattr(ctx.request, "scope", None)
+        conn = conn_of(scope, self.stateful)
+        handle = c.begin(ctx.request_id, principal.scope(conn))
+        call = Call(handle)
+        exchange = scope.get(EXCHANGE_KEY) if isinstance(scope, MutableMapping) else None
+        poller = _poller()
+        token = _current.set(handle)
+        result: Any = None
+        try:
+            if isinstance(exchange, Exchange):
+                exchange.calls.add(call)
+                if exchange.gone:
+                    call.stop("client disconnected")
+            poller.add(call)
+            with call.cancel_scope:
+                try:
+                    result = await call_next(ctx)
+                except Exception:
+                    if not handle.cancelled():
+                        raise
+            if handle.cancelled():
+                raise RequestCancelled(handle.reason())
+            return result
+        finally:
+            poller.discard(call)
+            if isinstance(exchange, Exchange):
+                exchange.calls.discard(call)
+            _current.reset(token)
+            handle.end()

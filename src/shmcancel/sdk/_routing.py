@@ -1,0 +1,347 @@
+"""Stateful SDK sessions across workers: every request of a session is served by the worker that
+holds it (the SDK keeps a session in the memory of the worker that created it: its issue #520).
+
+Design (invariants):
+
+- Each worker serves the same app a second time, on a unix socket of its own,
+  ``<dir>/<token>.sock``, where ``token`` is the worker's pid and a random nonce (hex): a worker
+  that dies, or a new worker that reuses its pid, never answers for the old one's sessions.
+- The session id a client sees is ``<token>-<the SDK's id>``: the owning worker is part of the
+  id, so no map needs keeping (nor cleaning on idle timeout, ``DELETE`` or a worker's death). A
+  request whose session id carries another worker's token is forwarded to that worker's socket
+  unchanged (method, path, headers, body; the SSE response streamed back as it comes), with the
+  client's address in ``x-shmcancel-client`` (trusted only on the unix socket). The owner strips
+  its token before the SDK sees the id, and prefixes the id of a session it creates.
+- A worker that is gone (no listener on its socket) answers 404 ``Session not found``, as the SDK
+  does for a session it no longer has: never a hang, never a 5xx. A session dies with its worker
+  (crash, ``max_requests``, ``HUP``): the client must open a new one.
+- Hop-by-hop headers are not forwarded either way. The forwarded request passes the owner's full
+  app again (its auth middleware, the SDK's Origin/Host and session checks).
+
+The second server is a ``uvicorn.Server`` whose signal capture is turned off (the worker's own
+handlers stay in charge), started on the worker's event loop on its first request; it serves
+without a lifespan (the worker's app already ran it) and without logging setup of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import secrets
+import tempfile
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+log = logging.getLogger("shmcancel.sdk")
+
+INTERNAL_KEY = "shmcancel.sdk.internal"
+CLIENT_HEADER = b"x-shmcancel-client"
+SESSION_HEADER = b"mcp-session-id"
+_TOKEN = re.compile(r"^([0-9a-f]{1,8}x[0-9a-f]{12})-(.+)$")
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
+                        b"proxy-authorization", b"te", b"trailer", b"trailers",
+                        b"transfer-encoding", b"upgrade", b"content-length", CLIENT_HEADER})
+MAX_CLIENTS = 64
+# The URL origin of a forwarded request (the socket decides where it goes; the client's own Host
+# header is forwarded as it came).
+FORWARD_ORIGIN = "http://shmcancel-worker"
+FORWARD_TIMEOUT = 10.0  # seconds to connect and to get the response head from the owner
+
+
+def socket_dir() -> str:
+    """Where the workers' sockets live: ``SHMCANCEL_SDK_SOCKET_DIR``, else a directory per user
+    under the temporary directory (created 0700)."""
+    d = os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
+        tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+def split(session_id: str) -> tuple[str, str] | None:
+    """``(token, sdk_id)`` of a session id this module made, else ``None``."""
+    m = _TOKEN.match(session_id)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _set_header(scope: MutableMapping[str, Any], name: bytes, value: bytes | None) -> None:
+    headers = [(k, v) for k, v in scope.get("headers") or () if k != name]
+    if value is not None:
+        headers.append((name, value))
+    scope["headers"] = headers
+
+
+def _header(scope: MutableMapping[str, Any], name: bytes) -> bytes | None:
+    for k, v in scope.get("headers") or ():
+        if k == name:
+            return bytes(v)
+    return None
+
+
+class _QuietServer:
+    """Builds a ``uvicorn.Server`` that leaves signal handling to the worker."""
+
+    @staticmethod
+    def make(config: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        return Server(config)
+
+
+class Router:
+    """One worker's side of the routing: its token, its socket, its second server."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app  # the full Starlette app, served again on the socket
+        self.pid = 0
+        self.token = ""
+        self.path = ""
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._started: asyncio.Event | None = None
+        self._clients: dict[str, Any] = {}  # socket path -> httpx.AsyncClient (this process's)
+
+    def _client(self, path: str) -> Any:
+        if not self._clients:
+            _quiet_httpx()
+        """A pooled client for the worker at ``path`` (building one costs milliseconds: an SSL
+        context). At most ``MAX_CLIENTS`` are kept; the oldest goes first."""
+        import httpx
+
+        h = self._clients.get(path)
+        if h is None:
+            if len(self._clients) >= MAX_CLIENTS:
+                self._clients.pop(next(iter(self._clients)))  # closed by the collector
+            h = self._clients[path] = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=path),
+                timeout=httpx.Timeout(FORWARD_TIMEOUT, read=None))
+        return h
+
+    # --- this worker's second server -----------------------------------------------------
+
+    async def ensure(self) -> None:
+        """Start this worker's socket server once (per process); return when it listens."""
+        if self.pid == os.getpid() and self._started is not None:
+            await self._started.wait()
+            return
+        import uvicorn
+
+        self.pid = os.getpid()
+        self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
+        self.path = os.path.join(socket_dir(), f"{self.token}.sock")
+        self._started = started = asyncio.Event()
+        config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
+                                interface="asgi3", proxy_headers=False,
+                                access_log=False, timeout_graceful_shutdown=1)
+        self._server = server = _QuietServer.make(config)
+        self._task = asyncio.get_running_loop().create_task(server.serve())
+        try:
+            for _ in range(500):  # up to ~5 s
+                if server.started:
+                    break
+                if self._task.done():
+                    raise RuntimeError(f"the worker's socket server stopped: {self._task!r}")
+                await asyncio.sleep(0.01)
+            else:
+                raise RuntimeError("the worker's socket server did not start within 5 s")
+        finally:
+            started.set()
+        _sweep(os.path.dirname(self.path))
+
+    def close(self) -> None:
+        """Stop this worker's socket server and remove its socket (the app's lifespan shutdown).
+        A worker killed outright leaves its socket: the next worker to start, or the first
+        forward that finds no listener on it, removes it."""
+        if self.pid != os.getpid() or not self.path:
+            return
+        if self._server is not None:
+            self._server.should_exit = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        """The app as served on the socket: a forwarded request, its client address restored."""
+        if scope.get("type") == "http":
+            scope[INTERNAL_KEY] = True
+            addr = _header(scope, CLIENT_HEADER)
+            _set_header(scope, CLIENT_HEADER, None)
+            if addr:
+                scope["client"] = (addr.decode("latin-1"), 0)
+        elif scope.get("type") == "lifespan":  # pragma: no cover - lifespan is off
+            return
+        await self.app(scope, receive, send)
+
+    # --- a request's session id ------------------------------------------------------------
+
+    @staticmethod
+    def sdk_id(scope: MutableMapping[str, Any]) -> str | None:
+        """The SDK's own id inside the request's session id (any worker's), else ``None``."""
+        raw = _header(scope, SESSION_HEADER)
+        parts = split(raw.decode("latin-1")) if raw is not None else None
+        return parts[1] if parts else None
+
+    @staticmethod
+    def with_sdk_id(scope: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        """A copy of ``scope`` whose session header carries the SDK's own id."""
+        copy = dict(scope)
+        sid = Router.sdk_id(scope)
+        _set_header(copy, SESSION_HEADER, sid.encode("latin-1") if sid else None)
+        return copy
+
+    def route(self, scope: MutableMapping[str, Any]) -> str | None:
+        """Look at the request's session id: ``None`` when this worker serves it (the header,
+        if any, is rewritten to the SDK's own id), else the token of the worker that owns it.
+        An id this module did not make, or (on the socket) a token not this worker's, is
+        replaced by one that cannot exist, so the SDK answers 404."""
+        raw = _header(scope, SESSION_HEADER)
+        if raw is None:
+            return None
+        parts = split(raw.decode("latin-1"))
+        if parts is not None and parts[0] == self.token:
+            _set_header(scope, SESSION_HEADER, parts[1].encode("latin-1"))
+            return None
+        if parts is None or scope.get(INTERNAL_KEY):
+            _set_header(scope, SESSION_HEADER, b"unknown-session")
+            return None
+        return parts[0]
+
+    def tag(self, message: MutableMapping[str, Any]) -> None:
+        """Prefix this worker's token to a session id in a response head."""
+        if message.get("type") != "http.response.start":
+            return
+        headers = []
+        for k, v in message.get("headers") or ():
+            if k.lower() == SESSION_HEADER and not bytes(v).startswith(self.token.encode()):
+                v = self.token.encode() + b"-" + bytes(v)
+            headers.append((k, v))
+        message["headers"] = headers
+
+    # --- forwarding -------------------------------------------------------------------------
+
+    async def forward(self, token: str, scope: MutableMapping[str, Any], body: bytes | None,
+                      receive: Any, send: Any) -> None:
+        """Serve the request by the worker ``token`` (see the module docstring)."""
+        import httpx
+
+        path = os.path.join(socket_dir(), f"{token}.sock")
+        headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in HOP_BY_HOP]
+        client = scope.get("client")
+        if client:
+            headers.append((CLIENT_HEADER, str(client[0]).encode("latin-1")))
+        target = scope.get("raw_path") or scope.get("path", "/").encode()
+        if scope.get("query_string"):
+            target = bytes(target) + b"?" + bytes(scope["query_string"])
+        url = FORWARD_ORIGIN + bytes(target).decode("latin-1")
+        h = self._client(path)
+        req = h.build_request(scope["method"], url, headers=headers, content=body or b"")
+        try:
+            resp = await h.send(req, stream=True)
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
+            # no listener: the owner is gone, and its sessions with it
+            self._clients.pop(path, None)
+            if os.path.exists(path) and _refused(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            await _not_found(send)
+            return
+        try:
+            out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": out})
+            gone = asyncio.Event()
+
+            async def watch() -> None:
+                while (await receive()).get("type") != "http.disconnect":
+                    pass
+                gone.set()
+
+            watcher = asyncio.get_running_loop().create_task(watch())
+            try:
+                chunks = resp.aiter_raw().__aiter__()
+                while True:
+                    nxt = asyncio.ensure_future(chunks.__anext__())
+                    stop = asyncio.ensure_future(gone.wait())
+                    done, _ = await asyncio.wait({nxt, stop},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if nxt not in done:  # the client left: drop the upstream stream
+                        nxt.cancel()
+                        with contextlib.suppress(BaseException):
+                            await nxt
+                        return
+                    stop.cancel()
+                    try:
+                        chunk = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                watcher.cancel()
+        finally:
+            await resp.aclose()
+
+
+class _ForwardsFilter(logging.Filter):
+    """Drops httpx's one INFO line per request for forwarded requests (one per hop would double
+    the server's log); its other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) > 1
+                    and str(args[1]).startswith(FORWARD_ORIGIN))
+
+
+def _quiet_httpx() -> None:
+    lg = logging.getLogger("httpx")
+    if not any(isinstance(f, _ForwardsFilter) for f in lg.filters):
+        lg.addFilter(_ForwardsFilter())
+
+
+def _sweep(directory: str) -> None:
+    """Remove the sockets of workers that no longer exist (by the pid in their name)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names[:4096]:
+        m = re.match(r"^([0-9a-f]{1,8})x[0-9a-f]{12}\.sock$", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1), 16), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _refused(path: str) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return False
+
+
+async def _not_found(send: Any) -> None:
+    body = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"Session not found"}}'
+    await send({"type": "http.response.start", "status": 404,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
