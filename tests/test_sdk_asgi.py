@@ -113,12 +113,11 @@ def test_abandoned_call_stops(server, wire, tool):
     assert cancellation_rows(reg) == []
 
 
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
 def test_namesake_in_another_session_untouched(server):
     """Two sessions run a call with the same JSON-RPC id; cancelling one leaves the other running
     to its normal end (the rows are scoped by session)."""
-    kind, g, reg = server
-    if kind != "stateful":
-        pytest.skip("stateless anonymous clients on one address share a scope (documented)")
+    _kind, g, reg = server
 
     async def main() -> None:
         async with Client(g.url, mode="legacy") as a, Client(g.url, mode="legacy") as b:
@@ -255,13 +254,12 @@ def _initialize(h: httpx.Client, url: str) -> dict[str, str]:
     return hdrs
 
 
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
 def test_session_on_fresh_connections(server):
     """The #520 repro: 12 requests of one session, each on a fresh connection (so on any of the
     three workers), all succeed; then its DELETE (on a fresh connection too) ends it for every
     worker."""
-    kind, g, _reg = server
-    if kind != "stateful":
-        pytest.skip("stateless: no sessions")
+    _kind, g, _reg = server
     with httpx.Client(timeout=10) as h:
         hdrs = _initialize(h, g.url)
     statuses = []
@@ -309,12 +307,11 @@ def test_concurrent_sdk_calls_in_one_session(server):
     assert rows(reg) == []
 
 
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
 def test_worker_killed_with_its_sessions(server):
     """A worker SIGKILLed while it holds a session: that session answers 404 at once on every
     worker (no hang), the worker's rows are reaped, and another worker's session keeps working."""
-    kind, g, reg = server
-    if kind != "stateful":
-        pytest.skip("stateless: no sessions")
+    _kind, g, reg = server
     by_token: dict[str, dict[str, str]] = {}
     with httpx.Client(timeout=10):
         for _ in range(30):  # fresh connections until two workers hold a session each
@@ -360,12 +357,11 @@ def test_worker_killed_with_its_sessions(server):
     g.wait_workers(3, time.monotonic() + 30)
 
 
+@pytest.mark.parametrize("server", ["stateless"], indirect=True)
 def test_stateless_namesake_from_another_address_untouched(server):
     """Stateless, anonymous: two clients on different addresses run a call with the same id;
     cancelling one (from its own address) leaves the other running to its end."""
-    kind, g, reg = server
-    if kind != "stateless":
-        pytest.skip("the stateful namesake test covers sessions")
+    _kind, g, reg = server
 
     async def main() -> None:
         call = {"jsonrpc": "2.0", "id": 77, "method": "tools/call",
