@@ -22,10 +22,12 @@ servers run side by side, one as shipped and one with ``McpServer(watch_disconne
 loaded in turn (interleaved, alternating which goes first) for ``--seconds`` each by a Python
 load generator (asyncio, ``--conns`` concurrent connections, keep-alive where the server keeps
 the connection: the ``sync`` workers close it after every response), each load bounded by
-``--requests`` requests. Prints the median req/s of each and the median of the per-round ratios
-watched/unwatched. ``--src DIR`` serves another checkout's ``src`` (``git archive REV src | tar -x
--C /tmp/base``, then ``--src /tmp/base/src``; where it has no ``watch_disconnects`` the
-unwatched server replaces ``McpServer._watch``) for a before/after.
+``--requests`` requests. Prints the median req/s of each, the workers' CPU time (user + system,
+from ``/proc``) per request of each, and the medians and ranges of the per-round ratios
+watched/unwatched (the CPU ratio is the steadier one on a shared machine: it does not count the
+time other processes take). ``--src DIR`` serves another checkout's ``src`` (``git archive REV
+src | tar -x -C /tmp/base``, then ``--src /tmp/base/src``; where it has no ``watch_disconnects``
+the unwatched server replaces ``McpServer._watch``) for a before/after.
 """
 
 from __future__ import annotations
@@ -194,6 +196,21 @@ class Server:
                     raise SystemExit(f"gunicorn did not start; see {self.log}") from None
                 time.sleep(0.05)
 
+    def worker_cpu(self) -> float:
+        """CPU seconds (user + system, all threads, live or ended) of the workers now."""
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return 0.0
+        total = 0
+        for pid in kids.split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(stat[11]) + int(stat[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -257,7 +274,7 @@ async def _load(port: int, req: bytes, seconds: float, conns: int,
                 if writer is None:
                     reader, writer = await asyncio.wait_for(
                         asyncio.open_connection("127.0.0.1", port), 5)
-                assert reader is not None
+                assert reader is not None and writer is not None
                 writer.write(req)
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
                 length, close = 0, False
@@ -300,22 +317,31 @@ def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires
                     for s in (on, off):  # warm up every worker
                         asyncio.run(_load(s.port, reqs[s], 0.5, conns, max_requests))
                     rate: dict[bool, list[float]] = {True: [], False: []}
+                    cpu: dict[bool, list[float]] = {True: [], False: []}
                     ratio: list[float] = []
+                    cpu_ratio: list[float] = []
                     bad = 0
                     for r in range(rounds):
-                        got = {}
+                        got, used = {}, {}
                         for s in ((on, off) if r % 2 == 0 else (off, on)):
+                            c0 = s.worker_cpu()
                             n, b, dt = asyncio.run(_load(s.port, reqs[s], seconds, conns,
                                                          max_requests))
                             got[s is on] = n / dt
+                            used[s is on] = (s.worker_cpu() - c0) / max(n, 1)
                             bad += b
-                        rate[True].append(got[True])
-                        rate[False].append(got[False])
+                        for w in (True, False):
+                            rate[w].append(got[w])
+                            cpu[w].append(used[w])
                         ratio.append(got[True] / got[False])
-                    print(f"  {kind:8s} {wire:7s} watched {statistics.median(rate[True]):7.0f}"
-                          f" req/s  unwatched {statistics.median(rate[False]):7.0f} req/s  "
-                          f"ratio {statistics.median(ratio):.2f} (min {min(ratio):.2f}, max "
-                          f"{max(ratio):.2f}); other outcomes {bad}")
+                        cpu_ratio.append(used[True] / used[False] if used[False] else 0.0)
+                    med = statistics.median
+                    print(f"  {kind:8s} {wire:7s} req/s watched {med(rate[True]):6.0f} "
+                          f"unwatched {med(rate[False]):6.0f} ratio {med(ratio):.2f} "
+                          f"[{min(ratio):.2f}..{max(ratio):.2f}] | worker CPU/request watched "
+                          f"{med(cpu[True]) * 1e6:5.0f} us unwatched {med(cpu[False]) * 1e6:5.0f}"
+                          f" us ratio {med(cpu_ratio):.2f} [{min(cpu_ratio):.2f}.."
+                          f"{max(cpu_ratio):.2f}] | other outcomes {bad}")
             finally:
                 on.close()
                 off.close()
