@@ -18,7 +18,7 @@ from wsgiref.validate import validator
 import pytest
 
 import shmcancel
-from shmcancel import errors
+from shmcancel import disconnect, errors
 from shmcancel.config import Config
 from shmcancel.registry import Registry
 from shmcancel.server import McpServer, ToolError, progress
@@ -895,8 +895,7 @@ def test_stubborn_tool_is_stopped_in_a_threaded_worker(stateless: McpServer, reg
 def test_no_watcher_without_a_gunicorn_socket(stateless: McpServer, signals: Signals) -> None:
     c = start_call(stateless, 1, "wait", {"tag": "nw"})
     wait_ev(signals.ev(signals.started, "nw"))
-    names = [t.name for t in threading.enumerate()]
-    assert "shmcancel-disconnect" not in names
+    assert disconnect.watched_count() == 0
     signals.ev(signals.release, "nw").set()
     assert c.result().json["result"]["content"][0]["text"] == "released"
 

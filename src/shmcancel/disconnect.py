@@ -7,28 +7,49 @@ nothing more to send on that request, so the socket becoming readable means one 
 - end of stream (``recv(1, MSG_PEEK | MSG_DONTWAIT) == b""``) or a reset (``ECONNRESET``):
   the client is gone;
 - data: a pipelined next request — *not* a disconnect. The watcher then stops asking for
-  ``POLLIN`` (it would stay readable) and keeps waiting for ``POLLRDHUP``/``POLLHUP``, which the
-  kernel raises when the peer shuts its side down;
+  ``EPOLLIN`` (it would stay readable) and keeps waiting for ``EPOLLRDHUP``/``EPOLLHUP``, which
+  the kernel raises when the peer shuts its side down;
 - ``EAGAIN`` (``BlockingIOError``): a spurious wake-up; the client is still there.
 
 A client that half-closes (``shutdown(SHUT_WR)``) after its request is indistinguishable from
 one that left, and counts as gone — as in nginx and most servers.
 
-:class:`Watcher` is one short-lived daemon thread per request, blocking in ``poll(2)`` on the
-client fd and on a private wake-up pipe (so :meth:`Watcher.stop` returns at once), with
-``interval`` as the longest sleep between two looks at its own state. On a disconnect it calls
-``on_disconnect()`` (the transport cancels exactly that request: ``handle.cancel_local``), then
-waits ``grace`` seconds for the request to end; if it has not, it calls ``on_timeout()`` (the
-transport stops the tool). ``stop()`` before either callback guarantees neither runs later.
+One watcher thread per process
+------------------------------
+A :class:`Watcher` is one request's registration with its process's watcher: a single daemon
+thread (``shmcancel-disconnect``) blocked in ``epoll_wait`` over every watched client socket of
+the process (level-triggered, ``EPOLLIN | EPOLLRDHUP``). :meth:`Watcher.start` and
+:meth:`Watcher.stop` are an ``epoll_ctl`` each under a process lock — a few µs, no thread start,
+no pipe write. The thread is started on the first :meth:`Watcher.start` in a process (so never in
+a gunicorn master, which must fork without threads) and again in a forked child, whose inherited
+epoll descriptor (the parent's epoll set) is closed, never used.
+
+On a disconnect the thread calls ``on_disconnect()`` (the transport cancels exactly that request:
+``handle.cancel_local``, in-process and quick) and, when ``on_timeout`` is given, notes the
+deadline ``grace`` seconds later; it alone adds deadlines, so it never needs waking for one. At
+the deadline, if the request has not ended, ``on_timeout()`` (the transport stops the tool, which
+may wait) runs in a thread of its own, so the watcher keeps watching the other sockets.
+``stop()`` before either callback guarantees neither runs later.
+
+epoll reports a descriptor number, not a registration: an event collected for a socket whose
+request just ended may be read after its number was reused by a new request's socket. Events are
+therefore trusted only for registrations older than the ``epoll_wait`` that returned them; a
+newer one is looked at again on the next wait (level-triggered, a real hang-up is reported
+again at once).
+
+Bounds: at most :data:`MAX_WATCHED` sockets per process (beyond it a call runs unwatched, logged
+once per process); the thread never sleeps longer than :data:`IDLE_WAIT` seconds.
 
 TLS sockets (``ssl.SSLSocket``) refuse ``MSG_PEEK``; they are not watched (:func:`watchable`).
-Linux is assumed (``POLLRDHUP``); elsewhere the watcher relies on ``POLLIN``/``POLLHUP`` only.
+Linux is assumed (``select.epoll``); where it is missing nothing is watched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
+import itertools
 import logging
 import os
 import select
@@ -39,20 +60,32 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Watcher", "client_gone", "watchable"]
+__all__ = ["IDLE_WAIT", "MAX_WATCHED", "Watcher", "client_gone", "watchable", "watched_count",
+           "watcher_thread"]
 
 log = logging.getLogger("shmcancel.disconnect")
 
-_POLLRDHUP = getattr(select, "POLLRDHUP", 0)
-_GONE_EVENTS = select.POLLHUP | select.POLLERR | _POLLRDHUP
+MAX_WATCHED = 4096
+"""The most client sockets one process watches at once; a call beyond it runs unwatched."""
+IDLE_WAIT = 1.0
+"""The longest the watcher thread blocks in ``epoll_wait`` (seconds)."""
+
+_HAS_EPOLL = hasattr(select, "epoll")
+_EPOLLIN = getattr(select, "EPOLLIN", 0)
+_EPOLLRDHUP = getattr(select, "EPOLLRDHUP", 0)
+_GONE_EVENTS = (getattr(select, "EPOLLHUP", 0) | getattr(select, "EPOLLERR", 0)
+                | _EPOLLRDHUP)
+_WATCH_MASK = _EPOLLIN | _EPOLLRDHUP
+_HANGUP_MASK = _EPOLLRDHUP  # EPOLLHUP and EPOLLERR are always reported
+_MAX_EVENTS = 256
 _GONE_ERRNOS = (errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE, errno.ETIMEDOUT,
                 errno.ECONNABORTED)
 
 
 def watchable(sock: Any) -> bool:
-    """Whether ``sock`` can be watched: a plain, open stream socket (not TLS) and ``poll(2)``
-    is available."""
-    if not hasattr(select, "poll") or not isinstance(sock, socket.socket):
+    """Whether ``sock`` can be watched: a plain, open stream socket (not TLS) and ``epoll`` is
+    available."""
+    if not _HAS_EPOLL or not isinstance(sock, socket.socket):
         return False
     if isinstance(sock, ssl.SSLSocket):
         return False
@@ -75,141 +108,286 @@ def client_gone(sock: socket.socket) -> bool | None:
 
 
 class Watcher:
-    """Watch one client socket from a daemon thread until :meth:`stop` (see the module doc).
+    """One request's watch over its client socket, from :meth:`start` to :meth:`stop` (see the
+    module doc). ``disconnected_at`` is the ``time.monotonic()`` of the detection, ``None`` until
+    then."""
 
-    ``disconnected_at`` is the ``time.monotonic()`` of the detection, ``None`` until then.
-    """
+    __slots__ = ("_done", "_fd", "_grace", "_lock", "_loop", "_on_disconnect", "_on_timeout",
+                 "_sock", "_stopped", "disconnected_at")
 
     def __init__(self, sock: socket.socket, *, on_disconnect: Callable[[], None],
-                 on_timeout: Callable[[], None] | None, grace: float,
-                 interval: float = 0.01) -> None:
+                 on_timeout: Callable[[], None] | None, grace: float) -> None:
         self._sock = sock
         self._on_disconnect = on_disconnect
         self._on_timeout = on_timeout
         self._grace = max(0.0, float(grace))
-        self._interval_ms = max(1, int(interval * 1000))
         self._lock = threading.Lock()  # orders stop() against the callbacks
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
+        self._stopped = False
+        self._done: threading.Event | None = None  # made by the first wait_stopped()
+        self._loop: _Loop | None = None
+        self._fd = -1
         self.disconnected_at: float | None = None
 
     def start(self) -> bool:
-        """Start watching; ``False`` (and nothing started) when the socket cannot be watched."""
+        """Start watching; ``False`` (and nothing registered) when the socket cannot be watched,
+        the process watches :data:`MAX_WATCHED` sockets already, or the watcher thread cannot
+        be started."""
         if not watchable(self._sock):
             return False
         try:
-            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            t = threading.Thread(target=self._run, name="shmcancel-disconnect", daemon=True)
-            t.start()
-        except (OSError, RuntimeError):
-            log.warning("cannot start the disconnect watcher", exc_info=True)
-            self._close_pipe()
+            fd = self._sock.fileno()
+        except OSError:
             return False
-        self._thread = t
-        return True
+        loop = _process_loop()
+        if loop is None:
+            return False
+        self._loop, self._fd = loop, fd
+        if loop.add(self, fd):
+            return True
+        self._loop, self._fd = None, -1
+        return False
 
     @property
     def stopped(self) -> bool:
-        return self._stopped.is_set()
+        return self._stopped
 
     def wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for :meth:`stop`; ``True`` once it was called."""
-        return self._stopped.wait(timeout)
-
-    def stop(self, join_timeout: float = 1.0) -> None:
-        """Stop watching. After it returns no callback starts; an ``on_timeout`` already running
-        (stopping a tool) is not waited for beyond ``join_timeout``."""
         with self._lock:
-            if self._stopped.is_set():
+            if self._stopped:
+                return True
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
+        return done.wait(timeout)
+
+    def stop(self) -> None:
+        """Stop watching. After it returns no callback starts; an ``on_timeout`` already running
+        (stopping a tool) is not waited for."""
+        with self._lock:
+            if self._stopped:
                 return
-            self._stopped.set()
-            if self._wake_w >= 0:
-                with contextlib.suppress(OSError):
-                    os.write(self._wake_w, b"x")
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(join_timeout)
+            self._stopped = True
+            if self._done is not None:
+                self._done.set()
+            loop = self._loop
+        if loop is not None:
+            loop.remove(self, self._fd)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[bool]:
         """Hold off :meth:`stop` for the ``with`` block; yields whether the watcher is still
         running. ``on_timeout`` uses it so nothing is done to a request that has just ended."""
         with self._lock:
-            yield not self._stopped.is_set()
+            yield not self._stopped
 
-    def _close_pipe(self) -> None:
-        # Only ever under self._lock (or before the thread exists), so stop() never writes to a
-        # descriptor number that was closed and reused.
-        for attr in ("_wake_r", "_wake_w"):
-            fd = getattr(self, attr)
-            if fd >= 0:
-                setattr(self, attr, -1)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+    # --------------------------------------------------- called by the watcher thread
 
-    # ----------------------------------------------------------------- the thread
-
-    def _run(self) -> None:
-        try:
-            if self._wait_for_disconnect():
-                self._after_disconnect()
-        except Exception:
-            log.warning("disconnect watcher failed", exc_info=True)
-        finally:
-            with self._lock:
-                self._close_pipe()
-
-    def _wait_for_disconnect(self) -> bool:
-        try:
-            fd = self._sock.fileno()
-        except OSError:
-            return False
-        if fd < 0:
-            return False
-        poller = select.poll()
-        mask = select.POLLIN | _POLLRDHUP
-        poller.register(fd, mask)
-        poller.register(self._wake_r, select.POLLIN)
-        while not self._stopped.is_set():
-            try:
-                events = poller.poll(self._interval_ms)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries
-                continue
-            for efd, ev in events:
-                if efd == self._wake_r or self._stopped.is_set():
-                    return False
-                if ev & select.POLLNVAL:
-                    return False  # the fd was closed under us: the request is over
-                if ev & _GONE_EVENTS:
-                    return True
-                if ev & select.POLLIN:
-                    gone = client_gone(self._sock)
-                    if gone:
-                        return True
-                    if gone is None and mask & select.POLLIN:
-                        # a pipelined request: readable until served; wait for a hang-up only
-                        mask = _POLLRDHUP or select.POLLHUP
-                        poller.modify(fd, mask)
-        return False
-
-    def _after_disconnect(self) -> None:
+    def _disconnected(self) -> bool:
+        """The client is gone: ``on_disconnect()`` unless stopped; whether a deadline is due."""
         with self._lock:
-            if self._stopped.is_set():
-                return
+            if self._stopped:
+                return False
             self.disconnected_at = time.monotonic()
             try:
                 self._on_disconnect()
             except Exception:
                 log.warning("on_disconnect callback failed", exc_info=True)
-        if self._on_timeout is None or self._stopped.wait(self._grace):
-            return
+        return self._on_timeout is not None
+
+    def _timed_out(self) -> None:
+        """``grace`` has passed since the disconnect (run in a thread of its own)."""
         with self._lock:
-            if self._stopped.is_set():
+            if self._stopped or self._on_timeout is None:
                 return
+            on_timeout = self._on_timeout
         # The request did not end within the grace period: the callback stops the tool. It may
-        # take a while (it waits for the tool); stop() no longer waits for it.
+        # take a while (it waits for the tool); stop() does not wait for it.
         try:
-            self._on_timeout()
+            on_timeout()
         except Exception:
             log.warning("on_timeout callback failed", exc_info=True)
+
+
+class _Loop:
+    """A process's watcher: one epoll set and the thread waiting on it.
+
+    ``_watched`` maps each registered descriptor to its :class:`Watcher` and the registration's
+    generation (a counter bumped by every :meth:`add`); it and the epoll set change together
+    under ``_lock``. ``_due`` (a heap of ``(deadline, seq, watcher)``) is the thread's own.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._ep = select.epoll()  # EPOLL_CLOEXEC
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[Watcher, int]] = {}
+        self._gen = 0
+        self._due: list[tuple[float, int, Watcher]] = []
+        self._seq = itertools.count()
+        self._warned_full = False
+        self.thread = threading.Thread(target=self._run, name="shmcancel-disconnect",
+                                       daemon=True)
+        try:
+            self.thread.start()
+        except BaseException:
+            self._ep.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.pid == os.getpid() and self.thread.is_alive()
+
+    def count(self) -> int:
+        return len(self._watched)
+
+    def add(self, w: Watcher, fd: int) -> bool:
+        with self._lock:
+            if len(self._watched) >= MAX_WATCHED and fd not in self._watched:
+                if not self._warned_full:
+                    self._warned_full = True
+                    log.warning("%d client sockets are watched in this process already; calls "
+                                "beyond that run without disconnect detection", MAX_WATCHED)
+                return False
+            self._gen += 1
+            try:
+                try:
+                    self._ep.register(fd, _WATCH_MASK)
+                except FileExistsError:  # a registration left behind on this socket
+                    self._ep.modify(fd, _WATCH_MASK)
+            except (OSError, ValueError):
+                log.warning("cannot watch a client socket", exc_info=True)
+                self._watched.pop(fd, None)
+                return False
+            self._watched[fd] = (w, self._gen)
+        return True
+
+    def remove(self, w: Watcher, fd: int) -> None:
+        if self.pid != os.getpid():
+            return  # a copy inherited across fork: its epoll set is the parent's
+        with self._lock:
+            cur = self._watched.get(fd)
+            if cur is None or cur[0] is not w:
+                return  # the thread dropped it at the disconnect, or the fd was reused
+            del self._watched[fd]
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(fd)
+
+    # ----------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._turn():
+                    return
+            except Exception:  # keep watching the others; a bug here must not end detection
+                log.warning("disconnect watcher failed", exc_info=True)
+                time.sleep(0.01)
+
+    def _turn(self) -> bool:
+        """One wait and what it found; ``False`` once the epoll set is closed."""
+        timeout = IDLE_WAIT
+        if self._due:
+            timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
+        seen_gen = self._gen
+        try:
+            events = self._ep.poll(timeout, _MAX_EVENTS)
+        except ValueError:  # closed
+            return False
+        for fd, ev in events:
+            w = self._look(fd, ev, seen_gen)
+            if w is not None and w._disconnected():
+                heapq.heappush(self._due, (time.monotonic() + w._grace, next(self._seq), w))
+        self._run_due()
+        return True
+
+    def _look(self, fd: int, ev: int, seen_gen: int) -> Watcher | None:
+        """The watcher whose client is gone, unregistered; ``None`` when no one's is."""
+        with self._lock:
+            cur = self._watched.get(fd)
+            if cur is None:
+                return None
+            w, gen = cur
+            if gen > seen_gen:
+                return None  # the event may be the fd's previous socket's; ask again
+            if ev & _GONE_EVENTS:
+                gone: bool | None = True
+            elif ev & _EPOLLIN:
+                gone = client_gone(w._sock)
+                if gone is None:
+                    # a pipelined request: readable until served; wait for a hang-up only
+                    with contextlib.suppress(OSError):
+                        self._ep.modify(fd, _HANGUP_MASK)
+            else:
+                gone = False
+            if not gone:
+                return None
+            del self._watched[fd]
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(fd)
+        return w
+
+    def _run_due(self) -> None:
+        due = self._due
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            w = heapq.heappop(due)[2]
+            if w.stopped:
+                continue
+            try:
+                threading.Thread(target=w._timed_out, name="shmcancel-stop", daemon=True).start()
+            except RuntimeError:  # cannot start threads (interpreter shutting down)
+                log.warning("cannot stop a tool whose client left", exc_info=True)
+        if len(due) > 2 * MAX_WATCHED:  # many ended in their grace period: drop them
+            self._due = [d for d in due if not d[2].stopped]
+            heapq.heapify(self._due)
+
+
+_state_lock = threading.Lock()
+_loop: _Loop | None = None
+
+
+def _process_loop() -> _Loop | None:
+    """This process's watcher, started on first use; ``None`` when it cannot be started."""
+    global _loop
+    loop = _loop
+    if loop is not None and loop.alive():
+        return loop
+    with _state_lock:
+        loop = _loop
+        if loop is not None and loop.alive():
+            return loop
+        if loop is not None and loop.pid != os.getpid():  # forked without the at-fork hook
+            with contextlib.suppress(OSError, ValueError):
+                loop._ep.close()
+        try:
+            _loop = loop = _Loop()
+        except (OSError, RuntimeError):
+            log.warning("cannot start the disconnect watcher", exc_info=True)
+            return None
+        return loop
+
+
+def _after_fork_in_child() -> None:
+    # The child has none of the parent's threads; the epoll set it inherited is the parent's.
+    global _loop, _state_lock
+    _state_lock = threading.Lock()
+    loop, _loop = _loop, None
+    if loop is not None:
+        with contextlib.suppress(OSError, ValueError):
+            loop._ep.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def watcher_thread() -> threading.Thread | None:
+    """This process's watcher thread, ``None`` before the first watch (or after a fork)."""
+    loop = _loop
+    return loop.thread if loop is not None and loop.alive() else None
+
+
+def watched_count() -> int:
+    """How many client sockets this process watches now."""
+    loop = _loop
+    return loop.count() if loop is not None and loop.alive() else 0

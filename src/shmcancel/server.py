@@ -288,8 +288,10 @@ class McpServer:
     registry, valid in every worker); ``False`` serves that wire statelessly. ``registry``: a
     :class:`~shmcancel.registry.Registry`, a registry name (attached on first use in each
     process), or ``None`` for :func:`shmcancel.registry.current` (what the gunicorn hooks attach
-    in each worker). ``max_body_bytes``: the largest accepted POST body. ``poll_interval``: the
-    longest the disconnect watcher sleeps between two looks at its request (seconds).
+    in each worker). ``max_body_bytes``: the largest accepted POST body. ``poll_interval``: no
+    longer used (the disconnect watcher is woken by the kernel; kept and checked for
+    compatibility). ``watch_disconnects``: ``False`` turns disconnect detection off (SPEC §6.3
+    is then not met: for measuring its cost, as ``tools/bench_watch.py`` does).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
     ``allowed_origins`` (SPEC §6.0, the transport's DNS-rebinding defence): a request whose
@@ -309,7 +311,8 @@ class McpServer:
                  path: str | None = "/mcp", instructions: str | None = None,
                  title: str | None = None, cache_ttl_ms: int = 60_000,
                  cache_scope: str = "public",
-                 allowed_origins: Iterable[str] | str | None = None) -> None:
+                 allowed_origins: Iterable[str] | str | None = None,
+                 watch_disconnects: bool = True) -> None:
         if not isinstance(name, str) or not isinstance(version, str):
             raise TypeError("name and version must be strings")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -329,6 +332,7 @@ class McpServer:
         self.sessions = bool(sessions)
         self.max_body_bytes = max_body_bytes
         self.poll_interval = float(poll_interval)
+        self.watch_disconnects = bool(watch_disconnects)
         self.path = path
         self.cache_ttl_ms = cache_ttl_ms
         self.cache_scope = cache_scope
@@ -815,7 +819,7 @@ class McpServer:
 
     def _watch(self, environ: dict[str, Any], handle: Any, st: _ProcessState) -> Watcher | None:
         sock = environ.get("gunicorn.socket")
-        if sock is None:
+        if sock is None or not self.watch_disconnects:
             return None
         multithread = bool(environ.get("wsgi.multithread"))
         tool_thread = threading.get_ident()
@@ -828,8 +832,7 @@ class McpServer:
         def on_timeout() -> None:
             _stop_request(holder[0], handle, tool_thread, multithread, grace)
 
-        w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace,
-                    interval=self.poll_interval)
+        w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
         holder.append(w)
         return w if w.start() else None
 

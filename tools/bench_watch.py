@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""What watching a ``tools/call``'s client for a disconnect costs (SPEC §6.3).
+
+    python tools/bench_watch.py [--rounds 15] [--ops 2000] [--baseline REV]
+                                [--http] [--seconds 3] [--http-rounds 5] [--conns 16]
+                                [--requests 50000] [--wire legacy|modern|both] [--src DIR]
+
+Per call (one process, a connected socketpair), median ns per call over ``--rounds`` rounds of
+``--ops`` calls, the variants interleaved in every round, as ratios against the floor measured in
+the same rounds (one ``epoll_ctl`` ADD + DEL on a private epoll set):
+
+- ``Watcher start+stop``: this checkout's per-process watcher (register + unregister);
+- ``thread start+join``: a bare ``threading.Thread`` started and joined (the least a thread per
+  call costs);
+- with ``--baseline REV`` (default: ``e81deb4``, the commit before the per-process watcher;
+  ``none`` to skip): ``Watcher`` of ``src/shmcancel/disconnect.py`` at that git revision (a
+  thread, a pipe and a ``poll`` per call).
+
+``--http``: end to end, the example app (``examples/gunicorn``) under gunicorn on loopback, 4
+workers, ``sync`` and ``gthread`` (4 threads), ``tools/call echo``: for each worker class two
+servers run side by side, one as shipped and one with ``McpServer(watch_disconnects=False)``,
+loaded in turn (interleaved, alternating which goes first) for ``--seconds`` each by a Python
+load generator (asyncio, ``--conns`` concurrent connections, keep-alive where the server keeps
+the connection: the ``sync`` workers close it after every response), each load bounded by
+``--requests`` requests. Prints the median req/s of each, the workers' CPU time (user + system,
+from ``/proc``) per request of each, and the medians and ranges of the per-round ratios
+watched/unwatched (the CPU ratio is the steadier one on a shared machine: it does not count the
+time other processes take). ``--src DIR`` serves another checkout's ``src`` (``git archive REV
+src | tar -x -C /tmp/base``, then ``--src /tmp/base/src``; where it has no ``watch_disconnects``
+the unwatched server replaces ``McpServer._watch``) for a before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from shmcancel.disconnect import Watcher
+
+ROOT = Path(__file__).resolve().parent.parent
+_NOW = time.perf_counter_ns
+
+
+def _nothing() -> None:
+    pass
+
+
+def _load_old_disconnect(rev: str) -> ModuleType | None:
+    """``src/shmcancel/disconnect.py`` at git revision ``rev`` as a module, or ``None``."""
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:src/shmcancel/disconnect.py"], cwd=ROOT,
+                             check=True, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"(no baseline: git show {rev} failed: {e})")
+        return None
+    spec = importlib.util.spec_from_loader(f"disconnect_{rev}", loader=None)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    exec(compile(src, f"{rev}:disconnect.py", "exec"), mod.__dict__)
+    return mod
+
+
+def bench_calls(rounds: int, ops: int, baseline: str | None) -> None:
+    mine, peer = socket.socketpair()
+    ep = select.epoll()
+    fd = mine.fileno()
+    mask = select.EPOLLIN | select.EPOLLRDHUP
+    old = _load_old_disconnect(baseline) if baseline else None
+
+    def floor() -> int:
+        t0 = _NOW()
+        for _ in range(ops):
+            ep.register(fd, mask)
+            ep.unregister(fd)
+        return _NOW() - t0
+
+    def new() -> int:
+        t0 = _NOW()
+        for _ in range(ops):
+            w = Watcher(mine, on_disconnect=_nothing, on_timeout=_nothing, grace=5.0)
+            w.start()
+            w.stop()
+        return _NOW() - t0
+
+    def bare_thread() -> int:
+        n = max(1, ops // 10)
+        t0 = _NOW()
+        for _ in range(n):
+            t = threading.Thread(target=_nothing)
+            t.start()
+            t.join()
+        return (_NOW() - t0) * ops // n
+
+    variants: list[tuple[str, Callable[[], int]]] = [
+        ("floor: epoll_ctl ADD+DEL", floor), ("Watcher start+stop (this checkout)", new),
+        ("thread start+join", bare_thread)]
+    if old is not None:
+        def old_watcher() -> int:
+            n = max(1, ops // 10)
+            t0 = _NOW()
+            for _ in range(n):
+                w = old.Watcher(mine, on_disconnect=_nothing, on_timeout=_nothing, grace=5.0)
+                w.start()
+                w.stop()
+            return (_NOW() - t0) * ops // n
+
+        variants.append((f"Watcher start+stop at {baseline}", old_watcher))
+    for _, fn in variants:  # warm up
+        fn()
+    per: dict[str, list[float]] = {name: [] for name, _ in variants}
+    ratios: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for r in range(rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        got = {name: fn() / ops for name, fn in order}
+        for name, ns in got.items():
+            per[name].append(ns)
+            ratios[name].append(ns / got[variants[0][0]])
+    mine.close()
+    peer.close()
+    ep.close()
+    print(f"per call, median of {rounds} interleaved rounds of {ops}:")
+    for name, _ in variants:
+        print(f"  {name:42s} {statistics.median(per[name]) / 1000:9.2f} us"
+              f"  {statistics.median(ratios[name]):8.1f}x floor")
+
+
+# ------------------------------------------------------------------------------ HTTP
+
+_WRAPPER = '''\
+import os
+
+import app as _example
+from shmcancel.server import McpServer
+
+if os.environ["BENCH_WATCH"] != "1":
+    if hasattr(_example.server, "watch_disconnects"):
+        _example.server.watch_disconnects = False
+    else:  # a checkout from before the switch
+        McpServer._watch = lambda self, *a, **kw: None
+app = _example.app
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """The example under gunicorn, watching or not; stopped (and its registry unlinked by its
+    ``on_exit`` hook) by :meth:`close`."""
+
+    def __init__(self, tmp: str, kind: str, watch: bool, src: str | None) -> None:
+        self.port = _free_port()
+        self.kind = kind
+        env = {**os.environ, "SHMCANCEL_REGISTRY": f"bench-watch-{os.getpid()}-"
+               f"{uuid.uuid4().hex[:6]}", "BENCH_WATCH": "1" if watch else "0"}
+        if src:
+            env["PYTHONPATH"] = os.path.abspath(src)
+        gunicorn = Path(sys.executable).parent / "gunicorn"
+        self.log = os.path.join(tmp, f"{kind}-{'on' if watch else 'off'}.log")
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(gunicorn), "-c", str(ROOT / "examples/gunicorn/gunicorn.conf.py"),
+                 "-b", f"127.0.0.1:{self.port}", "-w", "4", "-k", kind, "--threads",
+                 "4" if kind == "gthread" else "1",
+                 "--pythonpath", f"{tmp},{ROOT / 'examples/gunicorn'}", "bench_watch_app:app"],
+                env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise SystemExit(f"gunicorn did not start; see {self.log}") from None
+                time.sleep(0.05)
+
+    def worker_cpu(self) -> float:
+        """CPU seconds (user + system, all threads, live or ended) of the workers now."""
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return 0.0
+        total = 0
+        for pid in kids.split():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(stat[11]) + int(stat[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _request(port: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+    raw = json.dumps(body).encode()
+    head = ["POST /mcp HTTP/1.1", f"Host: 127.0.0.1:{port}", "Content-Type: application/json",
+            "Accept: application/json, text/event-stream", f"Content-Length: {len(raw)}",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
+
+
+def _echo_request(port: int, wire: str) -> bytes:
+    params: dict[str, Any] = {"name": "echo", "arguments": {"text": "hello"}}
+    if wire == "modern":
+        params["_meta"] = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                           "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
+                           "io.modelcontextprotocol/clientCapabilities": {}}
+        return _request(port, {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                               "params": params},
+                        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call",
+                         "Mcp-Name": "echo"})
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "bench", "version": "1"}}}
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(_request(port, init, {}))
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    sid = next(line.split(b":", 1)[1].strip().decode()
+               for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")
+               if line.lower().startswith(b"mcp-session-id:"))
+    return _request(port, {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params},
+                    {"MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": sid})
+
+
+async def _load(port: int, req: bytes, seconds: float, conns: int,
+                max_requests: int) -> tuple[int, int, float]:
+    """``(answered 200 with a result, other outcomes, elapsed seconds)``."""
+    ok = bad = started = 0
+    t0 = time.monotonic()
+    stop_at = t0 + seconds
+
+    async def one_client() -> None:
+        nonlocal ok, bad, started
+        reader: asyncio.StreamReader | None = None
+        writer: asyncio.StreamWriter | None = None
+        while time.monotonic() < stop_at and started < max_requests:
+            started += 1
+            try:
+                if writer is None:
+                    reader, writer = await asyncio.wait_for(
+                        asyncio.open_connection("127.0.0.1", port), 5)
+                assert reader is not None and writer is not None
+                writer.write(req)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                length, close = 0, False
+                for line in head.split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    k = k.strip().lower()
+                    if k == b"content-length":
+                        length = int(v)
+                    elif k == b"connection" and v.strip().lower() == b"close":
+                        close = True
+                body = await asyncio.wait_for(reader.readexactly(length), 10)
+                if head.startswith(b"HTTP/1.1 200") and b'"result"' in body:
+                    ok += 1
+                else:
+                    bad += 1
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
+                bad += 1
+                close = True
+            if close and writer is not None:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+                reader = writer = None
+        if writer is not None:
+            writer.close()
+
+    await asyncio.gather(*(one_client() for _ in range(conns)))
+    return ok, bad, time.monotonic() - t0
+
+
+def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires: list[str],
+               src: str | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-watch-") as tmp:
+        Path(tmp, "bench_watch_app.py").write_text(_WRAPPER)
+        for kind in ("sync", "gthread"):
+            on, off = Server(tmp, kind, True, src), Server(tmp, kind, False, src)
+            try:
+                for wire in wires:
+                    reqs = {s: _echo_request(s.port, wire) for s in (on, off)}
+                    for s in (on, off):  # warm up every worker
+                        asyncio.run(_load(s.port, reqs[s], 0.5, conns, max_requests))
+                    rate: dict[bool, list[float]] = {True: [], False: []}
+                    cpu: dict[bool, list[float]] = {True: [], False: []}
+                    ratio: list[float] = []
+                    cpu_ratio: list[float] = []
+                    bad = 0
+                    for r in range(rounds):
+                        got, used = {}, {}
+                        for s in ((on, off) if r % 2 == 0 else (off, on)):
+                            c0 = s.worker_cpu()
+                            n, b, dt = asyncio.run(_load(s.port, reqs[s], seconds, conns,
+                                                         max_requests))
+                            got[s is on] = n / dt
+                            used[s is on] = (s.worker_cpu() - c0) / max(n, 1)
+                            bad += b
+                        for w in (True, False):
+                            rate[w].append(got[w])
+                            cpu[w].append(used[w])
+                        ratio.append(got[True] / got[False])
+                        cpu_ratio.append(used[True] / used[False] if used[False] else 0.0)
+                    med = statistics.median
+                    print(f"  {kind:8s} {wire:7s} req/s watched {med(rate[True]):6.0f} "
+                          f"unwatched {med(rate[False]):6.0f} ratio {med(ratio):.2f} "
+                          f"[{min(ratio):.2f}..{max(ratio):.2f}] | worker CPU/request watched "
+                          f"{med(cpu[True]) * 1e6:5.0f} us unwatched {med(cpu[False]) * 1e6:5.0f}"
+                          f" us ratio {med(cpu_ratio):.2f} [{min(cpu_ratio):.2f}.."
+                          f"{max(cpu_ratio):.2f}] | other outcomes {bad}")
+            finally:
+                on.close()
+                off.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument("--baseline", default="e81deb4",
+                    help="git revision whose disconnect.Watcher to compare ('none': skip)")
+    ap.add_argument("--http", action="store_true", help="also the end-to-end measurement")
+    ap.add_argument("--no-calls", action="store_true", help="skip the per-call measurement")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--http-rounds", type=int, default=5)
+    ap.add_argument("--conns", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=50_000,
+                    help="the most requests one load sends")
+    ap.add_argument("--wire", choices=["legacy", "modern", "both"], default="both")
+    ap.add_argument("--src", help="the src directory gunicorn serves (default: this checkout)")
+    a = ap.parse_args(argv)
+    if not 1 <= a.rounds <= 1000 or not 1 <= a.ops <= 1_000_000 or not 0 < a.seconds <= 600:
+        ap.error("--rounds 1..1000, --ops 1..1000000, --seconds up to 600")
+    if not a.no_calls:
+        bench_calls(a.rounds, a.ops, None if a.baseline == "none" else a.baseline)
+    if a.http:
+        wires = ["legacy", "modern"] if a.wire == "both" else [a.wire]
+        print(f"end to end: echo, 4 workers, {a.conns} connections, median of {a.http_rounds}"
+              f" interleaved rounds of {a.seconds:g}s, serving "
+              f"{a.src or 'this checkout'}:")
+        bench_http(a.seconds, a.http_rounds, a.conns, a.requests, wires, a.src)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
