@@ -28,7 +28,7 @@ from shmcancel.cancellation import (
     RequestHandle,
     cancelled,
 )
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 
 class Clock:
@@ -510,7 +510,7 @@ def test_track_untrack_in_flight(rc):
     (key, owner), = reg.in_flight.scan()
     pid, start, tid, _token = owner
     assert key == ("s", "1")
-    assert (pid, start) == shmcancel.procinfo.me() and tid == threading.get_ident()
+    assert (pid, start) == shmcancel.shm.procinfo.me() and tid == threading.get_ident()
     c.untrack(1, "s")
     assert not c.in_flight(1, "s") and reg.in_flight.count() == 0
 
@@ -562,7 +562,7 @@ def test_track_raises_table_full(make):
 
 def test_begin_when_full_is_untracked_but_still_cancellable_locally(make, caplog):
     _reg, c = make(in_flight_capacity=2)
-    import shmcancel.cancellation as mod
+    import shmcancel.cancel.policy as mod
 
     mod._full_logged = False
     c.track(1, "s")
@@ -766,7 +766,7 @@ def test_module_cancelled_finds_the_attached_registry(rc, shm_name):
     _reg, c = rc
     other = Registry.attach(shm_name)  # this process's current registry now
     try:
-        assert shmcancel.registry.current() is other
+        assert shmcancel.shm.registry.current() is other
         conn = {"shmcancel.request_id": 3, "REMOTE_ADDR": "192.0.2.7"}
         assert cancelled(conn) is False
         c.cancel(3, None, "ip:192.0.2.7")
@@ -796,7 +796,7 @@ def test_module_cancelled_outside_a_request_is_false_and_never_raises(rc, conn):
 
 
 def test_module_cancelled_without_any_registry(monkeypatch):
-    import shmcancel.registry as regmod
+    import shmcancel.shm.registry as regmod
 
     monkeypatch.setattr(regmod, "_current", None)
     assert cancelled({"shmcancel.request_id": 1}) is False
@@ -879,7 +879,7 @@ def test_cancel_clear_sequences_match_the_model(shm_name, ops, max_rows, quota):
 
 
 def test_pid_is_this_process():
-    assert shmcancel.procinfo.me()[0] == os.getpid()
+    assert shmcancel.shm.procinfo.me()[0] == os.getpid()
 
 
 def test_a_handle_stays_cancelled_once_it_saw_it(rc):
@@ -907,7 +907,7 @@ def test_non_str_scope(rc, scope):
 
 
 def test_shm_backend_implements_the_storage_protocol(rc):
-    from shmcancel.backend import ShmBackend, Storage
+    from shmcancel.cancel.shm_storage import ShmBackend, Storage
 
     reg, c = rc
     assert isinstance(c._store, ShmBackend)

@@ -22,7 +22,7 @@ from procs import wait_zombie
 
 from shmcancel import CancellationLimitReached, Config, TableFull, telemetry
 from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 TIMEOUT = 10.0
 

@@ -27,8 +27,8 @@ from procs import child, reap, recv
 
 from shmcancel import Cancellation, Config, Registry
 from shmcancel.exceptions import ShmCancelError
-from shmcancel.sessions import SessionStore
-from shmcancel.table import Table, _geometry
+from shmcancel.mcp.sessions import SessionStore
+from shmcancel.shm.table import Table, _geometry
 
 CFG = Config(max_rows=64, capacity=64, in_flight_capacity=32, session_capacity=16,
              lock_timeout=5.0)

@@ -23,7 +23,7 @@ import pytest
 from test_table import Rig, healthy, same_home_keys
 
 from shmcancel.exceptions import TableFull
-from shmcancel.table import Table
+from shmcancel.shm.table import Table
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import crash_loop

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shmcancel.eviction import batch_size, choose, rank
+from shmcancel.cancel.eviction import batch_size, choose, rank
 
 
 @pytest.mark.parametrize(

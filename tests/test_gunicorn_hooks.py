@@ -21,7 +21,7 @@ from gunicorn_harness import Gunicorn, alive, wait_until
 from mcp_client import ACCEPT, LEGACY, reply_of
 
 from shmcancel.errors import REQUEST_CANCELLED
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
 APP = "tests.apps.hooks_app:app"

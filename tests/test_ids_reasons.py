@@ -8,8 +8,8 @@ import enum
 import pytest
 
 from shmcancel import InvalidRequestId
-from shmcancel.ids import key, require_key
-from shmcancel.reasons import STRIPPED, sanitize
+from shmcancel.cancel.ids import key, require_key
+from shmcancel.cancel.reasons import STRIPPED, sanitize
 
 
 class Color(enum.IntEnum):

@@ -16,8 +16,9 @@ import pytest
 from gunicorn_harness import Gunicorn, wait_until
 from mcp_client import dump
 
-from shmcancel import Cancellation, Config, Registry, procinfo
-from shmcancel.janitor import Janitor
+from shmcancel import Cancellation, Config, Registry
+from shmcancel.cancel.janitor import Janitor
+from shmcancel.shm import procinfo
 
 FAST = Config(max_rows=100, capacity=100, in_flight_capacity=16, session_capacity=16,
               ttl=0.1, janitor_interval=0.3)

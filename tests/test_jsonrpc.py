@@ -1,4 +1,4 @@
-"""JSON-RPC envelope rules (shmcancel.jsonrpc): decode, classify, reject — a table of cases."""
+"""JSON-RPC envelope rules (shmcancel.mcp.jsonrpc): decode, classify, reject — a table of cases."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcancel import errors
-from shmcancel.jsonrpc import (
+from shmcancel.mcp.jsonrpc import (
     Notification,
     Request,
     Response,

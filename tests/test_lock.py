@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from shmcancel import procinfo, telemetry
+from shmcancel import telemetry
 from shmcancel.config import Config
 from shmcancel.exceptions import LockTimeout
-from shmcancel.lock import _GEN, _OWNER, RegistryLock
-from shmcancel.segment import OFF_RECOVERIES, Segment, TableSpec, open_lockfile
+from shmcancel.shm import procinfo
+from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
+from shmcancel.shm.segment import OFF_RECOVERIES, Segment, TableSpec, open_lockfile
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmcancel.origin import LOCALHOST_ORIGINS, Origin, OriginPolicy, parse_origin
+from shmcancel.mcp.origin import LOCALHOST_ORIGINS, Origin, OriginPolicy, parse_origin
 
 ALLOWED_BY_DEFAULT = [
     "http://localhost", "http://localhost:8000", "https://localhost:1", "http://127.0.0.1",

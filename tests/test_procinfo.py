@@ -9,7 +9,7 @@ import signal
 import pytest
 from procs import wait_zombie
 
-from shmcancel import procinfo
+from shmcancel.shm import procinfo
 
 
 def _fork_waiting() -> tuple[int, int]:

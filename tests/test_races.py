@@ -28,12 +28,12 @@ from mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
 from test_cancellation_procs import Chan, Child, registry, spawn  # noqa: F401 (fixtures)
 from test_server import environ_for, run
 
-import shmcancel.cancellation as cancellation_mod
+import shmcancel.cancel.policy as cancellation_mod
 from shmcancel import LockTimeout, errors
+from shmcancel.cancel.janitor import Janitor
 from shmcancel.cancellation import Cancellation
-from shmcancel.janitor import Janitor
-from shmcancel.registry import Registry
 from shmcancel.server import McpServer
+from shmcancel.shm.registry import Registry
 
 TIMEOUT = 10.0
 SCOPE_ENV = environ_for()  # the in-process client's address: its scope is ip:203.0.113.7

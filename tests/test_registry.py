@@ -15,7 +15,6 @@ from conftest import leftovers
 from procs import child, reap, recv
 
 import shmcancel
-from shmcancel import procinfo, registry
 from shmcancel.config import Config
 from shmcancel.exceptions import (
     InvalidRegistryName,
@@ -25,8 +24,9 @@ from shmcancel.exceptions import (
     SegmentTooLarge,
     ShmCancelError,
 )
-from shmcancel.registry import Registry, record_sizes
-from shmcancel.segment import lock_path, segment_path, sem_path
+from shmcancel.shm import procinfo, registry
+from shmcancel.shm.registry import Registry, record_sizes
+from shmcancel.shm.segment import lock_path, segment_path, sem_path
 
 pytestmark = pytest.mark.timeout(30)
 

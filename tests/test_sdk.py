@@ -16,7 +16,7 @@ from gunicorn_harness import Gunicorn
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
 MODES = ["legacy", "2026-07-28", "auto"]

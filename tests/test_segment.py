@@ -12,7 +12,6 @@ import pytest
 from conftest import leftovers
 from procs import child
 
-from shmcancel import procinfo
 from shmcancel.config import Config
 from shmcancel.exceptions import (
     InvalidRegistryName,
@@ -20,7 +19,8 @@ from shmcancel.exceptions import (
     RegistryNotFound,
     SegmentTooLarge,
 )
-from shmcancel.segment import (
+from shmcancel.shm import procinfo
+from shmcancel.shm.segment import (
     CONFIG_FIELDS,
     HEADER_SIZE,
     Segment,

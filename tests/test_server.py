@@ -20,15 +20,15 @@ import pytest
 import shmcancel
 from shmcancel import errors
 from shmcancel.config import Config
-from shmcancel.registry import Registry
-from shmcancel.server import McpServer, ToolError, progress
-from shmcancel.sessions import SessionStore
-from shmcancel.wire import (
+from shmcancel.mcp.sessions import SessionStore
+from shmcancel.mcp.wire import (
     CLIENT_CAPABILITIES_META_KEY,
     CLIENT_INFO_META_KEY,
     SERVER_INFO_META_KEY,
 )
-from shmcancel.wire import PROTOCOL_VERSION_META_KEY as PV_KEY
+from shmcancel.mcp.wire import PROTOCOL_VERSION_META_KEY as PV_KEY
+from shmcancel.server import McpServer, ToolError, progress
+from shmcancel.shm.registry import Registry
 
 MODERN = "2026-07-28"
 ACCEPT_BOTH = "application/json, text/event-stream"
@@ -816,7 +816,7 @@ def test_chunked_body_under_limit_is_read(stateless: McpServer) -> None:
 
 
 def test_no_registry_is_a_clear_503(signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmcancel import registry as registry_mod
+    from shmcancel.shm import registry as registry_mod
     # Whatever earlier tests left attached in this process, this server finds no registry.
     monkeypatch.setattr(registry_mod, "current", lambda: None)
     server = make_server(None, signals, sessions=False)

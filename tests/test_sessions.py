@@ -22,8 +22,8 @@ from mcp_client import ACCEPT, LEGACY, dump, reply_of
 from procs import child, reap, recv
 
 from shmcancel import Config, errors
-from shmcancel.registry import Registry
-from shmcancel.sessions import SessionsFull, SessionStore
+from shmcancel.mcp.sessions import SessionsFull, SessionStore
+from shmcancel.shm.registry import Registry
 
 TTL = 100.0
 PER_CLIENT = 4

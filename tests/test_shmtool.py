@@ -17,7 +17,7 @@ import pytest
 from shmcancel import Config
 from shmcancel.cancellation import Cancellation
 from shmcancel.exceptions import ShmCancelError
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
                session_capacity=8)

@@ -23,7 +23,7 @@ from gunicorn_harness import Gunicorn
 
 from shmcancel import Config, shmtool
 from shmcancel.exceptions import ShmCancelError
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 SHM = "/dev/shm"
 NOBODY = 65534
@@ -77,7 +77,7 @@ CREATE = """
 import sys
 from shmcancel import Config
 from shmcancel.exceptions import ShmCancelError
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 try:
     Registry.create(sys.argv[1], Config(capacity=200, max_rows=100, max_rows_per_scope=50,
                                         in_flight_capacity=32, session_capacity=8))
@@ -89,7 +89,7 @@ except ShmCancelError as e:
 ATTACH = """
 import sys
 from shmcancel.exceptions import ShmCancelError
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 try:
     Registry.attach(sys.argv[1], readonly=sys.argv[2] == "ro")
 except ShmCancelError as e:

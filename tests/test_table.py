@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 from shmcancel.exceptions import RowTooLarge, TableFull
-from shmcancel.table import PreparedKey, Table
+from shmcancel.shm.table import PreparedKey, Table
 
 HASH_KEY = bytes(range(32))
 

@@ -1,4 +1,4 @@
-"""Per-wire protocol rules (shmcancel.wire): detection, the 2026-07-28 ladder, Accept and
+"""Per-wire protocol rules (shmcancel.mcp.wire): detection, the 2026-07-28 ladder, Accept and
 Content-Type, result shaping. Pure, tables of cases."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import base64
 import pytest
 
 from shmcancel import errors
-from shmcancel.jsonrpc import Notification, Request, RpcError
-from shmcancel.wire import (
+from shmcancel.mcp.jsonrpc import Notification, Request, RpcError
+from shmcancel.mcp.wire import (
     CLIENT_CAPABILITIES_META_KEY as CAPS,
 )
-from shmcancel.wire import (
+from shmcancel.mcp.wire import (
     CLIENT_INFO_META_KEY as INFO,
 )
-from shmcancel.wire import (
+from shmcancel.mcp.wire import (
     PROTOCOL_VERSION_META_KEY as PV,
 )
-from shmcancel.wire import (
+from shmcancel.mcp.wire import (
     SERVER_INFO_META_KEY,
     SUPPORTED_VERSIONS,
     RequestHeaders,

@@ -74,7 +74,8 @@ try:
 except ImportError as e:  # gunicorn, httpx, pytest: the test extra
     sys.exit(f"tools/torture.py needs the test extra (bash tools/test.sh makes .venv): {e}")
 
-from shmcancel import Registry, procinfo  # noqa: E402
+from shmcancel import Registry  # noqa: E402
+from shmcancel.shm import procinfo  # noqa: E402
 
 CONFIG = str(REPO_ROOT / "tools" / "torture_gunicorn.conf.py")
 SCENARIOS = ("steady", "lock-stall", "hup-usr2", "session-flood", "cancel-flood")

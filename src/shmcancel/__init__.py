@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import errors, principal, telemetry
-from .cancellation import Cancellation, RequestHandle, cancelled
+from .cancel.policy import Cancellation, RequestHandle, cancelled
 from .config import Config
 from .exceptions import (
     CancellationLimitReached,
@@ -17,9 +17,9 @@ from .exceptions import (
     ShmCancelError,
     TableFull,
 )
-from .lock import RegistryLock
-from .registry import Registry
-from .server import McpServer, ToolError
+from .mcp.server import McpServer, ToolError
+from .shm.lock import RegistryLock
+from .shm.registry import Registry
 
 __all__ = [
     "Cancellation",

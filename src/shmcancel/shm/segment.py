@@ -60,15 +60,15 @@ from typing import Any, NamedTuple
 
 import posix_ipc
 
-from . import procinfo
-from .config import Config
-from .exceptions import (
+from ..config import Config
+from ..exceptions import (
     InvalidRegistryName,
     RegistryIncompatible,
     RegistryNotFound,
     SegmentTooLarge,
     ShmCancelError,
 )
+from . import procinfo
 
 __all__ = [
     "HEADER_SIZE",

@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
-from . import procinfo, telemetry
-from .exceptions import LockTimeout, ShmCancelError
+from .. import telemetry
+from ..exceptions import LockTimeout, ShmCancelError
+from . import procinfo
 from .segment import (
     OFF_LOCK_GENERATION,
     OFF_LOCK_OWNER,

@@ -29,9 +29,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..config import Config
+from ..exceptions import RegistryIncompatible, ShmCancelError
 from . import procinfo
-from .config import Config
-from .exceptions import RegistryIncompatible, ShmCancelError
 from .lock import RegistryLock
 from .segment import (
     LAYOUT_VERSION,

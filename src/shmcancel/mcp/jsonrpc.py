@@ -4,7 +4,7 @@ replies. Pure: no I/O, no HTTP, no registry.
 What MCP narrows in JSON-RPC (and what this module therefore rejects):
 
 - an ``id`` is an integer or a string, never ``null``, a float or a ``bool``; shmcancel also
-  caps it at :data:`shmcancel.ids.MAX_ID_BYTES` (the request is tracked under ``str(id)``);
+  caps it at :data:`shmcancel.cancel.ids.MAX_ID_BYTES` (the request is tracked under ``str(id)``);
 - ``params``, when present, is an object;
 - one message per POST: JSON-RPC batching was removed from MCP in 2025-06-18 (and never
   existed on the 2026-07-28 wire), so a JSON array is answered ``-32600``.
@@ -20,7 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors, ids
+from ..cancel import ids
+from . import codes
 
 __all__ = [
     "Notification",
@@ -99,7 +100,7 @@ def decode(body: bytes) -> Any:
         text = body.decode("utf-8")
         return json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are both
-        raise RpcError(errors.PARSE_ERROR, f"Parse error: {_short(e)}") from None
+        raise RpcError(codes.PARSE_ERROR, f"Parse error: {_short(e)}") from None
 
 
 def _valid_id(value: Any) -> bool:
@@ -110,30 +111,30 @@ def parse(obj: Any) -> Message:
     """Classify a decoded body as a :class:`Request`, :class:`Notification` or client
     :class:`Response`, validating the envelope. Raises :class:`RpcError` (HTTP 400)."""
     if isinstance(obj, list):
-        raise RpcError(errors.INVALID_REQUEST,
+        raise RpcError(codes.INVALID_REQUEST,
                        "Batch requests are not supported: send one JSON-RPC message per POST")
     if not isinstance(obj, dict):
-        raise RpcError(errors.INVALID_REQUEST, "Invalid Request: the body must be a JSON-RPC "
+        raise RpcError(codes.INVALID_REQUEST, "Invalid Request: the body must be a JSON-RPC "
                        "request or notification object")
     has_id = "id" in obj
     raw_id = obj.get("id")
     echo = raw_id if has_id and _valid_id(raw_id) else None
     if obj.get("jsonrpc") != JSONRPC_VERSION:
-        raise RpcError(errors.INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', id=echo)
+        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', id=echo)
     if "method" not in obj:
         if ("result" in obj) != ("error" in obj) and has_id:
             return Response(raw_id if echo is not None else None)
-        raise RpcError(errors.INVALID_REQUEST,
+        raise RpcError(codes.INVALID_REQUEST,
                        'Invalid Request: a request needs a "method" string', id=echo)
     method = obj["method"]
     if not isinstance(method, str):
-        raise RpcError(errors.INVALID_REQUEST, 'Invalid Request: "method" must be a string',
+        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "method" must be a string',
                        id=echo)
     if has_id and echo is None:
-        raise RpcError(errors.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
+        raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        f'Invalid params: "params" must be an object, got {_json_type(params)}',
                        id=echo)
     if has_id:

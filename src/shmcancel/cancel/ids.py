@@ -16,7 +16,7 @@ Subclasses are reduced to the base type's text (an ``IntEnum`` member keys as it
 
 from __future__ import annotations
 
-from .exceptions import InvalidRequestId
+from ..exceptions import InvalidRequestId
 
 __all__ = ["MAX_ID_BYTES", "key", "require_key"]
 

@@ -1,7 +1,7 @@
 """MCP sessions (2025-era wire) kept in the registry's shared tables, so a session minted by one
 worker is accepted by every other, bounded per client so that no client can log others out.
 
-Tables (see :mod:`shmcancel.registry`):
+Tables (see :mod:`shmcancel.shm.registry`):
 
 - ``sessions``: ``session_id -> (created, last_seen, protocol_version, client)`` — wall-clock
   seconds (the ``clock``, default :func:`time.time`, shared by every process), the version
@@ -53,8 +53,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import procinfo
-from .exceptions import LockTimeout, ShmCancelError, TableFull
+from ..exceptions import LockTimeout, ShmCancelError, TableFull
+from ..shm import procinfo
 from .wire import valid_session_id
 
 __all__ = ["RETRY_AFTER", "SWEEP_EVERY", "TOUCH_INTERVAL", "Call", "Session", "SessionStore",

@@ -72,7 +72,7 @@ from typing import Any, Literal, Protocol
 
 import msgpack
 
-from .exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
+from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
 
 __all__ = ["Kind", "Lock", "PreparedKey", "Table", "TableCorrupted", "Watch"]
 

@@ -15,9 +15,9 @@ import logging
 import threading
 import time
 
-from . import cancellation as _cancellation
-from .cancellation import Cancellation, owed_ends
-from .exceptions import LockTimeout
+from ..exceptions import LockTimeout
+from . import policy as _cancellation
+from .policy import Cancellation, owed_ends
 
 __all__ = ["Janitor"]
 

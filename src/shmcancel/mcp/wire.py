@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import errors
+from . import codes
 from .jsonrpc import Message, Notification, Request, RpcError
 
 __all__ = [
@@ -145,7 +145,7 @@ def _meta_of(msg: Message) -> Any:
 def _unsupported(requested: str, id: int | str | None) -> RpcError:
     shown = requested if len(requested) <= 128 else requested[:128] + "..."
     return RpcError(
-        errors.UNSUPPORTED_PROTOCOL_VERSION,
+        codes.UNSUPPORTED_PROTOCOL_VERSION,
         f"Unsupported protocol version: {shown!r}",
         id=id,
         data={"supported": list(SUPPORTED_VERSIONS), "requested": shown},
@@ -207,7 +207,7 @@ def decode_header_value(value: str | None) -> str | None:
 
 
 def _mismatch(message: str, id: int | str | None) -> RpcError:
-    return RpcError(errors.HEADER_MISMATCH, f"Header mismatch: {message}", id=id)
+    return RpcError(codes.HEADER_MISMATCH, f"Header mismatch: {message}", id=id)
 
 
 def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
@@ -226,14 +226,14 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
     params = msg.params
     meta = params.get("_meta") if params is not None else None
     if not isinstance(meta, dict):
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        "Invalid params: params._meta must be an object carrying "
                        f"{PROTOCOL_VERSION_META_KEY!r} and {CLIENT_CAPABILITIES_META_KEY!r}",
                        id=rid)
     missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY)
                if k not in meta]
     if missing:
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        f"Invalid params: params._meta lacks {', '.join(missing)}", id=rid)
     version = meta[PROTOCOL_VERSION_META_KEY]
     header_version = headers.protocol_version
@@ -253,18 +253,18 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
         if decode_header_value(headers.name) != params[name_key]:
             raise _mismatch(f"Mcp-Name does not match params.{name_key}", rid)
     if not isinstance(version, str):  # unreachable with a header (a header is a str), kept total
-        raise RpcError(errors.INVALID_PARAMS, "Invalid params: the protocol version must be a "
+        raise RpcError(codes.INVALID_PARAMS, "Invalid params: the protocol version must be a "
                        "string", id=rid)
     if version not in MODERN_VERSIONS:
         raise _unsupported(version, rid)
     caps = meta[CLIENT_CAPABILITIES_META_KEY]
     if not isinstance(caps, dict):
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        f"Invalid params: {CLIENT_CAPABILITIES_META_KEY!r} must be an object",
                        id=rid)
     info = meta.get(CLIENT_INFO_META_KEY)
     if info is not None and not isinstance(info, dict):
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        f"Invalid params: {CLIENT_INFO_META_KEY!r} must be an object", id=rid)
     return Envelope(version, info, caps)
 
@@ -398,13 +398,13 @@ def progress_token(msg: Request | Notification) -> int | str | None:
     rid = msg.id if isinstance(msg, Request) else None
     status = 200 if isinstance(msg, Request) else 400
     if not isinstance(meta, dict):
-        raise RpcError(errors.INVALID_PARAMS, "Invalid params: params._meta must be an object",
+        raise RpcError(codes.INVALID_PARAMS, "Invalid params: params._meta must be an object",
                        id=rid, status=status)
     token = meta.get("progressToken")
     if token is None:
         return None
     if isinstance(token, bool) or not isinstance(token, int | str):
-        raise RpcError(errors.INVALID_PARAMS,
+        raise RpcError(codes.INVALID_PARAMS,
                        "Invalid params: _meta.progressToken must be a string or an integer",
                        id=rid, status=status)
     return token
@@ -484,14 +484,14 @@ def dispatch_status(wire: Wire, code: int) -> int:
     (``-32020``, ``-32021``, ``-32022``: 400) and an unknown method on that wire (``-32601``:
     404, as 2026-07-28 requires; 200 on the legacy wire, where a client may take a 404 for
     "session gone"). ``-32700``/``-32600`` say the message was not a request: 400. What is
-    decided elsewhere: the envelope errors of :func:`shmcancel.jsonrpc.parse` and of
+    decided elsewhere: the envelope errors of :func:`shmcancel.mcp.jsonrpc.parse` and of
     :func:`validate_modern` (400), session, Origin, size and media-type refusals, the quota
     refusal of a ``notifications/cancelled`` (429).
     """
-    if code in (errors.PARSE_ERROR, errors.INVALID_REQUEST, errors.HEADER_MISMATCH, -32021,
-                errors.UNSUPPORTED_PROTOCOL_VERSION):
+    if code in (codes.PARSE_ERROR, codes.INVALID_REQUEST, codes.HEADER_MISMATCH, -32021,
+                codes.UNSUPPORTED_PROTOCOL_VERSION):
         return 400
-    if code == errors.METHOD_NOT_FOUND:
+    if code == codes.METHOD_NOT_FOUND:
         return 404 if wire is Wire.MODERN else 200
     return 200
 
