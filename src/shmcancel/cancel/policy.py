@@ -61,11 +61,10 @@ For each dispatched ``tools/call``::
   carries a per-process token; :data:`_running` holds the tokens of requests still running),
   so even a dropped owed end leaves nothing behind.
 
-:func:`cancelled` (module level, what tools call) finds the request through the conn:
-``conn["shmcancel.handle"]`` when present; else ``conn["shmcancel.request_id"]`` with
-``scope(conn)``, using ``conn["shmcancel.cancellation"]`` (a :class:`Cancellation`) or one over
-the process's attached registry (``shmcancel.shm.registry.current()``). Outside a dispatched request
-it returns ``False``; it never raises.
+Scopes arrive as strings. A conn (the WSGI environ) is read only through the installed
+:class:`ConnReader` (:meth:`Cancellation.scope`, :meth:`Cancellation.cancelled` with a mapping):
+the environ keys and the scope lookup belong to the transport, :mod:`shmcancel.mcp.conn`, which
+also holds :func:`shmcancel.cancelled`, what tools call.
 
 The janitor
 -----------
@@ -93,38 +92,30 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import telemetry
 from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError, TableFull
-from ..mcp import principal
 from ..shm import procinfo
+from ..shm.registry import Registry
 from . import ids
 from .eviction import batch_size
 from .reasons import sanitize
 from .shm_storage import Owner, Poll, ShmBackend, Storage
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..shm.registry import Registry
-
 __all__ = [
-    "CANCELLATION_KEY",
     "CANCELLED_EVENT",
     "CLEANUP_EVENT",
-    "HANDLE_KEY",
-    "REQUEST_ID_KEY",
     "Cancellation",
+    "ConnReader",
     "RequestHandle",
-    "cancelled",
     "owed_ends",
+    "read_conns_with",
     "settle_owed",
 ]
 
 log = logging.getLogger("shmcancel.cancellation")
 
-HANDLE_KEY = "shmcancel.handle"
-REQUEST_ID_KEY = "shmcancel.request_id"
-CANCELLATION_KEY = "shmcancel.cancellation"
 CANCELLED_EVENT = ("shmcancel", "request", "cancelled")
 CLEANUP_EVENT = ("shmcancel", "cancellation", "cleanup")
 
@@ -159,6 +150,41 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+class ConnReader(Protocol):
+    """How a conn (a mapping) names its request and its caller. The transport provides one
+    (:mod:`shmcancel.mcp.conn`); the package installs it at import (:func:`read_conns_with`)."""
+
+    def handle(self, conn: Mapping[str, Any]) -> Any: ...
+    def request_id(self, conn: Mapping[str, Any]) -> Any: ...
+    def scope(self, conn: object) -> str: ...
+
+
+class _NoConns:
+    """Before a transport is installed a conn names no request, and every caller is global."""
+
+    @staticmethod
+    def handle(conn: Mapping[str, Any]) -> Any:
+        return None
+
+    @staticmethod
+    def request_id(conn: Mapping[str, Any]) -> Any:
+        return None
+
+    @staticmethod
+    def scope(conn: object) -> str:
+        return "global"
+
+
+_conns: ConnReader = _NoConns()
+
+
+def read_conns_with(reader: ConnReader) -> None:
+    """Read conns with ``reader`` in :meth:`Cancellation.scope` and :meth:`Cancellation.cancelled`
+    (the scope lookup and the environ keys belong to the transport, above this layer)."""
+    global _conns
+    _conns = reader
 
 
 def _valid_scope(scope: object) -> bool:
@@ -203,8 +229,8 @@ class Cancellation:
     @staticmethod
     def scope(conn: object) -> str:
         """The caller's scope (SPEC §3): session → principal → ip bucket; ``"global"`` for a
-        non-mapping."""
-        return principal.scope(conn)
+        non-mapping (read by the installed :class:`ConnReader`)."""
+        return _conns.scope(conn)
 
     # --- cancellation rows
     def cancel(self, request_id: object, reason: object = None, scope: str = "global") -> None:
@@ -271,11 +297,11 @@ class Cancellation:
         try:
             x = conn_or_request_id
             if type(x) is dict or isinstance(x, Mapping):
-                h = x.get(HANDLE_KEY)
+                h = _conns.handle(x)
                 if isinstance(h, RequestHandle) and h._c._store is self._store:
                     return h.cancelled()
-                x = x.get(REQUEST_ID_KEY)
-                scope = principal.scope(conn_or_request_id)
+                x = _conns.request_id(x)
+                scope = _conns.scope(conn_or_request_id)
             rid = ids.key(x)
             if rid is None or (type(scope) is not str and not isinstance(scope, str)):
                 return False
@@ -685,54 +711,3 @@ def _log_untracked(e: Exception) -> None:
             "a request could not be tracked (%s); it runs uncancellable by notifications. "
             "Raise Config.in_flight_capacity. (Logged once per process.)", e,
         )
-
-
-_defaults: dict[int, tuple[Any, Cancellation]] = {}
-_registry_module: Any = None
-
-
-def _current_registry() -> Any:
-    """``shmcancel.shm.registry.current()``, imported on first use (the registry layer is optional
-    for a Cancellation over another backend)."""
-    global _registry_module
-    if _registry_module is None:
-        from ..shm import registry
-
-        _registry_module = registry
-    return _registry_module.current()
-
-
-def _default_for(reg: Any) -> Cancellation:
-    entry = _defaults.get(id(reg))
-    if entry is not None and entry[0] is reg:
-        return entry[1]
-    c = Cancellation(reg)
-    _defaults.clear()  # one attached registry per process, normally
-    _defaults[id(reg)] = (reg, c)
-    return c
-
-
-def cancelled(conn: object) -> bool:
-    """Whether the request being dispatched with ``conn`` is cancelled: what a tool polls.
-
-    Uses ``conn["shmcancel.handle"]`` (a :class:`RequestHandle` put there by the transport) when
-    present; else ``conn["shmcancel.request_id"]`` in ``scope(conn)``, with
-    ``conn["shmcancel.cancellation"]`` or a :class:`Cancellation` over the process's attached
-    registry. ``False`` outside a dispatched request (no handle, no request id, no registry);
-    never raises.
-    """
-    try:
-        h = conn.get(HANDLE_KEY)  # type: ignore[attr-defined]
-        if h is not None:
-            return h.cancelled() is True
-        if conn.get(REQUEST_ID_KEY) is None:  # type: ignore[attr-defined]
-            return False
-        c = conn.get(CANCELLATION_KEY)  # type: ignore[attr-defined]
-        if not isinstance(c, Cancellation):
-            reg = _current_registry()
-            if reg is None:
-                return False
-            c = _default_for(reg)
-        return c.cancelled(conn)
-    except Exception:
-        return False

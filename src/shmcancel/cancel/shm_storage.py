@@ -8,17 +8,15 @@ import contextlib
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Container
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import Config
 from ..exceptions import TableFull
 from ..shm import procinfo
+from ..shm.registry import Registry
 from ..shm.table import PreparedKey
 from . import eviction
 from .storage import Owner, Poll, Storage
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..shm.registry import Registry
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 

@@ -92,10 +92,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cancel import ids
-from ..cancel.policy import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY, Cancellation
+from ..cancel.policy import Cancellation
 from ..exceptions import CancellationLimitReached, InvalidRequestId, LockTimeout, ShmCancelError
 from ..shm import registry
 from . import codes, jsonrpc, principal
+from .conn import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY
 from .disconnect import Watcher
 from .jsonrpc import Notification, Request, Response, RpcError
 from .origin import OriginPolicy
