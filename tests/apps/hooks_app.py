@@ -1,5 +1,5 @@
-"""The app tests/test_gunicorn_hooks.py serves with the example's gunicorn.conf.py: the example's
-MCP tools at ``/mcp``, plus two plain endpoints that look inside the worker.
+"""The app tests/integration/test_gunicorn_hooks.py serves with the example's gunicorn.conf.py:
+the example's MCP tools at ``/mcp``, plus two plain endpoints that look inside the worker.
 
 - ``GET /whoami``: ``{"pid", "registry", "threads"}``: the worker and the name of the registry
   ``shmcancel.shm.registry.current()`` gives it (``null`` when it has none).

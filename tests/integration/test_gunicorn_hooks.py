@@ -17,11 +17,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn, alive, wait_until
-from mcp_client import ACCEPT, LEGACY, reply_of
+from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, reply_of
 
 from shmcancel.errors import REQUEST_CANCELLED
 from shmcancel.shm.registry import Registry
+
+pytestmark = pytest.mark.integration
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
 APP = "tests.apps.hooks_app:app"

@@ -14,12 +14,13 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn
+from helpers.clock import Clock
+from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import ACCEPT, LEGACY, dump, reply_of
+from helpers.procs import child, reap, recv
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from mcp_client import ACCEPT, LEGACY, dump, reply_of
-from procs import child, reap, recv
 
 from shmcancel import Config, errors
 from shmcancel.mcp.sessions import SessionsFull, SessionStore
@@ -35,14 +36,6 @@ def small() -> Config:
                   sessions_per_client=PER_CLIENT, session_ttl=TTL)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def reg(shm_name: str) -> Iterator[Registry]:
     r = Registry.create(shm_name, small())
@@ -54,7 +47,7 @@ def reg(shm_name: str) -> Iterator[Registry]:
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1000.0)
 
 
 @pytest.fixture
@@ -65,7 +58,7 @@ def store(reg: Registry, clock: Clock) -> SessionStore:
 def mint(store: SessionStore, clock: Clock, client: str, n: int = 1) -> list[str]:
     out = []
     for _ in range(n):
-        clock.now += 1
+        clock.t += 1
         out.append(store.create(LEGACY, client).id)
     return out
 
@@ -99,7 +92,7 @@ def test_a_client_only_displaces_its_own_sessions(store: SessionStore, clock: Cl
 
 def test_the_least_recently_seen_goes_first(store: SessionStore, clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 4)
-    clock.now += 5
+    clock.t += 5
     store.touch(store.get(s[0]))  # type: ignore[arg-type]
     mint(store, clock, "ip:192.0.2.9")
     assert live(store, s) == [s[0], s[2], s[3]]
@@ -116,7 +109,7 @@ def test_a_session_with_a_call_in_flight_is_never_displaced(store: SessionStore,
     mint(store, clock, "ip:192.0.2.9", 5)
     assert store.get(s[0]) is not None  # the other call still runs
     store.end_call(calls[1])  # type: ignore[arg-type]
-    clock.now += 1
+    clock.t += 1
     more = mint(store, clock, "ip:192.0.2.9", 4)
     assert store.get(s[0]) is None  # idle now: displaceable again
     # every session of the client busy: refused, nothing written, nobody displaced
@@ -171,7 +164,7 @@ def test_full_of_other_clients_refuses_a_new_client(store: SessionStore, reg: Re
     assert sorted(reg.sessions.scan()) == rows  # nothing written, nobody evicted
     assert store.client_sessions("ip:198.51.100.7") == ()
     # even when every other session has expired, a mint removes none of them: the sweep does
-    clock.now += TTL + 1
+    clock.t += TTL + 1
     with pytest.raises(SessionsFull):
         store.create(LEGACY, "ip:198.51.100.7")
     assert store.sweep_all() == 16 and store.count() == 0
@@ -193,7 +186,7 @@ def test_mint_never_scans_the_table(store: SessionStore, reg: Registry, clock: C
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     for i in range(4):
         mint(store, clock, f"ip:192.0.2.{i}", 4)
-    clock.now += TTL + 1  # all expired: the old mint swept them all, under the lock
+    clock.t += TTL + 1  # all expired: the old mint swept them all, under the lock
 
     def scan(*a: Any, **k: Any) -> Any:
         raise AssertionError("a mint scanned the sessions table")
@@ -213,7 +206,7 @@ def test_expiry_is_swept_in_bounded_pieces(reg: Registry, clock: Clock) -> None:
     for i in range(4):
         ids += mint(store, clock, f"ip:192.0.2.{i}", 4)
     busy = store.begin_call(store.get(ids[5]))  # type: ignore[arg-type]
-    clock.now += TTL + 10
+    clock.t += TTL + 10
     nslots = reg.sessions.nslots
     removed = []
     for _ in range(2 * nslots // 16):  # a pass may miss a row shifted across the table's end
@@ -226,7 +219,7 @@ def test_expiry_is_swept_in_bounded_pieces(reg: Registry, clock: Clock) -> None:
     assert [store.client_sessions(f"ip:192.0.2.{i}") for i in range(4)] == [(), (ids[5],), (), ()]
     store.end_call(busy)  # type: ignore[arg-type]  # and seen now
     assert store.sweep_all() == 0
-    clock.now += TTL + 10
+    clock.t += TTL + 10
     assert store.sweep_all() == 1 and store.count() == 0
 
 
@@ -297,7 +290,7 @@ class SessionModel(RuleBasedStateMachine):
         name = f"{self.base}.{next(self.made)}"
         self.names.append(name)
         self.reg = Registry.create(name, small())
-        self.clock = Clock()
+        self.clock = Clock(1000.0)
         self.store = SessionStore(self.reg, clock=self.clock)
         self.store._next_sweep = float("inf")  # sweeps only when the rule runs one
         self.model: dict[str, tuple[str, float]] = {}  # id -> (client, last_seen)
@@ -316,12 +309,12 @@ class SessionModel(RuleBasedStateMachine):
         return ids[data.draw(st.integers(0, len(ids) - 1))]
 
     def expired(self, sid: str) -> bool:
-        return (self.clock.now - self.model[sid][1] > TTL
+        return (self.clock.t - self.model[sid][1] > TTL
                 and not self.calls.get(sid))
 
     @rule(client=st.sampled_from(CLIENTS), dt=st.sampled_from([0.0, 1.0, 30.0]))
     def create(self, client: str, dt: float) -> None:
-        self.clock.now += dt
+        self.clock.t += dt
         mine = [s for s, (c, _) in self.model.items() if c == client]
         idle = [s for s in mine if not self.calls.get(s)]
         must_displace = (len(mine) >= PER_CLIENT
@@ -337,12 +330,12 @@ class SessionModel(RuleBasedStateMachine):
             gone = [s for s in idle if self.reg.sessions.get(s) is None]
             assert len(gone) == 1 and self.model[gone[0]][1] == oldest
             del self.model[gone[0]]
-        self.model[new.id] = (client, self.clock.now)
+        self.model[new.id] = (client, self.clock.t)
 
     @rule(data=st.data())
     @precondition(lambda self: self.model)
     def touch(self, data: st.DataObject) -> None:
-        self.clock.now += 2
+        self.clock.t += 2
         sid = self.pick(data, list(self.model))
         s = self.store.get(sid)
         if self.expired(sid):
@@ -351,7 +344,7 @@ class SessionModel(RuleBasedStateMachine):
             return
         assert s is not None
         self.store.touch(s)
-        self.model[sid] = (self.model[sid][0], self.clock.now)
+        self.model[sid] = (self.model[sid][0], self.clock.t)
 
     @rule(data=st.data())
     @precondition(lambda self: self.model and sum(map(len, self.calls.values())) < 16)
@@ -368,8 +361,8 @@ class SessionModel(RuleBasedStateMachine):
         assert c is not None
         self.calls.setdefault(sid, []).append(c)
         client, last = self.model[sid]
-        if self.clock.now - last >= 1.0:  # touched at most once a second
-            self.model[sid] = (client, self.clock.now)
+        if self.clock.t - last >= 1.0:  # touched at most once a second
+            self.model[sid] = (client, self.clock.t)
 
     @rule(data=st.data())
     @precondition(lambda self: any(self.calls.values()))
@@ -377,7 +370,7 @@ class SessionModel(RuleBasedStateMachine):
         sid = self.pick(data, [s for s, cs in self.calls.items() if cs])
         self.store.end_call(self.calls[sid].pop())
         if sid in self.model:
-            self.model[sid] = (self.model[sid][0], self.clock.now)
+            self.model[sid] = (self.model[sid][0], self.clock.t)
 
     @rule(data=st.data())
     @precondition(lambda self: self.model)
@@ -388,7 +381,7 @@ class SessionModel(RuleBasedStateMachine):
 
     @rule(dt=st.sampled_from([10.0, TTL]))
     def sweep(self, dt: float) -> None:
-        self.clock.now += dt
+        self.clock.t += dt
         for _ in range(5):  # a backward shift may carry a row past a pass's cursor: repeat
             if self.store.sweep_all() == 0:
                 break
@@ -406,6 +399,7 @@ class SessionModel(RuleBasedStateMachine):
         assert len(rows) <= CAPACITY
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 def test_model(shm_name: str, shm_names: list[str]) -> None:
     SessionModel.base, SessionModel.names = shm_name, shm_names
@@ -445,6 +439,8 @@ def _echo(http: httpx.Client, url: str, sid: str, text: str) -> httpx.Response:
                              "params": {"name": "echo", "arguments": {"text": text}}}, sid)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_flood_from_one_address_logs_nobody_else_out(shm_name: str, tmp_path: Any) -> None:
     """127.0.0.2 loops initialize (past the table's 64 sessions, 3 times over) while 127.0.0.1
     holds one idle session and 127.0.0.2 itself runs a long call in one of its own: afterwards

@@ -22,8 +22,9 @@ from typing import Any
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn, wait_until
-from mcp_client import ACCEPT, LEGACY, MODERN, meta
+from helpers.clock import Clock
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, MODERN, meta
 
 import shmcancel
 from shmcancel import errors, principal, telemetry
@@ -34,16 +35,6 @@ DEADLINE = 10.0  # seconds any single wait may take before the test fails
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-class Clock:
-    """An injectable clock (SPEC §4: ``clock`` is injectable for tests)."""
-
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -248,7 +239,7 @@ def test_s4_2_reasons_are_clamped_stripped_and_cut(reg: shmcancel.Registry) -> N
 def test_s4_3_cancel_of_an_existing_key_overwrites_and_counts_once(shm_name: str) -> None:
     r = make(shm_name, max_rows=4, max_rows_per_scope=2)
     try:
-        clock = Clock()
+        clock = Clock(1_000.0)
         c = shmcancel.Cancellation(r, clock=clock)
         c.cancel(1, "a", "s")
         c.cancel(2, "b", "s")
@@ -322,7 +313,7 @@ def test_s4_4_eviction_batch_and_order(shm_name: str, max_rows: int | None,
         cap = max_rows if max_rows is not None else capacity
         assert cap is not None
         batch = max(1, cap // 20)
-        clock = Clock()
+        clock = Clock(1_000.0)
         c = shmcancel.Cancellation(r, clock=clock)
         rows = []
         sizes = {"big": cap // 2, "mid": cap // 4}
@@ -593,6 +584,7 @@ class Background:
         return self.response
 
 
+@pytest.mark.integration
 def test_s8_echo_returns_the_text(example: Gunicorn) -> None:
     h = legacy_session(example)
     r = httpx.post(example.url, headers=h, json=call(1, "echo", {"text": "héllo"}), timeout=10)
@@ -600,6 +592,7 @@ def test_s8_echo_returns_the_text(example: Gunicorn) -> None:
     assert r.json()["result"]["content"][0] == {"type": "text", "text": "héllo"}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("params, status, code", [
     ("absent", 202, None),
     ({}, 202, None),
@@ -624,6 +617,7 @@ def test_s6_1_notifications_cancelled_table(example: Gunicorn, watch: shmcancel.
     assert not watch.cancelled(12345, scope)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("reason, stored", [("stop", "stop"), (5, "5"), (None, None)])
 def test_s6_1_notifications_cancelled_in_flight_cancels_with_minus_32800(
         example: Gunicorn, watch: shmcancel.Cancellation, reason: Any,
@@ -657,6 +651,7 @@ def end_session(g: Gunicorn, h: dict[str, str]) -> None:
         httpx.delete(g.url, headers=h, timeout=10)
 
 
+@pytest.mark.integration
 def test_s6_1_bad_input_statuses(example: Gunicorn) -> None:
     h = legacy_session(example)
     js = {**h, "Content-Type": "application/json"}
@@ -677,6 +672,7 @@ def test_s6_1_bad_input_statuses(example: Gunicorn) -> None:
     assert r.status_code == 202
 
 
+@pytest.mark.integration
 def test_s6_1_delete_ends_the_session_and_cancels_its_calls(
         example: Gunicorn, watch: shmcancel.Cancellation) -> None:
     h = legacy_session(example)
@@ -705,6 +701,7 @@ def modern(g: Gunicorn, method: str, params: dict[str, Any] | None = None, *,
                       timeout=10)
 
 
+@pytest.mark.integration
 def test_s6_2_server_discover_and_result_shapes(example: Gunicorn) -> None:
     r = modern(example, "server/discover")
     assert r.status_code == 200
@@ -723,6 +720,7 @@ def test_s6_2_server_discover_and_result_shapes(example: Gunicorn) -> None:
     assert r.json()["result"]["content"][0]["text"] == "yo"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method, params, headers", [
     ("tools/list", {}, {"Mcp-Method": None}),
     ("tools/list", {}, {"Mcp-Method": "tools/call"}),
@@ -735,6 +733,7 @@ def test_s6_2_header_mismatch_is_400_minus_32020(example: Gunicorn, method: str,
     assert (r.status_code, r.json()["error"]["code"]) == (400, errors.HEADER_MISMATCH)
 
 
+@pytest.mark.integration
 def test_s6_2_unsupported_version_and_unknown_method_and_bodiless(example: Gunicorn) -> None:
     r = httpx.post(example.url, timeout=10, headers={
         "Accept": ACCEPT, "MCP-Protocol-Version": "2099-01-01", "Mcp-Method": "tools/list"},
@@ -751,6 +750,7 @@ def test_s6_2_unsupported_version_and_unknown_method_and_bodiless(example: Gunic
         assert r.status_code == 405
 
 
+@pytest.mark.integration
 def test_s8_sleep_ends_with_minus_32800_when_its_client_leaves(
         example: Gunicorn, watch: shmcancel.Cancellation) -> None:
     """§6.2/§6.3: closing the stream cancels the call; nothing stays in the tables."""

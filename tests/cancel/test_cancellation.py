@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers.clock import Clock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,21 +30,6 @@ from shmcancel.cancellation import (
     cancelled,
 )
 from shmcancel.shm.registry import Registry
-
-
-class Clock:
-    """A seeded clock: ``tick(dt)`` advances it."""
-
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def tick(self, dt: float = 0.001) -> float:
-        self.t += dt
-        return self.t
-
 
 SMALL = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
 

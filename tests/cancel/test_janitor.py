@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gunicorn_harness import Gunicorn, wait_until
-from mcp_client import dump
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import dump
 
 from shmcancel import Cancellation, Config, Registry
 from shmcancel.cancel.janitor import Janitor
@@ -106,6 +106,7 @@ def idle_server(shm_name: str) -> Iterator[Gunicorn]:
             yield g
 
 
+@pytest.mark.integration
 def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
     name = idle_server.registry_name
     reg = Registry.attach(name)

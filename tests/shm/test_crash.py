@@ -20,15 +20,15 @@ from typing import Any
 
 import msgpack
 import pytest
-from test_table import Rig, healthy, same_home_keys
+from helpers.table_rig import Rig, healthy, same_home_keys
+from helpers.tools import load_tool
 
 from shmcancel.exceptions import TableFull
 from shmcancel.shm.table import Table
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import crash_loop
+crash_loop = load_tool("crash_loop")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.mark.parametrize("mode,rounds", [("kill", 250), ("exit", 150)])

@@ -9,7 +9,6 @@ import os
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn
-from mcp_client import ACCEPT, LEGACY, MODERN, dump, meta, reply_of, tag, wait_file
+from helpers.background import Background
+from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import ACCEPT, LEGACY, MODERN, dump, meta, reply_of, tag, wait_file
 
 from shmcancel import errors
+
+pytestmark = pytest.mark.integration
 
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"
@@ -92,29 +94,6 @@ class Client:
                           "params": {"requestId": id, "reason": "test"}})
 
 
-class Background(threading.Thread):
-    def __init__(self, fn: Any) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done_at: float | None = None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except BaseException as e:
-            self.error = e
-        self.done_at = time.monotonic()
-
-    def result(self, timeout: float = 20.0) -> Any:
-        self.join(timeout)
-        assert not self.is_alive(), "request did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 # ------------------------------------------------------------------------------ cancellation
 
 
@@ -152,6 +131,7 @@ def cancel_flow(g: Gunicorn, outdir: str, label: str, rounds: int = 5) -> None:
           f"n={len(lat)}")
 
 
+@pytest.mark.slow
 def test_cancel_across_workers_sync(server: Gunicorn, outdir: str) -> None:
     pids = set(server.worker_pids())
     cancel_flow(server, outdir, "sync x3")
@@ -160,6 +140,7 @@ def test_cancel_across_workers_sync(server: Gunicorn, outdir: str) -> None:
     assert state["cancellations"] == [] and state["in_flight"] == []
 
 
+@pytest.mark.slow
 def test_cancel_across_workers_gthread(shm_name: str, outdir: str) -> None:
     with start(shm_name, outdir, workers=2, worker_class="gthread", threads=4) as g:
         cancel_flow(g, outdir, "gthread 2x4", rounds=3)

@@ -9,8 +9,8 @@ import struct
 
 import posix_ipc
 import pytest
-from conftest import leftovers
-from procs import child
+from helpers.names import leftovers
+from helpers.procs import child
 
 from shmcancel.config import Config
 from shmcancel.exceptions import (

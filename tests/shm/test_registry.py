@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import msgpack
 import pytest
-from conftest import leftovers
-from procs import child, reap, recv
+from helpers.names import leftovers
+from helpers.procs import child, reap, recv
 
 import shmcancel
 from shmcancel.config import Config

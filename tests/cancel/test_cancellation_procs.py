@@ -6,133 +6,16 @@ its pid in a ``finally``. Children attach the registry themselves, as gunicorn w
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import socket
-import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from procs import wait_zombie
+from helpers.procs import TIMEOUT, Chan, Child, wait_zombie
 
-from shmcancel import CancellationLimitReached, Config, TableFull, telemetry
+from shmcancel import CancellationLimitReached, TableFull, telemetry
 from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
 from shmcancel.shm.registry import Registry
-
-TIMEOUT = 10.0
-
-
-class Chan:
-    """JSON lines over one end of a socketpair."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = b""
-
-    def send(self, obj: Any) -> None:
-        self.sock.sendall(json.dumps(obj).encode() + b"\n")
-
-    def recv(self, timeout: float = TIMEOUT) -> Any:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no message from the other process")
-            self.sock.settimeout(left)
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("the other process closed its end")
-            self.buf += data
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
-
-
-class Child:
-    def __init__(self, pid: int, chan: Chan) -> None:
-        self.pid = pid
-        self.chan = chan
-        self.status: int | None = None
-
-    def send(self, obj: Any) -> None:
-        self.chan.send(obj)
-
-    def recv(self, timeout: float = TIMEOUT) -> Any:
-        return self.chan.recv(timeout)
-
-    def wait(self, timeout: float = TIMEOUT) -> int:
-        """Reap the child (it must exit by itself); its exit code."""
-        deadline = time.monotonic() + timeout
-        while self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = status
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"child {self.pid} did not exit")
-            time.sleep(0.005)
-        return os.waitstatus_to_exitcode(self.status)
-
-    def kill(self) -> None:
-        if self.status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            _, self.status = os.waitpid(self.pid, 0)
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Child]]:
-    """spawn(fn, *args) forks a child running fn(chan, *args); killed by pid at teardown."""
-    children: list[Child] = []
-
-    def _spawn(fn: Callable[..., None], *args: Any) -> Child:
-        parent_end, child_end = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                parent_end.close()
-                fn(Chan(child_end), *args)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        child_end.close()
-        child = Child(pid, Chan(parent_end))
-        children.append(child)
-        return child
-
-    try:
-        yield _spawn
-    finally:
-        for child in children:
-            child.kill()
-            child.chan.sock.close()
-
-
-@pytest.fixture
-def registry(shm_name):
-    made = []
-
-    def _make(**cfg: Any) -> Registry:
-        kw = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
-        kw.update(cfg)
-        reg = Registry.create(shm_name, Config(**kw))
-        made.append(reg)
-        return reg
-
-    try:
-        yield _make
-    finally:
-        for reg in made:
-            reg.close()
-            reg.unlink()
 
 
 # ------------------------------------------------------------------------------ child programs

@@ -7,7 +7,7 @@ import select
 import signal
 
 import pytest
-from procs import wait_zombie
+from helpers.procs import wait_zombie
 
 from shmcancel.shm import procinfo
 

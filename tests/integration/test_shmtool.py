@@ -330,10 +330,11 @@ def test_console_script(reg):
     assert json.loads(p.stdout)["cancellations"][0]["reason"] == "via script"
 
 
+@pytest.mark.integration
 def test_unlink_under_a_running_gunicorn_is_refused_and_the_server_survives(shm_name):
     """Defect: unlink succeeded, the next replacement worker failed to attach and gunicorn
     halted. Refused now; a worker killed afterwards is replaced and serves."""
-    from gunicorn_harness import Gunicorn
+    from helpers.gunicorn_harness import Gunicorn
 
     with Gunicorn("tests.apps.hooks_app:app", registry_name=shm_name,
                   config="examples/gunicorn/gunicorn.conf.py", workers=1) as g:

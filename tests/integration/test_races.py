@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn, wait_until
-from mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
-from test_cancellation_procs import Chan, Child, registry, spawn  # noqa: F401 (fixtures)
-from test_server import environ_for, run
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
+from helpers.procs import Chan, Child
+from helpers.wsgi import environ_for, run
 
 import shmcancel.cancel.policy as cancellation_mod
 from shmcancel import LockTimeout, errors
@@ -100,7 +100,7 @@ def _state(pid: int) -> str:
 
 
 @contextlib.contextmanager
-def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:  # noqa: F811
+def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:
     """A live process holding the registry lock, stopped; continued (and so releasing the lock)
     when the block ends, and in any case continued and killed by the spawn fixture."""
     holder = spawn(lock_holder, name)
@@ -121,7 +121,7 @@ def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:  # 
 
 
 @pytest.mark.parametrize("entry", ["notification", "session delete"])
-def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monkeypatch,  # noqa: F811
+def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monkeypatch,
                                                            entry: str) -> None:
     """Deterministic: the request's end (in a second process, through the real lock) is run at
     the moment the cancel has decided the request is in flight and is about to record. With the
@@ -159,7 +159,7 @@ def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monk
         assert h.cancelled() is False
 
 
-def test_cancel_if_in_flight(registry) -> None:  # noqa: F811
+def test_cancel_if_in_flight(registry) -> None:
     reg = registry()
     c = Cancellation(reg)
     assert c.cancel_if_in_flight(3, "r", "s") is False
@@ -172,7 +172,7 @@ def test_cancel_if_in_flight(registry) -> None:  # noqa: F811
     assert reg.cancellations.scan() == [] and reg.in_flight.scan() == []
 
 
-def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:  # noqa: F811
+def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:
     """A flood of notifications for ids nobody runs must not queue behind the registry lock:
     with the lock held by a stopped process, they are still answered at once."""
     reg = registry(lock_timeout=0.3)
@@ -183,7 +183,7 @@ def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> 
     assert reg.cancellations.scan() == []
 
 
-def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:  # noqa: F811
+def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
     """A leftover row (here recorded directly, before the request began) neither pre-cancels a
     request reusing the id nor outlives that request's first look; a cancel recorded during the
     request still reaches it."""
@@ -202,7 +202,7 @@ def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:  # noqa:
     assert reg.cancellations.scan() == []
 
 
-def test_a_row_as_old_as_the_request_counts(registry) -> None:  # noqa: F811
+def test_a_row_as_old_as_the_request_counts(registry) -> None:
     """The clock may not move between begin and a cancel (a coarse or injected clock): a row
     stamped at the request's own start is its own."""
     reg = registry()
@@ -212,6 +212,8 @@ def test_a_row_as_old_as_the_request_counts(registry) -> None:  # noqa: F811
         assert h.cancelled() is True
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path) -> None:
     """End to end: two threads send notifications/cancelled for id N while tools/call echo N
     runs, round after round. After each round no cancellation row is left, and the next call
@@ -289,7 +291,7 @@ def assert_503(r: Any) -> None:
     assert body["error"]["code"] == errors.SERVER_ERROR, body
 
 
-def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,  # noqa: F811
+def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
                                                             monkeypatch) -> None:
     """A real lock holder, SIGSTOPped past lock_timeout. The requests that meet it get 503; the
     ends of two requests that finish meanwhile are owed, not lost (the owed queue is cut to one
@@ -324,7 +326,7 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,  # 
         forget_owed_ends()
 
 
-def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:  # noqa: F811
+def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
     """Without any janitor: the next write of the process that owes an end lands it."""
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
@@ -340,7 +342,7 @@ def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:  # noqa: F81
         forget_owed_ends()
 
 
-def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:  # noqa: F811
+def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
     """With no further call: the janitor thread, woken when the end became owed, lands it once
     the holder lets go (well before its janitor_interval of 60 s)."""
     reg = registry(lock_timeout=0.3, janitor_interval=60)
@@ -358,7 +360,9 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:  # noqa:
         forget_owed_ends()
 
 
-def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> None:  # noqa: F811
+@pytest.mark.slow
+@pytest.mark.integration
+def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> None:
     """End to end: a call runs; a local process takes the registry lock and is SIGSTOPped. A
     notification for the call is answered 503 with Retry-After; the call itself ends during the
     stall and still answers its result. After SIGCONT the worker lands the end by itself (its

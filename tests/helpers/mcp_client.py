@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from gunicorn_harness import REPO_ROOT, wait_until
+
+from .gunicorn_harness import REPO_ROOT, wait_until
 
 LEGACY = "2025-11-25"
 MODERN = "2026-07-28"

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers.procs import child, reap, recv
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from procs import child, reap, recv
 
 from shmcancel import Cancellation, Config, Registry
 from shmcancel.exceptions import ShmCancelError

@@ -19,7 +19,9 @@ import subprocess
 import sys
 
 import pytest
-from gunicorn_harness import REPO_ROOT, alive
+from helpers.gunicorn_harness import REPO_ROOT, alive
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCENARIOS = ("steady", "lock-stall", "hup-usr2", "session-flood", "cancel-flood")
 SECONDS = 20

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from gunicorn_harness import Gunicorn
+from helpers.gunicorn_harness import Gunicorn
 
 from shmcancel import Config, shmtool
 from shmcancel.exceptions import ShmCancelError
@@ -255,6 +255,7 @@ def test_create_by_another_user_over_our_entry_is_one_line(shm_name, squat, whic
 # --- a real gunicorn master over a squatted name --------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("kind", "which"), [("fifo", "segment"), ("symlink", "segment"),
                                              ("symlink", "lock"), ("foreign", "semaphore")])
 def test_gunicorn_over_a_squatted_name_exits_with_one_line(shm_name, squat, kind, which):

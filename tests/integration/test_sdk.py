@@ -12,11 +12,13 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
-from gunicorn_harness import Gunicorn
+from helpers.gunicorn_harness import Gunicorn
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
 from shmcancel.shm.registry import Registry
+
+pytestmark = pytest.mark.integration
 
 CONF = "examples/gunicorn/gunicorn.conf.py"
 MODES = ["legacy", "2026-07-28", "auto"]

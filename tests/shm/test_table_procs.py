@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from procs import reap
-from test_table import Rig, healthy, same_home_keys
+from helpers.procs import reap
+from helpers.table_rig import Rig, healthy, same_home_keys
 
 from shmcancel.exceptions import TableFull
 
@@ -302,6 +302,7 @@ RS = 32768
 SIZES = (RS - 200, RS // 2 + 7, RS - 900, RS // 3 + 1)
 
 
+@pytest.mark.slow
 def test_reader_never_sees_a_record_being_reused(shm_name) -> None:
     """A writer deletes and reinserts one key in a tiny table, so the record just freed is
     rewritten at once (LIFO free stack) with a value of another length and content, each write a
@@ -372,6 +373,7 @@ def test_reader_never_sees_a_record_being_reused(shm_name) -> None:
 NK = 6  # keys sharing one home slot: a chain of 6-7 entries in one 16-slot bucket
 
 
+@pytest.mark.slow
 def test_readers_follow_rows_that_deletes_shift_back(shm_name) -> None:
     """Six bag keys share a home slot; a writer rotates their rows (insert the key's next row at
     the tail of the chain, then delete its old row, which shifts every later row back one slot),

@@ -15,8 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from gunicorn_harness import Gunicorn, alive, wait_until
-from mcp_client import MODERN, dump, meta, tag, wait_file
+from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.mcp_client import MODERN, dump, meta, tag, wait_file
+
+pytestmark = pytest.mark.integration
 
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"

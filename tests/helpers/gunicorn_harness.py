@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gunicorn
-from conftest import unlink_registry_names
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .names import unlink_registry_names
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+) \((\d+)\)")
 # gunicorn >= 25.1 starts a control-socket thread at a path shared by every instance; older
 # versions reject the flag, so it is added only where it exists.
