@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -66,6 +67,9 @@ def _load_store(rev: str) -> Any:
         package = "shmcancel"
         shown = subprocess.run(["git", "show", f"{rev}:src/shmcancel/sessions.py"], cwd=ROOT,
                                capture_output=True, text=True)
+        # its relative imports name the flat modules of that time
+        for old, new in (("procinfo", "shm.procinfo"), ("wire", "mcp.wire")):
+            sys.modules.setdefault(f"shmcancel.{old}", importlib.import_module(f"shmcancel.{new}"))
     shown.check_returncode()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(shown.stdout)

@@ -120,10 +120,17 @@ def test_dump_never_locks_and_never_writes(reg):
         with open(path, "rb") as f:
             before = f.read()
         started = time.monotonic()
-        for args in (("dump", reg.name, "--json"), ("stats", reg.name, "--json"),
-                     ("dump", reg.name), ("list",)):
+        # each command, run while the lock is held, still reports the rows (not only exit 0)
+        for args, says in (
+            (("dump", reg.name, "--json"),
+             lambda out: json.loads(out)["cancellations"][0]["reason"] == "r"),
+            (("stats", reg.name, "--json"), lambda out: json.loads(out)["rows"]["in_flight"] == 1),
+            (("dump", reg.name), lambda out: "1 cancellations, 1 in flight" in out),
+            (("list",), lambda out: reg.name in out),
+        ):
             p = shmtool(*args, timeout=20)
             assert p.returncode == 0, p.stderr
+            assert says(p.stdout), (args, p.stdout)
         assert time.monotonic() - started < 15  # never waited out a lock timeout
         with open(path, "rb") as f:
             assert f.read() == before
