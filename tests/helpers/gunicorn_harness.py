@@ -68,6 +68,23 @@ def alive(pid: int) -> bool:
     return st is not None and st[0] not in ("Z", "X")
 
 
+_SIGCHLD_BIT = 1 << (signal.SIGCHLD - 1)
+
+
+def _signals_reset(pid: int) -> bool:
+    """Whether worker ``pid`` has run gunicorn's ``Worker.init_signals`` (or is gone). Until then
+    it runs the master's handlers inherited over fork, and a SIGTERM its master forwards is
+    queued in the worker's copy of the master's signal queue and lost (the master then waits
+    out its graceful timeout). ``init_signals`` resets SIGCHLD, which the master catches, to the
+    default: that is what is read here (``SigCgt`` of ``/proc/<pid>/status``)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True
+    return not caught & _SIGCHLD_BIT
+
+
 def children(pid: int) -> list[int]:
     """Live (non-zombie) children of ``pid``, from ``/proc``."""
     out = []
@@ -154,13 +171,15 @@ class Gunicorn:
         return [p for p in children(m) if not _is_exec_master(p, m)]
 
     def wait_workers(self, n: int, deadline: float, master: int | None = None) -> list[int]:
-        """Wait until exactly ``n`` workers are alive; return their pids."""
+        """Wait until exactly ``n`` workers are alive and have their own signal handlers (a
+        signal sent to the master just after is then forwarded to workers that act on it);
+        return their pids."""
         m = self.pid if master is None else master
 
         def ready() -> list[int] | None:
             self._check_master(m)
             pids = self.worker_pids(m)
-            return pids if len(pids) == n else None
+            return pids if len(pids) == n and all(_signals_reset(p) for p in pids) else None
 
         try:
             return wait_until(ready, deadline, what=f"{n} workers of master {m}")
