@@ -1,36 +1,25 @@
 """Shared fixtures. Every shared-memory name a test uses comes from ``shm_name`` so that it is
-unique per test and unlinked afterwards, pass or fail."""
+unique per test and unlinked afterwards, pass or fail. ``registry`` makes registries on it;
+``spawn`` forks children that talk over a channel. Helpers that are not fixtures are in
+tests/helpers/."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
+import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import posix_ipc
 import pytest
+from helpers.names import SHM_DIR, TEST_PREFIX, unlink_registry_names
+from helpers.procs import Chan, Child
 
-SHM_DIR = "/dev/shm"
-# Names a registry NAME occupies (SPEC §2: derived from the name). Kept in one place here so a
-# test run can clean up even when the library under test is broken.
-SEGMENT_PREFIX = "shmcancel."
-LOCKFILE_PREFIX = "shmcancel-lock."
-TEST_PREFIX = f"t{os.getpid()}-"
-
-
-def unlink_registry_names(name: str) -> None:
-    """Remove the segment, semaphore and lock file of registry ``name``; missing ones are fine."""
-    for unlink in (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore):
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            unlink("/" + SEGMENT_PREFIX + name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(SHM_DIR, LOCKFILE_PREFIX + name))
-
-
-def leftovers(name: str) -> list[str]:
-    """What is left in /dev/shm of registry ``name`` (its names and any ``~`` temporaries)."""
-    return sorted(f for f in os.listdir(SHM_DIR) if f.endswith(name) or name + "~" in f)
+from shmcancel import Config
+from shmcancel.shm.registry import Registry
 
 
 @contextlib.contextmanager
@@ -80,3 +69,56 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             unlink_registry_names(TEST_PREFIX + name)
         print(f"\nshmcancel tests left {len(left)} file(s) in {SHM_DIR}: {sorted(left)[:10]}")
         session.exitstatus = 1
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Child]]:
+    """spawn(fn, *args) forks a child running fn(chan, *args); killed by pid at teardown."""
+    children: list[Child] = []
+
+    def _spawn(fn: Callable[..., None], *args: Any) -> Child:
+        parent_end, child_end = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                parent_end.close()
+                fn(Chan(child_end), *args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        child_end.close()
+        child = Child(pid, Chan(parent_end))
+        children.append(child)
+        return child
+
+    try:
+        yield _spawn
+    finally:
+        for child in children:
+            child.kill()
+            child.chan.sock.close()
+
+
+@pytest.fixture
+def registry(shm_name):
+    """registry(**config) -> a Registry created on ``shm_name`` (a small config by default);
+    closed and unlinked afterwards."""
+    made = []
+
+    def _make(**cfg: Any) -> Registry:
+        kw = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
+        kw.update(cfg)
+        reg = Registry.create(shm_name, Config(**kw))
+        made.append(reg)
+        return reg
+
+    try:
+        yield _make
+    finally:
+        for reg in made:
+            reg.close()
+            reg.unlink()

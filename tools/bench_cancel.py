@@ -37,7 +37,7 @@ from bench_table import measure_raw_floor, medians, running
 
 from shmcancel import Config, cancelled
 from shmcancel.cancellation import Cancellation
-from shmcancel.registry import Registry
+from shmcancel.shm.registry import Registry
 
 _NOW = time.perf_counter_ns
 TARGET = 4.0

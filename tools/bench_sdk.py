@@ -30,7 +30,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from gunicorn_harness import Gunicorn  # noqa: E402
+from helpers.gunicorn_harness import Gunicorn  # noqa: E402
 
 from shmcancel import Registry  # noqa: E402
 

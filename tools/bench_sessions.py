@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_table import measure_raw_floor
 
 from shmcancel import Config, Registry
-from shmcancel.sessions import SessionsFull, SessionStore
+from shmcancel.mcp.sessions import SessionsFull, SessionStore
 
 ROOT = Path(__file__).resolve().parent.parent
 _NOW = time.perf_counter_ns
@@ -57,13 +58,23 @@ def _name() -> str:
 
 
 def _load_store(rev: str) -> Any:
-    """The ``SessionStore`` class of ``src/shmcancel/sessions.py`` at git revision ``rev``."""
-    text = subprocess.run(["git", "show", f"{rev}:src/shmcancel/sessions.py"], cwd=ROOT,
-                          check=True, capture_output=True, text=True).stdout
+    """The ``SessionStore`` class of ``src/shmcancel/mcp/sessions.py`` at git revision ``rev``
+    (``src/shmcancel/sessions.py`` before the layer packages)."""
+    package = "shmcancel.mcp"
+    shown = subprocess.run(["git", "show", f"{rev}:src/shmcancel/mcp/sessions.py"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        package = "shmcancel"
+        shown = subprocess.run(["git", "show", f"{rev}:src/shmcancel/sessions.py"], cwd=ROOT,
+                               capture_output=True, text=True)
+        # its relative imports name the flat modules of that time
+        for old, new in (("procinfo", "shm.procinfo"), ("wire", "mcp.wire")):
+            sys.modules.setdefault(f"shmcancel.{old}", importlib.import_module(f"shmcancel.{new}"))
+    shown.check_returncode()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(text)
+        f.write(shown.stdout)
     try:
-        spec = importlib.util.spec_from_file_location("shmcancel._bench_base_sessions", f.name)
+        spec = importlib.util.spec_from_file_location(f"{package}._bench_base_sessions", f.name)
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod  # dataclasses look their module up

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import posix_ipc
 
-from shmcancel.table import Table
+from shmcancel.shm.table import Table
 
 Measure = Callable[[], int]  # runs one batch, returns elapsed ns
 _NOW = time.perf_counter_ns

@@ -53,7 +53,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from shmcancel.disconnect import Watcher
+from shmcancel.mcp.disconnect import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
 _NOW = time.perf_counter_ns

@@ -17,7 +17,7 @@ do) and exits when it propagates. Then the parent:
   fully applied or absent (a bag ``delete`` of several rows may stop between rows: each row goes
   atomically), every row decodes to the value written (nothing torn).
 
-``tests/test_crash.py`` runs a few hundred rounds; this tool runs more and prints statistics.
+``tests/shm/test_crash.py`` runs a few hundred rounds; this tool runs more and prints statistics.
 """
 
 from __future__ import annotations

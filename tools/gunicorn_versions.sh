@@ -24,6 +24,6 @@ for v in "${versions[@]}"; do
         exit 1
     fi
     echo "== gunicorn $v"
-    "$venv/bin/python" -m pytest tests/test_gunicorn_hooks.py tests/test_sdk.py "$@" || rc=1
+    "$venv/bin/python" -m pytest tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py "$@" || rc=1
 done
 exit "$rc"

@@ -26,8 +26,8 @@ import uuid
 
 from shmcancel import telemetry
 from shmcancel.config import Config
-from shmcancel.lock import RegistryLock
-from shmcancel.segment import Segment, TableSpec, unlink_names
+from shmcancel.shm.lock import RegistryLock
+from shmcancel.shm.segment import Segment, TableSpec, unlink_names
 
 COUNT, BUSY, VIOLATIONS, SEM_OVER = 0, 1, 2, 3
 

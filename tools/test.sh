@@ -11,6 +11,7 @@ fi
 .venv/bin/python -m pip install --quiet -e '.[test]'
 .venv/bin/ruff check src tests tools examples
 .venv/bin/mypy src/shmcancel
+.venv/bin/lint-imports
 set +e
 # The suite runs the installed console scripts (shmtool) the way a user of the venv would.
 PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pytest "$@"

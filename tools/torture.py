@@ -69,12 +69,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 try:
-    from gunicorn_harness import Gunicorn, alive, wait_until
-    from mcp_client import ACCEPT, LEGACY, MODERN, meta
+    from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+    from helpers.mcp_client import ACCEPT, LEGACY, MODERN, meta
 except ImportError as e:  # gunicorn, httpx, pytest: the test extra
     sys.exit(f"tools/torture.py needs the test extra (bash tools/test.sh makes .venv): {e}")
 
-from shmcancel import Registry, procinfo  # noqa: E402
+from shmcancel import Registry  # noqa: E402
+from shmcancel.shm import procinfo  # noqa: E402
 
 CONFIG = str(REPO_ROOT / "tools" / "torture_gunicorn.conf.py")
 SCENARIOS = ("steady", "lock-stall", "hup-usr2", "session-flood", "cancel-flood")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from . import errors, principal, telemetry
-from .cancellation import Cancellation, RequestHandle, cancelled
+from .cancel import policy as _policy
+from .cancel.policy import Cancellation, RequestHandle
 from .config import Config
 from .exceptions import (
     CancellationLimitReached,
@@ -17,9 +18,14 @@ from .exceptions import (
     ShmCancelError,
     TableFull,
 )
-from .lock import RegistryLock
-from .registry import Registry
-from .server import McpServer, ToolError
+from .mcp import conn as _conn
+from .mcp.conn import cancelled
+from .mcp.server import McpServer, ToolError
+from .shm.lock import RegistryLock
+from .shm.registry import Registry
+
+# The policy takes scopes as strings; how a conn names its request and caller is the transport's.
+_policy.read_conns_with(_conn)
 
 __all__ = [
     "Cancellation",

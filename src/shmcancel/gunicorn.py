@@ -28,11 +28,11 @@ What each hook does
     taken for stale once the old master has exited. No thread is started: the master must have
     none when it forks.
 ``post_fork`` (worker)
-    Attaches the worker to the registry (``shmcancel.registry.current()`` is then set for the app)
-    and starts its :class:`~shmcancel.janitor.Janitor` thread, so expired and orphaned rows are
-    swept every ``janitor_interval`` even while the server is idle. A stop signal that arrives
-    before gunicorn has installed the worker's own handlers stops the worker once it has booted
-    (gunicorn would lose it, and the master would wait ``graceful_timeout`` for that worker).
+    Attaches the worker to the registry (``shmcancel.shm.registry.current()`` is then set for the
+    app) and starts its :class:`~shmcancel.cancel.janitor.Janitor` thread, so expired and orphaned
+    rows are swept every ``janitor_interval`` even while the server is idle. A stop signal that
+    arrives before gunicorn has installed the worker's own handlers stops the worker once it has
+    booted (gunicorn would lose it, and the master would wait ``graceful_timeout`` for that worker).
 ``child_exit`` (master, after gunicorn has reaped a worker)
     If the dead worker held the registry lock, takes it over (``lock.recover_from``); then removes
     the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
@@ -66,9 +66,13 @@ from typing import Any
 
 import posix_ipc
 
-from . import procinfo
+from .cancel.janitor import Janitor
+from .cancel.policy import Cancellation
 from .config import Config
 from .exceptions import LockTimeout, RegistryNotFound, ShmCancelError
+from .shm import procinfo
+from .shm.lock import RegistryLock
+from .shm.registry import Registry
 
 __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "registry_name",
            "when_ready"]
@@ -170,9 +174,6 @@ def _logger(server: Any) -> Any:
 
 def when_ready(server: Any) -> None:
     """Master: create the registry (or, under a ``USR2`` upgrade, attach to the live one)."""
-    from .lock import RegistryLock
-    from .registry import Registry
-
     if registry() is not None:
         return
     name = registry_name(server)
@@ -204,11 +205,7 @@ def when_ready(server: Any) -> None:
 
 
 def post_fork(server: Any, worker: Any) -> None:
-    """Worker: attach to the master's registry (sets ``shmcancel.registry.current()``)."""
-    from .cancellation import Cancellation
-    from .janitor import Janitor
-    from .registry import Registry
-
+    """Worker: attach to the master's registry (sets ``shmcancel.shm.registry.current()``)."""
     _keep_stop_signals(worker)
     name = _state.registry_name
     if name is None:
@@ -315,8 +312,6 @@ def _readopt(reg: Any) -> bool:
 def _reap(reg: Any, pid: int | None) -> int:
     """Remove the in-flight rows of ``pid`` (every dead owner's when ``None``) if its process is
     gone (a live reuse of the pid keeps its rows)."""
-    from .cancellation import Cancellation
-
     if _state.cancellation is None or _state.cancellation.registry is not reg:
         _state.cancellation = Cancellation(reg)
     return _state.cancellation.reap(pid)

@@ -46,12 +46,12 @@ from typing import Any
 
 import posix_ipc
 
-from . import procinfo
-from .cancellation import Cancellation
+from .cancel.policy import Cancellation
 from .exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
-from .registry import Registry
-from .registry import unlink as _unlink_names
-from .segment import (
+from .shm import procinfo
+from .shm.registry import Registry
+from .shm.registry import unlink as _unlink_names
+from .shm.segment import (
     SHM_DIR,
     _flock_bounded,
     check_entry,

@@ -1,8 +1,8 @@
-"""The app tests/test_gunicorn_hooks.py serves with the example's gunicorn.conf.py: the example's
-MCP tools at ``/mcp``, plus two plain endpoints that look inside the worker.
+"""The app tests/integration/test_gunicorn_hooks.py serves with the example's gunicorn.conf.py:
+the example's MCP tools at ``/mcp``, plus two plain endpoints that look inside the worker.
 
 - ``GET /whoami``: ``{"pid", "registry", "threads"}``: the worker and the name of the registry
-  ``shmcancel.registry.current()`` gives it (``null`` when it has none).
+  ``shmcancel.shm.registry.current()`` gives it (``null`` when it has none).
 - ``GET /hold-lock``: takes the registry lock and keeps it until the worker dies (the test
   SIGKILLs it); answers only if the lock cannot be taken.
 """
@@ -15,7 +15,7 @@ import threading
 import time
 
 from examples.gunicorn.app import app as mcp_app
-from shmcancel import registry
+from shmcancel.shm import registry
 
 
 def _json(start_response, status: str, obj: object) -> list[bytes]:

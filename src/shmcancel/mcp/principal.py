@@ -1,0 +1,221 @@
+'''Who is calling: the authenticated principal and the client's address bucket (SPEC §3).
+
+A cancellation row is keyed ``(scope, request_id)``. The scope names the caller, most specific
+first (see :func:`scope`): ``"session:<id>"``, ``"principal:<id>"``, ``"ip:<bucket>"``, or
+``"global"`` when there is no WSGI environ at all. The prefixes keep the namespaces apart: a
+principal whose id is ``"203.0.113.9"`` shares neither rows nor quota with the anonymous client at
+``203.0.113.9``.
+
+Functions here read and write only these environ keys:
+
+- ``"shmcancel.principal"``: a dict with at least ``"id"``, written by :func:`put` (by your auth
+  middleware, before the MCP application runs);
+- ``"shmcancel.session_id"``: the MCP session, written by the transport once it validated it;
+- ``"REMOTE_ADDR"``: the client address, written by the server.
+
+None of them raises on odd input: a malformed principal or address falls back to the next scope.
+
+Scopes are at most :data:`MAX_SCOPE_BYTES` UTF-8 bytes. A longer session or principal id (or one
+that UTF-8 cannot encode) is replaced by a fixed-length digest of it, keeping the
+``"session:"``/``"principal:"`` prefix: ``"principal:~sha256:<64 hex digits>"``. It is never
+truncated, which would merge distinct callers.
+
+Behind a reverse proxy
+----------------------
+Every client behind a proxy arrives from the proxy's address and so shares one ``ip:`` bucket
+(and one quota). Authenticated callers are unaffected (their scope is their principal); for
+anonymous callers, rewrite ``REMOTE_ADDR`` from the header **your own** proxy sets, and only when
+the request really came from that proxy (anyone can send an ``X-Forwarded-For`` header)::
+
+    import ipaddress
+
+    class TrustedProxy:
+        """WSGI middleware: take the client address from X-Forwarded-For when the direct peer
+        is one of our proxies. With N proxies in a chain, trust the N-th entry from the right."""
+
+        def __init__(self, app, proxies=("127.0.0.1/32",), hops=1):
+            self.app = app
+            self.proxies = [ipaddress.ip_network(p) for p in proxies]
+            self.hops = hops
+
+        def __call__(self, environ, start_response):
+            try:
+                peer = ipaddress.ip_address(environ.get("REMOTE_ADDR", ""))
+            except ValueError:
+                peer = None
+            if peer is not None and any(peer in net for net in self.proxies):
+                chain = [a.strip() for a in environ.get("HTTP_X_FORWARDED_FOR", "").split(",")]
+                chain = [a for a in chain if a]
+                if len(chain) >= self.hops:
+                    environ["REMOTE_ADDR"] = chain[-self.hops]
+            return self.app(environ, start_response)
+
+    application = TrustedProxy(mcp_app, proxies=["10.0.0.0/8"])
+
+(gunicorn's own ``forwarded_allow_ips`` setting only affects ``wsgi.url_scheme``; it does not
+rewrite ``REMOTE_ADDR``.) A value the middleware writes that is not an address becomes the
+``"unknown"`` bucket.
+'''
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+__all__ = [
+    "MAX_SCOPE_BYTES",
+    "PRINCIPAL_KEY",
+    "REMOTE_ADDR_KEY",
+    "SESSION_KEY",
+    "client_bucket",
+    "id",
+    "normalize",
+    "put",
+    "scope",
+]
+
+PRINCIPAL_KEY = "shmcancel.principal"
+SESSION_KEY = "shmcancel.session_id"
+REMOTE_ADDR_KEY = "REMOTE_ADDR"
+MAX_SCOPE_BYTES = 512
+UNKNOWN = "unknown"
+GLOBAL = "global"
+
+_MAX_DEPTH = 8  # how deep {"id": {"id": ...}} nesting is followed by normalize()
+
+
+def normalize(p: object, _depth: int = 0) -> str | None:
+    """The principal id ``p`` stands for: a ``str`` is itself; an ``int`` (not ``bool``) its
+    decimal text; a mapping its ``"id"`` when not ``None``, else its ``"sub"``, each normalised by
+    these same rules; anything else (``None``, ``True``, ``False``, floats, lists) no id."""
+    if isinstance(p, str):
+        return str.__str__(p)
+    if isinstance(p, bool):
+        return None
+    if isinstance(p, int):
+        try:
+            return int.__repr__(int(p))
+        except ValueError:  # more digits than sys.get_int_max_str_digits()
+            return None
+    if isinstance(p, Mapping) and _depth < _MAX_DEPTH:
+        try:
+            v = p.get("id")
+            if v is None:
+                v = p.get("sub")
+        except Exception:
+            return None
+        return normalize(v, _depth + 1)
+    return None
+
+
+def put(environ: MutableMapping[str, Any], p: object) -> MutableMapping[str, Any]:
+    """Record the authenticated principal ``p`` in ``environ`` and return ``environ``.
+
+    Stores ``{"id": normalize(p), ...}`` under ``"shmcancel.principal"``: for a mapping, a copy of
+    it with ``"id"`` replaced by the normalised id (other claims kept); otherwise just the id.
+    """
+    if isinstance(p, Mapping):
+        try:
+            stored = dict(p)
+        except Exception:
+            stored = {}
+    else:
+        stored = {}
+    stored["id"] = normalize(p)
+    environ[PRINCIPAL_KEY] = stored
+    return environ
+
+
+def id(environ: object) -> str | None:
+    """The stored principal id when it is a ``str``; otherwise (no principal, a principal dict
+    stored without :func:`put` whose id is ``123`` or a dict, a non-mapping environ) ``None``."""
+    try:
+        if type(environ) is not dict and not isinstance(environ, Mapping):
+            return None
+        p = environ.get(PRINCIPAL_KEY)
+        if p is None or (type(p) is not dict and not isinstance(p, Mapping)):
+            return None
+        v = p.get("id")
+    except Exception:
+        return None
+    return str.__str__(v) if isinstance(v, str) else None
+
+
+def client_bucket(environ: object) -> str:
+    """The client's address bucket from ``REMOTE_ADDR``.
+
+    IPv4 → the dotted address (``"203.0.113.9"``); IPv4-mapped IPv6 (``"::ffff:203.0.113.9"``)
+    → the IPv4 address; any other IPv6 → its /64 in compressed form (``"2001:db8:1:2::/64"``),
+    because a host is routinely handed a whole /64 and could rotate addresses to multiply its
+    quota; missing or malformed → ``"unknown"``.
+    """
+    try:
+        if type(environ) is not dict and not isinstance(environ, Mapping):
+            return UNKNOWN
+        addr = environ.get(REMOTE_ADDR_KEY)
+    except Exception:
+        return UNKNOWN
+    if not isinstance(addr, str):
+        return UNKNOWN
+    b = _buckets.get(addr)
+    if b is None:
+        b = _bucket(addr)
+        if len(_buckets) >= _BUCKET_CACHE:
+            _buckets.clear()
+        _buckets[addr] = b
+    return b
+
+
+# address -> bucket: parsing costs microseconds and a poll without a handle needs the scope.
+_buckets: dict[str, str] = {}
+_BUCKET_CACHE = 4096
+
+
+def _bucket(addr: str) -> str:
+    if not addr or len(addr) > 100:
+        return UNKNOWN
+    if addr.startswith("[") and addr.endswith("]"):
+        addr = addr[1:-1]
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return UNKNOWN
+    if ip.version == 4:
+        return str(ip)
+    mapped = ip.ipv4_mapped
+    if mapped is not None:
+        return str(mapped)
+    packed = int(ip) >> 64 << 64
+    return str(ipaddress.IPv6Network((packed, 64)))
+
+
+def _prefixed(prefix: str, ident: str) -> str:
+    """``prefix + ident``, or ``prefix + "~sha256:" + digest`` when that would exceed
+    :data:`MAX_SCOPE_BYTES` bytes or is not encodable."""
+    s = prefix + ident
+    try:
+        if len(s.encode("utf-8")) <= MAX_SCOPE_BYTES:
+            return s
+        raw = ident.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = ident.encode("utf-8", "surrogatepass")
+    return prefix + "~sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def scope(environ: object) -> str:
+    """The caller's scope: session, then principal, then address bucket; ``"global"`` when
+    ``environ`` is not a mapping (SPEC §3). Never raises."""
+    if type(environ) is not dict and not isinstance(environ, Mapping):
+        return GLOBAL
+    try:
+        sid = environ.get(SESSION_KEY)
+    except Exception:
+        sid = None
+    if sid and isinstance(sid, str):
+        return _prefixed("session:", str.__str__(sid))
+    pid = id(environ)
+    if pid is not None:
+        return _prefixed("principal:", pid)
+    return "ip:" + client_bucket(environ)

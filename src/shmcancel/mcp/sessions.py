@@ -1,0 +1,478 @@
+"""MCP sessions (2025-era wire) kept in the registry's shared tables, so a session minted by one
+worker is accepted by every other, bounded per client so that no client can log others out.
+
+Tables (see :mod:`shmcancel.shm.registry`):
+
+- ``sessions``: ``session_id -> (created, last_seen, protocol_version, client)`` — wall-clock
+  seconds (the ``clock``, default :func:`time.time`, shared by every process), the version
+  ``initialize`` negotiated, and the 16-byte keyed digest of the minting client's scope;
+- ``session_clients``: ``client -> (session_id, ...)``, the client's sessions in minting order,
+  at most ``config.sessions_per_client``;
+- ``session_calls`` (bag): ``session_id -> (pid, start, thread_ident, token)``, one row per
+  ``tools/call`` running in the session (:meth:`SessionStore.begin_call` / ``end_call``).
+
+Policy (SPEC §6.1):
+
+- Ids are ``secrets.token_urlsafe(24)``: 192 random bits, 32 visible-ASCII characters, as the
+  2025-11-25 transport asks (globally unique, cryptographically secure, 0x21–0x7E only).
+- The *client* is the caller's scope at ``initialize``: ``principal:<id>`` when authenticated,
+  else ``ip:<address bucket>`` (IPv6 by /64). Minting counts against it alone: a client holding
+  ``sessions_per_client`` sessions (or minting into a full table) gives up its own least
+  recently seen session that has no call in flight. It never displaces another client's
+  session: when it has none to give up, :class:`SessionsFull` is raised (the transport answers
+  503 with ``Retry-After``).
+- A mint reads one client row; one that must give up a session of its own also reads that
+  client's session rows (at most ``sessions_per_client``, lock-free) to find the least recently
+  seen; under the lock it re-checks only what it decided on. Nothing scans the table at mint:
+  the cost is the same at any fill.
+- A session expires once it has not been seen for ``config.session_ttl`` seconds and has no call
+  in flight. :meth:`get` treats an expired row as absent; :meth:`sweep` removes expired rows a
+  bounded piece of the table at a time, run on the back of this store's own calls at most every
+  :data:`SWEEP_EVERY` seconds per process.
+- ``last_seen`` is refreshed at most once per :data:`TOUCH_INTERVAL` (or ``ttl / 10`` when
+  shorter), and at the end of each call: a busy session costs a shared write per second, plus
+  two per ``tools/call`` (its ``session_calls`` row).
+
+Crash safety: every step writes the row that only makes things stricter first. A mint deletes
+its victim, then rewrites the client row (listing the new id), then inserts the session; a delete
+removes the session, then unlists it. A writer killed in between leaves a listed id without a
+session row (a *phantom*), which the next mint of that client or the sweep drops; never a session
+its client does not count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..exceptions import LockTimeout, ShmCancelError, TableFull
+from ..shm import procinfo
+from .wire import valid_session_id
+
+__all__ = ["RETRY_AFTER", "SWEEP_EVERY", "TOUCH_INTERVAL", "Call", "Session", "SessionStore",
+           "SessionsFull"]
+
+log = logging.getLogger("shmcancel.sessions")
+
+TOUCH_INTERVAL = 1.0  # seconds
+SWEEP_EVERY = 0.5  # seconds between two sweep pieces of one process
+SWEEP_SLOTS = 256  # index slots of the sessions table per sweep piece (~128 rows read)
+SWEEP_CLIENT_SLOTS = 16  # index slots of session_clients per piece (each row: its ids read)
+RETRY_AFTER = 10  # seconds a refused initialize is told to wait (HTTP Retry-After)
+BUCKET = 16  # index slots per seqlock bucket: the unit of a sweep piece
+_PLAN_TRIES = 4  # lock-free plans re-checked under the lock before planning under it
+_OWED_MAX = 4096  # call ends kept for a retry after a lock timeout
+
+_tokens = itertools.count(1)
+
+
+class SessionsFull(TableFull):
+    """No session can be minted for this client now: the table is full of other clients'
+    sessions, or every session of its own has a call in flight. Nothing was written; retry
+    after ``retry_after`` seconds."""
+
+    retry_after = RETRY_AFTER
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    id: str
+    created: float
+    last_seen: float
+    protocol_version: str
+    client: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A ``tools/call`` running in a session (from :meth:`SessionStore.begin_call`)."""
+
+    session_id: str
+    owner: tuple[int, int, int, int] | None  # None: not recorded (session_calls was full)
+
+
+_Row = tuple[float, float, str, bytes]
+
+
+def _row(value: Any) -> _Row | None:
+    """A stored value as ``(created, last_seen, version, client)``, or ``None``."""
+    if (type(value) is tuple and len(value) == 4
+            and all(type(v) in (int, float) for v in value[:2])
+            and type(value[2]) is str and type(value[3]) is bytes):
+        return float(value[0]), float(value[1]), value[2], value[3]
+    return None
+
+
+def _owner(value: Any) -> tuple[int, int, int, int] | None:
+    if type(value) is tuple and len(value) == 4 and all(type(v) is int for v in value):
+        return value
+    return None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a mint will do, decided from lock-free reads and re-checked under the lock."""
+
+    listed: Any  # the client row as read (None: absent)
+    keep: tuple[str, ...]  # listed ids that stay (live sessions of this client), oldest first
+    victim: str | None  # the session given up, or None
+    victim_value: Any
+
+
+class SessionStore:
+    """Sessions over one registry (``reg.sessions``, ``reg.session_clients``,
+    ``reg.session_calls``, ``reg.lock``, ``reg.config``). Thread-safe; one per process."""
+
+    def __init__(self, reg: Any, clock: Callable[[], float] = time.time, *,
+                 alive: Callable[[int, int], bool] = procinfo.alive) -> None:
+        self._reg = reg
+        self._lock = reg.lock
+        self._table = reg.sessions
+        self._clients = reg.session_clients
+        self._calls = reg.session_calls
+        self._hash_key = bytes(reg.hash_key)
+        self._clock = clock
+        self._alive = alive
+        cfg = reg.config
+        self.ttl: float = float(cfg.session_ttl)
+        self.capacity: int = int(cfg.session_capacity)
+        self.per_client: int = int(cfg.sessions_per_client)
+        self._touch_every = min(TOUCH_INTERVAL, self.ttl / 10)
+        self._owed: list[Call] = []
+        self._owed_lock = threading.Lock()
+        self._cursor = 0
+        self._client_cursor = 0
+        self._next_sweep = -math.inf  # time.monotonic()
+        self._full_logged = False
+
+    def client_digest(self, client: str) -> bytes:
+        """The 16-byte keyed digest a client scope is counted under."""
+        return hashlib.blake2b(client.encode("utf-8", "surrogatepass"), key=self._hash_key,
+                               digest_size=16).digest()
+
+    # ------------------------------------------------------------------ mint
+
+    def create(self, protocol_version: str, client: str = "global") -> Session:
+        """Mint and store a new session for ``client`` (its scope: ``principal:<id>`` or
+        ``ip:<bucket>``). Gives up the client's own least recently seen idle session when it
+        holds ``sessions_per_client`` or the table is full; raises :class:`SessionsFull` when
+        it has none to give up. Costs the same at any fill of the table."""
+        self._tick()
+        now = self._clock()
+        digest = self.client_digest(client)
+        sid = secrets.token_urlsafe(24)
+        value = (now, now, protocol_version, digest)
+        for attempt in range(_PLAN_TRIES + 1):
+            last = attempt == _PLAN_TRIES
+            plan = None if last else self._plan(digest, now)
+            with self._lock:
+                if plan is None:
+                    plan = self._plan(digest, now)  # under the lock: exact
+                elif not self._current(plan, digest):
+                    continue
+                self._commit(plan, digest, sid, value)
+                break
+        return Session(sid, now, now, protocol_version, digest)
+
+    def _plan(self, digest: bytes, now: float) -> _Plan:
+        listed = self._clients.get(digest)
+        ids = listed if type(listed) is tuple else ()
+        if (len(ids) < self.per_client and self._table.count() < self.capacity
+                and all(type(s) is str for s in ids)):
+            return _Plan(listed, ids, None, None)  # room: one row read, whatever the fill
+        # At its bound, or the table is full: give up the client's own least recently seen
+        # session without a call in flight, dropping phantoms met on the way. Ids are listed in
+        # minting order and a session is seen no earlier than it was created, so the walk stops
+        # at the first one created after the best candidate was last seen: every later one was
+        # seen later still. A flood of fresh sessions is decided after two rows.
+        ids = tuple(s for s in ids[:self.per_client + 1] if type(s) is str)  # longer: damage
+        dropped: set[str] = set()
+        if ids and _row(self._table.get(ids[-1])) is None:  # where an interrupted mint leaves one
+            dropped.add(ids[-1])
+        victim, victim_value, best = None, None, math.inf
+        for sid in ids:
+            v = self._table.get(sid)
+            r = _row(v)
+            if r is None or r[3] != digest:
+                dropped.add(sid)
+                continue
+            if r[0] >= best:
+                break
+            if r[1] < best and not self._busy(sid):
+                victim, victim_value, best = sid, v, r[1]
+        keep = tuple(s for s in ids if s not in dropped)
+        if len(keep) < self.per_client and self._table.count() < self.capacity:
+            return _Plan(listed, keep, None, None)
+        if victim is not None:
+            return _Plan(listed, tuple(s for s in keep if s != victim), victim, victim_value)
+        if len(keep) < self.per_client:
+            raise SessionsFull(
+                f"sessions table is full ({self.capacity} sessions of other clients); "
+                f"retry in {RETRY_AFTER}s")
+        raise SessionsFull(
+            f"this client holds {len(keep)} sessions (sessions_per_client), each with a call "
+            f"in flight; retry in {RETRY_AFTER}s")
+
+    def _current(self, plan: _Plan, digest: bytes) -> bool:
+        """Under the lock: is ``plan`` still what it would decide?"""
+        if self._clients.get(digest) != plan.listed:
+            return False
+        if plan.victim is None:
+            return self._table.count() < self.capacity
+        return self._table.get(plan.victim) == plan.victim_value and not self._busy(plan.victim)
+
+    def _commit(self, plan: _Plan, digest: bytes, sid: str, value: Any) -> None:
+        """Under the lock. Victim first, then the client row, then the session (see the module
+        docstring: an interruption leaves at worst a phantom id)."""
+        if plan.victim is not None:
+            self._table.delete_object(plan.victim, plan.victim_value)
+            self._calls.delete(plan.victim)  # rows of dead owners only (it was not busy)
+        try:
+            self._clients.insert(digest, (*plan.keep, sid))
+        except TableFull:  # a new client, and every client row is taken (by phantoms)
+            raise SessionsFull(
+                f"session_clients table is full; retry in {RETRY_AFTER}s") from None
+        if not self._table.insert_new(sid, value):  # 192 random bits collide: never
+            raise ShmCancelError("session id collision")
+
+    # ------------------------------------------------------------------ calls
+
+    def _busy(self, session_id: str) -> bool:
+        """True while a call of a live process runs in the session (lock-free; a miss costs
+        one probe, a hit a /proc read per owner)."""
+        if not self._calls.member(session_id):
+            return False
+        return any(o is not None and self._alive(o[0], o[1])
+                   for o in map(_owner, self._calls.lookup(session_id)))
+
+    def begin_call(self, session: Session) -> Call | None:
+        """Record a ``tools/call`` running in ``session`` (so it is never evicted meanwhile) and
+        touch it, in one step under the lock. ``None`` when the session is gone (evicted or
+        deleted since it was read): the caller answers 404. A full ``session_calls`` table
+        (dead owners removed first) leaves the call unrecorded, logged once."""
+        self._settle()
+        me = procinfo.me()
+        owner: tuple[int, int, int, int] | None = (me[0], me[1], threading.get_ident(),
+                                                    next(_tokens))
+        now = self._clock()
+        with self._lock:
+            r = _row(self._table.get(session.id))
+            if r is None:
+                return None
+            try:
+                self._calls.insert(session.id, owner)
+            except TableFull:
+                if self._reap_calls():
+                    self._calls.insert(session.id, owner)
+                else:
+                    owner = None
+                    if not self._full_logged:
+                        self._full_logged = True
+                        log.warning("session_calls table is full: calls run unrecorded "
+                                    "(their sessions may be displaced by their client)")
+            if now - r[1] >= self._touch_every:
+                self._table.insert(session.id, (r[0], now, r[2], r[3]))
+        return Call(session.id, owner)
+
+    def end_call(self, call: Call) -> None:
+        """The call ended: drop its row and touch the session. Never raises: when the lock
+        cannot be had in time, the row is removed later by this process (the next call of any
+        method here)."""
+        if call.owner is None:
+            return
+        try:
+            self._end(call)
+        except LockTimeout:
+            with self._owed_lock:
+                if len(self._owed) < _OWED_MAX:
+                    self._owed.append(call)
+            log.warning("session call end deferred: registry lock timeout")
+        except ShmCancelError:
+            log.warning("session call end failed", exc_info=True)
+
+    def _end(self, call: Call) -> None:
+        now = self._clock()
+        with self._lock:
+            self._calls.delete_object(call.session_id, call.owner)
+            r = _row(self._table.get(call.session_id))
+            if r is not None and now > r[1]:
+                self._table.insert(call.session_id, (r[0], now, r[2], r[3]))
+
+    def _settle(self) -> None:
+        """Retry the call ends a lock timeout deferred (bounded; stops at the next timeout)."""
+        if not self._owed:
+            return
+        with self._owed_lock:
+            owed, self._owed = self._owed, []
+        for i, call in enumerate(owed):
+            try:
+                self._end(call)
+            except LockTimeout:
+                with self._owed_lock:
+                    self._owed[:0] = owed[i:]
+                return
+            except ShmCancelError:
+                log.warning("session call end failed", exc_info=True)
+
+    def _reap_calls(self) -> int:
+        """Remove ``session_calls`` rows of dead owners (a scan: only when the table is full)."""
+        rows = self._calls.scan()
+        owners = {(o[0], o[1]) for o in map(_owner, (v for _, v in rows)) if o is not None}
+        dead = {o for o in owners if not self._alive(*o)}
+
+        def gone(_k: Any, v: Any) -> bool:
+            o = _owner(v)
+            return o is None or (o[0], o[1]) in dead
+
+        return self._calls.delete_where(gone)
+
+    # ------------------------------------------------------------------ lookups
+
+    def get(self, session_id: str | None) -> Session | None:
+        """The live session ``session_id`` names, or ``None`` (malformed, unknown, expired).
+        Lock-free unless it finds an expired row, which it removes."""
+        if not valid_session_id(session_id):
+            return None
+        self._tick()
+        try:
+            v = self._table.get(session_id)
+        except ShmCancelError:
+            return None
+        r = _row(v)
+        if r is None:
+            return None
+        if self._clock() - r[1] > self.ttl and not self._busy(session_id):  # type: ignore[arg-type]
+            self._expire(session_id, v, r)
+            return None
+        return Session(session_id, r[0], r[1], r[2], r[3])  # type: ignore[arg-type]
+
+    def touch(self, session: Session) -> None:
+        """Record that ``session`` was seen now (a shared write at most once per interval)."""
+        now = self._clock()
+        if now - session.last_seen < self._touch_every:
+            return
+        with self._lock:
+            r = _row(self._table.get(session.id))
+            if r is None or r[1] >= now:  # deleted meanwhile (never resurrect), or fresher
+                return
+            self._table.insert(session.id, (r[0], now, r[2], r[3]))
+
+    def delete(self, session_id: str) -> bool:
+        """End a session. True when it existed."""
+        if not valid_session_id(session_id):
+            return False
+        with self._lock:
+            v = self._table.get(session_id)
+            if v is None or not self._table.delete(session_id):
+                return False
+            r = _row(v)
+            if r is not None:
+                self._unlist(r[3], session_id)
+            return True
+
+    def _unlist(self, digest: bytes, session_id: str) -> None:
+        """Under the lock: drop ``session_id`` from its client's row."""
+        listed = self._clients.get(digest)
+        if type(listed) is not tuple or session_id not in listed:
+            return
+        rest = tuple(s for s in listed if s != session_id)
+        if rest:
+            self._clients.insert(digest, rest)
+        else:
+            self._clients.delete(digest)
+
+    def _expire(self, session_id: Any, value: Any, r: _Row | None) -> int:
+        """Remove the row ``(session_id, value)`` if unchanged (a touch meanwhile keeps it)."""
+        with self._lock:
+            if not self._table.delete_object(session_id, value):
+                return 0
+            if r is not None:
+                self._unlist(r[3], session_id)
+            return 1
+
+    def count(self) -> int:
+        return self._table.count()
+
+    def client_sessions(self, client: str) -> tuple[str, ...]:
+        """The ids listed for ``client``, oldest first (phantoms included)."""
+        listed = self._clients.get(self.client_digest(client))
+        return listed if type(listed) is tuple else ()
+
+    # ------------------------------------------------------------------ expiry
+
+    def sweep(self, slots: int = SWEEP_SLOTS, client_slots: int = SWEEP_CLIENT_SLOTS) -> int:
+        """Remove expired sessions (idle longer than ``ttl`` with no call in flight) and
+        malformed rows among the next ``slots`` index slots of the sessions table, and phantom
+        ids among the next ``client_slots`` of ``session_clients``; the lock is held per
+        removed row only. Returns the sessions removed. Successive calls walk the tables
+        cyclically (pieces rounded up to whole buckets of 16 slots), so ``nslots / slots``
+        calls cover the sessions table."""
+        self._settle()
+        removed = self._sweep_sessions(slots)
+        self._sweep_clients(client_slots)
+        return removed
+
+    def sweep_all(self) -> int:
+        """:meth:`sweep` over the whole of both tables, piece by piece."""
+        n = 0
+        for _ in range(-(-self._table.nslots // SWEEP_SLOTS)):
+            n += self._sweep_sessions(SWEEP_SLOTS)
+        for _ in range(-(-self._clients.nslots // SWEEP_SLOTS)):
+            self._sweep_clients(SWEEP_SLOTS)
+        return n
+
+    def _sweep_sessions(self, slots: int) -> int:
+        # Downwards: a removal shifts later entries back into the piece just read, never into
+        # one still to read, so a pass misses no row (but at its start, across the table's end).
+        nslots = self._table.nslots
+        slots = max(BUCKET, min(nslots, -(-slots // BUCKET) * BUCKET))
+        self._cursor = (self._cursor - slots) % nslots
+        rows, _ = self._table.scan_slots(self._cursor, slots)
+        now = self._clock()
+        removed = 0
+        for sid, v in rows:
+            r = _row(v)
+            if r is None or (now - r[1] > self.ttl and not self._busy(sid)):
+                removed += self._expire(sid, v, r)
+        return removed
+
+    def _sweep_clients(self, slots: int) -> None:
+        crows, self._client_cursor = self._clients.scan_slots(self._client_cursor, slots)
+        for digest, listed in crows:
+            ids = listed if type(listed) is tuple else ()
+            if len(ids) > self.per_client or any(
+                    type(s) is not str or (r := _row(self._table.get(s))) is None
+                    or r[3] != digest for s in ids):
+                self._prune(digest, listed)
+
+    def _prune(self, digest: Any, listed: Any) -> None:
+        """Drop the ids of ``digest``'s row that have no session of that client."""
+        with self._lock:
+            if self._clients.get(digest) != listed:
+                return  # changed meanwhile: the next pass looks again
+            ids = listed if type(listed) is tuple else ()
+            keep = tuple(s for s in ids[:self.per_client] if type(s) is str
+                         and (r := _row(self._table.get(s))) is not None and r[3] == digest)
+            if keep:
+                self._clients.insert(digest, keep)
+            else:
+                self._clients.delete(digest)
+
+    def _tick(self) -> None:
+        """One sweep piece when this process's next one is due (a clock read otherwise)."""
+        t = time.monotonic()
+        if t < self._next_sweep:
+            return
+        self._next_sweep = t + SWEEP_EVERY
+        try:
+            self.sweep()
+        except Exception as e:  # a lock timeout, damage fsck will repair: never fail the request
+            log.warning("session sweep failed: %s", e, exc_info=not isinstance(e, LockTimeout))

@@ -1,0 +1,434 @@
+"""The registry lock: one POSIX semaphore per registry, an owner record, dead-owner recovery.
+
+Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` of the holder or 0,
+``generation`` = +1 on every acquire and every recovery. Protocol:
+
+- acquire: take the semaphore, then ``generation += 1``, then ``owner = me`` (one aligned u64
+  store each). Release: ``owner = 0``, then ``sem.release()``.
+- a waiter whose bounded wait (``step``) times out looks at the owner. It takes over the held unit
+  when the owner is dead (gone, zombie, or its pid reused), or when the owner is 0 while the
+  semaphore stays taken and the generation has not moved for two whole steps (a holder that died
+  between acquiring and recording itself). Taking over is NOT release-then-acquire (that could
+  let two processes in): under an ``flock`` on the registry's lock file (the kernel drops it when
+  its holder dies), the waiter re-checks owner, generation and ``sem.value == 0`` unchanged, then
+  writes ``generation += 1``, ``owner = me``, ``recoveries += 1`` and carries on as the holder,
+  after running ``repair()`` (the registry's fsck).
+- a live owner is never robbed: a stopped holder makes waiters wait, then raise ``LockTimeout``.
+
+Within a process a ``threading.Lock`` serialises threads before the semaphore, and the lock is
+reentrant per thread. All per-process state is rebuilt in a fork child.
+
+Signals: posix_ipc runs a pending Python signal handler when a wait is interrupted and then
+replaces whatever it raised (gunicorn's SystemExit) with ``SignalError``. So the blocking waits run
+with the process's Python-handled signals blocked, a step at a time; between steps the handlers run
+normally and what they raise propagates, with nothing taken. Residual windows of a bytecode or two
+(a handler raising just after the non-blocking fast-path acquire, or inside the release sequence)
+can strand the unit; the dead-owner and stable-generation rules recover it, and a unit stranded by
+this very process (owner == me while no thread of it holds the lock) is taken back at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from threading import get_ident as _get_ident
+from typing import TYPE_CHECKING, Any
+
+import posix_ipc
+
+from .. import telemetry
+from ..exceptions import LockTimeout, ShmCancelError
+from . import procinfo
+from .segment import (
+    OFF_LOCK_GENERATION,
+    OFF_LOCK_OWNER,
+    OFF_RECOVERIES,
+    lock_path,
+    open_lockfile,
+)
+
+if TYPE_CHECKING:
+    from .segment import Segment
+
+__all__ = ["RegistryLock"]
+
+log = logging.getLogger("shmcancel.lock")
+
+_OWNER = OFF_LOCK_OWNER >> 3
+_GEN = OFF_LOCK_GENERATION >> 3
+_RECOVERIES = OFF_RECOVERIES >> 3
+_SPIN = 200e-6  # seconds of sched_yield polling before blocking waits
+_FAULTS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
+           signal.SIGILL}
+_CATCHABLE = frozenset(signal.valid_signals()) - _FAULTS
+
+_locks: weakref.WeakSet[RegistryLock] = weakref.WeakSet()
+
+
+def _handled_signals() -> set[int]:
+    """Signals that currently have a Python handler (the ones posix_ipc could swallow)."""
+    out: set[int] = set()
+    for s in _CATCHABLE:
+        try:
+            h = signal.getsignal(s)
+        except (ValueError, OSError):  # pragma: no cover
+            continue
+        if callable(h):
+            out.add(s)
+    return out
+
+
+class _SignalsBlocked:
+    """Block catchable signals in this thread; pending ones are delivered on exit (and a
+    handler's exception then propagates from the ``with`` statement)."""
+
+    __slots__ = ("_old", "_sigs")
+
+    def __init__(self, sigs: set[int] | frozenset[int] = _CATCHABLE) -> None:
+        self._sigs = sigs
+        self._old: set[int] | None = None
+
+    def __enter__(self) -> None:
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, self._sigs) if self._sigs else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+
+
+class _ProcState:
+    """Per-process, per-registry lock state (rebuilt in a fork child)."""
+
+    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "tlock")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tlock = threading.Lock()  # serialises this process's threads before the semaphore
+        self.holder: int | None = None  # thread ident of the holding thread
+        self.depth = 0
+        self.dirty = False
+        # In a fork child procinfo's own after-fork reset has run already: it registered first
+        # (after_in_child hooks run in registration order), so me() is the child's.
+        self.me = procinfo.pack_owner(*procinfo.me())
+
+
+_states: weakref.WeakValueDictionary[tuple[str, int], _ProcState] = (
+    weakref.WeakValueDictionary())
+
+
+class RegistryLock:
+    """``with lock:`` holds the registry (every table of it). Reentrant per thread.
+
+    ``dirty``: a writer sets it True right before its first store into shared memory and False
+    after its last; leaving the outermost ``with`` (or any ``with`` by an exception) while it is
+    True runs ``repair()`` with signals blocked before the lock is released.
+    """
+
+    def __init__(self, segment: Segment, *, repair: Callable[[], Any] | None = None,
+                 timeout: float | None = None, step: float = 0.1) -> None:
+        if segment.readonly or segment.sem is None:
+            raise ShmCancelError(f"registry {segment.name} is attached read-only: no lock")
+        self.name = segment.name
+        self._seg = segment
+        self._sem = segment.sem
+        self._w = segment.words
+        self._timeout = segment.config.lock_timeout if timeout is None else float(timeout)
+        self._step = float(step)
+        self._repair = repair
+        self._fd: int | None = open_lockfile(self.name)
+        # Every lock object of this process on the same semaphore shares one state (two
+        # attachments of one registry in one process must not take each other for strangers).
+        key = (segment.name, segment.sem_ino)
+        st = _states.get(key)
+        if st is None:
+            st = _states[key] = _ProcState()
+        self._st = st
+        _locks.add(self)
+
+    @property
+    def dirty(self) -> bool:
+        return self._st.dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._st.dirty = value
+
+    def _after_fork_child(self) -> None:
+        # The inherited fd shares its open file description (and any flock) with the parent:
+        # take a fresh one on the same inode, even if the path was unlinked meanwhile.
+        old, self._fd = self._fd, None
+        if old is not None:
+            try:
+                self._fd = os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                self._fd = None
+            os.close(old)
+
+    # --- introspection ---
+    @property
+    def generation(self) -> int:
+        return self._w[_GEN]
+
+    @property
+    def recoveries(self) -> int:
+        return self._w[_RECOVERIES]
+
+    def owner(self) -> tuple[int, int] | None:
+        """(pid, start) recorded as holder, or None."""
+        return procinfo.unpack_owner(self._w[_OWNER])
+
+    def held_by_me(self) -> bool:
+        """True when the calling thread holds the lock."""
+        return self._st.holder == threading.get_ident() and self._st.depth > 0
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a waiter waits for a live holder before ``LockTimeout`` (this process's lock
+        object only; the registry's ``Config.lock_timeout`` by default)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+                or not 0 < seconds < 1e9:
+            raise ValueError(f"lock timeout must be a positive number of seconds, got {seconds!r}")
+        self._timeout = float(seconds)
+
+    # --- with ---
+    def __enter__(self) -> RegistryLock:
+        # The uncontended path is the cost of every write: no clock read, no timed waits.
+        st = self._st
+        tid = _get_ident()
+        if st.holder == tid:
+            st.depth += 1
+            return self
+        tlock = st.tlock
+        t0 = None
+        if not tlock.acquire(False):
+            t0 = time.monotonic()
+            if not tlock.acquire(timeout=self._timeout):
+                raise LockTimeout(
+                    f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
+                    f"held the lock for more than {self._timeout:.1f}s")
+        try:
+            try:
+                self._sem.acquire(0)  # fast path: sem_trywait, never interrupted
+            except posix_ipc.BusyError:
+                self._acquire_slow(tid, time.monotonic() if t0 is None else t0)
+            else:
+                st.holder = tid
+                st.depth = 1
+                w = self._w
+                w[_GEN] += 1
+                w[_OWNER] = st.me  # ordering: see _stamp
+        except BaseException:
+            if st.holder == tid:
+                self._release_unit()
+            tlock.release()
+            raise
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        st = self._st
+        if st.holder != _get_ident() or st.depth == 0:
+            return  # not ours (state reset by fork in a child): nothing to release
+        if st.depth > 1:
+            st.depth -= 1
+            if et is not None and st.dirty:
+                self._run_repair()
+            return
+        if st.dirty:
+            self._run_repair()
+        st.depth = 0  # _release_unit, inlined: this is every write's exit
+        self._w[_OWNER] = 0
+        self._sem.release()
+        st.holder = None
+        st.tlock.release()
+
+    def _stamp(self) -> None:
+        w = self._w
+        w[_GEN] += 1
+        # Memory ordering: x86-64 (TSO) makes plain stores visible in program order and never
+        # reorders loads with older loads, so a waiter that reads this owner also reads the
+        # generation bumped above; each u64 store through the 'Q' memoryview is one aligned
+        # 8-byte move, never seen torn. A weakly ordered CPU (ARM) would need fences here.
+        w[_OWNER] = self._st.me
+
+    def _release_unit(self) -> None:
+        st = self._st
+        st.depth = 0
+        self._w[_OWNER] = 0
+        self._sem.release()
+        st.holder = None
+        st.dirty = False
+
+    def _run_repair(self, after: str = "an interrupted write") -> None:
+        if self._repair is not None:
+            with _SignalsBlocked():
+                try:
+                    self._repair()
+                except Exception:
+                    log.exception("registry %s: repair after %s failed", self.name, after)
+        self._st.dirty = False
+
+    # --- waiting and recovery ---
+    def _acquire_slow(self, tid: int, t0: float) -> None:
+        sem, w = self._sem, self._w
+        spin_end = time.monotonic() + _SPIN
+        while time.monotonic() < spin_end:
+            os.sched_yield()
+            try:
+                sem.acquire(0)
+            except posix_ipc.BusyError:
+                continue
+            self._st.holder = tid
+            self._st.depth = 1
+            self._stamp()
+            return
+        deadline = t0 + self._timeout
+        sigs = _handled_signals()
+        zero_gen, zero_seen = -1, 0  # owner-0 observations with an unchanged generation
+        while True:
+            got = False
+            with _SignalsBlocked(sigs):  # pending handlers run (and may raise) on unblock
+                try:
+                    sem.acquire(self._step)
+                    got = True
+                except posix_ipc.BusyError:
+                    pass
+                except posix_ipc.SignalError:  # not ours to swallow anything: just wait again
+                    pass
+                if got:
+                    self._st.holder = tid
+                    self._st.depth = 1
+                    self._stamp()
+            if got:
+                return
+            owner, gen = w[_OWNER], w[_GEN]
+            if owner == 0:
+                if sem.value == 0 and gen == zero_gen:
+                    zero_seen += 1
+                else:
+                    zero_gen, zero_seen = gen, (1 if sem.value == 0 else 0)
+                # Seen at three consecutive timeouts: nobody recorded itself for two steps.
+                if zero_seen >= 3 and self._recover(owner, gen, tid, time.monotonic() - t0):
+                    return
+            else:
+                zero_gen, zero_seen = -1, 0
+                if self._owner_dead(owner) and self._recover(
+                        owner, gen, tid, time.monotonic() - t0):
+                    return
+            if time.monotonic() >= deadline:
+                raise LockTimeout(self._timeout_message(owner))
+
+    def _owner_dead(self, owner: int) -> bool:
+        if owner == self._st.me:
+            # Our own pid: we hold the thread lock, so no thread of ours holds the unit; it was
+            # stranded by an exception raised inside acquire/release in this process.
+            return self._st.holder is None
+        p = procinfo.unpack_owner(owner)
+        return p is None or not procinfo.alive(*p)
+
+    def _timeout_message(self, owner: int) -> str:
+        p = procinfo.unpack_owner(owner)
+        who = (f"live pid {p[0]}" if p is not None
+               else "a process that has not recorded itself yet")
+        return (f"registry {self.name}: lock held by {who} for more than {self._timeout:.1f}s "
+                f"(generation {self._w[_GEN]}); a live holder is never robbed")
+
+    def _lockfd(self) -> int:
+        if self._fd is None:
+            self._fd = open_lockfile(self.name)
+        return self._fd
+
+    def _take_over(self, owner: int, gen: int) -> bool:
+        """Under the flock: take the held unit over if nothing moved. Signals must be blocked."""
+        fd = self._lockfd()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # another process is recovering
+        try:
+            w = self._w
+            if w[_OWNER] != owner or w[_GEN] != gen or self._sem.value != 0:
+                return False
+            if owner != 0 and not self._owner_dead(owner):
+                return False
+            w[_GEN] = gen + 1
+            w[_OWNER] = self._st.me
+            w[_RECOVERIES] = w[_RECOVERIES] + 1
+            return True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _recover(self, owner: int, gen: int, tid: int, waited: float) -> bool:
+        with _SignalsBlocked():
+            if not self._take_over(owner, gen):
+                return False
+            self._st.holder = tid
+            self._st.depth = 1
+            self._st.dirty = False
+            self._run_repair("lock recovery")
+        self._emit_recovered(owner, waited)
+        return True
+
+    def _emit_recovered(self, owner: int, waited: float) -> None:
+        p = procinfo.unpack_owner(owner)
+        dead = p[0] if p is not None else 0
+        log.warning("registry %s: took over the lock from dead pid %s after %.3fs",
+                    self.name, dead or "(unrecorded)", waited)
+        telemetry.execute(("shmcancel", "lock", "recovered"), {"waited": waited},
+                          {"dead_pid": dead})
+
+    def recover_from(self, pid: int) -> bool:
+        """If the lock's recorded owner is the dead process ``pid``, take it over, repair and
+        release. Never blocks (for gunicorn's ``child_exit``): False when ``pid`` is not the
+        dead owner or someone else is busy recovering."""
+        owner, gen = self._w[_OWNER], self._w[_GEN]
+        p = procinfo.unpack_owner(owner)
+        if p is None or p[0] != pid or procinfo.alive(*p):
+            return False
+        tid = threading.get_ident()
+        if self._st.holder == tid or not self._st.tlock.acquire(blocking=False):
+            return False  # a thread of ours is already waiting: it will recover
+        try:
+            with _SignalsBlocked():
+                if not self._take_over(owner, gen):
+                    return False
+                self._st.holder = tid
+                self._st.depth = 1
+                self._run_repair("lock recovery")
+                self._release_unit()
+        finally:
+            self._st.tlock.release()
+        self._emit_recovered(owner, 0.0)
+        return True
+
+    def close(self) -> None:
+        """Close the lock file descriptor (the segment owns the semaphore and the header)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        _locks.discard(self)
+
+    def __repr__(self) -> str:
+        return (f"<RegistryLock {self.name} owner={self.owner()} gen={self.generation} "
+                f"path={lock_path(self.name)}>")
+
+
+def _after_fork_in_child() -> None:
+    for st in list(_states.values()):
+        st.reset()
+    for lk in list(_locks):
+        lk._after_fork_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,487 @@
+"""A registry: one shared segment, its lock, and the tables the cancellation layer and the
+MCP sessions use.
+
+Tables (in segment order), keys and values as msgpack packs them:
+
+- ``cancellations`` (set, ``config.capacity`` rows): ``(scope, request_id)`` ->
+  ``(reason | None, cancelled_at)``;
+- ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
+  ``(pid, start, thread_ident, token)``;
+- ``sessions`` (set, ``config.session_capacity``): ``session_id`` -> a value of at most
+  ``SESSION_VALUE_MAX`` packed bytes;
+- ``scope_counts`` (set, ``config.capacity``): 16-byte scope digest -> int;
+- ``session_clients`` (set, ``config.session_capacity``): 16-byte client digest -> the ids of
+  that client's sessions (at most ``config.sessions_per_client`` minted ids);
+- ``session_calls`` (bag, ``config.in_flight_capacity``): ``session_id`` -> ``(pid, start,
+  thread_ident, token)`` of each ``tools/call`` running in that session.
+
+Record sizes come from the worst-case msgpack sizes of those shapes (see ``_KEY_*``/``_VAL_*``;
+tests pack the worst cases); ``session_clients`` records grow with ``sessions_per_client``. A row
+larger than its table's record raises ``RowTooLarge``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from ..exceptions import RegistryIncompatible, ShmCancelError
+from . import procinfo
+from .lock import RegistryLock
+from .segment import (
+    LAYOUT_VERSION,
+    OFF_CREATOR,
+    OFF_EVICTIONS,
+    OFF_LAST_SWEEP,
+    OFF_LAST_SWEEPER,
+    OFF_LOCK_GENERATION,
+    OFF_LOCK_OWNER,
+    OFF_RECOVERIES,
+    OFF_SWEEPS,
+    Segment,
+    TableSpec,
+    check_name,
+    lock_path,
+    segment_path,
+    sem_path,
+    unlink_names,
+    unlink_quiet,
+)
+from .table import Table
+
+__all__ = ["TABLES", "Registry", "current", "record_sizes", "unlink"]
+
+log = logging.getLogger("shmcancel.registry")
+
+ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the lock, at most
+
+# --- worst-case msgpack sizes (bytes) -----------------------------------------------------------
+# str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
+# bin of n bytes: bin8 2+n. int: at most 9 (uint64 / int64). float: 9 (float64). nil: 1.
+# array of <= 15 items: fixarray, 1 byte.
+SCOPE_MAX = 512  # UTF-8 bytes (SPEC §3)
+REQUEST_ID_MAX = 256  # UTF-8 bytes (SPEC §4.1)
+REASON_MAX = 800  # UTF-8 bytes (SPEC §4.2)
+SESSION_ID_MAX = 128  # UTF-8 bytes
+SESSION_VALUE_MAX = 512  # packed bytes
+SCOPE_DIGEST = 16  # bytes
+_KEY_REQUEST = 1 + (3 + SCOPE_MAX) + (3 + REQUEST_ID_MAX)  # [scope, id] = 775
+_VAL_CANCEL = 1 + (3 + REASON_MAX) + 9  # [reason, cancelled_at] = 813
+_VAL_IN_FLIGHT = 1 + 4 * 9  # [pid, start, thread_ident, token] = 37
+_KEY_SESSION = 2 + SESSION_ID_MAX  # str8 = 130
+_KEY_SCOPE_COUNT = 2 + SCOPE_DIGEST  # bin8 = 18
+_VAL_SCOPE_COUNT = 9  # int
+MINTED_ID_LEN = 32  # characters of a minted session id (secrets.token_urlsafe(24))
+_KEY_CLIENT = 2 + SCOPE_DIGEST  # bin8 = 18
+
+
+def _val_session_clients(config: Config) -> int:
+    """[id, ...] of ``sessions_per_client`` minted ids: array16 3 + n x str8 (2 + 32)."""
+    return 3 + int(config.sessions_per_client) * (2 + MINTED_ID_LEN)  # type: ignore[arg-type]
+
+
+# name -> (kind, config field giving the capacity, max packed key, max packed value (or its
+# function of the config))
+TABLES: dict[str, tuple[str, str, int, int | Callable[[Config], int]]] = {
+    "cancellations": ("set", "capacity", _KEY_REQUEST, _VAL_CANCEL),
+    "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT),
+    "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX),
+    "scope_counts": ("set", "capacity", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT),
+    "session_clients": ("set", "session_capacity", _KEY_CLIENT, _val_session_clients),
+    "session_calls": ("bag", "in_flight_capacity", _KEY_SESSION, _VAL_IN_FLIGHT),
+}
+
+
+def record_sizes(config: Config | None = None) -> dict[str, int]:
+    """Record size of each table (for ``config``, default ``Config()``): what ``Table`` needs
+    for the worst-case key + value."""
+    cfg = Config() if config is None else config
+    return {n: Table.record_size_for(k, v if isinstance(v, int) else v(cfg))
+            for n, (_, _, k, v) in TABLES.items()}
+
+
+def _specs(config: Config) -> list[TableSpec]:
+    sizes = record_sizes(config)
+    out = []
+    for n, (kind, cap_field, _, _) in TABLES.items():
+        cap = getattr(config, cap_field)
+        out.append(TableSpec(kind, cap, sizes[n], Table.region_size(cap, sizes[n])))
+    return out
+
+
+_current: Registry | None = None
+# Every registry created or attached here, oldest first (weakly: an unreferenced one may go).
+_opened: list[weakref.ref[Registry]] = []
+
+
+def current() -> Registry | None:
+    """The registry this process most recently created or attached and has not closed (when
+    that one is closed, the most recent other one still open)."""
+    return _current
+
+
+def _forget(reg: Registry) -> None:
+    """``reg`` is closed: drop it, and make the most recent registry still open current."""
+    global _current
+    _opened[:] = [w for w in _opened if (r := w()) is not None and r is not reg and not r.closed]
+    if _current is reg or (_current is not None and _current.closed):
+        _current = _opened[-1]() if _opened else None
+
+
+def unlink(name: str) -> list[str]:
+    """Remove whatever exists of registry ``name``'s segment, semaphore, lock file and creation
+    temporaries (missing ones are fine); the paths removed. Attached processes keep their
+    mapping until they close it. One :class:`ShmCancelError` naming a path that could not be
+    removed (another user's, say)."""
+    return unlink_names(name)
+
+
+def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
+    """Remove ``name``'s segment and semaphore if they are still the inodes ``ino`` and
+    ``sem_ino`` (never a newer registry's), then its lock file if no segment is left."""
+    def at(path: str) -> int | None:
+        try:
+            return os.lstat(path).st_ino
+        except FileNotFoundError:
+            return None
+
+    try:
+        if at(segment_path(name)) == ino:
+            unlink_quiet(os.unlink, segment_path(name))
+        if at(sem_path(name)) == sem_ino:
+            unlink_quiet(os.unlink, sem_path(name))
+        if at(segment_path(name)) is None:
+            unlink_quiet(os.unlink, lock_path(name))
+    except OSError as e:
+        raise ShmCancelError(f"registry {name}: cannot remove {e.filename}: {e.strerror}") \
+            from None
+
+
+class _ReadOnlyLock:
+    """The lock of a read-only registry: entering it is an error (readers never need it, a
+    read-only attachment must never block on or change the segment)."""
+
+    dirty = False
+
+    def __init__(self, seg: Segment) -> None:
+        self.name = seg.name
+        self._w = seg.words
+
+    def __enter__(self) -> object:
+        raise ShmCancelError(f"registry {self.name} is attached read-only: cannot take its lock")
+
+    def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
+        return None
+
+    def owner(self) -> tuple[int, int] | None:
+        return procinfo.unpack_owner(self._w[OFF_LOCK_OWNER >> 3])
+
+    @property
+    def generation(self) -> int:
+        return self._w[OFF_LOCK_GENERATION >> 3]
+
+    def held_by_me(self) -> bool:
+        return False
+
+    def recover_from(self, pid: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class Registry:
+    """A created or attached registry. Use :meth:`create` / :meth:`attach`, not the constructor.
+
+    ``close()`` unmaps (idempotent); ``unlink()`` removes the names (idempotent; only this
+    registry's own segment and semaphore, never a newer one created under the same name).
+    """
+
+    def __init__(self, seg: Segment) -> None:
+        global _current
+        self._seg = seg
+        self._name = seg.name
+        self._ino = seg.ino
+        self._sem_ino = seg.sem_ino
+        self._closed = False
+        self._tables: dict[str, Table] = {}
+        try:
+            self._check_tables()
+            self.lock: RegistryLock | _ReadOnlyLock = (
+                _ReadOnlyLock(seg) if seg.readonly else RegistryLock(seg, repair=self.fsck))
+            for i, (n, desc) in enumerate(zip(TABLES, seg.tables, strict=True)):
+                self._tables[n] = Table(n, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
+                                        capacity=desc.capacity, record_size=desc.record_size,
+                                        hash_key=seg.hash_key, lock=self.lock)
+        except BaseException:
+            self._close_parts()
+            raise
+        _current = self
+        _opened[:] = [w for w in _opened if w() is not None]
+        _opened.append(weakref.ref(self))
+
+    def _check_tables(self) -> None:
+        seg, cfg = self._seg, self._seg.config
+        if len(seg.tables) != len(TABLES):
+            raise RegistryIncompatible(
+                f"registry {self._name}: {len(seg.tables)} tables, expected {len(TABLES)}")
+        sizes = record_sizes(cfg)
+        for (n, (kind, cap_field, _, _)), d in zip(TABLES.items(), seg.tables, strict=True):
+            cap = getattr(cfg, cap_field)
+            if (d.kind != kind or d.capacity != cap or d.record_size < sizes[n]
+                    or d.region_size != Table.region_size(d.capacity, d.record_size)):
+                raise RegistryIncompatible(
+                    f"registry {self._name}: table {n} is {d.kind}/{d.capacity} rows/"
+                    f"{d.record_size}-byte records/{d.region_size} bytes; expected {kind}/{cap}/"
+                    f">={sizes[n]}/{Table.region_size(cap, sizes[n])}")
+
+    # --- lifecycle ---
+    @classmethod
+    def create(cls, name: str, config: Config | None = None) -> Registry:
+        """Create registry ``name`` (replacing a stale one whose creator is gone)."""
+        check_name(name)
+        config = Config() if config is None else config
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a shmcancel.Config, got {type(config).__name__}")
+        specs = _specs(config)
+
+        def init(seg: Segment) -> None:
+            for i, s in enumerate(specs):
+                region = seg.region(i)
+                Table.format(region, s.capacity, s.record_size)
+
+        seg = Segment.create(name, config, specs, init=init)
+        try:
+            return cls(seg)
+        except BaseException:
+            # Nobody else can have attached to what this process just made and failed to open.
+            _unlink_own(name, seg.ino, seg.sem_ino)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> Registry:
+        """Attach to registry ``name``; its config is read from the segment header.
+        ``readonly``: map it read-only, take no lock (for inspection). A writable attachment
+        checks the tables' header counters first (:meth:`check`)."""
+        reg = cls(Segment.attach(name, readonly=readonly))
+        try:
+            reg._check_on_attach()
+        except BaseException:
+            reg.close()
+            raise
+        return reg
+
+    def _check_on_attach(self) -> None:
+        """:meth:`check` (not deep), never failing the attach and waiting at most
+        ATTACH_CHECK_LOCK_TIMEOUT for the lock (it takes it only to repair): a lock held longer
+        (or any other error of ours) leaves the counters to the janitor's next sweep."""
+        lock = self.lock
+        if self.readonly or not isinstance(lock, RegistryLock):
+            return
+        saved = lock.timeout
+        lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
+        try:
+            self.check(deep=False)
+        except ShmCancelError as e:
+            log.warning("registry %s: counter check on attach skipped: %s", self._name, e)
+        finally:
+            lock.timeout = saved
+
+    def _close_parts(self) -> None:
+        for t in self._tables.values():
+            t.close()
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.close()
+        self._seg.close()
+
+    def close(self) -> None:
+        """Unmap the segment and close the semaphore and lock file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _forget(self)
+        self._close_parts()
+
+    def unlink(self) -> None:
+        """Remove this registry's names from /dev/shm. Idempotent."""
+        _unlink_own(self._name, self._ino, self._sem_ino)
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("read-only" if self.readonly else "attached")
+        return f"<Registry {self._name} {state}>"
+
+    # --- properties ---
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def readonly(self) -> bool:
+        return self._seg.readonly
+
+    @property
+    def config(self) -> Config:
+        return self._seg.config
+
+    @property
+    def hash_key(self) -> bytes:
+        return self._seg.hash_key
+
+    @property
+    def created_at(self) -> float:
+        return self._seg.created_at
+
+    @property
+    def creator(self) -> tuple[int, int]:
+        c = self._seg.creator
+        assert c is not None
+        return c
+
+    def adopt(self) -> None:
+        """Record the calling process as the registry's creator.
+
+        ``create`` replaces a registry only when its creator is gone; a process that takes over
+        a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade, or the
+        old one when the upgrade failed) adopts it so that the registry is not taken for stale
+        once the recorded creator has exited. One aligned 8-byte store: no lock, so a gunicorn
+        master never waits on a worker that holds it.
+        """
+        if self.readonly:
+            raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
+        self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
+
+    @property
+    def cancellations(self) -> Table:
+        return self._tables["cancellations"]
+
+    @property
+    def in_flight(self) -> Table:
+        return self._tables["in_flight"]
+
+    @property
+    def sessions(self) -> Table:
+        return self._tables["sessions"]
+
+    @property
+    def scope_counts(self) -> Table:
+        return self._tables["scope_counts"]
+
+    @property
+    def session_clients(self) -> Table:
+        return self._tables["session_clients"]
+
+    @property
+    def session_calls(self) -> Table:
+        return self._tables["session_calls"]
+
+    @property
+    def tables(self) -> dict[str, Table]:
+        return dict(self._tables)
+
+    # --- header counters ---
+    @property
+    def recoveries(self) -> int:
+        return self._seg.u64(OFF_RECOVERIES)
+
+    @property
+    def evictions(self) -> int:
+        return self._seg.u64(OFF_EVICTIONS)
+
+    def add_evictions(self, n: int) -> None:
+        """Count ``n`` evicted rows (takes the lock; reentrant inside a held one)."""
+        with self.lock:
+            self._seg.set_u64(OFF_EVICTIONS, self._seg.u64(OFF_EVICTIONS) + n)
+
+    @property
+    def last_sweep(self) -> float:
+        return self._seg.f64(OFF_LAST_SWEEP)
+
+    def claim_sweep(self, now: float, interval: float) -> bool:
+        """True for exactly one caller per ``interval`` seconds (``now`` on ``time.time()``'s
+        scale): that caller sweeps. The first claim succeeds one interval after creation.
+        Costs one load when it is not time yet."""
+        seg = self._seg
+        if seg.readonly or now - seg.f64(OFF_LAST_SWEEP) < interval:
+            return False
+        with self.lock:
+            if now - seg.f64(OFF_LAST_SWEEP) < interval:
+                return False
+            seg.set_f64(OFF_LAST_SWEEP, now)
+            seg.set_u64(OFF_SWEEPS, seg.u64(OFF_SWEEPS) + 1)
+            seg.set_u64(OFF_LAST_SWEEPER, procinfo.pack_owner(*procinfo.me()))
+            return True
+
+    # --- repair and stats ---
+    def check(self, deep: bool = True) -> dict[str, dict[str, int]]:
+        """Check every table's header counters (row count, free-stack top, stamp) and free
+        stack for plausibility against its index (``deep``: also every row's record and hash,
+        see ``Table.check``), and repair (fsck, logged once per process and table) the tables
+        where they are not: what the janitor's sweep calls (deep) and ``Registry.attach`` (not
+        deep). Lock-free while all is plausible. Returns the repair counts of the tables
+        repaired (empty: nothing was wrong). A read-only registry: {}."""
+        if self.readonly:
+            return {}
+        out = {}
+        for n, t in self._tables.items():
+            rep = t.check(deep)
+            if rep is not None:
+                out[n] = rep
+        return out
+
+    def fsck(self) -> dict[str, dict[str, int]]:
+        """Check and repair every table (the caller holds the lock): the lock's repair callback.
+        Returns each table's repair counts (all zero when nothing was wrong)."""
+        return {n: t.fsck() for n, t in self._tables.items()}
+
+    def info(self) -> dict[str, Any]:
+        """The header, for ``shmtool stats``."""
+        seg = self._seg
+        creator = seg.creator
+        owner = self.lock.owner()
+        sweeper = procinfo.unpack_owner(seg.u64(OFF_LAST_SWEEPER))
+        sem_value = None
+        if seg.sem is not None:
+            try:
+                sem_value = seg.sem.value
+            except Exception:  # pragma: no cover
+                sem_value = None
+        return {
+            "name": self._name,
+            "path": segment_path(self._name),
+            "layout_version": LAYOUT_VERSION,
+            "total_size": seg.total_size,
+            "created_at": seg.created_at,
+            "creator_pid": creator[0] if creator else None,
+            "creator_alive": bool(creator and procinfo.alive(*creator)),
+            "config": dataclasses.asdict(seg.config),
+            "lock_owner_pid": owner[0] if owner else None,
+            "lock_owner_alive": bool(owner and procinfo.alive(*owner)),
+            "lock_generation": seg.u64(OFF_LOCK_GENERATION),
+            "semaphore_value": sem_value,
+            "recoveries": self.recoveries,
+            "evictions": self.evictions,
+            "last_sweep": self.last_sweep,
+            "sweeps": seg.u64(OFF_SWEEPS),
+            "last_sweeper_pid": sweeper[0] if sweeper else None,
+            "tables": [
+                {"name": n, "kind": d.kind, "capacity": d.capacity,
+                 "record_size": d.record_size, "offset": d.offset, "region_size": d.region_size}
+                for n, d in zip(TABLES, seg.tables, strict=True)
+            ],
+        }

@@ -1,0 +1,718 @@
+"""The shared segment of one registry: create, attach, validate, unlink.
+
+Names derived from a registry NAME (``[A-Za-z0-9_.-]{1,64}``), all mode 0600, owner-only:
+
+- segment: POSIX shm ``/shmcancel.NAME`` (file ``/dev/shm/shmcancel.NAME``);
+- semaphore: POSIX named semaphore ``/shmcancel.NAME`` (``/dev/shm/sem.shmcancel.NAME``), value 1;
+- lock file: ``/dev/shm/shmcancel-lock.NAME``, only ever ``flock``-ed: it serialises creators and
+  would-be lock recoverers, and the kernel drops an ``flock`` when its holder dies.
+
+Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
+
+    offset  type    field
+    0       8s      magic b"shmcancl"      (stable across layout versions, like creator)
+    8       u64     layout version (LAYOUT_VERSION)
+    16      u64     header size (4096)
+    24      u64     total size of the segment, header included (== file size)
+    32      u64     creator: procinfo.pack_owner(pid, start) of the creating process
+    40      f64     created_at (time.time() at creation)
+    48      16s     hash key (os.urandom(16)) for the tables' keyed hashing
+    64      u64     inode of the semaphore file created with this segment
+    72      u64     config None mask: bit i set = CONFIG_FIELDS[i] is None
+    80      11x8    config fields in CONFIG_FIELDS order, i64 ('q') or f64 ('d'); 0 when None
+    256     u64     lock owner: pack_owner of the holder, 0 = none          (see lock.py)
+    264     u64     lock generation: +1 on every acquire and every recovery
+    320     u64     recoveries (dead holders' units taken over)
+    328     u64     evictions (rows removed by the global cap)
+    384     f64     janitor: last_sweep (starts at created_at)
+    392     u64     janitor: sweeps claimed
+    400     u64     janitor: pack_owner of the process that claimed the last sweep
+    512     u64     table count
+    520     32 x n  table descriptors: u64 offset, u64 region size, u32 capacity,
+                    u32 record size, u8 kind (1 set, 2 bag), 7 pad
+    4096            table regions, each at a 4096-aligned offset, in descriptor order
+
+/dev/shm is world-writable: anyone can put a FIFO, a symbolic link or a file of their own under
+these names. Every entry is opened ``O_NOFOLLOW | O_NONBLOCK`` (never follows a link, never blocks
+on a FIFO) and ``fstat``-checked to be a regular file owned by the effective uid before it is used
+(the semaphore, which ``sem_open`` opens itself, is ``lstat``-checked first and its inode compared
+after); anything else is a :class:`RegistryIncompatible` naming the path, never a hang.
+
+A segment is built under a temporary name and ``link``-ed into place only once complete, so an
+attacher never sees a half-written one; the semaphore is created first, so a visible segment
+always has its semaphore (the header records which one, by inode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import stat
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import fields as dataclass_fields
+from typing import Any, NamedTuple
+
+import posix_ipc
+
+from ..config import Config
+from ..exceptions import (
+    InvalidRegistryName,
+    RegistryIncompatible,
+    RegistryNotFound,
+    SegmentTooLarge,
+    ShmCancelError,
+)
+from . import procinfo
+
+__all__ = [
+    "HEADER_SIZE",
+    "LAYOUT_VERSION",
+    "MAGIC",
+    "SHM_DIR",
+    "Segment",
+    "TableDesc",
+    "TableSpec",
+    "check_name",
+    "creator_of",
+    "lock_path",
+    "open_lockfile",
+    "unlink_names",
+]
+
+SHM_DIR = "/dev/shm"
+MAGIC = b"shmcancl"
+LAYOUT_VERSION = 2  # 2: sessions_per_client in the config; session_clients, session_calls
+HEADER_SIZE = 4096
+PAGE = 4096
+MODE = 0o600
+SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# --- header offsets (bytes) -------------------------------------------------------------------
+_HEAD = struct.Struct("<8sQQQQd16sQ")  # at 0: magic .. semaphore inode (72 bytes)
+OFF_CREATOR = 32
+OFF_CONFIG = 72
+OFF_LOCK_OWNER = 256
+OFF_LOCK_GENERATION = 264
+OFF_RECOVERIES = 320
+OFF_EVICTIONS = 328
+OFF_LAST_SWEEP = 384
+OFF_SWEEPS = 392
+OFF_LAST_SWEEPER = 400
+OFF_TABLE_COUNT = 512
+OFF_TABLES = 520
+_DESC = struct.Struct("<QQIIB7x")
+MAX_TABLES = (HEADER_SIZE - OFF_TABLES) // _DESC.size
+
+CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("max_rows", "q"),
+    ("capacity", "q"),
+    ("max_rows_per_scope", "q"),
+    ("ttl", "d"),
+    ("janitor_interval", "d"),
+    ("in_flight_capacity", "q"),
+    ("stream_cancel_timeout", "d"),
+    ("session_capacity", "q"),
+    ("session_ttl", "d"),
+    ("lock_timeout", "d"),
+    ("sessions_per_client", "q"),
+)
+_CONFIG = struct.Struct("<Q" + "".join(t for _, t in CONFIG_FIELDS))
+assert OFF_CONFIG + _CONFIG.size <= OFF_LOCK_OWNER
+
+KINDS = {"set": 1, "bag": 2}
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+
+
+class TableSpec(NamedTuple):
+    """What ``create`` is asked to lay out for one table."""
+
+    kind: str
+    capacity: int
+    record_size: int
+    region_size: int
+
+
+class TableDesc(NamedTuple):
+    """One table's descriptor as recorded in the header."""
+
+    kind: str
+    capacity: int
+    record_size: int
+    offset: int
+    region_size: int
+
+
+# --- names ------------------------------------------------------------------------------------
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidRegistryName(
+            f"registry name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
+    return name
+
+
+def shm_name(name: str) -> str:
+    return "/shmcancel." + name
+
+
+def segment_path(name: str) -> str:
+    return f"{SHM_DIR}/shmcancel.{name}"
+
+
+def sem_path(name: str) -> str:
+    return f"{SHM_DIR}/sem.shmcancel.{name}"
+
+
+def lock_path(name: str) -> str:
+    return f"{SHM_DIR}/shmcancel-lock.{name}"
+
+
+def _tmp_shm_name(name: str) -> str:
+    # '~' is outside the registry name alphabet: no registry can collide with a creation in flight.
+    return f"/shmcancel.{name}~creating"
+
+
+def tmp_path(name: str) -> str:
+    return SHM_DIR + _tmp_shm_name(name)
+
+
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
+    """Why an entry of /dev/shm is not one shmcancel may use, or ``None`` if it is
+    (``any_owner``: a regular file of another user will do, to be read only)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if stat.S_ISFIFO(st.st_mode):
+        return "is a FIFO"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid() and not any_owner:
+        return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
+    return None
+
+
+def not_ours(what: str, path: str, problem: str) -> RegistryIncompatible:
+    """The one-line error for an entry of /dev/shm that shmcancel will not use."""
+    return RegistryIncompatible(
+        f"{what} {path} {problem}: not using it; remove it (as its owner or root) or choose "
+        "another registry name")
+
+
+def _os_problem(e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "is a symbolic link"
+    if e.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader
+        return "is a FIFO"
+    return f"cannot be opened ({e.strerror})"
+
+
+def check_entry(what: str, path: str) -> os.stat_result | None:
+    """``lstat`` ``path``: ``None`` if absent; its stat if it is a regular file of ours; else
+    :class:`RegistryIncompatible`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    problem = _problem(st)
+    if problem is not None:
+        raise not_ours(what, path, problem)
+    return st
+
+
+def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
+               any_owner: bool = False) -> int:
+    """Open ``path`` without following a symbolic link or blocking on a FIFO, and return the fd
+    only if it is a regular file owned by us (else :class:`RegistryIncompatible`, fd closed).
+    ``FileNotFoundError`` (and ``FileExistsError`` under ``O_EXCL``) pass through."""
+    try:
+        fd = os.open(path, flags | _SAFE, mode)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    try:
+        problem = _problem(os.fstat(fd), any_owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise not_ours(what, path, problem)
+    return fd
+
+
+def open_lockfile(name: str) -> int:
+    """Open (creating if needed) the registry's lock file; a new open file description, so the
+    ``flock`` on it is this process's own."""
+    return open_entry("lock file", lock_path(name), os.O_RDWR | os.O_CREAT)
+
+
+def _flock_bounded(name: str, timeout: float) -> int:
+    """An fd of the lock file, exclusively flock-ed; waits at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = open_lockfile(name)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise RegistryIncompatible(
+                            f"registry {name}: lock file {lock_path(name)} stayed locked for "
+                            f"{timeout:.1f}s (another process is creating or recovering it)"
+                        ) from None
+                    time.sleep(0.005)
+            # The file may have been unlinked (Registry.unlink) and recreated while we waited:
+            # only a lock on the inode currently at the path serialises anything.
+            try:
+                same = os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
+    with contextlib.suppress(posix_ipc.ExistentialError, FileNotFoundError):
+        fn(arg)
+
+
+def name_paths(name: str) -> list[str]:
+    """Every path in /dev/shm that belongs to registry ``name`` and exists: segment, semaphore,
+    lock file and temporaries of a creation (``shmcancel.NAME~...``)."""
+    check_name(name)
+    paths = [segment_path(name), sem_path(name), lock_path(name)]
+    tmp_prefix = f"shmcancel.{name}~"
+    with contextlib.suppress(OSError):  # /dev/shm unreadable: the fixed names still go
+        paths += [f"{SHM_DIR}/{f}" for f in sorted(os.listdir(SHM_DIR))
+                  if f.startswith(tmp_prefix)]
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def unlink_names(name: str) -> list[str]:
+    """Remove whatever exists of ``name``'s segment, semaphore, lock file and temporaries (the
+    entries themselves: a symbolic link is removed, never followed); the paths removed.
+    Raises one :class:`ShmCancelError` naming the first path that could not be removed, after
+    trying them all."""
+    removed, failed = [], []
+    for path in name_paths(name):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append((path, e))
+    if failed:
+        path, err = failed[0]
+        try:
+            owner = f"it belongs to uid {os.lstat(path).st_uid}; "
+        except OSError:
+            owner = ""
+        raise ShmCancelError(f"cannot remove {path}: {err.strerror} ({owner}remove it as its "
+                             "owner or root)")
+    return removed
+
+
+def _check_stat(what: str, path: str, st: os.stat_result) -> None:
+    if st.st_uid != os.geteuid():
+        raise RegistryIncompatible(
+            f"{what} {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) != MODE:
+        raise RegistryIncompatible(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}, expected {MODE:o}")
+
+
+def _config_pack(config: Config) -> bytes:
+    names = {f.name for f in dataclass_fields(Config)}
+    if names != {n for n, _ in CONFIG_FIELDS}:  # pragma: no cover - a Config field was added
+        unknown = names ^ set(dict(CONFIG_FIELDS))
+        raise RuntimeError(f"segment layout does not know Config fields {unknown}")
+    mask = 0
+    values = []
+    for i, (n, t) in enumerate(CONFIG_FIELDS):
+        v = getattr(config, n)
+        if v is None:
+            mask |= 1 << i
+            v = 0
+        values.append(int(v) if t == "q" else float(v))
+    return _CONFIG.pack(mask, *values)
+
+
+def _config_unpack(raw: bytes | memoryview) -> Config:
+    mask, *values = _CONFIG.unpack(raw)
+    pairs = zip(CONFIG_FIELDS, values, strict=True)
+    kw: dict[str, Any] = {n: (None if mask >> i & 1 else v) for i, ((n, _), v) in enumerate(pairs)}
+    return Config(**kw)
+
+
+def _align(n: int, a: int = PAGE) -> int:
+    return (n + a - 1) // a * a
+
+
+class Segment:
+    """A mapped registry segment (and, unless read-only, its semaphore).
+
+    ``buf`` covers the whole segment; ``words`` is the header as u64s (index = offset // 8), the
+    view through which the lock makes its single aligned stores. Every view handed out by
+    :meth:`region` is tracked and released by :meth:`close` (an exported view makes
+    ``mmap.close()`` fail).
+    """
+
+    def __init__(self, name: str, mm: mmap.mmap, *, readonly: bool, ino: int,
+                 sem: posix_ipc.Semaphore | None) -> None:
+        self.name = name
+        self.readonly = readonly
+        self.ino = ino
+        self.sem = sem
+        # Parse through struct first (may raise: Config validates), make views last.
+        (_magic, self.version, _hs, self.total_size, self.creator_word, self.created_at,
+         self.hash_key, self.sem_ino) = _HEAD.unpack_from(mm, 0)
+        self.config = _config_unpack(mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size])
+        (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
+        descs = []
+        for i in range(n):
+            off, size, cap, rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
+            descs.append(TableDesc(_KIND_NAMES.get(kind, "?"), cap, rs, off, size))
+        self.tables: tuple[TableDesc, ...] = tuple(descs)
+        self._mm: mmap.mmap | None = mm
+        self.buf = memoryview(mm)
+        self.words = self.buf[:HEADER_SIZE].cast("Q")
+        self.floats = self.buf[:HEADER_SIZE].cast("d")
+        self._views: list[memoryview] = []
+
+    # --- header access ---
+    @property
+    def creator(self) -> tuple[int, int] | None:
+        """The creating (or adopting, ``Registry.adopt``) process, read live from the header."""
+        return procinfo.unpack_owner(self.words[OFF_CREATOR >> 3])
+
+    def u64(self, off: int) -> int:
+        return self.words[off >> 3]
+
+    def set_u64(self, off: int, value: int) -> None:
+        self.words[off >> 3] = value
+
+    def f64(self, off: int) -> float:
+        return self.floats[off >> 3]
+
+    def set_f64(self, off: int, value: float) -> None:
+        self.floats[off >> 3] = value
+
+    def region(self, i: int) -> memoryview:
+        """A view of table ``i``'s region (released by :meth:`close`)."""
+        d = self.tables[i]
+        v = self.buf[d.offset:d.offset + d.region_size]
+        self._views.append(v)
+        return v
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def close(self) -> None:
+        """Release every view and unmap. Idempotent. Views derived by others from
+        :meth:`region` must have been released first, else the mapping is left to the GC."""
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        views: list[memoryview[Any]] = [*self._views, self.words, self.floats, self.buf]
+        for v in views:
+            v.release()
+        self._views.clear()
+        # A view someone else derived may still be alive: then it is unmapped when collected.
+        with contextlib.suppress(BufferError):
+            mm.close()
+        if self.sem is not None:
+            self.sem.close()
+
+    # --- create ---
+    @classmethod
+    def create(cls, name: str, config: Config, tables: Sequence[TableSpec], *,
+               init: Callable[[Segment], None] | None = None,
+               timeout: float | None = None) -> Segment:
+        """Create the segment and its semaphore, replacing a stale registry of the same name.
+
+        ``init(segment)`` runs before the segment becomes visible (format the tables there).
+        Raises :class:`RegistryIncompatible` when a live process created ``name``,
+        :class:`SegmentTooLarge` when /dev/shm cannot hold it.
+        """
+        check_name(name)
+        if len(tables) > MAX_TABLES:
+            raise ValueError(f"at most {MAX_TABLES} tables")
+        # Layout first: nothing is touched for an impossible request.
+        descs, off = [], HEADER_SIZE
+        for t in tables:
+            if t.kind not in KINDS:
+                raise ValueError(f"table kind must be 'set' or 'bag', got {t.kind!r}")
+            descs.append(TableDesc(t.kind, t.capacity, t.record_size, off, t.region_size))
+            off = _align(off + t.region_size)
+        total = off
+
+        lockfd = _flock_bounded(name, config.lock_timeout if timeout is None else timeout)
+        made: list[Callable[[], None]] = []
+        try:
+            _clear_stale(name)
+            _check_space(name, total)
+            try:
+                sem = posix_ipc.Semaphore(shm_name(name), posix_ipc.O_CREX, mode=MODE,
+                                          initial_value=1)
+            except posix_ipc.ExistentialError:
+                raise not_ours("semaphore", sem_path(name),
+                               "appeared while creating the registry") from None
+            made.append(lambda: unlink_quiet(os.unlink, sem_path(name)))
+            made.append(sem.close)
+            fd = open_entry("semaphore", sem_path(name), os.O_RDWR)
+            try:
+                os.fchmod(fd, MODE)  # the mode given to sem_open is filtered by umask
+                sem_ino = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+            tmp = tmp_path(name)
+            try:
+                fd = open_entry("temporary segment", tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                raise not_ours("temporary segment", tmp,
+                               "appeared while creating the registry") from None
+            made.append(lambda: unlink_quiet(os.unlink, tmp))
+            try:
+                os.fchmod(fd, MODE)
+                os.ftruncate(fd, total)
+                try:
+                    # Back every page now: a full /dev/shm fails here, never as SIGBUS later.
+                    os.posix_fallocate(fd, 0, total)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                        raise _too_large(name, total) from e
+                    raise
+                ino = os.fstat(fd).st_ino
+                mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            created_at = time.time()
+            mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size] = _config_pack(config)
+            struct.pack_into("<Q", mm, OFF_TABLE_COUNT, len(descs))
+            for i, d in enumerate(descs):
+                _DESC.pack_into(mm, OFF_TABLES + i * _DESC.size, d.offset, d.region_size,
+                                d.capacity, d.record_size, KINDS[d.kind])
+            struct.pack_into("<d", mm, OFF_LAST_SWEEP, created_at)
+            _HEAD.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, HEADER_SIZE, total,
+                            procinfo.pack_owner(*procinfo.me()), created_at, os.urandom(16),
+                            sem_ino)
+            mm[0:8] = MAGIC  # complete: magic last
+            seg = cls(name, mm, readonly=False, ino=ino, sem=sem)
+            made.append(seg.close)
+            if init is not None:
+                init(seg)
+            try:
+                os.link(tmp, segment_path(name))  # publish atomically; never follows a link
+            except FileExistsError:
+                raise RegistryIncompatible(
+                    f"registry {name}: {segment_path(name)} appeared while creating it "
+                    "(created outside shmcancel's lock?)") from None
+            unlink_quiet(os.unlink, tmp)
+            return seg
+        except BaseException as e:
+            for undo in reversed(made):
+                with contextlib.suppress(Exception):  # best effort
+                    undo()
+            _drop_lockfile(name, lockfd)
+            if isinstance(e, OSError | posix_ipc.Error):
+                raise RegistryIncompatible(
+                    f"registry {name}: creating it in {SHM_DIR} failed: {_describe(e)}") from e
+            raise
+        finally:
+            os.close(lockfd)  # drops the flock
+
+    # --- attach ---
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> Segment:
+        """Map an existing segment after validating it; read-only mode takes no semaphore and
+        never writes (for inspection)."""
+        check_name(name)
+        path = segment_path(name)
+        try:
+            fd = open_entry("segment", path, os.O_RDONLY if readonly else os.O_RDWR)
+        except FileNotFoundError:
+            raise RegistryNotFound(f"no registry named {name} ({path})") from None
+        try:
+            st = os.fstat(fd)
+            _check_stat("segment", path, st)
+            size = st.st_size
+            if size < HEADER_SIZE:
+                raise RegistryIncompatible(
+                    f"registry {name}: {path} is truncated ({size} bytes, smaller than its "
+                    f"{HEADER_SIZE}-byte header)")
+            head = os.pread(fd, _HEAD.size, 0)
+            magic, version, hsize, total = struct.unpack_from("<8sQQQ", head)
+            if magic != MAGIC:
+                raise RegistryIncompatible(
+                    f"registry {name}: {path} is not a shmcancel segment (magic {magic!r})")
+            if version != LAYOUT_VERSION:
+                raise RegistryIncompatible(
+                    f"registry {name}: {path} has layout version {version}, this shmcancel "
+                    f"speaks {LAYOUT_VERSION}")
+            if hsize != HEADER_SIZE:
+                raise RegistryIncompatible(
+                    f"registry {name}: header size {hsize}, expected {HEADER_SIZE}")
+            if total != size:
+                raise RegistryIncompatible(
+                    f"registry {name}: header says {total} bytes but {path} has {size}")
+            if readonly:
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            else:
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        sem = None
+        try:
+            _validate_tables(name, mm, size)
+            seg = cls(name, mm, readonly=readonly, ino=st.st_ino, sem=None)
+        except ValueError as e:  # Config rejected the stored values
+            mm.close()
+            raise RegistryIncompatible(f"registry {name}: invalid config in header: {e}") from None
+        except BaseException:
+            mm.close()
+            raise
+        if readonly:
+            return seg
+        try:
+            sem = _open_semaphore(name, seg.sem_ino)
+        except BaseException:
+            seg.close()
+            raise
+        seg.sem = sem
+        return seg
+
+
+def _validate_tables(name: str, mm: mmap.mmap, size: int) -> None:
+    (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
+    if n > MAX_TABLES:
+        raise RegistryIncompatible(f"registry {name}: header names {n} tables")
+    end = HEADER_SIZE
+    for i in range(n):
+        off, rsize, _cap, _rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
+        if kind not in _KIND_NAMES or off % PAGE or off < end or off + rsize > size:
+            raise RegistryIncompatible(
+                f"registry {name}: table descriptor {i} is out of bounds or corrupt")
+        end = off + rsize
+
+
+def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
+    path = sem_path(name)
+    # sem_open opens the file itself (O_NOFOLLOW, but blocking): check the entry first, and its
+    # inode afterwards (only its owner could have swapped a file of ours in between).
+    st = check_entry("semaphore", path)
+    if st is None:
+        raise RegistryIncompatible(
+            f"registry {name}: segment exists but its semaphore {path} is missing")
+    _check_stat("semaphore", path, st)
+    if st.st_size < SEM_MIN_SIZE:
+        raise RegistryIncompatible(
+            f"registry {name}: semaphore file {path} is {st.st_size} bytes (corrupt)")
+    try:
+        sem = posix_ipc.Semaphore(shm_name(name))
+    except posix_ipc.ExistentialError:
+        raise RegistryIncompatible(
+            f"registry {name}: segment exists but its semaphore {path} is missing") from None
+    except posix_ipc.Error as e:
+        raise RegistryIncompatible(f"registry {name}: cannot open semaphore {path}: {e}") from None
+    if os.lstat(path).st_ino != expected_ino:
+        sem.close()
+        raise RegistryIncompatible(
+            f"registry {name}: semaphore {path} is not the one created with the segment "
+            "(replaced or recreated)")
+    return sem
+
+
+def creator_of(name: str, *, any_owner: bool = False) -> tuple[int, int] | None:
+    """The creator recorded in registry ``name``'s segment header (pid, start time); ``None``
+    if the segment holds no complete shmcancel header. Never blocks and never follows a link:
+    ``FileNotFoundError`` when there is no segment, :class:`RegistryIncompatible` when the entry
+    is not a regular file owned by us (``any_owner``: or by anyone, if readable)."""
+    fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY,
+                    any_owner=any_owner)
+    try:
+        head = os.pread(fd, _HEAD.size, 0)
+    finally:
+        os.close(fd)
+    if len(head) < _HEAD.size or head[:8] != MAGIC:
+        return None
+    (creator,) = struct.unpack_from("<Q", head, OFF_CREATOR)
+    return procinfo.unpack_owner(creator)
+
+
+def _clear_stale(name: str) -> None:
+    """Under the creation flock: refuse a live creator's segment and any entry of the name that
+    is not a regular file of ours; remove a dead creator's segment (or garbage, or a semaphore
+    or temporary left without a live creation)."""
+    check_entry("temporary segment", tmp_path(name))
+    check_entry("semaphore", sem_path(name))
+    try:
+        owner = creator_of(name)
+    except FileNotFoundError:
+        pass
+    else:
+        if owner is not None and procinfo.alive(*owner):
+            raise RegistryIncompatible(f"registry {name} is in use by live pid {owner[0]}")
+    # Stale (creator gone), truncated or garbage: replace.
+    for path in (segment_path(name), sem_path(name), tmp_path(name)):
+        unlink_quiet(os.unlink, path)
+
+
+def _drop_lockfile(name: str, lockfd: int) -> None:
+    """After a failed create, under its flock: remove the lock file it created, unless a
+    segment of ours (a registry others may be attached to) is at the name."""
+    with contextlib.suppress(ShmCancelError, OSError):
+        if check_entry("segment", segment_path(name)) is not None:
+            return
+    with contextlib.suppress(OSError):
+        if os.lstat(lock_path(name)).st_ino == os.fstat(lockfd).st_ino:
+            os.unlink(lock_path(name))
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    return str(e) or type(e).__name__
+
+
+def _too_large(name: str, total: int) -> SegmentTooLarge:
+    try:
+        vfs = os.statvfs(SHM_DIR)
+        free = vfs.f_bavail * vfs.f_frsize
+    except OSError:  # pragma: no cover
+        free = -1
+    return SegmentTooLarge(
+        f"registry {name} needs {total} bytes ({total / 2**20:.1f} MiB) of {SHM_DIR} but only "
+        f"{free} bytes ({free / 2**20:.1f} MiB) are free: lower the capacities in Config or "
+        f"enlarge {SHM_DIR} (e.g. docker --shm-size)")
+
+
+def _check_space(name: str, total: int) -> None:
+    """Refuse up front what cannot fit, rather than fill /dev/shm for a moment and fail."""
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:  # pragma: no cover
+        return
+    if total > vfs.f_bavail * vfs.f_frsize:
+        raise _too_large(name, total)

@@ -1,0 +1,900 @@
+"""SPEC §3-§4 over a real registry in /dev/shm, one process (the cross-process cases are in
+test_cancellation_procs.py). One rule per test, tables of cases where that reads better."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+from helpers.clock import Clock
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmcancel
+from shmcancel import (
+    CancellationLimitReached,
+    Config,
+    InvalidRequestId,
+    TableFull,
+    principal,
+    telemetry,
+)
+from shmcancel.cancellation import (
+    CANCELLED_EVENT,
+    CLEANUP_EVENT,
+    Cancellation,
+    RequestHandle,
+    cancelled,
+)
+from shmcancel.shm.registry import Registry
+
+SMALL = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
+
+
+@pytest.fixture
+def make(shm_name):
+    """make(**config) -> (registry, Cancellation with a seeded Clock)."""
+    made: list[Registry] = []
+
+    def _make(clock: Clock | None = None, **cfg):
+        kw = dict(SMALL)
+        kw.update(cfg)
+        reg = Registry.create(shm_name, Config(**kw))
+        made.append(reg)
+        return reg, Cancellation(reg, clock=clock or Clock())
+
+    try:
+        yield _make
+    finally:
+        for reg in made:
+            reg.close()
+            reg.unlink()
+
+
+@pytest.fixture
+def rc(make):
+    return make()
+
+
+@pytest.fixture
+def events():
+    """Telemetry events seen during the test: list of (event, measurements, metadata)."""
+    seen: list = []
+    for i, ev in enumerate((CANCELLED_EVENT, CLEANUP_EVENT)):
+        telemetry.attach(f"test-events-{i}", ev, lambda e, m, md, cfg: seen.append((e, m, md)))
+    try:
+        yield seen
+    finally:
+        for i in range(2):
+            telemetry.detach(f"test-events-{i}")
+
+
+def rows(reg):
+    return sorted(reg.cancellations.scan())
+
+
+# --------------------------------------------------------------------------------- §4.1 ids
+def test_42_and_str_42_are_one_request(rc):
+    reg, c = rc
+    c.cancel(42, "first", "s")
+    assert c.cancelled("42", "s") and c.cancelled(42, "s")
+    c.cancel("42", "second", "s")
+    assert reg.cancellations.count() == 1
+    assert c.reason(42, "s") == "second"
+    c.clear("42", "s")
+    assert not c.cancelled(42, "s")
+    c.track(42, "s")
+    assert c.in_flight("42", "s")
+    c.untrack("42", "s")
+    assert not c.in_flight(42, "s")
+
+
+@pytest.mark.parametrize(
+    "rid",
+    ["a" * 256, "é" * 128, "€" * 85 + "a", "🙂" * 64, "", 0, -1, 2**63, 10**255],
+    ids=["256-ascii", "256-2byte", "256-3byte", "256-4byte", "empty", "0", "-1", "2^63", "big"],
+)
+def test_valid_ids_are_stored(rc, rid):
+    reg, c = rc
+    c.cancel(rid, None, "s")
+    assert c.cancelled(rid, "s")
+    assert rows(reg) == [(("s", str(rid)), (None, c.clock()))]
+
+
+@pytest.mark.parametrize(
+    "rid",
+    ["a" * 257, "é" * 128 + "a", "€" * 86, "🙂" * 64 + "a", True, False, 1.0, 42.5,
+     float("inf"), [1], {"id": 1}, (1,), b"1", "\ud800", object()],
+    ids=["257-ascii", "257-2byte", "258-3byte", "257-4byte", "True", "False", "1.0", "42.5",
+         "inf", "list", "dict", "tuple", "bytes", "surrogate", "object"],
+)
+def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc, rid, events):
+    reg, c = rc
+    with pytest.raises(InvalidRequestId):
+        c.cancel(rid, "r", "s")
+    assert reg.cancellations.count() == 0
+    assert reg.scope_counts.count() == 0
+    assert events == []
+    # None of the others raise for a bad id.
+    c.track(rid, "s")
+    assert reg.in_flight.count() == 0
+    assert c.in_flight(rid, "s") is False
+    c.untrack(rid, "s")
+    c.clear(rid, "s")
+    assert c.cancelled(rid, "s") is False
+    assert c.reason(rid, "s") is None
+    h = c.begin(rid, "s")
+    assert h.tracked is False and h.cancelled() is False
+    h.end()
+
+
+def test_bool_is_not_the_int(rc):
+    _reg, c = rc
+    c.cancel(1, None, "s")
+    assert c.cancelled(1, "s")
+    assert c.cancelled(True, "s") is False
+
+
+def test_none_is_a_noop_everywhere(rc, events):
+    reg, c = rc
+    c.cancel(None, "r", "s")
+    c.track(None, "s")
+    c.untrack(None, "s")
+    c.clear(None, "s")
+    assert c.cancelled(None, "s") is False
+    assert c.reason(None, "s") is None
+    assert c.in_flight(None, "s") is False
+    assert reg.cancellations.count() == reg.in_flight.count() == 0
+    assert events == []
+
+
+# --------------------------------------------------------------------------------- §4.2 reasons
+@pytest.mark.parametrize(
+    ("reason", "stored"),
+    [
+        (None, None),
+        ("user abort", "user abort"),
+        ("a\tb\r\nc\x00d\x7fe\x9ff", "abcdef"),
+        ("x\u202etxt\u2066\u200b\ufeff\u061c\u2060", "xtxt"),
+        ("y" * 300, "y" * 200),
+        ("\x01" * 800 + "gone", ""),
+        (42, "42"),
+        ({"a": 1}, "{'a': 1}"),
+    ],
+)
+def test_reasons_are_sanitised_when_stored(rc, reason, stored):
+    reg, c = rc
+    c.cancel(1, reason, "s")
+    assert c.reason(1, "s") == stored
+    assert reg.cancellations.get(("s", "1"))[0] == stored
+
+
+# --------------------------------------------------------------------------------- §3 scopes
+def test_same_id_in_two_sessions(rc):
+    _reg, c = rc
+    a = {"shmcancel.session_id": "A", "shmcancel.request_id": 1, "REMOTE_ADDR": "203.0.113.9"}
+    b = {"shmcancel.session_id": "B", "shmcancel.request_id": 1, "REMOTE_ADDR": "203.0.113.9"}
+    c.cancel(1, None, c.scope(a))
+    assert c.cancelled(a) and not c.cancelled(b)
+
+
+def test_two_principals_behind_one_ip(rc):
+    _reg, c = rc
+    alice = principal.put({"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}, "alice")
+    bob = principal.put({"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}, {"sub": "bob"})
+    anon = {"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}
+    c.cancel(7, None, c.scope(alice))
+    assert [c.cancelled(x) for x in (alice, bob, anon)] == [True, False, False]
+
+
+def test_principal_whose_id_is_an_ip_string_shares_nothing(make):
+    reg, c = make(max_rows_per_scope=1)
+    anon = {"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 1}
+    fake = principal.put({"REMOTE_ADDR": "198.51.100.1", "shmcancel.request_id": 1}, "203.0.113.9")
+    c.cancel(1, None, c.scope(anon))
+    assert not c.cancelled(fake)
+    c.cancel(1, None, c.scope(fake))  # its own quota of 1 is untouched by the anonymous row
+    assert reg.cancellations.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("conn", "scope"),
+    [
+        ({"shmcancel.session_id": "S1"}, "session:S1"),
+        (principal.put({"REMOTE_ADDR": "192.0.2.1"}, "p1"), "principal:p1"),
+        ({"REMOTE_ADDR": "::ffff:192.0.2.1"}, "ip:192.0.2.1"),
+        ({"REMOTE_ADDR": "2001:db8:1:2::5"}, "ip:2001:db8:1:2::/64"),
+        ({}, "ip:unknown"),
+        (None, "global"),
+    ],
+)
+def test_scope_method(rc, conn, scope):
+    assert rc[1].scope(conn) == scope
+
+
+def test_cancelled_conn_without_request_id_is_false(rc):
+    _reg, c = rc
+    c.cancel(1, None, "ip:192.0.2.1")
+    assert c.cancelled({"REMOTE_ADDR": "192.0.2.1"}) is False
+    assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": None}) is False
+    assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": "1"}) is True
+
+
+def test_cancel_with_long_session_scope(rc):
+    _reg, c = rc
+    conn = {"shmcancel.session_id": "s" * 2000, "shmcancel.request_id": "x" * 256}
+    scope = c.scope(conn)
+    assert len(scope.encode()) <= principal.MAX_SCOPE_BYTES
+    c.cancel("x" * 256, "é" * 800, scope)
+    assert c.cancelled(conn)
+
+
+# ------------------------------------------------------------------------- §4.3 cancel / clear
+def test_cancelled_at_is_the_clock_unrounded(make):
+    clock = Clock(1_700_000_000.123456789)
+    reg, c = make(clock)
+    c.cancel(1, None, "s")
+    assert reg.cancellations.get(("s", "1")) == (None, 1_700_000_000.123456789)
+    assert c.cancelled_at(1, "s") == 1_700_000_000.123456789
+
+
+def test_overwrite_keeps_count_updates_in_place(rc):
+    reg, c = rc
+    c.cancel(1, "a", "s")
+    t0 = c.clock()
+    c.clock.tick(5)
+    c.cancel(1, "b", "s")
+    assert reg.cancellations.count() == 1
+    assert c.reason(1, "s") == "b" and c.cancelled_at(1, "s") == t0 + 5
+    assert c._store.scope_rows("s") == 1
+
+
+def test_overwrite_at_quota_skips_the_quota(make):
+    reg, c = make(max_rows_per_scope=2)
+    c.cancel(1, None, "s")
+    c.cancel(2, None, "s")
+    with pytest.raises(CancellationLimitReached):
+        c.cancel(3, None, "s")
+    c.cancel(2, "again", "s")  # overwrite: no quota check
+    assert c.reason(2, "s") == "again"
+    assert reg.cancellations.count() == 2
+
+
+def test_overwrite_at_cap_does_not_evict(make):
+    reg, c = make(max_rows=40, max_rows_per_scope=None)
+    for i in range(40):
+        c.clock.tick()
+        c.cancel(i, None, "s")
+    c.cancel(0, "again", "s")
+    assert reg.cancellations.count() == 40 and reg.evictions == 0
+    c.cancel(40, None, "s")
+    assert reg.cancellations.count() == 39 and reg.evictions == 2
+
+
+def test_quota_refusal_writes_nothing(make, events):
+    reg, c = make(max_rows_per_scope=3)
+    for i in range(3):
+        c.cancel(i, None, "s")
+    before = rows(reg)
+    events.clear()
+    with pytest.raises(CancellationLimitReached):
+        c.cancel(99, "no", "s")
+    assert rows(reg) == before and events == []
+    assert isinstance(CancellationLimitReached("x"), shmcancel.ShmCancelError)
+
+
+def test_quota_none_disables(make):
+    reg, c = make(max_rows_per_scope=None, max_rows=None, capacity=300)
+    for i in range(300):
+        c.cancel(i, None, "s")
+    assert reg.cancellations.count() == 300
+
+
+def test_quota_flood_attacker_refused_victim_served(make):
+    _reg, c = make(max_rows=100, max_rows_per_scope=20)
+    refused = 0
+    for i in range(1000):
+        try:
+            c.cancel(i, "flood", "ip:198.51.100.66")
+        except CancellationLimitReached:
+            refused += 1
+    assert refused == 980
+    for i in range(20):
+        c.cancel(i, None, "session:victim")
+    assert c._store.scope_rows("ip:198.51.100.66") == 20
+    assert all(c.cancelled(i, "session:victim") for i in range(20))
+
+
+def test_six_scopes_of_twenty_against_cap_100(make):
+    reg, c = make(max_rows=100, max_rows_per_scope=20)
+    for s in range(5):
+        for i in range(20):
+            c.clock.tick()
+            c.cancel(i, None, f"ip:flood{s}")
+    assert reg.cancellations.count() == 100
+    for i in range(20):
+        c.clock.tick()
+        c.cancel(i, None, "session:victim")  # under its own quota: always served
+        assert reg.cancellations.count() <= 100
+        assert c.cancelled(i, "session:victim")
+    with pytest.raises(CancellationLimitReached):
+        c.cancel(20, None, "session:victim")  # its own 21st
+    assert reg.cancellations.count() <= 100
+    assert all(c.cancelled(i, "session:victim") for i in range(20))
+    # the counts agree with the rows
+    per_scope: dict = {}
+    for (s, _), _ in reg.cancellations.scan():
+        per_scope[s] = per_scope.get(s, 0) + 1
+    assert {s: c._store.scope_rows(s) for s in per_scope} == per_scope
+
+
+def test_clear_removes_only_its_own_row(rc):
+    reg, c = rc
+    for scope in ("a", "b"):
+        for rid in (1, 2):
+            c.cancel(rid, None, scope)
+    c.clear(1, "a")
+    assert rows(reg) == [(("a", "2"), (None, c.clock())), (("b", "1"), (None, c.clock())),
+                         (("b", "2"), (None, c.clock()))]
+    assert c._store.scope_rows("a") == 1
+
+
+def test_clear_without_row_takes_no_lock(rc):
+    reg, c = rc
+    c.cancel(1, None, "s")
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with reg.lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(5)
+        done = threading.Event()
+
+        def clear_absent():
+            c.clear(2, "s")
+            c.clear(1, "other")
+            done.set()
+
+        t2 = threading.Thread(target=clear_absent)
+        t2.start()
+        assert done.wait(2), "clear() of a missing row waited for the lock"
+        t2.join()
+        assert c.cancelled(1, "s")
+    finally:
+        release.set()
+        t.join()
+
+
+def test_cancel_emits_telemetry(rc, events):
+    _reg, c = rc
+    c.cancel(42, "why\n", "session:x")
+    assert events == [(CANCELLED_EVENT, {"count": 1},
+                       {"request_id": "42", "scope": "session:x", "reason": "why"})]
+    events.clear()
+    c.cancel("42", None, "session:x")
+    assert events[0][2]["reason"] is None and events[0][2]["request_id"] == "42"
+
+
+def test_raising_handler_is_detached_and_cancel_still_succeeds(rc, caplog):
+    _reg, c = rc
+
+    def bad(*a):
+        raise RuntimeError("broken handler")
+
+    telemetry.attach("bad-handler", CANCELLED_EVENT, bad)
+    with caplog.at_level(logging.ERROR, logger="shmcancel.telemetry"):
+        c.cancel(1, None, "s")
+    assert c.cancelled(1, "s")
+    assert "bad-handler" not in telemetry.list_handlers()
+
+
+# --------------------------------------------------------------------------------- §4.4 eviction
+def test_eviction_takes_the_largest_scope_oldest_first(make):
+    reg, c = make(max_rows=40, max_rows_per_scope=None)  # batch 2
+    order = [("big", 10), ("mid", 10), ("small", 20)]
+    ts = {}
+    for scope, n in order:
+        for i in range(n):
+            ts[(scope, str(i))] = c.clock.tick()
+            c.cancel(i, None, scope)
+    # small has the most rows (20) though its rows are the newest: it loses its two oldest.
+    c.cancel("new", None, "other")
+    assert not c.cancelled(0, "small") and not c.cancelled(1, "small")
+    assert c.cancelled(2, "small") and c.cancelled(0, "big")
+    assert reg.evictions == 2
+    assert c._store.scope_rows("small") == 18
+    assert reg.cancellations.count() == 39
+
+
+def test_eviction_spills_into_the_next_largest(make):
+    _reg, c = make(max_rows=100, max_rows_per_scope=None)  # batch 5
+    for scope, n in (("a", 3), ("b", 2), ("c", 95)):
+        for i in range(n):
+            c.clock.tick()
+            c.cancel(i, None, scope)
+    # c (95) loses its 5 oldest; nothing else.
+    c.cancel(0, None, "d")
+    assert [c.cancelled(i, "c") for i in range(7)] == [False] * 5 + [True] * 2
+    assert c.cancelled(0, "a") and c.cancelled(0, "b")
+
+
+def test_eviction_spill_with_batch_larger_than_the_largest_scope(make):
+    _reg, c = make(max_rows=120, max_rows_per_scope=None)  # batch 6
+    spec = [("s4", 4)] + [(f"t{i}", 3) for i in range(38)] + [("u2", 2)]  # 4 + 114 + 2 = 120
+    for scope, n in spec:
+        for i in range(n):
+            c.clock.tick()
+            c.cancel(i, None, scope)
+    c.cancel(0, None, "new")
+    # s4 (4 rows) goes whole, then the two oldest rows among the 3-row scopes: t0's first two.
+    gone = [(s, i) for s, n in spec for i in range(n) if not c.cancelled(i, s)]
+    assert gone == [("s4", 0), ("s4", 1), ("s4", 2), ("s4", 3), ("t0", 0), ("t0", 1)]
+    assert c._store.scope_rows("s4") == 0 and c._store.scope_rows("t0") == 1
+
+
+def test_all_singletons_tie_and_age_decides(make):
+    _reg, c = make(max_rows=60, max_rows_per_scope=None)  # batch 3
+    scopes = [f"s{i}" for i in range(60)]
+    times = list(range(60))
+    times = times[30:] + times[:30]  # rows inserted out of age order
+    for s, t in zip(scopes, times, strict=True):
+        c.clock.t = 1000.0 + t
+        c.cancel(1, None, s)
+    c.clock.t = 2000.0
+    c.cancel(1, None, "late")
+    gone = sorted(s for s in scopes if not c.cancelled(1, s))
+    assert gone == ["s30", "s31", "s32"]  # the three oldest (times 0, 1, 2)
+
+
+@pytest.mark.parametrize(("max_rows", "batch"), [(20, 1), (39, 1), (40, 2), (100, 5)])
+def test_batch_is_always_full(make, max_rows, batch):
+    reg, c = make(max_rows=max_rows, max_rows_per_scope=None)
+    for i in range(max_rows):
+        c.clock.tick()
+        c.cancel(i, None, f"s{i}")
+    c.cancel("x", None, "y")
+    assert reg.cancellations.count() == max_rows - batch + 1
+    assert reg.evictions == batch
+
+
+def test_eviction_without_cap_at_physical_capacity(make):
+    reg, c = make(max_rows=None, capacity=100, max_rows_per_scope=None)  # batch 100 // 20 = 5
+    for i in range(100):
+        c.clock.tick()
+        c.cancel(i, None, "s")
+    assert reg.cancellations.count() == 100
+    c.cancel(100, None, "s")
+    assert reg.cancellations.count() == 96 and reg.evictions == 5
+    assert [c.cancelled(i, "s") for i in range(6)] == [False] * 5 + [True]
+
+
+def test_eviction_frees_quota_of_the_evicted_scope(make):
+    _reg, c = make(max_rows=20, max_rows_per_scope=20)  # batch 1
+    for i in range(20):
+        c.clock.tick()
+        c.cancel(i, None, "s")
+    c.cancel(0, None, "t")  # evicts s's oldest
+    assert c._store.scope_rows("s") == 19
+    c.cancel(100, None, "s")  # s is under its quota again
+    assert c.cancelled(100, "s")
+
+
+# --------------------------------------------------------------------------------- §4.5 in-flight
+def test_track_untrack_in_flight(rc):
+    reg, c = rc
+    assert not c.in_flight(1, "s")
+    c.track(1, "s")
+    assert c.in_flight(1, "s") and not c.in_flight(1, "t")
+    (key, owner), = reg.in_flight.scan()
+    pid, start, tid, _token = owner
+    assert key == ("s", "1")
+    assert (pid, start) == shmcancel.shm.procinfo.me() and tid == threading.get_ident()
+    c.untrack(1, "s")
+    assert not c.in_flight(1, "s") and reg.in_flight.count() == 0
+
+
+def test_namesakes_each_hold_a_row(rc):
+    reg, c = rc
+    other_done, release = threading.Event(), threading.Event()
+
+    def other():
+        c.track(1, "s")
+        other_done.set()
+        release.wait(10)
+        c.untrack(1, "s")
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert other_done.wait(5)
+        c.track(1, "s")
+        assert reg.in_flight.count() == 2
+        c.untrack(1, "s")  # removes this thread's row only
+        assert c.in_flight(1, "s") and reg.in_flight.count() == 1
+        (_, owner), = reg.in_flight.scan()
+        assert owner[2] == t.ident
+    finally:
+        release.set()
+        t.join()
+    assert not c.in_flight(1, "s")
+
+
+def test_two_handles_of_one_thread_are_two_rows(rc):
+    reg, c = rc
+    h1, h2 = c.begin(1, "s"), c.begin(1, "s")
+    assert h1.tracked and h2.tracked and reg.in_flight.count() == 2
+    h1.end()
+    assert c.in_flight(1, "s")
+    h2.end()
+    assert not c.in_flight(1, "s")
+
+
+def test_track_raises_table_full(make):
+    _reg, c = make(in_flight_capacity=4)
+    for i in range(4):
+        c.track(i, "s")
+    with pytest.raises(TableFull):
+        c.track(99, "s")
+    assert isinstance(TableFull("x"), shmcancel.ShmCancelError)
+
+
+def test_begin_when_full_is_untracked_but_still_cancellable_locally(make, caplog):
+    _reg, c = make(in_flight_capacity=2)
+    import shmcancel.cancel.policy as mod
+
+    mod._full_logged = False
+    c.track(1, "s")
+    c.track(2, "s")
+    with caplog.at_level(logging.WARNING, logger="shmcancel.cancellation"):
+        h = c.begin(3, "s")
+        h2 = c.begin(4, "s")
+    assert h.tracked is False and h2.tracked is False
+    assert len([r for r in caplog.records if "could not be tracked" in r.getMessage()]) == 1
+    assert not h.cancelled()
+    c.cancel(3, None, "s")  # a direct cancel still reaches it through the shared row
+    assert h.cancelled()
+    h2.cancel_local("gone")
+    assert h2.cancelled() and h2.reason() == "gone"
+    h.end()
+    h2.end()
+
+
+# --------------------------------------------------------------------------------- handles
+def test_handle_poll_sees_cancel_and_end_clears(rc):
+    reg, c = rc
+    h = c.begin(5, "session:x")
+    assert isinstance(h, RequestHandle)
+    assert (h.request_id, h.scope, h.tracked) == (5, "session:x", True)
+    assert not h.cancelled() and h.reason() is None
+    c.cancel("5", "stop", "session:x")
+    assert h.cancelled() and h.reason() == "stop"
+    h.end()
+    assert not c.in_flight(5, "session:x") and not c.cancelled(5, "session:x")
+    h.end()  # idempotent
+    assert reg.cancellations.count() == reg.in_flight.count() == 0
+
+
+def test_end_runs_once_even_from_racing_threads(rc):
+    # A second end() must not clear a cancellation recorded since for a namesake: end() is the
+    # request's finally and also the disconnect watcher's stop, and they can race.
+    _reg, c = rc
+    h, namesake = c.begin(3, "ip:198.51.100.7"), c.begin(3, "ip:198.51.100.7")
+    go = threading.Barrier(8)
+
+    def end() -> None:
+        go.wait(timeout=5)
+        h.end()
+
+    threads = [threading.Thread(target=end) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    c.cancel(3, "for the namesake", "ip:198.51.100.7")
+    h.end()
+    assert namesake.cancelled() and c.cancelled(3, "ip:198.51.100.7")
+    namesake.end()
+
+
+def test_cancel_local_cancels_exactly_that_request(rc, events):
+    reg, c = rc
+    mine, namesake = c.begin(1, "ip:203.0.113.9"), c.begin(1, "ip:203.0.113.9")
+    mine.cancel_local("client disconnected")
+    assert mine.cancelled() and mine.reason() == "client disconnected"
+    assert not namesake.cancelled()
+    assert not c.cancelled(1, "ip:203.0.113.9")
+    assert reg.cancellations.count() == 0
+    assert events[0][0] == CANCELLED_EVENT and events[0][2]["request_id"] == "1"
+    mine.end()
+    assert c.in_flight(1, "ip:203.0.113.9")  # the namesake still runs
+    namesake.end()
+
+
+def test_end_untracks_then_clears(rc):
+    _reg, c = rc
+    h = c.begin(1, "s")
+    c.cancel(1, None, "s")
+    seen = []
+    real_clear = c._store.clear
+
+    def spy(scope, rid):
+        seen.append(c.in_flight(1, "s"))
+        return real_clear(scope, rid)
+
+    c._store.clear = spy  # observe the order; the storage itself is real
+    h.end()
+    assert seen == [False]
+
+
+def test_cancel_scope_cancels_every_request_in_flight_there(rc):
+    _reg, c = rc
+    hs = [c.begin(i, "session:A") for i in range(3)] + [c.begin(0, "session:B")]
+    assert c.cancel_scope("session:A", "session deleted") == 3
+    assert [h.cancelled() for h in hs] == [True, True, True, False]
+    assert c.reason(2, "session:A") == "session deleted"
+    for h in hs:
+        h.end()
+    assert c.cancel_scope("session:A") == 0
+
+
+def test_handle_as_context_manager(rc):
+    _reg, c = rc
+    with c.begin(1, "s") as h:
+        assert c.in_flight(1, "s") and h.tracked
+    assert not c.in_flight(1, "s")
+
+
+# --------------------------------------------------------------------------------- §4.6 cleanup
+def test_cleanup_ttl_is_strict(make, events):
+    reg, c = make(ttl=10.0)
+    clock = c.clock
+    for i, age in enumerate([5.0, 10.0, 10.5, 100.0]):
+        clock.t = 1000.0 - age
+        c.cancel(i, None, "s")
+    clock.t = 1000.0
+    events.clear()
+    assert c.cleanup() == 2  # ages 10.5 and 100 (> 10); 10.0 is not strictly older
+    assert [c.cancelled(i, "s") for i in range(4)] == [True, True, False, False]
+    assert events == [(CLEANUP_EVENT, {"removed": 2, "in_flight_removed": 0}, {})]
+    assert c.cleanup(ttl=4.0) == 2
+    assert c._store.scope_rows("s") == reg.cancellations.count()
+
+
+def test_cleanup_ttl_argument_overrides_config(rc):
+    _reg, c = rc
+    c.cancel(1, None, "s")
+    c.clock.tick(50)
+    assert c.cleanup() == 0  # default ttl 300
+    assert c.cleanup(ttl=49.0) == 1
+
+
+@pytest.mark.parametrize("ttl", ["10", True, float("nan"), [1]])
+def test_cleanup_rejects_bad_ttl(rc, ttl):
+    with pytest.raises(ValueError):
+        rc[1].cleanup(ttl)
+
+
+def test_cleanup_repairs_scope_counts(rc):
+    reg, c = rc
+    c.cancel(1, None, "s")
+    c.cancel(2, None, "s")
+    # a writer killed between a count and its row leaves the count off: simulate both ways
+    with reg.lock:
+        c._store._add("s", +3)
+        c._store._add("ghost", +2)
+    assert c._store.scope_rows("s") == 5
+    c.cleanup()
+    assert c._store.scope_rows("s") == 2 and c._store.scope_rows("ghost") == 0
+    assert reg.scope_counts.count() == 1
+
+
+# --------------------------------------------------------------------------------- janitor
+def test_janitor_runs_by_itself_after_the_interval(make, events):
+    reg, c = make(clock=Clock(time.time()), janitor_interval=0.3, ttl=0.05)
+    c.clock = time.time
+    created = reg.created_at  # the schedule counts from the header's creation time
+    c.cancel(1, None, "s")
+    h = c.begin(2, "s")
+    deadline = time.monotonic() + 10
+    while c.cancelled(1, "s") and time.monotonic() < deadline:
+        h.cancelled()  # polls are what drive it
+        time.sleep(0.005)
+    assert not c.cancelled(1, "s"), "the janitor never swept"
+    assert time.time() - created >= 0.3 * 0.99  # not before one interval after creation
+    assert any(e[0] == CLEANUP_EVENT for e in events)
+    assert h.tracked and c.in_flight(2, "s")  # live rows stay
+    h.end()
+
+
+def test_janitor_sweeps_once_per_interval_across_instances(make, events):
+    reg, c1 = make(janitor_interval=0.2)
+    c2 = Cancellation(reg)
+    deadline = time.monotonic() + 0.7
+    while time.monotonic() < deadline:
+        c1.cancelled(1, "s")
+        c2.cancelled(1, "s")
+        time.sleep(0.002)
+    sweeps = sum(1 for e in events if e[0] == CLEANUP_EVENT)
+    assert 1 <= sweeps <= 3  # 0.7 s of polling at 0.2 s intervals, first at 0.2 s
+    assert reg.info()["sweeps"] == sweeps
+
+
+# --------------------------------------------------------------------------------- cancelled(conn)
+def test_module_cancelled_uses_the_handle(rc):
+    _reg, c = rc
+    h = c.begin(1, "ip:192.0.2.1")
+    conn = {"shmcancel.handle": h, "REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 1}
+    assert cancelled(conn) is False
+    h.cancel_local()
+    assert cancelled(conn) is True
+    assert c.cancelled(conn) is True
+    h.end()
+
+
+def test_module_cancelled_with_request_id_and_cancellation(rc):
+    _reg, c = rc
+    conn = {"shmcancel.request_id": "9", "shmcancel.cancellation": c,
+            "shmcancel.session_id": "S"}
+    assert cancelled(conn) is False
+    c.cancel(9, None, "session:S")
+    assert cancelled(conn) is True
+
+
+def test_module_cancelled_finds_the_attached_registry(rc, shm_name):
+    _reg, c = rc
+    other = Registry.attach(shm_name)  # this process's current registry now
+    try:
+        assert shmcancel.shm.registry.current() is other
+        conn = {"shmcancel.request_id": 3, "REMOTE_ADDR": "192.0.2.7"}
+        assert cancelled(conn) is False
+        c.cancel(3, None, "ip:192.0.2.7")
+        assert cancelled(conn) is True
+    finally:
+        other.close()
+
+
+class Weird(dict):
+    def get(self, *a):
+        raise RuntimeError("boom")
+
+
+class BadHandle:
+    def cancelled(self):
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    "conn",
+    [None, 5, "conn", [], {}, {"REMOTE_ADDR": "192.0.2.1"}, {"shmcancel.request_id": None},
+     {"shmcancel.request_id": 1.5, "shmcancel.cancellation": None}, Weird(),
+     {"shmcancel.handle": BadHandle()}, {"shmcancel.handle": object()}],
+)
+def test_module_cancelled_outside_a_request_is_false_and_never_raises(rc, conn):
+    assert cancelled(conn) is False
+
+
+def test_module_cancelled_without_any_registry(monkeypatch):
+    import shmcancel.shm.registry as regmod
+
+    monkeypatch.setattr(regmod, "_current", None)
+    assert cancelled({"shmcancel.request_id": 1}) is False
+
+
+def test_exports():
+    assert shmcancel.Cancellation is Cancellation
+    assert shmcancel.cancelled is cancelled
+    assert shmcancel.principal is principal
+    assert shmcancel.telemetry is telemetry
+
+
+# --------------------------------------------------------------------------------- model
+class Model:
+    """The policy of SPEC §4.3-4.4 over a dict."""
+
+    def __init__(self, max_rows, quota):
+        self.rows: dict = {}
+        self.max_rows, self.quota = max_rows, quota
+        self.batch = max(1, max_rows // 20)
+
+    def cancel(self, scope, rid, t):
+        key = (scope, rid)
+        if key not in self.rows:
+            n = sum(1 for s, _ in self.rows if s == scope)
+            if self.quota is not None and n >= self.quota:
+                return "limit"
+            if len(self.rows) >= self.max_rows:
+                sizes: dict = {}
+                for s, _ in self.rows:
+                    sizes[s] = sizes.get(s, 0) + 1
+                order = sorted(self.rows, key=lambda k: (-sizes[k[0]], self.rows[k], k[0], k[1]))
+                for k in order[: self.batch]:
+                    del self.rows[k]
+        self.rows[key] = t
+        return "ok"
+
+    def clear(self, scope, rid):
+        self.rows.pop((scope, rid), None)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["cancel", "cancel", "cancel", "clear"]),
+                  st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 12)),
+        max_size=80,
+    ),
+    max_rows=st.integers(1, 30),
+    quota=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_cancel_clear_sequences_match_the_model(shm_name, ops, max_rows, quota):
+    reg = Registry.create(shm_name, Config(max_rows=max_rows, max_rows_per_scope=quota,
+                                           capacity=40, in_flight_capacity=8,
+                                           session_capacity=4))
+    try:
+        clock = Clock()
+        c = Cancellation(reg, clock=clock)
+        model = Model(max_rows, quota)
+        for op, scope, rid in ops:
+            t = clock.tick()
+            if op == "cancel":
+                expected = model.cancel(scope, str(rid), t)
+                try:
+                    c.cancel(rid, None, scope)
+                    got = "ok"
+                except CancellationLimitReached:
+                    got = "limit"
+                assert got == expected
+            else:
+                model.clear(scope, str(rid))
+                c.clear(rid, scope)
+            assert {k: v[1] for k, v in reg.cancellations.scan()} == model.rows
+        for s in "abcd":
+            assert c._store.scope_rows(s) == sum(1 for k in model.rows if k[0] == s)
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def test_pid_is_this_process():
+    assert shmcancel.shm.procinfo.me()[0] == os.getpid()
+
+
+def test_a_handle_stays_cancelled_once_it_saw_it(rc):
+    _reg, c = rc
+    h = c.begin(1, "s")
+    c.cancel(1, "first", "s")
+    assert h.cancelled()
+    c.clear(1, "s")  # e.g. a namesake ended, or the janitor expired the row
+    assert h.cancelled() and h.reason() == "first"
+    h.end()
+
+
+@pytest.mark.parametrize("scope", [None, 5, b"s", ["s"]])
+def test_non_str_scope(rc, scope):
+    _reg, c = rc
+    with pytest.raises(TypeError):
+        c.cancel(1, None, scope)
+    assert c.cancelled(1, scope) is False
+    assert c.in_flight(1, scope) is False
+    assert c.reason(1, scope) is None
+    c.clear(1, scope)
+    c.track(1, scope)
+    c.untrack(1, scope)
+    assert c.begin(1, scope).tracked is False
+
+
+def test_shm_backend_implements_the_storage_protocol(rc):
+    from shmcancel.cancel.shm_storage import ShmBackend, Storage
+
+    reg, c = rc
+    assert isinstance(c._store, ShmBackend)
+    assert isinstance(ShmBackend(reg), Storage)

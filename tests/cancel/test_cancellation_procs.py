@@ -1,0 +1,244 @@
+"""SPEC §4 across real forked processes sharing one registry in /dev/shm.
+
+Synchronisation is by messages over socketpairs (never by sleeping); every child is stopped by
+its pid in a ``finally``. Children attach the registry themselves, as gunicorn workers do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from helpers.procs import TIMEOUT, Chan, Child, wait_zombie
+
+from shmcancel import CancellationLimitReached, TableFull, telemetry
+from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
+from shmcancel.shm.registry import Registry
+
+
+# ------------------------------------------------------------------------------ child programs
+def poller(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """Begin a request, poll it on command: "poll" -> answers the poll's result; "end"."""
+    c = Cancellation(Registry.attach(name))
+    h = c.begin(rid, scope)
+    chan.send({"pid": os.getpid(), "tracked": h.tracked, "cancelled": h.cancelled()})
+    while True:
+        cmd = chan.recv()
+        if cmd == "poll":
+            chan.send({"cancelled": h.cancelled(), "reason": h.reason()})
+        elif cmd == "spin":  # poll a few thousand times (warms the cached watch)
+            chan.send({"any": any(h.cancelled() for _ in range(5000))})
+        elif cmd == "end":
+            h.end()
+            chan.send("ended")
+        elif cmd == "exit":
+            return
+
+
+def canceller(chan: Chan, name: str, ids: list, scope: str, reason: str) -> None:
+    """Wait for "go", cancel every id, report how many were refused by the quota."""
+    c = Cancellation(Registry.attach(name))
+    chan.send("ready")
+    assert chan.recv() == "go"
+    refused = 0
+    for rid in ids:
+        try:
+            c.cancel(rid, reason, scope)
+        except CancellationLimitReached:
+            refused += 1
+    chan.send({"refused": refused})
+
+
+def tracker(chan: Chan, name: str, ids: list, scope: str) -> None:
+    """Track ids (plain track, no handle), report, then wait to be killed or told to exit."""
+    c = Cancellation(Registry.attach(name))
+    for rid in ids:
+        c.track(rid, scope)
+    chan.send({"pid": os.getpid()})
+    cmd = chan.recv(60)
+    assert cmd == "exit"
+
+
+# ------------------------------------------------------------------------------ tests
+def test_cancel_in_one_process_is_seen_by_the_next_poll_in_another(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    child = spawn(poller, reg.name, 7, "session:S")
+    hello = child.recv()
+    assert hello["tracked"] and not hello["cancelled"]
+    assert c.in_flight(7, "session:S")
+    child.send("spin")
+    assert child.recv() == {"any": False}
+    c.cancel("7", "stop please", "session:S")
+    child.send("poll")  # the very next poll sees it
+    assert child.recv() == {"cancelled": True, "reason": "stop please"}
+    child.send("end")
+    assert child.recv() == "ended"
+    assert not c.in_flight(7, "session:S") and not c.cancelled(7, "session:S")
+    child.send("exit")
+    assert child.wait() == 0
+
+
+def test_a_cancel_from_a_child_reaches_the_parents_handle(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(3, "ip:192.0.2.1")
+    for _ in range(1000):
+        assert not h.cancelled()
+    child = spawn(canceller, reg.name, [3], "ip:192.0.2.1", "from child")
+    assert child.recv() == "ready"
+    child.send("go")
+    assert child.recv() == {"refused": 0}
+    assert h.cancelled() and h.reason() == "from child"
+    h.end()
+    assert child.wait() == 0
+
+
+def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    kids = [spawn(poller, reg.name, 1, "ip:203.0.113.9") for _ in range(4)]
+    pids = {k.recv()["pid"] for k in kids}
+    assert reg.in_flight.count() == 4
+    assert {owner[0] for _, owner in reg.in_flight.scan()} == pids
+    c.cancel(1, "all of them", "ip:203.0.113.9")
+    for k in kids:
+        k.send("poll")
+        assert k.recv()["cancelled"] is True
+    # one namesake ends: its own row goes (and it clears the key); the others stay in flight
+    # and, having seen the cancellation, stay cancelled
+    kids[0].send("end")
+    assert kids[0].recv() == "ended"
+    assert reg.in_flight.count() == 3 and c.in_flight(1, "ip:203.0.113.9")
+    assert not c.cancelled(1, "ip:203.0.113.9")
+    for k in kids[1:]:
+        k.send("poll")
+        assert k.recv()["cancelled"] is True
+        k.send("end")
+        assert k.recv() == "ended"
+    assert reg.in_flight.count() == 0
+    for k in kids:
+        k.send("exit")
+        assert k.wait() == 0
+
+
+def start_together(kids: list[Child]) -> None:
+    """Wait until every canceller is ready, then let them all go."""
+    for k in kids:
+        assert k.recv() == "ready"
+    for k in kids:
+        k.send("go")
+
+
+def test_concurrent_cancels_of_one_id_make_one_row(registry, spawn):
+    reg = registry()
+    kids = [spawn(canceller, reg.name, [9] * 50, "s", f"from {i}") for i in range(3)]
+    start_together(kids)
+    for k in kids:
+        assert k.recv() == {"refused": 0}
+    assert reg.cancellations.count() == 1
+    assert Cancellation(reg)._store.scope_rows("s") == 1
+    assert reg.cancellations.get(("s", "9"))[0] in {"from 0", "from 1", "from 2"}
+
+
+def test_quota_holds_under_concurrent_writers(registry, spawn):
+    reg = registry(max_rows_per_scope=20)
+    kids = [spawn(canceller, reg.name, list(range(i * 30, i * 30 + 30)), "ip:x", "flood")
+            for i in range(3)]
+    start_together(kids)
+    refused = sum(k.recv()["refused"] for k in kids)
+    assert refused == 70
+    assert reg.cancellations.count() == 20
+    assert Cancellation(reg)._store.scope_rows("ip:x") == 20
+    Cancellation(reg).cancel(1, None, "session:victim")  # another scope is still served
+
+
+def test_cap_holds_under_concurrent_writers(registry, spawn):
+    reg = registry(max_rows=60, max_rows_per_scope=None)
+    kids = [spawn(canceller, reg.name, list(range(100)), f"s{i}", "x") for i in range(3)]
+    start_together(kids)
+    for k in kids:
+        assert k.recv() == {"refused": 0}
+    assert reg.cancellations.count() <= 60
+    c = Cancellation(reg)
+    assert sum(c._store.scope_rows(f"s{i}") for i in range(3)) == reg.cancellations.count()
+    assert reg.evictions == 300 - reg.cancellations.count()
+
+
+def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    dead = spawn(tracker, reg.name, [5], "s")
+    dead_pid = dead.recv()["pid"]
+    live = spawn(poller, reg.name, 5, "s")
+    live_pid = live.recv()["pid"]
+    assert reg.in_flight.count() == 2
+    dead.kill()  # SIGKILL: no untrack ran
+    seen = []
+    telemetry.attach("procs-cleanup", CLEANUP_EVENT, lambda e, m, md, cfg: seen.append(m))
+    try:
+        assert c.cleanup() == 0
+    finally:
+        telemetry.detach("procs-cleanup")
+    assert seen == [{"removed": 0, "in_flight_removed": 1}]
+    assert c.in_flight(5, "s")
+    assert [o[0] for _, o in reg.in_flight.scan()] == [live_pid] != [dead_pid]
+    live.send("exit")
+    assert live.wait() == 0
+
+
+def test_an_unreaped_zombie_counts_as_dead(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    z = spawn(tracker, reg.name, [1, 2], "s")
+    z.recv()
+    z.send("exit")  # exits without untracking; not reaped yet
+    wait_zombie(z.pid, TIMEOUT)
+    assert c.reap() == 2
+    assert reg.in_flight.count() == 0
+    assert z.wait() == 0
+
+
+def test_reap_pid_drops_only_that_workers_rows(registry, spawn):
+    reg = registry()
+    c = Cancellation(reg)
+    a = spawn(tracker, reg.name, [1, 2], "s")
+    b = spawn(tracker, reg.name, [1, 3], "s")
+    a_pid, b_pid = a.recv()["pid"], b.recv()["pid"]
+    a.kill()
+    b.kill()
+    assert c.reap(a_pid) == 2  # what gunicorn's child_exit does for the worker it reaped
+    assert {o[0] for _, o in reg.in_flight.scan()} == {b_pid}
+    assert c.reap() == 2
+
+
+def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
+    reg = registry(in_flight_capacity=4)
+    c = Cancellation(reg)
+    k = spawn(tracker, reg.name, [1, 2, 3, 4], "s")
+    k.recv()
+    with pytest.raises(TableFull):
+        c.track(5, "s")  # all four owners alive
+    k.kill()
+    c.track(5, "s")  # the dead child's rows are removed first
+    assert reg.in_flight.count() == 1 and c.in_flight(5, "s")
+
+
+def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
+    reg = registry(janitor_interval=0.3, ttl=0.05)
+    Cancellation(reg).cancel(1, None, "s")
+    created = reg.created_at
+    # the parent now only reads the table; the child only polls its own request
+    child = spawn(poller, reg.name, 2, "s")
+    child.recv()
+    deadline = time.monotonic() + TIMEOUT
+    while reg.cancellations.count() and time.monotonic() < deadline:
+        child.send("poll")
+        assert child.recv()["cancelled"] is False
+    assert reg.cancellations.count() == 0, "the janitor never ran"
+    assert reg.last_sweep - created >= 0.3
+    assert reg.info()["last_sweeper_pid"] == child.pid
+    child.send("exit")
+    assert child.wait() == 0

@@ -1,0 +1,119 @@
+"""The janitor thread: sweeps a registry while nothing calls it (SPEC §4.6), one sweep per
+interval across processes; and gunicorn workers run one, so an idle server still sweeps."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import dump
+
+from shmcancel import Cancellation, Config, Registry
+from shmcancel.cancel.janitor import Janitor
+from shmcancel.shm import procinfo
+
+FAST = Config(max_rows=100, capacity=100, in_flight_capacity=16, session_capacity=16,
+              ttl=0.1, janitor_interval=0.3)
+
+
+def _dead_owner() -> tuple[int, int]:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    start = procinfo.start_time(pid)
+    os.waitpid(pid, 0)
+    assert start is not None
+    return pid, start
+
+
+@contextlib.contextmanager
+def _janitor_child(name: str) -> Iterator[int]:
+    """A process that attaches and runs only a Janitor (no other call that could sweep)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            reg = Registry.attach(name)
+            Janitor(Cancellation(reg)).start()
+            os.write(w, b"up")
+            select.select([], [], [], 30)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert select.select([r], [], [], 10)[0] and os.read(r, 2) == b"up"
+        yield pid
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_janitor_thread_sweeps_without_calls(shm_name: str) -> None:
+    reg = Registry.create(shm_name, FAST)
+    try:
+        c = Cancellation(reg)
+        c.cancel(1, "old", "global")
+        dead_pid, dead_start = _dead_owner()
+        reg.in_flight.insert(("global", "2"), (dead_pid, dead_start, 1, 1))
+        with _janitor_child(shm_name) as jpid:
+            # Observed through the tables only: table reads never sweep.
+            wait_until(lambda: reg.cancellations.count() == 0 and reg.in_flight.count() == 0,
+                       time.monotonic() + 5, what="the janitor thread's sweep")
+            info = reg.info()
+            assert info["sweeps"] >= 1 and info["last_sweeper_pid"] == jpid
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def test_janitor_start_is_idempotent_and_stop_is_prompt(shm_name: str) -> None:
+    reg = Registry.create(shm_name, Config(max_rows=100, capacity=100, in_flight_capacity=16,
+                                           session_capacity=16, janitor_interval=3600))
+    try:
+        j = Janitor(Cancellation(reg))
+        j.start()
+        j.start()
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("shmcancel-janitor") == 1
+        t0 = time.monotonic()
+        j.stop(timeout=5)
+        assert time.monotonic() - t0 < 1.0  # woken, not left to its hour-long wait
+        assert not j.running
+        assert "shmcancel-janitor" not in [t.name for t in threading.enumerate()]
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+@pytest.fixture
+def idle_server(shm_name: str) -> Iterator[Gunicorn]:
+    with tempfile.TemporaryDirectory(prefix="shmcancel-janitor-") as d:
+        env = {"SHMCANCEL_TEST_DIR": d, "SHMCANCEL_TEST_TTL": "0.5",
+               "SHMCANCEL_TEST_JANITOR_INTERVAL": "0.3"}
+        with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                      config="tests/apps/transport_conf.py", env=env, workers=2) as g:
+            yield g
+
+
+@pytest.mark.integration
+def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
+    name = idle_server.registry_name
+    reg = Registry.attach(name)
+    try:
+        Cancellation(reg).cancel("stale", "from a request long gone", "ip:192.0.2.1")
+        assert reg.cancellations.member(("ip:192.0.2.1", "stale"))  # a table read: no sweep
+    finally:
+        reg.close()  # from here on nothing but read-only dumps touches the registry
+    wait_until(lambda: dump(name)["cancellations"] == [], time.monotonic() + 5,
+               what="an idle server's workers to sweep the expired row")

@@ -1,0 +1,61 @@
+"""What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, reading
+the JSON-RPC reply out of a JSON or SSE response, waiting for a file a test tool writes, unique
+tags, and ``shmtool dump --json`` of a registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .gunicorn_harness import REPO_ROOT, wait_until
+
+LEGACY = "2025-11-25"
+MODERN = "2026-07-28"
+ACCEPT = "application/json, text/event-stream"
+
+
+def meta(client: str) -> dict[str, Any]:
+    """The ``_meta`` of a 2026-07-28 request from client ``client``."""
+    return {"io.modelcontextprotocol/protocolVersion": MODERN,
+            "io.modelcontextprotocol/clientInfo": {"name": client, "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def reply_of(r: httpx.Response) -> dict[str, Any]:
+    """The JSON-RPC message of a reply sent as application/json or as an SSE stream."""
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        for line in r.text.splitlines():
+            if line.startswith("data:"):
+                msg = json.loads(line[5:])
+                if "id" in msg:
+                    return msg
+        raise AssertionError(f"no reply in the event stream: {r.text!r}")
+    return r.json()
+
+
+def wait_file(path: str, deadline: float) -> str:
+    """The text of ``path`` once it exists (polling until ``deadline``)."""
+    def read() -> str | None:
+        try:
+            return Path(path).read_text()
+        except FileNotFoundError:
+            return None
+    return wait_until(read, deadline, interval=0.002, what=path)
+
+
+def tag() -> str:
+    """A unique tag for the files one tool call writes."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def dump(name: str) -> dict[str, Any]:
+    """``shmtool dump NAME --json``, run in a subprocess, parsed."""
+    out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "dump", name, "--json"],
+                         capture_output=True, text=True, timeout=30, cwd=REPO_ROOT, check=True)
+    return json.loads(out.stdout)

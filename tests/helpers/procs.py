@@ -1,0 +1,123 @@
+"""Forked helper processes for the tests that need a second process: a child that reports over a
+pipe, a bounded read of that pipe, and a reaper for ``finally``; and ``Child``, a forked process
+with a message channel (``Chan``, JSON over a socketpair), which the ``spawn`` fixture makes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def child(fn: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child running fn(write_fd); returns (pid, read_fd). The child exits when fn
+    returns (status 0) or raises (status 1)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            fn(w)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def recv(fd: int, timeout: float = 10) -> bytes:
+    """What the child wrote to ``fd``, waiting at most ``timeout`` seconds for it."""
+    ready, _, _ = select.select([fd], [], [], timeout)
+    assert ready, "no message from child"
+    return os.read(fd, 4096)
+
+
+def reap(pid: int) -> None:
+    """For ``finally``: kill ``pid`` and reap it, whatever state it is in."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def wait_zombie(pid: int, timeout: float = 5.0) -> None:
+    """Poll /proc until ``pid`` is a zombie (it exited and nobody reaped it yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+        if state == b"Z":
+            return
+        select.select([], [], [], 0.005)
+    raise AssertionError(f"pid {pid} did not become a zombie")
+
+
+# ----------------------------------------------------- a forked child with a message channel
+TIMEOUT = 10.0
+
+
+class Chan:
+    """JSON lines over one end of a socketpair."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def send(self, obj: Any) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, timeout: float = TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no message from the other process")
+            self.sock.settimeout(left)
+            data = self.sock.recv(65536)
+            if not data:
+                raise EOFError("the other process closed its end")
+            self.buf += data
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+class Child:
+    def __init__(self, pid: int, chan: Chan) -> None:
+        self.pid = pid
+        self.chan = chan
+        self.status: int | None = None
+
+    def send(self, obj: Any) -> None:
+        self.chan.send(obj)
+
+    def recv(self, timeout: float = TIMEOUT) -> Any:
+        return self.chan.recv(timeout)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        """Reap the child (it must exit by itself); its exit code."""
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = status
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"child {self.pid} did not exit")
+            time.sleep(0.005)
+        return os.waitstatus_to_exitcode(self.status)
+
+    def kill(self) -> None:
+        if self.status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            _, self.status = os.waitpid(self.pid, 0)

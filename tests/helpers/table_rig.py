@@ -1,0 +1,139 @@
+"""``Rig`` builds tables in a real POSIX shared-memory segment with a minimal lock over a real
+POSIX semaphore; it stands in for ``Registry`` where recovery does not matter. ``healthy``
+checks a table's invariants; ``same_home_keys`` makes colliding keys."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+import posix_ipc
+
+from shmcancel.shm.table import Table
+
+HASH_KEY = bytes(range(32))
+
+
+class SemLock:
+    """The table's view of ``RegistryLock``: reentrant per thread over a real POSIX semaphore,
+    with ``dirty``; a ``with`` that exits while dirty runs ``fsck`` on every table (repair)."""
+
+    def __init__(self, name: str) -> None:
+        self.sem = posix_ipc.Semaphore("/shmcancel." + name, posix_ipc.O_CREAT, 0o600, 1)
+        self.dirty = False
+        self.tables: list[Table] = []
+        self.acquisitions = 0
+        self.repairs = 0
+        self._owner: int | None = None
+        self._depth = 0
+
+    def __enter__(self) -> SemLock:
+        me = threading.get_ident()
+        if self._owner != me:
+            self.sem.acquire()
+            self._owner = me
+            self.acquisitions += 1
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        try:
+            if self.dirty:
+                self.repairs += 1
+                for t in self.tables:
+                    t.fsck()
+                self.dirty = False
+        finally:
+            self._owner = None
+            self.sem.release()
+
+    def after_fork_child(self) -> None:
+        self._owner = None
+        self._depth = 0
+
+
+class Rig:
+    """Tables in one real shared-memory segment: ``specs`` = [(kind, capacity, record_size)]."""
+
+    def __init__(self, name: str, specs: list[tuple[str, int, int]]) -> None:
+        self.name = name
+        self.specs = specs
+        self.offsets = []
+        off = 0
+        for _, cap, rs in specs:
+            self.offsets.append(off)
+            off += (Table.region_size(cap, rs) + 4095) & ~4095
+        self.size = off
+        shm = posix_ipc.SharedMemory("/shmcancel." + name, posix_ipc.O_CREAT, 0o600, size=off)
+        try:
+            self.mm = mmap.mmap(shm.fd, off)
+        finally:
+            shm.close_fd()
+        self.buf = memoryview(self.mm)
+        self.lock = SemLock(name)
+        for i in range(len(specs)):
+            Table.format(self.region(i), specs[i][1], specs[i][2])
+        self.tables = [self.open(i) for i in range(len(specs))]
+        self.lock.tables = self.tables
+
+    def region(self, i: int) -> memoryview:
+        _, cap, rs = self.specs[i]
+        return self.buf[self.offsets[i]:self.offsets[i] + Table.region_size(cap, rs)]
+
+    def open(self, i: int) -> Table:
+        kind, cap, rs = self.specs[i]
+        return Table(f"t{i}", self.region(i), kind=kind, capacity=cap,  # type: ignore[arg-type]
+                     record_size=rs, hash_key=HASH_KEY, lock=self.lock)
+
+    def reset(self, i: int) -> Table:
+        """Format table ``i`` afresh and return a new Table over it."""
+        self.tables[i].close()
+        Table.format(self.region(i), self.specs[i][1], self.specs[i][2])
+        self.tables[i] = self.open(i)
+        return self.tables[i]
+
+    def close(self) -> None:
+        for t in self.tables:
+            t.close()
+        self.buf.release()
+        self.mm.close()
+        self.lock.sem.close()
+
+
+def index_reachable(t: Table) -> bool:
+    """No empty slot between any entry's home and the entry."""
+    words = t._idx.tolist()
+    mask = t.nslots - 1
+    for s in range(t.nslots):
+        h = words[2 * s]
+        if h:
+            k = h & mask
+            while k != s:
+                if not words[2 * k]:
+                    return False
+                k = (k + 1) & mask
+    return True
+
+
+def healthy(t: Table) -> None:
+    assert t.fsck() == dict.fromkeys(t.fsck(), 0)
+    assert index_reachable(t)
+    assert not any(v & 1 for v in t._ver.tolist())
+
+
+def same_home_keys(t: Table, n: int, home: int | None = None) -> list[str]:
+    """``n`` keys whose home slot is ``home`` (the first key's home when None)."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        k = f"c{i}"
+        i += 1
+        h = t.prepare(k).home
+        if home is None:
+            home = h
+        if h == home:
+            out.append(k)
+    return out

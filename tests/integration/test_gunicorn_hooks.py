@@ -1,0 +1,410 @@
+"""shmcancel.gunicorn against a real gunicorn (SPEC §6.4): the example's gunicorn.conf.py serving
+tests/apps/hooks_app.py on loopback, real HTTP, real signals. Nothing here sleeps to synchronise:
+every wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, reply_of
+
+from shmcancel.errors import REQUEST_CANCELLED
+from shmcancel.shm.registry import Registry
+
+pytestmark = pytest.mark.integration
+
+CONF = "examples/gunicorn/gunicorn.conf.py"
+APP = "tests.apps.hooks_app:app"
+SEGMENT_DIR = "/dev/shm"
+
+
+def segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join(SEGMENT_DIR, "shmcancel." + name))
+
+
+def master_threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+# --- a minimal MCP client on the 2025-11-25 wire (the SDK is exercised in test_sdk.py) -------
+
+
+class Session:
+    """One MCP session; each call is its own HTTP connection, as separate clients would be."""
+
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._next = 0
+        r = self.post({"jsonrpc": "2.0", "id": self.next_id(), "method": "initialize",
+                       "params": {"protocolVersion": LEGACY, "capabilities": {},
+                                  "clientInfo": {"name": "hooks-test", "version": "0"}}},
+                      session=False)
+        assert r.status_code == 200, r.text
+        self.sid = r.headers["mcp-session-id"]
+        r = self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        assert r.status_code == 202, r.text
+
+    def next_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def headers(self, session: bool = True) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "Accept": ACCEPT}
+        if session:
+            h["Mcp-Session-Id"] = self.sid
+            h["MCP-Protocol-Version"] = LEGACY
+        return h
+
+    def post(self, msg: dict, session: bool = True, timeout: float | None = None) -> httpx.Response:
+        with httpx.Client(timeout=timeout or self.timeout) as c:
+            return c.post(self.url, json=msg, headers=self.headers(session))
+
+    def call(self, tool: str, args: dict, rid: int | None = None,
+             timeout: float | None = None) -> dict:
+        rid = self.next_id() if rid is None else rid
+        return reply_of(self.post({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                                 "params": {"name": tool, "arguments": args}}, timeout=timeout))
+
+    def cancel(self, rid: int) -> httpx.Response:
+        return self.post({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                          "params": {"requestId": rid, "reason": "test"}})
+
+
+@contextlib.contextmanager
+def background(fn, *args) -> Iterator[dict]:
+    """Run ``fn(*args)`` in a thread; the dict gets ``"result"`` or ``"error"``."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn(*args)
+        except BaseException as e:  # the test inspects it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield out
+    finally:
+        t.join(timeout=15)
+
+
+def in_flight(reg: Registry) -> list[tuple[str, str, int]]:
+    """``(scope, request_id, pid)`` of every in-flight row."""
+    return [(k[0], k[1], v[0]) for k, v in reg.in_flight.scan()]
+
+
+def get(url: str, timeout: float = 5.0) -> dict:
+    r = httpx.get(url, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def base(g: Gunicorn) -> str:
+    return f"http://127.0.0.1:{g.port}"
+
+
+# --- one sync server shared by the tests that only kill its workers -------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_server(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
+    with Gunicorn(APP, registry_name=module_shm_name, config=CONF, workers=3) as g:
+        reg = Registry.attach(module_shm_name, readonly=True)
+        try:
+            yield g, reg
+        finally:
+            reg.close()
+
+
+def test_master_creates_workers_attach(sync_server):
+    g, reg = sync_server
+    assert reg.creator[0] == g.pid, "the master creates the registry"
+    assert master_threads(g.pid) == 1, "no thread may exist in the master when it forks"
+    seen = {}
+    deadline = time.monotonic() + 10
+    workers = set(g.worker_pids())
+    while set(seen) != workers and time.monotonic() < deadline:
+        w = get(base(g) + "/whoami")
+        seen[w["pid"]] = w["registry"]
+    assert set(seen) == workers, "every worker answered"
+    assert set(seen.values()) == {reg.name}, "every worker is attached to the master's registry"
+
+
+def test_killed_worker_leaves_no_in_flight_row(sync_server):
+    g, reg = sync_server
+    s = Session(g.url)
+    with background(s.call, "sleep", {"seconds": 30}, 7, 30):
+        rows = wait_until(lambda: [r for r in in_flight(reg) if r[1] == "7"],
+                          time.monotonic() + 5, what="the sleep call to be in flight")
+        victim = rows[0][2]
+        assert victim in g.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not any(r[2] == victim for r in in_flight(reg)),
+                   time.monotonic() + 5, what="the dead worker's row to go")
+        took = time.monotonic() - t0
+    # The janitor sweeps once a minute: only the master's child_exit can have been this quick.
+    assert took < 2.0, took
+    g.wait_workers(3, time.monotonic() + 10)
+
+
+def test_worker_killed_holding_the_lock(sync_server):
+    g, reg = sync_server
+    before = reg.recoveries
+    with background(lambda: httpx.get(base(g) + "/hold-lock", timeout=20)):
+        owner = wait_until(reg.lock.owner, time.monotonic() + 5, what="a worker to hold the lock")
+        assert owner[0] in g.worker_pids()
+        os.kill(owner[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: reg.recoveries > before and reg.lock.owner() is None,
+                   time.monotonic() + 5, what="the master to recover the lock")
+        took = time.monotonic() - t0
+    assert took < 2.0, took
+    # The hook logs once it has also reaped the worker's rows, just after releasing the lock.
+    wait_until(lambda: f"worker {owner[0]} died holding the registry lock" in g.log(),
+               time.monotonic() + 5, what="the master to log the recovery")
+    # Every tools/call takes the lock (track/untrack): the other workers keep serving.
+    s = Session(g.url)
+    for i in range(6):
+        assert s.call("echo", {"text": f"hi {i}"})["result"]["content"][0]["text"] == f"hi {i}"
+    g.wait_workers(3, time.monotonic() + 10)
+
+
+def test_stuck_lock_holder_does_not_stall_the_master(sync_server):
+    """A live worker keeps the lock while the two others die together, one mid-call: the master
+    does not wait for the lock (it would for lock_timeout, 10 s) but replaces both at once (up to
+    gunicorn 24 the second death is signalled while the master waits on the lock for the first,
+    SIGCHLD blocked); the rows go when the holder dies in turn."""
+    g, reg = sync_server
+    s = Session(g.url)
+    holder = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(background(s.call, "sleep", {"seconds": 30}, 21, 30))
+        # in flight first: tools/call takes the lock to track itself
+        busy = wait_until(lambda: [p for _, rid, p in in_flight(reg) if rid == "21"],
+                          time.monotonic() + 5, what="the sleep call")[0]
+        stack.enter_context(background(lambda: httpx.get(base(g) + "/hold-lock", timeout=30)))
+        try:
+            holder = wait_until(reg.lock.owner, time.monotonic() + 5, what="the holder")[0]
+            assert holder != busy
+            dead = [p for p in g.worker_pids() if p != holder]
+            assert busy in dead and len(dead) == 2
+            for pid in dead:
+                os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda: not set(dead) & set(w := g.worker_pids()) and len(w) == 3,
+                       time.monotonic() + 5, what="the dead workers' replacements")
+            respawned = time.monotonic() - t0
+            assert respawned < 2.0, respawned
+            assert "left for later" in g.log()
+            assert any(p == busy for _, _, p in in_flight(reg)), "no write could happen"
+        finally:
+            if holder:  # a live holder would stall every later test
+                os.kill(holder, signal.SIGKILL)
+        wait_until(lambda: not in_flight(reg), time.monotonic() + 5, what="every row to go")
+    g.wait_workers(3, time.monotonic() + 10)
+
+
+def test_workers_dying_together(sync_server):
+    """Every worker SIGKILLed at once, each mid-call: up to gunicorn 24 the master runs
+    child_exit inside its SIGCHLD handler, so a death lands while it is cleaning up after
+    another. It must not hang: all rows go, new workers serve."""
+    g, reg = sync_server
+    s = Session(g.url)
+    with contextlib.ExitStack() as stack:
+        for i in range(3):
+            stack.enter_context(background(s.call, "sleep", {"seconds": 30}, 100 + i, 30))
+        busy = wait_until(lambda: (len(r := {p for _, _, p in in_flight(reg)}) == 3 and r),
+                          time.monotonic() + 10, what="three calls on three workers")
+        for pid in busy:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not in_flight(reg), time.monotonic() + 5, what="every row to go")
+    g.wait_workers(3, time.monotonic() + 15)
+    assert not set(busy) & set(g.worker_pids())
+    assert s.call("echo", {"text": "again"})["result"]["content"][0]["text"] == "again"
+
+
+def test_sync_cancel_across_workers(sync_server):
+    g, _ = sync_server
+    s = Session(g.url)
+    with background(s.call, "sleep", {"seconds": 20}, 11, 30) as out:
+        wait_until(lambda: s.cancel(11).status_code == 202 and "result" in out,
+                   time.monotonic() + 5, interval=0.05, what="the cancelled call to return")
+    assert out["result"]["error"]["code"] == REQUEST_CANCELLED, out
+
+
+# --- reloads and upgrades --------------------------------------------------------------------
+
+
+def test_hup_reload_keeps_the_registry(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        reg = Registry.attach(shm_name)
+        try:
+            old = set(g.worker_pids())
+            g.signal(signal.SIGHUP)
+            new = wait_until(lambda: (set(w := g.worker_pids()) & old == set() and len(w) == 2
+                                      and w), time.monotonic() + 15, what="new workers")
+            assert segment_exists(shm_name)
+            again = Registry.attach(shm_name)
+            assert again.creator == reg.creator, "the same registry, not a new one"
+            again.close()
+            assert {get(base(g) + "/whoami")["registry"] for _ in range(4)} == {shm_name}
+            assert set(new) == set(g.worker_pids())
+        finally:
+            reg.close()
+
+
+@pytest.mark.parametrize("first_to_go", ["old", "new"])
+def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_to_go):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        assert "attached to registry" in g.log(), g.log_tail()
+        assert master_threads(new) == 1
+        gone, stays = (old, new) if first_to_go == "old" else (new, old)
+        os.kill(gone, signal.SIGTERM)
+        wait_until(lambda: not alive(gone), time.monotonic() + 20, what="the master to exit")
+        assert segment_exists(shm_name), f"unlinked under master {stays}:\n{g.log_tail()}"
+        g.pid = stays
+        s = Session(g.url)
+        assert s.call("echo", {"text": "still here"})["result"]["content"][0]["text"] \
+            == "still here"
+        assert get(base(g) + "/whoami")["registry"] == shm_name
+        os.kill(stays, signal.SIGTERM)
+        wait_until(lambda: not alive(stays), time.monotonic() + 20, what="the last master")
+        assert not segment_exists(shm_name), "the last master to exit unlinks"
+
+
+def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        with Registry.attach(shm_name, readonly=True) as ro:
+            assert ro.creator[0] == new  # the new master adopted it
+        orphans = g.worker_pids(master=new)  # out of the harness's reach once their master dies
+        try:
+            os.kill(new, signal.SIGKILL)  # the upgrade fails: no hook runs in the old master
+            wait_until(lambda: not alive(new), time.monotonic() + 20,
+                       what="the new master to die")
+        finally:
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not any(alive(p) for p in orphans), time.monotonic() + 20,
+                   what="the failed master's workers to die")
+        g.pid = old
+        os.kill(g.worker_pids(master=old)[0], signal.SIGKILL)  # child_exit runs in the old one
+        with Registry.attach(shm_name, readonly=True) as ro:
+            wait_until(lambda: ro.creator[0] == old, time.monotonic() + 10,
+                       what="the old master to adopt the registry again")
+        # So another create of that name is refused rather than replacing a live registry.
+        out = subprocess.run(
+            [sys.executable, "-c", "import shmcancel, sys; "
+             f"shmcancel.Registry.create({shm_name!r})"],
+            capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
+        assert segment_exists(shm_name)
+
+
+_PARKING_CONF = """
+import os, time
+import shmcancel.gunicorn
+from shmcancel.gunicorn import child_exit, on_exit, when_ready  # noqa: F401
+
+control_socket_disable = True
+graceful_timeout = 30
+
+
+def post_fork(server, worker):
+    shmcancel.gunicorn.post_fork(server, worker)
+    # The first worker stays in the window between fork and gunicorn's init_signals until the
+    # test has signalled it and lets it go (bounded, in case the test is gone).
+    if not os.path.exists({parked!r}):
+        with open({parked!r} + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename({parked!r} + ".tmp", {parked!r})
+        deadline = time.monotonic() + 30
+        while not os.path.exists({go!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+"""
+
+
+def test_worker_stopped_while_it_boots(shm_name, tmp_path):
+    """A SIGTERM that reaches a worker before gunicorn has installed its handlers (that is
+    after post_fork) stops it once booted. gunicorn alone would lose it (the worker still runs the
+    master's handler inherited by fork) and a stopping master would then wait graceful_timeout
+    (30 s) for that worker: the USR2 test's new master, stopped right after its workers were
+    forked, hung like this on a loaded machine."""
+    parked, go = tmp_path / "parked", tmp_path / "go"
+    conf = tmp_path / "parking.conf.py"
+    conf.write_text(_PARKING_CONF.format(parked=str(parked), go=str(go)))
+    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=1) as g:
+        pid = int(wait_until(lambda: parked.exists() and parked.read_text(),
+                             time.monotonic() + 10, what="the first worker to park"))
+        assert g.worker_pids() == [pid]
+        os.kill(pid, signal.SIGTERM)
+        go.touch()
+        wait_until(lambda: not alive(pid), time.monotonic() + 10,
+                   what="the worker signalled while booting to exit")
+        g.wait_workers(1, time.monotonic() + 10)
+        assert get(base(g) + "/whoami")["registry"] == shm_name, "its replacement serves"
+        os.kill(g.pid, signal.SIGTERM)
+        wait_until(lambda: not alive(g.pid), time.monotonic() + 10, what="the master to exit")
+
+
+def test_gthread_workers_serve_and_cancel(shm_name):
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2, worker_class="gthread",
+                  threads=4) as g:
+        assert master_threads(g.pid) == 1
+        s = Session(g.url)
+        assert s.call("echo", {"text": "t"})["result"]["content"][0]["text"] == "t"
+        with background(s.call, "sleep", {"seconds": 20}, 5, 30) as out:
+            wait_until(lambda: s.cancel(5).status_code == 202 and "result" in out,
+                       time.monotonic() + 5, interval=0.05, what="the cancelled call to return")
+        assert out["result"]["error"]["code"] == REQUEST_CANCELLED, out
+        os.kill(g.pid, signal.SIGTERM)
+        wait_until(lambda: not alive(g.pid), time.monotonic() + 20, what="the master to exit")
+        assert not segment_exists(shm_name)
+
+
+_CREATED = re.compile(r"shmcancel: created registry '([A-Za-z0-9_.-]+)'")
+
+
+def test_two_instances_side_by_side(shm_name, shm_names):
+    """Without SHMCANCEL_REGISTRY, each instance derives its own name (proc_name + address);
+    a third one told to reuse a live instance's name refuses to start."""
+    env = {"SHMCANCEL_REGISTRY": ""}  # the harness's registry_name (shm_name) goes unused
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, env=env) as a, \
+            Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, env=env) as b:
+        names = []
+        for g in (a, b):
+            m = wait_until(lambda g=g: _CREATED.search(g.log()), time.monotonic() + 5,
+                           what="the created line")
+            names.append(m.group(1))
+            shm_names.append(m.group(1))
+        assert names[0] != names[1]
+        assert all(n.startswith("gunicorn-shmcancel-example-") for n in names), names
+        assert get(base(a) + "/whoami")["registry"] == names[0]
+        assert get(base(b) + "/whoami")["registry"] == names[1]
+        with pytest.raises(AssertionError) as e, \
+                Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, timeout=15,
+                         env={"SHMCANCEL_REGISTRY": names[0]}):
+            pass
+        assert f"Error: shmcancel: registry {names[0]} is in use by live pid {a.pid}" \
+            in str(e.value), str(e.value)
+        assert segment_exists(names[0]), "the refused instance left the live registry alone"

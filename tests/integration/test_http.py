@@ -1,0 +1,346 @@
+"""The transport over real HTTP: gunicorn on loopback (3 ``sync`` workers, and once ``gthread``),
+tests/apps/transport_app.py, httpx clients, one connection per request as separate clients
+would be. Waits poll with deadlines; tools report through files (see the app's docstring)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers.background import Background
+from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import ACCEPT, LEGACY, MODERN, dump, meta, reply_of, tag, wait_file
+
+from shmcancel import errors
+
+pytestmark = pytest.mark.integration
+
+APP = "tests.apps.transport_app:app"
+CONF = "tests/apps/transport_conf.py"
+META = meta("t")
+LATENCY_BOUND = 0.100  # seconds, SPEC §6.1 with a 2 ms tool poll, measured at the client
+
+latencies: dict[str, list[float]] = {}
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def outdir() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="shmcancel-http-") as d:
+        yield d
+
+
+def start(name: str, outdir: str, **kw: Any) -> Gunicorn:
+    env = {"SHMCANCEL_TEST_DIR": outdir, **kw.pop("env", {})}
+    return Gunicorn(APP, registry_name=name, config=CONF, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
+    with start(module_shm_name, outdir, workers=3, worker_class="sync") as g:
+        g.initial_workers = set(g.worker_pids())  # type: ignore[attr-defined]
+        yield g
+
+
+# ------------------------------------------------------------------------------ a small client
+
+
+class Client:
+    """A 2025-11-25 client: each request on its own connection."""
+
+    def __init__(self, url: str, *, session: bool = True) -> None:
+        self.url = url
+        self.sid: str | None = None
+        if session:
+            r = self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                           "params": {"protocolVersion": LEGACY, "capabilities": {},
+                                      "clientInfo": {"name": "http-test", "version": "1"}}},
+                          version=None)
+            assert r.status_code == 200, r.text
+            self.sid = r.headers["mcp-session-id"]
+            assert self.post({"jsonrpc": "2.0",
+                              "method": "notifications/initialized"}).status_code == 202
+
+    def headers(self, version: str | None = LEGACY) -> dict[str, str]:
+        h = {"Accept": ACCEPT, "Content-Type": "application/json"}
+        if version is not None:
+            h["MCP-Protocol-Version"] = version
+        if self.sid is not None:
+            h["Mcp-Session-Id"] = self.sid
+        return h
+
+    def post(self, obj: Any, version: str | None = LEGACY, timeout: float = 15.0) -> httpx.Response:
+        return httpx.post(self.url, content=json.dumps(obj).encode(),
+                          headers=self.headers(version), timeout=timeout)
+
+    def call(self, id: Any, tool: str, args: dict) -> dict[str, Any]:
+        r = self.post({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                       "params": {"name": tool, "arguments": args}})
+        return reply_of(r)
+
+    def cancel(self, id: Any) -> httpx.Response:
+        return self.post({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                          "params": {"requestId": id, "reason": "test"}})
+
+
+# ------------------------------------------------------------------------------ cancellation
+
+
+def cancel_flow(g: Gunicorn, outdir: str, label: str, rounds: int = 5) -> None:
+    """A sleep on one connection, notifications/cancelled on another: -32800 within 100 ms of
+    the notification's 202; a namesake in a second session keeps running."""
+    a, b = Client(g.url), Client(g.url)
+    for _ in range(rounds):
+        ta, tb = tag(), tag()
+        call_a = Background(lambda ta=ta: a.call(1, "sleep", {"seconds": 10, "tag": ta}))
+        call_b = Background(lambda tb=tb: b.call(1, "sleep", {"seconds": 0.4, "tag": tb}))
+        call_a.start()
+        call_b.start()
+        deadline = time.monotonic() + 10
+        wait_file(f"{outdir}/{ta}.started", deadline)
+        wait_file(f"{outdir}/{tb}.started", deadline)
+        r = a.cancel(1)
+        acked = time.monotonic()
+        assert r.status_code == 202 and r.content == b""
+        reply = call_a.result()
+        assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
+        assert reply["id"] == 1
+        latency = max(0.0, call_a.done_at - acked)  # type: ignore[operator]
+        latencies.setdefault(label, []).append(latency)
+        assert latency < LATENCY_BOUND, f"reply {latency * 1000:.1f} ms after the 202"
+        seen = float(Path(f"{outdir}/{ta}.cancelled").read_text())
+        assert seen - acked < LATENCY_BOUND
+        # the same id in the other session was not touched
+        other = call_b.result()
+        assert other.get("result", {}).get("content", [{}])[0].get("text") == "slept 0.4s", other
+        assert not os.path.exists(f"{outdir}/{tb}.cancelled")
+    lat = latencies[label]
+    print(f"\n[{label}] cancel latency (202 -> -32800 reply): "
+          f"median {statistics.median(lat) * 1000:.1f} ms, max {max(lat) * 1000:.1f} ms, "
+          f"n={len(lat)}")
+
+
+@pytest.mark.slow
+def test_cancel_across_workers_sync(server: Gunicorn, outdir: str) -> None:
+    pids = set(server.worker_pids())
+    cancel_flow(server, outdir, "sync x3")
+    assert set(server.worker_pids()) == pids
+    state = dump(server.registry_name)
+    assert state["cancellations"] == [] and state["in_flight"] == []
+
+
+@pytest.mark.slow
+def test_cancel_across_workers_gthread(shm_name: str, outdir: str) -> None:
+    with start(shm_name, outdir, workers=2, worker_class="gthread", threads=4) as g:
+        cancel_flow(g, outdir, "gthread 2x4", rounds=3)
+        state = dump(g.registry_name)
+        assert state["cancellations"] == [] and state["in_flight"] == []
+
+
+def test_cancel_for_an_id_not_in_flight_records_nothing(server: Gunicorn, outdir: str) -> None:
+    c = Client(server.url)
+    t = tag()
+    running = Background(lambda: c.call(5, "sleep", {"seconds": 1.0, "tag": t}))
+    running.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    for rid in (6, "5x", 10**12, "x" * 256):
+        r = c.cancel(rid)
+        assert r.status_code == 202, (rid, r.text)
+    state = dump(server.registry_name)
+    assert state["cancellations"] == []
+    assert [(row["request_id"], row["alive"]) for row in state["in_flight"]] == [("5", True)]
+    assert running.result()["result"]["content"][0]["text"] == "slept 1s"
+    assert dump(server.registry_name)["in_flight"] == []
+
+
+def test_session_delete_cancels_its_calls(server: Gunicorn, outdir: str) -> None:
+    c = Client(server.url)
+    t = tag()
+    call = Background(lambda: c.call(1, "sleep", {"seconds": 10, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    r = httpx.delete(server.url, headers=c.headers(), timeout=10)
+    assert (r.status_code, r.content) == (204, b"")
+    assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+    assert c.post({"jsonrpc": "2.0", "id": 2, "method": "ping"}).status_code == 404
+
+
+def test_progress_is_streamed_as_sse(server: Gunicorn) -> None:
+    c = Client(server.url)
+    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "steps", "arguments": {"n": 3}, "_meta": {"progressToken": 11}}}
+    r = c.post(body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    msgs = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert [m.get("method") for m in msgs] == ["notifications/progress"] * 3 + [None]
+    assert msgs[2]["params"] == {"progressToken": 11, "progress": 3, "total": 3,
+                                 "message": "step 3"}
+    assert msgs[3]["id"] == 3 and msgs[3]["result"]["content"][0]["text"] == "3 of 3 sent"
+
+
+def test_modern_wire_over_http(server: Gunicorn) -> None:
+    h = {"Accept": ACCEPT, "Content-Type": "application/json", "MCP-Protocol-Version": MODERN,
+         "Mcp-Method": "server/discover"}
+    body = {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": META}}
+    r = httpx.post(server.url, json=body, headers=h, timeout=10)
+    assert r.status_code == 200 and "mcp-session-id" not in r.headers
+    res = r.json()["result"]
+    assert MODERN in res["supportedVersions"] and res["resultType"] == "complete"
+    assert res["ttlMs"] >= 0 and res["cacheScope"] in ("public", "private")
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"text": "hi"}, "_meta": META}}
+    r = httpx.post(server.url, json=body, timeout=10,
+                   headers={**h, "Mcp-Method": "tools/call", "Mcp-Name": "echo"})
+    assert r.json()["result"]["content"][0]["text"] == "hi"
+    assert r.json()["result"]["resultType"] == "complete"
+    for verb in ("GET", "DELETE"):
+        assert httpx.request(verb, server.url, headers=h, timeout=10).status_code == 405
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _rpc(**kw: Any) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", **kw}).encode()
+
+
+def _call(params: Any, id: Any = 1) -> bytes:
+    return _rpc(id=id, method="tools/call", params=params)
+
+
+# (name, path, extra headers or None to drop the session, body, status, code)
+BAD = [
+    ("malformed json", {}, b'{"jsonrpc": "2.0", "id": 1,', 400, errors.PARSE_ERROR),
+    ("invalid utf-8", {}, b'{"jsonrpc":"2.0","id":1,"method":"\xff"}', 400, errors.PARSE_ERROR),
+    ("deep nesting", {}, b"[" * 100_000 + b"]" * 100_000, 400, errors.PARSE_ERROR),
+    ("batch", {}, b"[" + _rpc(id=1, method="ping") + b"]", 400, errors.INVALID_REQUEST),
+    ("float id", {}, _rpc(id=1.5, method="ping"), 400, errors.INVALID_REQUEST),
+    ("bool id", {}, _rpc(id=True, method="ping"), 400, errors.INVALID_REQUEST),
+    ("object id", {}, _rpc(id={"a": 1}, method="ping"), 400, errors.INVALID_REQUEST),
+    ("over-long id", {}, _rpc(id="i" * 257, method="ping"), 400, errors.INVALID_REQUEST),
+    ("method not a string", {}, _rpc(id=1, method=["ping"]), 400, errors.INVALID_REQUEST),
+    ("params not an object", {}, _rpc(id=1, method="tools/list", params=[1]), 400,
+     errors.INVALID_PARAMS),
+    ("tool name not a string", {}, _call({"name": 5}), 200, errors.INVALID_PARAMS),
+    ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 200, errors.INVALID_PARAMS),
+    ("cancel params not an object", {},
+     _rpc(method="notifications/cancelled", params="1"), 400, errors.INVALID_PARAMS),
+    ("cancel requestId float", {},
+     _rpc(method="notifications/cancelled", params={"requestId": 1.5}), 400,
+     errors.INVALID_PARAMS),
+    ("unknown method", {}, _rpc(id=1, method="nope/nope"), 200, errors.METHOD_NOT_FOUND),
+    ("no session", {"Mcp-Session-Id": None}, _rpc(id=1, method="ping"), 400,
+     errors.INVALID_REQUEST),
+    ("unknown session", {"Mcp-Session-Id": "A" * 32}, _rpc(id=1, method="ping"), 404,
+     errors.INVALID_REQUEST),
+    ("unsupported version", {"MCP-Protocol-Version": "2024-01-01"}, _rpc(id=1, method="ping"),
+     400, errors.UNSUPPORTED_PROTOCOL_VERSION),
+    ("wrong content type", {"Content-Type": "text/plain"}, _rpc(id=1, method="ping"), 415,
+     errors.INVALID_REQUEST),
+    ("accept html only", {"Accept": "text/html"}, _rpc(id=1, method="ping"), 406,
+     errors.INVALID_REQUEST),
+    ("body over the limit", {}, b" " * 1_000_001, 413, errors.INVALID_REQUEST),
+    ("foreign origin", {"Origin": "http://evil.example"}, _rpc(id=1, method="ping"), 403,
+     errors.INVALID_REQUEST),
+    ("rebinding look-alike origin", {"Origin": "http://localhost.evil.example:8000"},
+     _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
+    ("null origin", {"Origin": "null"}, _rpc(id=1, method="ping"), 403, errors.INVALID_REQUEST),
+    ("modern header mismatch",
+     {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/list", "Mcp-Name": "echo"},
+     _call({"name": "echo", "arguments": {}, "_meta": META}), 400, errors.HEADER_MISMATCH),
+    ("modern unknown method", {"MCP-Protocol-Version": MODERN, "Mcp-Method": "nope"},
+     _rpc(id=1, method="nope", params={"_meta": META}), 404, errors.METHOD_NOT_FOUND),
+    ("modern missing _meta", {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/list"},
+     _rpc(id=1, method="tools/list"), 400, errors.INVALID_PARAMS),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_client(server: Gunicorn) -> Client:
+    return Client(server.url)
+
+
+@pytest.mark.parametrize("name, hdrs, body, status, code", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_over_http(server: Gunicorn, bad_input_client: Client, name: str,
+                             hdrs: dict[str, str | None], body: bytes, status: int,
+                             code: int) -> None:
+    h: dict[str, str] = bad_input_client.headers()
+    for k, v in hdrs.items():
+        if v is None:
+            h.pop(k, None)
+        else:
+            h[k] = v
+    r = httpx.post(server.url, content=body, headers=h, timeout=15)
+    assert r.status_code == status, r.text[:300]
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("name, args, problem", [
+    ("echo", "x", '"arguments" must be an object'),
+    ("sleep", {"seconds": "x"}, '"seconds"'),   # the tool raises ToolError(INVALID_PARAMS)
+    ("sleep", {"seconds": -1}, '"seconds"'),
+])
+def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
+                                                      bad_input_client: Client, name: str,
+                                                      args: Any, problem: str) -> None:
+    """SPEC §5: the request was read, so HTTP 200; the problem is a result with isError that
+    names it (an SDK client would raise a transport error on a 400)."""
+    r = httpx.post(server.url, content=_call({"name": name, "arguments": args}),
+                   headers=bad_input_client.headers(), timeout=15)
+    assert r.status_code == 200, r.text[:300]
+    result = r.json()["result"]
+    assert result["isError"] is True
+    text = result["content"][0]["text"]
+    assert text.startswith(f"Invalid arguments for tool {name}: ") and problem in text, text
+
+
+def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
+    """SPEC §6.0: a page on loopback (any port) passes the default Origin check."""
+    for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):
+        h = {**bad_input_client.headers(), "Origin": origin}
+        r = httpx.post(server.url, content=_rpc(id=1, method="ping"), headers=h, timeout=15)
+        assert (r.status_code, r.json().get("result")) == (200, {}), (origin, r.text[:300])
+
+
+def test_huge_declared_length_is_refused_before_reading(server: Gunicorn) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Accept: application/json\r\nContent-Length: 50000000\r\n\r\n{")
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_chunked_body_over_the_limit_is_413(server: Gunicorn) -> None:
+    def chunks() -> Iterator[bytes]:
+        for _ in range(20):
+            yield b" " * 60_000
+
+    r = httpx.post(server.url, content=chunks(), timeout=15,
+                   headers={"Content-Type": "application/json", "Accept": ACCEPT})
+    assert r.status_code == 413 and r.json()["error"]["code"] == errors.INVALID_REQUEST
+
+
+def test_workers_survive_bad_input(server: Gunicorn, bad_input_client: Client) -> None:
+    """After everything above (this test runs last in the module): same workers, serving."""
+    pids = set(server.worker_pids())
+    assert pids == server.initial_workers  # type: ignore[attr-defined]
+    assert len(pids) == 3
+    seen = set()
+    for _ in range(12):
+        reply = bad_input_client.call(9, "whoami", {})
+        seen.add(int(reply["result"]["content"][0]["text"]))
+    assert seen <= pids
+    assert set(server.worker_pids()) == pids
+    assert "Traceback" not in server.log()

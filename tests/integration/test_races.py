@@ -1,0 +1,412 @@
+"""Issue #7, defects 1 and 2 (SPEC §4.3 last two bullets, §4.6, §5's 503 rule).
+
+1. A cancellation never outlives its request by accident: "in flight? then record" is one step,
+   and a row older than the request that finds it is not that request's.
+2. The end of a request is never lost to a live process stalling the registry lock: the request
+   that meets the stall is answered 503 with ``Retry-After``; the end is owed and lands once the
+   lock is free; ``cleanup`` removes the rows of requests that ended in a live process.
+
+Real registries, real forked processes (a lock holder really SIGSTOPped), real gunicorn on
+loopback. Every stopped process is continued and killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
+from helpers.procs import Chan, Child
+from helpers.wsgi import environ_for, run
+
+import shmcancel.cancel.policy as cancellation_mod
+from shmcancel import LockTimeout, errors
+from shmcancel.cancel.janitor import Janitor
+from shmcancel.cancellation import Cancellation
+from shmcancel.server import McpServer
+from shmcancel.shm.registry import Registry
+
+TIMEOUT = 10.0
+SCOPE_ENV = environ_for()  # the in-process client's address: its scope is ip:203.0.113.7
+LEGACY_HEADERS = {"MCP-Protocol-Version": LEGACY}
+
+
+def notification(rid: Any, reason: str = "test") -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": rid, "reason": reason}}
+
+
+def call(rid: Any, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+            "params": {"name": tool, "arguments": args}}
+
+
+def wsgi_post(app: Any, obj: Any) -> Any:
+    return run(app, environ_for("POST", json.dumps(obj).encode(), headers=LEGACY_HEADERS))
+
+
+def echo_server(reg: Registry) -> McpServer:
+    """An in-process stateless server over ``reg`` with one tool, ``echo``."""
+    server = McpServer("race", "1", sessions=False, registry=reg)
+
+    @server.tool("echo")
+    def echo(conn: Any, params: dict[str, Any]) -> str:
+        return str(params.get("text", ""))
+
+    return server
+
+
+def in_flight_rows(reg: Registry) -> list[tuple[Any, Any]]:
+    return sorted(reg.in_flight.scan())
+
+
+# ------------------------------------------------------------------------------ child programs
+
+
+def requester(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """Begin a request; on "end" end it and say "ended"."""
+    reg = Registry.attach(name)
+    h = Cancellation(reg).begin(rid, scope)
+    chan.send("began" if h.tracked else "untracked")
+    assert chan.recv() == "end"
+    h.end()
+    chan.send("ended")
+    assert chan.recv() == "exit"
+
+
+def lock_holder(chan: Chan, name: str) -> None:
+    """Take the registry lock, say so, and stop (SIGSTOP) holding it; once continued, release
+    it and exit."""
+    reg = Registry.attach(name)
+    with reg.lock:
+        chan.send("held")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    chan.send("released")
+    assert chan.recv() == "exit"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0].decode()
+
+
+@contextlib.contextmanager
+def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:
+    """A live process holding the registry lock, stopped; continued (and so releasing the lock)
+    when the block ends, and in any case continued and killed by the spawn fixture."""
+    holder = spawn(lock_holder, name)
+    try:
+        assert holder.recv() == "held"
+        wait_until(lambda: _state(holder.pid) == "T", time.monotonic() + TIMEOUT,
+                   what="the lock holder to stop")
+        yield holder
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder.pid, signal.SIGCONT)
+    assert holder.recv() == "released"
+    holder.send("exit")
+    assert holder.wait() == 0
+
+
+# ------------------------------------------------------------------------------ defect 1
+
+
+@pytest.mark.parametrize("entry", ["notification", "session delete"])
+def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monkeypatch,
+                                                           entry: str) -> None:
+    """Deterministic: the request's end (in a second process, through the real lock) is run at
+    the moment the cancel has decided the request is in flight and is about to record. With the
+    check and the insert in one lock hold the end waits for the insert and then clears it, or
+    the check sees the request gone: either way no row survives."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = c.scope(SCOPE_ENV)
+    server = echo_server(reg)
+    req = spawn(requester, reg.name, 7, scope)
+    assert req.recv() == "began"
+    real_sanitize = cancellation_mod.sanitize
+    ran: list[bool] = []
+
+    def end_the_request_here(reason: object) -> str | None:
+        # what cancel() does between deciding and taking the lock: make the end happen now
+        if not ran:
+            ran.append(True)
+            req.send("end")
+            assert req.recv() == "ended"
+        return real_sanitize(reason)
+
+    monkeypatch.setattr(cancellation_mod, "sanitize", end_the_request_here)
+    if entry == "notification":
+        assert wsgi_post(server, notification(7)).status == 202
+    else:
+        server._process_state().cancellation.cancel_scope(scope, "session deleted")
+    monkeypatch.undo()
+    req.send("exit")
+    assert req.wait() == 0
+    assert ran, "the cancel never reached the point of recording"
+    assert reg.cancellations.scan() == [] and reg.scope_counts.scan() == []
+    assert in_flight_rows(reg) == []
+    with c.begin(7, scope) as h:  # the next call reusing the id does not start out cancelled
+        assert h.cancelled() is False
+
+
+def test_cancel_if_in_flight(registry) -> None:
+    reg = registry()
+    c = Cancellation(reg)
+    assert c.cancel_if_in_flight(3, "r", "s") is False
+    assert c.cancel_if_in_flight(None, "r", "s") is False
+    assert reg.cancellations.scan() == []
+    with c.begin(3, "s") as h:
+        assert c.cancel_if_in_flight(3, "r", "t") is False  # another scope's request 3
+        assert c.cancel_if_in_flight("3", "r", "s") is True
+        assert h.cancelled() and h.reason() == "r"
+    assert reg.cancellations.scan() == [] and reg.in_flight.scan() == []
+
+
+def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:
+    """A flood of notifications for ids nobody runs must not queue behind the registry lock:
+    with the lock held by a stopped process, they are still answered at once."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    with stalled_lock(spawn, reg.name):
+        for rid in range(1, 21):
+            assert c.cancel_if_in_flight(rid, "flood", "ip:192.0.2.9") is False
+    assert reg.cancellations.scan() == []
+
+
+def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
+    """A leftover row (here recorded directly, before the request began) neither pre-cancels a
+    request reusing the id nor outlives that request's first look; a cancel recorded during the
+    request still reaches it."""
+    reg = registry()
+    t = [1000.0]
+    c = Cancellation(reg, clock=lambda: t[0])
+    c.cancel(4, "old", "s")
+    t[0] += 0.001
+    with c.begin(4, "s") as h:
+        assert h.cancelled() is False
+        assert reg.cancellations.scan() == [] and reg.scope_counts.scan() == []
+        assert h.reason() is None
+        t[0] += 0.001
+        c.cancel(4, "new", "s")
+        assert h.cancelled() is True and h.reason() == "new"
+    assert reg.cancellations.scan() == []
+
+
+def test_a_row_as_old_as_the_request_counts(registry) -> None:
+    """The clock may not move between begin and a cancel (a coarse or injected clock): a row
+    stamped at the request's own start is its own."""
+    reg = registry()
+    c = Cancellation(reg, clock=lambda: 5.0)
+    with c.begin(1, "s") as h:
+        c.cancel(1, "now", "s")
+        assert h.cancelled() is True
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path) -> None:
+    """End to end: two threads send notifications/cancelled for id N while tools/call echo N
+    runs, round after round. After each round no cancellation row is left, and the next call
+    reusing N is answered normally (not -32800)."""
+    rounds = int(os.environ.get("SHMCANCEL_RACE_ROUNDS", "300"))
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", env=env, workers=3,
+                  worker_class="gthread", threads=4) as g:
+        reg = Registry.attach(shm_name)
+        try:
+            client = httpx.Client(timeout=15)
+            # one scope for every request: ip:127.0.0.1
+            url = g.url.removesuffix("/mcp") + "/stateless"
+            headers = {"Accept": ACCEPT, "Content-Type": "application/json",
+                       "MCP-Protocol-Version": LEGACY}
+
+            def post(obj: Any) -> httpx.Response:
+                return client.post(url, content=json.dumps(obj).encode(), headers=headers)
+
+            leftover = precancelled = 0
+            statuses: list[int] = []
+            for n in range(rounds):
+                rid = n % 5
+                done = threading.Event()
+
+                def notify(rid: int = rid, done: threading.Event = done) -> None:
+                    for _ in range(40):  # bounded; stops once the call answered
+                        statuses.append(post(notification(rid)).status_code)
+                        if done.is_set():
+                            return
+
+                notifiers = [threading.Thread(target=notify, daemon=True) for _ in range(2)]
+                for t in notifiers:
+                    t.start()
+                reply_of(post(call(rid, "echo", {"text": "x"})))  # cancelled or not: either
+                done.set()
+                for t in notifiers:
+                    t.join(TIMEOUT)
+                    assert not t.is_alive()
+                assert set(statuses) == {202}, statuses
+                if reg.cancellations.count():
+                    leftover += 1
+                again = reply_of(post(call(rid, "echo", {"text": "again"})))
+                if "error" in again:
+                    assert again["error"]["code"] == errors.REQUEST_CANCELLED, again
+                    precancelled += 1
+                if leftover or precancelled:
+                    break
+            assert (leftover, precancelled) == (0, 0), (
+                f"round {n + 1}: a row outlived its call ({leftover}); "
+                f"the next call started cancelled ({precancelled})")
+            assert reg.cancellations.count() == 0
+            wait_until(lambda: reg.in_flight.count() == 0, time.monotonic() + TIMEOUT,
+                       what="no request in flight")
+        finally:
+            reg.close()
+
+
+# ------------------------------------------------------------------------------ defect 2
+
+
+def forget_owed_ends() -> None:
+    """For ``finally``: never leave an owed end of a closed registry to another test."""
+    getattr(cancellation_mod, "_owed", []).clear()
+
+
+def assert_503(r: Any) -> None:
+    """SPEC §5: a lock held past lock_timeout by a live process is 503 with Retry-After and a
+    JSON-RPC error body, never 500."""
+    assert r.status == 503, r
+    assert int(r.headers["retry-after"]) >= 1
+    body = r.json
+    assert body["jsonrpc"] == "2.0" and body["id"] is None
+    assert body["error"]["code"] == errors.SERVER_ERROR, body
+
+
+def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
+                                                            monkeypatch) -> None:
+    """A real lock holder, SIGSTOPped past lock_timeout. The requests that meet it get 503; the
+    ends of two requests that finish meanwhile are owed, not lost (the owed queue is cut to one
+    here, so one of them is dropped). Once the holder is continued the owed end lands, and
+    cleanup removes the row of the dropped one although its process (this one) lives; a
+    notification for its id then records nothing and the next call with it is not cancelled."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    scope = c.scope(SCOPE_ENV)
+    server = echo_server(reg)
+    monkeypatch.setattr(cancellation_mod, "_OWED_MAX", 1, raising=False)
+    first, second = c.begin(1, scope), c.begin(2, scope)
+    assert first.tracked and second.tracked
+    try:
+        with stalled_lock(spawn, reg.name):
+            assert_503(wsgi_post(server, notification(1)))
+            assert_503(wsgi_post(server, call(3, "echo", {})))  # begin could not track it
+            with pytest.raises(LockTimeout):
+                c.cancel(1, "r", scope)
+            second.end()  # owed
+            first.end()  # owed; the queue holds one, so second's end is dropped
+            assert [k[1] for k, _ in in_flight_rows(reg)] == ["1", "2"]  # nothing landed
+        with c.begin(3, scope):  # the next write lands what is owed: first's end
+            assert [k[1] for k, _ in in_flight_rows(reg)] == ["2", "3"]
+        assert c.sweep() == (0, 1)  # cleanup: second ended, its process lives, its row goes
+        assert in_flight_rows(reg) == []
+        assert wsgi_post(server, notification(2)).status == 202
+        assert reg.cancellations.scan() == []
+        assert wsgi_post(server, call(2, "echo", {"text": "ok"})).json["result"]["isError"] is False
+        assert cancellation_mod.owed_ends() == 0
+    finally:
+        forget_owed_ends()
+
+
+def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
+    """Without any janitor: the next write of the process that owes an end lands it."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    h = c.begin(5, "s")
+    try:
+        with stalled_lock(spawn, reg.name):
+            h.end()
+        assert [k[1] for k, _ in in_flight_rows(reg)] == ["5"]
+        with c.begin(6, "s"):
+            assert [k[1] for k, _ in in_flight_rows(reg)] == ["6"]
+        assert in_flight_rows(reg) == []
+    finally:
+        forget_owed_ends()
+
+
+def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
+    """With no further call: the janitor thread, woken when the end became owed, lands it once
+    the holder lets go (well before its janitor_interval of 60 s)."""
+    reg = registry(lock_timeout=0.3, janitor_interval=60)
+    janitor = Janitor(Cancellation(reg))
+    janitor.start()
+    try:
+        h = Cancellation(reg).begin(8, "s")
+        with stalled_lock(spawn, reg.name):
+            h.end()
+            assert [k[1] for k, _ in in_flight_rows(reg)] == ["8"]
+        wait_until(lambda: reg.in_flight.count() == 0 and not cancellation_mod.owed_ends(),
+                   time.monotonic() + TIMEOUT, what="the janitor to land the owed end")
+    finally:
+        janitor.stop()
+        forget_owed_ends()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> None:
+    """End to end: a call runs; a local process takes the registry lock and is SIGSTOPped. A
+    notification for the call is answered 503 with Retry-After; the call itself ends during the
+    stall and still answers its result. After SIGCONT the worker lands the end by itself (its
+    janitor thread, no further request), so no row is left and the id is not pre-cancelled."""
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path), "SHMCANCEL_TEST_LOCK_TIMEOUT": "0.5"}
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", env=env, workers=2,
+                  worker_class="gthread", threads=4) as g:
+        reg = Registry.attach(shm_name)
+        try:
+            url = g.url.removesuffix("/mcp") + "/stateless"
+            headers = {"Accept": ACCEPT, "Content-Type": "application/json",
+                       "MCP-Protocol-Version": LEGACY}
+
+            def post(obj: Any) -> httpx.Response:
+                return httpx.post(url, content=json.dumps(obj).encode(), headers=headers,
+                                  timeout=15)
+
+            t = tag()
+            result: list[httpx.Response] = []
+            running = threading.Thread(
+                target=lambda: result.append(post(call(7, "sleep", {"seconds": 2.5, "tag": t}))),
+                daemon=True)
+            running.start()
+            wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
+            with stalled_lock(spawn, shm_name):
+                r = post(notification(7))
+                assert r.status_code == 503, r.text
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["code"] == errors.SERVER_ERROR
+                running.join(TIMEOUT)
+                assert not running.is_alive()
+                done = reply_of(result[0])
+                assert done["result"]["content"][0]["text"] == "slept 2.5s", done
+                assert [k[1] for k, _ in in_flight_rows(reg)] == ["7"]  # its end is owed
+            try:
+                wait_until(lambda: reg.in_flight.count() == 0, time.monotonic() + TIMEOUT,
+                           what="the owed end to land")
+            except AssertionError:
+                raise AssertionError(g.log_tail()) from None
+            assert post(notification(7)).status_code == 202
+            assert reg.cancellations.count() == 0
+            again = reply_of(post(call(7, "echo", {"text": "again"})))
+            assert again["result"]["content"][0]["text"] == "again", again
+            assert "Traceback" not in g.log()
+        finally:
+            reg.close()

@@ -1,0 +1,394 @@
+"""``shmcancel.sdk`` (SPEC §9): the example server built on the official MCP SDK (examples/sdk, its
+own gunicorn.conf.py, ``uvicorn_worker.UvicornWorker`` workers) driven by the official SDK client.
+
+Cancellation is proven on the server side, through a read-only attachment of the registry: the
+call's in-flight row appears while the tool runs and goes when the tool has ended (the row is
+removed in the middleware's ``finally``, after the tool returned or raised), and nothing is left
+in either table afterwards.
+
+Both servers run on three workers: the cancel lands on whichever worker accepts it, and a stateful
+session's requests are served by the worker holding the session whichever worker accepts them
+(the SDK's issue #520).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import anyio
+import httpx
+import pytest
+from helpers.gunicorn_harness import Gunicorn
+from mcp import Client
+
+from shmcancel import Registry
+
+CONF = "examples/sdk/gunicorn.conf.py"
+SLEEP = 30.0  # what the abandoned call asks for
+STOPPED_WITHIN = 2.0  # seconds from abandonment to the row's removal (generous: loaded machine)
+MODES = {"2025-11-25": "legacy", "2026-07-28": "2026-07-28"}
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module", params=["stateful", "stateless"])
+def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]:
+    kind = request.param
+    env = {"SHMCANCEL_SDK_STATELESS": "1" if kind == "stateless" else "0"}
+    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3,
+                  worker_class="uvicorn_worker.UvicornWorker", env=env) as g:
+        reg = Registry.attach(module_shm_name, readonly=True)
+        try:
+            yield kind, g, reg
+        finally:
+            reg.close()
+
+
+def rows(reg: Registry) -> list[tuple[str, str]]:
+    return [k for k, _ in reg.in_flight.scan()]
+
+
+def cancellation_rows(reg: Registry) -> list[tuple[str, str]]:
+    return [k for k, _ in reg.cancellations.scan()]
+
+
+async def until(predicate, timeout: float, what: str) -> float:
+    """Poll ``predicate()`` every 5 ms; return the monotonic time it held; fail after
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await anyio.sleep(0.005)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("wire", list(MODES))
+def test_echo(server, wire):
+    _, g, reg = server
+
+    async def main() -> str:
+        async with Client(g.url, mode=MODES[wire]) as c:
+            tools = {t.name for t in (await c.list_tools()).tools}
+            assert {"echo", "sleep", "sleep_sync"} <= tools
+            r = await c.call_tool("echo", {"text": "héllo"})
+            assert not r.is_error
+            return r.content[0].text
+
+    assert anyio.run(main) == "héllo"
+    assert rows(reg) == []
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+@pytest.mark.parametrize("wire", list(MODES))
+def test_abandoned_call_stops(server, wire, tool):
+    """The client abandons a 30 s call (legacy: it posts ``notifications/cancelled``; 2026-07-28:
+    it closes the call's connection): the tool ends well before 30 s and nothing is left."""
+    kind, g, reg = server
+    assert rows(reg) == []
+
+    async def main() -> float:
+        async with Client(g.url, mode=MODES[wire]) as c:
+            await c.list_tools()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(c.call_tool, tool, {"seconds": SLEEP})
+                await until(lambda: rows(reg), 10, "the call to be in flight")
+                tg.cancel_scope.cancel()
+            abandoned = time.monotonic()
+            gone = await until(lambda: not rows(reg), 10, "the tool to stop")
+            # The server writes the call's -32800 just after the row goes. The SDK client (2.3.0)
+            # fails its exit (BrokenResourceError) when a response lands while it closes, and
+            # nothing it exposes says the response has landed: give it time to, before leaving.
+            await anyio.sleep(0.3)
+            return gone - abandoned
+
+    took = anyio.run(main)
+    print(f"\n{kind}/{wire}/{tool}: in-flight row gone {took * 1000:.1f} ms after abandonment")
+    assert took < STOPPED_WITHIN, took
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_namesake_in_another_session_untouched(server):
+    """Two sessions run a call with the same JSON-RPC id; cancelling one leaves the other running
+    to its normal end (the rows are scoped by session)."""
+    _kind, g, reg = server
+
+    async def main() -> None:
+        async with Client(g.url, mode="legacy") as a, Client(g.url, mode="legacy") as b:
+            await a.list_tools()
+            await b.list_tools()
+            done: list[str] = []
+
+            async def b_call() -> None:
+                r = await b.call_tool("sleep", {"seconds": 1.5})
+                done.append(r.content[0].text)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b_call)
+                async with anyio.create_task_group() as ta:
+                    ta.start_soon(a.call_tool, "sleep", {"seconds": SLEEP})
+                    await until(lambda: len(rows(reg)) == 2, 10, "both calls in flight")
+                    ids = {rid for _, rid in rows(reg)}
+                    assert len(ids) == 1, rows(reg)  # namesakes: the same id in two sessions
+                    ta.cancel_scope.cancel()
+                await until(lambda: len(rows(reg)) == 1, STOPPED_WITHIN, "a's call to stop")
+            assert done == ["slept 1.5 s"]
+
+    anyio.run(main)
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+
+def test_cancel_notification_bounds(server):
+    """What the layer answers itself still gets the SDK's checks: a cancel notification with a
+    foreign Origin is refused (403), an oversized body is 413, and neither writes a row."""
+    kind, g, reg = server
+    headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+    note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}}
+
+    async def main() -> None:
+        async with Client(g.url, mode="legacy") as c, anyio.create_task_group() as tg:
+            await c.list_tools()
+            tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+            await until(lambda: rows(reg), 10, "the call to be in flight")
+            scope, rid = rows(reg)[0]
+            hdrs = dict(headers, origin="http://evil.example")
+            if kind == "stateful":
+                hdrs["mcp-session-id"] = scope.removeprefix("session:")
+            note["params"] = {"requestId": int(rid)}
+            async with httpx.AsyncClient() as h:
+                r = await h.post(g.url, json=note, headers=hdrs)
+                assert r.status_code == 403, r.text
+                big = b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"x":"' \
+                    + b"x" * (5 * 1024 * 1024) + b'"}}'
+                r = await h.post(g.url, content=big, headers=headers)
+                assert r.status_code == 413, r.status_code
+            await anyio.sleep(0.1)
+            assert rows(reg), "the call was cancelled by a refused notification"
+            assert cancellation_rows(reg) == []
+            tg.cancel_scope.cancel()
+        await until(lambda: not rows(reg), 10, "the call to stop")
+
+    anyio.run(main)
+
+
+LEGACY_HEADERS = {"content-type": "application/json",
+                  "accept": "application/json, text/event-stream",
+                  "mcp-protocol-version": "2025-11-25"}
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_cancel_on_a_fresh_connection(server, tool):
+    """Three workers: a ``notifications/cancelled`` posted on a fresh connection (so on any worker:
+    over six rounds, almost surely on another worker than the call's at least once) stops the
+    call, which is answered ``-32800`` with HTTP 200 (JSON when stateless, an SSE event in a
+    stateful session); nothing is left. A notification for an id nobody runs is the SDK's to
+    answer (202) and writes no row."""
+    kind, g, reg = server
+    headers = dict(LEGACY_HEADERS)
+    scope = "ip:127.0.0.1"
+    if kind == "stateful":
+        with httpx.Client(timeout=10) as h0:
+            headers = _initialize(h0, g.url)
+        scope = "session:" + headers["mcp-session-id"].split("-", 1)[1]
+
+    async def one(rid: int) -> float:
+        call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                "params": {"name": tool, "arguments": {"seconds": SLEEP}}}
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": rid, "reason": "test"}}
+        async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
+            answer: list[httpx.Response] = []
+
+            async def post_call() -> None:
+                answer.append(await h.post(g.url, json=call, headers=headers))
+
+            tg.start_soon(post_call)
+            await until(lambda: (scope, str(rid)) in rows(reg), 10, "the call")
+            async with httpx.AsyncClient(timeout=10) as h2:  # a connection of its own
+                sent = time.monotonic()
+                r = await h2.post(g.url, json=note, headers=headers)
+                assert r.status_code == 202, r.text
+            await until(lambda: answer, STOPPED_WITHIN, "the call's answer")
+            took = time.monotonic() - sent
+        assert answer[0].status_code == 200, answer[0].text
+        text = answer[0].text
+        body = json.loads(text[text.index("{"):text.rindex("}") + 1])  # JSON, or one SSE event
+        assert body["id"] == rid and body["error"]["code"] == -32800, body
+        return took
+
+    async def main() -> list[float]:
+        return [await one(1000 + i) for i in range(6)]
+
+    took = anyio.run(main)
+    print(f"\n{kind}/{tool}: answered -32800 "
+          f"{', '.join(f'{t * 1000:.1f}' for t in took)} ms after the notification was sent")
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+    async def stray() -> int:
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 4242}}
+        async with httpx.AsyncClient(timeout=10) as h:
+            return (await h.post(g.url, json=note, headers=headers)).status_code
+
+    assert anyio.run(stray) == 202
+    assert cancellation_rows(reg) == []
+
+
+def _initialize(h: httpx.Client, url: str) -> dict[str, str]:
+    r = h.post(url, headers=LEGACY_HEADERS, json={
+        "jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                   "clientInfo": {"name": "test", "version": "0"}}})
+    assert r.status_code == 200, r.text
+    hdrs = dict(LEGACY_HEADERS, **{"mcp-session-id": r.headers["mcp-session-id"]})
+    r = h.post(url, headers=hdrs, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    assert r.status_code == 202, r.text
+    return hdrs
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_session_on_fresh_connections(server):
+    """The #520 repro: 12 requests of one session, each on a fresh connection (so on any of the
+    three workers), all succeed; then its DELETE (on a fresh connection too) ends it for every
+    worker."""
+    _kind, g, _reg = server
+    with httpx.Client(timeout=10) as h:
+        hdrs = _initialize(h, g.url)
+    statuses = []
+    for i in range(12):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=hdrs, json={
+                "jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+                "params": {"name": "echo", "arguments": {"text": f"n{i}"}}})
+            statuses.append(r.status_code)
+            assert f'"n{i}"' in r.text, r.text
+            # the SDK repeats the session id in its answers, and clients adopt it: a forwarded
+            # answer must carry it unchanged (the TypeScript SDK client follows it)
+            assert r.headers.get("mcp-session-id", hdrs["mcp-session-id"]) == \
+                hdrs["mcp-session-id"]
+    assert statuses == [200] * 12
+    with httpx.Client(timeout=10) as h:
+        assert h.delete(g.url, headers=hdrs).status_code == 200
+    for _ in range(3):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=hdrs, json={"jsonrpc": "2.0", "id": 99,
+                                                  "method": "tools/list"})
+            assert r.status_code == 404, r.text
+
+
+def test_concurrent_sdk_calls_in_one_session(server):
+    """The #520 repro with the SDK client: 8 concurrent calls of one session (the client opens
+    connections as it needs them, and its GET stream) all succeed."""
+    _kind, g, reg = server
+
+    async def main() -> list[str]:
+        out: list[str] = []
+        async with Client(g.url, mode="legacy") as c:
+            async def one(i: int) -> None:
+                r = await c.call_tool("sleep", {"seconds": 0.2})
+                assert not r.is_error, r
+                out.append(r.content[0].text)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, i)
+        return out
+
+    for _ in range(2):
+        assert anyio.run(main) == ["slept 0.2 s"] * 8
+    assert rows(reg) == []
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_worker_killed_with_its_sessions(server):
+    """A worker SIGKILLed while it holds a session: that session answers 404 at once on every
+    worker (no hang), the worker's rows are reaped, and another worker's session keeps working."""
+    _kind, g, reg = server
+    by_token: dict[str, dict[str, str]] = {}
+    with httpx.Client(timeout=10):
+        for _ in range(30):  # fresh connections until two workers hold a session each
+            with httpx.Client(timeout=10) as h1:
+                hdrs = _initialize(h1, g.url)
+            by_token.setdefault(hdrs["mcp-session-id"].split("-")[0], hdrs)
+            if len(by_token) >= 2:
+                break
+        assert len(by_token) >= 2, by_token
+        (victim_token, victim), (_, survivor) = list(by_token.items())[:2]
+        victim_pid = int(victim_token.split("x")[0], 16)
+        assert victim_pid in g.worker_pids()
+
+        async def start_call() -> None:
+            async with httpx.AsyncClient(timeout=20) as ah, anyio.create_task_group() as tg:
+                async def call() -> None:
+                    with pytest.raises(httpx.HTTPError):  # the worker dies under it
+                        await ah.post(g.url, headers=victim, json={
+                            "jsonrpc": "2.0", "id": 5, "method": "tools/call",
+                            "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
+
+                tg.start_soon(call)
+                await until(lambda: any(r[0].startswith("session:") for r in rows(reg)), 10,
+                            "the victim's call in flight")
+                os.kill(victim_pid, signal.SIGKILL)
+
+        anyio.run(start_call)
+        for _ in range(6):
+            with httpx.Client(timeout=10) as h1:
+                t = time.monotonic()
+                r = h1.post(g.url, headers=victim, json={"jsonrpc": "2.0", "id": 6,
+                                                         "method": "tools/list"})
+                assert r.status_code == 404, r.text
+                assert time.monotonic() - t < 5
+            with httpx.Client(timeout=10) as h1:
+                r = h1.post(g.url, headers=survivor, json={"jsonrpc": "2.0", "id": 7,
+                                                           "method": "tools/list"})
+                assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while rows(reg) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rows(reg) == []
+    g.wait_workers(3, time.monotonic() + 30)
+
+
+@pytest.mark.parametrize("server", ["stateless"], indirect=True)
+def test_stateless_namesake_from_another_address_untouched(server):
+    """Stateless, anonymous: two clients on different addresses run a call with the same id;
+    cancelling one (from its own address) leaves the other running to its end."""
+    _kind, g, reg = server
+
+    async def main() -> None:
+        call = {"jsonrpc": "2.0", "id": 77, "method": "tools/call",
+                "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}}
+        other = {"jsonrpc": "2.0", "id": 77, "method": "tools/call",
+                 "params": {"name": "sleep_sync", "arguments": {"seconds": 1.5}}}
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 77}}
+        b_transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        answers: dict[str, dict] = {}
+        async with httpx.AsyncClient(timeout=20) as a, \
+                httpx.AsyncClient(timeout=20, transport=b_transport) as b, \
+                anyio.create_task_group() as tg:
+            async def post(name: str, h: httpx.AsyncClient, body: dict) -> None:
+                answers[name] = (await h.post(g.url, json=body, headers=LEGACY_HEADERS)).json()
+
+            tg.start_soon(post, "a", a, call)
+            tg.start_soon(post, "b", b, other)
+            await until(lambda: {("ip:127.0.0.1", "77"), ("ip:127.0.0.2", "77")}
+                        <= set(rows(reg)), 10, "both calls in flight")
+            async with httpx.AsyncClient(timeout=10) as h:
+                assert (await h.post(g.url, json=note, headers=LEGACY_HEADERS)).status_code == 202
+            await until(lambda: "a" in answers, STOPPED_WITHIN, "a's answer")
+            assert answers["a"]["error"]["code"] == -32800, answers
+            assert "b" not in answers and ("ip:127.0.0.2", "77") in rows(reg)
+        assert answers["b"]["result"]["content"][0]["text"] == "slept 1.5 s", answers
+
+    anyio.run(main)
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []

@@ -1,0 +1,345 @@
+"""SPEC §7: shmtool run as a subprocess against real registries."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from helpers.procs import child, reap, recv
+
+from shmcancel import Config
+from shmcancel.cancellation import Cancellation
+from shmcancel.exceptions import ShmCancelError
+from shmcancel.shm.registry import Registry
+
+SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
+               session_capacity=8)
+
+
+def shmtool(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def reg(shm_name):
+    r = Registry.create(shm_name, SMALL)
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+
+
+def _killed_after(fn: Callable[[], object]) -> int:
+    """Run ``fn`` in a forked child, then SIGKILL the child once ``fn`` has returned; its pid."""
+    def body(w: int) -> None:
+        fn()
+        os.write(w, b"x")
+        time.sleep(60)
+
+    pid, r = child(body)
+    try:
+        assert recv(r) == b"x"
+    finally:
+        os.close(r)
+        reap(pid)
+    return pid
+
+
+def _dead_row(reg: Registry, rid: str, scope: str) -> int:
+    """A child tracks (scope, rid) and is SIGKILLed before untracking; its pid."""
+    return _killed_after(lambda: Cancellation(Registry.attach(reg.name)).track(rid, scope))
+
+
+def test_dump_json_matches_the_rows(reg):
+    c = Cancellation(reg)
+    c.cancel(42, "user pressed stop", "session:abc")
+    c.cancel("x" * 256, None, "ip:2001:db8:1:2::/64")
+    c.cancel(7, "é\u202eevil", "principal:alice")
+    h = c.begin(5, "session:abc")
+    dead_pid = _dead_row(reg, "6", "ip:192.0.2.1")
+    expected = sorted(
+        ({"scope": k[0], "request_id": k[1], "reason": v[0], "cancelled_at": v[1]}
+         for k, v in reg.cancellations.scan()), key=lambda d: d["request_id"])
+    p = shmtool("dump", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    d = json.loads(p.stdout)
+    assert sorted(d["cancellations"], key=lambda d: d["request_id"]) == expected
+    assert {r["request_id"]: r["reason"] for r in d["cancellations"]} == {
+        "42": "user pressed stop", "x" * 256: None, "7": "éevil"}
+    flights = {(r["scope"], r["request_id"]): r for r in d["in_flight"]}
+    assert set(flights) == {("session:abc", "5"), ("ip:192.0.2.1", "6")}
+    assert flights[("session:abc", "5")]["pid"] == os.getpid()
+    assert flights[("session:abc", "5")]["alive"] is True
+    assert flights[("ip:192.0.2.1", "6")]["pid"] == dead_pid
+    assert flights[("ip:192.0.2.1", "6")]["alive"] is False
+    h.end()
+
+
+def test_dump_human_form(reg):
+    c = Cancellation(reg, clock=lambda: time.time() - 3.2)
+    c.cancel(1, "because", "session:abc")
+    c.track(2, "session:abc")
+    p = shmtool("dump", reg.name)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("SCOPE") and "REASON" in line)
+    row = next(line for line in lines if "because" in line)
+    assert row.index("because") == header.index("REASON")  # aligned columns
+    assert "s ago" in row
+    assert any(line.startswith("session:abc") and str(os.getpid()) in line and "alive" in line
+               for line in lines)
+
+
+def test_dump_never_locks_and_never_writes(reg):
+    c = Cancellation(reg)
+    c.cancel(1, "r", "s")
+    c.track(2, "s")
+    path = f"/dev/shm/shmcancel.{reg.name}"
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with reg.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(5)
+        with open(path, "rb") as f:
+            before = f.read()
+        started = time.monotonic()
+        # each command, run while the lock is held, still reports the rows (not only exit 0)
+        for args, says in (
+            (("dump", reg.name, "--json"),
+             lambda out: json.loads(out)["cancellations"][0]["reason"] == "r"),
+            (("stats", reg.name, "--json"), lambda out: json.loads(out)["rows"]["in_flight"] == 1),
+            (("dump", reg.name), lambda out: "1 cancellations, 1 in flight" in out),
+            (("list",), lambda out: reg.name in out),
+        ):
+            p = shmtool(*args, timeout=20)
+            assert p.returncode == 0, p.stderr
+            assert says(p.stdout), (args, p.stdout)
+        assert time.monotonic() - started < 15  # never waited out a lock timeout
+        with open(path, "rb") as f:
+            assert f.read() == before
+    finally:
+        release.set()
+        t.join()
+
+
+def test_stats_json(reg):
+    c = Cancellation(reg)
+    for i in range(5):
+        c.cancel(i, None, "ip:big")
+    for i in range(2):
+        c.cancel(i, None, "session:small")
+    c.track(1, "ip:big")
+    p = shmtool("stats", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["capacity"] == 200 and s["max_rows"] == 100 and s["max_rows_per_scope"] == 50
+    assert s["rows"]["cancellations"] == 7 and s["rows"]["in_flight"] == 1
+    assert s["top_scopes"][:2] == [{"scope": "ip:big", "rows": 5},
+                                   {"scope": "session:small", "rows": 2}]
+    assert sum(s["tables"]["cancellations"]["probe_histogram"].values()) == 7
+    assert s["lock"]["owner_pid"] is None
+    assert s["evictions"] == 0 and s["recoveries"] == 0
+    assert s["creator_pid"] == os.getpid() and s["creator_alive"] is True
+
+
+def test_stats_counts_evictions(shm_name):
+    reg = Registry.create(shm_name, Config(capacity=100, max_rows=20, max_rows_per_scope=None,
+                                           in_flight_capacity=8, session_capacity=4))
+    try:
+        c = Cancellation(reg)
+        for i in range(21):
+            c.cancel(i, None, "s")
+        s = json.loads(shmtool("stats", shm_name, "--json").stdout)
+        assert s["evictions"] == 1 and s["rows"]["cancellations"] == 20
+        human = shmtool("stats", shm_name)
+        assert human.returncode == 0
+        assert "evictions 1" in human.stdout and "TABLE" in human.stdout
+        assert "probe lengths" in human.stdout
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def test_list_shows_the_registry(reg):
+    p = shmtool("list", "--json")
+    assert p.returncode == 0, p.stderr
+    regs = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+    mine = regs[reg.name]
+    assert mine["creator_pid"] == os.getpid() and mine["creator_alive"] is True
+    assert mine["size"] == os.stat(f"/dev/shm/shmcancel.{reg.name}").st_size
+    assert not any(n.startswith(("lock.", "-lock")) for n in regs)
+    human = shmtool("list")
+    line = next(line for line in human.stdout.splitlines() if line.startswith(reg.name))
+    assert str(os.getpid()) in line and "alive" in line
+
+
+def test_list_excludes_lock_files(reg):
+    Cancellation(reg).cancel(1, None, "s")  # takes the lock: the lock file exists
+    assert os.path.exists(f"/dev/shm/shmcancel-lock.{reg.name}")
+    names = [r["name"] for r in json.loads(shmtool("list", "--json").stdout)["registries"]]
+    assert names.count(reg.name) == 1
+    assert not any("lock" in n and reg.name in n for n in names)
+
+
+def test_cleanup_prints_counts(reg):
+    old = Cancellation(reg, clock=lambda: time.time() - 1000)
+    for i in range(3):
+        old.cancel(i, None, "s")
+    Cancellation(reg).cancel(9, None, "s")
+    _dead_row(reg, "4", "s")
+    p = shmtool("cleanup", reg.name)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "removed 3 cancellation rows, 1 in-flight rows"
+    assert reg.cancellations.count() == 1 and reg.in_flight.count() == 0
+    p = shmtool("cleanup", reg.name, "--ttl", "0")
+    assert p.stdout.strip() == "removed 1 cancellation rows, 0 in-flight rows"
+
+
+def _stale(name: str) -> int:
+    """Registry ``name`` created by a child that is then SIGKILLed (a killed master); its pid."""
+    return _killed_after(lambda: Registry.create(name, SMALL))
+
+
+def _entries(name: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.endswith(name) or name + "~" in f)
+
+
+def test_unlink(shm_name):
+    _stale(shm_name)
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert _entries(shm_name) == []
+    p = shmtool("dump", shm_name)
+    assert p.returncode == 1
+
+
+def test_unlink_refuses_while_the_creator_lives(reg):
+    """SPEC §7: unlinking under a live server makes its next worker fail to boot."""
+    p = shmtool("unlink", reg.name)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1 and f"pid {os.getpid()}" in p.stderr, p.stderr
+    assert "--force" in p.stderr
+    Registry.attach(reg.name).close()  # still there: a new worker could attach
+    p = shmtool("unlink", reg.name, "--force")
+    assert p.returncode == 0, p.stderr
+    assert _entries(reg.name) == []
+
+
+def test_unlink_removes_a_failed_creates_leftovers(shm_name):
+    """A create that failed left a lock file (and a temporary) but no segment: unlink removes
+    whatever of the name exists; and a failing create no longer leaves its lock file."""
+    os.symlink("/dev/null", f"/dev/shm/shmcancel.{shm_name}")  # makes create fail
+    with pytest.raises((ShmCancelError, OSError)):
+        Registry.create(shm_name, SMALL)
+    assert _entries(shm_name) == [f"shmcancel.{shm_name}"], "a failed create left entries"
+    os.unlink(f"/dev/shm/shmcancel.{shm_name}")
+    for f in (f"shmcancel-lock.{shm_name}", f"shmcancel.{shm_name}~creating"):
+        os.close(os.open(f"/dev/shm/{f}", os.O_CREAT | os.O_WRONLY, 0o600))
+    p = shmtool("list", "--json")
+    row = {r["name"]: r for r in json.loads(p.stdout)["registries"]}[shm_name]
+    assert row["state"] == "leftover", row
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert _entries(shm_name) == []
+
+
+def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_removes_it(
+        reg, shm_names):
+    stale = reg.name + "-dead"
+    shm_names.append(stale)
+    pid = _stale(stale)
+    p = shmtool("list", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+    assert rows[stale]["state"] == "stale" and rows[stale]["creator_alive"] is False
+    assert rows[stale]["creator_pid"] == pid
+    assert rows[reg.name]["state"] == "alive"
+    line = next(x for x in shmtool("list").stdout.splitlines() if x.startswith(stale + " "))
+    assert "stale" in line.split(), line
+    # Named, so as not to sweep other test runs' registries; without names it sweeps them all.
+    p = shmtool("cleanup", "--stale", stale, reg.name)
+    assert p.returncode == 1, "a named live registry is refused"
+    assert p.stdout.splitlines() == [f"removed stale registry {stale} (shmcancel.{stale}, "
+                                     f"sem.shmcancel.{stale}, shmcancel-lock.{stale})"]
+    assert p.stderr == f"shmtool: kept {reg.name}: its creator, pid {os.getpid()}, is alive\n"
+    assert _entries(stale) == []
+    Registry.attach(reg.name).close()  # the live one is untouched
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("dump", "{name}"), ("dump", "{name}", "--json"), ("stats", "{name}"),
+     ("stats", "{name}", "--json"), ("cleanup", "{name}"), ("unlink", "{name}"),
+     ("dump", "bad name!"), ("stats", "x" * 65)],
+)
+def test_errors_exit_1_with_one_line(shm_name, args):
+    p = shmtool(*(a.format(name=shm_name) for a in args))
+    assert p.returncode == 1
+    assert p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.endswith("\n")
+    assert p.stderr.startswith("shmtool: ") and "Traceback" not in p.stderr
+
+
+def test_missing_registry_message_names_it(shm_name):
+    p = shmtool("dump", shm_name)
+    assert shm_name in p.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bogus",), ("dump",), ("stats", "a", "b"),
+                                  ("cleanup", "a", "--ttl", "x")])
+def test_usage_errors_exit_2(args):
+    p = shmtool(*args)
+    assert p.returncode == 2
+    assert "usage:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_console_script(reg):
+    """The installed ``shmtool`` script: on PATH, else beside this interpreter (a venv's bin)."""
+    script = shutil.which("shmtool") or os.path.join(os.path.dirname(sys.executable), "shmtool")
+    assert os.access(script, os.X_OK), f"console script not installed ({script})"
+    Cancellation(reg).cancel(1, "via script", "s")
+    p = subprocess.run([script, "dump", reg.name, "--json"], capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["cancellations"][0]["reason"] == "via script"
+
+
+@pytest.mark.integration
+def test_unlink_under_a_running_gunicorn_is_refused_and_the_server_survives(shm_name):
+    """Defect: unlink succeeded, the next replacement worker failed to attach and gunicorn
+    halted. Refused now; a worker killed afterwards is replaced and serves."""
+    from helpers.gunicorn_harness import Gunicorn
+
+    with Gunicorn("tests.apps.hooks_app:app", registry_name=shm_name,
+                  config="examples/gunicorn/gunicorn.conf.py", workers=1) as g:
+        p = shmtool("unlink", shm_name)
+        assert p.returncode == 1 and f"pid {g.pid}" in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+        (worker,) = g.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            pids = g.worker_pids()
+            if pids and worker not in pids:
+                break
+            assert time.monotonic() < deadline, g.log_tail()
+            time.sleep(0.02)
+        g.wait_workers(1, deadline)
+        Registry.attach(shm_name, readonly=True).close()

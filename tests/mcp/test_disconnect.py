@@ -1,0 +1,456 @@
+"""Disconnect is cancellation (SPEC §6.3) against a real gunicorn, with raw sockets: the client
+sends a ``tools/call`` and goes away. Tools report through files (tests/apps/transport_app.py);
+``stream_cancel_timeout`` is 0.5 s (tests/apps/transport_conf.py). Waits poll with deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.mcp_client import MODERN, dump, meta, tag, wait_file
+
+from shmcancel.config import Config
+from shmcancel.mcp import disconnect
+from shmcancel.mcp.disconnect import Watcher
+from shmcancel.server import McpServer
+from shmcancel.shm.registry import Registry
+
+pytestmark = pytest.mark.integration
+
+APP = "tests.apps.transport_app:app"
+CONF = "tests/apps/transport_conf.py"
+GRACE = 0.5  # stream_cancel_timeout of the test config
+META = meta("t")
+DETECT_BOUND = 0.100  # seconds from the close to the tool seeing cancelled(conn)
+
+
+@pytest.fixture(scope="module")
+def outdir() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="shmcancel-disc-") as d:
+        yield d
+
+
+def start(name: str, outdir: str, **kw: Any) -> Gunicorn:
+    env = {"SHMCANCEL_TEST_DIR": outdir, "SHMCANCEL_TEST_STREAM_CANCEL_TIMEOUT": str(GRACE)}
+    return Gunicorn(APP, registry_name=name, config=CONF, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
+    with start(module_shm_name, outdir, workers=3, worker_class="sync") as g:
+        yield g
+
+
+def send_call(port: int, tool: str, args: dict, *, id: Any = 1, path: str = "/stateless",
+              modern: bool = False, extra: bytes = b"") -> socket.socket:
+    """Open a connection and send one complete ``tools/call``; the socket is the client."""
+    params: dict[str, Any] = {"name": tool, "arguments": args}
+    headers = [b"Host: 127.0.0.1", b"Content-Type: application/json",
+               b"Accept: application/json, text/event-stream"]
+    if modern:
+        params["_meta"] = META
+        headers += [f"MCP-Protocol-Version: {MODERN}".encode(), b"Mcp-Method: tools/call",
+                    f"Mcp-Name: {tool}".encode()]
+    else:
+        headers.append(b"MCP-Protocol-Version: 2025-11-25")
+    body = json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                       "params": params}).encode()
+    headers.append(f"Content-Length: {len(body)}".encode())
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    s.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"\r\n".join(headers) + b"\r\n\r\n"
+              + body + extra)
+    return s
+
+
+def read_reply(s: socket.socket) -> dict[str, Any]:
+    """Read a whole HTTP response (the sync worker closes after it) and return its JSON-RPC."""
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if b"chunked" in head.lower():
+        out, rest = b"", body
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            out, rest = out + rest[:n], rest[n + 2:]
+        body = out
+    return json.loads(body)
+
+
+def in_flight(name: str) -> list[dict[str, Any]]:
+    return dump(name)["in_flight"]
+
+
+def whoami(g: Gunicorn, path: str = "/stateless") -> int:
+    r = httpx.post(f"http://127.0.0.1:{g.port}{path}", timeout=10,
+                   json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                         "params": {"name": "whoami", "arguments": {}}},
+                   headers={"MCP-Protocol-Version": "2025-11-25",
+                            "Accept": "application/json, text/event-stream"})
+    return int(r.json()["result"]["content"][0]["text"])
+
+
+def close_abruptly(s: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0) rather than a FIN."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("how", ["fin", "reset"])
+def test_close_cancels_the_running_tool(server: Gunicorn, outdir: str, how: str) -> None:
+    t = tag()
+    s = send_call(server.port, "sleep", {"seconds": 10, "tag": t})
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    closed = time.monotonic()
+    if how == "fin":
+        s.close()
+    else:
+        close_abruptly(s)
+    seen = float(wait_file(f"{outdir}/{t}.cancelled", closed + 5))
+    print(f"\n[disconnect/{how}] tool saw cancelled(conn) {(seen - closed) * 1000:.1f} ms "
+          "after the close")
+    assert seen - closed < DETECT_BOUND
+    wait_until(lambda: in_flight(server.registry_name) == [], closed + GRACE + 1,
+               what="the in-flight row to go")
+
+
+def test_stubborn_tool_is_stopped_and_the_worker_replaced(server: Gunicorn, outdir: str) -> None:
+    before = set(server.worker_pids())
+    t = tag()
+    s = send_call(server.port, "stubborn", {"seconds": 20, "tag": t})
+    pid = int(wait_file(f"{outdir}/{t}.started", time.monotonic() + 10))
+    closed = time.monotonic()
+    s.close()
+    wait_file(f"{outdir}/{t}.cancelled", closed + 1)  # it saw the cancellation, ignored it
+    wait_until(lambda: in_flight(server.registry_name) == [], closed + GRACE + 1,
+               what="the in-flight row to go")
+    wait_until(lambda: not alive(pid), closed + GRACE + 3, what="the stuck worker to exit")
+    workers = server.wait_workers(3, time.monotonic() + 15)
+    assert pid not in workers and set(workers) - before
+    # and the replacement serves
+    assert whoami(server) in workers
+    assert in_flight(server.registry_name) == []
+    assert not Path(f"{outdir}/{t}.finished").exists()
+    assert "the worker exits" in server.log()
+    print("\n" + server.log_tail(15))
+
+
+def test_disconnect_cancels_only_that_anonymous_client(server: Gunicorn, outdir: str) -> None:
+    """Two anonymous clients behind one address share the ``ip:`` scope and both run id 1: one
+    leaves, the other's call completes normally."""
+    leaver, stayer = tag(), tag()
+    s1 = send_call(server.port, "sleep", {"seconds": 10, "tag": leaver}, id=1)
+    s2 = send_call(server.port, "sleep", {"seconds": 1.0, "tag": stayer}, id=1)
+    try:
+        deadline = time.monotonic() + 10
+        wait_file(f"{outdir}/{leaver}.started", deadline)
+        wait_file(f"{outdir}/{stayer}.started", deadline)
+        s1.close()
+        wait_file(f"{outdir}/{leaver}.cancelled", time.monotonic() + 2)
+        reply = read_reply(s2)
+        assert reply["result"]["content"][0]["text"] == "slept 1s", reply
+        assert not Path(f"{outdir}/{stayer}.cancelled").exists()
+    finally:
+        s2.close()
+
+
+def test_pipelined_request_is_not_a_disconnect(server: Gunicorn, outdir: str) -> None:
+    t = tag()
+    s = send_call(server.port, "sleep", {"seconds": 0.5, "tag": t},
+                  extra=b"POST /stateless HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    try:
+        reply = read_reply(s)
+        assert reply["result"]["content"][0]["text"] == "slept 0.5s", reply
+        assert not Path(f"{outdir}/{t}.cancelled").exists()
+    finally:
+        s.close()
+
+
+def test_modern_close_before_any_byte_cancels(server: Gunicorn, outdir: str) -> None:
+    t = tag()
+    s = send_call(server.port, "sleep", {"seconds": 10, "tag": t}, path="/mcp", modern=True)
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    closed = time.monotonic()
+    s.close()  # no response byte was sent: the 2026-07-28 way to cancel
+    seen = float(wait_file(f"{outdir}/{t}.cancelled", closed + 5))
+    assert seen - closed < DETECT_BOUND
+    wait_until(lambda: in_flight(server.registry_name) == [], closed + GRACE + 1,
+               what="the in-flight row to go")
+
+
+def test_gthread_stubborn_tool_is_stopped_and_the_worker_keeps_serving(shm_name: str,
+                                                                      outdir: str) -> None:
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4) as g:
+        (worker,) = g.worker_pids()
+        t = tag()
+        s = send_call(g.port, "stubborn", {"seconds": 20, "tag": t})
+        wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+        closed = time.monotonic()
+        s.close()
+        wait_file(f"{outdir}/{t}.cancelled", closed + 1)
+        wait_until(lambda: in_flight(g.registry_name) == [], closed + GRACE + 1,
+                   what="the in-flight row to go")
+        # the tool's thread was stopped (it never finished); the same worker serves on
+        wait_until(lambda: "stopping its thread" in g.log(), closed + GRACE + 2,
+                   what="the stop to be logged")
+        assert whoami(g) == worker
+        assert g.worker_pids() == [worker]
+        assert not Path(f"{outdir}/{t}.finished").exists()
+        print("\n" + g.log_tail(15))
+
+
+def tasks(pid: int) -> set[int]:
+    """The thread ids (TIDs) of process ``pid`` now."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except FileNotFoundError:
+        return set()
+
+
+def test_gthread_many_calls_each_cancelled_by_its_own_client(shm_name: str,
+                                                             outdir: str) -> None:
+    """Twelve calls at once in one gthread worker: the six whose clients leave are cancelled,
+    exactly those, and the process watches all twelve with one thread (not one per call)."""
+    n = 12  # max_rows_per_scope of the test config is 16: all share the ip: scope
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=n) as g:
+        (worker,) = g.worker_pids()
+        whoami(g)
+        idle = len(tasks(worker))  # main, one pool thread, the janitor, the watcher if any
+        tags = [tag() for _ in range(n)]
+        leavers = set(tags[::2])
+        socks = [send_call(g.port, "sleep",
+                           {"seconds": 10 if t in leavers else 1.5, "tag": t}, id=1)
+                 for t in tags]
+        try:
+            deadline = time.monotonic() + 10
+            for t in tags:
+                wait_file(f"{outdir}/{t}.started", deadline)
+            busy = len(tasks(worker))
+            # the pool grew by n - 1 threads; a watcher thread per call would add n more
+            assert busy <= idle + (n - 1) + 1, (idle, busy)
+            closed = time.monotonic()
+            for t, s in zip(tags, socks, strict=True):
+                if t in leavers:
+                    s.close()
+            for t in leavers:
+                wait_file(f"{outdir}/{t}.cancelled", closed + 2)
+            for t, s in zip(tags, socks, strict=True):
+                if t not in leavers:
+                    assert read_reply(s)["result"]["content"][0]["text"] == "slept 1.5s"
+                    assert not Path(f"{outdir}/{t}.cancelled").exists()
+            wait_until(lambda: in_flight(g.registry_name) == [], time.monotonic() + GRACE + 2,
+                       what="the in-flight rows to go")
+            assert g.worker_pids() == [worker]
+        finally:
+            for s in socks:
+                s.close()
+
+
+# ------------------------------------------------------------- the process's watcher, in-process
+
+
+def watcher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "shmcancel-disconnect"]
+
+
+def test_no_thread_is_started_per_call(shm_name: str) -> None:
+    """50 tools/call through the transport, each with a real client socket: the tool sees the
+    same threads every time (one watcher for the process), none started for its call."""
+    reg = Registry.create(shm_name, Config(capacity=256, max_rows=256, in_flight_capacity=64,
+                                           session_capacity=8))
+    seen: list[set[int | None]] = []
+    server = McpServer("t", "1", sessions=False, registry=reg)
+
+    def now() -> set[int | None]:
+        return {t.native_id for t in threading.enumerate()}
+
+    @server.tool("threads")
+    def threads(conn, params):
+        seen.append(now())
+        return "ok"
+
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                       "params": {"name": "threads", "arguments": {}}}).encode()
+    status: list[str] = []
+
+    def start_response(st: str, headers: Any, exc_info: Any = None) -> Any:
+        status.append(st)
+        return None
+    before = now()
+    try:
+        for _ in range(50):
+            mine, peer = socket.socketpair()
+            env = {"REQUEST_METHOD": "POST", "SCRIPT_NAME": "", "PATH_INFO": "/mcp",
+                   "QUERY_STRING": "", "SERVER_NAME": "t", "SERVER_PORT": "80",
+                   "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "203.0.113.7",
+                   "wsgi.version": (1, 0), "wsgi.url_scheme": "http",
+                   "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
+                   "wsgi.multithread": False, "wsgi.multiprocess": True,
+                   "wsgi.run_once": False, "HTTP_ACCEPT": "application/json, text/event-stream",
+                   "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(body)),
+                   "gunicorn.socket": mine}
+            status.clear()
+            out = b"".join(server(env, start_response))
+            assert status == ["200 OK"] and b'"ok"' in out
+            mine.close()
+            peer.close()
+    finally:
+        reg.close()
+    assert len(seen) == 50
+    transient = set().union(*seen) - before - now()
+    assert not transient, f"{len(transient)} threads came and went during 50 calls"
+    (watcher,) = watcher_threads()
+    assert all(watcher.native_id in ids for ids in seen)  # every call had the same watcher
+    assert disconnect.watched_count() == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.gone = threading.Event()
+        self.timed_out = threading.Event()
+
+
+def watch(sock: socket.socket, grace: float = 30.0) -> tuple[Watcher, Recorder]:
+    rec = Recorder()
+    w = Watcher(sock, on_disconnect=rec.gone.set, on_timeout=rec.timed_out.set, grace=grace)
+    assert w.start()
+    return w, rec
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_pipelined_data_is_not_a_disconnect_and_costs_no_spinning() -> None:
+    """Data waiting on a watched socket (a pipelined request) is not a disconnect, and the
+    watcher does not spin on it; a hang-up afterwards is one. Others are watched meanwhile."""
+    pairs = [socket.socketpair() for _ in range(3)]
+    watches = [watch(mine, grace=0.2) for mine, _ in pairs]
+    try:
+        (_, r0), (_, r1), (w2, r2) = watches
+        pairs[0][1].sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\n\r\n")
+        pairs[1][1].close()  # another client leaves meanwhile
+        assert r1.gone.wait(5) and r1.timed_out.wait(5)
+        (thread,) = watcher_threads()
+        assert thread.native_id is not None
+        cpu0, t0 = thread_cpu_seconds(thread.native_id), time.monotonic()
+        assert not r0.gone.wait(0.5)
+        spent = thread_cpu_seconds(thread.native_id) - cpu0
+        assert spent < 0.5 * (time.monotonic() - t0), spent  # level-triggered EPOLLIN would spin
+        pairs[0][1].shutdown(socket.SHUT_WR)  # then that client goes away
+        assert r0.gone.wait(5)
+        assert not r2.gone.is_set()
+        w2.stop()  # stopped before its client leaves: no callback later
+        pairs[2][1].close()
+        assert not r2.gone.wait(0.3) and not r2.timed_out.is_set()
+    finally:
+        for w, _ in watches:
+            w.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()
+    assert disconnect.watched_count() == 0
+
+
+def epoll_fds() -> int:
+    """How many epoll descriptors this process has open."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]"
+    return n
+
+
+def test_watcher_thread_is_made_again_in_a_forked_child() -> None:
+    """The watcher thread outlives a call in its process; a forked child (which inherits no
+    thread, and the parent's epoll descriptor) starts its own and never uses the parent's."""
+    mine, peer = socket.socketpair()
+    w, rec = watch(mine)
+    w.stop()
+    (parent_thread,) = watcher_threads()  # still there after the call
+    parent_epolls = epoll_fds()
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            before = len(watcher_threads())
+            inherited = epoll_fds()
+            a, b = socket.socketpair()
+            cw, crec = watch(a)
+            epolls = epoll_fds() - inherited
+            b.close()
+            gone = crec.gone.wait(5)
+            cw.stop()
+            after = watcher_threads()
+            os.write(wr, json.dumps([before, inherited, epolls, gone, len(after)]).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wr)
+    try:
+        with os.fdopen(r, "rb") as f:
+            report = json.loads(f.read() or b"null")
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    before, inherited, epolls, gone, n_after = report
+    # the child closed the parent's epoll set it inherited, and made one of its own
+    assert before == 0 and inherited == parent_epolls - 1 and epolls == 1
+    assert gone and n_after == 1
+    # and the parent's own watcher is unaffected by the child's registrations
+    assert watcher_threads() == [parent_thread]
+    w2, rec2 = watch(mine)
+    try:
+        peer.close()
+        assert rec2.gone.wait(5)
+    finally:
+        w2.stop()
+        mine.close()
+    assert not rec.gone.is_set()
+
+
+def test_watched_sockets_are_capped(monkeypatch: pytest.MonkeyPatch,
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(disconnect, "MAX_WATCHED", disconnect.watched_count() + 2)
+    pairs = [socket.socketpair() for _ in range(4)]
+    ws = [Watcher(mine, on_disconnect=lambda: None, on_timeout=None, grace=1.0)
+          for mine, _ in pairs]
+    try:
+        with caplog.at_level(logging.WARNING, logger="shmcancel.disconnect"):
+            assert [w.start() for w in ws] == [True, True, False, False]
+        assert sum("run without disconnect detection" in m for m in caplog.messages) <= 1
+        ws[0].stop()
+        assert ws[2].start()  # room again
+    finally:
+        for w in ws:
+            w.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()

@@ -1,0 +1,153 @@
+"""JSON-RPC envelope rules (shmcancel.mcp.jsonrpc): decode, classify, reject — a table of cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmcancel import errors
+from shmcancel.mcp.jsonrpc import (
+    Notification,
+    Request,
+    Response,
+    RpcError,
+    decode,
+    encode,
+    error_body,
+    parse,
+    result_body,
+)
+
+# ------------------------------------------------------------------------------ decode
+
+@pytest.mark.parametrize("body", [
+    b"", b"{", b"{'a': 1}", b"nul", b"[1,]", b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}',
+    b"\xff\xfe{}", b'{"a":"\xc3"}', b"\xef\xbb\xbf{}", b"{} {}",
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"id":' + b"9" * 5000 + b"}",
+])
+def test_decode_rejects_non_json_with_parse_error(body: bytes) -> None:
+    with pytest.raises(RpcError) as ei:
+        decode(body)
+    assert ei.value.code == errors.PARSE_ERROR
+    assert ei.value.status == 400
+    assert ei.value.id is None
+
+
+def test_decode_accepts_utf8_json() -> None:
+    assert decode('{"t":"héllo ✓"}'.encode()) == {"t": "héllo ✓"}
+
+
+# ------------------------------------------------------------------------------ parse
+
+def req(**kw: object) -> dict[str, object]:
+    return {"jsonrpc": "2.0", **kw}
+
+
+@pytest.mark.parametrize("obj, expected", [
+    (req(id=1, method="ping"), Request(1, "ping", None)),
+    (req(id="abc", method="tools/list", params={}), Request("abc", "tools/list", {})),
+    (req(id=0, method="x", params={"a": 1}, extra=True), Request(0, "x", {"a": 1})),
+    (req(id=-5, method="x"), Request(-5, "x", None)),
+    (req(id="é" * 128, method="x"), Request("é" * 128, "x", None)),  # 256 bytes: the limit
+    (req(method="notifications/initialized"), Notification("notifications/initialized", None)),
+    (req(method="n", params={"k": []}), Notification("n", {"k": []})),
+    (req(id=3, result={}), Response(3)),
+    (req(id="x", error={"code": 1, "message": "m"}), Response("x")),
+    (req(id=None, error={"code": 1, "message": "m"}), Response(None)),
+])
+def test_parse_accepts(obj: object, expected: object) -> None:
+    assert parse(obj) == expected
+
+
+# (body, code, id echoed)
+REJECTED = [
+    ([], errors.INVALID_REQUEST, None),
+    ([req(id=1, method="ping")], errors.INVALID_REQUEST, None),
+    ("ping", errors.INVALID_REQUEST, None),
+    (42, errors.INVALID_REQUEST, None),
+    (None, errors.INVALID_REQUEST, None),
+    ({"id": 1, "method": "ping"}, errors.INVALID_REQUEST, 1),
+    ({"jsonrpc": "1.0", "id": 1, "method": "ping"}, errors.INVALID_REQUEST, 1),
+    ({"jsonrpc": 2.0, "id": "a", "method": "ping"}, errors.INVALID_REQUEST, "a"),
+    (req(id=1), errors.INVALID_REQUEST, 1),
+    (req(id=1, method=5), errors.INVALID_REQUEST, 1),
+    (req(id=1, method=None), errors.INVALID_REQUEST, 1),
+    (req(id=1, method=["tools/call"]), errors.INVALID_REQUEST, 1),
+    (req(id=None, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=1.5, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=1.0, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=True, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=False, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id={"a": 1}, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=[1], method="ping"), errors.INVALID_REQUEST, None),
+    (req(id="x" * 257, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id="é" * 129, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id="\ud800", method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=10**300, method="ping"), errors.INVALID_REQUEST, None),
+    (req(id=1, method="ping", params=[1, 2]), errors.INVALID_PARAMS, 1),
+    (req(id=1, method="ping", params="x"), errors.INVALID_PARAMS, 1),
+    (req(id=1, method="ping", params=None), errors.INVALID_PARAMS, 1),
+    (req(id=1, method="ping", params=3), errors.INVALID_PARAMS, 1),
+    (req(method="notifications/cancelled", params=[1]), errors.INVALID_PARAMS, None),
+    (req(method="notifications/cancelled", params="1"), errors.INVALID_PARAMS, None),
+    (req(id=1, result={}, error={}), errors.INVALID_REQUEST, 1),
+    (req(result={}), errors.INVALID_REQUEST, None),
+    (req(), errors.INVALID_REQUEST, None),
+]
+
+
+@pytest.mark.parametrize("obj, code, echo", REJECTED)
+def test_parse_rejects(obj: object, code: int, echo: object) -> None:
+    with pytest.raises(RpcError) as ei:
+        parse(obj)
+    e = ei.value
+    assert (e.code, e.id, e.status) == (code, echo, 400)
+    body = e.body()
+    assert body["jsonrpc"] == "2.0" and "id" in body and body["id"] == echo
+    assert body["error"]["code"] == code and isinstance(body["error"]["message"], str)
+    encode(body)  # always serialisable
+
+
+def test_batch_message_says_batching_is_unsupported() -> None:
+    with pytest.raises(RpcError, match=r"[Bb]atch"):
+        parse([req(id=1, method="ping")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["jsonrpc", "id", "method", "params", "result", "error",
+                                       "x"]), children, max_size=6),
+    max_leaves=20,
+))
+def test_parse_never_raises_anything_but_rpc_error(obj: object) -> None:
+    try:
+        msg = parse(obj)
+    except RpcError as e:
+        assert e.status == 400
+        encode(e.body())
+    else:
+        assert isinstance(msg, Request | Notification | Response)
+
+
+# ------------------------------------------------------------------------------ replies
+
+def test_reply_bodies_and_encoding() -> None:
+    assert json.loads(encode(result_body(7, {"a": "é"}))) == {"jsonrpc": "2.0", "id": 7,
+                                                            "result": {"a": "é"}}
+    assert error_body(None, -32600, "m") == {"jsonrpc": "2.0", "id": None,
+                                            "error": {"code": -32600, "message": "m"}}
+    assert error_body("x", -32022, "m", {"supported": []})["error"]["data"] == {"supported": []}
+    # a lone surrogate echoed back still yields valid UTF-8 JSON
+    out = encode({"t": "\ud800"})
+    out.decode("utf-8")
+    assert json.loads(out) == {"t": "\ud800"}
+    with pytest.raises(ValueError):
+        encode({"x": float("nan")})
+    with pytest.raises(TypeError):
+        encode({"x": {1, 2}})

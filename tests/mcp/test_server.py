@@ -1,0 +1,940 @@
+"""The WSGI transport in-process: real environ dicts (checked by ``wsgiref.validate``), a real
+registry, real threads and sockets; no mocks. The HTTP-level tests against gunicorn are in
+test_http.py and test_disconnect.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers.wsgi import Reply, environ_for, run
+
+import shmcancel
+from shmcancel import errors
+from shmcancel.config import Config
+from shmcancel.mcp import disconnect
+from shmcancel.mcp.sessions import SessionStore
+from shmcancel.mcp.wire import (
+    CLIENT_CAPABILITIES_META_KEY,
+    CLIENT_INFO_META_KEY,
+    SERVER_INFO_META_KEY,
+)
+from shmcancel.mcp.wire import PROTOCOL_VERSION_META_KEY as PV_KEY
+from shmcancel.server import McpServer, ToolError, progress
+from shmcancel.shm.registry import Registry
+
+MODERN = "2026-07-28"
+DEADLINE = 5.0
+
+# ------------------------------------------------------------------------------ the app
+
+
+class Signals:
+    """Per-test rendezvous between a running tool and the test (no sleeps as sync)."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, threading.Event] = {}
+        self.release: dict[str, threading.Event] = {}
+        self.saw_cancel: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def ev(self, table: dict[str, threading.Event], tag: str) -> threading.Event:
+        with self._lock:
+            return table.setdefault(tag, threading.Event())
+
+
+def make_server(reg: Any, signals: Signals, **kw: Any) -> McpServer:
+    server = McpServer(name="test-server", version="9.9", registry=reg, **kw)
+
+    @server.tool("echo", description="echo", input_schema={
+        "type": "object", "properties": {"text": {"type": "string"}}})
+    def echo(conn, params):
+        return params.get("text", "")
+
+    @server.tool("wait")
+    def wait(conn, params):
+        """Run until cancelled (then -32800) or released (then "released")."""
+        tag = params["tag"]
+        signals.ev(signals.started, tag).set()
+        release = signals.ev(signals.release, tag)
+        end = time.monotonic() + DEADLINE
+        while time.monotonic() < end:
+            if shmcancel.cancelled(conn):
+                signals.ev(signals.saw_cancel, tag).set()
+                if params.get("finish_anyway"):
+                    return "finished anyway"
+                raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+            if release.wait(0.002):
+                return "released"
+        return "deadline"
+
+    @server.tool("stubborn")
+    def stubborn(conn, params):
+        """Ignore cancellation; run until released or 10 s pass."""
+        tag = params["tag"]
+        signals.ev(signals.started, tag).set()
+        release = signals.ev(signals.release, tag)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not release.is_set():
+            if shmcancel.cancelled(conn):
+                signals.ev(signals.saw_cancel, tag).set()
+            time.sleep(0.002)
+        return "stubborn done"
+
+    @server.tool("boom")
+    def boom(conn, params):
+        raise RuntimeError("kaput")
+
+    @server.tool("garbage")
+    def garbage(conn, params):
+        return params.get("value", 42)
+
+    @server.tool("notjson")
+    def notjson(conn, params):
+        return {"content": [{"type": "text", "text": "x"}], "bad": {1, 2}}
+
+    @server.tool("fail")
+    def fail(conn, params):
+        raise ToolError(params.get("code", -32050), "it failed", {"why": "test"})
+
+    @server.tool("progress")
+    def prog(conn, params):
+        sent = [progress(conn, i, 3, f"step {i}") for i in range(1, 4)]
+        return json.dumps(sent)
+
+    return server
+
+
+# ------------------------------------------------------------------------------ WSGI client
+
+
+def post(app: Any, obj: Any, *, headers: dict[str, str] | None = None, raw: bytes | None = None,
+         **kw: Any) -> Reply:
+    body = raw if raw is not None else json.dumps(obj).encode()
+    return run(app, environ_for("POST", body, headers=headers, **kw))
+
+
+def rpc(id: Any, method: str, params: Any = None) -> dict[str, Any]:
+    m: dict[str, Any] = {"jsonrpc": "2.0", "id": id, "method": method}
+    if params is not None:
+        m["params"] = params
+    return m
+
+
+def note(method: str, params: Any = None) -> dict[str, Any]:
+    m: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        m["params"] = params
+    return m
+
+
+INIT = rpc(0, "initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                             "clientInfo": {"name": "t", "version": "1"}})
+META = {PV_KEY: MODERN, CLIENT_INFO_META_KEY: {"name": "t", "version": "1"},
+        CLIENT_CAPABILITIES_META_KEY: {}}
+
+
+def modern(app: Any, id: Any, method: str, params: dict | None = None, *,
+           name: str | None = None, headers: dict | None = None, **kw: Any) -> Reply:
+    p = dict(params or {})
+    p.setdefault("_meta", META)
+    h = {"MCP-Protocol-Version": MODERN, "Mcp-Method": method}
+    if name is not None:
+        h["Mcp-Name"] = name
+    h.update(headers or {})
+    return post(app, rpc(id, method, p), headers=h, **kw)
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def reg(shm_name: str) -> Iterator[Registry]:
+    r = Registry.create(shm_name, Config(capacity=256, max_rows=256, in_flight_capacity=64,
+                                         session_capacity=8, max_rows_per_scope=2,
+                                         stream_cancel_timeout=0.3))
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def signals() -> Signals:
+    return Signals()
+
+
+@pytest.fixture
+def app(reg: Registry, signals: Signals) -> McpServer:
+    return make_server(reg, signals)
+
+
+@pytest.fixture
+def stateless(reg: Registry, signals: Signals) -> McpServer:
+    return make_server(reg, signals, sessions=False)
+
+
+def session(app: Any) -> str:
+    r = post(app, INIT)
+    assert r.status == 200, r
+    sid = r.headers["mcp-session-id"]
+    assert post(app, note("notifications/initialized"),
+                headers={"Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}).status == 202
+    return sid
+
+
+def legacy_headers(sid: str | None) -> dict[str, str]:
+    h = {"MCP-Protocol-Version": "2025-11-25"}
+    if sid is not None:
+        h["Mcp-Session-Id"] = sid
+    return h
+
+
+def tables_empty(reg: Registry) -> bool:
+    return reg.in_flight.count() == 0 and reg.cancellations.count() == 0
+
+
+class Call(threading.Thread):
+    """A POST run in a thread (a request blocked in its tool), its Reply kept."""
+
+    def __init__(self, app: Any, env: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.app, self.env = app, env
+        self.reply: Reply | None = None
+        self.done_at: float | None = None
+
+    def run(self) -> None:
+        self.reply = run(self.app, self.env)
+        self.done_at = time.monotonic()
+
+    def result(self) -> Reply:
+        self.join(DEADLINE + 5)
+        assert self.reply is not None, "request did not finish"
+        return self.reply
+
+
+def start_call(app: Any, id: Any, tool: str, args: dict, headers: dict | None = None,
+               extra: dict | None = None) -> Call:
+    body = json.dumps(rpc(id, "tools/call", {"name": tool, "arguments": args})).encode()
+    c = Call(app, environ_for("POST", body, headers=headers, extra=extra))
+    c.start()
+    return c
+
+
+def wait_ev(ev: threading.Event) -> None:
+    assert ev.wait(DEADLINE), "timed out"
+
+
+# ------------------------------------------------------------------------------ legacy wire
+
+
+def test_legacy_handshake_and_methods(app: McpServer, reg: Registry) -> None:
+    r = post(app, INIT)
+    assert r.status == 200
+    res = r.json["result"]
+    assert r.json["id"] == 0
+    assert res["protocolVersion"] == "2025-11-25"
+    assert res["serverInfo"] == {"name": "test-server", "version": "9.9"}
+    assert res["capabilities"] == {"tools": {"listChanged": False}}
+    assert "resultType" not in res
+    sid = r.headers["mcp-session-id"]
+    assert len(sid) >= 22 and all(0x21 <= ord(ch) <= 0x7E for ch in sid)
+    h = legacy_headers(sid)
+    assert post(app, note("notifications/initialized"), headers=h).status == 202
+    assert post(app, rpc(1, "ping"), headers=h).json == {"jsonrpc": "2.0", "id": 1, "result": {}}
+    tools = post(app, rpc(2, "tools/list"), headers=h).json["result"]["tools"]
+    assert {t["name"] for t in tools} >= {"echo", "wait", "boom"}
+    echo = next(t for t in tools if t["name"] == "echo")
+    assert echo["inputSchema"]["type"] == "object" and echo["description"] == "echo"
+    r = post(app, rpc("c", "tools/call", {"name": "echo", "arguments": {"text": "hé"}}), headers=h)
+    assert r.json == {"jsonrpc": "2.0", "id": "c",
+                      "result": {"content": [{"type": "text", "text": "hé"}], "isError": False}}
+    assert tables_empty(reg)
+
+
+@pytest.mark.parametrize("requested, answered", [
+    ("2025-11-25", "2025-11-25"), ("2025-06-18", "2025-06-18"), ("2025-03-26", "2025-03-26"),
+    ("2024-11-05", "2025-11-25"), ("2099-01-01", "2025-11-25"), ("", "2025-11-25"),
+])
+def test_initialize_negotiates_version(app: McpServer, requested: str, answered: str) -> None:
+    r = post(app, rpc(1, "initialize", {"protocolVersion": requested, "capabilities": {},
+                                        "clientInfo": {"name": "c", "version": "0"}}))
+    assert r.json["result"]["protocolVersion"] == answered
+
+
+def test_sessions_are_shared_between_workers(app: McpServer, reg: Registry, signals: Signals,
+                                             shm_name: str) -> None:
+    other = make_server(shm_name, signals)  # another "worker": attaches the registry by name
+    sid = session(app)
+    r = post(other, rpc(1, "tools/call", {"name": "echo", "arguments": {"text": "x"}}),
+             headers=legacy_headers(sid))
+    assert r.status == 200 and r.json["result"]["content"][0]["text"] == "x"
+
+
+def test_session_errors(app: McpServer) -> None:
+    call = rpc(1, "tools/list")
+    r = post(app, call, headers=legacy_headers(None))
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (400, errors.INVALID_REQUEST, 1)
+    r = post(app, call, headers=legacy_headers("nope-" + "0" * 30))
+    assert (r.status, r.json["error"]["code"]) == (404, errors.INVALID_REQUEST)
+    for bad in ("x" * 129, "has space", "é"):
+        r = post(app, call, headers=legacy_headers(bad))
+        assert r.status == 400, bad
+    # notifications need the session too
+    r = post(app, note("notifications/cancelled", {"requestId": 1}), headers=legacy_headers(None))
+    assert r.status == 400
+
+
+def test_stateless_legacy_mints_no_session(stateless: McpServer) -> None:
+    r = post(stateless, INIT)
+    assert r.status == 200 and "mcp-session-id" not in r.headers
+    r = post(stateless, rpc(1, "tools/list"), headers=legacy_headers("whatever"))
+    assert r.status == 200 and r.json["result"]["tools"]
+    r = run(stateless, environ_for("DELETE", None, headers=legacy_headers("whatever")))
+    assert r.status == 405
+
+
+def test_get_and_other_methods_are_405(app: McpServer) -> None:
+    for method in ("GET", "PUT", "PATCH", "OPTIONS"):
+        r = run(app, environ_for(method, None, content_type=None, content_length=None))
+        assert r.status == 405 and "POST" in r.headers["allow"], method
+        assert r.json["error"]["code"] == errors.INVALID_REQUEST
+    r = run(app, environ_for("GET", None, headers={"MCP-Protocol-Version": MODERN}))
+    assert r.status == 405 and r.headers["allow"] == "POST"
+
+
+def test_wrong_path_is_404(app: McpServer) -> None:
+    assert post(app, INIT, path="/other").status == 404
+
+
+def test_delete_ends_the_session_and_cancels_its_requests(app: McpServer, reg: Registry,
+                                                          signals: Signals) -> None:
+    sid = session(app)
+    other = session(app)
+    h = legacy_headers(sid)
+    calls = [start_call(app, i, "wait", {"tag": f"d{i}"}, h) for i in (1, 2)]
+    bystander = start_call(app, 1, "wait", {"tag": "other"}, legacy_headers(other))
+    for tag in ("d1", "d2", "other"):
+        wait_ev(signals.ev(signals.started, tag))
+    r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+    assert r.status == 204
+    for c in calls:
+        reply = c.result()
+        assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED
+    assert not signals.ev(signals.saw_cancel, "other").is_set()
+    assert bystander.is_alive()
+    signals.ev(signals.release, "other").set()
+    assert bystander.result().json["result"]["content"][0]["text"] == "released"
+    # the session is gone everywhere
+    assert post(app, rpc(3, "ping"), headers=h).status == 404
+    assert run(app, environ_for("DELETE", None, headers=h)).status == 404
+    assert run(app, environ_for("DELETE", None, headers=legacy_headers(None))).status == 400
+    assert tables_empty(reg)
+
+
+def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
+    sid = session(app)
+    r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))
+    assert r.status == 202 and r.body == b""
+
+
+# ---------------------------------------------------------------- notifications/cancelled
+
+
+def test_cancel_notification_cancels_a_call_in_flight(app: McpServer, reg: Registry,
+                                                      signals: Signals) -> None:
+    sid = session(app)
+    h = legacy_headers(sid)
+    c = start_call(app, 7, "wait", {"tag": "t"}, h)
+    wait_ev(signals.ev(signals.started, "t"))
+    t0 = time.monotonic()
+    r = post(app, note("notifications/cancelled", {"requestId": 7, "reason": "user hit stop"}),
+             headers=h)
+    assert r.status == 202 and r.body == b""
+    reply = c.result()
+    assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED
+    assert reply.json["id"] == 7
+    assert reply.json["error"].get("data", {}).get("reason") == "user hit stop"
+    assert c.done_at is not None and c.done_at - t0 < 0.5
+    assert tables_empty(reg)
+
+
+def test_cancel_notification_by_string_id_matches_int(app: McpServer, signals: Signals) -> None:
+    sid = session(app)
+    c = start_call(app, 8, "wait", {"tag": "s"}, legacy_headers(sid))
+    wait_ev(signals.ev(signals.started, "s"))
+    post(app, note("notifications/cancelled", {"requestId": "8"}), headers=legacy_headers(sid))
+    assert c.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+
+
+def test_cancel_from_another_session_does_nothing(app: McpServer, reg: Registry,
+                                                  signals: Signals) -> None:
+    a, b = session(app), session(app)
+    c = start_call(app, 1, "wait", {"tag": "a"}, legacy_headers(a))
+    wait_ev(signals.ev(signals.started, "a"))
+    r = post(app, note("notifications/cancelled", {"requestId": 1}), headers=legacy_headers(b))
+    assert r.status == 202
+    assert reg.cancellations.count() == 0  # nothing in flight in b's scope: nothing recorded
+    signals.ev(signals.release, "a").set()
+    assert c.result().json["result"]["content"][0]["text"] == "released"
+
+
+# (params, status, code): SPEC §6.1's table
+CANCEL_TABLE = [
+    ("absent", 202, None),
+    ({}, 202, None),
+    ({"requestId": None}, 202, None),
+    ({"requestId": 999}, 202, None),            # not in flight: nothing recorded
+    ({"requestId": "x" * 256}, 202, None),
+    ({"requestId": 1.5}, 400, errors.INVALID_PARAMS),
+    ({"requestId": True}, 400, errors.INVALID_PARAMS),
+    ({"requestId": {"a": 1}}, 400, errors.INVALID_PARAMS),
+    ({"requestId": [1]}, 400, errors.INVALID_PARAMS),
+    ({"requestId": "x" * 257}, 400, errors.INVALID_PARAMS),
+    ({"requestId": 1, "reason": 5}, 202, None),  # reason: any value, made text (SPEC §4.2)
+    ([1, 2], 400, errors.INVALID_PARAMS),
+    ("str", 400, errors.INVALID_PARAMS),
+    (None, 400, errors.INVALID_PARAMS),
+    (7, 400, errors.INVALID_PARAMS),
+]
+
+
+@pytest.mark.parametrize("params, status, code", CANCEL_TABLE)
+def test_cancel_notification_table(app: McpServer, reg: Registry, params: Any, status: int,
+                                   code: int | None) -> None:
+    sid = session(app)
+    msg = {"jsonrpc": "2.0", "method": "notifications/cancelled"}
+    if params != "absent":
+        msg["params"] = params
+    r = post(app, msg, headers=legacy_headers(sid))
+    assert r.status == status
+    if code is None:
+        assert r.body == b""
+    else:
+        assert r.json["error"]["code"] == code and r.json["id"] is None
+    assert reg.cancellations.count() == 0
+
+
+def test_cancel_quota_is_429(app: McpServer, reg: Registry, signals: Signals) -> None:
+    sid = session(app)
+    h = legacy_headers(sid)
+    # three namesake-free calls that keep running after being cancelled (max_rows_per_scope=2)
+    calls = [start_call(app, i, "stubborn", {"tag": f"q{i}"}, h) for i in (1, 2, 3)]
+    for i in (1, 2, 3):
+        wait_ev(signals.ev(signals.started, f"q{i}"))
+    assert post(app, note("notifications/cancelled", {"requestId": 1}), headers=h).status == 202
+    assert post(app, note("notifications/cancelled", {"requestId": 2}), headers=h).status == 202
+    r = post(app, note("notifications/cancelled", {"requestId": 3}), headers=h)
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (429, errors.SERVER_ERROR, None)
+    for i in (1, 2, 3):
+        signals.ev(signals.release, f"q{i}").set()
+    codes = [c.result().json.get("error", {}).get("code") for c in calls]
+    assert codes == [errors.REQUEST_CANCELLED, errors.REQUEST_CANCELLED, None]
+    assert tables_empty(reg)
+
+
+def test_other_notifications_are_202(app: McpServer) -> None:
+    sid = session(app)
+    for m in ("notifications/progress", "notifications/roots/list_changed", "x/y"):
+        assert post(app, note(m, {"a": 1}), headers=legacy_headers(sid)).status == 202
+
+
+# ------------------------------------------------------------------------------ tool outcomes
+
+
+@pytest.mark.parametrize("tool, args, check", [
+    ("boom", {}, lambda j: j["result"]["isError"] is True
+     and "kaput" in j["result"]["content"][0]["text"]),
+    ("garbage", {}, lambda j: j["error"]["code"] == errors.INTERNAL_ERROR),
+    ("garbage", {"value": None}, lambda j: j["error"]["code"] == errors.INTERNAL_ERROR),
+    ("garbage", {"value": [1]}, lambda j: j["error"]["code"] == errors.INTERNAL_ERROR),
+    ("garbage", {"value": {"a": 1}}, lambda j: j["result"]["structuredContent"] == {"a": 1}
+     and json.loads(j["result"]["content"][0]["text"]) == {"a": 1}),
+    ("garbage", {"value": {"content": [{"type": "text", "text": "t"}], "isError": True}},
+     lambda j: j["result"] == {"content": [{"type": "text", "text": "t"}], "isError": True}),
+    ("notjson", {}, lambda j: j["error"]["code"] == errors.INTERNAL_ERROR),
+    ("fail", {}, lambda j: j["error"] == {"code": -32050, "message": "it failed",
+                                          "data": {"why": "test"}}),
+])
+def test_tool_outcomes(stateless: McpServer, reg: Registry, tool: str, args: dict,
+                       check: Any) -> None:
+    r = post(stateless, rpc(1, "tools/call", {"name": tool, "arguments": args}))
+    assert r.status == 200
+    assert check(r.json), r.json
+    assert tables_empty(reg)
+
+
+def test_cancelled_call_is_minus_32800_even_if_the_tool_returns(stateless: McpServer,
+                                                                reg: Registry,
+                                                                signals: Signals) -> None:
+    c = start_call(stateless, 3, "wait", {"tag": "f", "finish_anyway": True})
+    wait_ev(signals.ev(signals.started, "f"))
+    post(stateless, note("notifications/cancelled", {"requestId": 3}))
+    assert c.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+    assert tables_empty(reg)
+
+
+def _call_on(wire: str, app: McpServer, id: int, params: dict, name: str) -> Reply:
+    if wire == "modern":
+        return modern(app, id, "tools/call", params, name=name)
+    return post(app, rpc(id, "tools/call", params))
+
+
+@pytest.mark.parametrize("wire", ["legacy", "modern"])
+def test_a_read_tools_call_is_answered_200_whatever_went_wrong(stateless: McpServer,
+                                                               reg: Registry,
+                                                               wire: str) -> None:
+    """SPEC §5 (revised): an SDK client turns a 4xx into a transport failure, so a request it
+    could read gets 200: an unknown tool is -32602, invalid arguments (not an object, or the
+    tool raising ToolError(INVALID_PARAMS)) a tool execution error naming the problem, any
+    other ToolError a JSON-RPC error with its code, even one that has a 4xx elsewhere."""
+    r = _call_on(wire, stateless, 1, {"name": "nope", "arguments": {}}, "nope")
+    assert (r.status, r.json["id"], r.json["error"]["code"]) == (200, 1, errors.INVALID_PARAMS)
+    assert "nope" in r.json["error"]["message"]
+
+    r = _call_on(wire, stateless, 2, {"name": "echo", "arguments": "x"}, "echo")
+    assert (r.status, r.json["id"]) == (200, 2), r
+    res = r.json["result"]
+    assert res["isError"] is True
+    assert res["content"][0]["text"] == \
+        'Invalid arguments for tool echo: "arguments" must be an object'
+
+    r = _call_on(wire, stateless, 3, {"name": "fail", "arguments": {"code": -32602}}, "fail")
+    assert (r.status, r.json["id"]) == (200, 3), r
+    assert r.json["result"]["isError"] is True
+    assert r.json["result"]["content"] == [
+        {"type": "text", "text": "Invalid arguments for tool fail: it failed"}]
+    if wire == "modern":
+        assert r.json["result"]["resultType"] == "complete"
+
+    for code in (-32601, -32600, -32050, errors.INTERNAL_ERROR):
+        r = _call_on(wire, stateless, 4, {"name": "fail", "arguments": {"code": code}}, "fail")
+        assert (r.status, r.json["error"]["code"]) == (200, code), r
+        assert r.json["error"]["data"] == {"why": "test"}
+    assert tables_empty(reg)
+
+
+def test_progress_streams_sse_when_accepted(stateless: McpServer, reg: Registry) -> None:
+    call = rpc(4, "tools/call", {"name": "progress", "arguments": {},
+                                 "_meta": {"progressToken": "tok"}})
+    r = post(stateless, call)
+    assert r.status == 200
+    events = r.events()
+    assert [e["method"] for e in events[:3]] == ["notifications/progress"] * 3
+    assert events[0]["params"] == {"progressToken": "tok", "progress": 1, "total": 3,
+                                   "message": "step 1"}
+    assert events[3]["id"] == 4 and json.loads(events[3]["result"]["content"][0]["text"]) == \
+        [True, True, True]
+    # JSON-only client, or no token: progress() is a no-op and the reply is JSON
+    r = post(stateless, call, headers={"Accept": "application/json"})
+    assert json.loads(r.json["result"]["content"][0]["text"]) == [False, False, False]
+    r = post(stateless, rpc(5, "tools/call", {"name": "progress", "arguments": {}}))
+    assert json.loads(r.json["result"]["content"][0]["text"]) == [False, False, False]
+    # an SSE-only client gets even a plain reply as an event stream
+    r = post(stateless, rpc(6, "tools/call", {"name": "echo", "arguments": {"text": "s"}}),
+             headers={"Accept": "text/event-stream"})
+    assert r.events()[0]["result"]["content"][0]["text"] == "s"
+    assert tables_empty(reg)
+
+
+def test_progress_outside_a_request_is_a_no_op() -> None:
+    assert progress({}, 1) is False
+    assert progress(None, 1) is False  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ 2026-07-28 wire
+
+
+def test_modern_discover_list_call(stateless: McpServer, app: McpServer, reg: Registry) -> None:
+    for server in (stateless, app):  # sessions on or off: the modern wire has none
+        r = modern(server, 1, "server/discover")
+        assert r.status == 200 and "mcp-session-id" not in r.headers
+        res = r.json["result"]
+        assert MODERN in res["supportedVersions"] and "2025-11-25" in res["supportedVersions"]
+        assert res["capabilities"] == {"tools": {"listChanged": False}}
+        assert res["resultType"] == "complete"
+        assert isinstance(res["ttlMs"], int) and res["ttlMs"] >= 0
+        assert res["cacheScope"] in ("public", "private")
+        assert res["_meta"][SERVER_INFO_META_KEY] == {"name": "test-server", "version": "9.9"}
+        res = modern(server, 2, "tools/list").json["result"]
+        assert res["resultType"] == "complete" and "ttlMs" in res and "cacheScope" in res
+        assert any(t["name"] == "echo" for t in res["tools"])
+        r = modern(server, 3, "tools/call", {"name": "echo", "arguments": {"text": "m"}},
+                   name="echo", headers={"Mcp-Session-Id": "ignored"})
+        assert r.status == 200 and "mcp-session-id" not in r.headers
+        assert r.json["result"]["resultType"] == "complete"
+        assert r.json["result"]["content"] == [{"type": "text", "text": "m"}]
+    assert tables_empty(reg)
+
+
+def test_modern_base64_tool_name(stateless: McpServer) -> None:
+    @stateless.tool("grüß")
+    def gruss(conn, params):
+        return "hallo"
+
+    enc = "=?base64?" + base64.b64encode("grüß".encode()).decode() + "?="
+    r = modern(stateless, 1, "tools/call", {"name": "grüß", "arguments": {}}, name=enc)
+    assert r.json["result"]["content"][0]["text"] == "hallo"
+
+
+MODERN_BAD = [
+    # (params, headers override, status, code)
+    ({"name": "echo", "arguments": {}}, {"Mcp-Name": "wait"}, 400, errors.HEADER_MISMATCH),
+    ({"name": "echo", "arguments": {}}, {"Mcp-Name": None}, 400, errors.HEADER_MISMATCH),
+    ({"name": "echo", "arguments": {}}, {"Mcp-Method": "tools/list"}, 400, errors.HEADER_MISMATCH),
+    ({"name": "echo", "arguments": {}}, {"Mcp-Method": None}, 400, errors.HEADER_MISMATCH),
+    ({"name": "echo", "arguments": {}, "_meta": {PV_KEY: "2025-11-25",
+                                                 CLIENT_CAPABILITIES_META_KEY: {}}},
+     {}, 400, errors.HEADER_MISMATCH),
+    ({"name": "echo", "arguments": {}, "_meta": {CLIENT_CAPABILITIES_META_KEY: {}}},
+     {}, 400, errors.INVALID_PARAMS),
+    ({"name": "echo", "arguments": {}, "_meta": {PV_KEY: MODERN}}, {}, 400, errors.INVALID_PARAMS),
+    ({"name": "echo", "arguments": {}, "_meta": "x"}, {}, 400, errors.INVALID_PARAMS),
+    ({"name": "echo", "arguments": {}, "_meta": {PV_KEY: "2030-01-01",
+                                                 CLIENT_CAPABILITIES_META_KEY: {}}},
+     {"MCP-Protocol-Version": "2030-01-01"}, 400, errors.UNSUPPORTED_PROTOCOL_VERSION),
+    ({"name": "nope", "arguments": {}}, {"Mcp-Name": "nope"}, 200, errors.INVALID_PARAMS),
+]
+
+
+@pytest.mark.parametrize("params, hdrs, status, code", MODERN_BAD)
+def test_modern_rejections(stateless: McpServer, params: dict, hdrs: dict, status: int,
+                           code: int) -> None:
+    h = {"Mcp-Name": "echo", **hdrs}
+    r = modern(stateless, 11, "tools/call", params, headers=h)
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (status, code, 11)
+    if code == errors.UNSUPPORTED_PROTOCOL_VERSION:
+        assert r.json["error"]["data"]["requested"] == "2030-01-01"
+        assert MODERN in r.json["error"]["data"]["supported"]
+
+
+def test_modern_unknown_method_is_404(stateless: McpServer) -> None:
+    for method in ("resources/list", "initialize", "ping"):
+        r = modern(stateless, 1, method)
+        assert (r.status, r.json["error"]["code"]) == (404, errors.METHOD_NOT_FOUND), method
+
+
+def test_modern_notifications_and_bodiless_methods(app: McpServer) -> None:
+    h = {"MCP-Protocol-Version": MODERN}
+    r = post(app, note("notifications/cancelled", {"requestId": 1, "_meta": META}), headers=h)
+    assert r.status == 202
+    for method in ("GET", "DELETE"):
+        r = run(app, environ_for(method, None, headers={**h, "Mcp-Session-Id": "abc"}))
+        assert r.status == 405, method
+    r = post(app, {"jsonrpc": "2.0", "id": 1, "result": {}}, headers=h)
+    assert (r.status, r.json["error"]["code"]) == (400, errors.INVALID_REQUEST)
+
+
+def test_unknown_version_header_is_32022(app: McpServer) -> None:
+    r = post(app, rpc(1, "tools/list"), headers={"MCP-Protocol-Version": "1999-01-01"})
+    assert (r.status, r.json["error"]["code"]) == (400, errors.UNSUPPORTED_PROTOCOL_VERSION)
+    assert r.json["error"]["data"] == {"supported": ["2026-07-28", "2025-11-25", "2025-06-18",
+                                                     "2025-03-26"], "requested": "1999-01-01"}
+    r = run(app, environ_for("DELETE", None, headers={"MCP-Protocol-Version": "1999-01-01"}))
+    assert (r.status, r.json["error"]["code"]) == (400, errors.UNSUPPORTED_PROTOCOL_VERSION)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def _b(s: str) -> bytes:
+    return s.encode()
+
+
+BAD_INPUT = [
+    # (name, environ kwargs, status, code)
+    ("malformed json", {"body": b"{not json"}, 400, errors.PARSE_ERROR),
+    ("empty body", {"body": b""}, 400, errors.PARSE_ERROR),
+    ("invalid utf-8", {"body": b'{"a":"\xff"}'}, 400, errors.PARSE_ERROR),
+    ("NaN", {"body": b'{"jsonrpc":"2.0","id":NaN,"method":"ping"}'}, 400, errors.PARSE_ERROR),
+    ("deep nesting", {"body": b"[" * 50_000 + b"]" * 50_000}, 400, errors.PARSE_ERROR),
+    ("huge int", {"body": b'{"jsonrpc":"2.0","id":' + b"1" * 6000 + b',"method":"ping"}'},
+     400, errors.PARSE_ERROR),
+    ("batch", {"body": _b('[{"jsonrpc":"2.0","id":1,"method":"ping"}]')}, 400,
+     errors.INVALID_REQUEST),
+    ("empty batch", {"body": b"[]"}, 400, errors.INVALID_REQUEST),
+    ("not an object", {"body": b'"ping"'}, 400, errors.INVALID_REQUEST),
+    ("no jsonrpc", {"body": _b('{"id":1,"method":"ping"}')}, 400, errors.INVALID_REQUEST),
+    ("jsonrpc 1.0", {"body": _b('{"jsonrpc":"1.0","id":1,"method":"ping"}')}, 400,
+     errors.INVALID_REQUEST),
+    ("method int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":7}')}, 400,
+     errors.INVALID_REQUEST),
+    ("float id", {"body": _b('{"jsonrpc":"2.0","id":1.5,"method":"ping"}')}, 400,
+     errors.INVALID_REQUEST),
+    ("bool id", {"body": _b('{"jsonrpc":"2.0","id":true,"method":"ping"}')}, 400,
+     errors.INVALID_REQUEST),
+    ("object id", {"body": _b('{"jsonrpc":"2.0","id":{},"method":"ping"}')}, 400,
+     errors.INVALID_REQUEST),
+    ("null id", {"body": _b('{"jsonrpc":"2.0","id":null,"method":"ping"}')}, 400,
+     errors.INVALID_REQUEST),
+    ("long id", {"body": _b('{"jsonrpc":"2.0","id":"' + "x" * 300 + '","method":"ping"}')},
+     400, errors.INVALID_REQUEST),
+    ("params array", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/list","params":[]}')},
+     400, errors.INVALID_PARAMS),
+    ("initialize no version", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                                          '"params":{"capabilities":{}}}')},
+     200, errors.INVALID_PARAMS),
+    ("initialize version int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                                           '"params":{"protocolVersion":2025}}')},
+     200, errors.INVALID_PARAMS),
+    ("call no params", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call"}')}, 200,
+     errors.INVALID_PARAMS),
+    ("call name int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+                                  '"params":{"name":1}}')}, 200, errors.INVALID_PARAMS),
+    ("call meta list", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+                                   '"params":{"name":"echo","_meta":[]}}')}, 200,
+     errors.INVALID_PARAMS),
+    ("progress token float", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+                                         '"params":{"name":"echo","_meta":'
+                                         '{"progressToken":1.5}}}')}, 200, errors.INVALID_PARAMS),
+    ("unknown tool", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/call",'
+                                 '"params":{"name":"nope"}}')}, 200, errors.INVALID_PARAMS),
+    ("cursor int", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"tools/list",'
+                               '"params":{"cursor":5}}')}, 200, errors.INVALID_PARAMS),
+    ("unknown method", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"resources/list"}')}, 200,
+     errors.METHOD_NOT_FOUND),
+    ("content-type text", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"ping"}'),
+                           "content_type": "text/plain"}, 415, errors.INVALID_REQUEST),
+    ("content-type missing", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"ping"}'),
+                              "content_type": None}, 415, errors.INVALID_REQUEST),
+    ("charset latin-1", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"ping"}'),
+                         "content_type": "application/json; charset=latin-1"}, 415,
+     errors.INVALID_REQUEST),
+    ("accept html", {"body": _b('{"jsonrpc":"2.0","id":1,"method":"ping"}'),
+                     "headers": {"Accept": "text/html"}}, 406, errors.INVALID_REQUEST),
+    ("content-length huge", {"body": b"{}", "content_length": "2000000"}, 413,
+     errors.INVALID_REQUEST),
+    ("content-length junk", {"body": b"{}", "content_length": "12abc"}, 400,
+     errors.INVALID_REQUEST),
+    ("content-length negative", {"body": b"{}", "content_length": "-1"}, 400,
+     errors.INVALID_REQUEST),
+    ("body over limit", {"body": b" " * 1_000_001}, 413, errors.INVALID_REQUEST),
+    ("chunked over limit", {"body": b" " * 1_000_001, "content_length": None,
+                            "extra": {"wsgi.input_terminated": True}}, 413,
+     errors.INVALID_REQUEST),
+    ("no length, not terminated", {"body": b"{}", "content_length": None}, 411,
+     errors.INVALID_REQUEST),
+]
+
+
+@pytest.mark.parametrize("name, kw, status, code", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input(stateless: McpServer, reg: Registry, name: str, kw: dict, status: int,
+                   code: int) -> None:
+    kw = dict(kw)
+    body = kw.pop("body")
+    # wsgiref's validator itself chokes on a malformed CONTENT_LENGTH: call those directly
+    r = run(stateless, environ_for("POST", body, **kw), validate="content-length " not in name)
+    assert r.status == status, r
+    assert r.json["error"]["code"] == code, r
+    assert tables_empty(reg)
+
+
+def test_chunked_body_under_limit_is_read(stateless: McpServer) -> None:
+    body = json.dumps(rpc(1, "ping")).encode()
+    r = run(stateless, environ_for("POST", body, content_length=None,
+                                   extra={"wsgi.input_terminated": True}))
+    assert r.json["result"] == {}
+
+
+def test_no_registry_is_a_clear_503(signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmcancel.shm import registry as registry_mod
+    # Whatever earlier tests left attached in this process, this server finds no registry.
+    monkeypatch.setattr(registry_mod, "current", lambda: None)
+    server = make_server(None, signals, sessions=False)
+    r = post(server, rpc(1, "tools/call", {"name": "echo", "arguments": {}}))
+    assert r.status == 503 and "registry" in r.json["error"]["message"]
+
+
+# ---------------------------------------------------------------- disconnects (in-process)
+
+
+def socket_call(app: Any, id: Any, tool: str, args: dict, *, multithread: bool = False,
+                headers: dict | None = None) -> tuple[Call, socket.socket, socket.socket]:
+    """A tools/call whose environ carries a real connected socket as ``gunicorn.socket``; the
+    test holds the peer (the "client")."""
+    server_side, client_side = socket.socketpair()
+    body = json.dumps(rpc(id, "tools/call", {"name": tool, "arguments": args})).encode()
+    env = environ_for("POST", body, headers=headers,
+                      extra={"gunicorn.socket": server_side, "wsgi.multithread": multithread})
+    c = Call(app, env)
+    c.start()
+    return c, server_side, client_side
+
+
+def test_disconnect_cancels_exactly_that_request(stateless: McpServer, reg: Registry,
+                                                 signals: Signals) -> None:
+    # two anonymous clients from one address run request id 1: one leaves
+    c1, s1, k1 = socket_call(stateless, 1, "wait", {"tag": "leaver"})
+    c2, s2, k2 = socket_call(stateless, 1, "wait", {"tag": "stayer"})
+    try:
+        wait_ev(signals.ev(signals.started, "leaver"))
+        wait_ev(signals.ev(signals.started, "stayer"))
+        t0 = time.monotonic()
+        k1.close()
+        wait_ev(signals.ev(signals.saw_cancel, "leaver"))
+        assert time.monotonic() - t0 < 0.1
+        assert c1.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+        assert not signals.ev(signals.saw_cancel, "stayer").is_set()
+        signals.ev(signals.release, "stayer").set()
+        assert c2.result().json["result"]["content"][0]["text"] == "released"
+        assert tables_empty(reg)
+    finally:
+        for s in (s1, k1, s2, k2):
+            s.close()
+
+
+def test_pipelined_data_is_not_a_disconnect(stateless: McpServer, signals: Signals) -> None:
+    c, s, k = socket_call(stateless, 1, "wait", {"tag": "p"})
+    try:
+        wait_ev(signals.ev(signals.started, "p"))
+        k.sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\n\r\n")  # the next request, pipelined
+        assert not signals.ev(signals.saw_cancel, "p").wait(0.2)
+        k.shutdown(socket.SHUT_WR)  # then the client goes away
+        wait_ev(signals.ev(signals.saw_cancel, "p"))
+        assert c.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+    finally:
+        s.close()
+        k.close()
+
+
+def test_stubborn_tool_is_stopped_in_a_threaded_worker(stateless: McpServer, reg: Registry,
+                                                       signals: Signals) -> None:
+    c, s, k = socket_call(stateless, 1, "stubborn", {"tag": "st"}, multithread=True)
+    try:
+        wait_ev(signals.ev(signals.started, "st"))
+        t0 = time.monotonic()
+        k.close()
+        wait_ev(signals.ev(signals.saw_cancel, "st"))
+        reply = c.result()  # stream_cancel_timeout=0.3: RequestStopped ends the tool
+        assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED
+        assert c.done_at is not None and 0.25 < c.done_at - t0 < 2.0
+        assert tables_empty(reg)
+    finally:
+        s.close()
+
+
+def test_no_watcher_without_a_gunicorn_socket(stateless: McpServer, signals: Signals) -> None:
+    c = start_call(stateless, 1, "wait", {"tag": "nw"})
+    wait_ev(signals.ev(signals.started, "nw"))
+    assert disconnect.watched_count() == 0
+    signals.ev(signals.release, "nw").set()
+    assert c.result().json["result"]["content"][0]["text"] == "released"
+
+
+# ------------------------------------------------------------------------------ session store
+
+
+def test_session_store_expiry_touch_and_capacity(reg: Registry) -> None:
+    now = [1000.0]
+    store = SessionStore(reg, clock=lambda: now[0])
+    ttl = reg.config.session_ttl
+    a = store.create("2025-11-25")
+    assert store.get(a.id) == a and store.count() == 1
+    now[0] += 5
+    store.touch(a)
+    seen = store.get(a.id)
+    assert seen is not None and seen.last_seen == now[0]
+    now[0] += ttl + 1
+    assert store.get(a.id) is None and store.count() == 0  # expired: removed when read
+    # capacity 8: the least recently seen goes when full and nothing expired
+    ids = []
+    for _ in range(8):
+        now[0] += 1
+        ids.append(store.create("2025-06-18").id)
+    now[0] += 1
+    store.touch(store.get(ids[0]))  # ids[0] is fresh again; ids[1] is now the oldest
+    new = store.create("2025-11-25")
+    assert store.count() == 8 and store.get(new.id) is not None
+    assert store.get(ids[1]) is None and store.get(ids[0]) is not None
+    # expired ones go at the sweep (a mint never scans the table)
+    now[0] += ttl + 10
+    assert store.sweep_all() == 8 and store.count() == 0
+    store.create("2025-11-25")
+    assert store.count() == 1
+    assert store.get(None) is None and store.get("bad id") is None
+    assert store.delete("x" * 200) is False
+
+
+def test_modern_param_headers_are_checked(stateless: McpServer) -> None:
+    @stateless.tool("sql", input_schema={"type": "object", "properties": {
+        "region": {"type": "string", "x-mcp-header": "Region"}, "q": {"type": "string"}}})
+    def sql(conn, params):
+        return params["region"]
+
+    args = {"region": "us-west1", "q": "select 1"}
+    r = modern(stateless, 1, "tools/call", {"name": "sql", "arguments": args}, name="sql",
+               headers={"Mcp-Param-Region": "us-west1"})
+    assert r.json["result"]["content"][0]["text"] == "us-west1"
+    for bad in ({}, {"Mcp-Param-Region": "eu-west1"}):
+        r = modern(stateless, 2, "tools/call", {"name": "sql", "arguments": args}, name="sql",
+                   headers=bad)
+        assert (r.status, r.json["error"]["code"]) == (400, errors.HEADER_MISMATCH)
+    # the legacy wire has no such headers
+    r = post(stateless, rpc(3, "tools/call", {"name": "sql", "arguments": args}))
+    assert r.json["result"]["content"][0]["text"] == "us-west1"
+
+
+def test_tool_registration_is_checked(stateless: McpServer) -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        stateless.add_tool(lambda c, p: "", "echo")
+    with pytest.raises(ValueError, match="x-mcp-header"):
+        stateless.add_tool(lambda c, p: "", "bad", input_schema={
+            "type": "object", "properties": {"a": {"type": "number", "x-mcp-header": "A"}}})
+    with pytest.raises(ValueError, match='"type": "object"'):
+        stateless.add_tool(lambda c, p: "", "bad2", input_schema={"type": "string"})
+    with pytest.raises(TypeError):
+        stateless.add_tool("not callable", "bad3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ToolError("x", "m")  # type: ignore[arg-type]
+
+
+def test_allowed_origins(reg: Registry, signals: Signals) -> None:
+    server = make_server(reg, signals, sessions=False,
+                         allowed_origins={"http://localhost:8000"})
+    body = rpc(1, "tools/call", {"name": "echo", "arguments": {"text": "o"}})
+    assert post(server, body).status == 200  # no Origin: not a browser
+    assert post(server, body, headers={"Origin": "http://localhost:8000"}).status == 200
+    r = post(server, body, headers={"Origin": "http://evil.example"})
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (403, errors.INVALID_REQUEST, None)
+    assert post(server, body, headers={"Origin": "http://localhost:8001"}).status == 403
+
+
+@pytest.mark.parametrize("origin, status", [
+    (None, 200), ("http://localhost:8000", 200), ("http://127.0.0.1:1234", 200),
+    ("https://[::1]", 200), ("http://evil.example", 403), ("http://localhost.evil.example", 403),
+    ("null", 403), ("http://localhost:8000/mcp", 403),
+])
+@pytest.mark.parametrize("sessions", [True, False])
+def test_origin_is_checked_by_default_on_both_wires(reg: Registry, signals: Signals,
+                                                    origin: str | None, status: int,
+                                                    sessions: bool) -> None:
+    """SPEC §6.0: on by default; loopback pages pass, any other Origin is 403 with a JSON-RPC
+    error before anything else is looked at (no session, no body read)."""
+    server = make_server(reg, signals, sessions=sessions)
+    h = {"Origin": origin} if origin is not None else {}
+    r = post(server, INIT, headers=h)
+    assert r.status == status, r
+    r = modern(server, 2, "tools/call", {"name": "echo", "arguments": {"text": "m"}},
+               name="echo", headers=h)
+    assert r.status == status, r
+    if status == 403:
+        assert (r.json["error"]["code"], r.json["id"]) == (errors.INVALID_REQUEST, None)
+        assert "Origin" in r.json["error"]["message"]
+        for verb in ("GET", "DELETE"):
+            r = run(server, environ_for(verb, None, headers=h))
+            assert r.status == 403, (verb, r)
+
+
+def test_origin_opt_out(reg: Registry, signals: Signals) -> None:
+    server = make_server(reg, signals, sessions=False, allowed_origins="*")
+    for origin in ("http://evil.example", "null", "garbage"):
+        r = post(server, rpc(1, "ping"), headers={"Origin": origin})
+        assert (r.status, r.json["result"]) == (200, {}), origin
+    with pytest.raises(ValueError, match="allowed_origins"):
+        make_server(reg, signals, allowed_origins=["http://localhost/mcp"])

@@ -1,0 +1,510 @@
+"""Sessions bounded per client (SPEC §6.1, issue #7 defect 3): the store over a real registry,
+a model-based run of it, and a session flood from one loopback address against a real gunicorn
+while a client at another address keeps an idle session and a busy one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import httpx
+import pytest
+from helpers.clock import Clock
+from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import ACCEPT, LEGACY, dump, reply_of
+from helpers.procs import child, reap, recv
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from shmcancel import Config, errors
+from shmcancel.mcp.sessions import Session, SessionsFull, SessionStore
+from shmcancel.shm.registry import Registry
+
+TTL = 100.0
+PER_CLIENT = 4
+CAPACITY = 16
+
+
+def small() -> Config:
+    return Config(capacity=64, max_rows=64, in_flight_capacity=16, session_capacity=CAPACITY,
+                  sessions_per_client=PER_CLIENT, session_ttl=TTL)
+
+
+@pytest.fixture
+def reg(shm_name: str) -> Iterator[Registry]:
+    r = Registry.create(shm_name, small())
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock(1000.0)
+
+
+@pytest.fixture
+def store(reg: Registry, clock: Clock) -> SessionStore:
+    return SessionStore(reg, clock=clock)
+
+
+def mint(store: SessionStore, clock: Clock, client: str, n: int = 1) -> list[str]:
+    out = []
+    for _ in range(n):
+        clock.t += 1
+        out.append(store.create(LEGACY, client).id)
+    return out
+
+
+def live(store: SessionStore, ids: list[str]) -> list[str]:
+    return [s for s in ids if store.get(s) is not None]
+
+
+# ------------------------------------------------------------------------------ the store
+
+
+def test_config_sessions_per_client() -> None:
+    assert Config().sessions_per_client == 32
+    assert Config(session_capacity=8).sessions_per_client == 8
+    for bad in (0, -1, 1025, 17, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="sessions_per_client"):
+            Config(session_capacity=16, sessions_per_client=bad)
+
+
+def test_a_client_only_displaces_its_own_sessions(store: SessionStore, clock: Clock) -> None:
+    a = mint(store, clock, "ip:192.0.2.1", 3)
+    flood = mint(store, clock, "ip:192.0.2.66", 50)
+    assert live(store, a) == a  # never displaced by another client
+    assert live(store, flood) == flood[-4:]  # the flooder keeps its 4 newest
+    assert store.count() == 7
+    assert store.client_sessions("ip:192.0.2.66") == tuple(flood[-4:])
+    # principal and address are different clients, even with the same text
+    p = mint(store, clock, "principal:192.0.2.66", 4)
+    assert live(store, p) == p and live(store, flood) == flood[-4:]
+
+
+def test_the_least_recently_seen_goes_first(store: SessionStore, clock: Clock) -> None:
+    s = mint(store, clock, "ip:192.0.2.9", 4)
+    clock.t += 5
+    store.touch(store.get(s[0]))  # type: ignore[arg-type]
+    mint(store, clock, "ip:192.0.2.9")
+    assert live(store, s) == [s[0], s[2], s[3]]
+
+
+def test_a_session_with_a_call_in_flight_is_never_displaced(store: SessionStore,
+                                                            clock: Clock) -> None:
+    s = mint(store, clock, "ip:192.0.2.9", 4)
+    calls = [store.begin_call(store.get(s[0])), store.begin_call(store.get(s[0]))]  # type: ignore[arg-type]
+    assert all(c is not None for c in calls)
+    more = mint(store, clock, "ip:192.0.2.9", 10)
+    assert store.get(s[0]) is not None and live(store, more) == more[-3:]
+    store.end_call(calls[0])  # type: ignore[arg-type]
+    mint(store, clock, "ip:192.0.2.9", 5)
+    assert store.get(s[0]) is not None  # the other call still runs
+    store.end_call(calls[1])  # type: ignore[arg-type]
+    clock.t += 1
+    more = mint(store, clock, "ip:192.0.2.9", 4)
+    assert store.get(s[0]) is None  # idle now: displaceable again
+    # every session of the client busy: refused, nothing written, nobody displaced
+    busy = [store.begin_call(store.get(x)) for x in more]  # type: ignore[arg-type]
+    before = store.client_sessions("ip:192.0.2.9")
+    with pytest.raises(SessionsFull, match="call in flight") as e:
+        store.create(LEGACY, "ip:192.0.2.9")
+    assert e.value.retry_after > 0
+    assert store.client_sessions("ip:192.0.2.9") == before and live(store, more) == more
+    for c in busy:
+        store.end_call(c)  # type: ignore[arg-type]
+
+
+def test_a_dead_callers_row_does_not_pin_its_session(store: SessionStore, reg: Registry,
+                                                     clock: Clock) -> None:
+    s = mint(store, clock, "ip:192.0.2.9", 4)
+
+    def run(w: int) -> None:
+        c = SessionStore(reg, clock=clock).begin_call(store.get(s[0]))  # type: ignore[arg-type]
+        os.write(w, b"ok" if c is not None else b"no")
+        os._exit(0)  # never ends its call
+
+    pid, r = child(run)
+    try:
+        assert recv(r) == b"ok"
+    finally:
+        os.close(r)
+        reap(pid)
+    assert reg.session_calls.member(s[0])
+    mint(store, clock, "ip:192.0.2.9", 4)
+    assert live(store, s) == [] and not reg.session_calls.member(s[0])
+
+
+def test_begin_call_on_a_displaced_session_is_refused(store: SessionStore,
+                                                      clock: Clock) -> None:
+    s = mint(store, clock, "ip:192.0.2.9", 4)
+    seen = store.get(s[0])
+    mint(store, clock, "ip:192.0.2.9")  # displaces s[0] after the request looked it up
+    assert store.begin_call(seen) is None  # type: ignore[arg-type]
+
+
+def test_full_of_other_clients_refuses_a_new_client(store: SessionStore, reg: Registry,
+                                                    clock: Clock) -> None:
+    ids = []
+    for i in range(4):
+        ids += mint(store, clock, f"ip:192.0.2.{i}", 4)
+    assert store.count() == 16
+    rows = sorted(reg.sessions.scan())
+    with pytest.raises(SessionsFull, match="full") as e:
+        store.create(LEGACY, "ip:198.51.100.7")
+    assert e.value.retry_after > 0
+    assert sorted(reg.sessions.scan()) == rows  # nothing written, nobody evicted
+    assert store.client_sessions("ip:198.51.100.7") == ()
+    # even when every other session has expired, a mint removes none of them: the sweep does
+    clock.t += TTL + 1
+    with pytest.raises(SessionsFull):
+        store.create(LEGACY, "ip:198.51.100.7")
+    assert store.sweep_all() == 16 and store.count() == 0
+    assert all(store.client_sessions(f"ip:192.0.2.{i}") == () for i in range(4))
+    assert store.create(LEGACY, "ip:198.51.100.7") is not None
+
+
+def test_in_a_full_table_a_client_replaces_its_own(store: SessionStore, clock: Clock) -> None:
+    mine = mint(store, clock, "ip:192.0.2.1", 2)
+    others = []
+    for i in range(2, 6):
+        others += mint(store, clock, f"ip:192.0.2.{i}", 4 if i < 5 else 2)
+    assert store.count() == 16
+    new = mint(store, clock, "ip:192.0.2.1")
+    assert live(store, mine + new) == [mine[1], *new] and live(store, others) == others
+
+
+def test_mint_never_scans_the_table(store: SessionStore, reg: Registry, clock: Clock,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(4):
+        mint(store, clock, f"ip:192.0.2.{i}", 4)
+    clock.t += TTL + 1  # all expired: the old mint swept them all, under the lock
+
+    def scan(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a mint scanned the sessions table")
+
+    for name in ("scan", "delete_where", "scan_slots"):
+        monkeypatch.setattr(reg.sessions, name, scan)
+    store._next_sweep = float("inf")  # no sweep piece due in this process
+    for i in range(4):
+        mint(store, clock, f"ip:192.0.2.{i}", 6)  # at its bound: replaces its own
+    with pytest.raises(SessionsFull):
+        store.create(LEGACY, "ip:198.51.100.7")
+
+
+def test_expiry_is_swept_in_bounded_pieces(reg: Registry, clock: Clock) -> None:
+    store = SessionStore(reg, clock=clock)
+    ids = []
+    for i in range(4):
+        ids += mint(store, clock, f"ip:192.0.2.{i}", 4)
+    busy = store.begin_call(store.get(ids[5]))  # type: ignore[arg-type]
+    clock.t += TTL + 10
+    nslots = reg.sessions.nslots
+    removed = []
+    for _ in range(2 * nslots // 16):  # a pass may miss a row shifted across the table's end
+        removed.append(store.sweep(slots=16))  # one bucket of 16 index slots at a time
+        assert removed[-1] <= 16
+        if sum(removed) == 15:
+            break
+    assert sum(removed) == 15 and len([n for n in removed if n]) > 1
+    assert store.count() == 1 and store.get(ids[5]) is not None  # busy: kept, though idle
+    assert [store.client_sessions(f"ip:192.0.2.{i}") for i in range(4)] == [(), (ids[5],), (), ()]
+    store.end_call(busy)  # type: ignore[arg-type]  # and seen now
+    assert store.sweep_all() == 0
+    clock.t += TTL + 10
+    assert store.sweep_all() == 1 and store.count() == 0
+
+
+def test_phantom_ids_are_dropped(store: SessionStore, reg: Registry, clock: Clock) -> None:
+    """A writer killed between listing an id and inserting its session leaves a phantom: it
+    never makes the client displace a live session, and the sweep drops it."""
+    s = mint(store, clock, "ip:192.0.2.9", 3)
+    digest = store.client_digest("ip:192.0.2.9")
+    for listed in ((*s, "P" * 32), ("P" * 32, *s)):  # a mint or a displacement interrupted
+        reg.session_clients.insert(digest, listed)
+        new = mint(store, clock, "ip:192.0.2.9")
+        assert live(store, s) == s and store.client_sessions("ip:192.0.2.9") == (*s, *new)
+        store.delete(new[0])
+    gone = store.client_digest("ip:192.0.2.10")
+    reg.session_clients.insert(gone, ("Q" * 32,))
+    store.sweep_all()
+    assert store.client_sessions("ip:192.0.2.10") == ()
+    assert reg.session_clients.get(gone) is None
+
+
+def test_processes_minting_at_once_keep_the_bound(reg: Registry) -> None:
+    store = SessionStore(reg)  # the wall clock, as the children's
+    other = [store.create(LEGACY, "ip:192.0.2.1").id for _ in range(4)]
+
+    def flood(w: int) -> None:
+        mine = SessionStore(reg)
+        for _ in range(60):
+            mine.create(LEGACY, "ip:192.0.2.66")
+        os.write(w, b"done")
+
+    kids = [child(flood) for _ in range(3)]
+    try:
+        for _, r in kids:
+            assert recv(r, timeout=60) == b"done"
+    finally:
+        for pid, r in kids:
+            os.close(r)
+            reap(pid)
+    listed = store.client_sessions("ip:192.0.2.66")
+    assert len(listed) == 4 and live(store, list(listed)) == list(listed)
+    assert live(store, other) == other and store.count() == 8
+
+
+def test_delete_unlists(store: SessionStore, clock: Clock) -> None:
+    s = mint(store, clock, "ip:192.0.2.9", 2)
+    assert store.delete(s[0]) and not store.delete(s[0])
+    assert store.client_sessions("ip:192.0.2.9") == (s[1],)
+    assert store.delete(s[1]) and store.client_sessions("ip:192.0.2.9") == ()
+
+
+# ------------------------------------------------------------------------------ model-based
+
+
+CLIENTS = ["ip:192.0.2.1", "ip:192.0.2.2", "principal:alice", "ip:2001:db8::/64", "ip:unknown"]
+
+
+class SessionModel(RuleBasedStateMachine):
+    """The store against a dict: no client ever loses a session to another client's mint, a
+    busy session is never removed, bounds always hold, and a refusal happens only when the
+    client has nothing of its own to give up."""
+
+    base = ""  # set by test_model: a fixture's name, and its list of names to unlink
+    names: ClassVar[list[str]] = []
+    made = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        name = f"{self.base}.{next(self.made)}"
+        self.names.append(name)
+        self.reg = Registry.create(name, small())
+        self.clock = Clock(1000.0)
+        self.store = SessionStore(self.reg, clock=self.clock)
+        self.store._next_sweep = float("inf")  # sweeps only when the rule runs one
+        self.model: dict[str, tuple[str, float]] = {}  # id -> (client, last_seen)
+        self.calls: dict[str, list[Any]] = {}
+
+    def teardown(self) -> None:
+        for cs in self.calls.values():
+            for c in cs:
+                self.store.end_call(c)
+        self.reg.unlink()
+        self.reg.close()
+
+    @staticmethod
+    def pick(data: st.DataObject, ids: list[str]) -> str:
+        """One of ``ids`` (in minting order) by position: ids are random, positions are not."""
+        return ids[data.draw(st.integers(0, len(ids) - 1))]
+
+    def expired(self, sid: str) -> bool:
+        return (self.clock.t - self.model[sid][1] > TTL
+                and not self.calls.get(sid))
+
+    def lookup(self, data: st.DataObject) -> tuple[str, Session | None]:
+        """A session of the model and what ``get`` says of it: ``None`` exactly when the model
+        says it expired (then it leaves the model too)."""
+        sid = self.pick(data, list(self.model))
+        s = self.store.get(sid)
+        if self.expired(sid):
+            assert s is None
+            del self.model[sid]
+            return sid, None
+        assert s is not None
+        return sid, s
+
+    @rule(client=st.sampled_from(CLIENTS), dt=st.sampled_from([0.0, 1.0, 30.0]))
+    def create(self, client: str, dt: float) -> None:
+        self.clock.t += dt
+        mine = [s for s, (c, _) in self.model.items() if c == client]
+        idle = [s for s in mine if not self.calls.get(s)]
+        must_displace = (len(mine) >= PER_CLIENT
+                         or len(self.model) >= CAPACITY)
+        try:
+            new = self.store.create(LEGACY, client)
+        except SessionsFull:
+            assert must_displace and not idle
+            return
+        if must_displace:
+            assert idle, "minted without anything of its own to give up"
+            oldest = min(self.model[s][1] for s in idle)
+            gone = [s for s in idle if self.reg.sessions.get(s) is None]
+            assert len(gone) == 1 and self.model[gone[0]][1] == oldest
+            del self.model[gone[0]]
+        self.model[new.id] = (client, self.clock.t)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model)
+    def touch(self, data: st.DataObject) -> None:
+        self.clock.t += 2
+        sid, s = self.lookup(data)
+        if s is None:
+            return
+        self.store.touch(s)
+        self.model[sid] = (self.model[sid][0], self.clock.t)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model and sum(map(len, self.calls.values())) < 16)
+    def begin(self, data: st.DataObject) -> None:
+        """(At most in_flight_capacity calls: a full session_calls table leaves a call
+        unrecorded, as a full in-flight table leaves it uncancellable.)"""
+        sid, s = self.lookup(data)
+        if s is None:
+            return
+        c = self.store.begin_call(s)
+        assert c is not None
+        self.calls.setdefault(sid, []).append(c)
+        client, last = self.model[sid]
+        if self.clock.t - last >= 1.0:  # touched at most once a second
+            self.model[sid] = (client, self.clock.t)
+
+    @rule(data=st.data())
+    @precondition(lambda self: any(self.calls.values()))
+    def end(self, data: st.DataObject) -> None:
+        sid = self.pick(data, [s for s, cs in self.calls.items() if cs])
+        self.store.end_call(self.calls[sid].pop())
+        if sid in self.model:
+            self.model[sid] = (self.model[sid][0], self.clock.t)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model)
+    def delete(self, data: st.DataObject) -> None:
+        sid = self.pick(data, list(self.model))
+        assert self.store.delete(sid)
+        del self.model[sid]
+
+    @rule(dt=st.sampled_from([10.0, TTL]))
+    def sweep(self, dt: float) -> None:
+        self.clock.t += dt
+        for _ in range(5):  # a backward shift may carry a row past a pass's cursor: repeat
+            if self.store.sweep_all() == 0:
+                break
+        for sid in [s for s in self.model if self.expired(s)]:
+            del self.model[sid]
+
+    @invariant()
+    def agrees(self) -> None:
+        rows = dict(self.reg.sessions.scan())
+        assert set(rows) == set(self.model)  # an expired one lingers until swept or read
+        for client in CLIENTS:
+            listed = self.store.client_sessions(client)
+            assert len(listed) <= PER_CLIENT
+            assert sorted(listed) == sorted(s for s, (c, _) in self.model.items() if c == client)
+        assert len(rows) <= CAPACITY
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_model(shm_name: str, shm_names: list[str]) -> None:
+    SessionModel.base, SessionModel.names = shm_name, shm_names
+    SessionModel.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    SessionModel.TestCase().runTest()
+
+
+# ------------------------------------------------------------------------------ over HTTP
+
+
+def _client(source: str) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=15.0)
+
+
+def _post(http: httpx.Client, url: str, obj: Any, sid: str | None = None) -> httpx.Response:
+    h = {"Accept": ACCEPT, "Content-Type": "application/json"}
+    if obj.get("method") != "initialize":
+        h["MCP-Protocol-Version"] = LEGACY
+    if sid is not None:
+        h["Mcp-Session-Id"] = sid
+    return http.post(url, content=json.dumps(obj).encode(), headers=h)
+
+
+INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+        "params": {"protocolVersion": LEGACY, "capabilities": {},
+                   "clientInfo": {"name": "sessions-test", "version": "1"}}}
+
+
+def _initialize(http: httpx.Client, url: str) -> httpx.Response:
+    return _post(http, url, INIT)
+
+
+def _echo(http: httpx.Client, url: str, sid: str, text: str) -> httpx.Response:
+    return _post(http, url, {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                             "params": {"name": "echo", "arguments": {"text": text}}}, sid)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_flood_from_one_address_logs_nobody_else_out(shm_name: str, tmp_path: Any) -> None:
+    """127.0.0.2 loops initialize (past the table's 64 sessions, 3 times over) while 127.0.0.1
+    holds one idle session and 127.0.0.2 itself runs a long call in one of its own: afterwards
+    both still work; then a third address finds the table full of others' live sessions and is
+    told to retry (503, Retry-After, a JSON-RPC error), and nobody lost a session to it."""
+    conf = tmp_path / "conf.py"
+    conf.write_text(
+        "import shmcancel, shmcancel.gunicorn\n"
+        "from shmcancel.gunicorn import child_exit, on_exit, post_fork, when_ready  # noqa\n"
+        "control_socket_disable = True\ntimeout = 30\n"
+        "shmcancel.gunicorn.configure(config=shmcancel.Config(session_capacity=64))\n")
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name, config=str(conf),
+                  workers=2, env=env) as g, \
+            _client("127.0.0.1") as idle, _client("127.0.0.2") as flood, \
+            _client("127.0.0.3") as third, _client("127.0.0.4") as late:
+        url = g.url
+        r = _initialize(idle, url)
+        assert r.status_code == 200
+        sid = r.headers["mcp-session-id"]
+        assert reply_of(_echo(idle, url, sid, "before"))["result"]["content"][0]["text"] == "before"
+
+        r = _initialize(flood, url)
+        busy_sid = r.headers["mcp-session-id"]
+        call: dict[str, Any] = {}
+
+        def long_call() -> None:
+            with _client("127.0.0.2") as h:
+                call["reply"] = reply_of(_post(h, url, {
+                    "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                    "params": {"name": "sleep", "arguments": {"seconds": 3, "tag": "busy"}}},
+                    busy_sid))
+
+        t = threading.Thread(target=long_call, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "busy.started").exists():
+            assert time.monotonic() < deadline, "the long call did not start"
+            time.sleep(0.01)
+        statuses = [_initialize(flood, url).status_code for _ in range(200)]
+        assert statuses == [200] * 200  # a client always gets a session by giving up its own
+        t.join(15)
+        assert call["reply"]["result"]["content"][0]["text"] == "slept 3s", call
+
+        r = _echo(idle, url, sid, "after")
+        assert r.status_code == 200, r.text  # base: 404, evicted by the flood
+        assert reply_of(r)["result"]["content"][0]["text"] == "after"
+        r = _echo(flood, url, busy_sid, "busy")
+        assert r.status_code == 200, r.text  # never displaced while its call ran
+        assert dump(shm_name)["sessions"] == 1 + 32  # 127.0.0.2 holds its 32, no more
+
+        for _ in range(40):  # 127.0.0.3 takes its 31 (the table's last rows), then its own
+            assert _initialize(third, url).status_code == 200
+        assert dump(shm_name)["sessions"] == 64
+        r = _initialize(late, url)
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) > 0
+        err = r.json()["error"]
+        assert err["code"] == errors.SERVER_ERROR and "retry" in err["message"]
+        assert "mcp-session-id" not in r.headers
+        assert _echo(idle, url, sid, "still").status_code == 200
+        assert _echo(flood, url, busy_sid, "still").status_code == 200

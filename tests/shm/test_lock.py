@@ -1,0 +1,689 @@
+"""RegistryLock: mutual exclusion across processes and threads, reentrancy, repair of interrupted
+writes, recovery of a unit held by a dead process (once), and no robbing of a live holder.
+
+Real segment, real semaphore, real forked processes; children are stopped by pid in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from shmcancel import telemetry
+from shmcancel.config import Config
+from shmcancel.exceptions import LockTimeout
+from shmcancel.shm import procinfo
+from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
+from shmcancel.shm.segment import OFF_RECOVERIES, Segment, TableSpec, open_lockfile
+
+pytestmark = pytest.mark.timeout(30)
+
+RECOVERED = ("shmcancel", "lock", "recovered")
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+class Child:
+    """A forked child running ``fn(ctl)``; ``ctl`` talks to the parent over two pipes."""
+
+    def __init__(self, fn: Callable[[Child], object]) -> None:
+        up_r, up_w = os.pipe()
+        down_r, down_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 0
+            try:
+                os.close(up_r)
+                os.close(down_w)
+                self._w, self._r = up_w, down_r
+                fn(self)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(up_w)
+        os.close(down_r)
+        self._r, self._w = up_r, down_w
+        self.reaped = False
+
+    # both sides
+    def send(self, msg: bytes) -> None:
+        os.write(self._w, msg)
+
+    def recv(self, timeout: float = 10.0) -> bytes:
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        if not ready:
+            raise AssertionError(f"no message within {timeout}s")
+        return os.read(self._r, 4096)
+
+    # parent side
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if not self.reaped:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.reaped = True
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"child {self.pid} did not exit within {timeout}s")
+            select.select([], [], [], 0.005)
+
+    def stop(self) -> None:
+        """For ``finally``: kill and reap whatever state the child is in."""
+        if not self.reaped:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+            self.reaped = True
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def holding(lock: RegistryLock) -> Callable[[Child], None]:
+    """A child's body: take ``lock``, say b"h", and keep it until killed."""
+    def holder(ctl: Child) -> None:
+        with lock:
+            ctl.send(b"h")
+            select.select([], [], [], 60)
+    return holder
+
+
+@pytest.fixture
+def seg(shm_name: str) -> Iterator[Segment]:
+    s = Segment.create(shm_name, Config(lock_timeout=5), [TableSpec("set", 1, 64, 4096)])
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def events() -> Iterator[list[tuple[Any, ...]]]:
+    got: list[tuple[Any, ...]] = []
+    telemetry.attach("test-lock", RECOVERED,
+                     lambda ev, m, md, cfg: got.append((dict(m), dict(md))))
+    try:
+        yield got
+    finally:
+        telemetry.detach("test-lock")
+
+
+class Counter:
+    """A u64 in the segment's scratch region (a view released at the end of the test)."""
+
+    def __init__(self, seg: Segment, index: int = 0) -> None:
+        self.q = seg.region(0).cast("Q")
+        self.i = index
+
+    def get(self) -> int:
+        return self.q[self.i]
+
+    def set(self, v: int) -> None:
+        self.q[self.i] = v
+
+    def release(self) -> None:
+        self.q.release()
+
+
+def _forever(ctl: Child) -> None:
+    select.select([], [], [], 60)
+
+
+# --- basic behaviour ----------------------------------------------------------------------------
+
+def test_reentrant_per_thread(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    g0 = lock.generation
+    assert lock.owner() is None and not lock.held_by_me()
+    with lock:
+        assert lock.held_by_me()
+        assert lock.owner() == procinfo.me()
+        with lock, lock:
+            assert seg.sem.value == 0
+        assert lock.held_by_me() and seg.sem.value == 0
+    assert lock.generation == g0 + 1  # the semaphore was taken once
+    assert lock.owner() is None and not lock.held_by_me() and seg.sem.value == 1
+    lock.close()
+
+
+def test_threads_serialised(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    order: list[str] = []
+
+    def other() -> None:
+        with lock:
+            order.append("other")
+
+    with lock:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()  # waiting for us
+        assert lock.held_by_me()
+        order.append("main")
+    t.join(5)
+    assert order == ["main", "other"]
+    lock.close()
+
+
+def test_two_lock_objects_in_one_process_share_state(seg: Segment) -> None:
+    """Two attachments of one registry in one process: nesting them is reentrant, and a thread
+    using the other object waits; nobody takes the other for a stranded owner."""
+    a, b = RegistryLock(seg, timeout=2), RegistryLock(seg, timeout=2)
+    with a:
+        with b:
+            assert b.held_by_me() and seg.sem.value == 0
+        assert a.held_by_me() and seg.sem.value == 0
+        got: list[BaseException | None] = []
+
+        def other() -> None:
+            try:
+                with b:
+                    got.append(None)
+            except BaseException as e:
+                got.append(e)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(0.5)  # several steps: it must keep waiting, not "recover" from us
+        assert t.is_alive() and got == []
+    t.join(5)
+    assert got == [None]
+    assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+    a.close()
+    b.close()
+
+
+def test_mutual_exclusion_across_processes(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    n, procs = 1500, 4
+    counter = Counter(seg)
+
+    def worker(ctl: Child) -> None:
+        ctl.recv()  # start together
+        c = Counter(seg)
+        for i in range(n):
+            with lock:
+                v = c.get()
+                if i % 5 == 0:
+                    os.sched_yield()  # invite a race
+                c.set(v + 1)
+        ctl.send(b"d")
+
+    children = [Child(worker) for _ in range(procs)]
+    try:
+        for ch in children:
+            ch.send(b"g")
+        for ch in children:
+            assert ch.recv(25) == b"d"
+            assert ch.wait() == 0
+        assert counter.get() == n * procs
+        assert seg.sem.value == 1 and lock.owner() is None
+        assert seg.u64(OFF_RECOVERIES) == 0
+    finally:
+        for ch in children:
+            ch.stop()
+        counter.release()
+        lock.close()
+
+
+def test_repair_runs_when_interrupted_while_dirty(seg: Segment) -> None:
+    calls: list[tuple[bool, int, Any]] = []
+    lock = RegistryLock(seg)
+    lock._repair = lambda: calls.append((lock.held_by_me(), seg.sem.value, lock.owner()))
+
+    with lock:  # clean exits cost nothing
+        pass
+    with pytest.raises(ValueError), lock:
+        raise ValueError("not dirty")
+    assert calls == []
+
+    with pytest.raises(ValueError), lock:
+        lock.dirty = True
+        raise ValueError("mid-write")
+    assert calls == [(True, 0, procinfo.me())]  # ran while still held
+    assert lock.dirty is False and seg.sem.value == 1 and lock.owner() is None
+
+    with lock:  # an inner block interrupted while dirty repairs at once
+        try:
+            with lock:
+                lock.dirty = True
+                raise KeyError("inner")
+        except KeyError:
+            pass
+        assert len(calls) == 2 and seg.sem.value == 0
+    assert len(calls) == 2 and seg.sem.value == 1
+    lock.close()
+
+
+def test_systemexit_from_signal_handler_mid_write_repairs_before_release(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    counter = Counter(seg)
+
+    def child(ctl: Child) -> None:
+        c = Counter(seg)
+        lock._repair = lambda: c.set(c.get() + 100)  # evidence that repair ran under the lock
+
+        def on_term(signum: int, frame: object) -> None:
+            raise SystemExit(3)
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            with lock:
+                lock.dirty = True
+                c.set(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(10**7):  # the handler raises at the next bytecode boundary
+                    pass
+                c.set(-1 % 2**64)  # never reached
+        except SystemExit:
+            ctl.send(b"exited")
+
+    ch = Child(child)
+    try:
+        assert ch.recv() == b"exited"
+        ch.wait()
+        assert counter.get() == 101
+        assert seg.sem.value == 1 and lock.owner() is None
+    finally:
+        ch.stop()
+        counter.release()
+        lock.close()
+
+
+def test_child_after_fork_takes_lock_parent_does_not_hold(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    with lock:
+        pass
+
+    def child(ctl: Child) -> None:
+        with lock:
+            ctl.send(f"{lock.owner()[0]}".encode())
+
+    ch = Child(child)
+    try:
+        assert int(ch.recv()) == ch.pid
+        assert ch.wait() == 0
+        assert seg.sem.value == 1
+    finally:
+        ch.stop()
+    with lock:
+        assert lock.owner() == procinfo.me()
+    lock.close()
+
+
+def test_child_forked_inside_the_lock_waits_for_parent(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+
+    def child(ctl: Child) -> None:
+        assert not lock.held_by_me()  # per-process state was reset by the fork
+        ctl.send(b"trying")
+        with lock:
+            ctl.send(b"got")
+
+    with lock:
+        ch = Child(child)
+        try:
+            assert ch.recv() == b"trying"
+            r, _, _ = select.select([ch._r], [], [], 0.3)
+            assert not r  # the child waits while we hold it
+        except BaseException:
+            ch.stop()
+            raise
+    try:
+        assert ch.recv() == b"got"
+        assert ch.wait() == 0
+        assert seg.u64(OFF_RECOVERIES) == 0
+    finally:
+        ch.stop()
+    lock.close()
+
+
+def test_signal_handler_exception_during_wait_propagates(seg: Segment) -> None:
+    """posix_ipc replaces a handler's exception with SignalError; the lock must not let that
+    swallow it."""
+    lock = RegistryLock(seg, timeout=5)
+
+    class Shutdown(BaseException):
+        pass
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Shutdown()
+
+    ch = Child(holding(lock))
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        assert ch.recv() == b"h"
+        signal.setitimer(signal.ITIMER_REAL, 0.25)
+        t0 = time.monotonic()
+        with pytest.raises(Shutdown), lock:
+            pass
+        assert time.monotonic() - t0 < 2
+        assert not lock.held_by_me() and lock.owner()[0] == ch.pid and seg.sem.value == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        ch.stop()
+        lock.close()
+
+
+# --- recovery -----------------------------------------------------------------------------------
+
+def test_dead_holder_recovered_once(seg: Segment, events: list[tuple[Any, ...]]) -> None:
+    calls: list[int] = []
+    lock = RegistryLock(seg, repair=lambda: calls.append(seg.sem.value))
+
+    ch = Child(holding(lock))
+    try:
+        assert ch.recv() == b"h"
+        assert lock.owner()[0] == ch.pid
+        gen = lock.generation
+        ch.kill()  # not reaped: a zombie is dead too
+        t0 = time.monotonic()
+        with lock:
+            waited = time.monotonic() - t0
+            assert lock.owner() == procinfo.me() and seg.sem.value == 0
+            assert lock.generation == gen + 1
+        assert waited < 1.0, waited
+        assert calls == [0]  # repair ran once, while the unit was held
+        assert seg.u64(OFF_RECOVERIES) == 1
+        assert len(events) == 1
+        m, md = events[0]
+        assert md == {"dead_pid": ch.pid} and 0 < m["waited"] < 1.0
+        assert seg.sem.value == 1 and lock.owner() is None
+        with lock:  # business as usual
+            pass
+        assert seg.u64(OFF_RECOVERIES) == 1 and calls == [0]
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_holder_killed_before_recording_itself(seg: Segment,
+                                               events: list[tuple[Any, ...]]) -> None:
+    calls: list[int] = []
+    lock = RegistryLock(seg, repair=lambda: calls.append(1))
+
+    def raw(ctl: Child) -> None:
+        seg.sem.acquire()  # the unit, but neither generation nor owner written
+        ctl.send(b"h")
+        select.select([], [], [], 60)
+
+    ch = Child(raw)
+    try:
+        assert ch.recv() == b"h"
+        assert lock.owner() is None and seg.sem.value == 0
+        ch.kill()
+        ch.wait()
+        t0 = time.monotonic()
+        with lock:
+            waited = time.monotonic() - t0
+        assert 0.2 <= waited < 1.5, waited  # the generation must stay put for two steps
+        assert calls == [1] and seg.u64(OFF_RECOVERIES) == 1
+        assert events and events[0][1] == {"dead_pid": 0}
+        assert seg.sem.value == 1
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_stopped_holder_is_not_robbed(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+
+    def holder(ctl: Child) -> None:
+        with lock:
+            ctl.send(b"h")
+            assert ctl.recv(30) == b"go"
+        ctl.send(b"released")
+
+    ch = Child(holder)
+    try:
+        assert ch.recv() == b"h"
+        os.kill(ch.pid, signal.SIGSTOP)
+        short = RegistryLock(seg, timeout=0.5)  # > 4 steps of 0.1 s
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match=f"held by live pid {ch.pid}"), short:
+            pass
+        assert 0.5 <= time.monotonic() - t0 < 2
+        assert lock.owner()[0] == ch.pid and seg.sem.value == 0
+        assert seg.u64(OFF_RECOVERIES) == 0
+        os.kill(ch.pid, signal.SIGCONT)
+        ch.send(b"go")
+        assert ch.recv() == b"released"
+        assert ch.wait() == 0
+        with short:
+            assert short.owner() == procinfo.me()
+        assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+        short.close()
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_timeout_can_be_shortened_for_one_lock_object(seg: Segment) -> None:
+    # What a gunicorn master does (it must never wait long on a live worker): the config says 5 s.
+    lock = RegistryLock(seg)
+    ch = Child(holding(lock))
+    try:
+        assert ch.recv() == b"h"
+        master = RegistryLock(seg)
+        assert master.timeout == 5.0
+        master.timeout = 0.3
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match=f"held by live pid {ch.pid}"), master:
+            pass
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert lock.timeout == 5.0  # other lock objects keep theirs
+        for bad in (0, -1, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match="lock timeout"):
+                master.timeout = bad  # type: ignore[assignment]
+        assert master.timeout == 0.3
+        master.close()
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_two_waiters_race_to_recover(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+    counter = Counter(seg)
+
+    def waiter(ctl: Child) -> None:
+        c = Counter(seg, 1)
+        ctl.send(b"w")
+        with lock:
+            c.set(c.get() + 1)
+            assert seg.sem.value == 0
+        ctl.send(b"d")
+
+    h = Child(holding(lock))
+    ws: list[Child] = []
+    try:
+        assert h.recv() == b"h"
+        ws = [Child(waiter) for _ in range(3)]
+        for w in ws:
+            assert w.recv() == b"w"
+        select.select([], [], [], 0.15)  # let them reach their waits (not needed for safety)
+        h.kill()
+        for w in ws:
+            assert w.recv(10) == b"d"
+            assert w.wait() == 0
+        assert counter.q[1] == 3
+        assert seg.u64(OFF_RECOVERIES) == 1
+        assert seg.sem.value == 1
+    finally:
+        h.stop()
+        for w in ws:
+            w.stop()
+        counter.release()
+        lock.close()
+
+
+def test_recover_from(seg: Segment, events: list[tuple[Any, ...]]) -> None:
+    calls: list[int] = []
+    lock = RegistryLock(seg, repair=lambda: calls.append(seg.sem.value))
+
+    ch = Child(holding(lock))
+    try:
+        assert ch.recv() == b"h"
+        assert not lock.recover_from(ch.pid)  # alive: never robbed
+        assert not lock.recover_from(ch.pid + 1)  # not the owner
+        ch.kill()
+        ch.wait()
+        t0 = time.monotonic()
+        assert lock.recover_from(ch.pid)
+        assert time.monotonic() - t0 < 0.5
+        assert calls == [0]
+        assert seg.sem.value == 1 and lock.owner() is None
+        assert seg.u64(OFF_RECOVERIES) == 1
+        assert events == [({"waited": 0.0}, {"dead_pid": ch.pid})]
+        assert not lock.recover_from(ch.pid)  # nothing left to recover
+        with lock:
+            pass
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_recover_from_does_not_block_on_a_busy_recoverer(seg: Segment) -> None:
+    lock = RegistryLock(seg)
+
+    ch = Child(holding(lock))
+    fd = open_lockfile(seg.name)
+    try:
+        assert ch.recv() == b"h"
+        ch.kill()
+        ch.wait()
+        fcntl.flock(fd, fcntl.LOCK_EX)  # "someone else is recovering"
+        t0 = time.monotonic()
+        assert not lock.recover_from(ch.pid)
+        assert time.monotonic() - t0 < 0.1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert lock.recover_from(ch.pid)
+    finally:
+        os.close(fd)
+        ch.stop()
+        lock.close()
+
+
+def _hold_forever(lock: RegistryLock) -> Callable[[Child], None]:
+    def run(ctl: Child) -> None:
+        with lock:
+            ctl.send(b"h")
+            select.select([], [], [], 60)
+    return run
+
+
+def test_take_over_rechecks_what_it_saw_under_the_flock(seg: Segment) -> None:
+    """A recoverer that read (owner, generation) before another one recovered must not take
+    over: under the flock it re-checks owner, generation and that the unit is still taken, and
+    never robs a live owner. Racing two real recoverers into that window is rare, so this calls
+    the take-over step itself, in another process, with the stale view such a recoverer has."""
+    lock = RegistryLock(seg)
+    w = seg.words
+    children: list[Child] = []
+
+    def stale_take_over(owner: int, gen: int) -> bool:
+        ch = Child(lambda ctl: ctl.send(
+            b"1" if RegistryLock(seg)._take_over(owner, gen) else b"0"))
+        children.append(ch)
+        got = ch.recv()
+        assert ch.wait() == 0
+        return got == b"1"
+
+    def state() -> tuple[int, int, int, int]:
+        return w[_OWNER], w[_GEN], seg.u64(OFF_RECOVERIES), seg.sem.value
+
+    try:
+        x = Child(_hold_forever(lock))
+        children.append(x)
+        assert x.recv() == b"h"
+        x.kill()
+        x.wait()
+        dead, gen = w[_OWNER], w[_GEN]
+        with lock:  # the first recoverer
+            assert lock.owner() == procinfo.me() and seg.u64(OFF_RECOVERIES) == 1
+            s = state()
+            assert not stale_take_over(dead, gen), "took over from a live recoverer"
+            assert state() == s
+        s = state()
+        assert s[0] == 0 and s[3] == 1
+        assert not stale_take_over(dead, gen), "took over a released unit"
+        assert not stale_take_over(0, w[_GEN]), "took over a free unit (owner 0)"
+        assert state() == s
+        y = Child(_hold_forever(lock))
+        children.append(y)
+        assert y.recv() == b"h"
+        s = state()
+        assert not stale_take_over(w[_OWNER], w[_GEN]), "robbed a live owner"
+        assert state() == s and lock.owner()[0] == y.pid
+    finally:
+        for ch in children:
+            ch.stop()
+        lock.close()
+
+
+def test_a_dead_holders_unit_is_never_free_during_recovery(seg: Segment) -> None:
+    """Taking over is not release-then-acquire: an observer process polling the semaphore while
+    20 dead holders are recovered never sees the unit free while an owner is recorded (a normal
+    release clears the owner first; an acquire bumps the generation before recording itself).
+    Released, the unit would be free for anyone to take, with the repair not yet run."""
+    lock = RegistryLock(seg, step=0.01)
+    stop_flag = Counter(seg)
+    w = seg.words
+
+    def observer(ctl: Child) -> None:
+        flag = Counter(seg)
+        sem = seg.sem
+        free = bad = 0
+        ctl.send(b"r")
+        while not flag.get():
+            g = w[_GEN]
+            if sem.value:
+                free += 1
+                if w[_OWNER] and w[_GEN] == g:
+                    bad += 1
+        ctl.send(f"{free} {bad}".encode())
+
+    obs = Child(observer)
+    children = [obs]
+    try:
+        assert obs.recv() == b"r"
+        for _ in range(20):
+            h = Child(_hold_forever(lock))
+            children.append(h)
+            assert h.recv() == b"h"
+            h.kill()
+            h.wait()
+            with lock:
+                assert seg.sem.value == 0
+        assert seg.u64(OFF_RECOVERIES) == 20
+        stop_flag.set(1)
+        free, bad = map(int, obs.recv().split())
+        assert obs.wait() == 0
+        assert bad == 0, f"the unit was free with a dead owner recorded ({bad} observations)"
+        assert free > 0  # the observer did run (it saw the normal releases)
+    finally:
+        for ch in children:
+            ch.stop()
+        stop_flag.release()
+        lock.close()

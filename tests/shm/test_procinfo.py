@@ -1,0 +1,147 @@
+"""procinfo: start times, liveness (exited, zombie, reused pid), the packed owner word."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+import pytest
+from helpers.procs import wait_zombie
+
+from shmcancel.shm import procinfo
+
+
+def _fork_waiting() -> tuple[int, int]:
+    """A child that blocks until its pipe closes. Returns (pid, write end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(w)
+        try:
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    os.close(r)
+    return pid, w
+
+
+def test_me_and_own_start_time() -> None:
+    pid, start = procinfo.me()
+    assert pid == os.getpid()
+    assert start == procinfo.start_time(pid)
+    assert procinfo.alive(pid, start)
+    assert procinfo.me() is procinfo.me()  # cached
+
+
+def test_forked_child_start_time_and_me_reset() -> None:
+    r, w = os.pipe()
+    parent_me = procinfo.me()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            cp, cs = procinfo.me()
+            os.write(w, f"{cp} {cs}".encode())
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        cp, cs = map(int, os.read(r, 100).split())
+        assert cp == pid != parent_me[0]
+        assert cs >= parent_me[1]
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def test_live_child_then_reaped_child_is_dead() -> None:
+    pid, w = _fork_waiting()
+    try:
+        start = procinfo.start_time(pid)
+        assert start is not None
+        assert procinfo.alive(pid, start)
+        assert not procinfo.alive(pid, start + 1)  # a reused pid: the start time differs
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+    assert procinfo.start_time(pid) is None
+    assert not procinfo.alive(pid, start)
+
+
+def test_unreaped_zombie_is_dead() -> None:
+    pid, w = _fork_waiting()
+    try:
+        start = procinfo.start_time(pid)
+        assert start is not None
+        os.close(w)  # the child exits; we do not reap it yet
+        w = -1
+        wait_zombie(pid)
+        os.kill(pid, 0)  # a zombie still "exists" for kill(2) ...
+        assert not procinfo.alive(pid, start)  # ... but is dead
+    finally:
+        if w >= 0:
+            os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_stopped_process_is_alive() -> None:
+    pid, w = _fork_waiting()
+    try:
+        start = procinfo.start_time(pid)
+        os.kill(pid, signal.SIGSTOP)
+        assert procinfo.alive(pid, start)
+        os.kill(pid, signal.SIGCONT)
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_nonexistent_and_bad_pids() -> None:
+    assert procinfo.start_time(0) is None
+    assert not procinfo.alive(0, 0)
+    assert not procinfo.alive(-1, 0)
+    assert procinfo.start_time(2**22 + 5) is None
+
+
+def test_comm_with_parens_and_spaces() -> None:
+    # Set our own comm to something hostile in a child and read it from the parent.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            with open("/proc/self/comm", "w") as f:
+                f.write("a) b (c) 7 8")
+            os.write(w, b"x")
+            select.select([], [], [], 30)  # until the parent kills us
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            assert b"a) b (c) 7 8" in f.read()
+        start = procinfo.start_time(pid)
+        assert start is not None and procinfo.alive(pid, start)
+        assert start >= procinfo.me()[1]
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize(("pid", "start"), [
+    (1, 0), (12345, 987654321), (2**22 - 1, 2**42 - 1), (4194303, 1),
+])
+def test_pack_roundtrip(pid: int, start: int) -> None:
+    word = procinfo.pack_owner(pid, start)
+    assert 0 < word < 2**64
+    assert procinfo.unpack_owner(word) == (pid, start)
+
+
+def test_pack_rejects_out_of_range_and_zero_is_none() -> None:
+    assert procinfo.unpack_owner(0) is None
+    for pid, start in [(0, 1), (2**22, 1), (1, 2**42), (1, -1)]:
+        with pytest.raises(ValueError):
+            procinfo.pack_owner(pid, start)

@@ -1,0 +1,334 @@
+"""Registry: the segment + lock + four tables, sized from worst-case rows; header counters; the
+janitor claim; recovery repairing the tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+import signal
+from collections.abc import Callable
+
+import msgpack
+import pytest
+from helpers.names import leftovers
+from helpers.procs import child, reap, recv
+
+import shmcancel
+from shmcancel.config import Config
+from shmcancel.exceptions import (
+    InvalidRegistryName,
+    RegistryIncompatible,
+    RegistryNotFound,
+    RowTooLarge,
+    SegmentTooLarge,
+    ShmCancelError,
+)
+from shmcancel.shm import procinfo, registry
+from shmcancel.shm.registry import Registry, record_sizes
+from shmcancel.shm.segment import lock_path, segment_path, sem_path
+
+pytestmark = pytest.mark.timeout(30)
+
+SMALL = Config(max_rows=100, capacity=200, in_flight_capacity=64, session_capacity=32,
+               lock_timeout=5)
+
+
+def test_roundtrip(shm_name: str) -> None:
+    reg = Registry.create(shm_name, SMALL)
+    try:
+        assert registry.current() is reg
+        assert reg.name == shm_name and reg.config == SMALL
+        assert reg.creator == procinfo.me()
+        assert len(reg.hash_key) == 16
+        assert reg.last_sweep == reg.created_at
+        reg.cancellations.insert(("global", "1"), ("why", 1.5))
+        reg.in_flight.insert(("global", "1"), (1, 2, 3, 4))
+        reg.sessions.insert("s1", {"v": 1})
+        reg.scope_counts.insert(b"\x01" * 16, 1)
+        with Registry.attach(shm_name) as other:
+            assert registry.current() is other
+            assert other.config == SMALL
+            assert other.hash_key == reg.hash_key and other.created_at == reg.created_at
+            assert other.cancellations.get(("global", "1")) == ("why", 1.5)
+            assert other.in_flight.lookup(("global", "1")) == [(1, 2, 3, 4)]
+            assert other.sessions.get("s1") == {"v": 1}
+            assert other.scope_counts.get(b"\x01" * 16) == 1
+            assert {t.capacity for t in other.tables.values()} == {200, 64, 32}
+        assert other.closed and registry.current() is reg  # the one still open
+        other.close()  # idempotent
+    finally:
+        reg.close()
+        reg.close()
+        reg.unlink()
+        reg.unlink()  # idempotent
+    assert leftovers(shm_name) == []
+    with pytest.raises(RegistryNotFound, match=f"no registry named {shm_name}"):
+        Registry.attach(shm_name)
+
+
+def test_close_unmaps(shm_name: str) -> None:
+    reg = Registry.create(shm_name, SMALL)
+    seg = reg._seg
+    reg.close()
+    assert seg.closed and reg.closed
+    reg.unlink()
+
+
+def test_invalid_names_and_config() -> None:
+    for bad in ("", "a/b", "x" * 65, "ü"):
+        with pytest.raises(InvalidRegistryName):
+            Registry.create(bad)
+        with pytest.raises(InvalidRegistryName):
+            Registry.attach(bad)
+    with pytest.raises(TypeError):
+        Registry.create("fine", {"capacity": 5})  # type: ignore[arg-type]
+
+
+def test_exports() -> None:
+    assert shmcancel.Registry is Registry
+
+
+def test_worst_case_rows_fit(shm_name: str) -> None:
+    def size(x: object) -> int:
+        return len(msgpack.packb(x, use_bin_type=True))
+
+    scope = "é" * 256  # 512 UTF-8 bytes
+    rid = "r" * 256
+    reason = "é" * 400  # 800 UTF-8 bytes
+    key = (scope, rid)
+    cases = {
+        "cancellations": (key, (reason, 1e300), registry._KEY_REQUEST, registry._VAL_CANCEL),
+        "in_flight": (key, (2**22 - 1, 2**42 - 1, 2**64 - 1, -(2**63)),
+                      registry._KEY_REQUEST, registry._VAL_IN_FLIGHT),
+        "sessions": ("s" * 128, (b"x" * 508,), registry._KEY_SESSION,
+                     registry.SESSION_VALUE_MAX),
+        "scope_counts": (b"\xff" * 16, 2**64 - 1, registry._KEY_SCOPE_COUNT,
+                         registry._VAL_SCOPE_COUNT),
+        # sessions_per_client (32 by default) minted ids
+        "session_clients": (b"\xff" * 16, ("s" * registry.MINTED_ID_LEN,) * 32,
+                            registry._KEY_CLIENT, registry._val_session_clients(SMALL)),
+        "session_calls": ("s" * 128, (2**22 - 1, 2**42 - 1, 2**64 - 1, -(2**63)),
+                          registry._KEY_SESSION, registry._VAL_IN_FLIGHT),
+    }
+    assert cases.keys() == registry.TABLES.keys()
+    sizes = record_sizes()
+    assert sizes == {"cancellations": 1616, "in_flight": 840, "sessions": 672,
+                     "scope_counts": 56, "session_clients": 1136, "session_calls": 192}
+    assert SMALL.sessions_per_client == 32
+    assert record_sizes(Config(session_capacity=8))["session_clients"] == 320  # 24+18+3+8x34
+    with Registry.create(shm_name, SMALL) as reg:
+        for name, (k, v, kmax, vmax) in cases.items():
+            assert size(k) == kmax, name  # the arithmetic is the worst case, exactly
+            assert size(v) <= vmax, name
+            assert size(k) + size(v) + 24 <= sizes[name]
+            t = reg.tables[name]
+            assert t.record_size == sizes[name]
+            t.insert(k, v)
+            assert t.lookup(k) == [v]
+        assert size((b"x" * 508,)) == registry.SESSION_VALUE_MAX
+        with pytest.raises(RowTooLarge):
+            reg.cancellations.insert(("s" * 2000, "1"), (None, 1.0))
+        reg.unlink()
+
+
+def test_too_large_for_dev_shm(shm_name: str) -> None:
+    huge = Config(max_rows=None, capacity=10_000_000, in_flight_capacity=10_000_000,
+                  session_capacity=10_000_000)
+    vfs = os.statvfs("/dev/shm")
+    need = sum(registry.Table.region_size(c, s) for c, s in [
+        (10_000_000, 1616), (10_000_000, 840), (10_000_000, 672), (10_000_000, 56)])
+    if need <= vfs.f_bavail * vfs.f_frsize:  # pragma: no cover - a giant /dev/shm
+        pytest.skip("/dev/shm is larger than the largest configurable registry")
+    with pytest.raises(SegmentTooLarge, match=r"needs .* bytes .* free"):
+        Registry.create(shm_name, huge)
+    assert not os.path.exists(segment_path(shm_name))
+    assert not os.path.exists(sem_path(shm_name))
+
+
+def _creator(name: str) -> Callable[[int], None]:
+    """A child's body: create registry ``name``, say b"c", then wait to be killed."""
+    def creator(w: int) -> None:
+        Registry.create(name, SMALL)
+        os.write(w, b"c")
+        select.select([], [], [], 60)
+    return creator
+
+
+def test_create_over_live_and_dead_creator(shm_name: str) -> None:
+    pid, r = child(_creator(shm_name))
+    try:
+        assert recv(r) == b"c"
+        with pytest.raises(RegistryIncompatible, match=f"in use by live pid {pid}"):
+            Registry.create(shm_name, SMALL)
+        old = Registry.attach(shm_name)
+    finally:
+        reap(pid)
+        os.close(r)
+    try:
+        new = Registry.create(shm_name, Config(max_rows=300, capacity=300, lock_timeout=5))
+        assert new.config.capacity == 300 and new.creator == procinfo.me()
+        old.unlink()  # the stale registry's unlink must not remove its replacement
+        assert os.path.exists(segment_path(shm_name)) and os.path.exists(sem_path(shm_name))
+        assert os.path.exists(lock_path(shm_name))
+        with Registry.attach(shm_name) as again:
+            assert again.config.capacity == 300
+        new.close()
+        new.unlink()
+        assert leftovers(shm_name) == []
+    finally:
+        old.close()
+
+
+def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
+    # The USR2 case: the creator hands the registry to a successor and exits.
+    pid, r = child(_creator(shm_name))
+    try:
+        assert recv(r) == b"c"
+        successor = Registry.attach(shm_name)
+        assert successor.creator[0] == pid
+        successor.adopt()
+        assert successor.creator == procinfo.me()
+    finally:
+        reap(pid)
+        os.close(r)
+    try:
+        successor.cancellations.insert(("global", "1"), (None, 1.0))
+
+        def rival(w: int) -> None:  # another process creating the same name
+            try:
+                Registry.create(shm_name, SMALL)
+                os.write(w, b"replaced")
+            except RegistryIncompatible as e:
+                os.write(w, str(e).encode())
+
+        rpid, rr = child(rival)
+        try:
+            assert recv(rr).decode() == (
+                f"registry {shm_name} is in use by live pid {os.getpid()}")
+        finally:
+            reap(rpid)
+            os.close(rr)
+        assert successor.cancellations.get(("global", "1")) == (None, 1.0)
+        with Registry.attach(shm_name, readonly=True) as ro, pytest.raises(
+                ShmCancelError, match="read-only"):
+            ro.adopt()
+    finally:
+        successor.close()
+        successor.unlink()
+
+
+def test_incompatible_table_layout(shm_name: str) -> None:
+    import struct
+
+    Registry.create(shm_name, SMALL).close()
+    with open(segment_path(shm_name), "r+b") as f:  # table 1 ("in_flight") claims to be a set
+        f.seek(520 + 32 + 24)
+        f.write(struct.pack("<B", 1))
+    with pytest.raises(RegistryIncompatible, match="table in_flight"):
+        Registry.attach(shm_name)
+
+
+def test_readonly(shm_name: str) -> None:
+    with Registry.create(shm_name, SMALL) as reg:
+        reg.cancellations.insert(("global", "7"), (None, 2.0))
+        gen = reg.lock.generation
+        with Registry.attach(shm_name, readonly=True) as ro:
+            assert ro.readonly
+            assert ro.cancellations.get(("global", "7")) == (None, 2.0)
+            assert ro.cancellations.scan() == [(("global", "7"), (None, 2.0))]
+            with pytest.raises(ShmCancelError, match="read-only"), ro.lock:
+                pass
+            with pytest.raises((ShmCancelError, TypeError)):
+                ro.cancellations.insert(("global", "8"), (None, 1.0))
+            assert not ro.claim_sweep(reg.created_at + 1e6, 1.0)
+            info = ro.info()
+            assert info["semaphore_value"] is None and info["lock_generation"] == gen
+        assert reg.lock.generation == gen and reg.cancellations.count() == 1
+        reg.unlink()
+
+
+def test_counters_and_info(shm_name: str) -> None:
+    with Registry.create(shm_name, SMALL) as reg:
+        assert reg.evictions == 0 and reg.recoveries == 0
+        reg.add_evictions(3)
+        with reg.lock:
+            reg.add_evictions(2)  # reentrant
+        assert reg.evictions == 5
+        info = reg.info()
+        assert info["name"] == shm_name and info["evictions"] == 5
+        assert info["creator_pid"] == os.getpid() and info["creator_alive"]
+        assert info["config"] == dataclasses.asdict(SMALL)
+        assert info["semaphore_value"] == 1 and info["lock_owner_pid"] is None
+        assert [t["name"] for t in info["tables"]] == list(registry.TABLES)
+        assert info["total_size"] == os.stat(segment_path(shm_name)).st_size
+        reg.unlink()
+
+
+def test_claim_sweep(shm_name: str) -> None:
+    with Registry.create(shm_name, SMALL) as reg:
+        t0, iv = reg.created_at, 60.0
+        assert not reg.claim_sweep(t0, iv)
+        assert not reg.claim_sweep(t0 + iv - 0.001, iv)  # first sweep: one interval after creation
+        assert reg.claim_sweep(t0 + iv, iv)
+        assert not reg.claim_sweep(t0 + iv, iv)
+        assert not reg.claim_sweep(t0 + 2 * iv - 1, iv)
+        assert reg.claim_sweep(t0 + 2 * iv + 5, iv)
+        assert reg.last_sweep == t0 + 2 * iv + 5
+        assert reg.info()["sweeps"] == 2 and reg.info()["last_sweeper_pid"] == os.getpid()
+        reg.unlink()
+
+
+def test_claim_sweep_one_winner_across_processes(shm_name: str) -> None:
+    with Registry.create(shm_name, SMALL) as reg:
+        now = reg.created_at + 61.0
+
+        def contender(w: int) -> None:
+            os.write(w, b"1" if reg.claim_sweep(now, 60.0) else b"0")
+
+        kids = [child(contender) for _ in range(6)]
+        try:
+            results = [recv(r) for _, r in kids]
+        finally:
+            for pid, r in kids:
+                reap(pid)
+                os.close(r)
+        assert sorted(results) == [b"0"] * 5 + [b"1"]
+        reg.unlink()
+
+
+def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
+    """A writer SIGKILLed mid-mutation (lock held, a bucket version left odd): the next writer
+    recovers the lock, fsck restores the table, committed rows survive."""
+    reg = Registry.create(shm_name, SMALL)
+    events: list[dict] = []
+    shmcancel.telemetry.attach("t-reg", ("shmcancel", "lock", "recovered"),
+                               lambda e, m, md, c: events.append(dict(md)))
+
+    def writer(w: int) -> None:
+        for i in range(20):
+            reg.cancellations.insert(("global", str(i)), (None, float(i)))
+        t = reg.cancellations
+        with reg.lock:
+            reg.lock.dirty = True
+            t._ver[0] += 1  # a write in progress: bucket 0 odd
+            os.write(w, b"mid")
+            select.select([], [], [], 60)
+
+    pid, r = child(writer)
+    try:
+        assert recv(r) == b"mid"
+        os.kill(pid, signal.SIGKILL)
+        reg.cancellations.insert(("global", "new"), ("after", 99.0))
+        assert events == [{"dead_pid": pid}]
+        assert reg.recoveries == 1
+        assert all(v % 2 == 0 for v in reg.cancellations._ver)
+        assert reg.cancellations.count() == 21
+        assert reg.cancellations.get(("global", "7")) == (None, 7.0)
+        assert all(all(v == 0 for v in rep.values()) for rep in reg.fsck().values())
+    finally:
+        shmcancel.telemetry.detach("t-reg")
+        reap(pid)
+        os.close(r)
+        reg.close()
+        reg.unlink()

@@ -1,0 +1,304 @@
+"""Entries of /dev/shm that are not ours (SPEC §7, DESIGN "Edges"): /dev/shm is world-writable,
+so any local user can put a FIFO, a symbolic link or a file of their own under a registry's
+segment, semaphore, lock file or temporary name. Nothing may hang on, follow or trust such an
+entry: create and attach raise one clear error naming the path, shmtool reports it in one line
+and goes on, a gunicorn master exits with one line in its log. Every process that could hang on
+the bug runs as a subprocess (or forked child) with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from helpers.gunicorn_harness import Gunicorn
+
+from shmcancel import Config, shmtool
+from shmcancel.exceptions import ShmCancelError
+from shmcancel.shm.registry import Registry
+
+SHM = "/dev/shm"
+NOBODY = 65534
+SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
+               session_capacity=8)
+DEADLINE = 20.0  # seconds; a hang on the bug ends here
+
+
+def paths(name: str) -> dict[str, str]:
+    return {"segment": f"{SHM}/shmcancel.{name}", "semaphore": f"{SHM}/sem.shmcancel.{name}",
+            "lock": f"{SHM}/shmcancel-lock.{name}", "temp": f"{SHM}/shmcancel.{name}~creating"}
+
+
+@pytest.fixture
+def squat(shm_name, tmp_path) -> Iterator[Callable[[str, str], str]]:
+    """``squat(kind, which)`` puts a ``fifo``, ``symlink`` or ``foreign`` (uid 65534) entry at
+    ``which`` of ``paths(shm_name)``; returns the path. Removed afterwards (the temporary name
+    too, which the shm_name fixture does not know)."""
+    made: list[str] = []
+    target = tmp_path / "target"
+    target.write_bytes(b"not yours")
+
+    def make(kind: str, which: str) -> str:
+        path = paths(shm_name)[which]
+        if kind == "fifo":
+            os.mkfifo(path, 0o600)
+        elif kind == "symlink":
+            os.symlink(target, path)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, b"\0" * 4096)
+            os.fchown(fd, NOBODY, NOBODY)
+            os.close(fd)
+        made.append(path)
+        return path
+
+    try:
+        yield make
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(paths(shm_name)["temp"])
+        assert target.read_bytes() == b"not yours", "a symlink was followed and written through"
+
+
+def run_py(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=DEADLINE)
+
+
+CREATE = """
+import sys
+from shmcancel import Config
+from shmcancel.exceptions import ShmCancelError
+from shmcancel.shm.registry import Registry
+try:
+    Registry.create(sys.argv[1], Config(capacity=200, max_rows=100, max_rows_per_scope=50,
+                                        in_flight_capacity=32, session_capacity=8))
+except ShmCancelError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+ATTACH = """
+import sys
+from shmcancel.exceptions import ShmCancelError
+from shmcancel.shm.registry import Registry
+try:
+    Registry.attach(sys.argv[1], readonly=sys.argv[2] == "ro")
+except ShmCancelError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def shmtool_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
+                          capture_output=True, text=True, timeout=DEADLINE)
+
+
+def one_line(p: subprocess.CompletedProcess | tuple[int, str, str], path: str) -> str:
+    err = p.stderr if isinstance(p, subprocess.CompletedProcess) else p[2]
+    assert "Traceback" not in err, err
+    assert len(err.splitlines()) == 1, err
+    assert path in err, err
+    return err
+
+
+CASES = [("fifo", "segment"), ("fifo", "lock"), ("fifo", "temp"), ("symlink", "segment"),
+         ("symlink", "lock"), ("symlink", "semaphore"), ("foreign", "segment"),
+         ("foreign", "semaphore"), ("foreign", "lock"), ("foreign", "temp")]
+
+
+@pytest.mark.parametrize(("kind", "which"), CASES)
+def test_create_refuses_a_squatted_entry(shm_name, squat, kind, which):
+    path = squat(kind, which)
+    before = os.lstat(path)
+    p = run_py(CREATE, shm_name)
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    assert path in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode, after.st_uid) == \
+        (before.st_ino, before.st_mode, before.st_uid), "the squatter's entry was replaced"
+    left = {w for w, q in paths(shm_name).items() if os.path.lexists(q)}
+    assert left == {which}, f"a failed create left {left - {which}}"
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("fifo", "ro"), ("fifo", "rw"), ("symlink", "ro"),
+                                            ("foreign", "rw")])
+def test_attach_refuses_a_squatted_segment(shm_name, squat, kind, mode):
+    path = squat(kind, "segment")
+    p = run_py(ATTACH, shm_name, mode)
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    assert path in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
+
+
+def test_attach_refuses_a_replaced_semaphore(shm_name, squat):
+    reg = Registry.create(shm_name, SMALL)
+    try:
+        os.unlink(paths(shm_name)["semaphore"])
+        path = squat("symlink", "semaphore")
+        p = run_py(ATTACH, shm_name, "rw")
+        assert p.returncode == 3, (p.stdout, p.stderr)
+        assert path in p.stdout, p.stdout
+    finally:
+        reg.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "foreign"])
+def test_shmtool_reports_a_squatted_segment_and_goes_on(shm_name, shm_names, squat, kind):
+    path = squat(kind, "segment")
+    other = shm_name + "-ok"
+    shm_names.append(other)
+    reg = Registry.create(other, SMALL)
+    try:
+        p = shmtool_cli("list", "--json")
+        assert p.returncode == 0, p.stderr
+        rows = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+        assert rows[other]["state"] == "alive", "the listing went on past the squatter"
+        assert path in rows[shm_name]["error"], rows[shm_name]
+        human = shmtool_cli("list")
+        assert human.returncode == 0 and path in human.stdout, human
+        for args in (("dump", shm_name), ("dump", shm_name, "--json"), ("stats", shm_name),
+                     ("cleanup", shm_name)):
+            p = shmtool_cli(*args)
+            assert p.returncode == 1 and p.stdout == "", (args, p)
+            one_line(p, path)
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+# --- another user ----------------------------------------------------------------------------
+
+
+def as_nobody(fn: Callable[[], int]) -> tuple[int, str, str]:
+    """Run ``fn()`` in a forked child as uid/gid 65534; its exit status, stdout and stderr.
+    (This interpreter lives where uid 65534 cannot exec it: fork, not a new process.)"""
+    out, err = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        rc = 99
+        try:
+            os.dup2(out[1], 1)
+            os.dup2(err[1], 2)
+            for fd, attr in ((1, "stdout"), (2, "stderr")):
+                raw = os.fdopen(fd, "wb", 0, closefd=False)
+                setattr(sys, attr, io.TextIOWrapper(raw, write_through=True))
+            signal.alarm(int(DEADLINE))
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            rc = fn()
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(rc)
+    os.close(out[1])
+    os.close(err[1])
+    deadline = time.monotonic() + DEADLINE + 5
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, "the child as uid 65534 hung"
+            time.sleep(0.01)
+        with os.fdopen(out[0]) as o, os.fdopen(err[0]) as e:
+            return os.waitstatus_to_exitcode(status), o.read(), e.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def test_shmtool_unlink_by_another_user_is_one_line(shm_name):
+    reg = Registry.create(shm_name, SMALL)
+    reg.close()
+    rc, out, err = as_nobody(lambda: shmtool.main(["unlink", shm_name, "--force"]))
+    assert rc == 1, (out, err)
+    one_line((rc, out, err), paths(shm_name)["segment"])
+    assert "uid 0" in err, err
+    assert os.path.exists(paths(shm_name)["segment"]), "another user removed our segment"
+
+
+@pytest.mark.parametrize("which", ["semaphore", "temp", "lock"])
+def test_create_by_another_user_over_our_entry_is_one_line(shm_name, squat, which):
+    """Our (root's) entry at a name uid 65534 then creates: the kernel refuses it the unlink
+    (sticky /dev/shm); that must be one clear error, never posix_ipc's or OSError's traceback."""
+    path = paths(shm_name)[which]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"\0" * 64)
+    os.close(fd)
+
+    def create() -> int:
+        try:
+            Registry.create(shm_name, SMALL)
+        except ShmCancelError as e:
+            print(e, file=sys.stderr)
+            return 3
+        return 0
+
+    rc, out, err = as_nobody(create)
+    assert rc == 3, (out, err)
+    one_line((rc, out, err), path)
+    assert os.stat(path).st_uid == 0
+
+
+# --- a real gunicorn master over a squatted name --------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("kind", "which"), [("fifo", "segment"), ("symlink", "segment"),
+                                             ("symlink", "lock"), ("foreign", "semaphore")])
+def test_gunicorn_over_a_squatted_name_exits_with_one_line(shm_name, squat, kind, which):
+    path = squat(kind, which)
+    g = Gunicorn("tests.apps.hooks_app:app", registry_name=shm_name,
+                 config="examples/gunicorn/gunicorn.conf.py", workers=1, timeout=15)
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="gunicorn failed to start"), g:
+        pass
+    assert time.monotonic() - t0 < 15
+    log = g.log()
+    assert "Traceback" not in log, log
+    errors = [line for line in log.splitlines() if line.startswith("Error: shmcancel:")]
+    assert len(errors) == 1 and path in errors[0], log
+
+
+def test_unlink_refuses_another_users_live_registry(shm_name):
+    """Root running ``shmtool unlink`` on a live server of another user: refused too (the
+    segment is not ours to use, but its header still names a live creator)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            Registry.create(shm_name, SMALL)
+            os.write(w, b"x")
+            time.sleep(DEADLINE)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        assert os.stat(paths(shm_name)["segment"]).st_uid == NOBODY
+        p = shmtool_cli("unlink", shm_name)
+        assert p.returncode == 1, p
+        assert f"pid {pid}" in one_line(p, shm_name)
+        assert os.path.exists(paths(shm_name)["segment"])
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    p = shmtool_cli("unlink", shm_name)  # its creator is gone now
+    assert p.returncode == 0, p
+    assert not any(os.path.lexists(q) for q in paths(shm_name).values())

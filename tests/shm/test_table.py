@@ -1,0 +1,439 @@
+"""The table engine against a plain-dict model, over a real posix_ipc segment.
+
+The tables live in a ``Rig`` (tests/helpers/table_rig.py, shared with test_table_procs.py and
+test_crash.py): a real POSIX shared-memory segment with a minimal lock over a real semaphore.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from helpers.table_rig import HASH_KEY, Rig, healthy, same_home_keys
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from shmcancel.exceptions import RowTooLarge, TableFull
+from shmcancel.shm.table import PreparedKey, Table
+
+
+@pytest.fixture
+def rig_factory(shm_name):
+    rigs: list[Rig] = []
+
+    def make(specs: list[tuple[str, int, int]]) -> Rig:
+        assert not rigs, "one rig per test (one shm_name)"
+        rigs.append(Rig(shm_name, specs))
+        return rigs[0]
+
+    try:
+        yield make
+    finally:
+        for r in rigs:
+            r.close()
+
+
+# ------------------------------------------------------------------------ model-based
+
+KEYS = [f"k{i}" for i in range(24)] + [("s", 1), ("s", "1"), 1, 1.0, True, b"k1"]
+SMALL_VALUES = st.one_of(st.integers(-3, 3), st.text("ab", max_size=6),
+                         st.tuples(st.integers(0, 2), st.text("xy", max_size=3)))
+VALUES = st.one_of(SMALL_VALUES, st.text("z", min_size=60, max_size=90))  # some too large
+RECORD_SIZE = 96  # payload 72 bytes: the long texts do not fit
+
+
+def packed(x: Any) -> bytes:
+    import msgpack
+    return msgpack.packb(x, use_bin_type=True)
+
+
+class TableMachine(RuleBasedStateMachine):
+    """A set or bag table against a model: dict packed-key -> list of packed values."""
+
+    rig: Rig
+    kind: str
+    capacity: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: dict[bytes, list[bytes]] = {}
+        self.keys: dict[bytes, Any] = {}
+        self.t = self.rig.reset(0)
+        self.watches = [(k, self.t.watch(k)) for k in KEYS[:3]]
+
+    def rows(self) -> int:
+        return sum(len(v) for v in self.model.values())
+
+    def region_bytes(self) -> bytes:
+        return self.rig.region(0).tobytes()
+
+    def _too_large(self, k: Any, v: Any) -> bool:
+        return len(packed(k)) + len(packed(v)) > RECORD_SIZE - Table.RECORD_HEADER
+
+    @initialize()
+    def start(self) -> None:
+        healthy(self.t)
+
+    @rule(k=st.sampled_from(KEYS), v=VALUES, prepared=st.booleans())
+    def insert(self, k: Any, v: Any, prepared: bool) -> None:
+        kb, vb = packed(k), packed(v)
+        key = self.t.prepare(k) if prepared else k
+        if self._too_large(k, v):
+            before, acq = self.region_bytes(), self.rig.lock.acquisitions
+            with pytest.raises(RowTooLarge):
+                self.t.insert(key, v)
+            assert self.region_bytes() == before and self.rig.lock.acquisitions == acq
+            return
+        vals = self.model.get(kb, [])
+        if self.kind == "set" and vals:
+            self.t.insert(key, v)
+            self.model[kb] = [vb]
+        elif self.kind == "bag" and vb in vals:
+            self.t.insert(key, v)
+        elif self.rows() >= self.capacity:
+            with pytest.raises(TableFull):
+                self.t.insert(key, v)
+        else:
+            self.t.insert(key, v)
+            self.model.setdefault(kb, []).append(vb)
+            self.keys[kb] = k
+
+    @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES)
+    def insert_new(self, k: Any, v: Any) -> None:
+        kb = packed(k)
+        if kb in self.model:
+            assert self.t.insert_new(k, v) is False
+        elif self.rows() >= self.capacity:
+            with pytest.raises(TableFull):
+                self.t.insert_new(k, v)
+        else:
+            assert self.t.insert_new(k, v) is True
+            self.model[kb] = [packed(v)]
+            self.keys[kb] = k
+
+    @rule(k=st.sampled_from(KEYS), prepared=st.booleans())
+    def lookup(self, k: Any, prepared: bool) -> None:
+        key = self.t.prepare(k) if prepared else k
+        got = self.t.lookup(key)
+        want = self.model.get(packed(k), [])
+        assert sorted(packed(x) for x in got) == sorted(want)
+        assert self.t.member(key) is bool(want)
+        assert (self.t.get(key, "<none>") == "<none>") is (not want)
+
+    @rule(k=st.sampled_from(KEYS))
+    def delete(self, k: Any) -> None:
+        assert self.t.delete(k) == len(self.model.pop(packed(k), []))
+
+    @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES)
+    def delete_object(self, k: Any, v: Any) -> None:
+        kb, vb = packed(k), packed(v)
+        vals = self.model.get(kb, [])
+        present = vb in vals
+        assert self.t.delete_object(k, v) is present
+        if present:
+            vals.remove(vb)
+            if not vals:
+                del self.model[kb]
+
+    @rule(m=st.integers(2, 3), r=st.integers(0, 2))
+    def delete_where(self, m: int, r: int) -> None:
+        def pred(k: Any, v: Any) -> bool:
+            return len(packed(k)) % m == r
+
+        n = 0
+        for kb in list(self.model):
+            if len(kb) % m == r:
+                n += len(self.model.pop(kb))
+        assert self.t.delete_where(pred) == n
+
+    @rule(k=st.sampled_from(KEYS[:3]))
+    def watch_fresh(self, k: Any) -> None:
+        w = self.t.watch(k)
+        assert w.member() is (packed(k) in self.model)
+
+    @invariant()
+    def counts_and_scan(self) -> None:
+        assert self.t.count() == self.rows()
+        got = Counter((packed(k), packed(v)) for k, v in self.t.scan())
+        want = Counter((kb, vb) for kb, vals in self.model.items() for vb in vals)
+        assert got == want
+        for k, w in self.watches:
+            want_vals = sorted(self.model.get(packed(k), []))
+            assert w.member() is bool(want_vals)
+            assert sorted(packed(x) for x in w.values()) == want_vals
+
+    @invariant()
+    def fsck_noop_and_stats(self) -> None:
+        healthy(self.t)
+        s = self.t.stats()
+        assert s["rows"] == self.rows() == sum(s["probe_histogram"].values())
+        assert s["max_probe"] == max(s["probe_histogram"], default=0)
+
+
+@pytest.mark.parametrize("kind,capacity", [("set", 8), ("set", 20), ("bag", 8), ("bag", 20)])
+def test_model(rig_factory, kind: str, capacity: int) -> None:
+    rig = rig_factory([(kind, capacity, RECORD_SIZE)])
+
+    class M(TableMachine):
+        pass
+
+    M.rig, M.kind, M.capacity = rig, kind, capacity
+    run_state_machine_as_test(M, settings=settings(
+        max_examples=40, stateful_step_count=60, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+# ------------------------------------------------------------------------ targeted cases
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (2, 0, 4, 1, 3), (4, 3, 2, 1, 0)])
+def test_colliding_keys_delete_by_backward_shift(rig_factory, order) -> None:
+    rig = rig_factory([("set", 64, 64)])
+    t = rig.tables[0]
+    last = t.nslots - 1  # a chain that wraps around the end of the index
+    keys = same_home_keys(t, 5, home=last)
+    others = same_home_keys(t, 3, home=0)  # homes inside the wrapped chain
+    for k in keys + others:
+        t.insert(k, k.upper())
+    assert t.stats()["max_probe"] >= 5
+    alive = set(keys + others)
+    for i in order:
+        assert t.delete(keys[i]) == 1
+        alive.discard(keys[i])
+        for k in keys + others:
+            assert t.lookup(k) == ([k.upper()] if k in alive else [])
+        healthy(t)
+    assert t.count() == len(others)
+
+
+def test_set_full_table_can_still_update(rig_factory) -> None:
+    rig = rig_factory([("set", 4, 64)])
+    t = rig.tables[0]
+    for i in range(4):
+        t.insert(i, "v")
+    with pytest.raises(TableFull):
+        t.insert(9, "v")
+    for n in range(10):
+        t.insert(2, "w" * n)  # uses the spare record, frees the old one
+    assert t.lookup(2) == ["w" * 9] and t.count() == 4
+    healthy(t)
+
+
+def test_row_too_large_writes_nothing(rig_factory) -> None:
+    rig = rig_factory([("bag", 4, 64)])
+    t = rig.tables[0]
+    t.insert("a", 1)
+    before, acq = rig.region(0).tobytes(), rig.lock.acquisitions
+    for k, v in [("a", "x" * 40), ("b" * 40, 1), ("a", {"r": "y" * 40})]:
+        with pytest.raises(RowTooLarge):
+            t.insert(k, v)
+        with pytest.raises(RowTooLarge):
+            t.insert_new(k, v)
+    assert rig.region(0).tobytes() == before and rig.lock.acquisitions == acq
+
+
+def test_watch_sees_every_write(rig_factory) -> None:
+    rig = rig_factory([("bag", 32, 64)])
+    t = rig.tables[0]
+    colliding = same_home_keys(t, 20)
+    w = t.watch(colliding[-1])  # probe chain spans buckets once the chain is long
+    assert w.member() is False and w.values() == ()
+    for k in colliding[:-1]:
+        t.insert(k, 0)
+        assert w.member() is False
+    t.insert(colliding[-1], 1)
+    assert w.member() is True and w.values() == (1,)
+    t.insert(colliding[-1], 2)
+    assert sorted(w.values()) == [1, 2]
+    for k in colliding[:-1]:
+        t.delete(k)  # shifts the watched rows back across buckets
+        assert sorted(w.values()) == [1, 2]
+    assert t.delete_object(colliding[-1], 1)
+    assert w.values() == (2,)
+    t.delete(colliding[-1])
+    assert w.member() is False and w.values() == ()
+
+
+def test_prepared_key_of_another_table_is_reprepared(rig_factory) -> None:
+    rig = rig_factory([("set", 8, 64), ("set", 100, 64)])
+    a, b = rig.tables
+    b.insert("k", 1)
+    pa = a.prepare("k")
+    assert isinstance(pa, PreparedKey) and a.prepare(pa) is pa
+    assert b.lookup(pa) == [1] and b.member(pa) and a.lookup(pa) == []
+
+
+def test_keys_compare_by_packed_bytes(rig_factory) -> None:
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    for k in (1, 1.0, True, "1", b"1", (1,), [1]):
+        t.insert(k, repr(k))
+    assert t.count() == 6  # (1,) and [1] pack alike
+    assert t.lookup((1,)) == ["[1]"] and t.lookup(True) == ["True"]
+    assert dict(t.scan())[(1,)] == "[1]"  # arrays come back as tuples
+
+
+def test_fsck_repairs_hand_made_damage(rig_factory) -> None:
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    for i in range(10):
+        t.insert(i, i)
+    idx, ver = t._idx, t._ver
+    words = idx.tolist()
+    used = [s for s in range(t.nslots) if words[2 * s]]
+    free_slots = [s for s in range(t.nslots) if not words[2 * s]]
+    # an entry pointing out of range, a duplicate entry, a hash that does not match its key,
+    # an odd version, a wrong row count and a damaged free stack
+    idx[2 * free_slots[0] + 1] = 999
+    idx[2 * free_slots[0]] = 12345
+    s1 = free_slots[1]
+    idx[2 * s1 + 1] = words[2 * used[0] + 1]
+    idx[2 * s1] = words[2 * used[0]]
+    ver[1] += 1
+    t._hq[3] = 77
+    t._free[0] = 3
+    rep = t.fsck()
+    assert rep["bad_entries"] >= 1 and rep["odd_versions"] == 1 and rep["rows"] == 1
+    assert rep["free_stack"] == 1
+    healthy(t)
+    assert sorted(k for k, _ in t.scan()) == list(range(10))
+    for i in range(10, 16):  # the free stack works: every remaining record is usable
+        t.insert(i, i)
+    with pytest.raises(TableFull):
+        t.insert(99, 0)
+    healthy(t)
+
+
+def test_fsck_set_keeps_newest_duplicate_key(rig_factory) -> None:
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    t.insert("k", "old")
+    with rig.lock:  # a second row of the same key, as a bug or crash could leave
+        r = t._write_record(t.prepare("k").kbytes, packed("new"))
+        t._publish(t.prepare("k"), r)
+    rep = t.fsck()
+    assert rep["stale_rows"] == 1
+    assert t.lookup("k") == ["new"] and t.count() == 1
+    healthy(t)
+
+
+def test_stats(rig_factory) -> None:
+    rig = rig_factory([("bag", 100, 64)])
+    t = rig.tables[0]
+    for i in range(100):
+        t.insert(i % 37, i)
+    s = t.stats()
+    assert s["rows"] == 100 == sum(s["probe_histogram"].values())
+    assert s["capacity"] == 100 and s["nslots"] == 256 and s["load"] == 100 / 256
+    assert s["max_probe"] == max(s["probe_histogram"])
+
+
+def test_layout_sizes_and_header_check(rig_factory) -> None:
+    assert Table.region_size(10_000, 1024) % 64 == 0
+    rig = rig_factory([("set", 8, 64)])
+    from shmcancel.exceptions import RegistryIncompatible
+    with pytest.raises(RegistryIncompatible):
+        Table("x", rig.region(0), kind="set", capacity=9, record_size=64,
+              hash_key=HASH_KEY, lock=rig.lock)
+    with pytest.raises(ValueError):
+        Table.region_size(8, 30)
+
+
+def test_reader_validates_records_and_falls_back_to_the_lock(rig_factory) -> None:
+    """A referenced record failing its crc is never decoded: the reader reads under the lock,
+    where it is corruption: fsck (run by the reader) drops it. An odd version (a writer killed
+    mid-mutation) sends readers to the lock, which answers correctly."""
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    t.insert("a", "va")
+    t.insert("b", "vb")
+    pa = t.prepare("a")
+    r = t._find(pa)[0][1]
+    off = t._heap + r * t.record_size + Table.RECORD_HEADER + 2
+    region = rig.region(0)
+    region[off] ^= 0xFF  # a byte of the value: the crc no longer matches
+    acq = rig.lock.acquisitions
+    assert t.lookup(pa) == [] and t.get("b") == "vb"
+    assert rig.lock.acquisitions == acq + 1  # the fallback took the lock once
+    with rig.lock:  # already repaired by the reader
+        assert t.fsck() == dict.fromkeys(t.fsck(), 0)
+    healthy(t)
+    assert t.lookup("a") == [] and t.count() == 1
+
+    pb = t.prepare("b")
+    t._ver[pb.b] += 1  # odd: as a killed writer leaves it
+    w = t.watch(pb)
+    acq = rig.lock.acquisitions
+    assert t.lookup(pb) == ["vb"] and t.member(pb) and w.values() == ("vb",)
+    assert rig.lock.acquisitions > acq
+    with rig.lock:
+        assert t.fsck()["odd_versions"] == 1
+    assert w.values() == ("vb",)
+    acq = rig.lock.acquisitions
+    assert w.member() and t.lookup(pb) == ["vb"]
+    assert rig.lock.acquisitions == acq  # healthy again: no lock
+
+
+def test_record_with_torn_header_is_rejected(rig_factory) -> None:
+    rig = rig_factory([("bag", 8, 64)])
+    t = rig.tables[0]
+    t.insert("k", "value")
+    r = t._find(t.prepare("k"))[0][1]
+    base = t._heap + r * t.record_size
+    region = rig.region(0)
+    good = region[base:base + t.record_size].tobytes()
+    for field_off in (4, 8, 16):  # klen, vlen, stamp: each is covered by the crc seed
+        region[base + field_off] ^= 1
+        assert t._record(r) is None
+        region[base:base + t.record_size] = good
+    assert t._record(r) is not None
+    region[base + 4:base + 8] = (10_000).to_bytes(4, "little")  # klen beyond the record
+    assert t._record(r) is None
+    region[base:base + t.record_size] = good
+    region[base:base + t.record_size] = bytes(t.record_size)  # all zero: invalid too
+    assert t._record(r) is None
+
+
+def test_every_read_path_takes_the_lock_on_an_odd_version(rig_factory) -> None:
+    """An odd bucket version (a writer mid-mutation, or killed there) is never trusted: each
+    lock-free path (probe, miss path with an empty or occupied home slot, watch, scan, stats)
+    retries and then answers from under the lock."""
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    for i in range(5):
+        t.insert(i, f"v{i}")
+    homes = {t.prepare(i).home for i in range(5)}
+    gap = next(k for k in (f"m{i}" for i in range(10_000)) if t.prepare(k).home not in homes)
+    busy = next(k for k in (f"m{i}" for i in range(10_000)) if t.prepare(k).home in homes)
+    w = t.watch(3)
+    assert w.values() == ("v3",)
+    t._ver[0] += 1  # the only bucket (16 slots): odd, as a killed writer leaves it
+    reads = [
+        ("lookup", lambda: t.lookup(3), ["v3"]),
+        ("member", lambda: t.member(3), True),
+        ("miss, empty home", lambda: t.member(gap), False),
+        ("miss, empty home (lookup)", lambda: t.lookup(gap), []),
+        ("miss, occupied home", lambda: t.member(busy), False),
+        ("miss, occupied home (lookup)", lambda: t.lookup(busy), []),
+        ("watch", lambda: t.watch(3).values(), ("v3",)),
+        ("scan", lambda: sorted(t.scan()), [(i, f"v{i}") for i in range(5)]),
+        ("stats", lambda: t.stats()["rows"], 5),
+    ]
+    for what, read, want in reads:
+        acq = rig.lock.acquisitions
+        assert read() == want, what
+        assert rig.lock.acquisitions == acq + 1, f"{what}: answered without the lock"
+    with rig.lock:
+        assert t.fsck()["odd_versions"] == 1
+    acq = rig.lock.acquisitions
+    for what, read, want in reads:
+        assert read() == want, what
+    assert rig.lock.acquisitions == acq  # even again: every path is lock-free
