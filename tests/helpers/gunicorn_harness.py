@@ -133,8 +133,9 @@ class Gunicorn:
     def __init__(self, target: str | None, *, registry_name: str, config: str | None = None,
                  workers: int = 3, worker_class: str = "sync", threads: int = 1,
                  env: dict | None = None, extra_args: Sequence[str] = (),
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, wait_booted: bool = True) -> None:
         self.target = target
+        self.wait_booted = wait_booted  # start() waits for the workers to be booted (see below)
         self.registry_name = registry_name
         self.config = config
         self.workers = workers
@@ -222,7 +223,8 @@ class Gunicorn:
             self.port = int(m.group(1))
             self.url = f"http://127.0.0.1:{self.port}/mcp"
             wait_until(self._accepts, deadline, what="the port to accept")
-            self.wait_workers(self.workers, deadline)
+            if self.wait_booted:
+                self.wait_workers(self.workers, deadline)
         except BaseException as e:
             self.stop()
             if isinstance(e, AssertionError):

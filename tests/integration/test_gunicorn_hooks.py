@@ -353,7 +353,9 @@ def test_worker_stopped_while_it_boots(shm_name, tmp_path):
     parked, go = tmp_path / "parked", tmp_path / "go"
     conf = tmp_path / "parking.conf.py"
     conf.write_text(_PARKING_CONF.format(parked=str(parked), go=str(go)))
-    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=1) as g:
+    # the worker parks before gunicorn installs its handlers: start() must not wait for that
+    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=1,
+                  wait_booted=False) as g:
         pid = int(wait_until(lambda: parked.exists() and parked.read_text(),
                              time.monotonic() + 10, what="the first worker to park"))
         assert g.worker_pids() == [pid]
