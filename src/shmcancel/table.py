@@ -68,6 +68,7 @@ import os
 import struct
 import time
 import zlib
+from array import array
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -89,6 +90,7 @@ BUCKET_SLOTS = 16  # index slots per seqlock bucket
 READ_RETRIES = 64  # optimistic attempts before a reader falls back to the lock
 _SPIN_BEFORE_YIELD = 4
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
+SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
 
 _HDR = struct.Struct("<8sIIII")  # magic, capacity, record_size, nslots, nbuckets
 _REC = struct.Struct("<IIIIQ")  # crc, klen, vlen, reserved, stamp
@@ -955,6 +957,15 @@ class Table:
         hold, after the chunk's deletions, with the (key, value) pairs deleted. Returns the
         rows deleted. When the caller already holds the lock everything runs in its hold."""
         lock = self._lock
+        if pred is None and len(rows) >= SWEEP_BULK:
+            bulk = self._bulk_delete(rows)
+            if bulk is not None:
+                if on_chunk is not None:  # in key order: a slice sees few distinct keys
+                    bulk.sort(key=lambda kv: _pack(kv[0]))
+                    for c in range(0, len(bulk), 4 * SWEEP_BULK):
+                        with lock:
+                            on_chunk(bulk[c:c + 4 * SWEEP_BULK])
+                return len(bulk)
         n = 0
         i = 0
         total = len(rows)
@@ -994,6 +1005,77 @@ class Table:
                     on_chunk(gone)
                 n += len(gone)
         return n
+
+    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]],
+                     tries: int = 3) -> list[tuple[Any, Any]] | None:
+        """Delete those of ``rows`` still present unchanged in one short hold: the new index
+        (every other entry re-inserted from its home slot, so no probe crosses an empty slot)
+        and free stack are computed lock-free from a consistent copy, then stored under the lock
+        with two slice copies, if no bucket version moved since the copy (no writer touched the
+        index, so no referenced record changed either). Returns the (key, value) pairs deleted,
+        or None when writers kept moving the index (``tries`` times) or the counters are
+        implausible: the caller falls back to deleting row by row."""
+        ver, idx, mask = self._ver, self._idx, self._mask
+        want = {(h, r): kb + vb for h, r, kb, vb in rows}
+        buf, heap, rsize = self._buf, self._heap, self.record_size
+        for attempt in range(tries):
+            if attempt:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            words = idx.tolist()
+            top = self._hq[_TOP]
+            freed: list[int] = []
+            gone = []
+            new = [0] * self._nwords
+            for j in range(0, self._nwords, 2):
+                h = words[j]
+                if not h:
+                    continue
+                r = words[j + 1]
+                body = want.get((h, r))
+                if body is not None:
+                    off = heap + r * rsize
+                    kl, vl = _LENS.unpack_from(buf, off + 4)
+                    if kl + vl == len(body) and \
+                            buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
+                        freed.append(r)
+                        gone.append((body[:kl], body[kl:]))
+                        continue
+                k = 2 * (h & mask)
+                for _ in range(self.nslots):
+                    if not new[k]:
+                        break
+                    k = (k + 2) & self._wmask
+                new[k] = h
+                new[k + 1] = r
+            if ver.tolist() != v0:
+                continue
+            if not gone:
+                return []
+            if top + len(freed) > self.capacity + 1:
+                return None
+            nidx = array("Q", new)
+            nfree = array("I", freed)
+            odd = array("Q", [v + 1 for v in v0])
+            even = array("Q", [v + 2 for v in v0])
+            lock = self._lock
+            with lock:
+                if ver.tolist() != v0 or self._hq[_TOP] != top:
+                    continue
+                hq = self._hq
+                rows_now = hq[_ROWS]
+                lock.dirty = True
+                ver[:] = odd
+                idx[:] = nidx
+                ver[:] = even
+                self._free[top:top + len(freed)] = nfree
+                hq[_TOP] = top + len(freed)
+                hq[_ROWS] = max(0, rows_now - len(freed))
+                lock.dirty = False
+            return [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
+        return None
 
     def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
         """Remove every row for which ``pred(key, value)`` is true; returns how many. ``pred``
