@@ -227,15 +227,29 @@ class ShmBackend:
         counter move with each chunk, so they always match the rows at a release."""
         if self._lock.held_by_me():
             return self._evict_locked(batch)
-        raw = {}
-        ranked = []
-        for row in self._c.sweep_rows():
-            r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
-            if r is not None:
-                raw[r[0], r[1]] = row
-                ranked.append((r[0], r[1], r[3]))
-        victims = [raw[k] for k in eviction.choose(ranked, batch)]
-        return self._c.sweep_delete(victims, on_chunk=self._evicted) if victims else 0
+        total = 0
+        for _ in range(3):  # a victim rewritten meanwhile is replaced by the next in order
+            raw = {}
+            ranked = []
+            for row in self._c.sweep_rows():
+                r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
+                if r is not None:
+                    raw[r[0], r[1]] = row
+                    ranked.append((r[0], r[1], r[3]))
+            keys = eviction.choose(ranked, batch)
+            if not keys:
+                break
+            gone: set[Any] = set()
+
+            def evicted(chunk: list[tuple[Any, Any]], gone: set[Any] = gone) -> None:
+                self._evicted(chunk)
+                gone.update(k for k, _ in chunk)
+
+            total += self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted)
+            batch = sum(1 for k in keys if k not in gone and self._c.member(self._ck(*k)))
+            if not batch:
+                break
+        return total
 
     def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
         """Under the lock: count the chunk ``gone`` as evicted and out of its scopes."""
