@@ -962,9 +962,9 @@ class Table:
             if bulk is not None:
                 if on_chunk is not None:  # in key order: a slice sees few distinct keys
                     bulk.sort(key=lambda kv: _pack(kv[0]))
-                    for c in range(0, len(bulk), 4 * SWEEP_BULK):
+                    for c in range(0, len(bulk), 2 * SWEEP_BULK):
                         with lock:
-                            on_chunk(bulk[c:c + 4 * SWEEP_BULK])
+                            on_chunk(bulk[c:c + 2 * SWEEP_BULK])
                 return len(bulk)
         n = 0
         i = 0
