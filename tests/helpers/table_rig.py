@@ -27,6 +27,9 @@ class SemLock:
         self._owner: int | None = None
         self._depth = 0
 
+    def held_by_me(self) -> bool:
+        return self._owner == threading.get_ident() and self._depth > 0
+
     def __enter__(self) -> SemLock:
         me = threading.get_ident()
         if self._owner != me:

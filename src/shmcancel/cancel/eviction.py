@@ -8,8 +8,11 @@ them); ``scope`` and ``request_id`` only break exact ties, so the choice is dete
 sizes are counted once, before any row goes. The batch is always full (``min(batch, rows)``), so
 a lone writer pays for the full scan at most once per ``batch`` inserts.
 
-This module knows nothing of storage: backends hand it the rows and delete what it picks, under
-their own lock.
+This module knows nothing of storage: backends hand it the rows and delete what it picks. The
+shared-memory backend ranks a lock-free read of the rows and deletes the batch in short holds,
+re-validating each row under the lock (see ``ShmBackend.evict``): without concurrent writers the
+batch is exactly this one; a row another writer clears or rewrites meanwhile is not the row that
+was ranked and stays (the caller re-checks the cap and evicts again if still at it).
 """
 
 from __future__ import annotations

@@ -268,22 +268,34 @@ class Cancellation:
         if only_in_flight and not st.in_flight(scope, rid):
             return False
         text = sanitize(reason)
-        with st.atomic():
-            if only_in_flight and not st.in_flight(scope, rid):
-                return False
-            if not st.exists(scope, rid):
-                if self._quota is not None and st.scope_rows(scope) >= self._quota:
-                    raise CancellationLimitReached(
-                        f"scope {scope[:80]!r} already holds {self._quota} cancellation rows"
-                    )
-                if st.rows() >= self._cap:
-                    st.evict(self._batch)
-            now = self.clock()
-            try:
-                st.put(scope, rid, text, now)
-            except TableFull:  # the physical table filled below the cap: make room, once
-                st.evict(self._batch)
-                st.put(scope, rid, text, now)
+        # At the cap the batch is evicted outside the lock (in short holds, see
+        # ShmBackend.evict) and the checks run again; after ``tries`` such rounds (other
+        # writers refilling the table meanwhile) the eviction runs under the held lock.
+        tries = 3
+        for attempt in range(tries + 1):
+            full = False
+            with st.atomic():
+                if only_in_flight and not st.in_flight(scope, rid):
+                    return False
+                if not st.exists(scope, rid):
+                    if self._quota is not None and st.scope_rows(scope) >= self._quota:
+                        raise CancellationLimitReached(
+                            f"scope {scope[:80]!r} already holds {self._quota} cancellation rows"
+                        )
+                    if st.rows() >= self._cap:
+                        full = attempt < tries
+                        if not full:
+                            st.evict(self._batch)
+                if not full:
+                    now = self.clock()
+                    try:
+                        st.put(scope, rid, text, now)
+                    except TableFull:  # the physical table filled below the cap: make room
+                        st.evict(self._batch)
+                        st.put(scope, rid, text, now)
+            if not full:
+                break
+            st.evict(self._batch)
         telemetry.execute(
             CANCELLED_EVENT, {"count": 1}, {"request_id": rid, "scope": scope, "reason": text}
         )

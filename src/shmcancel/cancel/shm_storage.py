@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections import Counter
 from collections.abc import Callable, Container
 from typing import Any
@@ -14,7 +15,7 @@ from ..config import Config
 from ..exceptions import TableFull
 from ..shm import procinfo
 from ..shm.registry import Registry
-from ..shm.table import PreparedKey
+from ..shm.table import PreparedKey, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage
 
@@ -137,6 +138,53 @@ class ShmBackend:
             return new
 
     def evict(self, batch: int) -> int:
+        """Remove the first ``batch`` rows in SPEC §4.4's order. Unless the caller holds the
+        lock, the batch is chosen from a lock-free read of every row and deleted in short
+        holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
+        left alone: it is no longer the row that was ranked); scope counts and the eviction
+        counter move with each chunk, so they always match the rows at a release."""
+        if self._lock.held_by_me():
+            return self._evict_locked(batch)
+        total = 0
+        for _ in range(3):  # a victim rewritten meanwhile is replaced by the next in order
+            raw = {}
+            ranked = []
+            for row in self._c.sweep_rows():
+                r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
+                if r is not None:
+                    raw[r[0], r[1]] = row
+                    ranked.append((r[0], r[1], r[3]))
+            keys = eviction.choose(ranked, batch)
+            if not keys:
+                break
+            gone: set[Any] = set()
+
+            def evicted(chunk: list[tuple[Any, Any]], gone: set[Any] = gone) -> None:
+                self._evicted(chunk)
+                gone.update(k for k, _ in chunk)
+
+            total += self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted)
+            batch = sum(1 for k in keys if k not in gone and self._c.member(self._ck(*k)))
+            if not batch:
+                break
+        return total
+
+    def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
+        """Under the lock: count the chunk ``gone`` as evicted and out of its scopes."""
+        self._uncount(gone)
+        self.reg.add_evictions(len(gone))
+
+    def _uncount(self, gone: list[tuple[Any, Any]]) -> None:
+        """Under the lock: take the well-formed rows of ``gone`` out of their scopes' counts."""
+        per_scope: Counter[str] = Counter()
+        for k, v in gone:
+            r = _cancel_row(k, v)
+            if r is not None:
+                per_scope[r[0]] += 1
+        for scope, n in per_scope.items():
+            self._add(scope, -n)
+
+    def _evict_locked(self, batch: int) -> int:
         with self._lock:
             victims = eviction.choose(((s, i, t) for s, i, _, t in self.cancellations()), batch)
             per_scope: Counter[str] = Counter()
@@ -174,6 +222,60 @@ class ShmBackend:
             return True
 
     def expire(self, now: float, ttl: float) -> int:
+        """Remove the rows older than ``ttl`` (and malformed ones), then repair scope counts
+        that drifted (a writer killed between a count and its row). Unless the caller holds
+        the lock: rows chosen lock-free, deleted in short holds re-validated under the lock,
+        and the count repair applied only when no writer ran since it was computed."""
+        if self._lock.held_by_me():
+            return self._expire_locked(now, ttl)
+        doomed = []
+        for row in self._c.sweep_rows():
+            r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
+            if r is None or now - r[3] > ttl:
+                doomed.append(row)
+        doomed.sort(key=lambda row: row[2])  # by packed key: a chunk touches few scope counts
+        removed = self._c.sweep_delete(doomed, on_chunk=self._uncount) if doomed else 0
+        self._repair_counts()
+        return removed
+
+    def _repair_counts(self, attempts: int = 3, chunk: int = 64) -> None:
+        """Make ``scope_counts`` match the rows: compare both tables read lock-free between two
+        equal idle lock generations, then apply at most ``chunk`` corrections under the lock if
+        no writer took it since (else try again, ``attempts`` times; the next sweep goes on)."""
+        lock = self._lock
+        for attempt in range(attempts):
+            if attempt:
+                os.sched_yield()
+            g0 = lock.idle_generation()
+            if g0 is None:
+                continue
+            counts: Counter[bytes] = Counter()
+            for row in self._c.sweep_rows():
+                r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
+                if r is not None:
+                    counts[self._digest(r[0])] += 1
+            fixes: list[tuple[Any, int]] = []
+            for row in self._n.sweep_rows():
+                d, n = _unpack(row[2]), _unpack(row[3])
+                if counts.get(d) != n:
+                    fixes.append((d, counts.get(d, 0)))
+                counts.pop(d, None)
+            fixes.extend(counts.items())
+            if lock.idle_generation() != g0:
+                continue
+            if not fixes:
+                return
+            with lock:
+                if lock.generation != g0 + 1:  # a writer ran between the reads and now
+                    continue
+                for d, n in fixes[:chunk]:
+                    if n:
+                        self._n.insert(d, n)
+                    else:
+                        self._n.delete(d)
+            return
+
+    def _expire_locked(self, now: float, ttl: float) -> int:
         with self._lock:
             removed = 0
             counts: Counter[bytes] = Counter()

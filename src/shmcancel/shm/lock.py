@@ -185,6 +185,14 @@ class RegistryLock:
         """(pid, start) recorded as holder, or None."""
         return procinfo.unpack_owner(self._w[_OWNER])
 
+    def idle_generation(self) -> int | None:
+        """The generation while nobody holds the lock, else None. Read before and after a
+        lock-free read of several tables: the same value twice (and ``generation`` one above
+        it once this thread holds the lock) means no writer ran in between, because every
+        holder bumps the generation after taking the semaphore and before its first store."""
+        gen = self._w[_GEN]
+        return gen if self._sem.value > 0 else None
+
     def held_by_me(self) -> bool:
         """True when the calling thread holds the lock."""
         return self._st.holder == threading.get_ident() and self._st.depth > 0

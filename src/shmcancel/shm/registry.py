@@ -188,6 +188,9 @@ class _ReadOnlyLock:
     def held_by_me(self) -> bool:
         return False
 
+    def idle_generation(self) -> int | None:
+        return None
+
     def recover_from(self, pid: int) -> bool:
         return False
 

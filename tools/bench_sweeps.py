@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""How long sweeps hold the registry lock, and what other processes' writes wait meanwhile.
+
+    python tools/bench_sweeps.py [--rows 10000] [--reps 5] [--seconds 3]
+
+Every outermost hold of the registry lock in this process is timed (``RegistryLock.__enter__``
+and ``__exit__`` wrapped here, in the benchmark only). Over a full cancellations table of
+``--rows`` rows (``max_rows`` = ``--rows``, scopes of ~170 rows, under the default quota):
+
+- ``evict``: one ``cancel`` at the cap, which evicts a batch of ``rows // 20``;
+- ``cleanup, none expired``: ``Cancellation.cleanup()`` over the full table, nothing to remove;
+- ``cleanup, all expired``: the same once every row is past ``ttl``;
+
+each printed as the median over ``--reps`` of the operation's wall time, its longest single lock
+hold and its total lock time (milliseconds), in wall time and in this thread's CPU time (on a
+loaded machine a holder preempted mid-hold makes the wall figure a scheduler's time slice).
+Then two other processes run ``begin`` + ``end`` pairs for ``--seconds`` while this one repeats
+evictions and cleanups, and again with this one idle: their pair latency p50 / p99 / max
+(microseconds). Targets (issue #9): longest hold
+<= 1 ms; total lock time per eviction batch and per full sweep <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shmcancel import Config
+from shmcancel.cancellation import Cancellation
+from shmcancel.shm.lock import RegistryLock
+from shmcancel.shm.registry import Registry
+
+_now = time.perf_counter
+
+_cpu = time.thread_time
+
+holds: list[tuple[float, float]] = []  # (wall, this thread's CPU time) of each hold, seconds
+
+
+def _instrument() -> None:
+    """Record every outermost hold of any RegistryLock of this process into ``holds``."""
+    enter, exit_ = RegistryLock.__enter__, RegistryLock.__exit__
+    t0: dict[int, tuple[float, float]] = {}
+
+    def timed_enter(self: RegistryLock) -> RegistryLock:
+        outer = not self.held_by_me()
+        r = enter(self)
+        if outer:
+            t0[id(self)] = (_now(), _cpu())
+        return r
+
+    def timed_exit(self: RegistryLock, et: Any, ev: Any, tb: Any) -> None:
+        outer = self.held_by_me() and self._st.depth == 1
+        exit_(self, et, ev, tb)
+        if outer:
+            w, c = t0.pop(id(self))
+            holds.append((_now() - w, _cpu() - c))
+
+    RegistryLock.__enter__ = timed_enter  # type: ignore[method-assign]
+    RegistryLock.__exit__ = timed_exit  # type: ignore[method-assign]
+
+
+@contextmanager
+def _registry(rows: int) -> Iterator[Registry]:
+    name = f"bench-sweeps-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    reg = Registry.create(name, Config(max_rows=rows, janitor_interval=3600.0))
+    try:
+        yield reg
+    finally:
+        reg.unlink()
+        reg.close()
+
+
+def _fill(c: Cancellation, rows: int, start: int = 0) -> None:
+    for i in range(start, start + rows):
+        c.cancel(i, "bench", f"ip:s{i % 60}")
+
+
+def _measure(op: Callable[[], object]) -> tuple[float, ...]:
+    """(wall, longest hold, longest hold CPU, total hold, total hold CPU) of ``op()``, ms."""
+    holds.clear()
+    t = _now()
+    op()
+    wall = _now() - t
+    w = [h[0] for h in holds] or [0.0]
+    c = [h[1] for h in holds] or [0.0]
+    return tuple(x * 1e3 for x in (wall, max(w), max(c), sum(w), sum(c)))
+
+
+def _row(label: str, runs: list[tuple[float, ...]]) -> None:
+    med = [statistics.median(x) for x in zip(*runs, strict=True)]
+    print(f"{label:<26} " + " ".join(f"{x:9.2f}" for x in med))
+
+
+def _writer(name: str, go: Any, stop: Any, out: Connection, k: int) -> None:
+    c = Cancellation(Registry.attach(name))
+    lat: list[float] = []
+    go.wait(30)
+    i = 0
+    while not stop.is_set():
+        t = _now()
+        c.begin(f"w{k}-{i}", f"ip:w{k}").end()
+        lat.append(_now() - t)
+        i += 1
+    out.send(lat)
+
+
+def _contended(name: str, seconds: float, work: Callable[[], object] | None) -> list[float]:
+    ctx = mp.get_context("fork")
+    go, stop = ctx.Event(), ctx.Event()
+    pipes, procs = [], []
+    for k in range(2):
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_writer, args=(name, go, stop, w, k), daemon=True)
+        p.start()
+        pipes.append(r)
+        procs.append(p)
+    go.set()
+    end = _now() + seconds
+    while _now() < end:
+        if work is not None:
+            work()
+        else:
+            time.sleep(0.01)
+    stop.set()
+    lat: list[float] = []
+    for r in pipes:
+        if r.poll(30):
+            lat.extend(r.recv())
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return sorted(lat)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    args = ap.parse_args(argv)
+    rows = args.rows
+    _instrument()
+    print(f"{rows} rows, ms (median of {args.reps}): "
+          "wall  max hold   max cpu  total hold  total cpu")
+    clock = [1000.0]
+    with _registry(rows) as reg:
+        c = Cancellation(reg, clock=lambda: clock[0])
+        _fill(c, rows)
+        n = rows
+        runs = []
+        for _ in range(args.reps):
+            runs.append(_measure(lambda: c.cancel(n, "bench", "ip:new")))  # noqa: B023
+            _fill(c, rows - reg.cancellations.count(), n + 1)
+            n += rows
+        _row("evict (cancel at the cap)", runs)
+        _row("cleanup, none expired", [_measure(c.cleanup) for _ in range(args.reps)])
+        runs = []
+        for _ in range(args.reps):
+            clock[0] += 10 * reg.config.ttl
+            runs.append(_measure(c.cleanup))
+            _fill(c, rows, n)
+            n += rows
+        _row("cleanup, all expired", runs)
+
+        def sweeps() -> None:
+            nonlocal n
+            c.cancel(n, "bench", "ip:new")
+            _fill(c, rows - reg.cancellations.count(), n + 1)
+            n += rows
+            c.cleanup()
+
+        print("other processes' begin+end, us:   p50      p99      max    pairs")
+        for label, work in (("idle", None), ("while sweeping", sweeps)):
+            lat = _contended(reg.name, args.seconds, work)
+            if not lat:
+                print(f"{label:<26} no samples")
+                continue
+            q = [lat[int(f * (len(lat) - 1))] * 1e6 for f in (0.5, 0.99)]
+            print(f"{label:<26} {q[0]:9.1f} {q[1]:8.1f} {lat[-1] * 1e6:8.0f} {len(lat):8d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
