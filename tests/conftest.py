@@ -80,3 +80,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             unlink_registry_names(TEST_PREFIX + name)
         print(f"\nshmcancel tests left {len(left)} file(s) in {SHM_DIR}: {sorted(left)[:10]}")
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[object]:
+    """A real redis-server for the whole run (loopback, free port, no persistence), stopped
+    by pid at the end; tests keep apart by key prefix (``redis_prefix``)."""
+    from redis_server import running
+    with running() as srv:
+        yield srv
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix unique to this test."""
+    from redis_server import unique_prefix
+    return unique_prefix()
