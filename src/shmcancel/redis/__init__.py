@@ -11,8 +11,9 @@ Needs the optional dependency ``redis`` (``pip install shmcancel[redis]``).
 
 from __future__ import annotations
 
-from .bridge import Bridge, current, start, stop
+from .bridge import Bridge, current, start, start_from_env, stop
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
 
-__all__ = ["Bridge", "RedisCancellation", "RedisStore", "connect", "current", "start", "stop"]
+__all__ = ["Bridge", "RedisCancellation", "RedisStore", "connect", "current", "start",
+           "start_from_env", "stop"]

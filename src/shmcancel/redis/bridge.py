@@ -37,7 +37,7 @@ from ._compat import ids
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
 
-__all__ = ["Bridge", "current", "start", "stop"]
+__all__ = ["Bridge", "current", "start", "start_from_env", "stop"]
 
 log = logging.getLogger("shmcancel.redis")
 
@@ -232,3 +232,21 @@ def stop() -> None:
         b, _current = _current, None
     if b is not None and b._pid == os.getpid():
         b.stop()
+
+
+def start_from_env(registry: Any, url: str) -> Bridge:
+    """:func:`start` with settings from the environment (the gunicorn integration):
+    ``SHMCANCEL_REDIS_PREFIX`` (default ``shmcancel:``), ``SHMCANCEL_REDIS_TIMEOUT`` (seconds,
+    0.5), ``SHMCANCEL_REDIS_LEASE`` (seconds, 10), ``SHMCANCEL_HOST_ID`` (the host name)."""
+    def seconds(name: str, default: float) -> float:
+        raw = os.environ.get(name)
+        try:
+            v = float(raw) if raw else default
+        except ValueError:
+            v = -1.0
+        if not 0 < v <= 3600:
+            raise ValueError(f"{name} must be seconds in (0, 3600], got {raw!r}")
+        return v
+    return start(registry, url, prefix=os.environ.get("SHMCANCEL_REDIS_PREFIX", "shmcancel:"),
+                 timeout=seconds("SHMCANCEL_REDIS_TIMEOUT", 0.5),
+                 lease=seconds("SHMCANCEL_REDIS_LEASE", 10.0))
