@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from gunicorn_harness import Gunicorn, wait_until
 from mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
-from redis_server import RedisServer, unique_prefix
+from redis_server import unique_prefix
 
-import redis
 from shmcancel import errors
 
 APP = "tests.apps.transport_app:app"
