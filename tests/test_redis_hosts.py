@@ -19,7 +19,7 @@ import pytest
 import redis
 from gunicorn_harness import Gunicorn, wait_until
 from mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
-from redis_server import unique_prefix
+from redis_server import RedisServer, unique_prefix
 
 from shmcancel import errors
 
@@ -186,3 +186,85 @@ def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdi
         with pytest.raises(httpx.HTTPError):
             call.result()
     r.close()
+
+
+def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """Redis SIGKILLed mid-run: no request fails, same-host cancellation keeps working, the
+    outage is logged once per worker, and cross-host cancellation resumes after a restart."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        na, nb = two_names(shm_name, shm_names)
+        prefix = unique_prefix()
+        with host(na, "A", srv.url, prefix, outdir) as a, \
+                host(nb, "B", srv.url, prefix, outdir) as b:
+            c = Client(a.url)
+            reply, _ = cross_cancel(a, b, outdir, c, "before")
+            assert reply["error"]["code"] == errors.REQUEST_CANCELLED
+
+            failures: list[Any] = []
+            calls = [0]
+            stop = threading.Event()
+
+            def load() -> None:  # echo on both hosts, as fast as it goes
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    url = (a.url, b.url)[i % 2]
+                    try:
+                        rep = c.call(url, f"e{i}", "echo", {"text": str(i)})
+                        if rep.get("result", {}).get("content", [{}])[0].get("text") != str(i):
+                            failures.append(rep)
+                    except Exception as e:
+                        failures.append(repr(e))
+                    calls[0] += 1
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+
+            def same_host_cancel(rid: str) -> None:
+                t = tag()
+                call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 20, "tag": t}))
+                call.start()
+                wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+                assert c.cancel(a.url, rid).status_code == 202
+                rep = call.result()
+                assert rep["error"]["code"] == errors.REQUEST_CANCELLED, rep
+
+            same_host_cancel("s0")
+            srv.kill()
+            for i in range(1, 6):
+                same_host_cancel(f"s{i}")
+            before = calls[0]
+            wait_until(lambda: calls[0] >= before + 20 or None, time.monotonic() + 20,
+                       what="requests served while Redis is down")
+            srv.start()
+
+            def cross_works() -> bool | None:
+                rep, _ = cross_cancel_short(a, b, outdir, c)
+                return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
+            wait_until(cross_works, time.monotonic() + 30, interval=0.1,
+                       what="cross-host cancellation to resume")
+            same_host_cancel("after")
+            stop.set()
+            loader.join(30)
+            assert failures == []
+            log = a.log() + b.log()
+            assert 1 <= log.count("Redis unreachable") <= 4  # once per worker, not per request
+            assert "Redis answers again" in log
+    finally:
+        srv.stop()
+
+
+def cross_cancel_short(a: Gunicorn, b: Gunicorn, outdir: str,
+                       c: Client) -> tuple[dict[str, Any], float]:
+    """:func:`cross_cancel` with a sleep that ends by itself within a second when the
+    cancellation does not get through."""
+    t = tag()
+    rid = "x" + t
+    call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 1.0, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    acked = time.monotonic()
+    assert c.cancel(b.url, rid).status_code == 202
+    return call.result(), call.done_at - acked
