@@ -104,7 +104,7 @@ def flow(run_on: str, cancel_on: str, outdir: str, rounds: int) -> list[float]:
         tag = "b" + uuid.uuid4().hex[:10]
         box: dict = {}
 
-        def call(i: int = i, tag: str = tag) -> None:
+        def call(i: int = i, tag: str = tag, box: dict = box) -> None:
             r = c.post(run_on, {"jsonrpc": "2.0", "id": i, "method": "tools/call",
                                 "params": {"name": "sleep",
                                            "arguments": {"seconds": 20, "tag": tag}}})
@@ -129,7 +129,7 @@ def flow(run_on: str, cancel_on: str, outdir: str, rounds: int) -> list[float]:
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] * 1000
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] * 1000
 
 
 def main() -> int:
