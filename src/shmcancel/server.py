@@ -482,7 +482,6 @@ class McpServer:
         st = self._process_state()
         if (st.sessions.get(sid) is None and _adopt_session(st, sid) is None) \
                 or not st.sessions.delete(sid):  # type: ignore[arg-type]
-            # (sid was validated by _session_error above)
             return _error_reply(404, None, errors.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
         if (rb := _bridge()) is not None:

@@ -170,8 +170,8 @@ class SessionStore:
         self._tick()
         now = self._clock()
         digest = self.client_digest(client)
-        sid = session_id if valid_session_id(session_id) else secrets.token_urlsafe(24)
-        assert sid is not None
+        sid = session_id if session_id is not None and valid_session_id(session_id) \
+            else secrets.token_urlsafe(24)
         value = (now, now, protocol_version, digest)
         for attempt in range(_PLAN_TRIES + 1):
             last = attempt == _PLAN_TRIES
