@@ -268,3 +268,44 @@ def cross_cancel_short(a: Gunicorn, b: Gunicorn, outdir: str,
     acked = time.monotonic()
     assert c.cancel(b.url, rid).status_code == 202
     return call.result(), call.done_at - acked
+
+
+def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
+                                                 shm_names: list[str]) -> None:
+    """A Redis that stops answering (SIGSTOP): calls on both hosts are served, each delayed by
+    no more than the client timeout (0.2 s here) plus slack, same-host cancellation works, and
+    after SIGCONT cross-host cancellation resumes."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        na, nb = two_names(shm_name, shm_names)
+        prefix = unique_prefix()
+        with host(na, "A", srv.url, prefix, outdir) as a, \
+                host(nb, "B", srv.url, prefix, outdir) as b:
+            c = Client(a.url)
+            assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                for i in range(8):
+                    url = (a.url, b.url)[i % 2]
+                    t0 = time.monotonic()
+                    rep = c.call(url, i, "echo", {"text": str(i)})
+                    assert rep["result"]["content"][0]["text"] == str(i), rep
+                    assert time.monotonic() - t0 < 3.0  # generous: the bound is 2 x 0.2 s
+                t = tag()
+                call = Background(lambda: c.call(a.url, "s", "sleep", {"seconds": 20, "tag": t}))
+                call.start()
+                wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+                assert c.cancel(a.url, "s").status_code == 202
+                assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+
+            def cross_works() -> bool | None:
+                rep, _ = cross_cancel_short(a, b, outdir, c)
+                return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
+            wait_until(cross_works, time.monotonic() + 30, interval=0.1,
+                       what="cross-host cancellation to resume")
+    finally:
+        srv.stop()
