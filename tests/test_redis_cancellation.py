@@ -257,4 +257,20 @@ def test_keys_carry_the_prefix_and_scope_hash_tag(redis_server, redis_prefix):
     assert keys and all(k.startswith(redis_prefix) for k in keys)
     tagged = [k for k in keys if "{g}" not in k]
     tags = {k[k.index("{"):k.index("}") + 1] for k in tagged}
-    assert len(tags) == 1 and len(tagged) == 3  # :c, :t, :if:<rid> share one slot
+    assert len(tags) == 1 and len(tagged) == 4  # :c, :t, :ifs, :if:<rid> share one slot
+
+
+def test_cancel_scope_reaches_every_host(redis_server, redis_prefix):
+    a = make(redis_server, redis_prefix, host="A")
+    b = make(redis_server, redis_prefix, host="B")
+    a.track(1, "session:s")
+    b.track(2, "session:s")
+    b.track(3, "session:other")
+    ended = b.track(4, "session:s")
+    assert ended is not None
+    b.untrack_token("session:s", "4", ended)
+    assert a.cancel_scope("session:s", "deleted") == 2
+    assert a.cancelled(1, "session:s") and a.cancelled(2, "session:s")
+    assert not a.cancelled(3, "session:other") and not a.cancelled(4, "session:s")
+    assert a.store.client.llen(a.store.box_key(a.box)) == 1
+    assert b.store.client.llen(b.store.box_key(b.box)) == 1

@@ -135,6 +135,25 @@ def test_sleep_on_a_cancelled_through_b(hosts: Any, outdir: str) -> None:
         assert latency < 5.0  # generous: delivery is a BLPOP wake-up, then a 2 ms local poll
 
 
+def test_delete_on_b_ends_the_session_and_its_call_on_a(hosts: Any, outdir: str) -> None:
+    """SPEC §6.1's DELETE, sent to another host than the one running the call: the call ends
+    -32800 and the session is gone on both hosts."""
+    a, b, _ = hosts
+    c = Client(a.url)
+    assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # B holds it too now
+    t = tag()
+    call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    h = {"Mcp-Session-Id": c.sid or "", "MCP-Protocol-Version": LEGACY}
+    assert httpx.delete(b.url, headers=h, timeout=10).status_code == 204
+    assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    wait_until(lambda: c.post(a.url, ping).status_code == 404 or None, time.monotonic() + 10,
+               what="the session to end on A")
+    assert c.post(b.url, ping).status_code == 404
+
+
 def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
     """Another session naming the same request id on B cancels nothing on A."""
     a, b, _ = hosts

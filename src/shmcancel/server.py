@@ -484,9 +484,10 @@ class McpServer:
                 or not st.sessions.delete(sid):  # type: ignore[arg-type]
             return _error_reply(404, None, errors.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
-        if (rb := _bridge()) is not None:
-            rb.delete_session(sid)
         n = st.cancellation.cancel_scope(st.cancellation.scope(environ), "session deleted")
+        if (rb := _bridge()) is not None:  # its calls and its copies on other hosts
+            rb.cancel_scope(st.cancellation.scope(environ), "session deleted")
+            rb.delete_session(sid)
         if n:
             log.info("session deleted: cancelled %d request(s) in flight", n)
         return _Reply(204)

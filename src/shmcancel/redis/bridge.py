@@ -33,7 +33,7 @@ from typing import Any
 from shmcancel.config import Config
 from shmcancel.exceptions import CancellationLimitReached
 
-from ._compat import ids
+from ._compat import ids, session_store_class
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
 
@@ -69,6 +69,7 @@ class Bridge:
         self.down = False
         self.delivered = 0
         self._pid = os.getpid()
+        self._sessions: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_sweep = time.monotonic() + cfg.janitor_interval
@@ -135,17 +136,37 @@ class Bridge:
             return False
 
     def publish_session(self, sid: str, version: str, client: str) -> None:
+        """A session minted here (or adopted here): stored for other hosts, and this worker's
+        box listed to hear of its deletion elsewhere."""
         self._guard("session", self.store.put_session, sid, version, client,
-                    now_ms=int(time.time() * 1000))
+                    now_ms=int(time.time() * 1000), box=self.remote.box)
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
+        """``(protocol_version, client)`` of a session another host minted; the caller adopts
+        it, so this worker is listed as a holder."""
         got = self._guard("session", self.store.get_session, sid)
-        if got is not None:
-            self._guard("session", self.store.touch_session, sid)
-        return got if isinstance(got, tuple) else None
+        if isinstance(got, tuple):
+            self.publish_session(sid, got[0], got[1])
+            return got
+        return None
 
     def delete_session(self, sid: str) -> None:
-        self._guard("session", self.store.delete_session, sid)
+        """A session ended here: forgotten in Redis, and every other host holding it deletes
+        its copy (through the boxes)."""
+        self._guard("session", self.store.delete_session, sid, own_box=self.remote.box,
+                    box_lease_ms=int(self.remote.lease * 1000))
+
+    def cancel_scope(self, scope: str, reason: object) -> int:
+        """Cancel every request in flight in ``scope`` on any host (a session's ``DELETE``);
+        how many were recorded. Stops quietly at the scope's quota, as the local one does."""
+        from redis.exceptions import RedisError
+        if self.down:
+            return 0
+        try:
+            return self.remote.cancel_scope(scope, reason)
+        except (RedisError, OSError) as e:
+            self._failed("cancel_scope", e)
+            return 0
 
     # ------------------------------------------------------------------ the thread
 
@@ -196,9 +217,20 @@ class Bridge:
                 log.exception("shmcancel redis bridge: unexpected error")
                 self._stop.wait(self.retry)
 
+    def _session_store(self) -> Any:
+        if self._sessions is None:
+            self._sessions = session_store_class()(self.registry)
+        return self._sessions
+
     def _apply(self, raw: bytes) -> None:
         got = RedisStore.decode_box_item(raw)
         if got is None:
+            return
+        if isinstance(got, str):  # a session deleted on another host
+            try:
+                self._session_store().delete(got)
+            except Exception as e:
+                log.warning("could not end a session deleted on another host: %s", e)
             return
         scope, rid, reason = got
         try:

@@ -132,6 +132,17 @@ class RedisCancellation:
         if rid is not None:
             self.store.clear(scope, rid)
 
+    def cancel_scope(self, scope: str, reason: object = None) -> int:
+        """Cancel every request in flight in ``scope`` on any host, each one gated and recorded
+        atomically (one that ended since the scan gets no row). Stops quietly at the quota."""
+        n = 0
+        for rid in self.store.in_flight_ids(scope):
+            try:
+                n += self._record(rid, reason, scope, gate=True)
+            except CancellationLimitReached:
+                break
+        return n
+
     # --- in-flight rows
     def track(self, request_id: object, scope: str = "global") -> int | None:
         """Add an in-flight row owned by this process; returns its token (for

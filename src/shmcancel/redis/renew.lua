@@ -5,8 +5,11 @@ local missing = {}
 for i, k in ipairs(KEYS) do
   if redis.call('ZADD', k, 'XX', 'CH', ARGV[1], ARGV[i + 1]) == 0 and not redis.call('ZSCORE', k, ARGV[i + 1]) then
     missing[#missing + 1] = i
-  elseif redis.call('PEXPIRETIME', k) < tonumber(ARGV[1]) then
-    redis.call('PEXPIREAT', k, ARGV[1])
+  else
+    local ifs = string.match(k, '^(.*):if:%x+$') .. ':ifs'
+    for _, key in ipairs({k, ifs}) do
+      if redis.call('PEXPIRETIME', key) < tonumber(ARGV[1]) then redis.call('PEXPIREAT', key, ARGV[1]) end
+    end
   end
 end
 return missing

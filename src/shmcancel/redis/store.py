@@ -31,7 +31,8 @@ from ..config import Config
 
 __all__ = ["RedisStore"]
 
-_SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session")
+_SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
+            "session_delete")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 
 
@@ -87,6 +88,10 @@ class RedisStore:
     def _skeys(self, scope: str) -> tuple[bytes, bytes]:
         base = f"{self.prefix}{{{_sha(scope)}}}:"
         return _b(base + "c"), _b(base + "t")
+
+    def ifs_key(self, scope: str) -> bytes:
+        """The set of request ids in flight in ``scope`` (on any host; pruned as they end)."""
+        return _b(f"{self.prefix}{{{_sha(scope)}}}:ifs")
 
     def if_key(self, scope: str, rid: str) -> bytes:
         return _b(f"{self.prefix}{{{_sha(scope)}}}:if:{_sha(rid)}")
@@ -155,13 +160,20 @@ class RedisStore:
 
     def track(self, scope: str, rid: str, owner: bytes, *, deadline_ms: int, now_ms: int,
               started_at: float) -> None:
-        self.call("track", [self.if_key(scope, rid), *self._row_keys(scope)],
+        self.call("track", [self.if_key(scope, rid), *self._row_keys(scope), self.ifs_key(scope)],
                   [self.prefix, _b(scope), _b(rid), owner, deadline_ms, now_ms,
                    repr(float(started_at))])
 
     def untrack(self, scope: str, rid: str, owner: bytes, *, now_ms: int) -> bool:
-        return bool(self.call("untrack", [self.if_key(scope, rid), *self._row_keys(scope)],
+        return bool(self.call("untrack", [self.if_key(scope, rid), *self._row_keys(scope),
+                                          self.ifs_key(scope)],
                               [self.prefix, _b(scope), _b(rid), owner, now_ms]))
+
+    def in_flight_ids(self, scope: str) -> list[str]:
+        """Request ids that were in flight in ``scope`` (a snapshot; may hold ids whose lease
+        just ran out: callers gate each one again)."""
+        return [bytes(m).decode("utf-8", "surrogatepass")
+                for m in self.client.smembers(self.ifs_key(scope))]
 
     def in_flight(self, scope: str, rid: str, *, now_ms: int) -> bool:
         return bool(self.client.zcount(self.if_key(scope, rid), now_ms, "+inf"))
@@ -179,10 +191,13 @@ class RedisStore:
         return _b(f"{self.prefix}box:{box}")
 
     @staticmethod
-    def decode_box_item(raw: bytes) -> tuple[str, str, str | None] | None:
-        """``(scope, rid, reason)`` of a box item, None when malformed."""
+    def decode_box_item(raw: bytes) -> tuple[str, str, str | None] | str | None:
+        """``(scope, rid, reason)`` of a cancellation, the id of a deleted session (a str), or
+        None when malformed."""
         try:
             v = msgpack.unpackb(raw, raw=True)
+            if len(v) == 2 and v[0] == b"d":
+                return bytes(v[1]).decode("ascii")
             scope, rid, reason = (bytes(x) for x in v)
             return (scope.decode("utf-8", "surrogatepass"), rid.decode("utf-8", "surrogatepass"),
                     decode_reason(reason))
@@ -194,12 +209,15 @@ class RedisStore:
     def _sess_key(self, sid: str) -> bytes:
         return _b(f"{self.prefix}sess:{sid}")
 
-    def put_session(self, sid: str, version: str, client: str, *, now_ms: int) -> None:
+    def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
+                    box: str) -> None:
+        """Store (or refresh) a session that worker ``box`` holds locally (it is told when
+        another host deletes it)."""
         cl = _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
         value = msgpack.packb([version, client])
-        self.call("session", [self._sess_key(sid), cl],
+        self.call("session", [self._sess_key(sid), cl, self._sess_key(sid) + b":boxes"],
                   [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
-                   int(self.config.sessions_per_client or 32), now_ms])
+                   int(self.config.sessions_per_client or 32), now_ms, _b(box)])
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
         raw = self.client.get(self._sess_key(sid))
@@ -216,5 +234,9 @@ class RedisStore:
     def touch_session(self, sid: str) -> None:
         self.client.pexpire(self._sess_key(sid), int(self.config.session_ttl * 1000))
 
-    def delete_session(self, sid: str) -> bool:
-        return bool(self.client.delete(self._sess_key(sid)))
+    def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
+        """Forget a session and tell every other worker box holding it; how many were told."""
+        return int(self.call("session_delete", [self._sess_key(sid),
+                                                self._sess_key(sid) + b":boxes"],
+                             [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
+                              _b(own_box)]))
