@@ -274,3 +274,27 @@ def test_cancel_scope_reaches_every_host(redis_server, redis_prefix):
     assert not a.cancelled(3, "session:other") and not a.cancelled(4, "session:s")
     assert a.store.client.llen(a.store.box_key(a.box)) == 1
     assert b.store.client.llen(b.store.box_key(b.box)) == 1
+
+
+def test_quota_and_cap_are_shared_by_hosts(redis_server, redis_prefix):
+    clock = Clock()
+    cfg = Config(max_rows=20, capacity=100, max_rows_per_scope=4)
+    a = make(redis_server, redis_prefix, cfg, clock, host="A")
+    b = make(redis_server, redis_prefix, cfg, clock, host="B")
+    for i in range(2):
+        clock.tick()
+        a.cancel(i, scope="ip:q")
+        clock.tick()
+        b.cancel(10 + i, scope="ip:q")
+    with pytest.raises(CancellationLimitReached):
+        a.cancel(99, scope="ip:q")
+    with pytest.raises(CancellationLimitReached):
+        b.cancel(99, scope="ip:q")
+    for i in range(16):  # fill to the cap from both hosts, one row per scope
+        clock.tick()
+        (a, b)[i % 2].cancel(i, scope=f"ip:s{i}")
+    assert a.store.rows() == 20
+    clock.tick()
+    b.cancel("next", scope="ip:new")  # at the cap: the largest scope's oldest row goes
+    assert not b.cancelled(0, scope="ip:q") and a.cancelled(10, scope="ip:q")
+    assert a.store.rows() == 20
