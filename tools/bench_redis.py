@@ -91,9 +91,15 @@ class Client:
         self.sid = r.headers["mcp-session-id"]
         self.h = {"Accept": "application/json, text/event-stream",
                   "Mcp-Session-Id": self.sid, "MCP-Protocol-Version": "2025-11-25"}
+        # One httpx client per thread that posts (calls / notifications): a client per request
+        # would add its own set-up (tens of ms here) to every figure.
+        self.local = threading.local()
 
     def post(self, url: str, obj: dict) -> httpx.Response:
-        return httpx.post(url, json=obj, headers=self.h, timeout=30)
+        cl = getattr(self.local, "client", None)
+        if cl is None:
+            cl = self.local.client = httpx.Client(timeout=30)
+        return cl.post(url, json=obj, headers=self.h)
 
 
 def flow(run_on: str, cancel_on: str, outdir: str, rounds: int) -> list[float]:
