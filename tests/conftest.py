@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from helpers.names import SHM_DIR, TEST_PREFIX, unlink_registry_names
 from helpers.procs import Chan, Child
+from helpers.redis_server import running as running_redis
+from helpers.redis_server import unique_prefix
 
 from shmcancel import Config
 from shmcancel.shm.registry import Registry
@@ -122,3 +124,17 @@ def registry(shm_name):
         for reg in made:
             reg.close()
             reg.unlink()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[object]:
+    """A real redis-server for the whole run (loopback, free port, no persistence), stopped
+    by pid at the end; tests keep apart by key prefix (``redis_prefix``)."""
+    with running_redis() as srv:
+        yield srv
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix unique to this test."""
+    return unique_prefix()

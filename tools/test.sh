@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The Redis tests start their own redis-server (tests/helpers/redis_server.py); provide the binary.
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "redis-server is missing and cannot be installed here (needs root and apt-get):" \
+             "install it (Debian: apt-get install redis-server); the Redis tests will fail" >&2
+    fi
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

@@ -78,6 +78,7 @@ __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "regis
            "when_ready"]
 
 ENV_NAME = "SHMCANCEL_REGISTRY"
+ENV_REDIS_URL = "SHMCANCEL_REDIS_URL"  # set: each worker starts a cross-host bridge (redis/)
 LOCK_BUSY_WAIT = 0.1  # seconds child_exit waits for a live lock holder before deferring
 # The master's own wait for the registry lock (workers keep Config.lock_timeout): long enough to
 # recover a dead holder (0.1-0.3 s), short enough never to stall the master on a live one.
@@ -219,6 +220,10 @@ def post_fork(server: Any, worker: Any) -> None:
     # Sweeps go on while the server is idle; the master never gets a thread (it forks).
     _state.janitor = Janitor(Cancellation(_state.registry))
     _state.janitor.start()
+    url = os.environ.get(ENV_REDIS_URL)
+    if url:  # the worker's bridge thread; the master never starts one (it forks)
+        from .redis import start_from_env
+        start_from_env(_state.registry, url)
 
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)

@@ -95,7 +95,7 @@ from ..cancel import ids
 from ..cancel.policy import Cancellation
 from ..exceptions import CancellationLimitReached, InvalidRequestId, LockTimeout, ShmCancelError
 from ..shm import registry
-from . import codes, jsonrpc, principal
+from . import codes, jsonrpc, principal, remote
 from .conn import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY
 from .disconnect import Watcher
 from .jsonrpc import Notification, Request, Response, RpcError
@@ -484,10 +484,14 @@ class McpServer:
         if bad is not None:
             return _error_reply(bad.status, None, bad.code, bad.message)
         st = self._process_state()
-        if st.sessions.get(sid) is None or not st.sessions.delete(sid):  # type: ignore[arg-type]
+        if (st.sessions.get(sid) is None and _adopt_session(st, sid) is None) \
+                or not st.sessions.delete(sid):  # type: ignore[arg-type]
             return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
         n = st.cancellation.cancel_scope(st.cancellation.scope(environ), "session deleted")
+        if (rb := _bridge()) is not None and sid:  # its calls and its copies on other hosts
+            rb.cancel_scope(st.cancellation.scope(environ), "session deleted")
+            rb.delete_session(sid)
         if n:
             log.info("session deleted: cancelled %d request(s) in flight", n)
         return _Reply(204)
@@ -599,6 +603,8 @@ class McpServer:
                 raise bad
             st = self._process_state()
             session = st.sessions.get(sid)
+            if session is None:
+                session = _adopt_session(st, sid)  # minted on another host (Redis)
             if session is not None and isinstance(msg, Request) and msg.method == "tools/call":
                 # recorded for the call's whole run: a session with a call in flight is never
                 # displaced by its client's new sessions
@@ -666,6 +672,8 @@ class McpServer:
                                     f"Server busy: no session available ({e})",
                                     headers=[("Retry-After", str(e.retry_after))])
             extra.append(("Mcp-Session-Id", session.id))
+            if (rb := _bridge()) is not None:
+                rb.publish_session(session.id, version, client)
         reply = self._result(Wire.LEGACY, msg, result, json_ok)
         reply.headers.extend(extra)
         return reply
@@ -687,7 +695,8 @@ class McpServer:
         try:
             # One step: a call ending meanwhile leaves no row. Unknown or finished: ignored, as
             # MCP permits; nothing recorded.
-            c.cancel_if_in_flight(rid, reason, scope)
+            if not c.cancel_if_in_flight(rid, reason, scope) and (rb := _bridge()) is not None:
+                rb.cancel(rid, reason, scope)  # running on another host? Redis delivers it
         except CancellationLimitReached:
             return _error_reply(429, None, codes.SERVER_ERROR,
                                 "Too many cancellations recorded for this client")
@@ -750,6 +759,8 @@ class McpServer:
         environ[CANCELLATION_KEY] = c
         environ[PROGRESS_KEY] = ex
         ex.on_gone = lambda: handle.cancel_local("client disconnected")
+        rb = _bridge()
+        remote = rb.track(msg.id, handle.scope) if rb is not None else None
         watcher = self._watch(environ, handle, st)
         stopped = False
         cancelled = False
@@ -774,6 +785,9 @@ class McpServer:
         except RequestStopped:
             stopped = True
             handle.end()
+        finally:
+            if rb is not None:
+                rb.untrack(remote)
 
         if stopped or cancelled or ex.gone:
             data = {"reason": reason} if reason else None
@@ -885,6 +899,26 @@ def _async_raise(thread_ident: int, exc: type[BaseException]) -> bool:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_ident), None)
         return False
     return n == 1
+
+
+def _bridge() -> remote.Remote | None:
+    """This worker's link to other hosts (:mod:`shmcancel.mcp.remote`), or None."""
+    return remote.current()
+
+
+def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
+    """A session another host minted (found through the remote), stored here under the
+    same id and counted against the same client; None when there is none."""
+    rb = _bridge()
+    if rb is None or sid is None or not valid_session_id(sid):
+        return None
+    got = rb.lookup_session(sid)
+    if got is None:
+        return None
+    try:
+        return st.sessions.create(got[0], got[1], session_id=sid)
+    except ShmCancelError:  # this host's client bound, a lock timeout: not adopted
+        return None
 
 
 def _tool_result(value: Any) -> dict[str, Any] | None:

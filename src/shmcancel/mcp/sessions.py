@@ -160,15 +160,18 @@ class SessionStore:
 
     # ------------------------------------------------------------------ mint
 
-    def create(self, protocol_version: str, client: str = "global") -> Session:
+    def create(self, protocol_version: str, client: str = "global", *,
+               session_id: str | None = None) -> Session:
         """Mint and store a new session for ``client`` (its scope: ``principal:<id>`` or
         ``ip:<bucket>``). Gives up the client's own least recently seen idle session when it
         holds ``sessions_per_client`` or the table is full; raises :class:`SessionsFull` when
-        it has none to give up. Costs the same at any fill of the table."""
+        it has none to give up. Costs the same at any fill of the table. ``session_id``: store
+        under this id (a session another host minted, adopted here) instead of minting one."""
         self._tick()
         now = self._clock()
         digest = self.client_digest(client)
-        sid = secrets.token_urlsafe(24)
+        sid = session_id if session_id is not None and valid_session_id(session_id) \
+            else secrets.token_urlsafe(24)
         value = (now, now, protocol_version, digest)
         for attempt in range(_PLAN_TRIES + 1):
             last = attempt == _PLAN_TRIES

@@ -1,0 +1,55 @@
+-- Shared helpers, prepended to every script. Key layout (P = the prefix):
+--   P{<sha1(scope)>}:c          hash   rid -> reason ("" = None, "=" .. text)
+--   P{<sha1(scope)>}:t          zset   rid -> cancelled_at (float seconds)
+--   P{<sha1(scope)>}:if:<sha1(rid)>  zset   owner -> lease deadline (ms); one member per running request
+--   P{g}:all                    zset   <#scope>:<scope><rid> -> cancelled_at (global count, TTL, cap)
+--   P{g}:scopes                 zset   scope -> its row count (eviction order)
+--   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
+local function member(scope, rid) return #scope .. ':' .. scope .. rid end
+local function unmember(m)
+  local colon = string.find(m, ':', 1, true)
+  local n = tonumber(string.sub(m, 1, colon - 1))
+  return string.sub(m, colon + 1, colon + n), string.sub(m, colon + n + 1)
+end
+local function skey(P, scope, kind) return P .. '{' .. redis.sha1hex(scope) .. '}:' .. kind end
+local function remove(P, all, scopes, scope, rid)
+  if redis.call('HDEL', skey(P, scope, 'c'), rid) == 0 then return 0 end
+  redis.call('ZREM', skey(P, scope, 't'), rid)
+  redis.call('ZREM', all, member(scope, rid))
+  if tonumber(redis.call('ZINCRBY', scopes, -1, scope)) <= 0 then redis.call('ZREM', scopes, scope) end
+  return 1
+end
+-- SPEC 4.4: rank rows by (-rows_in_scope, cancelled_at, scope, rid), remove the first `batch`.
+-- Scopes are visited largest first; scopes of one size are merged by age; from each scope at most
+-- the rows still wanted are read (ZRANGE orders by score, then rid bytewise).
+local function evict(P, all, scopes, batch)
+  local groups = redis.call('ZREVRANGE', scopes, 0, -1, 'WITHSCORES')
+  local victims = {}
+  local i = 1
+  while i <= #groups and #victims < batch do
+    local size = tonumber(groups[i + 1])
+    local cand = {}
+    while i <= #groups and tonumber(groups[i + 1]) == size do
+      local scope = groups[i]
+      local rows = redis.call('ZRANGE', skey(P, scope, 't'), 0, batch - #victims - 1, 'WITHSCORES')
+      for j = 1, #rows, 2 do cand[#cand + 1] = {tonumber(rows[j + 1]), scope, rows[j]} end
+      i = i + 2
+    end
+    table.sort(cand, function(a, b)
+      if a[1] ~= b[1] then return a[1] < b[1] end
+      if a[2] ~= b[2] then return a[2] < b[2] end
+      return a[3] < b[3]
+    end)
+    for j = 1, #cand do
+      if #victims >= batch then break end
+      victims[#victims + 1] = cand[j]
+    end
+  end
+  for _, v in ipairs(victims) do remove(P, all, scopes, v[2], v[3]) end
+  return #victims
+end
+-- Drop owners whose lease ran out; the owners left.
+local function live(ifk, now_ms)
+  redis.call('ZREMRANGEBYSCORE', ifk, '-inf', '(' .. now_ms)
+  return redis.call('ZRANGE', ifk, 0, -1)
+end

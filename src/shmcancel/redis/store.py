@@ -1,0 +1,242 @@
+"""Cancellation rows, in-flight owners and sessions in Redis, with SPEC §4's rules run in Lua.
+
+Every multi-key rule (quota, global-cap eviction in SPEC §4.4 order, in-flight gating, TTL
+expiry, the end of a request) is one Lua script (``*.lua`` beside this module, each prefixed
+with ``common.lua``), loaded once per connection pool and called by SHA; a ``NOSCRIPT`` answer
+(Redis restarted or flushed its script cache) loads it again and retries once. No rule is ever a
+read-then-write from the client.
+
+Keys (``prefix`` default ``"shmcancel:"``; see ``common.lua`` for the full table) are named by
+SHA-1 of the scope and request id, so client-chosen text never shapes a key, and every per-scope
+key is hash-tagged ``{sha1(scope)}``: on Redis Cluster one scope's rows, quota and in-flight
+owners live in one slot. The global cap needs ``{g}:all`` and the rows it evicts in one script:
+it is exact on a single Redis (or Valkey) server; on a cluster the cancel script would touch
+several slots, which Cluster refuses, so run the cross-host layer on one primary (with replicas
+for failover) — the load is a few small writes per tool call.
+
+Times: ``cancelled_at`` is the policy clock's float seconds, stored unrounded (a Redis score is
+a double, written with 17 significant digits). Leases and deadlines are Redis-side milliseconds
+of the *client's* wall clock: hosts are assumed NTP-synchronised to well under a lease.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from typing import Any
+
+import msgpack
+
+from ..config import Config
+
+__all__ = ["RedisStore"]
+
+_SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
+            "session_delete")
+_EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
+
+
+def _b(s: str) -> bytes:
+    return s.encode("utf-8", "surrogatepass")
+
+
+def _sha(s: str) -> str:
+    return hashlib.sha1(_b(s)).hexdigest()
+
+
+def encode_reason(reason: str | None) -> bytes:
+    return b"" if reason is None else b"=" + _b(reason)
+
+
+def decode_reason(raw: bytes) -> str | None:
+    return None if not raw else raw[1:].decode("utf-8", "surrogatepass")
+
+
+class RedisStore:
+    """The Redis side of the cross-host layer over one ``redis.Redis`` client (its socket
+    timeouts bound every call). Thread-safe as the client is. ``config`` supplies the limits
+    (``max_rows``, ``capacity``, ``max_rows_per_scope``, ``ttl``, sessions)."""
+
+    def __init__(self, client: Any, config: Config, *, prefix: str = "shmcancel:") -> None:
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValueError(f"prefix must be a str without braces, got {prefix!r}")
+        self.client = client
+        self.config = config
+        self.prefix = prefix
+        self._all = _b(prefix + "{g}:all")
+        self._scopes = _b(prefix + "{g}:scopes")
+        common = resources.files(__package__).joinpath("common.lua").read_text()
+        self._src = {n: common + resources.files(__package__).joinpath(f"{n}.lua").read_text()
+                     for n in _SCRIPTS}
+        self._sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self._src.items()}
+        cap = config.capacity if config.max_rows is None else config.max_rows
+        self.cap = int(cap or 10_000)
+        self.batch = max(1, self.cap // 20)
+        self.quota = -1 if config.max_rows_per_scope is None else int(config.max_rows_per_scope)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def call(self, name: str, keys: list[bytes], args: list[Any]) -> Any:
+        """Run script ``name`` by SHA; load it on ``NOSCRIPT`` and retry once."""
+        from redis.exceptions import NoScriptError
+        try:
+            return self.client.evalsha(self._sha[name], len(keys), *keys, *args)
+        except NoScriptError:
+            self.client.script_load(self._src[name])
+            return self.client.evalsha(self._sha[name], len(keys), *keys, *args)
+
+    def _skeys(self, scope: str) -> tuple[bytes, bytes]:
+        base = f"{self.prefix}{{{_sha(scope)}}}:"
+        return _b(base + "c"), _b(base + "t")
+
+    def ifs_key(self, scope: str) -> bytes:
+        """The set of request ids in flight in ``scope`` (on any host; pruned as they end)."""
+        return _b(f"{self.prefix}{{{_sha(scope)}}}:ifs")
+
+    def if_key(self, scope: str, rid: str) -> bytes:
+        return _b(f"{self.prefix}{{{_sha(scope)}}}:if:{_sha(rid)}")
+
+    def _row_keys(self, scope: str) -> list[bytes]:
+        c, t = self._skeys(scope)
+        return [c, t, self._all, self._scopes]
+
+    # ------------------------------------------------------------------ cancellation rows
+
+    def cancel(self, scope: str, rid: str, reason: str | None, at: float, *, gate: bool,
+               now_ms: int, box_lease_ms: int) -> tuple[int, int]:
+        """Record a cancellation (SPEC §4.3 order: quota, then cap eviction, then insert).
+        Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
+        inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box."""
+        keys = [*self._row_keys(scope), self.if_key(scope, rid)]
+        r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
+                                       repr(float(at)), self.quota, self.cap, self.batch,
+                                       "1" if gate else "0", now_ms, box_lease_ms])
+        return int(r[0]), int(r[1]) if len(r) > 1 else 0
+
+    def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
+        c, t = self._skeys(scope)
+        p = self.client.pipeline(transaction=False)
+        p.hget(c, _b(rid))
+        p.zscore(t, _b(rid))
+        raw, at = p.execute()
+        if raw is None or at is None:
+            return None
+        return decode_reason(raw), float(at)
+
+    def clear(self, scope: str, rid: str, before: float | None = None) -> bool:
+        return bool(self.call("clear", self._row_keys(scope),
+                              [self.prefix, _b(scope), _b(rid),
+                               "" if before is None else repr(float(before))]))
+
+    def rows(self) -> int:
+        return int(self.client.zcard(self._all))
+
+    def scope_rows(self, scope: str) -> int:
+        return int(self.client.hlen(self._skeys(scope)[0]))
+
+    def cancellations(self) -> list[tuple[str, str, str | None, float]]:
+        """Every row ``(scope, rid, reason, at)`` (a scan: for tests and tools)."""
+        out = []
+        for m, at in self.client.zrange(self._all, 0, -1, withscores=True):
+            n, _, rest = bytes(m).partition(b":")
+            scope = rest[:int(n)].decode("utf-8", "surrogatepass")
+            rid = rest[int(n):].decode("utf-8", "surrogatepass")
+            got = self.get(scope, rid)
+            out.append((scope, rid, None if got is None else got[0], float(at)))
+        return out
+
+    def expire(self, now: float, ttl: float) -> int:
+        """Remove rows with ``now - cancelled_at > ttl``, in bounded script calls."""
+        total = 0
+        for _ in range(10_000):
+            n = int(self.call("expire", [self._all, self._scopes],
+                              [self.prefix, repr(now - ttl), _EXPIRE_LIMIT]))
+            total += n
+            if n < _EXPIRE_LIMIT:
+                break
+        return total
+
+    # ------------------------------------------------------------------ in-flight owners
+
+    def track(self, scope: str, rid: str, owner: bytes, *, deadline_ms: int, now_ms: int,
+              started_at: float) -> None:
+        self.call("track", [self.if_key(scope, rid), *self._row_keys(scope), self.ifs_key(scope)],
+                  [self.prefix, _b(scope), _b(rid), owner, deadline_ms, now_ms,
+                   repr(float(started_at))])
+
+    def untrack(self, scope: str, rid: str, owner: bytes, *, now_ms: int) -> bool:
+        return bool(self.call("untrack", [self.if_key(scope, rid), *self._row_keys(scope),
+                                          self.ifs_key(scope)],
+                              [self.prefix, _b(scope), _b(rid), owner, now_ms]))
+
+    def in_flight_ids(self, scope: str) -> list[str]:
+        """Request ids that were in flight in ``scope`` (a snapshot; may hold ids whose lease
+        just ran out: callers gate each one again)."""
+        return [bytes(m).decode("utf-8", "surrogatepass")
+                for m in self.client.smembers(self.ifs_key(scope))]
+
+    def in_flight(self, scope: str, rid: str, *, now_ms: int) -> bool:
+        return bool(self.client.zcount(self.if_key(scope, rid), now_ms, "+inf"))
+
+    def renew(self, entries: list[tuple[bytes, bytes]], deadline_ms: int) -> list[int]:
+        """Extend the leases of ``(if_key, owner)`` entries; the 0-based indexes missing."""
+        if not entries:
+            return []
+        r = self.call("renew", [k for k, _ in entries], [deadline_ms, *(o for _, o in entries)])
+        return [int(i) - 1 for i in r]
+
+    # ------------------------------------------------------------------ boxes
+
+    def box_key(self, box: str) -> bytes:
+        return _b(f"{self.prefix}box:{box}")
+
+    @staticmethod
+    def decode_box_item(raw: bytes) -> tuple[str, str, str | None] | str | None:
+        """``(scope, rid, reason)`` of a cancellation, the id of a deleted session (a str), or
+        None when malformed."""
+        try:
+            v = msgpack.unpackb(raw, raw=True)
+            if len(v) == 2 and v[0] == b"d":
+                return bytes(v[1]).decode("ascii")
+            scope, rid, reason = (bytes(x) for x in v)
+            return (scope.decode("utf-8", "surrogatepass"), rid.decode("utf-8", "surrogatepass"),
+                    decode_reason(reason))
+        except Exception:
+            return None
+
+    # ------------------------------------------------------------------ sessions
+
+    def _sess_key(self, sid: str) -> bytes:
+        return _b(f"{self.prefix}sess:{sid}")
+
+    def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
+                    box: str) -> None:
+        """Store (or refresh) a session that worker ``box`` holds locally (it is told when
+        another host deletes it)."""
+        cl = _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
+        value = msgpack.packb([version, client])
+        self.call("session", [self._sess_key(sid), cl, self._sess_key(sid) + b":boxes"],
+                  [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
+                   int(self.config.sessions_per_client or 32), now_ms, _b(box)])
+
+    def get_session(self, sid: str) -> tuple[str, str] | None:
+        raw = self.client.get(self._sess_key(sid))
+        if raw is None:
+            return None
+        try:
+            version, client = msgpack.unpackb(raw)
+        except Exception:
+            return None
+        if type(version) is not str or type(client) is not str:
+            return None
+        return version, client
+
+    def touch_session(self, sid: str) -> None:
+        self.client.pexpire(self._sess_key(sid), int(self.config.session_ttl * 1000))
+
+    def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
+        """Forget a session and tell every other worker box holding it; how many were told."""
+        return int(self.call("session_delete", [self._sess_key(sid),
+                                                self._sess_key(sid) + b":boxes"],
+                             [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
+                              _b(own_box)]))

@@ -1,0 +1,9 @@
+-- KEYS: ifk, c, t, all, scopes, ifs. ARGV: P, scope, rid, owner, now_ms
+-- Ends a running request; when no namesake runs on, its cancellation row goes too (the end of a
+-- request is untrack, then clear). Returns 1 when the owner was in flight.
+local removed = redis.call('ZREM', KEYS[1], ARGV[4])
+if #live(KEYS[1], ARGV[5]) == 0 then
+  remove(ARGV[1], KEYS[4], KEYS[5], ARGV[2], ARGV[3])
+  redis.call('SREM', KEYS[6], ARGV[3])
+end
+return removed

@@ -1,0 +1,330 @@
+"""Two gunicorn instances as two "hosts" (own ports, own registries, one real Redis through
+``SHMCANCEL_REDIS_URL``): sessions, cancellation and liveness across them, and a Redis that is
+SIGKILLed mid-run and restarted. Tools report through files (tests/apps/transport_app.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
+from helpers.redis_server import RedisServer, unique_prefix
+
+from shmcancel import errors
+
+APP = "tests.apps.transport_app:app"
+CONF = "tests/apps/transport_conf.py"
+LEASE = 1.0  # seconds: in-flight rows of a dead host vanish within this (bound: 2 x LEASE)
+
+
+@pytest.fixture(scope="module")
+def outdir() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="shmcancel-hosts-") as d:
+        yield d
+
+
+def host(name: str, host_id: str, url: str, prefix: str, outdir: str, **kw: Any) -> Gunicorn:
+    env = {"SHMCANCEL_TEST_DIR": outdir, "SHMCANCEL_REDIS_URL": url,
+           "SHMCANCEL_REDIS_PREFIX": prefix, "SHMCANCEL_HOST_ID": host_id,
+           "SHMCANCEL_REDIS_LEASE": str(LEASE), "SHMCANCEL_REDIS_TIMEOUT": "0.2"}
+    return Gunicorn(APP, registry_name=name, config=CONF, env=env,
+                    workers=kw.pop("workers", 2), **kw)
+
+
+class Client:
+    """A 2025-11-25 client whose session was minted on ``url`` (any host may be asked)."""
+
+    def __init__(self, url: str) -> None:
+        self.sid: str | None = None
+        r = self.post(url, {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                            "params": {"protocolVersion": LEGACY, "capabilities": {},
+                                       "clientInfo": {"name": "hosts-test", "version": "1"}}})
+        assert r.status_code == 200, r.text
+        self.sid = r.headers["mcp-session-id"]
+
+    def post(self, url: str, obj: Any, timeout: float = 20.0) -> httpx.Response:
+        h = {"Accept": ACCEPT, "Content-Type": "application/json"}
+        if self.sid is not None:
+            h["Mcp-Session-Id"] = self.sid
+            h["MCP-Protocol-Version"] = LEGACY
+        return httpx.post(url, content=json.dumps(obj).encode(), headers=h, timeout=timeout)
+
+    def call(self, url: str, id: Any, tool: str, args: dict) -> dict[str, Any]:
+        return reply_of(self.post(url, {"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                                        "params": {"name": tool, "arguments": args}}))
+
+    def cancel(self, url: str, id: Any) -> httpx.Response:
+        return self.post(url, {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                               "params": {"requestId": id, "reason": "from elsewhere"}})
+
+
+class Background(threading.Thread):
+    def __init__(self, fn: Any) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error, self.done_at = fn, None, None, 0.0
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:
+            self.error = e
+        self.done_at = time.monotonic()
+
+    def result(self, timeout: float = 30.0) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), "request did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def hosts(redis_server: Any, outdir: str) -> Iterator[tuple[Gunicorn, Gunicorn, str]]:
+    from conftest import _registry_name
+    prefix = unique_prefix()
+    with _registry_name() as na, _registry_name() as nb, \
+            host(na, "A", redis_server.url, prefix, outdir) as a, \
+            host(nb, "B", redis_server.url, prefix, outdir) as b:
+        yield a, b, prefix
+
+
+def cross_cancel(a: Gunicorn, b: Gunicorn, outdir: str, client: Client | None = None,
+                 rid: Any = 1) -> tuple[dict[str, Any], float]:
+    """A ``sleep`` on A, its ``notifications/cancelled`` sent to B: (the reply, seconds from
+    B's 202 to the reply)."""
+    c = client or Client(a.url)
+    t = tag()
+    call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 20, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    r = c.cancel(b.url, rid)
+    acked = time.monotonic()
+    assert r.status_code == 202, r.text
+    reply = call.result()
+    return reply, call.done_at - acked
+
+
+def test_session_minted_on_a_is_accepted_on_b(hosts: Any) -> None:
+    a, b, _ = hosts
+    c = Client(a.url)
+    reply = c.call(b.url, 5, "echo", {"text": "hi"})
+    assert reply["result"]["content"][0]["text"] == "hi", reply
+    unknown = Client(a.url)
+    unknown.sid = "x" * 32  # never minted anywhere
+    assert unknown.post(b.url, {"jsonrpc": "2.0", "id": 1, "method": "ping"}).status_code == 404
+
+
+def test_sleep_on_a_cancelled_through_b(hosts: Any, outdir: str) -> None:
+    a, b, _ = hosts
+    c = Client(a.url)
+    for rid in (1, "two", 3):
+        reply, latency = cross_cancel(a, b, outdir, c, rid)
+        assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
+        assert reply["id"] == rid
+        assert latency < 5.0  # generous: delivery is a BLPOP wake-up, then a 2 ms local poll
+
+
+def test_delete_on_b_ends_the_session_and_its_call_on_a(hosts: Any, outdir: str) -> None:
+    """SPEC §6.1's DELETE, sent to another host than the one running the call: the call ends
+    -32800 and the session is gone on both hosts."""
+    a, b, _ = hosts
+    c = Client(a.url)
+    assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # B holds it too now
+    t = tag()
+    call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    h = {"Mcp-Session-Id": c.sid or "", "MCP-Protocol-Version": LEGACY}
+    assert httpx.delete(b.url, headers=h, timeout=10).status_code == 204
+    assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    wait_until(lambda: c.post(a.url, ping).status_code == 404 or None, time.monotonic() + 10,
+               what="the session to end on A")
+    assert c.post(b.url, ping).status_code == 404
+
+
+def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
+    """Another session naming the same request id on B cancels nothing on A."""
+    a, b, _ = hosts
+    owner, other = Client(a.url), Client(b.url)
+    t = tag()
+    call = Background(lambda: owner.call(a.url, 9, "sleep", {"seconds": 1.5, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    assert other.cancel(b.url, 9).status_code == 202
+    reply = call.result()
+    assert reply.get("result", {}).get("content", [{}])[0].get("text") == "slept 1.5s", reply
+    assert not os.path.exists(f"{outdir}/{t}.cancelled")
+
+
+def two_names(shm_name: str, shm_names: list[str]) -> tuple[str, str]:
+    from conftest import TEST_PREFIX
+    other = TEST_PREFIX + uuid.uuid4().hex[:12]
+    shm_names.append(other)
+    return shm_name, other
+
+
+def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdir: str,
+                                                        shm_name: str,
+                                                        shm_names: list[str]) -> None:
+    prefix = unique_prefix()
+    r = redis.Redis.from_url(redis_server.url)
+    na, nb = two_names(shm_name, shm_names)
+    with host(na, "A", redis_server.url, prefix, outdir) as a, \
+            host(nb, "B", redis_server.url, prefix, outdir) as b:
+        c = Client(a.url)
+        t = tag()
+        call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+        call.start()
+        wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+
+        def rows() -> list[bytes]:
+            return list(r.scan_iter(match=prefix + "*:if:*"))
+        wait_until(lambda: rows() or None, time.monotonic() + 5, what="A's in-flight row")
+        tree = a._tree()
+        for pid in tree:  # the whole host at once: master and workers
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: not rows() or None, killed + 2 * LEASE + 2,
+                   what="the dead host's rows to go")
+        gone_after = time.monotonic() - killed
+        assert gone_after <= 2 * LEASE + 1.0  # stated bound 2 x lease (+ scheduling slack)
+        assert c.cancel(b.url, 1).status_code == 202  # nothing to deliver to, nothing recorded
+        assert list(r.scan_iter(match=prefix + "*:c")) == []
+        with pytest.raises(httpx.HTTPError):
+            call.result()
+    r.close()
+
+
+def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """Redis SIGKILLed mid-run: no request fails, same-host cancellation keeps working, the
+    outage is logged once per worker, and cross-host cancellation resumes after a restart."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        na, nb = two_names(shm_name, shm_names)
+        prefix = unique_prefix()
+        with host(na, "A", srv.url, prefix, outdir) as a, \
+                host(nb, "B", srv.url, prefix, outdir) as b:
+            c = Client(a.url)
+            reply, _ = cross_cancel(a, b, outdir, c, "before")
+            assert reply["error"]["code"] == errors.REQUEST_CANCELLED
+
+            failures: list[Any] = []
+            calls = [0]
+            stop = threading.Event()
+
+            def load() -> None:  # echo on both hosts, as fast as it goes
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    url = (a.url, b.url)[i % 2]
+                    try:
+                        rep = c.call(url, f"e{i}", "echo", {"text": str(i)})
+                        if rep.get("result", {}).get("content", [{}])[0].get("text") != str(i):
+                            failures.append(rep)
+                    except Exception as e:
+                        failures.append(repr(e))
+                    calls[0] += 1
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+
+            def same_host_cancel(rid: str) -> None:
+                t = tag()
+                call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 20, "tag": t}))
+                call.start()
+                wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+                assert c.cancel(a.url, rid).status_code == 202
+                rep = call.result()
+                assert rep["error"]["code"] == errors.REQUEST_CANCELLED, rep
+
+            same_host_cancel("s0")
+            srv.kill()
+            for i in range(1, 6):
+                same_host_cancel(f"s{i}")
+            before = calls[0]
+            wait_until(lambda: calls[0] >= before + 20 or None, time.monotonic() + 20,
+                       what="requests served while Redis is down")
+            srv.start()
+
+            def cross_works() -> bool | None:
+                rep, _ = cross_cancel_short(a, b, outdir, c)
+                return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
+            wait_until(cross_works, time.monotonic() + 30, interval=0.1,
+                       what="cross-host cancellation to resume")
+            same_host_cancel("after")
+            stop.set()
+            loader.join(30)
+            assert failures == []
+            log = a.log() + b.log()
+            assert 1 <= log.count("Redis unreachable") <= 4  # once per worker, not per request
+            assert "Redis answers again" in log
+    finally:
+        srv.stop()
+
+
+def cross_cancel_short(a: Gunicorn, b: Gunicorn, outdir: str,
+                       c: Client) -> tuple[dict[str, Any], float]:
+    """:func:`cross_cancel` with a sleep that ends by itself within a second when the
+    cancellation does not get through."""
+    t = tag()
+    rid = "x" + t
+    call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 1.0, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    acked = time.monotonic()
+    assert c.cancel(b.url, rid).status_code == 202
+    return call.result(), call.done_at - acked
+
+
+def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
+                                                 shm_names: list[str]) -> None:
+    """A Redis that stops answering (SIGSTOP): calls on both hosts are served, each delayed by
+    no more than the client timeout (0.2 s here) plus slack, same-host cancellation works, and
+    after SIGCONT cross-host cancellation resumes."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        na, nb = two_names(shm_name, shm_names)
+        prefix = unique_prefix()
+        with host(na, "A", srv.url, prefix, outdir) as a, \
+                host(nb, "B", srv.url, prefix, outdir) as b:
+            c = Client(a.url)
+            assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
+            assert srv.proc is not None
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                for i in range(8):
+                    url = (a.url, b.url)[i % 2]
+                    t0 = time.monotonic()
+                    rep = c.call(url, i, "echo", {"text": str(i)})
+                    assert rep["result"]["content"][0]["text"] == str(i), rep
+                    assert time.monotonic() - t0 < 3.0  # generous: the bound is 2 x 0.2 s
+                t = tag()
+                call = Background(lambda: c.call(a.url, "s", "sleep", {"seconds": 20, "tag": t}))
+                call.start()
+                wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+                assert c.cancel(a.url, "s").status_code == 202
+                assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+
+            def cross_works() -> bool | None:
+                rep, _ = cross_cancel_short(a, b, outdir, c)
+                return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
+            wait_until(cross_works, time.monotonic() + 30, interval=0.1,
+                       what="cross-host cancellation to resume")
+    finally:
+        srv.stop()
