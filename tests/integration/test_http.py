@@ -152,7 +152,7 @@ def test_cancel_for_an_id_not_in_flight_records_nothing(server: Gunicorn, outdir
     c = Client(server.url)
     t = tag()
     # a long sleep, ended by its own cancel below: no race with the dumps however slow they are
-    running = Background(lambda: c.call(5, "sleep", {"seconds": 60, "tag": t}))
+    running = Background(lambda: c.call(5, "sleep", {"seconds": 30, "tag": t}))
     running.start()
     wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
     for rid in (6, "5x", 10**12, "x" * 256):
