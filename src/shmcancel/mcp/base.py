@@ -36,10 +36,8 @@ class _ProcessState:
         self.sessions = SessionStore(reg)
 
 
-
 class _NoRegistry(ShmCancelError):
     pass
-
 
 
 class ServerBase:

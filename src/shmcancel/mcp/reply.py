@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from . import jsonrpc
@@ -18,15 +19,13 @@ StartResponse = Callable[..., Callable[[bytes], Any]]
 
 PROGRESS_KEY = "shmcancel.progress"
 
-_STATUS = {200: "200 OK", 202: "202 Accepted", 204: "204 No Content", 400: "400 Bad Request",
-           403: "403 Forbidden", 404: "404 Not Found", 405: "405 Method Not Allowed",
-           406: "406 Not Acceptable",
-           411: "411 Length Required", 413: "413 Content Too Large",
-           415: "415 Unsupported Media Type", 429: "429 Too Many Requests",
-           500: "500 Internal Server Error", 503: "503 Service Unavailable"}
+# Status lines by code, phrases from http.HTTPStatus; 413 by its RFC 9110 name (Python < 3.13 still
+# says "Request Entity Too Large").
+_STATUS = {s.value: f"{s.value} {s.phrase}" for s in HTTPStatus} | {413: "413 Content Too Large"}
 
 _SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache, no-transform"),
                 ("X-Accel-Buffering", "no")]
+
 
 def progress(conn: Mapping[str, Any], progress: float, total: float | None = None,
              message: str | None = None) -> bool:
@@ -107,7 +106,6 @@ class _Exchange:
 
 def _sse(obj: Any) -> bytes:
     return b"event: message\ndata: " + jsonrpc.encode(obj) + b"\n\n"
-
 
 
 def _body_reply(status: int, body: dict[str, Any], json_ok: bool) -> _Reply:

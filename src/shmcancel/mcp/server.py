@@ -23,6 +23,13 @@ One ``POST /mcp`` carries one JSON-RPC message. Both wires are served and told a
 header/``_meta`` validation, ``server/discover``, cancellation by closing the connection). ``GET``
 is 405 on both: a held-open server-to-client stream would pin a sync worker per client.
 
+Where the parts live: this module is the WSGI front end (routing, ``Origin``, body reading, the
+status of what fails) and composes :class:`McpServer` from :mod:`.legacy` and :mod:`.modern` (the
+two wires), :mod:`.call` (the ``tools/call`` lifecycle), :mod:`.tools` (the registry),
+:mod:`.stop` (stopping a stuck tool), :mod:`.base` (settings, per-process state) and
+:mod:`.reply` (replies, SSE, progress); no part imports one named before it, nor the two
+wires each other (an import-linter contract).
+
 Tools
 -----
 A tool is ``fn(conn, params)``: ``conn`` is the request's WSGI environ (what

@@ -26,7 +26,6 @@ class RequestStopped(BaseException):
     does not swallow it."""
 
 
-
 def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: bool,
                   grace: float) -> None:
     """The client left ``grace`` seconds ago and the tool is still running: stop it.

@@ -36,6 +36,7 @@ class ToolError(Exception):
         self.message = str(message)
         self.data = data
 
+
 @dataclass(frozen=True, slots=True)
 class Tool:
     name: str
