@@ -1,0 +1,177 @@
+"""The ``tools/call`` lifecycle (SPEC §5, §6): check the call, track it (``Cancellation.begin``),
+watch the client's socket while the tool runs, run it, end its rows in a ``finally``, and answer:
+``-32800`` when it was cancelled (whatever the tool did), else its result or error, as one body or
+at the end of the SSE stream its progress opened. ``tools/list`` and ``tools/call`` are served
+alike by both wires (:meth:`CallLifecycle._tool_methods`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ..exceptions import LockTimeout
+from . import codes, jsonrpc, remote
+from .base import ServerBase, _ProcessState
+from .conn import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY
+from .disconnect import Watcher
+from .jsonrpc import Request, RpcError
+from .reply import PROGRESS_KEY, StartResponse, _body_reply, _Exchange, _Reply
+from .stop import RequestStopped, _stop_request
+from .tools import _MAX_TEXT, ToolError, ToolRegistry, _invalid_arguments, _tool_result
+from .wire import (
+    Wire,
+    dispatch_status,
+    progress_token,
+    shape_result,
+    validate_param_headers,
+)
+
+log = logging.getLogger("shmcancel.server")  # one logger for the whole app, as before
+
+
+class CallLifecycle(ToolRegistry, ServerBase):
+    """The tool methods of the app; a mixin of :class:`~shmcancel.mcp.server.McpServer`."""
+
+    def _tool_methods(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
+                      msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
+        """The methods both wires serve alike: ``tools/list``, ``tools/call``; any other method
+        is not found."""
+        if msg.method == "tools/list":
+            return self._result(wire, msg, self._tools_list(msg), json_ok)
+        if msg.method == "tools/call":
+            return self._tools_call(environ, start_response, wire, msg, json_ok, sse_ok)
+        raise RpcError(codes.METHOD_NOT_FOUND, f"Method not found: {msg.method[:100]!r}",
+                       id=msg.id, status=dispatch_status(wire, codes.METHOD_NOT_FOUND))
+
+    def _tools_call(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
+                    msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
+        # SPEC §5: the request was read, so its errors travel with HTTP 200 (an SDK client
+        # turns a 4xx into a transport failure): a call naming no tool is -32602, invalid
+        # arguments are a tool execution error the model can read.
+        params = msg.params
+        if params is None:
+            raise RpcError(codes.INVALID_PARAMS, "Invalid params: tools/call needs params",
+                           id=msg.id, status=200)
+        name = params.get("name")
+        if not isinstance(name, str):
+            raise RpcError(codes.INVALID_PARAMS, 'Invalid params: "name" must be a string',
+                           id=msg.id, status=200)
+        token = progress_token(msg)
+        tool = self._tools.get(name)
+        if tool is None:
+            raise RpcError(codes.INVALID_PARAMS, f"Unknown tool: {name[:100]!r}", id=msg.id,
+                           status=200)
+        arguments = params.get("arguments")
+        if arguments is None:
+            arguments = {}
+        elif not isinstance(arguments, dict):
+            return self._result(wire, msg, _invalid_arguments(name, '"arguments" must be an '
+                                                              "object"), json_ok)
+        if wire is Wire.MODERN and tool.param_headers:
+            validate_param_headers(tool.param_headers, arguments, environ, msg.id)
+
+        st = self._process_state()
+        c = st.cancellation
+        ex = _Exchange(start_response, json_ok=json_ok, sse_ok=sse_ok, token=token)
+        handle = c.begin(msg.id, c.scope(environ))
+        if isinstance(handle.error, LockTimeout):
+            handle.end()
+            raise handle.error  # 503: the tool has not run, a retry is safe
+        environ[HANDLE_KEY] = handle
+        environ[REQUEST_ID_KEY] = msg.id
+        environ[CANCELLATION_KEY] = c
+        environ[PROGRESS_KEY] = ex
+        ex.on_gone = lambda: handle.cancel_local("client disconnected")
+        rb = remote.current()
+        remote_call = rb.track(msg.id, handle.scope) if rb is not None else None
+        watcher = self._watch(environ, handle, st)
+        stopped = False
+        cancelled = False
+        reason: str | None = None
+        outcome: tuple[str, Any] = ("crash", None)
+        try:
+            try:
+                try:
+                    outcome = ("ok", tool.fn(environ, arguments))
+                except ToolError as e:
+                    outcome = ("error", e)
+                except Exception as e:
+                    outcome = ("crash", e)
+                    log.warning("tool %r raised", name, exc_info=True)
+            finally:
+                if watcher is not None:
+                    watcher.stop()
+                cancelled = handle.cancelled()
+                if cancelled:
+                    reason = handle.reason()
+                handle.end()
+        except RequestStopped:
+            stopped = True
+            handle.end()
+        finally:
+            if rb is not None:
+                rb.untrack(remote_call)
+
+        if stopped or cancelled or ex.gone:
+            data = {"reason": reason} if reason else None
+            body = jsonrpc.error_body(msg.id, codes.REQUEST_CANCELLED, "Request cancelled", data)
+            return self._finish(ex, wire, 200, body)
+        kind, value = outcome
+        if kind == "error" and value.code == codes.INVALID_PARAMS:
+            result: Any = _invalid_arguments(name, value.message)
+        elif kind == "error":
+            # Whatever its code (even one that has a 4xx of its own elsewhere, such as -32601),
+            # a tool's error answers a request that was read: 200.
+            body = jsonrpc.error_body(msg.id, value.code, value.message, value.data)
+            return self._finish(ex, wire, 200, body)
+        elif kind == "crash":
+            text = f"Error executing tool {name}: {type(value).__name__}: {value}"
+            result = {"content": [{"type": "text", "text": text[:_MAX_TEXT]}], "isError": True}
+        else:
+            result = _tool_result(value)
+            if result is None:
+                log.error("tool %r returned %s, not a str or dict", name, type(value).__name__)
+                body = jsonrpc.error_body(msg.id, codes.INTERNAL_ERROR,
+                                          "Internal error: the tool returned an invalid result")
+                return self._finish(ex, wire, 200, body)
+        shaped = shape_result(wire, "tools/call", result, server_info=self.server_info(),
+                              ttl_ms=self.cache_ttl_ms, cache_scope=self.cache_scope)
+        return self._finish(ex, wire, 200, jsonrpc.result_body(msg.id, shaped))
+
+    def _finish(self, ex: _Exchange, wire: Wire, status: int,
+                body: dict[str, Any]) -> _Reply | None:
+        """Send a tools/call reply: on the SSE stream when one was opened, else as one body."""
+        try:
+            jsonrpc.encode(body)
+        except (TypeError, ValueError):
+            log.error("tool result is not JSON-serialisable", exc_info=True)
+            body = jsonrpc.error_body(body.get("id"), codes.INTERNAL_ERROR,
+                                      "Internal error: the tool result is not JSON")
+            status = 200
+        if ex.committed:
+            ex.send_event(body)
+            return None
+        return _body_reply(status, body, ex.json_ok)
+
+    # ------------------------------------------------------------------ disconnects
+
+    def _watch(self, environ: dict[str, Any], handle: Any, st: _ProcessState) -> Watcher | None:
+        sock = environ.get("gunicorn.socket")
+        if sock is None or not self.watch_disconnects:
+            return None
+        multithread = bool(environ.get("wsgi.multithread"))
+        tool_thread = threading.get_ident()
+        grace = float(st.registry.config.stream_cancel_timeout)
+        holder: list[Watcher] = []
+
+        def on_disconnect() -> None:
+            handle.cancel_local("client disconnected")
+
+        def on_timeout() -> None:
+            _stop_request(holder[0], handle, tool_thread, multithread, grace)
+
+        w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
+        holder.append(w)
+        return w if w.start() else None

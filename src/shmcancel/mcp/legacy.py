@@ -1,0 +1,202 @@
+"""The 2025-era wire: ``initialize`` (minting a session), ``Mcp-Session-Id`` checked against the
+shared session table on every other message, ``ping``, ``notifications/cancelled`` (SPEC §6.1),
+and ``DELETE`` ending a session (cancelling its calls in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..cancel import ids
+from ..exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
+from . import codes, principal, remote
+from .base import _ProcessState
+from .call import CallLifecycle
+from .jsonrpc import Notification, Request, Response, RpcError
+from .principal import PRINCIPAL_KEY, REMOTE_ADDR_KEY, SESSION_KEY
+from .reply import StartResponse, _error_reply, _Reply
+from .sessions import SessionsFull
+from .wire import (
+    SUPPORTED_VERSIONS,
+    RequestHeaders,
+    Wire,
+    detect_without_body,
+    negotiate_legacy_version,
+    valid_session_id,
+)
+
+log = logging.getLogger("shmcancel.server")  # one logger for the whole app, as before
+
+
+class LegacyWire(CallLifecycle):
+    """The 2025-era request handling; a mixin of :class:`~shmcancel.mcp.server.McpServer`."""
+
+    # ------------------------------------------------------------------ DELETE
+
+    def _delete(self, environ: dict[str, Any], headers: RequestHeaders) -> _Reply:
+        wire = detect_without_body(headers)
+        if wire is None:
+            e = _unsupported_header(headers.protocol_version or "")
+            return _error_reply(e.status, None, e.code, e.message, e.data)
+        if wire is Wire.MODERN or not self.sessions:
+            return _error_reply(405, None, codes.INVALID_REQUEST,
+                                "Method Not Allowed: this server keeps no sessions to end",
+                                headers=[("Allow", "POST")])
+        sid = headers.session_id
+        bad = _session_error(sid, None)
+        if bad is not None:
+            return _error_reply(bad.status, None, bad.code, bad.message)
+        st = self._process_state()
+        if (st.sessions.get(sid) is None and _adopt_session(st, sid) is None) \
+                or not st.sessions.delete(sid):  # type: ignore[arg-type]
+            return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+        environ[SESSION_KEY] = sid
+        n = st.cancellation.cancel_scope(st.cancellation.scope(environ), "session deleted")
+        if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
+            rb.cancel_scope(st.cancellation.scope(environ), "session deleted")
+            rb.delete_session(sid)
+        if n:
+            log.info("session deleted: cancelled %d request(s) in flight", n)
+        return _Reply(204)
+
+    # ------------------------------------------------------------------ 2025-era
+
+    def _legacy(self, environ: dict[str, Any], start_response: StartResponse,
+                headers: RequestHeaders, msg: Request | Notification | Response,
+                json_ok: bool, sse_ok: bool) -> _Reply | None:
+        if isinstance(msg, Response):
+            return _Reply(202)  # a reply to a server request; this server sends none: dropped
+        if isinstance(msg, Request) and msg.method == "initialize":
+            return self._initialize(environ, msg, json_ok)
+        rid = msg.id if isinstance(msg, Request) else None
+        call = None
+        if self.sessions:
+            sid = headers.session_id
+            bad = _session_error(sid, rid)
+            if bad is not None:
+                raise bad
+            st = self._process_state()
+            session = st.sessions.get(sid)
+            if session is None:
+                session = _adopt_session(st, sid)  # minted on another host
+            if session is not None and isinstance(msg, Request) and msg.method == "tools/call":
+                # recorded for the call's whole run: a session with a call in flight is never
+                # displaced by its client's new sessions
+                call = st.sessions.begin_call(session)
+                if call is None:
+                    session = None  # displaced or deleted since the lookup
+            elif session is not None:
+                st.sessions.touch(session)
+            if session is None:
+                raise RpcError(codes.INVALID_REQUEST, "Session not found", id=rid, status=404)
+            environ[SESSION_KEY] = sid
+        else:
+            environ.pop(SESSION_KEY, None)
+        if isinstance(msg, Notification):
+            if msg.method == "notifications/cancelled":
+                return self._notification_cancelled(environ, msg)
+            return _Reply(202)
+        if msg.method == "ping":
+            return self._result(Wire.LEGACY, msg, {}, json_ok)
+        if call is None:
+            return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+        try:
+            return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
+        finally:
+            st.sessions.end_call(call)
+
+    def _initialize(self, environ: dict[str, Any], msg: Request, json_ok: bool) -> _Reply:
+        params = msg.params or {}
+        requested = params.get("protocolVersion")
+        if not isinstance(requested, str):
+            raise RpcError(codes.INVALID_PARAMS,
+                           'Invalid params: initialize needs a "protocolVersion" string', id=msg.id,
+                           status=200)
+        for key in ("capabilities", "clientInfo"):
+            if key in params and not isinstance(params[key], dict):
+                raise RpcError(codes.INVALID_PARAMS,
+                               f'Invalid params: "{key}" must be an object', id=msg.id,
+                               status=200)
+        version = negotiate_legacy_version(requested)
+        result: dict[str, Any] = {"protocolVersion": version,
+                                  "capabilities": self.capabilities(),
+                                  "serverInfo": self.server_info()}
+        if self.instructions is not None:
+            result["instructions"] = self.instructions
+        extra: list[tuple[str, str]] = []
+        if self.sessions:
+            # Minting counts against the client: its principal, else its address bucket.
+            client = principal.scope({k: environ[k] for k in (PRINCIPAL_KEY, REMOTE_ADDR_KEY)
+                                      if k in environ})
+            try:
+                session = self._process_state().sessions.create(version, client)
+            except SessionsFull as e:
+                return _error_reply(503, msg.id, codes.SERVER_ERROR,
+                                    f"Server busy: no session available ({e})",
+                                    headers=[("Retry-After", str(e.retry_after))])
+            extra.append(("Mcp-Session-Id", session.id))
+            if (rb := remote.current()) is not None:
+                rb.publish_session(session.id, version, client)
+        reply = self._result(Wire.LEGACY, msg, result, json_ok)
+        reply.headers.extend(extra)
+        return reply
+
+    def _notification_cancelled(self, environ: dict[str, Any], msg: Notification) -> _Reply:
+        """SPEC §6.1: record a cancellation only for a request in flight in the caller's scope."""
+        params = {} if msg.params is None else msg.params  # parse() rejected non-objects (400)
+        rid = params.get("requestId")
+        if rid is None:
+            return _Reply(202)
+        reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
+        if ids.key(rid) is None:
+            return _error_reply(400, None, codes.INVALID_PARAMS,
+                                'Invalid params: "requestId" must be an integer or a string of '
+                                f"at most {ids.MAX_ID_BYTES} bytes")
+        st = self._process_state()
+        c = st.cancellation
+        scope = c.scope(environ)
+        try:
+            # One step: a call ending meanwhile leaves no row. Unknown or finished: ignored, as
+            # MCP permits; nothing recorded.
+            if not c.cancel_if_in_flight(rid, reason, scope) \
+                    and (rb := remote.current()) is not None:
+                rb.cancel(rid, reason, scope)  # running on another host? the remote delivers it
+        except CancellationLimitReached:
+            return _error_reply(429, None, codes.SERVER_ERROR,
+                                "Too many cancellations recorded for this client")
+        except InvalidRequestId:
+            return _error_reply(400, None, codes.INVALID_PARAMS, 'Invalid params: "requestId"')
+        return _Reply(202)
+
+
+def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:
+    if sid is None:
+        return RpcError(codes.INVALID_REQUEST, "Bad Request: missing Mcp-Session-Id header",
+                        id=rid, status=400)
+    if not valid_session_id(sid):
+        return RpcError(codes.INVALID_REQUEST, "Bad Request: malformed Mcp-Session-Id header",
+                        id=rid, status=400)
+    return None
+
+
+def _unsupported_header(requested: str) -> RpcError:
+    shown = requested if len(requested) <= 128 else requested[:128] + "..."
+    return RpcError(codes.UNSUPPORTED_PROTOCOL_VERSION,
+                    f"Unsupported protocol version: {shown!r}",
+                    data={"supported": list(SUPPORTED_VERSIONS), "requested": shown})
+
+
+def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
+    """A session another host minted (found through the remote), stored here under the same id
+    and counted against the same client; None when there is none."""
+    rb = remote.current()
+    if rb is None or sid is None or not valid_session_id(sid):
+        return None
+    got = rb.lookup_session(sid)
+    if got is None:
+        return None
+    try:
+        return st.sessions.create(got[0], got[1], session_id=sid)
+    except ShmCancelError:  # this host's client bound, a lock timeout: not adopted
+        return None

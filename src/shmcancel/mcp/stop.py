@@ -1,0 +1,71 @@
+"""Stopping a tool that runs on after its client left (SPEC §6.3): its rows go first, then in a
+``sync`` worker the worker quits (``SIGQUIT``, ``os._exit`` if that does not end it), in
+``gthread`` :class:`RequestStopped` is raised in the tool's thread (``SIGTERM`` for the worker if
+even that does not end it). Called by the disconnect watcher's timeout (:mod:`.call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+from typing import Any
+
+from .disconnect import Watcher
+
+log = logging.getLogger("shmcancel.server")  # one logger for the whole app, as before
+
+_HARD_EXIT_GRACE = 1.0  # seconds between SIGQUIT and os._exit for a sync worker's stuck tool
+
+
+class RequestStopped(BaseException):
+    """Raised inside a ``gthread`` tool's thread when its client left and it did not return
+    within ``stream_cancel_timeout``. A ``BaseException`` so ``except Exception`` in tool code
+    does not swallow it."""
+
+
+def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: bool,
+                  grace: float) -> None:
+    """The client left ``grace`` seconds ago and the tool is still running: stop it.
+
+    First its rows go (untrack, clear), so nothing of the request stays in the tables whatever
+    happens next. Then, in a ``sync`` worker (the request is the process), gunicorn's own quit
+    (``SIGQUIT``: ``SystemExit`` in the main thread, which unwinds the tool) and gunicorn forks a
+    replacement; ``os._exit`` if the tool is stuck where no signal handler can run. In
+    ``gthread``, :class:`RequestStopped` is raised in the tool's thread; if it has still not
+    returned after another ``grace``, the worker is asked to exit gracefully (``SIGTERM``).
+    """
+    handle.end()
+    if not multithread:
+        with watcher.running() as running:
+            if not running:
+                return
+            log.warning("a tool did not return %.1fs after its client left; the worker exits "
+                        "(gunicorn replaces it)", grace)
+            os.kill(os.getpid(), signal.SIGQUIT)
+        if not watcher.wait_stopped(_HARD_EXIT_GRACE):
+            with contextlib.suppress(OSError):
+                os.write(2, b"shmcancel: a stuck tool ignored the worker's quit; exiting now\n")
+            os._exit(1)
+        return
+    with watcher.running() as running:
+        if not running:
+            return
+        log.warning("a tool did not return %.1fs after its client left; stopping its thread",
+                    grace)
+        _async_raise(tool_thread, RequestStopped)
+    if watcher.wait_stopped(max(grace, 1.0)):
+        return
+    log.error("a stopped tool still runs; asking the worker to exit gracefully")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _async_raise(thread_ident: int, exc: type[BaseException]) -> bool:
+    n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_ident),
+                                                   ctypes.py_object(exc))
+    if n > 1:  # pragma: no cover - cannot happen for one ident; undo as the C API asks
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_ident), None)
+        return False
+    return n == 1
