@@ -1,6 +1,12 @@
-"""shmcancel: cross-process request cancellation for Python pre-fork servers."""
+"""shmcancel: cross-process request cancellation for Python pre-fork servers.
+
+The transport's names (:class:`McpServer`, :class:`ToolError`) load on first use (PEP 562), so a
+process that only wants the table does not import the server, ``ssl`` or ``ctypes``.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from . import errors, principal, telemetry
 from .cancellation import Cancellation, RequestHandle, cancelled
@@ -19,7 +25,11 @@ from .exceptions import (
 )
 from .lock import RegistryLock
 from .registry import Registry
-from .server import McpServer, ToolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .server import McpServer, ToolError
+
+_LAZY = {"McpServer": "server", "ToolError": "server"}
 
 __all__ = [
     "Cancellation",
@@ -44,3 +54,18 @@ __all__ = [
     "principal",
     "telemetry",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

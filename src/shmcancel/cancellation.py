@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -93,7 +94,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import ids, principal, procinfo, telemetry
 from .backend import Owner, Poll, ShmBackend, Storage
@@ -158,6 +159,38 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+_T = TypeVar("_T")
+
+
+class _Polls(dict[str, dict[object, _T]]):
+    """A poll cache: scope -> id as given -> poll (two lookups of cached-hash keys, no tuple
+    to build and hash). At most ``_WATCH_CACHE`` polls in all (``n``); emptied when full.
+    Only plain ``str`` scopes and valid ids of the exact types ``int`` or ``str`` enter: a
+    cached poll is trusted without validating the id again."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def find(self, scope: str, x: object) -> _T | None:
+        ws = self.get(scope)
+        return None if ws is None else ws.get(x)
+
+    def add(self, scope: str, x: object, v: _T) -> _T:
+        if self.n >= _WATCH_CACHE:
+            self.clear()
+            self.n = 0
+        ws = self.get(scope)
+        if ws is None:
+            ws = self[scope] = {}
+        if x not in ws:
+            self.n += 1
+        ws[x] = v
+        return v
+
+
 def _valid_scope(scope: object) -> bool:
     return type(scope) is str or isinstance(scope, str)
 
@@ -190,8 +223,10 @@ class Cancellation:
         self._batch = batch_size(cfg.max_rows, cfg.effective_max_rows)
         self._interval: float = cfg.janitor_interval
         self._next_check = -math.inf
-        # (scope, id) -> cached poll, so repeated polls without a handle skip packing and hashing
-        self._watches: dict[tuple[str, str], Poll] = {}
+        # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
+        # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
+        self._watches: _Polls[Callable[[], bool]] = _Polls()
+        self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
 
     def __repr__(self) -> str:
         return f"<Cancellation over {self.registry!r}>"
@@ -267,27 +302,49 @@ class Cancellation:
         Otherwise the argument is the request id, looked up in ``scope``. Never raises."""
         try:
             x = conn_or_request_id
-            if type(x) is dict or isinstance(x, Mapping):
-                h = x.get(HANDLE_KEY)
-                if isinstance(h, RequestHandle) and h._c._store is self._store:
+            t = type(x)
+            if t is dict:  # a plain environ: no ABC check
+                h = x.get(HANDLE_KEY)  # type: ignore[attr-defined]
+                if h is not None and type(h) is RequestHandle and h._c._store is self._store:
                     return h.cancelled()
-                x = x.get(REQUEST_ID_KEY)
-                scope = principal.scope(conn_or_request_id)
-            rid = ids.key(x)
-            if rid is None or (type(scope) is not str and not isinstance(scope, str)):
-                return False
-            self._tick()
-            k = (scope, rid)
-            w = self._watches.get(k)
-            if w is None:
-                w = self._store.watch(scope, rid)
-                if len(self._watches) >= _WATCH_CACHE:
-                    self._watches.clear()
-                self._watches[k] = w
-            return w.member()
+                scope = principal.scope(x)
+                x = x.get(REQUEST_ID_KEY)  # type: ignore[attr-defined]
+                t = type(x)
+            # Fast path: an id and scope of the exact types, polled before. The cache is keyed
+            # by the id as given (42 and "42" are two entries watching the one row); only valid
+            # ids of exact types enter it, so a bool, float or subclass never matches here.
+            if (t is int or t is str) and type(scope) is str:
+                ws = self._watches.get(scope)
+                if ws is not None:
+                    member = ws.get(x)
+                    if member is not None:
+                        if _now() >= self._next_check:
+                            self.tick()
+                        return member()
+            return self._cancelled(x, scope)
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
             return False
+
+    def _cancelled(self, x: object, scope: str) -> bool:
+        """:meth:`cancelled`'s general path (not a plain dict, or a key not cached yet)."""
+        if type(x) is not dict and isinstance(x, Mapping):
+            h = x.get(HANDLE_KEY)
+            if isinstance(h, RequestHandle) and h._c._store is self._store:
+                return h.cancelled()
+            scope = principal.scope(x)
+            x = x.get(REQUEST_ID_KEY)
+        rid = ids.key(x)
+        if rid is None or (type(scope) is not str and not isinstance(scope, str)):
+            return False
+        scope = str.__str__(scope)  # cache keys hold plain str only
+        self._tick()
+        member = self._watches.find(scope, rid)
+        if member is None:
+            member = self._watches.add(scope, rid, self._store.watch(scope, rid).member)
+        if type(x) is int:  # also under the id as given
+            self._watches.add(scope, x, member)
+        return member()
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled
@@ -359,11 +416,28 @@ class Cancellation:
 
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
         """True while any in-flight row exists for ``(scope, id)``. Never raises."""
-        rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        try:
+            # cached per (scope, id as given) like cancelled()'s watches: exact types only
+            if type(scope) is str and (type(request_id) is int or type(request_id) is str):
+                p = self._in_flight_polls.find(scope, request_id)
+                if p is not None:
+                    if _now() >= self._next_check:
+                        self.tick()
+                    return p()
+            rid = ids.key(request_id)
+            if rid is None or not _valid_scope(scope):
+                return False
+            self._tick()
+            st = self._store
+            watch = getattr(st, "watch_in_flight", None)
+            f: Callable[[], bool] = (watch(scope, rid).member if watch is not None
+                                     else functools.partial(st.in_flight, scope, rid))
+            if type(scope) is str and (type(request_id) is int or type(request_id) is str):
+                self._in_flight_polls.add(scope, request_id, f)
+            return f()
+        except Exception:
+            log.debug("in_flight() failed", exc_info=True)
             return False
-        self._tick()
-        return self._store.in_flight(scope, rid)
 
     def begin(self, request_id: object, scope: str) -> RequestHandle:
         """Track a dispatched request and return its :class:`RequestHandle`. Never raises: when
