@@ -8,6 +8,7 @@ import enum
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -124,6 +125,34 @@ def test_conn_polls_match_the_general_path(c):
     for _ in range(2):
         for conn, want in conns:
             assert c.cancelled(conn) is want, conn
+
+
+def test_other_mappings_and_nested_ones(c):
+    c.cancel(9, None, "ip:192.0.2.1")
+    inner = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}
+    for _ in range(2):
+        assert c.cancelled(types.MappingProxyType(inner)) is True
+        # a mapping where the id goes is an invalid id, not a conn to look into
+        assert c.cancelled({"REMOTE_ADDR": "192.0.2.1",
+                            "shmcancel.request_id": types.MappingProxyType(inner)}) is False
+        assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": inner}) is False
+
+
+def test_a_foreign_handle_falls_back_to_the_request_id(c, shm_names):
+    name = f"{c.registry.name}-b"
+    shm_names.append(name)
+    other_reg = Registry.create(name, Config(**SMALL))
+    try:
+        h = Cancellation(other_reg).begin(9, "ip:192.0.2.1")
+        conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9, "shmcancel.handle": h}
+        assert c.cancelled(conn) is False
+        c.cancel(9, None, "ip:192.0.2.1")
+        assert c.cancelled(conn) is True  # this Cancellation's row, not the handle's registry
+        assert h.cancelled() is False
+        h.end()
+    finally:
+        other_reg.close()
+        other_reg.unlink()
 
 
 @pytest.mark.parametrize("environ,scope", [

@@ -69,8 +69,9 @@ it returns ``False``; it never raises.
 
 The janitor
 -----------
-No thread (a gunicorn master must not hold threads when it forks). Writes and polls check the
-clock against a per-process deadline (a comparison, nothing more on the poll path); once it
+No thread (a gunicorn master must not hold threads when it forks). Writes, and one poll in
+every :data:`_POLLS_PER_CLOCK` that a cache answers (the others only count down: reading the
+clock would double the cost of a poll), check the clock against a per-process deadline; once it
 passes, the process asks the registry whether a sweep is due (``claim_sweep``: true for exactly
 one caller per ``janitor_interval``, the first one interval after creation), and the winner runs
 :meth:`Cancellation.cleanup`. A registry nobody touches needs no sweeping.
@@ -100,6 +101,7 @@ from . import ids, principal, procinfo, telemetry
 from .backend import Owner, Poll, ShmBackend, Storage
 from .eviction import batch_size
 from .exceptions import CancellationLimitReached, LockTimeout, ShmCancelError, TableFull
+from .principal import PRINCIPAL_KEY, REMOTE_ADDR_KEY, SESSION_KEY
 from .reasons import sanitize
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,6 +130,8 @@ CLEANUP_EVENT = ("shmcancel", "cancellation", "cleanup")
 
 _now = time.time  # the janitor's schedule (see the module docstring)
 _WATCH_CACHE = 1024
+#: Cached polls between two clock reads of the janitor check (per Cancellation).
+_POLLS_PER_CLOCK = 16
 # After a lost claim_sweep, look again after this fraction of the interval.
 _RECHECK_FRACTION = 0.125
 
@@ -223,6 +227,7 @@ class Cancellation:
         self._batch = batch_size(cfg.max_rows, cfg.effective_max_rows)
         self._interval: float = cfg.janitor_interval
         self._next_check = -math.inf
+        self._polls = 0  # cached polls left before the next clock read (see the module doc)
         # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
         # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
         self._watches: _Polls[Callable[[], bool]] = _Polls()
@@ -305,35 +310,44 @@ class Cancellation:
             t = type(x)
             if t is dict:  # a plain environ: no ABC check
                 h = x.get(HANDLE_KEY)  # type: ignore[attr-defined]
-                if h is not None and type(h) is RequestHandle and h._c._store is self._store:
+                if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
+                    return h.cancelled()
+                sc = None
+                if SESSION_KEY not in x and PRINCIPAL_KEY not in x:  # type: ignore[operator]
+                    a = x.get(REMOTE_ADDR_KEY)  # type: ignore[attr-defined]
+                    if type(a) is str:  # principal.scope's cache of anonymous scopes
+                        sc = principal._ip_scopes.get(a)
+                scope = principal.scope(x) if sc is None else sc
+                x = x.get(REQUEST_ID_KEY)  # type: ignore[attr-defined]
+                t = type(x)
+            elif t is not int and t is not str and isinstance(x, Mapping):  # another mapping
+                h = x.get(HANDLE_KEY)
+                if isinstance(h, RequestHandle) and h._c._store is self._store:
                     return h.cancelled()
                 scope = principal.scope(x)
-                x = x.get(REQUEST_ID_KEY)  # type: ignore[attr-defined]
+                x = x.get(REQUEST_ID_KEY)
                 t = type(x)
             # Fast path: an id and scope of the exact types, polled before. The cache is keyed
             # by the id as given (42 and "42" are two entries watching the one row); only valid
             # ids of exact types enter it, so a bool, float or subclass never matches here.
             if (t is int or t is str) and type(scope) is str:
-                ws = self._watches.get(scope)
-                if ws is not None:
-                    member = ws.get(x)
-                    if member is not None:
-                        if _now() >= self._next_check:
-                            self.tick()
-                        return member()
+                try:
+                    member = self._watches[scope][x]
+                except KeyError:
+                    pass
+                else:
+                    n = self._polls = self._polls - 1
+                    if n < 0:
+                        self._poll_tick()
+                    return member()
             return self._cancelled(x, scope)
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
             return False
 
     def _cancelled(self, x: object, scope: str) -> bool:
-        """:meth:`cancelled`'s general path (not a plain dict, or a key not cached yet)."""
-        if type(x) is not dict and isinstance(x, Mapping):
-            h = x.get(HANDLE_KEY)
-            if isinstance(h, RequestHandle) and h._c._store is self._store:
-                return h.cancelled()
-            scope = principal.scope(x)
-            x = x.get(REQUEST_ID_KEY)
+        """:meth:`cancelled`'s general path for an id (the conn already resolved): one not
+        cached yet, or not of an exact type."""
         rid = ids.key(x)
         if rid is None or (type(scope) is not str and not isinstance(scope, str)):
             return False
@@ -419,10 +433,14 @@ class Cancellation:
         try:
             # cached per (scope, id as given) like cancelled()'s watches: exact types only
             if type(scope) is str and (type(request_id) is int or type(request_id) is str):
-                p = self._in_flight_polls.find(scope, request_id)
-                if p is not None:
-                    if _now() >= self._next_check:
-                        self.tick()
+                try:
+                    p = self._in_flight_polls[scope][request_id]
+                except KeyError:
+                    pass
+                else:
+                    n = self._polls = self._polls - 1
+                    if n < 0:
+                        self._poll_tick()
                     return p()
             rid = ids.key(request_id)
             if rid is None or not _valid_scope(scope):
@@ -514,6 +532,11 @@ class Cancellation:
         pid, start = procinfo.me()
         return self._store.reap_ended(pid, start, _running)
 
+    def _poll_tick(self) -> None:
+        """The janitor check of a cached poll, once per ``_POLLS_PER_CLOCK`` of them."""
+        self._polls = _POLLS_PER_CLOCK - 1
+        self._tick()
+
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
         registry, SPEC §4.6): one clock read and a comparison until this process's next
@@ -596,8 +619,9 @@ class RequestHandle:
             if w is not None and w.member() and self._latch():
                 return True
             c = self._c
-            if _now() >= c._next_check:
-                c._tick()
+            n = c._polls = c._polls - 1
+            if n < 0:
+                c._poll_tick()
         except Exception:
             return False
         return False
@@ -794,6 +818,17 @@ def cancelled(conn: object) -> bool:
     try:
         h = conn.get(HANDLE_KEY)  # type: ignore[attr-defined]
         if h is not None:
+            if type(h) is RequestHandle:
+                # RequestHandle.cancelled() inlined for its common answer (False, nothing moved):
+                # this is the poll a tool makes in its loop
+                w = h._watch
+                if h._local or w is None or w.member():
+                    return h.cancelled()
+                c = h._c
+                n = c._polls = c._polls - 1
+                if n < 0:
+                    c._poll_tick()
+                return False
             return h.cancelled() is True
         if conn.get(REQUEST_ID_KEY) is None:  # type: ignore[attr-defined]
             return False
