@@ -196,3 +196,21 @@ def test_import_loads_neither_the_server_nor_ssl_nor_ctypes():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("polls", [0, 1])
+@pytest.mark.parametrize("others", [0, 3])
+def test_end_clears_the_row_whether_or_not_the_handle_was_polled(c, polls, others):
+    for i in range(others):  # other rows in the scope, and in another scope
+        c.cancel(100 + i, None, S)
+        c.cancel(100 + i, None, "ip:192.0.2.200")
+    h = c.begin(7, S)
+    for _ in range(polls):
+        assert h.cancelled() is False
+    assert c.cancel_if_in_flight(7, "stop", S)
+    h.end()
+    assert c.cancelled(7, S) is False and c.in_flight(7, S) is False
+    assert c.cancelled(100, S) is (others > 0)
+    h2 = c.begin(8, S)  # a request nobody cancelled ends without writing a row
+    h2.end()
+    assert c.cancelled(8, S) is False

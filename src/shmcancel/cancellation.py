@@ -587,7 +587,6 @@ class RequestHandle:
         try:
             pid, start = procinfo.me()
             owner = (pid, start, threading.get_ident(), token)
-            self._watch = c._store.watch(scope, rid)
             c._store.track(scope, rid, owner)
             self._owner = owner
             self.tracked = True
@@ -616,6 +615,8 @@ class RequestHandle:
             return True
         try:
             w = self._watch
+            if w is None and self._rid is not None:  # made on the first poll: many tools never poll
+                w = self._watch = self._c._store.watch(self.scope, self._rid)
             if w is not None and w.member() and self._latch():
                 return True
             c = self._c
@@ -688,7 +689,12 @@ class RequestHandle:
             ended_at = c.clock()
             if self._owner is not None:
                 st.untrack(self.scope, rid, self._owner)
-            st.clear(self.scope, rid)
+            # Skip the clear's own read when cheaper evidence says there is no row: a polled
+            # handle's watch (one load), else the scope's count, never below its rows (a row
+            # left by a wrong count is a leftover the next namesake's first poll removes).
+            w = self._watch
+            if w.member() if w is not None else st.scope_rows(self.scope) > 0:
+                st.clear(self.scope, rid)
         except LockTimeout as e:
             _owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
