@@ -353,11 +353,10 @@ class Cancellation:
             return False
         scope = str.__str__(scope)  # cache keys hold plain str only
         self._tick()
-        member = self._watches.find(scope, rid)
+        k = x if type(x) is int or type(x) is str else rid  # as the fast path looks it up
+        member = self._watches.find(scope, k)
         if member is None:
-            member = self._watches.add(scope, rid, self._store.watch(scope, rid).member)
-        if type(x) is int:  # also under the id as given
-            self._watches.add(scope, x, member)
+            member = self._watches.add(scope, k, self._store.watch(scope, rid).member)
         return member()
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
