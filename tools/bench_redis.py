@@ -30,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import httpx  # noqa: E402
-from conftest import TEST_PREFIX, unlink_registry_names  # noqa: E402
-from gunicorn_harness import Gunicorn  # noqa: E402
+from helpers.gunicorn_harness import Gunicorn  # noqa: E402
+from helpers.names import TEST_PREFIX, unlink_registry_names  # noqa: E402
 from redis_server import RedisServer, unique_prefix  # noqa: E402
 
 import shmcancel  # noqa: E402

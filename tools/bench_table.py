@@ -12,7 +12,10 @@ writes other keys of the same table continuously. Every figure is the median ns/
 them alike. Targets (issue): lookup-miss <= 3x floor alone, <= 3.5x with a writer; insert and
 delete each < 25x floor; Watch poll ~1x alone, <= 3.5x with a writer.
 
-``measure_raw_floor()``, ``medians()`` and ``running()`` are importable
+Ratios are medians of per-batch ratios: each measured batch runs right after a floor batch and
+is divided by it, so noise that slows the machine for a while slows both alike.
+
+``measure_raw_floor()``, ``medians()``, ``ratio_medians()`` and ``running()`` are importable
 (``sys.path.insert(0, "tools")``) for other benchmarks.
 """
 
@@ -110,6 +113,28 @@ def medians(measures: dict[str, tuple[Measure, int]], batches: int) -> dict[str,
         for k, (fn, n) in measures.items():
             samples[k].append(fn() / n)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def ratio_medians(measures: dict[str, tuple[Measure, int]], floor: tuple[Measure, int],
+                  batches: int) -> tuple[dict[str, float], dict[str, float], float]:
+    """``(ns/op, ratio to the floor, floor ns/op)``, each a median over ``batches`` rounds. In a
+    round every measure's batch runs right after a batch of ``floor`` and its ratio is taken to
+    that floor batch (floor and measure alternate), so a slow stretch of the machine inflates
+    both and the ratio stays put. The floor's ns/op is the median over all its batches."""
+    ffn, fn_ops = floor
+    ns: dict[str, list[float]] = {k: [] for k in measures}
+    ratio: dict[str, list[float]] = {k: [] for k in measures}
+    floors: list[float] = []
+    for _ in range(batches):
+        for k, (fn, n) in measures.items():
+            f = ffn() / fn_ops
+            m = fn() / n
+            floors.append(f)
+            ns[k].append(m)
+            ratio[k].append(m / f if f > 0 else float("inf"))
+    med = statistics.median
+    return ({k: med(v) for k, v in ns.items()}, {k: med(v) for k, v in ratio.items()},
+            med(floors))
 
 
 def _floor_measures(mm: mmap.mmap, batch: int) -> dict[str, tuple[Measure, int]]:
@@ -251,6 +276,16 @@ def _table_measures(t: Table, nfill: int, batch: int, tag: str = ""
     return reads, wr
 
 
+def _paired(floors: dict[str, tuple[Measure, int]], reads: dict[str, tuple[Measure, int]],
+            writes: dict[str, tuple[Measure, int]], floor: tuple[Measure, int], batches: int
+            ) -> tuple[dict[str, float], dict[str, float], float]:
+    """ns/op and per-batch floor ratios of floors, reads and writes (writes over an even number
+    of batches: inserts then deletes); the floor's own ns/op."""
+    ns, r, f = ratio_medians({**floors, **reads}, floor, batches)
+    ns2, r2, _ = ratio_medians(writes, floor, batches // 2 * 2)
+    return {**ns, **ns2}, {**r, **r2}, f
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--capacity", type=int, default=10_000)
@@ -281,16 +316,16 @@ def main(argv: list[str] | None = None) -> int:
             floors = _floor_measures(mm, batch)
             reads, writes = _table_measures(t, nfill, batch)
             _, bare_writes = _table_measures(bare, nfill, batch, " [bare sem lock]")
-            alone = {**medians({**floors, **reads}, args.batches),
-                     **medians({**floors, **writes, **bare_writes}, args.batches // 2 * 2)}
+            floor = floors["raw read (struct)"]
+            alone, ralone, fa = _paired(floors, reads, {**writes, **bare_writes}, floor,
+                                        args.batches)
             with running(_writer, t):
                 v0 = t._ver.tobytes()
                 deadline = time.monotonic() + 5
                 while t._ver.tobytes() == v0 and time.monotonic() < deadline:
                     time.sleep(0.001)
                 v0s, t0 = sum(t._ver.tolist()), time.monotonic()
-                busy = {**medians({**floors, **reads}, args.batches),
-                        **medians({**floors, **writes}, args.batches // 2 * 2)}
+                busy, rbusy, fb = _paired(floors, reads, writes, floor, args.batches)
                 rate = (sum(t._ver.tolist()) - v0s) / 2 / (time.monotonic() - t0)
             with reg.lock:  # the writer may have died holding it: recovered here
                 pass
@@ -303,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
         reg.close()
         reg.unlink()
 
-    fa, fb = alone["raw read (struct)"], busy["raw read (struct)"]
     targets = {
         "lookup miss (prepared)": (3.0, 3.5),
         "member miss (prepared)": (3.0, 3.5),
@@ -316,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'measure (ns/op)':42} {'alone':>8} {'x floor':>8} {'+writer':>8} {'x floor':>8}")
     ok = True
     for k in alone:
-        ra = alone[k] / fa
+        ra = ralone[k]
         b = busy.get(k)
-        rb = b / fb if b is not None else None
+        rb = rbusy.get(k)
         verdict = ""
         if k in targets:
             ta, tb = targets[k]
@@ -328,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                 f", {tb}x w/ writer)" if tb else ")")
         bs = f"{b:8.1f} {rb:8.2f}" if b is not None else f"{'-':>8} {'-':>8}"
         print(f"{k:42} {alone[k]:8.1f} {ra:8.2f} {bs}  {verdict}")
-    print("floor = raw read (struct): one struct.unpack_from of a 16-byte slot of the mapping")
+    print(f"floor = raw read (struct): one struct.unpack_from of a 16-byte slot of the mapping: "
+          f"{fa:.1f} ns alone, {fb:.1f} ns with the writer; ratios are medians of per-batch "
+          f"ratios, each batch against a floor batch run just before it")
     print("overall:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

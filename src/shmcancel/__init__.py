@@ -1,6 +1,12 @@
-"""shmcancel: cross-process request cancellation for Python pre-fork servers."""
+"""shmcancel: cross-process request cancellation for Python pre-fork servers.
+
+The transport's names (:class:`McpServer`, :class:`ToolError`) load on first use (PEP 562), so a
+process that only wants the table does not import the server, ``ssl`` or ``ctypes``.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from . import errors, principal, telemetry
 from .cancel import policy as _policy
@@ -20,12 +26,16 @@ from .exceptions import (
 )
 from .mcp import conn as _conn
 from .mcp.conn import cancelled
-from .mcp.server import McpServer, ToolError
 from .shm.lock import RegistryLock
 from .shm.registry import Registry
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .mcp.server import McpServer, ToolError
+
 # The policy takes scopes as strings; how a conn names its request and caller is the transport's.
 _policy.read_conns_with(_conn)
+
+_LAZY = {"McpServer": "server", "ToolError": "server"}
 
 __all__ = [
     "Cancellation",
@@ -50,3 +60,18 @@ __all__ = [
     "principal",
     "telemetry",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

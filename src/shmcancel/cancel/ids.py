@@ -30,7 +30,13 @@ def key(request_id: object) -> str | None:
 
     Never raises.
     """
-    if isinstance(request_id, str):
+    if type(request_id) is int:  # exact types first: the common case, no isinstance walks
+        return int.__repr__(request_id) if _INT_LO < request_id < _INT_HI else None
+    if type(request_id) is str:
+        s = request_id
+        if s.isascii():  # one byte per character
+            return s if len(s) <= MAX_ID_BYTES else None
+    elif isinstance(request_id, str):
         s = str.__str__(request_id)  # a str subclass keys as the plain text
     elif isinstance(request_id, bool):
         return None

@@ -68,8 +68,9 @@ also holds :func:`shmcancel.cancelled`, what tools call.
 
 The janitor
 -----------
-No thread (a gunicorn master must not hold threads when it forks). Writes and polls check the
-clock against a per-process deadline (a comparison, nothing more on the poll path); once it
+No thread (a gunicorn master must not hold threads when it forks). Writes, and one poll in
+every :data:`_POLLS_PER_CLOCK` that a cache answers (the others only count down: reading the
+clock would double the cost of a poll), check the clock against a per-process deadline; once it
 passes, the process asks the registry whether a sweep is due (``claim_sweep``: true for exactly
 one caller per ``janitor_interval``, the first one interval after creation), and the winner runs
 :meth:`Cancellation.cleanup`. A registry nobody touches needs no sweeping.
@@ -85,6 +86,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -92,7 +94,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .. import telemetry
 from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError, TableFull
@@ -121,6 +123,8 @@ CLEANUP_EVENT = ("shmcancel", "cancellation", "cleanup")
 
 _now = time.time  # the janitor's schedule (see the module docstring)
 _WATCH_CACHE = 1024
+#: Cached polls between two clock reads of the janitor check (per Cancellation).
+_POLLS_PER_CLOCK = 16
 # After a lost claim_sweep, look again after this fraction of the interval.
 _RECHECK_FRACTION = 0.125
 
@@ -187,6 +191,38 @@ def read_conns_with(reader: ConnReader) -> None:
     _conns = reader
 
 
+_T = TypeVar("_T")
+
+
+class _Polls(dict[str, dict[object, _T]]):
+    """A poll cache: scope -> id as given -> poll (two lookups of cached-hash keys, no tuple
+    to build and hash). At most ``_WATCH_CACHE`` polls in all (``n``); emptied when full.
+    Only plain ``str`` scopes and valid ids of the exact types ``int`` or ``str`` enter: a
+    cached poll is trusted without validating the id again."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def find(self, scope: str, x: object) -> _T | None:
+        ws = self.get(scope)
+        return None if ws is None else ws.get(x)
+
+    def add(self, scope: str, x: object, v: _T) -> _T:
+        if self.n >= _WATCH_CACHE:
+            self.clear()
+            self.n = 0
+        ws = self.get(scope)
+        if ws is None:
+            ws = self[scope] = {}
+        if x not in ws:
+            self.n += 1
+        ws[x] = v
+        return v
+
+
 def _valid_scope(scope: object) -> bool:
     return type(scope) is str or isinstance(scope, str)
 
@@ -219,8 +255,11 @@ class Cancellation:
         self._batch = batch_size(cfg.max_rows, cfg.effective_max_rows)
         self._interval: float = cfg.janitor_interval
         self._next_check = -math.inf
-        # (scope, id) -> cached poll, so repeated polls without a handle skip packing and hashing
-        self._watches: dict[tuple[str, str], Poll] = {}
+        self._polls = 0  # cached polls left before the next clock read (see the module doc)
+        # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
+        # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
+        self._watches: _Polls[Callable[[], bool]] = _Polls()
+        self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
 
     def __repr__(self) -> str:
         return f"<Cancellation over {self.registry!r}>"
@@ -308,27 +347,45 @@ class Cancellation:
         Otherwise the argument is the request id, looked up in ``scope``. Never raises."""
         try:
             x = conn_or_request_id
-            if type(x) is dict or isinstance(x, Mapping):
-                h = _conns.handle(x)
-                if isinstance(h, RequestHandle) and h._c._store is self._store:
+            t = type(x)
+            if t is dict or (t is not int and t is not str and isinstance(x, Mapping)):
+                h = _conns.handle(x)  # type: ignore[arg-type]
+                if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
                     return h.cancelled()
-                x = _conns.request_id(x)
-                scope = _conns.scope(conn_or_request_id)
-            rid = ids.key(x)
-            if rid is None or (type(scope) is not str and not isinstance(scope, str)):
-                return False
-            self._tick()
-            k = (scope, rid)
-            w = self._watches.get(k)
-            if w is None:
-                w = self._store.watch(scope, rid)
-                if len(self._watches) >= _WATCH_CACHE:
-                    self._watches.clear()
-                self._watches[k] = w
-            return w.member()
+                scope = _conns.scope(x)
+                x = _conns.request_id(x)  # type: ignore[arg-type]
+                t = type(x)
+            # Fast path: an id and scope of the exact types, polled before. The cache is keyed
+            # by the id as given (42 and "42" are two entries watching the one row); only valid
+            # ids of exact types enter it, so a bool, float or subclass never matches here.
+            if (t is int or t is str) and type(scope) is str:
+                try:
+                    member = self._watches[scope][x]
+                except KeyError:
+                    pass
+                else:
+                    n = self._polls = self._polls - 1
+                    if n < 0:
+                        self._poll_tick()
+                    return member()
+            return self._cancelled(x, scope)
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
             return False
+
+    def _cancelled(self, x: object, scope: str) -> bool:
+        """:meth:`cancelled`'s general path for an id (the conn already resolved): one not
+        cached yet, or not of an exact type."""
+        rid = ids.key(x)
+        if rid is None or (type(scope) is not str and not isinstance(scope, str)):
+            return False
+        scope = str.__str__(scope)  # cache keys hold plain str only
+        self._tick()
+        k = x if type(x) is int or type(x) is str else rid  # as the fast path looks it up
+        member = self._watches.find(scope, k)
+        if member is None:
+            member = self._watches.add(scope, k, self._store.watch(scope, rid).member)
+        return member()
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled
@@ -400,11 +457,32 @@ class Cancellation:
 
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
         """True while any in-flight row exists for ``(scope, id)``. Never raises."""
-        rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        try:
+            # cached per (scope, id as given) like cancelled()'s watches: exact types only
+            if type(scope) is str and (type(request_id) is int or type(request_id) is str):
+                try:
+                    p = self._in_flight_polls[scope][request_id]
+                except KeyError:
+                    pass
+                else:
+                    n = self._polls = self._polls - 1
+                    if n < 0:
+                        self._poll_tick()
+                    return p()
+            rid = ids.key(request_id)
+            if rid is None or not _valid_scope(scope):
+                return False
+            self._tick()
+            st = self._store
+            watch = getattr(st, "watch_in_flight", None)
+            f: Callable[[], bool] = (watch(scope, rid).member if watch is not None
+                                     else functools.partial(st.in_flight, scope, rid))
+            if type(scope) is str and (type(request_id) is int or type(request_id) is str):
+                self._in_flight_polls.add(scope, request_id, f)
+            return f()
+        except Exception:
+            log.debug("in_flight() failed", exc_info=True)
             return False
-        self._tick()
-        return self._store.in_flight(scope, rid)
 
     def begin(self, request_id: object, scope: str) -> RequestHandle:
         """Track a dispatched request and return its :class:`RequestHandle`. Never raises: when
@@ -482,6 +560,11 @@ class Cancellation:
         pid, start = procinfo.me()
         return self._store.reap_ended(pid, start, _running)
 
+    def _poll_tick(self) -> None:
+        """The janitor check of a cached poll, once per ``_POLLS_PER_CLOCK`` of them."""
+        self._polls = _POLLS_PER_CLOCK - 1
+        self._tick()
+
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
         registry, SPEC §4.6): one clock read and a comparison until this process's next
@@ -532,7 +615,6 @@ class RequestHandle:
         try:
             pid, start = procinfo.me()
             owner = (pid, start, threading.get_ident(), token)
-            self._watch = c._store.watch(scope, rid)
             c._store.track(scope, rid, owner)
             self._owner = owner
             self.tracked = True
@@ -561,11 +643,14 @@ class RequestHandle:
             return True
         try:
             w = self._watch
+            if w is None and self._rid is not None:  # made on the first poll: many tools never poll
+                w = self._watch = self._c._store.watch(self.scope, self._rid)
             if w is not None and w.member() and self._latch():
                 return True
             c = self._c
-            if _now() >= c._next_check:
-                c._tick()
+            n = c._polls = c._polls - 1
+            if n < 0:
+                c._poll_tick()
         except Exception:
             return False
         return False
@@ -632,7 +717,12 @@ class RequestHandle:
             ended_at = c.clock()
             if self._owner is not None:
                 st.untrack(self.scope, rid, self._owner)
-            st.clear(self.scope, rid)
+            # Skip the clear's own read when cheaper evidence says there is no row: a polled
+            # handle's watch (one load), else the scope's count, never below its rows (a row
+            # left by a wrong count is a leftover the next namesake's first poll removes).
+            w = self._watch
+            if w.member() if w is not None else st.scope_rows(self.scope) > 0:
+                st.clear(self.scope, rid)
         except LockTimeout as e:
             _owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)

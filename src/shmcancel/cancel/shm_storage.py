@@ -324,6 +324,11 @@ class ShmBackend:
     def in_flight(self, scope: str, rid: str) -> bool:
         return self._f.member(self._fk(scope, rid))
 
+    def watch_in_flight(self, scope: str, rid: str) -> Poll:
+        """A cached poll of ``in_flight(scope, rid)`` (optional for a store: the policy falls
+        back to calling ``in_flight``)."""
+        return self._f.watch(self._fk(scope, rid))
+
     def in_flight_ids(self, scope: str) -> list[str]:
         ids = {k[1] for k, _ in self._f.scan(lambda k, v: type(k) is tuple and k[0] == scope)}
         return sorted(ids)

@@ -54,7 +54,7 @@ import logging
 import os
 import select
 import socket
-import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -87,7 +87,9 @@ def watchable(sock: Any) -> bool:
     available."""
     if not _HAS_EPOLL or not isinstance(sock, socket.socket):
         return False
-    if isinstance(sock, ssl.SSLSocket):
+    # ssl is not imported for this check: with no ssl module loaded there is no SSLSocket
+    ssl = sys.modules.get("ssl")
+    if ssl is not None and isinstance(sock, ssl.SSLSocket):
         return False
     try:
         return sock.fileno() >= 0

@@ -170,6 +170,7 @@ def client_bucket(environ: object) -> str:
 
 # address -> bucket: parsing costs microseconds and a poll without a handle needs the scope.
 _buckets: dict[str, str] = {}
+_ip_scopes: dict[str, str] = {}  # address -> "ip:" + its bucket
 _BUCKET_CACHE = 4096
 
 
@@ -207,6 +208,17 @@ def _prefixed(prefix: str, ident: str) -> str:
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
     ``environ`` is not a mapping (SPEC §3). Never raises."""
+    if type(environ) is dict and SESSION_KEY not in environ and PRINCIPAL_KEY not in environ:
+        # the common anonymous poll: the address bucket's scope, cached per address
+        addr = environ.get(REMOTE_ADDR_KEY)
+        if type(addr) is str:
+            sc = _ip_scopes.get(addr)
+            if sc is None:
+                sc = "ip:" + client_bucket(environ)
+                if len(_ip_scopes) >= _BUCKET_CACHE:
+                    _ip_scopes.clear()
+                _ip_scopes[addr] = sc
+            return sc
     if type(environ) is not dict and not isinstance(environ, Mapping):
         return GLOBAL
     try:

@@ -7,7 +7,6 @@ even that does not end it). Called by the disconnect watcher's timeout (:mod:`.c
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -63,6 +62,8 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
 
 
 def _async_raise(thread_ident: int, exc: type[BaseException]) -> bool:
+    import ctypes  # here: loading it costs every worker memory, and this runs rarely
+
     n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_ident),
                                                    ctypes.py_object(exc))
     if n > 1:  # pragma: no cover - cannot happen for one ident; undo as the C API asks

@@ -1,0 +1,216 @@
+"""The poll fast paths (issue #9) answer exactly as the general path (SPEC §4.1): 42 and "42"
+are one request; bools, floats, over-long or unencodable ids are invalid; subclasses key as
+their base type's text; a poll never raises. And ``import shmcancel`` stays light."""
+
+from __future__ import annotations
+
+import enum
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from shmcancel import Config, principal
+from shmcancel.cancel.policy import _WATCH_CACHE, Cancellation
+from shmcancel.shm.registry import Registry
+
+SMALL = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
+S = "ip:192.0.2.1"
+
+
+@pytest.fixture
+def c(shm_name):
+    reg = Registry.create(shm_name, Config(**SMALL))
+    try:
+        yield Cancellation(reg)
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+class Num(enum.IntEnum):
+    ANSWER = 42
+
+
+class Text(str):
+    pass
+
+
+class Sly(str):
+    """A scope that claims to equal (and hash like) every str: must not reach the cache."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return hash(S)
+
+
+def test_int_and_str_forms_are_one_request_once_cached(c):
+    for x in (42, "42", Num.ANSWER, Text("42")):  # warm the caches: all not cancelled
+        assert c.cancelled(x, S) is False
+        assert c.in_flight(x, S) is False
+    c.cancel(42, "r", S)
+    h = c.begin("42", S)
+    for _ in range(2):  # the second round answers from the caches
+        for x in (42, "42", Num.ANSWER, Text("42")):
+            assert c.cancelled(x, S) is True
+            assert c.in_flight(x, S) is True
+    c.clear("42", S)
+    h.end()
+    for x in (42, "42", Num.ANSWER, Text("42")):
+        assert c.cancelled(x, S) is False
+        assert c.in_flight(x, S) is False
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, 42.0, 10**256, "x" * 257, "é" * 129,
+                                 "\ud800", b"42", None, [42]])
+def test_invalid_ids_never_hit_a_cached_valid_one(c, bad):
+    for good in (1, 0, 42, "x" * 256, "é" * 128, 10**256 - 1):
+        c.cancel(good, None, S)
+        c.begin(good, S)
+        assert c.cancelled(good, S) and c.in_flight(good, S)  # cached now
+    for _ in range(2):
+        assert c.cancelled(bad, S) is False
+        assert c.in_flight(bad, S) is False
+        assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": bad}) is False
+
+
+def test_a_scope_subclass_does_not_poison_the_cache(c):
+    c.cancel(7, None, "ip:192.0.2.99")
+    assert c.cancelled(7, Sly("ip:192.0.2.99")) is True  # keys as its plain text
+    assert c.in_flight(7, Sly("ip:192.0.2.99")) is False
+    assert c.cancelled(7, S) is False  # not answered by the subclass's entry
+    assert c.cancelled(7, "ip:192.0.2.99") is True
+
+
+def test_bad_scopes_are_false_never_raise(c):
+    c.cancel(5, None, S)
+    assert c.cancelled(5, S)
+    for scope in (None, 5, b"ip:192.0.2.1", object()):
+        assert c.cancelled(5, scope) is False  # type: ignore[arg-type]
+        assert c.in_flight(5, scope) is False  # type: ignore[arg-type]
+
+
+def test_caches_stay_bounded_and_correct(c):
+    c.cancel(3, None, S)
+    for i in range(3 * _WATCH_CACHE):
+        assert c.cancelled(i, f"ip:10.0.{i % 7}.1") is False
+        assert c.in_flight(i, S) is False
+    assert c._watches.n <= _WATCH_CACHE and c._in_flight_polls.n <= _WATCH_CACHE
+    assert sum(len(v) for v in c._watches.values()) == c._watches.n
+    assert c.cancelled(3, S) is True
+
+
+def test_conn_polls_match_the_general_path(c):
+    c.cancel(9, None, "ip:192.0.2.1")
+    c.cancel(9, None, "session:abc")
+    conns = [
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}, True),
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": "9"}, True),
+        ({"REMOTE_ADDR": "::ffff:192.0.2.1", "shmcancel.request_id": 9}, True),
+        ({"REMOTE_ADDR": "192.0.2.2", "shmcancel.request_id": 9}, False),
+        ({"REMOTE_ADDR": 1234, "shmcancel.request_id": 9}, False),
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.session_id": "abc",
+          "shmcancel.request_id": 9}, True),
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.session_id": "abd",
+          "shmcancel.request_id": 9}, False),
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.principal": {"id": "u"},
+          "shmcancel.request_id": 9}, False),
+        ({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": True}, False),
+        ({"REMOTE_ADDR": "192.0.2.1"}, False),
+    ]
+    for _ in range(2):
+        for conn, want in conns:
+            assert c.cancelled(conn) is want, conn
+
+
+def test_other_mappings_and_nested_ones(c):
+    c.cancel(9, None, "ip:192.0.2.1")
+    inner = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}
+    for _ in range(2):
+        assert c.cancelled(types.MappingProxyType(inner)) is True
+        # a mapping where the id goes is an invalid id, not a conn to look into
+        assert c.cancelled({"REMOTE_ADDR": "192.0.2.1",
+                            "shmcancel.request_id": types.MappingProxyType(inner)}) is False
+        assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": inner}) is False
+
+
+def test_a_foreign_handle_falls_back_to_the_request_id(c, shm_names):
+    name = f"{c.registry.name}-b"
+    shm_names.append(name)
+    other_reg = Registry.create(name, Config(**SMALL))
+    try:
+        h = Cancellation(other_reg).begin(9, "ip:192.0.2.1")
+        conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9, "shmcancel.handle": h}
+        assert c.cancelled(conn) is False
+        c.cancel(9, None, "ip:192.0.2.1")
+        assert c.cancelled(conn) is True  # this Cancellation's row, not the handle's registry
+        assert h.cancelled() is False
+        h.end()
+    finally:
+        other_reg.close()
+        other_reg.unlink()
+
+
+@pytest.mark.parametrize("environ,scope", [
+    ({"REMOTE_ADDR": "203.0.113.9"}, "ip:203.0.113.9"),
+    ({"REMOTE_ADDR": "::ffff:203.0.113.9"}, "ip:203.0.113.9"),
+    ({"REMOTE_ADDR": "2001:db8:1:2:3:4:5:6"}, "ip:2001:db8:1:2::/64"),
+    ({"REMOTE_ADDR": "nonsense"}, "ip:unknown"),
+    ({"REMOTE_ADDR": None}, "ip:unknown"),
+    ({}, "ip:unknown"),
+    ({"REMOTE_ADDR": "203.0.113.9", "shmcancel.session_id": "s1"}, "session:s1"),
+    ({"REMOTE_ADDR": "203.0.113.9", "shmcancel.session_id": ""}, "ip:203.0.113.9"),
+    ({"REMOTE_ADDR": "203.0.113.9", "shmcancel.principal": {"id": "alice"}}, "principal:alice"),
+    ({"REMOTE_ADDR": "203.0.113.9", "shmcancel.principal": None}, "ip:203.0.113.9"),
+])
+def test_scope_of_plain_dicts(environ, scope):
+    for _ in range(2):  # the second answer comes from the address cache
+        assert principal.scope(environ) == scope
+        assert principal.scope(dict(environ)) == scope
+
+
+def test_import_loads_neither_the_server_nor_ssl_nor_ctypes():
+    code = textwrap.dedent("""
+        import sys
+        import shmcancel
+        heavy = [m for m in ("ssl", "ctypes", "shmcancel.server", "shmcancel.mcp.server",
+                             "shmcancel.mcp.disconnect") if m in sys.modules]
+        assert not heavy, heavy
+        from shmcancel import McpServer, ToolError
+        from shmcancel.server import McpServer as S, ToolError as T
+        assert McpServer is S and ToolError is T and shmcancel.McpServer is S
+        assert "McpServer" in dir(shmcancel)
+        try:
+            shmcancel.NoSuchThing
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError("no AttributeError")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("polls", [0, 1])
+@pytest.mark.parametrize("others", [0, 3])
+def test_end_clears_the_row_whether_or_not_the_handle_was_polled(c, polls, others):
+    for i in range(others):  # other rows in the scope, and in another scope
+        c.cancel(100 + i, None, S)
+        c.cancel(100 + i, None, "ip:192.0.2.200")
+    h = c.begin(7, S)
+    for _ in range(polls):
+        assert h.cancelled() is False
+    assert c.cancel_if_in_flight(7, "stop", S)
+    h.end()
+    assert c.cancelled(7, S) is False and c.in_flight(7, S) is False
+    assert c.cancelled(100, S) is (others > 0)
+    h2 = c.begin(8, S)  # a request nobody cancelled ends without writing a row
+    h2.end()
+    assert c.cancelled(8, S) is False
