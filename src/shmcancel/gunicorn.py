@@ -1,5 +1,5 @@
 """gunicorn server hooks: the master owns the registry, workers attach, the master cleans up after
-dead workers (SPEC §6.4).
+dead workers (contract §6.4).
 
 Use in a ``gunicorn.conf.py``::
 

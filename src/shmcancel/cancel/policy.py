@@ -1,4 +1,4 @@
-"""Cooperative request cancellation across worker processes (SPEC §4; the seed's semantics).
+"""Cooperative request cancellation across worker processes (contract §4; the seed's semantics).
 
 A ``notifications/cancelled`` arrives on another HTTP request, usually in another worker process,
 than the ``tools/call`` it cancels; it cannot preempt the running tool. Instead the handler
@@ -192,7 +192,7 @@ def _valid_scope(scope: object) -> bool:
 
 
 class Cancellation:
-    """The cancellation policy over one registry (SPEC §4). Cheap to construct; thread-safe.
+    """The cancellation policy over one registry (contract §4). Cheap to construct; thread-safe.
 
     ``backend`` defaults to :class:`~shmcancel.cancel.shm_storage.ShmBackend` over ``registry``.
     """
@@ -228,8 +228,8 @@ class Cancellation:
     # --- scope
     @staticmethod
     def scope(conn: object) -> str:
-        """The caller's scope (SPEC §3): session → principal → ip bucket; ``"global"`` for a
-        non-mapping (read by the installed :class:`ConnReader`)."""
+        """The caller's scope (contract §3): session → principal → ip bucket; ``"global"`` for
+        a non-mapping (read by the installed :class:`ConnReader`)."""
         return _conns.scope(conn)
 
     # --- cancellation rows
@@ -472,7 +472,7 @@ class Cancellation:
 
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
-        registry, SPEC §4.6): one clock read and a comparison until this process's next
+        registry, contract §4.6): one clock read and a comparison until this process's next
         check."""
         if _now() >= self._next_check:
             self.tick()

@@ -1,4 +1,4 @@
-"""Disconnect is cancellation (SPEC §6.3): watch a request's client socket while its tool runs.
+"""Disconnect is cancellation (contract §6.3): watch a request's client socket while its tool runs.
 
 A sync WSGI worker writes nothing while a tool computes, so a client that goes away is not
 noticed by a failed write. Once the request body has been read completely, the client has

@@ -1,4 +1,4 @@
-'''Who is calling: the authenticated principal and the client's address bucket (SPEC §3).
+'''Who is calling: the authenticated principal and the client's address bucket (contract §3).
 
 A cancellation row is keyed ``(scope, request_id)``. The scope names the caller, most specific
 first (see :func:`scope`): ``"session:<id>"``, ``"principal:<id>"``, ``"ip:<bucket>"``, or
@@ -206,7 +206,7 @@ def _prefixed(prefix: str, ident: str) -> str:
 
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
-    ``environ`` is not a mapping (SPEC §3). Never raises."""
+    ``environ`` is not a mapping (contract §3). Never raises."""
     if type(environ) is not dict and not isinstance(environ, Mapping):
         return GLOBAL
     try:

@@ -1,5 +1,5 @@
 """Servers built on the official MCP Python SDK (``mcp`` ≥ 2.3, ``MCPServer``) under gunicorn with
-several uvicorn workers: cross-worker cancellation through the shared registry (SPEC §9).
+several uvicorn workers: cross-worker cancellation through the shared registry (contract §9).
 
 ::
 
@@ -14,7 +14,7 @@ How it works (two seams of the SDK, both public):
 
 - a *server middleware* (``MCPServer.middleware``) wraps every ``tools/call`` in the handler's own
   task: it begins a :class:`shmcancel.RequestHandle` in the caller's scope (session, else the
-  authenticated principal, else the client address: SPEC §3), runs the call in an anyio cancel
+  authenticated principal, else the client address: contract §3), runs the call in an anyio cancel
   scope, and ends the handle when the call ends, however it ends. A per-worker poller (one
   asyncio task per event loop, alive only while calls run) cancels that scope once the handle
   reports a cancellation; the middleware then raises ``MCPError(-32800)``, which the SDK writes
