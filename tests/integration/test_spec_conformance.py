@@ -3,8 +3,8 @@ check it.
 
 Only the names the contract gives are used: ``import shmcancel`` and its public API, the example
 server run unmodified under a real gunicorn (``examples/gunicorn/gunicorn.conf.py``, one per
-module), and the ``shmtool`` console script in a real subprocess. Every test is named for its clause.
-Waits poll with deadlines; processes are stopped by pid (the harness) in ``finally``.
+module), and the ``shmtool`` console script in a real subprocess. Every test is named for its
+clause. Waits poll with deadlines; processes are stopped by pid (the harness) in ``finally``.
 """
 
 from __future__ import annotations
