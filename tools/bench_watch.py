@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What watching a ``tools/call``'s client for a disconnect costs (SPEC §6.3).
+"""What watching a ``tools/call``'s client for a disconnect costs (contract §6.3).
 
     python tools/bench_watch.py [--rounds 15] [--ops 2000] [--baseline REV]
                                 [--http] [--seconds 3] [--http-rounds 5] [--conns 16]

@@ -1,5 +1,5 @@
-"""Cooperative request cancellation (SPEC §4): the public path of :mod:`shmcancel.cancel.policy`
-and of the conn reading (:mod:`shmcancel.mcp.conn`)."""
+"""Cooperative request cancellation (contract §4): the public path of
+:mod:`shmcancel.cancel.policy` and of the conn reading (:mod:`shmcancel.mcp.conn`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """gunicorn server hooks: the master owns the registry, workers attach, the master cleans up after
-dead workers (SPEC §6.4).
+dead workers (contract §6.4).
 
 Use in a ``gunicorn.conf.py``::
 
@@ -8,47 +8,22 @@ Use in a ``gunicorn.conf.py``::
     import shmcancel, shmcancel.gunicorn
     shmcancel.gunicorn.configure(config=shmcancel.Config(ttl=120))   # optional
 
-A hook of your own with the same name must call ours (``shmcancel.gunicorn.post_fork(server,
-worker)``). gunicorn reads only the settings it knows from a config file, which is why the
-registry's :class:`~shmcancel.Config` is passed through :func:`configure` rather than as a
-variable of the file; the hooks keep their state in this module, which survives the re-reading
-of the file on ``HUP``.
+A hook of your own with the same name must call ours. gunicorn reads only the settings it knows
+from a config file, hence :func:`configure`; the hooks keep their state in this module, which
+survives the re-reading of the file on ``HUP``.
 
-What each hook does
--------------------
-``when_ready`` (master, listeners bound, before the first fork)
-    Creates the registry. Its name is ``SHMCANCEL_REGISTRY`` when set, else the ``name`` given to
-    :func:`configure`, else derived from gunicorn's ``proc_name`` and the bound addresses (stable
-    for one deployment, distinct for two side by side; see :func:`registry_name`). A name that a
-    live master elsewhere still holds stops gunicorn with a one-line error, and so does any other
-    failure to create it (an entry of the name in /dev/shm that is not a regular file of ours:
-    a FIFO, a symbolic link, another user's file), naming the path. A master started by a
-    ``USR2`` upgrade (gunicorn sets ``GUNICORN_PID`` for it) attaches to the live registry of the
-    master that started it instead, and adopts it (``Registry.adopt``), so the registry is not
-    taken for stale once the old master has exited. No thread is started: the master must have
-    none when it forks.
-``post_fork`` (worker)
-    Attaches the worker to the registry (``shmcancel.shm.registry.current()`` is then set for the
-    app) and starts its :class:`~shmcancel.cancel.janitor.Janitor` thread, so expired and orphaned
-    rows are swept every ``janitor_interval`` even while the server is idle. A stop signal that
-    arrives before gunicorn has installed the worker's own handlers stops the worker once it has
-    booted (gunicorn would lose it, and the master would wait ``graceful_timeout`` for that worker).
-``child_exit`` (master, after gunicorn has reaped a worker)
-    If the dead worker held the registry lock, takes it over (``lock.recover_from``); then removes
-    the dead worker's in-flight rows. Up to gunicorn 24 this hook runs inside the master's SIGCHLD
-    handler, which can interrupt the master anywhere, itself included: SIGCHLD is blocked
-    (``signal.pthread_sigmask``) for as long as the master works on the registry, so a second
-    worker's death is handled after the lock is released, never re-entering while it is held.
-    A live worker that keeps the lock (stopped, say) must not stall the master either: after
-    ``LOCK_BUSY_WAIT`` the rows are left, and the next ``child_exit`` removes every dead
-    worker's rows (the janitor would too). If the registry's recorded creator is dead (a ``USR2``
-    upgrade whose new master adopted it and then died), this master adopts it again. It logs
-    failures and never raises into gunicorn.
-``on_exit`` (master, after its workers are stopped)
-    Unlinks the registry, unless another master still uses it: during a ``USR2`` upgrade the old
-    master (``server.reexec_pid``, its re-executed child, is alive) and the new one (its parent
-    ``server.master_pid`` is alive and has not handed over) both run, and whichever exits last
-    unlinks. A ``HUP`` reload keeps the same master, which does not exit, so the registry stays.
+- ``when_ready`` (master): creates the registry (name: :func:`registry_name`), or under a ``USR2``
+  upgrade attaches to the old master's and adopts it. Any failure stops gunicorn with one line.
+  Starts no thread: the master forks.
+- ``post_fork`` (worker): keeps a stop signal that arrives while the worker boots
+  (:func:`_keep_stop_signals`), attaches, starts the worker's
+  :class:`~shmcancel.cancel.janitor.Janitor`.
+- ``child_exit`` (master): recovers the lock from the dead worker, removes its in-flight rows,
+  with SIGCHLD blocked (the hook runs inside the SIGCHLD handler on gunicorn ≤ 24); gives up after
+  ``LOCK_BUSY_WAIT`` when a live worker holds the lock. Never raises into gunicorn.
+- ``on_exit`` (master): unlinks the registry unless another master (``USR2``) still uses it.
+
+The traps behind each of these: docs/design.md, "gunicorn traps".
 """
 
 from __future__ import annotations

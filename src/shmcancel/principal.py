@@ -1,4 +1,4 @@
-"""Who is calling (SPEC §3): the public path of :mod:`shmcancel.mcp.principal`."""
+"""Who is calling (contract §3): the public path of :mod:`shmcancel.mcp.principal`."""
 
 from __future__ import annotations
 

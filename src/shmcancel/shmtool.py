@@ -1,4 +1,4 @@
-"""``shmtool``: inspect and maintain shmcancel registries (SPEC §7).
+"""``shmtool``: inspect and maintain shmcancel registries (contract §7).
 
 ::
 

@@ -1,4 +1,4 @@
-"""SPEC §3-§4 over a real registry in /dev/shm, one process (the cross-process cases are in
+"""contract §3-§4 over a real registry in /dev/shm, one process (the cross-process cases are in
 test_cancellation_procs.py). One rule per test, tables of cases where that reads better."""
 
 from __future__ import annotations
@@ -797,7 +797,7 @@ def test_exports():
 
 # --------------------------------------------------------------------------------- model
 class Model:
-    """The policy of SPEC §4.3-4.4 over a dict."""
+    """The policy of contract §4.3-4.4 over a dict."""
 
     def __init__(self, max_rows, quota):
         self.rows: dict = {}

@@ -1,4 +1,4 @@
-"""SPEC §4 across real forked processes sharing one registry in /dev/shm.
+"""contract §4 across real forked processes sharing one registry in /dev/shm.
 
 Synchronisation is by messages over socketpairs (never by sleeping); every child is stopped by
 its pid in a ``finally``. Children attach the registry themselves, as gunicorn workers do.

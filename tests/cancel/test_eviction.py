@@ -1,4 +1,4 @@
-"""SPEC §4.4: the eviction order as a pure function (the table-backed runs are in
+"""contract §4.4: the eviction order as a pure function (the table-backed runs are in
 test_cancellation.py)."""
 
 from __future__ import annotations

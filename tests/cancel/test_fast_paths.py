@@ -1,4 +1,4 @@
-"""The poll fast paths (issue #9) answer exactly as the general path (SPEC §4.1): 42 and "42"
+"""The poll fast paths (issue #9) answer exactly as the general path (contract §4.1): 42 and "42"
 are one request; bools, floats, over-long or unencodable ids are invalid; subclasses key as
 their base type's text; a poll never raises. And ``import shmcancel`` stays light."""
 

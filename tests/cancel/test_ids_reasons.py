@@ -1,4 +1,4 @@
-"""SPEC §4.1 request ids and §4.2 reasons (the pure rules; their use by Cancellation is in
+"""contract §4.1 request ids and §4.2 reasons (the pure rules; their use by Cancellation is in
 test_cancellation.py)."""
 
 from __future__ import annotations

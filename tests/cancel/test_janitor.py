@@ -1,4 +1,4 @@
-"""The janitor thread: sweeps a registry while nothing calls it (SPEC §4.6), one sweep per
+"""The janitor thread: sweeps a registry while nothing calls it (contract §4.6), one sweep per
 interval across processes; and gunicorn workers run one, so an idle server still sweeps."""
 
 from __future__ import annotations

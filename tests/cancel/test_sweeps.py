@@ -1,5 +1,5 @@
 """Sweeps (a cap eviction, cleanup) choose their rows lock-free and hold the lock only to delete
-them, re-validated; the eviction batch stays exactly SPEC §4.4's (``eviction.choose``)."""
+them, re-validated; the eviction batch stays exactly contract §4.4's (``eviction.choose``)."""
 
 from __future__ import annotations
 

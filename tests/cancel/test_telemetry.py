@@ -1,4 +1,4 @@
-"""SPEC §4.7: telemetry attach/detach semantics and the events the cancellation layer emits
+"""contract §4.7: telemetry attach/detach semantics and the events the cancellation layer emits
 (metadata checked against a real registry)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A fake clock for the ``clock=`` a Cancellation or SessionStore takes (SPEC §4: injectable)."""
+"""A fake clock for the ``clock=`` a Cancellation or SessionStore takes (contract §4)."""
 
 from __future__ import annotations
 

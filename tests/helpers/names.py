@@ -9,7 +9,7 @@ import os
 import posix_ipc
 
 SHM_DIR = "/dev/shm"
-# Names a registry NAME occupies (SPEC §2: derived from the name). Kept in one place here so a
+# Names a registry NAME occupies (contract §2: derived from the name). Kept in one place here so a
 # test run can clean up even when the library under test is broken.
 SEGMENT_PREFIX = "shmcancel."
 LOCKFILE_PREFIX = "shmcancel-lock."

@@ -1,6 +1,6 @@
-"""shmcancel.gunicorn against a real gunicorn (SPEC §6.4): the example's gunicorn.conf.py serving
-tests/apps/hooks_app.py on loopback, real HTTP, real signals. Nothing here sleeps to synchronise:
-every wait polls a condition with a deadline.
+"""shmcancel.gunicorn against a real gunicorn (contract §6.4): the example's gunicorn.conf.py
+serving tests/apps/hooks_app.py on loopback, real HTTP, real signals. Nothing here sleeps to
+synchronise: every wait polls a condition with a deadline.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"
 META = meta("t")
-LATENCY_BOUND = 0.100  # seconds, SPEC §6.1 with a 2 ms tool poll, measured at the client
+LATENCY_BOUND = 0.100  # seconds, contract §6.1 with a 2 ms tool poll, measured at the client
 
 latencies: dict[str, list[float]] = {}
 
@@ -298,7 +298,7 @@ def test_bad_input_over_http(server: Gunicorn, bad_input_client: Client, name: s
 def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
                                                       bad_input_client: Client, name: str,
                                                       args: Any, problem: str) -> None:
-    """SPEC §5: the request was read, so HTTP 200; the problem is a result with isError that
+    """contract §5: the request was read, so HTTP 200; the problem is a result with isError that
     names it (an SDK client would raise a transport error on a 400)."""
     r = httpx.post(server.url, content=_call({"name": name, "arguments": args}),
                    headers=bad_input_client.headers(), timeout=15)
@@ -310,7 +310,7 @@ def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
 
 
 def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
-    """SPEC §6.0: a page on loopback (any port) passes the default Origin check."""
+    """contract §6.0: a page on loopback (any port) passes the default Origin check."""
     for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):
         h = {**bad_input_client.headers(), "Origin": origin}
         r = httpx.post(server.url, content=_rpc(id=1, method="ping"), headers=h, timeout=15)

@@ -1,4 +1,4 @@
-"""Issue #7, defects 1 and 2 (SPEC §4.3 last two bullets, §4.6, §5's 503 rule).
+"""Issue #7, defects 1 and 2 (contract §4.3 last two bullets, §4.6, §5's 503 rule).
 
 1. A cancellation never outlives its request by accident: "in flight? then record" is one step,
    and a row older than the request that finds it is not that request's.
@@ -282,7 +282,7 @@ def forget_owed_ends() -> None:
 
 
 def assert_503(r: Any) -> None:
-    """SPEC §5: a lock held past lock_timeout by a live process is 503 with Retry-After and a
+    """contract §5: a lock held past lock_timeout by a live process is 503 with Retry-After and a
     JSON-RPC error body, never 500."""
     assert r.status == 503, r
     assert int(r.headers["retry-after"]) >= 1

@@ -1,4 +1,4 @@
-"""SPEC §3-§4 over a real Redis (``redis_server`` fixture): scoping, quota, the §4.4 eviction
+"""contract §3-§4 over a real Redis (``redis_server`` fixture): scoping, quota, the §4.4 eviction
 batch and order (checked against the shared-memory policy fed the same operations), TTL,
 in-flight gating with leases, telemetry, and a script cache flush (NOSCRIPT). The rules both
 backends share run against both (``new`` fixture: ``shm`` and ``redis``)."""

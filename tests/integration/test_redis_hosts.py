@@ -136,7 +136,7 @@ def test_sleep_on_a_cancelled_through_b(hosts: Any, outdir: str) -> None:
 
 
 def test_delete_on_b_ends_the_session_and_its_call_on_a(hosts: Any, outdir: str) -> None:
-    """SPEC §6.1's DELETE, sent to another host than the one running the call: the call ends
+    """contract §6.1's DELETE, sent to another host than the one running the call: the call ends
     -32800 and the session is gone on both hosts."""
     a, b, _ = hosts
     c = Client(a.url)

@@ -1,5 +1,6 @@
-"""``shmcancel.sdk`` (SPEC §9): the example server built on the official MCP SDK (examples/sdk, its
-own gunicorn.conf.py, ``uvicorn_worker.UvicornWorker`` workers) driven by the official SDK client.
+"""``shmcancel.sdk`` (contract §9): the example server built on the official MCP SDK (examples/sdk,
+its own gunicorn.conf.py, ``uvicorn_worker.UvicornWorker`` workers) driven by the official SDK
+client.
 
 Cancellation is proven on the server side, through a read-only attachment of the registry: the
 call's in-flight row appears while the tool runs and goes when the tool has ended (the row is

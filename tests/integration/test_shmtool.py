@@ -1,4 +1,4 @@
-"""SPEC §7: shmtool run as a subprocess against real registries."""
+"""contract §7: shmtool run as a subprocess against real registries."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def test_unlink(shm_name):
 
 
 def test_unlink_refuses_while_the_creator_lives(reg):
-    """SPEC §7: unlinking under a live server makes its next worker fail to boot."""
+    """contract §7: unlinking under a live server makes its next worker fail to boot."""
     p = shmtool("unlink", reg.name)
     assert p.returncode == 1
     assert p.stderr.count("\n") == 1 and f"pid {os.getpid()}" in p.stderr, p.stderr

@@ -1,9 +1,10 @@
-"""Black-box conformance with SPEC.md, clause by clause, as an outside tester would check it.
+"""Black-box conformance with docs/contract.md, clause by clause, as an outside tester would
+check it.
 
-Only the names SPEC gives are used: ``import shmcancel`` and its public API, the example server
-run unmodified under a real gunicorn (``examples/gunicorn/gunicorn.conf.py``, one per module),
-and the ``shmtool`` console script in a real subprocess. Every test is named for its clause.
-Waits poll with deadlines; processes are stopped by pid (the harness) in ``finally``.
+Only the names the contract gives are used: ``import shmcancel`` and its public API, the example
+server run unmodified under a real gunicorn (``examples/gunicorn/gunicorn.conf.py``, one per
+module), and the ``shmtool`` console script in a real subprocess. Every test is named for its
+clause. Waits poll with deadlines; processes are stopped by pid (the harness) in ``finally``.
 """
 
 from __future__ import annotations
@@ -547,7 +548,7 @@ def example(module_shm_name: str) -> Iterator[Gunicorn]:
 
 @pytest.fixture(scope="module")
 def watch(example: Gunicorn, module_shm_name: str) -> Iterator[shmcancel.Cancellation]:
-    """The example's registry as any process sees it through the SPEC API."""
+    """The example's registry as any process sees it through the public API."""
     r = shmcancel.Registry.attach(module_shm_name)
     try:
         yield shmcancel.Cancellation(r)

@@ -1,4 +1,4 @@
-"""Disconnect is cancellation (SPEC §6.3) against a real gunicorn, with raw sockets: the client
+"""Disconnect is cancellation (contract §6.3) against a real gunicorn, with raw sockets: the client
 sends a ``tools/call`` and goes away. Tools report through files (tests/apps/transport_app.py);
 ``stream_cancel_timeout`` is 0.5 s (tests/apps/transport_conf.py). Waits poll with deadlines."""
 

@@ -1,4 +1,4 @@
-"""The Origin check (SPEC §6.0): strict parsing of serialised origins and the policy built from
+"""The Origin check (contract §6.0): strict parsing of serialised origins and the policy built from
 ``allowed_origins``. The transport's use of it is tested in test_server.py (in-process) and
 test_http.py (gunicorn)."""
 

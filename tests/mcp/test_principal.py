@@ -1,4 +1,4 @@
-"""SPEC §3: principal.put / id / client_bucket and the scope order."""
+"""contract §3: principal.put / id / client_bucket and the scope order."""
 
 from __future__ import annotations
 

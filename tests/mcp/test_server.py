@@ -385,7 +385,7 @@ def test_cancel_from_another_session_does_nothing(app: McpServer, reg: Registry,
     assert c.result().json["result"]["content"][0]["text"] == "released"
 
 
-# (params, status, code): SPEC §6.1's table
+# (params, status, code): contract §6.1's table
 CANCEL_TABLE = [
     ("absent", 202, None),
     ({}, 202, None),
@@ -397,7 +397,7 @@ CANCEL_TABLE = [
     ({"requestId": {"a": 1}}, 400, errors.INVALID_PARAMS),
     ({"requestId": [1]}, 400, errors.INVALID_PARAMS),
     ({"requestId": "x" * 257}, 400, errors.INVALID_PARAMS),
-    ({"requestId": 1, "reason": 5}, 202, None),  # reason: any value, made text (SPEC §4.2)
+    ({"requestId": 1, "reason": 5}, 202, None),  # reason: any value, made text (contract §4.2)
     ([1, 2], 400, errors.INVALID_PARAMS),
     ("str", 400, errors.INVALID_PARAMS),
     (None, 400, errors.INVALID_PARAMS),
@@ -490,7 +490,7 @@ def _call_on(wire: str, app: McpServer, id: int, params: dict, name: str) -> Rep
 def test_a_read_tools_call_is_answered_200_whatever_went_wrong(stateless: McpServer,
                                                                reg: Registry,
                                                                wire: str) -> None:
-    """SPEC §5 (revised): an SDK client turns a 4xx into a transport failure, so a request it
+    """contract §5 (revised): an SDK client turns a 4xx into a transport failure, so a request it
     could read gets 200: an unknown tool is -32602, invalid arguments (not an object, or the
     tool raising ToolError(INVALID_PARAMS)) a tool execution error naming the problem, any
     other ToolError a JSON-RPC error with its code, even one that has a 4xx elsewhere."""
@@ -914,7 +914,7 @@ def test_allowed_origins(reg: Registry, signals: Signals) -> None:
 def test_origin_is_checked_by_default_on_both_wires(reg: Registry, signals: Signals,
                                                     origin: str | None, status: int,
                                                     sessions: bool) -> None:
-    """SPEC §6.0: on by default; loopback pages pass, any other Origin is 403 with a JSON-RPC
+    """contract §6.0: on by default; loopback pages pass, any other Origin is 403 with a JSON-RPC
     error before anything else is looked at (no session, no body read)."""
     server = make_server(reg, signals, sessions=sessions)
     h = {"Origin": origin} if origin is not None else {}

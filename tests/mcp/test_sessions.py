@@ -1,4 +1,4 @@
-"""Sessions bounded per client (SPEC §6.1, issue #7 defect 3): the store over a real registry,
+"""Sessions bounded per client (contract §6.1, issue #7 defect 3): the store over a real registry,
 a model-based run of it, and a session flood from one loopback address against a real gunicorn
 while a client at another address keeps an idle session and a busy one."""
 

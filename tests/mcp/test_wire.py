@@ -185,7 +185,7 @@ def test_progress_token(params: dict | None, token: object) -> None:
     {"_meta": {"progressToken": True}}, {"_meta": {"progressToken": {}}},
 ])
 def test_progress_token_rejects(params: dict) -> None:
-    """A request was read: its -32602 travels with 200 (SPEC §5); a notification's with 400."""
+    """A request was read: its -32602 travels with 200 (contract §5); a notification's with 400."""
     with pytest.raises(RpcError) as ei:
         progress_token(Request(4, "tools/call", params))
     assert (ei.value.code, ei.value.id, ei.value.status) == (errors.INVALID_PARAMS, 4, 200)

@@ -1,4 +1,4 @@
-"""Config: SPEC §2 defaults and the validation that keeps a bad config out of the header."""
+"""Config: contract §2 defaults and the validation that keeps a bad config out of the header."""
 
 from __future__ import annotations
 

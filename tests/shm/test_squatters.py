@@ -1,8 +1,8 @@
-"""Entries of /dev/shm that are not ours (SPEC §7, DESIGN "Edges"): /dev/shm is world-writable,
-so any local user can put a FIFO, a symbolic link or a file of their own under a registry's
-segment, semaphore, lock file or temporary name. Nothing may hang on, follow or trust such an
-entry: create and attach raise one clear error naming the path, shmtool reports it in one line
-and goes on, a gunicorn master exits with one line in its log. Every process that could hang on
+"""Entries of /dev/shm that are not ours (contract §7; docs/design.md, "Hardening edges"): /dev/shm
+is world-writable, so any local user can put a FIFO, a symbolic link or a file of their own under a
+registry's segment, semaphore, lock file or temporary name. Nothing may hang on, follow or trust
+such an entry: create and attach raise one clear error naming the path, shmtool reports it in one
+line and goes on, a gunicorn master exits with one line in its log. Every process that could hang on
 the bug runs as a subprocess (or forked child) with a deadline.
 """
 

@@ -3,7 +3,7 @@
 //   node ts_client.mjs http://127.0.0.1:PORT/mcp
 // Prints one JSON line per check ({"check", "ok", "detail"}); exits 0 when all passed.
 //
-// What matters here (SPEC §5): the SDK turns an HTTP 4xx into a StreamableHTTPError (and fires
+// What matters here (contract §5): the SDK turns an HTTP 4xx into a StreamableHTTPError (and fires
 // the transport's onerror), so every request it can send must come back as 200 carrying either
 // an MCP error (McpError) or a result; a cancelled call must stop on the server.
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
@@ -157,10 +157,10 @@ try {
 }
 
 report("no transport error (transport.onerror)", transportErrors.length === 0, transportErrors.join(" | "));
-// The SDK forgets a request when it is aborted, so the -32800 that SPEC §6.1 sends on the still
-// open POST reaches Client.onerror as "a response for an unknown message ID" (the call itself
+// The SDK forgets a request when it is aborted, so the -32800 that contract §6.1 sends on the
+// still open POST reaches Client.onerror as "a response for an unknown message ID" (the call itself
 // had already rejected with the abort reason). MCP says a receiver SHOULD NOT answer a cancelled
-// request; SPEC §6.1 answers it because the client is still waiting on that POST.
+// request; contract §6.1 answers it because the client is still waiting on that POST.
 const unknownId = clientErrors.filter((e) => e.includes("unknown message ID") && e.includes("-32800"));
 const otherClientErrors = clientErrors.filter((e) => !unknownId.includes(e));
 report("no other client error (Client.onerror)", otherClientErrors.length === 0, otherClientErrors.join(" | "));

@@ -1,4 +1,4 @@
-"""The global-cap eviction order (SPEC §4.4), as a pure function of the rows.
+"""The global-cap eviction order (contract §4.4), as a pure function of the rows.
 
 When an insert finds the table at its cap, ``batch_size`` rows are removed first: every row is
 ranked by ``(-rows_in_its_scope, cancelled_at, scope, request_id)`` ascending and the first

@@ -1,4 +1,4 @@
-"""Request-id validation (SPEC §4.1).
+"""Request-id validation (contract §4.1).
 
 A valid request id is an ``int`` that is not a ``bool``, or a ``str`` of at most
 :data:`MAX_ID_BYTES` UTF-8 bytes. Rows are keyed by ``str(id)``, so ``42`` and ``"42"`` name the

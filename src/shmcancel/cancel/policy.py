@@ -1,85 +1,28 @@
-"""Cooperative request cancellation across worker processes (SPEC §4; the seed's semantics).
+"""Cooperative request cancellation across worker processes: the policy (contract §4).
 
-A ``notifications/cancelled`` arrives on another HTTP request, usually in another worker process,
-than the ``tools/call`` it cancels; it cannot preempt the running tool. Instead the handler
-records the cancellation in the shared table and the tool polls :func:`cancelled` to decide
-whether to stop::
+A ``notifications/cancelled`` arrives in another worker than the ``tools/call`` it cancels and
+cannot preempt it: the handler records a row in the shared table, the tool polls
+``shmcancel.cancelled(conn)`` and stops. Rows are keyed ``(scope, str(request_id))``; scopes
+arrive as strings (a conn is read only through the installed :class:`ConnReader`, which
+:mod:`shmcancel.mcp.conn` provides).
 
-    def slow_tool(conn, params):
-        for chunk in work(params):
-            if shmcancel.cancelled(conn):
-                raise ToolCancelled          # the transport answers -32800
-            process(chunk)
+Invariants:
 
-Keys and bounds
----------------
-Rows are keyed ``(scope, str(request_id))`` where the scope names the caller (see
-:mod:`shmcancel.principal`), so one client cannot cancel another's request 1. Two bounds:
+- ``cancel`` checks, under the lock: id valid → scope quota (``CancellationLimitReached``, the
+  only bound that rejects) → global cap (evict a batch, :mod:`shmcancel.cancel.eviction`) → insert.
+  Overwriting a row changes reason and time in place and runs neither check.
+- The transport's lifecycle: :meth:`Cancellation.begin` → :class:`RequestHandle` (never raises;
+  ``tracked`` is ``False`` when the in-flight table is full), ``handle.cancelled()`` (lock-free,
+  cached), ``handle.cancel_local()`` (exactly this request), ``handle.end()`` (untrack, then
+  clear; idempotent).
+- :meth:`Cancellation.cancel_if_in_flight` checks and inserts under one lock hold, so a cancel
+  racing the end of its call leaves no row; a handle ignores (and removes) a row older than itself.
+- ``end()`` is never lost: on ``LockTimeout`` it is owed (at most ``_OWED_MAX`` per process) and
+  landed later; a process removes its own in-flight rows of requests it no longer runs.
+- Sweeps ride on calls (``Registry.claim_sweep``, one winner per ``janitor_interval``, scheduled on
+  :func:`time.time`); ``clock`` only stamps rows and is ``cleanup``'s ``now``.
 
-- the per-scope quota ``max_rows_per_scope``: ``cancel`` refuses a new row with
-  :class:`~shmcancel.CancellationLimitReached` — the only bound that rejects;
-- the global cap ``max_rows``: reaching it never rejects; it evicts a batch of
-  ``max(1, max_rows // 20)`` rows, oldest first from the largest scope
-  (:mod:`shmcancel.cancel.eviction`). The quota is checked first, so a caller under its own quota is
-  always served.
-
-``cancel`` checks, in order, under the registry lock: id valid → the scope's rows below the
-quota → the table's rows below the cap (else evict) → insert. Overwriting an existing row changes
-reason and time in place and runs neither check.
-
-The transport's contract (what :mod:`shmcancel.server` relies on)
-------------------------------------------------------------------
-For each dispatched ``tools/call``::
-
-    handle = cancellation.begin(request_id, scope)      # tracks it; never raises
-    environ["shmcancel.handle"] = handle
-    try:
-        result = tool(environ, params)                  # polls shmcancel.cancelled(environ)
-    finally:
-        handle.end()                                    # untrack, then clear; idempotent
-
-- :meth:`Cancellation.begin` returns a :class:`RequestHandle` with ``request_id``, ``scope`` and
-  ``tracked`` (``False`` when the in-flight table is full: the request runs uncancellable, the
-  condition is logged once per process, the request never fails because of it).
-- ``handle.cancelled()`` is the hot poll: a lock-free cached read of the shared row (it re-reads
-  only when a writer touched that key's bucket) or the handle's process-local flag.
-- ``handle.cancel_local(reason)`` sets only that flag: a client disconnect cancels exactly that
-  request, never a namesake (same scope and id) run by another client behind the same address.
-- A ``notifications/cancelled`` handler records a cancellation only for a request in flight in
-  the caller's scope, in one step under one lock hold: :meth:`Cancellation.cancel_if_in_flight`.
-  (As two steps, ``end()`` could run between them and leave a row that pre-cancels the next
-  call reusing the id.) ``cancel`` itself does not check, so library callers can record one
-  directly.
-- ``DELETE`` of a session: :meth:`Cancellation.cancel_scope` cancels every request in flight in it.
-- A handle remembers when it began (``clock``); a cancellation row older than that is not its
-  own (a leftover of an earlier namesake): the first poll that meets it removes it (only that
-  old row) and does not report it.
-- ``end()`` is never lost: when the lock cannot be had (:class:`~shmcancel.LockTimeout`, a
-  live holder stopped or stalled), the end is owed — queued in this process (at most
-  ``_OWED_MAX``) and landed by the process's next write, its next tick and its janitor thread.
-  Every process also removes its own in-flight rows whose request it no longer runs (each row
-  carries a per-process token; :data:`_running` holds the tokens of requests still running),
-  so even a dropped owed end leaves nothing behind.
-
-Scopes arrive as strings. A conn (the WSGI environ) is read only through the installed
-:class:`ConnReader` (:meth:`Cancellation.scope`, :meth:`Cancellation.cancelled` with a mapping):
-the environ keys and the scope lookup belong to the transport, :mod:`shmcancel.mcp.conn`, which
-also holds :func:`shmcancel.cancelled`, what tools call.
-
-The janitor
------------
-No thread (a gunicorn master must not hold threads when it forks). Writes, and one poll in
-every :data:`_POLLS_PER_CLOCK` that a cache answers (the others only count down: reading the
-clock would double the cost of a poll), check the clock against a per-process deadline; once it
-passes, the process asks the registry whether a sweep is due (``claim_sweep``: true for exactly
-one caller per ``janitor_interval``, the first one interval after creation), and the winner runs
-:meth:`Cancellation.cleanup`. A registry nobody touches needs no sweeping.
-
-Clocks: ``clock`` (default :func:`time.time`) stamps ``cancelled_at`` and is the ``now`` of
-``cleanup``'s ``ttl`` test. Rows are compared across processes, so in production it must be
-wall-clock seconds; tests inject their own. The janitor's *schedule* always runs on
-:func:`time.time`, the scale of the registry header's creation and last-sweep times shared by every
-process, so an injected clock changes what a sweep removes, never when sweeps happen.
+Why, at length: docs/design.md ("Hardening edges", "The janitor").
 """
 
 from __future__ import annotations
@@ -228,7 +171,7 @@ def _valid_scope(scope: object) -> bool:
 
 
 class Cancellation:
-    """The cancellation policy over one registry (SPEC §4). Cheap to construct; thread-safe.
+    """The cancellation policy over one registry (contract §4). Cheap to construct; thread-safe.
 
     ``backend`` defaults to :class:`~shmcancel.cancel.shm_storage.ShmBackend` over ``registry``.
     """
@@ -267,8 +210,8 @@ class Cancellation:
     # --- scope
     @staticmethod
     def scope(conn: object) -> str:
-        """The caller's scope (SPEC §3): session → principal → ip bucket; ``"global"`` for a
-        non-mapping (read by the installed :class:`ConnReader`)."""
+        """The caller's scope (contract §3): session → principal → ip bucket; ``"global"`` for
+        a non-mapping (read by the installed :class:`ConnReader`)."""
         return _conns.scope(conn)
 
     # --- cancellation rows
@@ -567,7 +510,7 @@ class Cancellation:
 
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
-        registry, SPEC §4.6): one clock read and a comparison until this process's next
+        registry, contract §4.6): one clock read and a comparison until this process's next
         check."""
         if _now() >= self._next_check:
             self.tick()

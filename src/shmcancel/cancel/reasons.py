@@ -1,4 +1,4 @@
-"""Sanitising of cancellation reasons (SPEC §4.2).
+"""Sanitising of cancellation reasons (contract §4.2).
 
 A reason is client text shown to operators (``shmtool dump``) and handed to telemetry handlers,
 so it is made inert and short, in exactly this order:

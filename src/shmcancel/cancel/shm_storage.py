@@ -138,7 +138,7 @@ class ShmBackend:
             return new
 
     def evict(self, batch: int) -> int:
-        """Remove the first ``batch`` rows in SPEC §4.4's order. Unless the caller holds the
+        """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the
         lock, the batch is chosen from a lock-free read of every row and deleted in short
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction

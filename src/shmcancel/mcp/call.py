@@ -1,4 +1,4 @@
-"""The ``tools/call`` lifecycle (SPEC §5, §6): check the call, track it (``Cancellation.begin``),
+"""The ``tools/call`` lifecycle (§5, §6): check the call, track it (``Cancellation.begin``),
 watch the client's socket while the tool runs, run it, end its rows in a ``finally``, and answer:
 ``-32800`` when it was cancelled (whatever the tool did), else its result or error, as one body or
 at the end of the SSE stream its progress opened. ``tools/list`` and ``tools/call`` are served
@@ -47,7 +47,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
 
     def _tools_call(self, environ: dict[str, Any], start_response: StartResponse, wire: Wire,
                     msg: Request, json_ok: bool, sse_ok: bool) -> _Reply | None:
-        # SPEC §5: the request was read, so its errors travel with HTTP 200 (an SDK client
+        # contract §5: the request was read, so its errors travel with HTTP 200 (an SDK client
         # turns a 4xx into a transport failure): a call naming no tool is -32602, invalid
         # arguments are a tool execution error the model can read.
         params = msg.params

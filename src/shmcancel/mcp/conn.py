@@ -3,7 +3,8 @@ the caller's scope, and :func:`cancelled`, what a tool polls.
 
 The policy (:mod:`shmcancel.cancel.policy`) takes scopes as strings and knows no environ keys; the
 package installs this module as its :class:`~shmcancel.cancel.policy.ConnReader` at import, so that
-``Cancellation.scope(conn)`` and ``Cancellation.cancelled(conn)`` (SPEC §4) keep reading a conn.
+``Cancellation.scope(conn)`` and ``Cancellation.cancelled(conn)`` (contract §4) keep reading a
+conn.
 """
 
 from __future__ import annotations

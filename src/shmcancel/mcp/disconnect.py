@@ -1,47 +1,21 @@
-"""Disconnect is cancellation (SPEC §6.3): watch a request's client socket while its tool runs.
+"""Disconnect is cancellation (contract §6.3): watch a request's client socket while its tool runs.
 
-A sync WSGI worker writes nothing while a tool computes, so a client that goes away is not
-noticed by a failed write. Once the request body has been read completely, the client has
-nothing more to send on that request, so the socket becoming readable means one of:
+Once the request body is read, the socket turning readable means: end of stream or
+``ECONNRESET`` — the client is gone (a half-close counts as gone); data — a pipelined next
+request, not a disconnect (the watcher then waits for ``EPOLLRDHUP``/``EPOLLHUP`` only);
+``EAGAIN`` — a spurious wake-up.
 
-- end of stream (``recv(1, MSG_PEEK | MSG_DONTWAIT) == b""``) or a reset (``ECONNRESET``):
-  the client is gone;
-- data: a pipelined next request — *not* a disconnect. The watcher then stops asking for
-  ``EPOLLIN`` (it would stay readable) and keeps waiting for ``EPOLLRDHUP``/``EPOLLHUP``, which
-  the kernel raises when the peer shuts its side down;
-- ``EAGAIN`` (``BlockingIOError``): a spurious wake-up; the client is still there.
+A :class:`Watcher` is one request's registration with its process's single watcher thread
+(``shmcancel-disconnect``, level-triggered epoll over every watched socket). ``start``/``stop``
+are one ``epoll_ctl`` each. The thread starts on the first watch in a process (never in a
+gunicorn master) and again in a fork child. On a disconnect it calls ``on_disconnect()``; ``grace``
+seconds later, if the request has not ended, ``on_timeout()`` runs in a thread of its own.
+``stop()`` before either callback guarantees neither runs later. An event is trusted only for
+registrations older than the ``epoll_wait`` that returned it (descriptor numbers are reused).
 
-A client that half-closes (``shutdown(SHUT_WR)``) after its request is indistinguishable from
-one that left, and counts as gone — as in nginx and most servers.
-
-One watcher thread per process
-------------------------------
-A :class:`Watcher` is one request's registration with its process's watcher: a single daemon
-thread (``shmcancel-disconnect``) blocked in ``epoll_wait`` over every watched client socket of
-the process (level-triggered, ``EPOLLIN | EPOLLRDHUP``). :meth:`Watcher.start` and
-:meth:`Watcher.stop` are an ``epoll_ctl`` each under a process lock — a few µs, no thread start,
-no pipe write. The thread is started on the first :meth:`Watcher.start` in a process (so never in
-a gunicorn master, which must fork without threads) and again in a forked child, whose inherited
-epoll descriptor (the parent's epoll set) is closed, never used.
-
-On a disconnect the thread calls ``on_disconnect()`` (the transport cancels exactly that request:
-``handle.cancel_local``, in-process and quick) and, when ``on_timeout`` is given, notes the
-deadline ``grace`` seconds later; it alone adds deadlines, so it never needs waking for one. At
-the deadline, if the request has not ended, ``on_timeout()`` (the transport stops the tool, which
-may wait) runs in a thread of its own, so the watcher keeps watching the other sockets.
-``stop()`` before either callback guarantees neither runs later.
-
-epoll reports a descriptor number, not a registration: an event collected for a socket whose
-request just ended may be read after its number was reused by a new request's socket. Events are
-therefore trusted only for registrations older than the ``epoll_wait`` that returned them; a
-newer one is looked at again on the next wait (level-triggered, a real hang-up is reported
-again at once).
-
-Bounds: at most :data:`MAX_WATCHED` sockets per process (beyond it a call runs unwatched, logged
-once per process); the thread never sleeps longer than :data:`IDLE_WAIT` seconds.
-
-TLS sockets (``ssl.SSLSocket``) refuse ``MSG_PEEK``; they are not watched (:func:`watchable`).
-Linux is assumed (``select.epoll``); where it is missing nothing is watched.
+Bounds: at most :data:`MAX_WATCHED` sockets per process (beyond: unwatched, logged once); the
+thread never sleeps longer than :data:`IDLE_WAIT`. TLS sockets are not watched
+(:func:`watchable`); without ``select.epoll`` nothing is. Why this shape: docs/design.md.
 """
 
 from __future__ import annotations

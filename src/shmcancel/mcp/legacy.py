@@ -1,5 +1,5 @@
 """The 2025-era wire: ``initialize`` (minting a session), ``Mcp-Session-Id`` checked against the
-shared session table on every other message, ``ping``, ``notifications/cancelled`` (SPEC §6.1),
+shared session table on every other message, ``ping``, ``notifications/cancelled`` (contract §6.1),
 and ``DELETE`` ending a session (cancelling its calls in flight).
 """
 
@@ -143,7 +143,7 @@ class LegacyWire(CallLifecycle):
         return reply
 
     def _notification_cancelled(self, environ: dict[str, Any], msg: Notification) -> _Reply:
-        """SPEC §6.1: record a cancellation only for a request in flight in the caller's scope."""
+        """Record a cancellation only for a request in flight in the caller's scope (§6.1)."""
         params = {} if msg.params is None else msg.params  # parse() rejected non-objects (400)
         rid = params.get("requestId")
         if rid is None:

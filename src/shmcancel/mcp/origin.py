@@ -1,4 +1,4 @@
-"""The ``Origin`` check of the MCP transport: its defence against DNS rebinding (SPEC §6.0).
+"""The ``Origin`` check of the MCP transport: its defence against DNS rebinding (contract §6.0).
 
 A browser page on ``http://evil.example`` whose name an attacker re-points at ``127.0.0.1`` can
 POST to a server on loopback; the browser still sends ``Origin: http://evil.example``, so a server

@@ -1,4 +1,4 @@
-'''Who is calling: the authenticated principal and the client's address bucket (SPEC §3).
+'''Who is calling: the authenticated principal and the client's address bucket (contract §3).
 
 A cancellation row is keyed ``(scope, request_id)``. The scope names the caller, most specific
 first (see :func:`scope`): ``"session:<id>"``, ``"principal:<id>"``, ``"ip:<bucket>"``, or
@@ -207,7 +207,7 @@ def _prefixed(prefix: str, ident: str) -> str:
 
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
-    ``environ`` is not a mapping (SPEC §3). Never raises."""
+    ``environ`` is not a mapping (contract §3). Never raises."""
     if type(environ) is dict and SESSION_KEY not in environ and PRINCIPAL_KEY not in environ:
         # the common anonymous poll: the address bucket's scope, cached per address
         addr = environ.get(REMOTE_ADDR_KEY)

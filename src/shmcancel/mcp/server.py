@@ -1,5 +1,5 @@
 """MCP over HTTP as a WSGI application: tools that are plain sync functions, cancellable across
-gunicorn workers through the shared registry (SPEC §6).
+gunicorn workers through the shared registry (contract §6).
 
 ::
 
@@ -78,7 +78,7 @@ Bodies over ``max_body_bytes`` are refused with 413 (from ``Content-Length`` bef
 reading is capped when it is absent or chunked). Header values read are capped
 (:data:`shmcancel.mcp.wire.MAX_HEADER_VALUE`). No malformed input yields a 5xx.
 
-Statuses (SPEC §5): a message read as a JSON-RPC request is answered with HTTP 200 carrying its
+Statuses (contract §5): a message read as a JSON-RPC request is answered with HTTP 200 carrying its
 response, error or not (SDK clients turn a 4xx into a transport failure); 4xx only for what
 cannot be processed as a request (malformed JSON or envelope, unknown session, refused
 ``Origin``, size, media types, the 2026-07-28 header/version rungs and unknown methods there),
@@ -129,11 +129,11 @@ class McpServer(LegacyWire, ModernWire):
     process), or ``None`` for :func:`shmcancel.shm.registry.current` (what the gunicorn hooks attach
     in each worker). ``max_body_bytes``: the largest accepted POST body. ``poll_interval``: no
     longer used (the disconnect watcher is woken by the kernel; kept and checked for
-    compatibility). ``watch_disconnects``: ``False`` turns disconnect detection off (SPEC §6.3
+    compatibility). ``watch_disconnects``: ``False`` turns disconnect detection off (contract §6.3
     is then not met: for measuring its cost, as ``tools/bench_watch.py`` does).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
-    ``allowed_origins`` (SPEC §6.0, the transport's DNS-rebinding defence): a request whose
+    ``allowed_origins`` (contract §6.0, the transport's DNS-rebinding defence): a request whose
     ``Origin`` header is present and not allowed is refused with 403 and a JSON-RPC error, on
     both wires and every HTTP method; a request without ``Origin`` (not a browser) passes.
     ``None`` (the default) allows ``http``/``https`` pages on ``localhost``, ``127.0.0.1`` and

@@ -11,7 +11,7 @@ Tables (see :mod:`shmcancel.shm.registry`):
 - ``session_calls`` (bag): ``session_id -> (pid, start, thread_ident, token)``, one row per
   ``tools/call`` running in the session (:meth:`SessionStore.begin_call` / ``end_call``).
 
-Policy (SPEC §6.1):
+Policy (contract §6.1):
 
 - Ids are ``secrets.token_urlsafe(24)``: 192 random bits, 32 visible-ASCII characters, as the
   2025-11-25 transport asks (globally unique, cryptographically secure, 0x21–0x7E only).

@@ -1,4 +1,4 @@
-"""Stopping a tool that runs on after its client left (SPEC §6.3): its rows go first, then in a
+"""Stopping a tool that runs on after its client left (contract §6.3): its rows go first, then in a
 ``sync`` worker the worker quits (``SIGQUIT``, ``os._exit`` if that does not end it), in
 ``gthread`` :class:`RequestStopped` is raised in the tool's thread (``SIGTERM`` for the worker if
 even that does not end it). Called by the disconnect watcher's timeout (:mod:`.call`).

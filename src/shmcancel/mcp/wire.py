@@ -2,7 +2,7 @@
 result shaping, the HTTP status of an error. Pure (h11-style): the WSGI app in
 :mod:`shmcancel.server` does the I/O and asks this module what the protocol says.
 
-Two wires share ``POST /mcp`` (SPEC §6):
+Two wires share ``POST /mcp`` (contract §6):
 
 - **legacy** — MCP 2025-11-25, 2025-06-18 and 2025-03-26: an ``initialize`` handshake (sent
   without ``MCP-Protocol-Version``), optional sessions (``Mcp-Session-Id``), client
@@ -389,7 +389,7 @@ def progress_token(msg: Request | Notification) -> int | str | None:
     """``params._meta.progressToken`` (a string or an integer), or ``None`` when absent.
 
     Raises ``-32602`` for a ``_meta`` that is not an object or a token of another type: with
-    HTTP 200 for a request (it was read, SPEC §5), 400 for a notification.
+    HTTP 200 for a request (it was read, contract §5), 400 for a notification.
     """
     params = msg.params
     if params is None or "_meta" not in params:
@@ -477,7 +477,7 @@ def is_json_content_type(content_type: str | None) -> bool:
 def dispatch_status(wire: Wire, code: int) -> int:
     """HTTP status of a JSON-RPC error answering a message that was read as a request.
 
-    SPEC §5 (revised 2026-12-01): SDK clients turn an HTTP 4xx into a transport failure, so a
+    contract §5 (revised 2026-12-01): SDK clients turn an HTTP 4xx into a transport failure, so a
     request they could read gets 200 carrying its error: invalid params (``-32602``, e.g. an
     unknown tool), a cancelled call (``-32800``), a tool's own codes, ``-32603``. 4xx only
     where the transport asks for one: the 2026-07-28 header, capability and version rungs

@@ -2,7 +2,7 @@
 hosts; each host's shared-memory registry stays the fast path (polls never touch Redis).
 
 - :class:`RedisStore` — keys and Lua scripts (:mod:`.store`);
-- :class:`RedisCancellation` — SPEC §4's API over Redis (:mod:`.cancellation`);
+- :class:`RedisCancellation` — contract §4's API over Redis (:mod:`.cancellation`);
 - :class:`Bridge` — one per worker: in-flight index, cross-host cancel, delivery into the local
   segment, sessions, outage handling (:mod:`.bridge`).
 

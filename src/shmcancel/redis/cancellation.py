@@ -1,4 +1,4 @@
-"""SPEC §4's cancellation API over Redis alone: :class:`RedisCancellation`.
+"""contract §4's cancellation API over Redis alone: :class:`RedisCancellation`.
 
 The same rules as :class:`shmcancel.Cancellation` (scoping, quota that rejects, the global cap
 that evicts the §4.4 batch in its order, TTL expiry, in-flight gating, telemetry), for every
@@ -42,7 +42,7 @@ def default_host_id() -> str:
 
 
 class RedisCancellation:
-    """SPEC §4 over a :class:`RedisStore`. ``clock``: float seconds (``cancelled_at``);
+    """contract §4 over a :class:`RedisStore`. ``clock``: float seconds (``cancelled_at``);
     ``lease``: seconds an in-flight row lives without renewal; ``host``: this host's identity
     (rows are owned by ``host:pid``)."""
 
@@ -73,7 +73,7 @@ class RedisCancellation:
 
     # --- cancellation rows
     def cancel(self, request_id: object, reason: object = None, scope: str = "global") -> None:
-        """Record a cancellation (SPEC §4.3). Raises ``InvalidRequestId`` /
+        """Record a cancellation (contract §4.3). Raises ``InvalidRequestId`` /
         ``CancellationLimitReached`` as the shared-memory policy does."""
         if request_id is None:
             return

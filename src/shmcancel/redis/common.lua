@@ -19,7 +19,7 @@ local function remove(P, all, scopes, scope, rid)
   if tonumber(redis.call('ZINCRBY', scopes, -1, scope)) <= 0 then redis.call('ZREM', scopes, scope) end
   return 1
 end
--- SPEC 4.4: rank rows by (-rows_in_scope, cancelled_at, scope, rid), remove the first `batch`.
+-- contract 4.4: rank rows by (-rows_in_scope, cancelled_at, scope, rid), remove the first `batch`.
 -- Scopes are visited largest first; scopes of one size are merged by age; from each scope at most
 -- the rows still wanted are read (ZRANGE orders by score, then rid bytewise).
 local function evict(P, all, scopes, batch)

@@ -1,6 +1,6 @@
 -- KEYS: sess, client_set, boxes. ARGV: P, sid, value, ttl_ms, per_client, now_ms, box
 -- Stores a session for other hosts to adopt; a client keeps at most per_client sessions here
--- (its oldest go first; hosts that adopted one keep their local copy under SPEC 6.1's rules).
+-- (its oldest go first; hosts that adopted one keep their local copy under contract 6.1's rules).
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 redis.call('SADD', KEYS[3], ARGV[7])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])

@@ -1,6 +1,6 @@
-"""Cancellation rows, in-flight owners and sessions in Redis, with SPEC §4's rules run in Lua.
+"""Cancellation rows, in-flight owners and sessions in Redis, with contract §4's rules run in Lua.
 
-Every multi-key rule (quota, global-cap eviction in SPEC §4.4 order, in-flight gating, TTL
+Every multi-key rule (quota, global-cap eviction in contract §4.4 order, in-flight gating, TTL
 expiry, the end of a request) is one Lua script (``*.lua`` beside this module, each prefixed
 with ``common.lua``), loaded once per connection pool and called by SHA; a ``NOSCRIPT`` answer
 (Redis restarted or flushed its script cache) loads it again and retries once. No rule is ever a
@@ -104,7 +104,7 @@ class RedisStore:
 
     def cancel(self, scope: str, rid: str, reason: str | None, at: float, *, gate: bool,
                now_ms: int, box_lease_ms: int) -> tuple[int, int]:
-        """Record a cancellation (SPEC §4.3 order: quota, then cap eviction, then insert).
+        """Record a cancellation (contract §4.3 order: quota, then cap eviction, then insert).
         Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
         inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box."""
         keys = [*self._row_keys(scope), self.if_key(scope, rid)]

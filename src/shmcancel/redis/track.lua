@@ -1,6 +1,6 @@
 -- KEYS: ifk, c, t, all, scopes, ifs (the scope's running ids). ARGV: P, scope, rid, owner, deadline_ms, now_ms, started_at
 -- Adds a running request. A cancellation row older than the request, with no other request of
--- that key running, is not this request's: it goes (SPEC 4.3).
+-- that key running, is not this request's: it goes (contract 4.3).
 local ifk = KEYS[1]
 if #live(ifk, ARGV[6]) == 0 then
   local at = redis.call('ZSCORE', KEYS[3], ARGV[3])

@@ -46,7 +46,7 @@ RETRY_AFTER = "1"  # seconds, for a 503 on a stalled registry
 
 def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
     """The ASGI app serving ``server`` (an ``mcp.server.mcpserver.MCPServer``) at its streamable
-    HTTP path, with cross-worker cancellation installed (SPEC §9). ``options`` go to
+    HTTP path, with cross-worker cancellation installed (contract §9). ``options`` go to
     ``server.streamable_http_app()`` (``stateless_http``, ``json_response``, ``transport_security``,
     ``max_request_body_size``, ...). Installs one :class:`Tracker` in ``server.middleware`` (once,
     however often it is called) and wraps the ``/mcp`` route's endpoint. A stateful server routes

@@ -143,7 +143,7 @@ def _principal_of(user: object) -> object:
 
 
 def conn_of(scope: Mapping[str, Any] | None, stateful: bool) -> dict[str, Any]:
-    """A SPEC §3 conn for an ASGI request scope: its session (stateful servers, 2025-era wire),
+    """A contract §3 conn for an ASGI request scope: its session (stateful servers, 2025-era wire),
     its authenticated principal (``scope["user"]``), its client address."""
     conn: dict[str, Any] = {}
     if not isinstance(scope, Mapping):

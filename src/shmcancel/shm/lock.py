@@ -25,6 +25,7 @@ normally and what they raise propagates, with nothing taken. Residual windows of
 (a handler raising just after the non-blocking fast-path acquire, or inside the release sequence)
 can strand the unit; the dead-owner and stable-generation rules recover it, and a unit stranded by
 this very process (owner == me while no thread of it holds the lock) is taken back at once.
+Why this recovers exactly once: docs/design.md, "The lock and its recovery".
 """
 
 from __future__ import annotations

@@ -64,9 +64,9 @@ ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the l
 # str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
 # bin of n bytes: bin8 2+n. int: at most 9 (uint64 / int64). float: 9 (float64). nil: 1.
 # array of <= 15 items: fixarray, 1 byte.
-SCOPE_MAX = 512  # UTF-8 bytes (SPEC §3)
-REQUEST_ID_MAX = 256  # UTF-8 bytes (SPEC §4.1)
-REASON_MAX = 800  # UTF-8 bytes (SPEC §4.2)
+SCOPE_MAX = 512  # UTF-8 bytes (contract §3)
+REQUEST_ID_MAX = 256  # UTF-8 bytes (contract §4.1)
+REASON_MAX = 800  # UTF-8 bytes (contract §4.2)
 SESSION_ID_MAX = 128  # UTF-8 bytes
 SESSION_VALUE_MAX = 512  # packed bytes
 SCOPE_DIGEST = 16  # bytes
