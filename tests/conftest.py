@@ -5,17 +5,15 @@ tests/helpers/."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
 import traceback
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers.names import SHM_DIR, TEST_PREFIX, unlink_registry_names
+from helpers.names import SHM_DIR, TEST_PREFIX, fresh_registry_name, unlink_registry_names
 from helpers.procs import Chan, Child
 from helpers.redis_server import running as running_redis
 from helpers.redis_server import unique_prefix
@@ -24,27 +22,17 @@ from shmcancel import Config
 from shmcancel.shm.registry import Registry
 
 
-@contextlib.contextmanager
-def _registry_name() -> Iterator[str]:
-    """A fresh registry name of this run; everything under it is unlinked on leaving."""
-    name = TEST_PREFIX + uuid.uuid4().hex[:12]
-    try:
-        yield name
-    finally:
-        unlink_registry_names(name)
-
-
 @pytest.fixture
 def shm_name() -> Iterator[str]:
     """A registry name unique to this test; everything under it is unlinked afterwards."""
-    with _registry_name() as name:
+    with fresh_registry_name() as name:
         yield name
 
 
 @pytest.fixture(scope="module")
 def module_shm_name() -> Iterator[str]:
     """Like ``shm_name``, for a module-scoped resource (a gunicorn serving a whole module)."""
-    with _registry_name() as name:
+    with fresh_registry_name() as name:
         yield name
 
 

@@ -31,27 +31,16 @@ from shmcancel.cancellation import (
 )
 from shmcancel.shm.registry import Registry
 
-SMALL = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
-
 
 @pytest.fixture
-def make(shm_name):
-    """make(**config) -> (registry, Cancellation with a seeded Clock)."""
-    made: list[Registry] = []
-
+def make(registry):
+    """make(**config) -> (registry, Cancellation with a seeded Clock); the registry fixture's
+    small config by default."""
     def _make(clock: Clock | None = None, **cfg):
-        kw = dict(SMALL)
-        kw.update(cfg)
-        reg = Registry.create(shm_name, Config(**kw))
-        made.append(reg)
+        reg = registry(**cfg)
         return reg, Cancellation(reg, clock=clock or Clock())
 
-    try:
-        yield _make
-    finally:
-        for reg in made:
-            reg.close()
-            reg.unlink()
+    return _make
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
+from collections.abc import Iterator
 
 import posix_ipc
 
@@ -28,3 +30,13 @@ def unlink_registry_names(name: str) -> None:
 def leftovers(name: str) -> list[str]:
     """What is left in /dev/shm of registry ``name`` (its names and any ``~`` temporaries)."""
     return sorted(f for f in os.listdir(SHM_DIR) if f.endswith(name) or name + "~" in f)
+
+
+@contextlib.contextmanager
+def fresh_registry_name() -> Iterator[str]:
+    """A fresh registry name of this run; everything under it is unlinked on leaving."""
+    name = TEST_PREFIX + uuid.uuid4().hex[:12]
+    try:
+        yield name
+    finally:
+        unlink_registry_names(name)

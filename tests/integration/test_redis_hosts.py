@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from helpers.background import Background
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
+from helpers.names import TEST_PREFIX, fresh_registry_name
 from helpers.redis_server import RedisServer, unique_prefix
 
 from shmcancel import errors
@@ -69,31 +71,10 @@ class Client:
                                "params": {"requestId": id, "reason": "from elsewhere"}})
 
 
-class Background(threading.Thread):
-    def __init__(self, fn: Any) -> None:
-        super().__init__(daemon=True)
-        self.fn, self.value, self.error, self.done_at = fn, None, None, 0.0
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except BaseException as e:
-            self.error = e
-        self.done_at = time.monotonic()
-
-    def result(self, timeout: float = 30.0) -> Any:
-        self.join(timeout)
-        assert not self.is_alive(), "request did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 @pytest.fixture(scope="module")
 def hosts(redis_server: Any, outdir: str) -> Iterator[tuple[Gunicorn, Gunicorn, str]]:
-    from conftest import _registry_name
     prefix = unique_prefix()
-    with _registry_name() as na, _registry_name() as nb, \
+    with fresh_registry_name() as na, fresh_registry_name() as nb, \
             host(na, "A", redis_server.url, prefix, outdir) as a, \
             host(nb, "B", redis_server.url, prefix, outdir) as b:
         yield a, b, prefix
@@ -169,7 +150,6 @@ def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
 
 
 def two_names(shm_name: str, shm_names: list[str]) -> tuple[str, str]:
-    from conftest import TEST_PREFIX
     other = TEST_PREFIX + uuid.uuid4().hex[:12]
     shm_names.append(other)
     return shm_name, other
