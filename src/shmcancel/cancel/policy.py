@@ -8,14 +8,16 @@ arrive as strings (a conn is read only through the installed :class:`ConnReader`
 
 Invariants:
 
-- ``cancel`` checks, under the lock: id valid → scope quota (``CancellationLimitReached``, the
-  only bound that rejects) → global cap (evict a batch, :mod:`shmcancel.cancel.eviction`) → insert.
-  Overwriting a row changes reason and time in place and runs neither check.
+- ``cancel`` validates the id, then the store records it as one atomic step
+  (:meth:`Storage.record`): scope quota (``CancellationLimitReached``, the only bound that
+  rejects) → global cap (evict a batch, :mod:`shmcancel.cancel.eviction`) → insert. Overwriting
+  a row changes reason and time in place and runs neither check. The policy knows no lock: each
+  store operation is atomic by itself, so any :class:`Storage` (shared memory, Redis) serves.
 - The transport's lifecycle: :meth:`Cancellation.begin` → :class:`RequestHandle` (never raises;
   ``tracked`` is ``False`` when the in-flight table is full), ``handle.cancelled()`` (lock-free,
   cached), ``handle.cancel_local()`` (exactly this request), ``handle.end()`` (untrack, then
   clear; idempotent).
-- :meth:`Cancellation.cancel_if_in_flight` checks and inserts under one lock hold, so a cancel
+- :meth:`Cancellation.cancel_if_in_flight` checks and inserts in one store step, so a cancel
   racing the end of its call leaves no row; a handle ignores (and removes) a row older than itself.
 - ``end()`` is never lost: on ``LockTimeout`` it is owed (at most ``_OWED_MAX`` per process) and
   landed later; a process removes its own in-flight rows of requests it no longer runs.
@@ -40,13 +42,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from .. import telemetry
-from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError, TableFull
+from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError
 from ..shm import procinfo
 from ..shm.registry import Registry
 from . import ids
 from .eviction import batch_size
 from .reasons import sanitize
-from .shm_storage import Owner, Poll, ShmBackend, Storage
+from .shm_storage import ShmBackend
+from .storage import Owner, Poll, Storage
 
 __all__ = [
     "CANCELLED_EVENT",
@@ -230,9 +233,9 @@ class Cancellation:
     def cancel_if_in_flight(self, request_id: object, reason: object = None,
                             scope: str = "global") -> bool:
         """:meth:`cancel`, but only while ``request_id`` is in flight in ``scope``; the check and
-        the insert are one step under one lock hold, so a request ending meanwhile leaves no
-        row. Returns whether a row was recorded (``False`` for ``None`` or a request not in
-        flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
+        the insert are one store step (:meth:`Storage.record`), so a request ending meanwhile
+        leaves no row. Returns whether a row was recorded (``False`` for ``None`` or a request
+        not in flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
         if request_id is None:
             return False
         return self._record(request_id, reason, scope, only_in_flight=True)
@@ -243,41 +246,10 @@ class Cancellation:
         if not _valid_scope(scope):
             raise TypeError(f"scope must be a str, got {type(scope).__name__}")
         scope = str.__str__(scope)
-        st = self._store
-        # Not in flight by a lock-free read: the notification arrived before the request began or
-        # after it ended, so it is answered without the lock (a flood of notifications for ids
-        # nobody runs never contends with the writers). In flight: re-checked under the lock.
-        if only_in_flight and not st.in_flight(scope, rid):
-            return False
         text = sanitize(reason)
-        # At the cap the batch is evicted outside the lock (in short holds, see
-        # ShmBackend.evict) and the checks run again; after ``tries`` such rounds (other
-        # writers refilling the table meanwhile) the eviction runs under the held lock.
-        tries = 3
-        for attempt in range(tries + 1):
-            full = False
-            with st.atomic():
-                if only_in_flight and not st.in_flight(scope, rid):
-                    return False
-                if not st.exists(scope, rid):
-                    if self._quota is not None and st.scope_rows(scope) >= self._quota:
-                        raise CancellationLimitReached(
-                            f"scope {scope[:80]!r} already holds {self._quota} cancellation rows"
-                        )
-                    if st.rows() >= self._cap:
-                        full = attempt < tries
-                        if not full:
-                            st.evict(self._batch)
-                if not full:
-                    now = self.clock()
-                    try:
-                        st.put(scope, rid, text, now)
-                    except TableFull:  # the physical table filled below the cap: make room
-                        st.evict(self._batch)
-                        st.put(scope, rid, text, now)
-            if not full:
-                break
-            st.evict(self._batch)
+        if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
+                                  batch=self._batch, only_in_flight=only_in_flight):
+            return False
         telemetry.execute(
             CANCELLED_EVENT, {"count": 1}, {"request_id": rid, "scope": scope, "reason": text}
         )
@@ -708,15 +680,8 @@ def owed_ends() -> int:
 
 
 def _land(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-    """An owed end, in one lock hold: untrack, then clear the key's row. While a namesake is
-    still in flight only a row from before ``ended_at`` goes (a newer one is the namesake's)."""
-    with st.atomic():
-        if owner is not None:
-            st.untrack(scope, rid, owner)
-        if st.in_flight(scope, rid):
-            st.clear_before(scope, rid, ended_at)
-        else:
-            st.clear(scope, rid)
+    """An owed end, as one store operation (:meth:`Storage.end`)."""
+    st.end(scope, rid, owner, ended_at)
 
 
 def settle_owed() -> int:

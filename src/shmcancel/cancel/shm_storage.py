@@ -12,7 +12,7 @@ from collections.abc import Callable, Container
 from typing import Any
 
 from ..config import Config
-from ..exceptions import TableFull
+from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
 from ..shm.registry import Registry
 from ..shm.table import PreparedKey, _unpack
@@ -53,9 +53,14 @@ def _remember(cache: dict[Any, PreparedKey], k: Any, pk: PreparedKey) -> Prepare
 
 class ShmBackend:
     """:class:`Storage` over a registry's ``cancellations``, ``in_flight`` and ``scope_counts``
-    tables. Lock-free reads; writes under the registry lock (``reg.lock``, reentrant per thread).
-    Scope counts are keyed by ``blake2b(scope, key=reg.hash_key, digest_size=16)`` so a client
-    cannot choose colliding count keys and every count row has one small fixed size.
+    tables. Lock-free reads; each write operation under the registry lock (``reg.lock``,
+    reentrant per thread), the sweeps in short holds. Scope counts are keyed by
+    ``blake2b(scope, key=reg.hash_key, digest_size=16)`` so a client cannot choose colliding
+    count keys and every count row has one small fixed size.
+
+    Counts move with their rows under the lock, the count first on insert and last on delete:
+    a writer killed in between leaves a count one *too high*, which only makes that scope's
+    quota stricter; :meth:`expire` recounts from the rows and repairs any drift.
     """
 
     def __init__(self, reg: Registry, *, alive: Callable[[int, int], bool] = procinfo.alive):
@@ -102,9 +107,46 @@ class ShmBackend:
             self._n.delete(self._nk(scope))
 
     def atomic(self) -> contextlib.AbstractContextManager[Any]:
+        """The registry lock: several of this store's writes as one step (not in
+        :class:`Storage`; for tests and tools that build a state by hand)."""
         return self._lock
 
     # --- cancellation rows
+    def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
+               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+        """:meth:`Storage.record` under the lock. Not in flight by a lock-free read: answered
+        without the lock (a flood of notifications for ids nobody runs never contends with the
+        writers); in flight: checked again under it. At the cap the batch is evicted outside
+        the lock (in short holds, see :meth:`evict`) and the checks run again; after three
+        such rounds (other writers refilling the table meanwhile) it is evicted under the
+        held lock."""
+        if only_in_flight and not self.in_flight(scope, rid):
+            return False
+        for attempt in range(4):
+            with self._lock:
+                if only_in_flight and not self.in_flight(scope, rid):
+                    return False
+                full = False
+                if not self.exists(scope, rid):
+                    if quota is not None and self.scope_rows(scope) >= quota:
+                        raise CancellationLimitReached(
+                            f"scope {scope[:80]!r} already holds {quota} cancellation rows")
+                    if self.rows() >= cap:
+                        if attempt < 3:
+                            full = True  # evicted below, outside the lock; then checked again
+                        else:
+                            self.evict(batch)
+                if not full:
+                    at = clock()
+                    try:
+                        self.put(scope, rid, reason, at)
+                    except TableFull:  # the physical table filled below the cap: make room
+                        self.evict(batch)
+                        self.put(scope, rid, reason, at)
+                    return True
+            self.evict(batch)
+        raise AssertionError("unreachable: the last round evicts under the lock")
+
     def exists(self, scope: str, rid: str) -> bool:
         return self._c.member(self._ck(scope, rid))
 
@@ -301,6 +343,15 @@ class ShmBackend:
         return [r for r in (_cancel_row(k, v) for k, v in self._c.scan()) if r is not None]
 
     # --- in-flight rows
+    def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+        with self._lock:
+            if owner is not None:
+                self.untrack(scope, rid, owner)
+            if self.in_flight(scope, rid):
+                self.clear_before(scope, rid, ended_at)
+            else:
+                self.clear(scope, rid)
+
     def track(self, scope: str, rid: str, owner: Owner) -> None:
         key = self._fk(scope, rid)
         try:

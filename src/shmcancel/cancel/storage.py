@@ -1,11 +1,13 @@
 """The storage interface of the cancellation layer: what its policy needs of a store.
 
-The shared-memory implementation is :mod:`shmcancel.cancel.shm_storage`.
+Implementations: :class:`~shmcancel.cancel.shm_storage.ShmBackend` (one host's shared memory)
+and :class:`~shmcancel.redis.storage.RedisStorage` (several hosts sharing one Redis).
 
-The policy (id validation, the order of checks in ``cancel``, telemetry, when the janitor runs)
-lives in :mod:`shmcancel.cancel.policy`; the eviction order in :mod:`shmcancel.cancel.eviction`.
-A backend only stores rows and keeps its per-scope counts true. A second backend (Redis, for
-deployments that outgrow one host) implements :class:`Storage` and runs the same tests.
+The policy (id validation, reasons, telemetry, when the janitor runs, the owed ends) lives in
+:mod:`shmcancel.cancel.policy`; the eviction order in :mod:`shmcancel.cancel.eviction`. A store
+keeps rows and its per-scope counts true, and runs each multi-step rule of contract §4 as one
+operation: every method below is atomic by itself (no caller ever groups several), so a
+backend without a lock a client can hold (Redis: one Lua script per rule) implements it.
 
 Rows
 ----
@@ -13,19 +15,13 @@ Rows
   value ``(reason: str | None, cancelled_at: float)``; one row per key.
 - in-flight: key ``(scope, request_id)``, value an :data:`Owner`
   ``(pid, start_time, thread_ident, token)``; several rows per key (one per running request).
-- per-scope counts of cancellation rows, so the quota check reads one row instead of scanning.
-
-Consistency of the counts: writers change a count and its rows inside one :meth:`Storage.atomic`
-section, the count first on insert and last on delete. A writer killed in between leaves the
-count one *too high*, which only makes that scope's quota stricter, never looser;
-:meth:`Storage.expire` (run by every cleanup) recounts from the rows and repairs any drift.
+- per-scope counts of cancellation rows (the quota check reads one number, never a scan).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Container
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Container
+from typing import Protocol, runtime_checkable
 
 from ..config import Config
 
@@ -37,46 +33,53 @@ Owner = tuple[int, int, int, int]
 
 
 class Poll(Protocol):
-    """A cached lookup of one cancellation key (see ``table.Watch``)."""
+    """A cached lookup of one key: ``member()`` answers the question it was made for now."""
 
     def member(self) -> bool: ...
 
 
 @runtime_checkable
 class Storage(Protocol):
-    """What :class:`~shmcancel.cancellation.Cancellation` needs of a store.
+    """What :class:`~shmcancel.cancel.policy.Cancellation` needs of a store.
 
-    Reads (``exists``, ``get``, ``watch``, ``rows``, ``scope_rows``, ``in_flight``, ...) never
-    block on writers. Every write is atomic by itself; :meth:`atomic` groups several into one
-    step (it is reentrant), which ``cancel`` uses for check-then-insert.
+    Each method is one atomic step against every other process and host using the store;
+    reads never block on writers. Optional capability: ``watch_in_flight(scope, rid) -> Poll``
+    (a cached local poll of :meth:`in_flight`; without it the policy calls ``in_flight``).
+    Errors: :class:`~shmcancel.LockTimeout` (or the backend's own) when the store does not
+    answer in time; nothing is half-written by one.
     """
 
     #: The limits and timings the policy applies (shared by every process using the store).
     config: Config
-    #: Physical cancellation rows the store can hold.
-    capacity: int
-
-    def atomic(self) -> contextlib.AbstractContextManager[Any]: ...
 
     # --- cancellation rows
-    def exists(self, scope: str, rid: str) -> bool: ...
-    def get(self, scope: str, rid: str) -> tuple[str | None, float] | None: ...
-    def watch(self, scope: str, rid: str) -> Poll: ...
+    def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
+               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+        """Record a cancellation, contract §4.3 as one step: (when ``only_in_flight``) the key
+        is in flight, else ``False`` and nothing written → an existing row is overwritten in
+        place (reason and time) → a new row: the scope holds ``quota`` rows already →
+        :class:`~shmcancel.CancellationLimitReached`, nothing written; the store holds ``cap``
+        rows → evict ``batch`` rows in contract §4.4's order → insert. ``clock()`` is read
+        once, after the in-flight check (so a row recorded for a running request is never
+        older than that request's begin). Returns ``True`` when a row was written."""
+    def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
+        """The row's ``(reason, cancelled_at)``, or ``None``."""
+    def watch(self, scope: str, rid: str) -> Poll:
+        """A poll of whether the row exists (on shared memory a few loads; on a remote store
+        it may cost a round trip per ``member()``)."""
+    def scope_rows(self, scope: str) -> int:
+        """Rows counted for ``scope``: never below its true rows."""
     def rows(self) -> int: ...
-    def scope_rows(self, scope: str) -> int: ...
-    def put(self, scope: str, rid: str, reason: str | None, at: float) -> bool:
-        """Insert or overwrite; True when the row is new (it then counts for its scope)."""
-    def evict(self, batch: int) -> int:
-        """Remove ``min(batch, rows)`` rows in :mod:`~shmcancel.cancel.eviction` order; the
-        count."""
     def clear(self, scope: str, rid: str) -> bool:
-        """Remove one row; reads first and takes no lock when there is none."""
+        """Remove one row (and its count); True when one went."""
     def clear_before(self, scope: str, rid: str, before: float) -> bool:
-        """Remove the row only if its ``cancelled_at < before`` (checked under the lock, so a
-        newer row written meanwhile stays); reads first and takes no lock when there is none."""
+        """Remove the row only if its ``cancelled_at < before`` (checked in the same step, so
+        a newer row written meanwhile stays)."""
     def expire(self, now: float, ttl: float) -> int:
-        """Remove rows with ``now - cancelled_at > ttl``; repair the scope counts."""
-    def cancellations(self) -> list[tuple[str, str, str | None, float]]: ...
+        """Remove rows with ``now - cancelled_at > ttl``; repair drifted scope counts. May run
+        as several steps (each atomic), so a sweep never holds the store for long."""
+    def cancellations(self) -> list[tuple[str, str, str | None, float]]:
+        """Every row ``(scope, rid, reason, at)``: a snapshot for inspection and tests."""
 
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> None:
@@ -84,14 +87,20 @@ class Storage(Protocol):
     def untrack(self, scope: str, rid: str, owner: Owner) -> bool: ...
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         """Remove one row of this thread for the key (a token-0 row first)."""
+    def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+        """A request's end as one step (an owed end landing late): untrack ``owner``, then
+        clear the key's row; while a namesake is still in flight only a row from before
+        ``ended_at`` goes (a newer one is the namesake's)."""
     def in_flight(self, scope: str, rid: str) -> bool: ...
-    def in_flight_ids(self, scope: str) -> list[str]: ...
+    def in_flight_ids(self, scope: str) -> list[str]:
+        """Ids in flight in ``scope`` (a snapshot; callers gate each again in ``record``)."""
     def reap(self, pid: int | None = None) -> int:
         """Remove in-flight rows whose owner process is gone (only ``pid``'s, when given)."""
     def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
         """Remove the rows of the live process ``(pid, start)`` whose token (non-zero) is not
-        in ``running``: requests it no longer runs, whose end was lost. Scans without the
-        lock and takes it only when there is something to remove."""
+        in ``running``: requests it no longer runs, whose end was lost. ``running`` is read
+        again inside the removing step (a token enters it before its row is written)."""
 
     # --- janitor
-    def claim_sweep(self, now: float, interval: float) -> bool: ...
+    def claim_sweep(self, now: float, interval: float) -> bool:
+        """True for one caller per ``interval`` seconds across every process of the store."""
