@@ -196,7 +196,7 @@ def test_gating_follows_in_flight_rows(new):
 
 def test_redis_untrack_ends_the_row_too(redis_server, redis_prefix):
     c = make(redis_server, redis_prefix)
-    token = c.track(5, scope="s")
+    token = c.track_token(5, scope="s")
     assert c.cancel_if_in_flight(5, "x", scope="s") and token is not None
     c.untrack_token("s", "5", token)  # no namesake runs on: the row goes with the request
     assert not c.in_flight(5, scope="s") and not c.cancelled(5, scope="s")
@@ -205,7 +205,7 @@ def test_redis_untrack_ends_the_row_too(redis_server, redis_prefix):
 def test_namesakes_each_hold_a_row(redis_server, redis_prefix):
     a = make(redis_server, redis_prefix, host="A")
     b = make(redis_server, redis_prefix, host="B")
-    ta, tb = a.track(1, "ip:x"), b.track(1, "ip:x")
+    ta, tb = a.track_token(1, "ip:x"), b.track_token(1, "ip:x")
     assert ta and tb
     a.untrack_token("ip:x", "1", ta)
     assert b.in_flight(1, "ip:x")
@@ -302,7 +302,7 @@ def test_cancel_scope_reaches_every_host(redis_server, redis_prefix):
     a.track(1, "session:s")
     b.track(2, "session:s")
     b.track(3, "session:other")
-    ended = b.track(4, "session:s")
+    ended = b.track_token(4, "session:s")
     assert ended is not None
     b.untrack_token("session:s", "4", ended)
     assert a.cancel_scope("session:s", "deleted") == 2

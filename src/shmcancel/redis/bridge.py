@@ -108,7 +108,7 @@ class Bridge:
         if self.down:
             token = r.track_offline(scope, rid)
         else:
-            token = self._guard("track", r.track, rid, scope)
+            token = self._guard("track", r.track_token, rid, scope)
             if token is None:
                 token = r.track_offline(scope, rid)
         return scope, rid, token

@@ -32,7 +32,7 @@ from ..config import Config
 __all__ = ["RedisStore"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete")
+            "session_delete", "claim")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 
 
@@ -103,13 +103,16 @@ class RedisStore:
     # ------------------------------------------------------------------ cancellation rows
 
     def cancel(self, scope: str, rid: str, reason: str | None, at: float, *, gate: bool,
-               now_ms: int, box_lease_ms: int) -> tuple[int, int]:
+               now_ms: int, box_lease_ms: int, limits: tuple[int, int, int] | None = None
+               ) -> tuple[int, int]:
         """Record a cancellation (contract §4.3 order: quota, then cap eviction, then insert).
         Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
-        inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box."""
+        inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box.
+        ``limits``: ``(quota (-1: none), cap, batch)``, default this store's."""
+        quota, cap, batch = limits if limits is not None else (self.quota, self.cap, self.batch)
         keys = [*self._row_keys(scope), self.if_key(scope, rid)]
         r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
-                                       repr(float(at)), self.quota, self.cap, self.batch,
+                                       repr(float(at)), quota, cap, batch,
                                        "1" if gate else "0", now_ms, box_lease_ms])
         return int(r[0]), int(r[1]) if len(r) > 1 else 0
 
@@ -155,6 +158,15 @@ class RedisStore:
             if n < _EXPIRE_LIMIT:
                 break
         return total
+
+    def exists(self, scope: str, rid: str) -> bool:
+        return bool(self.client.hexists(self._skeys(scope)[0], _b(rid)))
+
+    def claim_sweep(self, now: float, interval: float) -> bool:
+        """True for one caller per ``interval`` seconds across every host (the first claim one
+        interval after the first call)."""
+        return bool(self.call("claim", [_b(self.prefix + "{g}:sweep")],
+                              [repr(float(now)), repr(float(interval))]))
 
     # ------------------------------------------------------------------ in-flight owners
 

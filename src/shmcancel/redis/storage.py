@@ -1,0 +1,207 @@
+""":class:`~shmcancel.cancel.storage.Storage` over Redis: :class:`RedisStorage`, so
+``Cancellation(None, backend=RedisStorage(store))`` gives contract §4 to every host sharing one
+Redis. Each operation is one Lua script of :class:`~shmcancel.redis.store.RedisStore` (or one
+read), hence atomic by itself; a poll costs a round trip (the gunicorn integration keeps its polls
+on the local registry: :mod:`shmcancel.redis.bridge`).
+
+In-flight rows are owned by ``<host>:<pid>`` (the worker's box, where gated cancellations are
+pushed) with a lease: a row lives ``lease`` seconds past its last :meth:`RedisStorage.renew`,
+so whoever runs requests renews every ``lease / 3`` (the bridge does), and the rows of a host
+that died vanish within ``lease``. ``reap`` therefore removes nothing: leases do it.
+
+Differences from shared memory, by design: an owed :meth:`~RedisStorage.end` keeps the key's row
+while a namesake still runs (``untrack.lua``); ``record`` reads ``clock`` before its script, so
+hosts' clocks must agree to well under the gap between a request's begin and its cancellation.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Container
+
+from ..cancel.storage import Owner, Poll
+from ..config import Config
+from ..exceptions import CancellationLimitReached
+from .store import RedisStore
+
+__all__ = ["RedisStorage", "default_host_id"]
+
+
+def default_host_id() -> str:
+    """``SHMCANCEL_HOST_ID``, else the host name."""
+    return os.environ.get("SHMCANCEL_HOST_ID") or socket.gethostname()
+
+
+class _Exists:
+    """A poll of one cancellation row: one ``HEXISTS`` per ``member()``."""
+
+    __slots__ = ("_rid", "_scope", "_store")
+
+    def __init__(self, store: RedisStore, scope: str, rid: str) -> None:
+        self._store, self._scope, self._rid = store, scope, rid
+
+    def member(self) -> bool:
+        return self._store.exists(self._scope, self._rid)
+
+
+class RedisStorage:
+    """:class:`Storage` over a :class:`RedisStore`. ``clock``: float seconds (a request's start,
+    to tell a stale row from its own); ``lease``: seconds an in-flight row lives without
+    :meth:`renew`; ``host``: this host's identity. Thread-safe."""
+
+    def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
+                 lease: float = 10.0, host: str | None = None) -> None:
+        if not 0 < lease <= 3600:
+            raise ValueError(f"lease must be in (0, 3600] seconds, got {lease!r}")
+        self.store = store
+        self.config: Config = store.config
+        self.capacity: int = store.cap
+        self.clock = clock
+        self.lease = float(lease)
+        self.host = host or default_host_id()
+        self._mine: dict[tuple[str, str, Owner], bytes] = {}  # rows this process holds
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<RedisStorage host={self.host!r} prefix={self.store.prefix!r}>"
+
+    @property
+    def box(self) -> str:
+        """This process's box: where cancellations of its requests are pushed."""
+        return f"{self.host}:{os.getpid()}"
+
+    def _owner(self, owner: Owner) -> bytes:
+        return f"{self.box}\n{owner[1]}:{owner[2]}:{owner[3]}".encode()
+
+    @staticmethod
+    def _now_ms() -> int:
+        return int(time.time() * 1000)
+
+    # --- cancellation rows
+    def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
+               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+        status, _ = self.store.cancel(
+            scope, rid, reason, clock(), gate=only_in_flight, now_ms=self._now_ms(),
+            box_lease_ms=int(self.lease * 1000),
+            limits=(-1 if quota is None else quota, cap, batch))
+        if status == -1:
+            raise CancellationLimitReached(
+                f"scope {scope[:80]!r} already holds {quota} cancellation rows")
+        return status != 0
+
+    def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
+        return self.store.get(scope, rid)
+
+    def watch(self, scope: str, rid: str) -> Poll:
+        return _Exists(self.store, scope, rid)
+
+    def scope_rows(self, scope: str) -> int:
+        return self.store.scope_rows(scope)
+
+    def rows(self) -> int:
+        return self.store.rows()
+
+    def clear(self, scope: str, rid: str) -> bool:
+        return self.store.clear(scope, rid)
+
+    def clear_before(self, scope: str, rid: str, before: float) -> bool:
+        return self.store.clear(scope, rid, before)
+
+    def expire(self, now: float, ttl: float) -> int:
+        return self.store.expire(now, ttl)
+
+    def cancellations(self) -> list[tuple[str, str, str | None, float]]:
+        return self.store.cancellations()
+
+    # --- in-flight rows
+    def track(self, scope: str, rid: str, owner: Owner) -> None:
+        raw = self._owner(owner)
+        with self._lock:
+            self._mine[scope, rid, owner] = raw
+            now = self._now_ms()
+            self.store.track(scope, rid, raw, deadline_ms=now + int(self.lease * 1000),
+                             now_ms=now, started_at=self.clock())
+
+    def hold(self, scope: str, rid: str, owner: Owner) -> None:
+        """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""
+        with self._lock:
+            self._mine[scope, rid, owner] = self._owner(owner)
+
+    def forget(self, scope: str, rid: str, owner: Owner) -> None:
+        """Drop a row locally only (Redis is down; its lease ends it there)."""
+        with self._lock:
+            self._mine.pop((scope, rid, owner), None)
+
+    def untrack(self, scope: str, rid: str, owner: Owner) -> bool:
+        """End the row; when no namesake runs on, the key's cancellation row goes too (one
+        script). Raises Redis errors, leaving the row held for :meth:`forget`."""
+        with self._lock:
+            raw = self._mine.get((scope, rid, owner))
+            if raw is None:
+                return False
+            gone = self.store.untrack(scope, rid, raw, now_ms=self._now_ms())
+            del self._mine[scope, rid, owner]
+            return gone
+
+    def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
+        with self._lock:
+            mine = [o for (s, r, o) in self._mine if s == scope and r == rid
+                    and o[:3] == (pid, start, tid)]
+        if not mine:
+            return False
+        return self.untrack(scope, rid, min(mine, key=lambda o: o[3] != 0))
+
+    def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+        if owner is not None and self.untrack(scope, rid, owner):
+            return  # untrack.lua cleared the row when no namesake runs on
+        if not self.in_flight(scope, rid):
+            self.clear(scope, rid)
+        else:
+            self.clear_before(scope, rid, ended_at)
+
+    def in_flight(self, scope: str, rid: str) -> bool:
+        return self.store.in_flight(scope, rid, now_ms=self._now_ms())
+
+    def in_flight_ids(self, scope: str) -> list[str]:
+        return sorted(set(self.store.in_flight_ids(scope)))
+
+    def reap(self, pid: int | None = None) -> int:
+        """Nothing: a dead host's or process's rows end with their lease."""
+        return 0
+
+    def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
+        with self._lock:
+            ended = [(s, r, o) for (s, r, o) in self._mine
+                     if o[0] == pid and o[1] == start and o[3] != 0 and o[3] not in running]
+        return sum(self.untrack(*k) for k in ended)
+
+    def renew(self) -> int:
+        """Extend the lease of every row this process holds, adding back any Redis lost (a
+        restart). Returns how many were added back."""
+        now = self._now_ms()
+        deadline = now + int(self.lease * 1000)
+        with self._lock:
+            items = list(self._mine.items())
+            missing = self.store.renew([(self.store.if_key(s, r), o) for (s, r, _), o in items],
+                                       deadline)
+            for i in missing:
+                (s, r, _), o = items[i]
+                self.store.track(s, r, o, deadline_ms=deadline, now_ms=now,
+                                 started_at=self.clock())
+        return len(missing)
+
+    def held(self) -> int:
+        """In-flight rows this process holds."""
+        return len(self._mine)
+
+    def forget_process(self) -> None:
+        """After fork: the parent's rows are the parent's."""
+        with self._lock:
+            self._mine.clear()
+
+    # --- janitor
+    def claim_sweep(self, now: float, interval: float) -> bool:
+        return self.store.claim_sweep(now, interval)
