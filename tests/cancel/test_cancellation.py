@@ -48,6 +48,67 @@ def rc(make):
     return make()
 
 
+class _Rows:
+    """The part of a shared-memory table the backend-independent tests read, over a store's
+    ``cancellations()`` or in-flight count."""
+
+    def __init__(self, rows, count=None):
+        self._rows, self._count = rows, count
+
+    def scan(self):
+        return [((s, r), (reason, at)) for s, r, reason, at in self._rows()]
+
+    def count(self):
+        return len(self.scan()) if self._count is None else self._count()
+
+    def get(self, key, default=None):
+        return dict(self.scan()).get(key, default)
+
+
+class _RedisView:
+    """What the backend-independent tests read of a registry, over a RedisStorage: its rows,
+    in-flight rows and scopes with a count, and the evictions it made."""
+
+    def __init__(self, storage):
+        self.storage = storage
+        client, prefix = storage.store.client, storage.store.prefix
+        self.cancellations = _Rows(storage.cancellations)
+        self.in_flight = _Rows(lambda: [], lambda: sum(
+            client.zcard(k) for k in client.keys(prefix + "*:if:*")))
+        self.scope_counts = _Rows(lambda: [], lambda: len(
+            {s for s, _, _, _ in storage.cancellations()}))
+
+    @property
+    def evictions(self):
+        return self.storage.evictions
+
+
+@pytest.fixture(params=["shm", "redis"])
+def make_any(request, registry):
+    """make_any(clock=None, **config) -> (view, Cancellation): over a registry (``view`` is
+    the registry) or over a real Redis (``RedisStorage``; ``view`` reads the same figures)."""
+    def _make(clock: Clock | None = None, **cfg):
+        clock = clock or Clock()
+        if request.param == "shm":
+            reg = registry(**cfg)
+            return reg, Cancellation(reg, clock=clock)
+        from shmcancel.redis import RedisStorage, RedisStore, connect
+        srv = request.getfixturevalue("redis_server")
+        kw = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
+        kw.update(cfg)
+        store = RedisStore(connect(srv.url, timeout=2.0), shmcancel.Config(**kw),
+                           prefix=request.getfixturevalue("redis_prefix"))
+        storage = RedisStorage(store, clock=clock, host="h1")
+        return _RedisView(storage), Cancellation(None, clock=clock, backend=storage)
+
+    return _make
+
+
+@pytest.fixture
+def rc_any(make_any):
+    return make_any()
+
+
 @pytest.fixture
 def events():
     """Telemetry events seen during the test: list of (event, measurements, metadata)."""
@@ -66,8 +127,8 @@ def rows(reg):
 
 
 # --------------------------------------------------------------------------------- §4.1 ids
-def test_42_and_str_42_are_one_request(rc):
-    reg, c = rc
+def test_42_and_str_42_are_one_request(rc_any):
+    reg, c = rc_any
     c.cancel(42, "first", "s")
     assert c.cancelled("42", "s") and c.cancelled(42, "s")
     c.cancel("42", "second", "s")
@@ -86,8 +147,8 @@ def test_42_and_str_42_are_one_request(rc):
     ["a" * 256, "é" * 128, "€" * 85 + "a", "🙂" * 64, "", 0, -1, 2**63, 10**255],
     ids=["256-ascii", "256-2byte", "256-3byte", "256-4byte", "empty", "0", "-1", "2^63", "big"],
 )
-def test_valid_ids_are_stored(rc, rid):
-    reg, c = rc
+def test_valid_ids_are_stored(rc_any, rid):
+    reg, c = rc_any
     c.cancel(rid, None, "s")
     assert c.cancelled(rid, "s")
     assert rows(reg) == [(("s", str(rid)), (None, c.clock()))]
@@ -100,8 +161,8 @@ def test_valid_ids_are_stored(rc, rid):
     ids=["257-ascii", "257-2byte", "258-3byte", "257-4byte", "True", "False", "1.0", "42.5",
          "inf", "list", "dict", "tuple", "bytes", "surrogate", "object"],
 )
-def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc, rid, events):
-    reg, c = rc
+def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc_any, rid, events):
+    reg, c = rc_any
     with pytest.raises(InvalidRequestId):
         c.cancel(rid, "r", "s")
     assert reg.cancellations.count() == 0
@@ -120,15 +181,15 @@ def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc, rid, events):
     h.end()
 
 
-def test_bool_is_not_the_int(rc):
-    _reg, c = rc
+def test_bool_is_not_the_int(rc_any):
+    _reg, c = rc_any
     c.cancel(1, None, "s")
     assert c.cancelled(1, "s")
     assert c.cancelled(True, "s") is False
 
 
-def test_none_is_a_noop_everywhere(rc, events):
-    reg, c = rc
+def test_none_is_a_noop_everywhere(rc_any, events):
+    reg, c = rc_any
     c.cancel(None, "r", "s")
     c.track(None, "s")
     c.untrack(None, "s")
@@ -154,24 +215,24 @@ def test_none_is_a_noop_everywhere(rc, events):
         ({"a": 1}, "{'a': 1}"),
     ],
 )
-def test_reasons_are_sanitised_when_stored(rc, reason, stored):
-    reg, c = rc
+def test_reasons_are_sanitised_when_stored(rc_any, reason, stored):
+    reg, c = rc_any
     c.cancel(1, reason, "s")
     assert c.reason(1, "s") == stored
     assert reg.cancellations.get(("s", "1"))[0] == stored
 
 
 # --------------------------------------------------------------------------------- §3 scopes
-def test_same_id_in_two_sessions(rc):
-    _reg, c = rc
+def test_same_id_in_two_sessions(rc_any):
+    _reg, c = rc_any
     a = {"shmcancel.session_id": "A", "shmcancel.request_id": 1, "REMOTE_ADDR": "203.0.113.9"}
     b = {"shmcancel.session_id": "B", "shmcancel.request_id": 1, "REMOTE_ADDR": "203.0.113.9"}
     c.cancel(1, None, c.scope(a))
     assert c.cancelled(a) and not c.cancelled(b)
 
 
-def test_two_principals_behind_one_ip(rc):
-    _reg, c = rc
+def test_two_principals_behind_one_ip(rc_any):
+    _reg, c = rc_any
     alice = principal.put({"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}, "alice")
     bob = principal.put({"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}, {"sub": "bob"})
     anon = {"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 7}
@@ -179,8 +240,8 @@ def test_two_principals_behind_one_ip(rc):
     assert [c.cancelled(x) for x in (alice, bob, anon)] == [True, False, False]
 
 
-def test_principal_whose_id_is_an_ip_string_shares_nothing(make):
-    reg, c = make(max_rows_per_scope=1)
+def test_principal_whose_id_is_an_ip_string_shares_nothing(make_any):
+    reg, c = make_any(max_rows_per_scope=1)
     anon = {"REMOTE_ADDR": "203.0.113.9", "shmcancel.request_id": 1}
     fake = principal.put({"REMOTE_ADDR": "198.51.100.1", "shmcancel.request_id": 1}, "203.0.113.9")
     c.cancel(1, None, c.scope(anon))
@@ -200,20 +261,20 @@ def test_principal_whose_id_is_an_ip_string_shares_nothing(make):
         (None, "global"),
     ],
 )
-def test_scope_method(rc, conn, scope):
-    assert rc[1].scope(conn) == scope
+def test_scope_method(rc_any, conn, scope):
+    assert rc_any[1].scope(conn) == scope
 
 
-def test_cancelled_conn_without_request_id_is_false(rc):
-    _reg, c = rc
+def test_cancelled_conn_without_request_id_is_false(rc_any):
+    _reg, c = rc_any
     c.cancel(1, None, "ip:192.0.2.1")
     assert c.cancelled({"REMOTE_ADDR": "192.0.2.1"}) is False
     assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": None}) is False
     assert c.cancelled({"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": "1"}) is True
 
 
-def test_cancel_with_long_session_scope(rc):
-    _reg, c = rc
+def test_cancel_with_long_session_scope(rc_any):
+    _reg, c = rc_any
     conn = {"shmcancel.session_id": "s" * 2000, "shmcancel.request_id": "x" * 256}
     scope = c.scope(conn)
     assert len(scope.encode()) <= principal.MAX_SCOPE_BYTES
@@ -222,16 +283,16 @@ def test_cancel_with_long_session_scope(rc):
 
 
 # ------------------------------------------------------------------------- §4.3 cancel / clear
-def test_cancelled_at_is_the_clock_unrounded(make):
+def test_cancelled_at_is_the_clock_unrounded(make_any):
     clock = Clock(1_700_000_000.123456789)
-    reg, c = make(clock)
+    reg, c = make_any(clock)
     c.cancel(1, None, "s")
     assert reg.cancellations.get(("s", "1")) == (None, 1_700_000_000.123456789)
     assert c.cancelled_at(1, "s") == 1_700_000_000.123456789
 
 
-def test_overwrite_keeps_count_updates_in_place(rc):
-    reg, c = rc
+def test_overwrite_keeps_count_updates_in_place(rc_any):
+    reg, c = rc_any
     c.cancel(1, "a", "s")
     t0 = c.clock()
     c.clock.tick(5)
@@ -241,8 +302,8 @@ def test_overwrite_keeps_count_updates_in_place(rc):
     assert c._store.scope_rows("s") == 1
 
 
-def test_overwrite_at_quota_skips_the_quota(make):
-    reg, c = make(max_rows_per_scope=2)
+def test_overwrite_at_quota_skips_the_quota(make_any):
+    reg, c = make_any(max_rows_per_scope=2)
     c.cancel(1, None, "s")
     c.cancel(2, None, "s")
     with pytest.raises(CancellationLimitReached):
@@ -252,8 +313,8 @@ def test_overwrite_at_quota_skips_the_quota(make):
     assert reg.cancellations.count() == 2
 
 
-def test_overwrite_at_cap_does_not_evict(make):
-    reg, c = make(max_rows=40, max_rows_per_scope=None)
+def test_overwrite_at_cap_does_not_evict(make_any):
+    reg, c = make_any(max_rows=40, max_rows_per_scope=None)
     for i in range(40):
         c.clock.tick()
         c.cancel(i, None, "s")
@@ -263,8 +324,8 @@ def test_overwrite_at_cap_does_not_evict(make):
     assert reg.cancellations.count() == 39 and reg.evictions == 2
 
 
-def test_quota_refusal_writes_nothing(make, events):
-    reg, c = make(max_rows_per_scope=3)
+def test_quota_refusal_writes_nothing(make_any, events):
+    reg, c = make_any(max_rows_per_scope=3)
     for i in range(3):
         c.cancel(i, None, "s")
     before = rows(reg)
@@ -275,15 +336,15 @@ def test_quota_refusal_writes_nothing(make, events):
     assert isinstance(CancellationLimitReached("x"), shmcancel.ShmCancelError)
 
 
-def test_quota_none_disables(make):
-    reg, c = make(max_rows_per_scope=None, max_rows=None, capacity=300)
+def test_quota_none_disables(make_any):
+    reg, c = make_any(max_rows_per_scope=None, max_rows=None, capacity=300)
     for i in range(300):
         c.cancel(i, None, "s")
     assert reg.cancellations.count() == 300
 
 
-def test_quota_flood_attacker_refused_victim_served(make):
-    _reg, c = make(max_rows=100, max_rows_per_scope=20)
+def test_quota_flood_attacker_refused_victim_served(make_any):
+    _reg, c = make_any(max_rows=100, max_rows_per_scope=20)
     refused = 0
     for i in range(1000):
         try:
@@ -297,8 +358,8 @@ def test_quota_flood_attacker_refused_victim_served(make):
     assert all(c.cancelled(i, "session:victim") for i in range(20))
 
 
-def test_six_scopes_of_twenty_against_cap_100(make):
-    reg, c = make(max_rows=100, max_rows_per_scope=20)
+def test_six_scopes_of_twenty_against_cap_100(make_any):
+    reg, c = make_any(max_rows=100, max_rows_per_scope=20)
     for s in range(5):
         for i in range(20):
             c.clock.tick()
@@ -320,8 +381,8 @@ def test_six_scopes_of_twenty_against_cap_100(make):
     assert {s: c._store.scope_rows(s) for s in per_scope} == per_scope
 
 
-def test_clear_removes_only_its_own_row(rc):
-    reg, c = rc
+def test_clear_removes_only_its_own_row(rc_any):
+    reg, c = rc_any
     for scope in ("a", "b"):
         for rid in (1, 2):
             c.cancel(rid, None, scope)
@@ -362,8 +423,8 @@ def test_clear_without_row_takes_no_lock(rc):
         t.join()
 
 
-def test_cancel_emits_telemetry(rc, events):
-    _reg, c = rc
+def test_cancel_emits_telemetry(rc_any, events):
+    _reg, c = rc_any
     c.cancel(42, "why\n", "session:x")
     assert events == [(CANCELLED_EVENT, {"count": 1},
                        {"request_id": "42", "scope": "session:x", "reason": "why"})]
@@ -372,8 +433,8 @@ def test_cancel_emits_telemetry(rc, events):
     assert events[0][2]["reason"] is None and events[0][2]["request_id"] == "42"
 
 
-def test_raising_handler_is_detached_and_cancel_still_succeeds(rc, caplog):
-    _reg, c = rc
+def test_raising_handler_is_detached_and_cancel_still_succeeds(rc_any, caplog):
+    _reg, c = rc_any
 
     def bad(*a):
         raise RuntimeError("broken handler")
@@ -386,8 +447,8 @@ def test_raising_handler_is_detached_and_cancel_still_succeeds(rc, caplog):
 
 
 # --------------------------------------------------------------------------------- §4.4 eviction
-def test_eviction_takes_the_largest_scope_oldest_first(make):
-    reg, c = make(max_rows=40, max_rows_per_scope=None)  # batch 2
+def test_eviction_takes_the_largest_scope_oldest_first(make_any):
+    reg, c = make_any(max_rows=40, max_rows_per_scope=None)  # batch 2
     order = [("big", 10), ("mid", 10), ("small", 20)]
     ts = {}
     for scope, n in order:
@@ -403,8 +464,8 @@ def test_eviction_takes_the_largest_scope_oldest_first(make):
     assert reg.cancellations.count() == 39
 
 
-def test_eviction_spills_into_the_next_largest(make):
-    _reg, c = make(max_rows=100, max_rows_per_scope=None)  # batch 5
+def test_eviction_spills_into_the_next_largest(make_any):
+    _reg, c = make_any(max_rows=100, max_rows_per_scope=None)  # batch 5
     for scope, n in (("a", 3), ("b", 2), ("c", 95)):
         for i in range(n):
             c.clock.tick()
@@ -415,8 +476,8 @@ def test_eviction_spills_into_the_next_largest(make):
     assert c.cancelled(0, "a") and c.cancelled(0, "b")
 
 
-def test_eviction_spill_with_batch_larger_than_the_largest_scope(make):
-    _reg, c = make(max_rows=120, max_rows_per_scope=None)  # batch 6
+def test_eviction_spill_with_batch_larger_than_the_largest_scope(make_any):
+    _reg, c = make_any(max_rows=120, max_rows_per_scope=None)  # batch 6
     spec = [("s4", 4)] + [(f"t{i}", 3) for i in range(38)] + [("u2", 2)]  # 4 + 114 + 2 = 120
     for scope, n in spec:
         for i in range(n):
@@ -429,8 +490,8 @@ def test_eviction_spill_with_batch_larger_than_the_largest_scope(make):
     assert c._store.scope_rows("s4") == 0 and c._store.scope_rows("t0") == 1
 
 
-def test_all_singletons_tie_and_age_decides(make):
-    _reg, c = make(max_rows=60, max_rows_per_scope=None)  # batch 3
+def test_all_singletons_tie_and_age_decides(make_any):
+    _reg, c = make_any(max_rows=60, max_rows_per_scope=None)  # batch 3
     scopes = [f"s{i}" for i in range(60)]
     times = list(range(60))
     times = times[30:] + times[:30]  # rows inserted out of age order
@@ -444,8 +505,8 @@ def test_all_singletons_tie_and_age_decides(make):
 
 
 @pytest.mark.parametrize(("max_rows", "batch"), [(20, 1), (39, 1), (40, 2), (100, 5)])
-def test_batch_is_always_full(make, max_rows, batch):
-    reg, c = make(max_rows=max_rows, max_rows_per_scope=None)
+def test_batch_is_always_full(make_any, max_rows, batch):
+    reg, c = make_any(max_rows=max_rows, max_rows_per_scope=None)
     for i in range(max_rows):
         c.clock.tick()
         c.cancel(i, None, f"s{i}")
@@ -454,8 +515,8 @@ def test_batch_is_always_full(make, max_rows, batch):
     assert reg.evictions == batch
 
 
-def test_eviction_without_cap_at_physical_capacity(make):
-    reg, c = make(max_rows=None, capacity=100, max_rows_per_scope=None)  # batch 100 // 20 = 5
+def test_eviction_without_cap_at_physical_capacity(make_any):
+    reg, c = make_any(max_rows=None, capacity=100, max_rows_per_scope=None)  # batch 100 // 20 = 5
     for i in range(100):
         c.clock.tick()
         c.cancel(i, None, "s")
@@ -465,8 +526,8 @@ def test_eviction_without_cap_at_physical_capacity(make):
     assert [c.cancelled(i, "s") for i in range(6)] == [False] * 5 + [True]
 
 
-def test_eviction_frees_quota_of_the_evicted_scope(make):
-    _reg, c = make(max_rows=20, max_rows_per_scope=20)  # batch 1
+def test_eviction_frees_quota_of_the_evicted_scope(make_any):
+    _reg, c = make_any(max_rows=20, max_rows_per_scope=20)  # batch 1
     for i in range(20):
         c.clock.tick()
         c.cancel(i, None, "s")
@@ -516,8 +577,8 @@ def test_namesakes_each_hold_a_row(rc):
     assert not c.in_flight(1, "s")
 
 
-def test_two_handles_of_one_thread_are_two_rows(rc):
-    reg, c = rc
+def test_two_handles_of_one_thread_are_two_rows(rc_any):
+    reg, c = rc_any
     h1, h2 = c.begin(1, "s"), c.begin(1, "s")
     assert h1.tracked and h2.tracked and reg.in_flight.count() == 2
     h1.end()
@@ -557,8 +618,8 @@ def test_begin_when_full_is_untracked_but_still_cancellable_locally(make, caplog
 
 
 # --------------------------------------------------------------------------------- handles
-def test_handle_poll_sees_cancel_and_end_clears(rc):
-    reg, c = rc
+def test_handle_poll_sees_cancel_and_end_clears(rc_any):
+    reg, c = rc_any
     h = c.begin(5, "session:x")
     assert isinstance(h, RequestHandle)
     assert (h.request_id, h.scope, h.tracked) == (5, "session:x", True)
@@ -571,10 +632,10 @@ def test_handle_poll_sees_cancel_and_end_clears(rc):
     assert reg.cancellations.count() == reg.in_flight.count() == 0
 
 
-def test_end_runs_once_even_from_racing_threads(rc):
+def test_end_runs_once_even_from_racing_threads(rc_any):
     # A second end() must not clear a cancellation recorded since for a namesake: end() is the
     # request's finally and also the disconnect watcher's stop, and they can race.
-    _reg, c = rc
+    _reg, c = rc_any
     h, namesake = c.begin(3, "ip:198.51.100.7"), c.begin(3, "ip:198.51.100.7")
     go = threading.Barrier(8)
 
@@ -593,8 +654,8 @@ def test_end_runs_once_even_from_racing_threads(rc):
     namesake.end()
 
 
-def test_cancel_local_cancels_exactly_that_request(rc, events):
-    reg, c = rc
+def test_cancel_local_cancels_exactly_that_request(rc_any, events):
+    reg, c = rc_any
     mine, namesake = c.begin(1, "ip:203.0.113.9"), c.begin(1, "ip:203.0.113.9")
     mine.cancel_local("client disconnected")
     assert mine.cancelled() and mine.reason() == "client disconnected"
@@ -623,8 +684,23 @@ def test_end_untracks_then_clears(rc):
     assert seen == [False]
 
 
-def test_cancel_scope_cancels_every_request_in_flight_there(rc):
-    _reg, c = rc
+def test_gating_follows_in_flight_rows(rc_any):
+    reg, c = rc_any
+    assert not c.cancel_if_in_flight(5, "x", scope="s")
+    assert reg.cancellations.count() == 0  # not in flight: nothing recorded
+    c.track(5, scope="s")
+    assert c.in_flight(5, scope="s") and not c.in_flight(5, scope="t")
+    assert c.cancel_if_in_flight(5, "x", scope="s")
+    assert c.cancelled(5, scope="s")
+    c.untrack(5, scope="s")
+    c.clear(5, scope="s")  # the end of the request: untrack, then clear
+    assert not c.in_flight(5, scope="s") and not c.cancelled(5, scope="s")
+    assert not c.cancel_if_in_flight(5, "late", scope="s")
+    assert reg.cancellations.count() == 0
+
+
+def test_cancel_scope_cancels_every_request_in_flight_there(rc_any):
+    _reg, c = rc_any
     hs = [c.begin(i, "session:A") for i in range(3)] + [c.begin(0, "session:B")]
     assert c.cancel_scope("session:A", "session deleted") == 3
     assert [h.cancelled() for h in hs] == [True, True, True, False]
@@ -634,16 +710,16 @@ def test_cancel_scope_cancels_every_request_in_flight_there(rc):
     assert c.cancel_scope("session:A") == 0
 
 
-def test_handle_as_context_manager(rc):
-    _reg, c = rc
+def test_handle_as_context_manager(rc_any):
+    _reg, c = rc_any
     with c.begin(1, "s") as h:
         assert c.in_flight(1, "s") and h.tracked
     assert not c.in_flight(1, "s")
 
 
 # --------------------------------------------------------------------------------- §4.6 cleanup
-def test_cleanup_ttl_is_strict(make, events):
-    reg, c = make(ttl=10.0)
+def test_cleanup_ttl_is_strict(make_any, events):
+    reg, c = make_any(ttl=10.0)
     clock = c.clock
     for i, age in enumerate([5.0, 10.0, 10.5, 100.0]):
         clock.t = 1000.0 - age
@@ -657,8 +733,8 @@ def test_cleanup_ttl_is_strict(make, events):
     assert c._store.scope_rows("s") == reg.cancellations.count()
 
 
-def test_cleanup_ttl_argument_overrides_config(rc):
-    _reg, c = rc
+def test_cleanup_ttl_argument_overrides_config(rc_any):
+    _reg, c = rc_any
     c.cancel(1, None, "s")
     c.clock.tick(50)
     assert c.cleanup() == 0  # default ttl 300
@@ -666,9 +742,9 @@ def test_cleanup_ttl_argument_overrides_config(rc):
 
 
 @pytest.mark.parametrize("ttl", ["10", True, float("nan"), [1]])
-def test_cleanup_rejects_bad_ttl(rc, ttl):
+def test_cleanup_rejects_bad_ttl(rc_any, ttl):
     with pytest.raises(ValueError):
-        rc[1].cleanup(ttl)
+        rc_any[1].cleanup(ttl)
 
 
 def test_cleanup_repairs_scope_counts(rc):
@@ -857,8 +933,8 @@ def test_pid_is_this_process():
     assert shmcancel.shm.procinfo.me()[0] == os.getpid()
 
 
-def test_a_handle_stays_cancelled_once_it_saw_it(rc):
-    _reg, c = rc
+def test_a_handle_stays_cancelled_once_it_saw_it(rc_any):
+    _reg, c = rc_any
     h = c.begin(1, "s")
     c.cancel(1, "first", "s")
     assert h.cancelled()
@@ -868,8 +944,8 @@ def test_a_handle_stays_cancelled_once_it_saw_it(rc):
 
 
 @pytest.mark.parametrize("scope", [None, 5, b"s", ["s"]])
-def test_non_str_scope(rc, scope):
-    _reg, c = rc
+def test_non_str_scope(rc_any, scope):
+    _reg, c = rc_any
     with pytest.raises(TypeError):
         c.cancel(1, None, scope)
     assert c.cancelled(1, scope) is False

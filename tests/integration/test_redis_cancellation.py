@@ -1,7 +1,7 @@
 """contract §3-§4 over a real Redis (``redis_server`` fixture): scoping, quota, the §4.4 eviction
 batch and order (checked against the shared-memory policy fed the same operations), TTL,
-in-flight gating with leases, telemetry, and a script cache flush (NOSCRIPT). The rules both
-backends share run against both (``new`` fixture: ``shm`` and ``redis``)."""
+in-flight gating with leases, and a script cache flush (NOSCRIPT): what is Redis's own. The
+rules both backends share run against both in tests/cancel/test_cancellation.py (``make_any``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from helpers.clock import Clock as _Clock
 
 import shmcancel
-from shmcancel import CancellationLimitReached, Config, InvalidRequestId, telemetry
+from shmcancel import CancellationLimitReached, Config
 from shmcancel.redis import RedisCancellation, RedisStore, connect
 
 
@@ -25,91 +25,6 @@ def make(redis_server, prefix, config=None, clock=None, lease=10.0, host="h1"):
     client = connect(redis_server.url, timeout=2.0)
     store = RedisStore(client, config or Config(), prefix=prefix)
     return RedisCancellation(store, clock=clock or Clock(), lease=lease, host=host)
-
-
-@pytest.fixture(params=["shm", "redis"])
-def new(request, redis_server, redis_prefix, shm_name):
-    """``new(config=None, clock=None)``: a fresh Cancellation over the backend of the param
-    (one per test)."""
-    made = []
-
-    def factory(config=None, clock=None):
-        assert not made, "one backend per test"
-        if request.param == "redis":
-            c = make(redis_server, redis_prefix, config, clock)
-        else:
-            reg = shmcancel.Registry.create(shm_name, config=config or Config())
-            made.append(reg)
-            c = shmcancel.Cancellation(reg, clock=clock or Clock())
-        made.append(c)
-        return c
-    yield factory
-    for x in made:
-        if isinstance(x, shmcancel.Registry):
-            x.close()
-            x.unlink()
-
-
-def rows(c) -> int:
-    return c.store.rows() if isinstance(c, RedisCancellation) else c._store.rows()
-
-
-def scope_rows(c, scope: str) -> int:
-    st = c.store if isinstance(c, RedisCancellation) else c._store
-    return st.scope_rows(scope)
-
-
-def test_scopes_keep_rows_apart(new):
-    c = new()
-    c.cancel(1, "a", scope="principal:203.0.113.9")
-    assert c.cancelled(1, scope="principal:203.0.113.9")
-    assert not c.cancelled(1, scope="ip:203.0.113.9")
-    assert not c.cancelled("1", scope="global")
-    assert c.cancelled("1", scope="principal:203.0.113.9")  # rows keyed by str(id)
-    conn = {"shmcancel.session_id": "s1", "shmcancel.request_id": 7}
-    c.cancel(7, scope=c.scope(conn))
-    assert c.cancelled(conn)
-    assert c.reason(1, scope="principal:203.0.113.9") == "a"
-
-
-def test_reason_is_sanitised_and_none_kept(new):
-    c = new()
-    c.cancel("x", "bad\x00\u202etext")
-    c.cancel("y")
-    assert c.reason("x") == "badtext"
-    assert c.cancelled("y") and c.reason("y") is None
-
-
-@pytest.mark.parametrize("bad", [1.5, True, [1], {"a": 1}, "x" * 257])
-def test_invalid_ids(new, bad):
-    c = new()
-    with pytest.raises(InvalidRequestId):
-        c.cancel(bad)
-    assert rows(c) == 0
-    assert not c.cancelled(bad) and c.reason(bad) is None and not c.in_flight(bad)
-    c.clear(bad)
-    assert c.track(bad) is None
-    c.cancel(None)
-    assert rows(c) == 0
-
-
-def test_quota_rejects_and_overwrite_does_not_count(new):
-    clock = Clock()
-    c = new(Config(max_rows_per_scope=3), clock)
-    for i in range(3):
-        c.cancel(i, scope="ip:1.2.3.4")
-    with pytest.raises(CancellationLimitReached):
-        c.cancel(99, scope="ip:1.2.3.4")
-    assert not c.cancelled(99, scope="ip:1.2.3.4")
-    clock.tick()
-    c.cancel(0, "again", scope="ip:1.2.3.4")  # an existing row: overwritten, no quota check
-    assert c.reason(0, scope="ip:1.2.3.4") == "again"
-    assert c.cancelled_at(0, scope="ip:1.2.3.4") == clock.t
-    assert scope_rows(c, "ip:1.2.3.4") == 3
-    c.cancel(99, scope="ip:5.6.7.8")  # another scope has its own quota
-    c.clear(1, scope="ip:1.2.3.4")
-    c.cancel(99, scope="ip:1.2.3.4")  # room again
-    assert rows(c) == 4
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -146,52 +61,6 @@ def test_eviction_matches_shared_memory_policy(redis_server, redis_prefix, shm_n
     finally:
         reg.close()
         reg.unlink()
-
-
-def test_eviction_batch_takes_largest_scope_oldest_first(new):
-    clock = Clock()
-    c = new(Config(max_rows=20, capacity=100, max_rows_per_scope=None), clock)
-    for i in range(12):  # big scope: 12 rows, oldest first
-        clock.tick()
-        c.cancel(i, scope="ip:big")
-    for i in range(8):
-        clock.tick()
-        c.cancel(i, scope="ip:small")
-    clock.tick()
-    c.cancel("new", scope="ip:small")  # at the cap: batch = 20 // 20 = 1 row goes
-    assert not c.cancelled(0, scope="ip:big")
-    assert c.cancelled(1, scope="ip:big") and c.cancelled("new", scope="ip:small")
-    assert rows(c) == 20
-
-
-def test_ttl_expiry_is_strict(new):
-    clock = Clock()
-    c = new(Config(ttl=10.0), clock)
-    c.cancel("old")
-    t0 = clock.t
-    clock.t = t0 + 5
-    c.cancel("young")
-    clock.t = t0 + 10.0  # now - at == ttl: kept (strictly older only)
-    assert c.cleanup() == 0
-    clock.t = t0 + 10.5
-    assert c.cleanup() == 1
-    assert not c.cancelled("old") and c.cancelled("young")
-    assert scope_rows(c, "global") == 1
-
-
-def test_gating_follows_in_flight_rows(new):
-    c = new()
-    assert not c.cancel_if_in_flight(5, "x", scope="s")
-    assert rows(c) == 0  # not in flight: nothing recorded
-    c.track(5, scope="s")
-    assert c.in_flight(5, scope="s") and not c.in_flight(5, scope="t")
-    assert c.cancel_if_in_flight(5, "x", scope="s")
-    assert c.cancelled(5, scope="s")
-    c.untrack(5, scope="s")
-    c.clear(5, scope="s")  # the end of the request: untrack, then clear
-    assert not c.in_flight(5, scope="s") and not c.cancelled(5, scope="s")
-    assert not c.cancel_if_in_flight(5, "late", scope="s")
-    assert rows(c) == 0
 
 
 def test_redis_untrack_ends_the_row_too(redis_server, redis_prefix):
@@ -261,28 +130,6 @@ def test_noscript_reloads(redis_server, redis_prefix):
     c.store.client.script_flush()
     c.cancel(2)
     assert c.cancelled(1) and c.cancelled(2)
-
-
-def test_telemetry_events(new):
-    clock = Clock()
-    c = new(Config(ttl=1.0), clock)
-    seen: list[tuple] = []
-    telemetry.attach("t-redis-1", ("shmcancel", "request", "cancelled"),
-                     lambda e, m, md, cfg: seen.append((e, dict(m), dict(md))))
-    telemetry.attach("t-redis-2", ("shmcancel", "cancellation", "cleanup"),
-                     lambda e, m, md, cfg: seen.append((e, dict(m), dict(md))))
-    try:
-        c.cancel(4, "why", scope="ip:1.1.1.1")
-        clock.tick(2)
-        c.cleanup()
-    finally:
-        telemetry.detach("t-redis-1")
-        telemetry.detach("t-redis-2")
-    assert seen == [
-        (("shmcancel", "request", "cancelled"), {"count": 1},
-         {"request_id": "4", "scope": "ip:1.1.1.1", "reason": "why"}),
-        (("shmcancel", "cancellation", "cleanup"), {"removed": 1, "in_flight_removed": 0}, {}),
-    ]
 
 
 def test_keys_carry_the_prefix_and_scope_hash_tag(redis_server, redis_prefix):

@@ -63,6 +63,8 @@ class RedisStorage:
         self.lease = float(lease)
         self.host = host or default_host_id()
         self._mine: dict[tuple[str, str, Owner], bytes] = {}  # rows this process holds
+        #: Rows this instance's records evicted (the registry counts every process's).
+        self.evictions = 0
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -83,10 +85,11 @@ class RedisStorage:
     # --- cancellation rows
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
                quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
-        status, _ = self.store.cancel(
+        status, evicted = self.store.cancel(
             scope, rid, reason, clock(), gate=only_in_flight, now_ms=self._now_ms(),
             box_lease_ms=int(self.lease * 1000),
             limits=(-1 if quota is None else quota, cap, batch))
+        self.evictions += evicted
         if status == -1:
             raise CancellationLimitReached(
                 f"scope {scope[:80]!r} already holds {quota} cancellation rows")
