@@ -508,3 +508,18 @@ def test_a_flood_from_one_address_logs_nobody_else_out(shm_name: str, tmp_path: 
         assert "mcp-session-id" not in r.headers
         assert _echo(idle, url, sid, "still").status_code == 200
         assert _echo(flood, url, busy_sid, "still").status_code == 200
+
+
+def test_the_transport_holds_sessions_through_the_storage_interface(reg: Registry,
+                                                                      store: SessionStore) -> None:
+    from shmcancel.mcp.base import _ProcessState
+    from shmcancel.mcp.session_storage import SessionStorage
+
+    assert isinstance(store, SessionStorage)
+    st = _ProcessState(reg)
+    assert isinstance(st.sessions, SessionStorage)
+    s = st.sessions.create("2025-06-18", "ip:192.0.2.1")
+    call = st.sessions.begin_call(s)
+    assert call is not None and st.sessions.get(s.id) is not None
+    st.sessions.end_call(call)
+    assert st.sessions.delete(s.id) and st.sessions.get(s.id) is None

@@ -17,6 +17,7 @@ from . import jsonrpc
 from .jsonrpc import Request
 from .origin import OriginPolicy
 from .reply import _body_reply, _Reply
+from .session_storage import SessionStorage
 from .sessions import SessionStore
 from .wire import (
     Wire,
@@ -33,7 +34,7 @@ class _ProcessState:
         self.pid = os.getpid()
         self.registry = reg
         self.cancellation = Cancellation(reg)
-        self.sessions = SessionStore(reg)
+        self.sessions: SessionStorage = SessionStore(reg)
 
 
 class _NoRegistry(ShmCancelError):

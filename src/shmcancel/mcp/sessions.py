@@ -129,7 +129,8 @@ class _Plan:
 
 class SessionStore:
     """Sessions over one registry (``reg.sessions``, ``reg.session_clients``,
-    ``reg.session_calls``, ``reg.lock``, ``reg.config``). Thread-safe; one per process."""
+    ``reg.session_calls``, ``reg.lock``, ``reg.config``): the shared-memory
+    :class:`~shmcancel.mcp.session_storage.SessionStorage`. Thread-safe; one per process."""
 
     def __init__(self, reg: Any, clock: Callable[[], float] = time.time, *,
                  alive: Callable[[int, int], bool] = procinfo.alive) -> None:
