@@ -36,7 +36,7 @@ TABLES = ["cancellations", "in_flight", "sessions", "scope_counts"]
 AREAS = ["index", "records", "free stack", "counters"]
 ROWS = 12  # rows each table holds when the garbage lands: keys 0..11, values 10 * key
 DOCUMENTED = ShmCancelError  # TableFull, TableCorrupted, ...: what the library raises on purpose
-ROWS_WORD, TOP_WORD, STAMP_WORD = 3, 4, 5  # u64 words of the table header (table.py)
+ROWS_WORD, TOP_WORD, STAMP_WORD = 3, 4, 5  # u64 words of the table header (shm/layout.py)
 
 
 class Hang(Exception):

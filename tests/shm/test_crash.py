@@ -58,7 +58,9 @@ def test_interrupted_writers_always_recover(shm_name, mode: str, rounds: int) ->
 
 # ------------------------------------------------------------------ kill at every bytecode
 
-TABLE_PY = sys.modules[Table.__module__].__file__
+# The table's code is split over several modules (one per concern): trace all of them.
+TABLE_FILES = frozenset(
+    sys.modules[c.__module__].__file__ for c in Table.__mro__ if c is not object)
 
 
 def rows(t: Table) -> list[tuple[bytes, bytes]]:
@@ -66,7 +68,7 @@ def rows(t: Table) -> list[tuple[bytes, bytes]]:
 
 
 def kill_at_bytecode(lock: Any, k: int) -> list[int]:
-    """Trace table.py opcodes run while ``lock.dirty``; SIGKILL this process at the k-th
+    """Trace the table modules' opcodes run while ``lock.dirty``; SIGKILL this process at the k-th
     (k = 0: only count them). Returns the counter."""
     seen = [0]
 
@@ -78,7 +80,7 @@ def kill_at_bytecode(lock: Any, k: int) -> list[int]:
         return local
 
     def glob(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename == TABLE_PY:
+        if frame.f_code.co_filename in TABLE_FILES:
             frame.f_trace_opcodes = True
             return local
         return None

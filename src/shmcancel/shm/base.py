@@ -1,0 +1,206 @@
+"""What every part of a table shares: the memoryviews over its region (layout in ``layout.py``),
+keys prepared once (packed, hashed, home slot), record decoding, and the probe under the lock.
+
+Probing is linear from the home slot ``hash & (nslots - 1)``; deletion shifts the following
+entries back (no tombstones), so an entry is always reachable: no empty slot lies between its
+home and its slot. The load stays <= 50 % by construction (nslots >= 2 x capacity).
+
+Garbage in the segment (a stray write, another process scribbling over it) never makes a loop
+spin: every probe, backward shift and scan is bounded by ``nslots``, every record number by
+``capacity``. Under the lock, a probe that meets no empty slot or a referenced record failing
+validation is corruption, never a race: :class:`TableCorrupted`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from typing import Any, Literal, Protocol
+
+from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError
+from . import layout
+from .layout import _HDR, _M32, _SEED, HEADER_SIZE, MAGIC, RECORD_HEADER, _geometry, _pack
+
+Kind = Literal["set", "bag"]
+
+READ_RETRIES = 64  # optimistic attempts before a reader falls back to the lock
+_SPIN_BEFORE_YIELD = 4
+
+_blake2b = hashlib.blake2b
+_crc32 = zlib.crc32
+_from_bytes = int.from_bytes
+
+
+class TableCorrupted(ShmCancelError):
+    """The table's bytes are inconsistent in a way no interrupted writer leaves (garbage in the
+    segment), and still were right after ``fsck`` repaired them. Raised only after one repair
+    and one retry of the operation; nothing was half-written (the repair ran)."""
+
+
+class Lock(Protocol):
+    """What a table needs of the registry lock (see ``lock.RegistryLock``): a reentrant
+    inter-process lock whose ``__exit__`` repairs the tables (``fsck``) if ``dirty`` is still
+    True, i.e. the holder was interrupted between its first and last store."""
+
+    dirty: bool
+
+    def held_by_me(self) -> bool: ...
+    def __enter__(self) -> object: ...
+    def __exit__(self, et: object, ev: object, tb: object) -> None: ...
+
+
+class PreparedKey:
+    """A key with its msgpack bytes, keyed hash and home slot computed once (for one table).
+
+    ``j`` is the home slot's first word in the index (``2 * home``) and ``b`` its bucket;
+    ``t`` is the table it was prepared for (a key prepared for another table is re-prepared).
+    """
+
+    __slots__ = ("b", "hash", "home", "j", "kbytes", "key", "t")
+
+    def __init__(self, t: TableBase, key: Any, kbytes: bytes, h: int, home: int) -> None:
+        self.t = t
+        self.key = key
+        self.kbytes = kbytes
+        self.hash = h
+        self.home = home
+        self.j = 2 * home
+        self.b = home >> 4
+
+    def __repr__(self) -> str:
+        return f"PreparedKey({self.key!r}, home={self.home})"
+
+
+class TableBase:
+    """A table's geometry and views on its region, its keys and records (see the module
+    docstring); the parts of :class:`~shmcancel.shm.table.Table` build on it."""
+
+    RECORD_HEADER = RECORD_HEADER
+
+    region_size = staticmethod(layout.region_size)
+    record_size_for = staticmethod(layout.record_size_for)
+    format = staticmethod(layout.format_region)
+
+    def __init__(self, name: str, buf: memoryview, *, kind: Kind, capacity: int,
+                 record_size: int, hash_key: bytes, lock: Lock) -> None:
+        if kind not in ("set", "bag"):
+            raise ValueError(f"table kind must be 'set' or 'bag', got {kind!r}")
+        if not isinstance(hash_key, bytes | bytearray) or not 1 <= len(hash_key) <= 64:
+            raise ValueError("hash_key must be 1..64 bytes")
+        nslots, nbuckets, idx_off, heap_off, free_off, size = _geometry(capacity, record_size)
+        if len(buf) < size:
+            raise RegistryIncompatible(
+                f"table {name!r}: region of {len(buf)} bytes, layout needs {size}")
+        header = _HDR.unpack_from(buf, 0)
+        if header != (MAGIC, capacity, record_size, nslots, nbuckets):
+            raise RegistryIncompatible(
+                f"table {name!r}: header {header!r} does not match the layout "
+                f"{(MAGIC, capacity, record_size, nslots, nbuckets)!r}")
+        self.name = name
+        self.kind: Kind = kind
+        self.capacity = capacity
+        self.record_size = record_size
+        self.nslots = nslots
+        self._set = kind == "set"
+        self._h0 = _blake2b(key=bytes(hash_key), digest_size=8)
+        self._lock = lock
+        self._mask = nslots - 1
+        self._wmask = 2 * nslots - 1  # over index words
+        self._nwords = 2 * nslots
+        self._payload = record_size - RECORD_HEADER
+        self._rs = struct.Struct(f"<IIIIQ{self._payload}s")  # a whole record, zero padded
+        self._heap = heap_off
+        self._buf = buf[:size]
+        self._hq = self._buf[0:HEADER_SIZE].cast("Q")
+        self._ver = self._buf[HEADER_SIZE:HEADER_SIZE + 8 * nbuckets].cast("Q")
+        self._idx = self._buf[idx_off:heap_off].cast("Q")
+        self._free = self._buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
+        self._logged_pid = 0  # the process that logged this table's corruption (log once)
+
+    def close(self) -> None:
+        """Release the memoryviews on the segment (so that the mapping can be closed)."""
+        for name in ("_hq", "_ver", "_idx", "_free", "_buf"):
+            mv = getattr(self, name, None)
+            if mv is not None:
+                mv.release()
+
+    def __repr__(self) -> str:
+        return f"<Table {self.name!r} {self.kind} capacity={self.capacity}>"
+
+    # ---------------------------------------------------------------- keys
+    def _hash(self, kbytes: bytes) -> int:
+        h = self._h0.copy()  # keyed blake2b: copying the keyed state skips the key block
+        h.update(kbytes)
+        return _from_bytes(h.digest(), "little") or 1
+
+    def prepare(self, key: Any) -> PreparedKey:
+        """Pack and hash ``key`` once; pass the result to any operation of this table."""
+        if key.__class__ is PreparedKey:
+            if key.t is self:
+                return key
+            key = key.key
+        kbytes = _pack(key)
+        h = self._hash(kbytes)
+        return PreparedKey(self, key, kbytes, h, h & self._mask)
+
+    # ---------------------------------------------------------------- records
+    def _record(self, r: int) -> tuple[bytes, bytes, int] | None:
+        """(kbytes, vbytes, stamp) of record ``r``, or None when it fails validation."""
+        if r > self.capacity:
+            return None
+        off = self._heap + r * self.record_size
+        crc, kl, vl, _, stamp, body = self._rs.unpack_from(self._buf, off)
+        n = kl + vl
+        if n > self._payload:
+            return None
+        body = body[:n]
+        if _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32) != crc:
+            return None
+        return body[:kl], body[kl:], stamp
+
+    def _check_size(self, kbytes: bytes, vbytes: bytes) -> None:
+        if len(kbytes) + len(vbytes) > self._payload:
+            raise RowTooLarge(
+                f"table {self.name!r}: row of {len(kbytes)}+{len(vbytes)} packed bytes exceeds "
+                f"the record payload of {self._payload} bytes")
+
+    def _entries(self, words: list[int]) -> list[tuple[int, int, bytes, bytes, int]]:
+        """(slot, record, kbytes, vbytes, stamp) of every entry of ``words`` (the index as a
+        list); stamp is -1 (and the bytes empty) where the record fails validation."""
+        out = []
+        rec = self._record
+        for j in range(0, self._nwords, 2):
+            if words[j]:
+                r = rec(words[j + 1])
+                if r is not None:
+                    out.append((j >> 1, words[j + 1], r[0], r[1], r[2]))
+                else:
+                    out.append((j >> 1, words[j + 1], b"", b"", -1))
+        return out
+
+    def _find(self, pk: PreparedKey) -> list[tuple[int, int, bytes, bytes]]:
+        """(slot, record, kbytes, vbytes) of ``pk``'s rows; the caller holds the lock. Raises
+        TableCorrupted when the probe meets no empty slot or a record failing validation (under
+        the lock neither is a race)."""
+        idx = self._idx
+        wmask = self._wmask
+        h = pk.hash
+        j = pk.j
+        out = []
+        for _ in range(self.nslots):
+            sh = idx[j]
+            if not sh:
+                break
+            if sh == h:
+                r = idx[j + 1]
+                rec = self._record(r)
+                if rec is None:
+                    raise TableCorrupted(
+                        f"table {self.name!r}: a referenced record fails validation")
+                if rec[0] == pk.kbytes:
+                    out.append((j >> 1, r, rec[0], rec[1]))
+            j = (j + 2) & wmask
+        else:
+            raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
+        return out

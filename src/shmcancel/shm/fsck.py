@@ -1,0 +1,239 @@
+"""Checking and repairing a table: ``fsck`` (under the lock), ``check`` (plausibility of the
+header counters and free stack, lock-free while all is well), the repair-and-log-once every
+operation uses when it meets corruption, and ``stats`` (from one consistent index read).
+
+The header counters obey ``rows + free_top == capacity + 1`` whenever no writer is mid-operation;
+:meth:`Fsck.check` tests that and more (the janitor and ``Registry.attach`` call it) and recounts.
+Each step of ``fsck`` leaves a state ``fsck`` handles: a killed ``fsck`` is finished by the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .base import READ_RETRIES, TableBase
+from .layout import _ROWS, _STAMP, _STAMP_MAX, _TOP
+
+log = logging.getLogger("shmcancel.table")
+
+
+class Fsck(TableBase):
+    """``fsck``, ``check`` and ``stats`` of :class:`~shmcancel.shm.table.Table`."""
+
+    def _index_words(self) -> list[int]:
+        """The index as a list of u64 words, consistent (optimistic, else under the lock)."""
+        ver = self._ver
+        for _ in range(READ_RETRIES // 4):
+            v0 = ver.tolist()
+            words = self._idx.tolist()
+            if not any(v & 1 for v in v0) and ver.tolist() == v0:
+                return words
+            os.sched_yield()
+        with self._lock:
+            return self._idx.tolist()
+
+    def stats(self) -> dict[str, Any]:
+        """``rows``, ``capacity``, ``nslots``, ``load`` (rows / nslots), ``probe_histogram``
+        {distance from home slot: entries}, ``max_probe``; from one consistent index read."""
+        hist: dict[int, int] = {}
+        mask = self._mask
+        words = self._index_words()
+        for j in range(0, self._nwords, 2):
+            h = words[j]
+            if h:
+                d = ((j >> 1) - (h & mask)) & mask
+                hist[d] = hist.get(d, 0) + 1
+        n = sum(hist.values())
+        return {
+            "rows": n,
+            "capacity": self.capacity,
+            "nslots": self.nslots,
+            "load": n / self.nslots,
+            "probe_histogram": dict(sorted(hist.items())),
+            "max_probe": max(hist, default=0),
+        }
+
+    # ---------------------------------------------------------------- corruption
+    def _repair(self, why: str) -> dict[str, int]:
+        """Repair the table with fsck (the caller holds the lock) after finding ``why``; log it
+        once per process and table. ``lock.dirty`` stays True throughout, so a repair cut short
+        is finished by the lock's own."""
+        lock = self._lock
+        lock.dirty = True
+        rep = self.fsck()
+        lock.dirty = False
+        pid = os.getpid()
+        if self._logged_pid != pid:
+            self._logged_pid = pid
+            log.error("corrupted shared memory: %s; repaired with fsck: %s (logged once per "
+                      "process and table)", why,
+                      {k: v for k, v in rep.items() if v} or "nothing to repair")
+        return rep
+
+    def _implausible(self, locked: bool, deep: bool) -> str | None:
+        """What is wrong with the header counters or the free stack, or None. Lock-free (not
+        ``locked``) a writer mid-operation can make a healthy table look wrong: confirm under
+        the lock. O(nslots + capacity) list work; ``deep`` also validates every referenced
+        record and its hash, keys' uniqueness (set) and reachability: what fsck would repair."""
+        hq = self._hq
+        rows, top, stamp = hq[_ROWS], hq[_TOP], hq[_STAMP]
+        nrec = self.capacity + 1
+        if rows > self.capacity or top > nrec or rows + top != nrec:
+            return f"row count {rows} and free-stack top {top} do not add up to {nrec} records"
+        if stamp >= _STAMP_MAX:
+            return f"stamp counter {stamp}"
+        words = self._idx.tolist()
+        refs = [r for h, r in zip(words[::2], words[1::2], strict=True) if h]
+        if len(refs) != rows:
+            return f"row count {rows}, index entries {len(refs)}"
+        held = set(self._free.tolist()[:top])
+        held.update(refs)
+        if len(held) != nrec or max(held) >= nrec:
+            return "free stack and index do not hold each record exactly once"
+        if locked and any(v & 1 for v in self._ver.tolist()):
+            return "a bucket version is odd with no writer running"
+        if deep:
+            hash_ = self._hash
+            keys = set()
+            for s, _, kb, _, stamp in self._entries(words):
+                if stamp < 0 or hash_(kb) != words[2 * s]:
+                    return f"the entry in slot {s} does not match its record"
+                keys.add(kb)
+            if self._set and len(keys) != rows:
+                return "a key has two rows"
+            if _reachability_moves(list(words), self._mask):
+                return "an entry lies beyond an empty slot of its probe"
+        return None
+
+    def check(self, deep: bool = False) -> dict[str, int] | None:
+        """Check the header counters (rows, free-stack top, stamp) and the free stack for
+        plausibility against the index; when they are wrong, repair (fsck: recounts them) and
+        log once. Returns fsck's repair counts, or None when all was plausible. Lock-free when
+        it is, else under the lock. Only ``deep`` decodes records (about 3 us a row): it
+        finds whatever fsck would repair, e.g. garbage over the hash of an entry, which no
+        counter shows and no lookup meets. Without it, a corrupted record is repaired by the
+        first operation that reads it."""
+        if self._implausible(False, deep) is None:
+            return None
+        os.sched_yield()  # a writer mid-operation looks implausible: look again before locking
+        if self._implausible(False, deep) is None:
+            return None
+        with self._lock:
+            if self._lock.dirty:  # called from inside a write of this thread: not now
+                return None
+            why = self._implausible(True, deep)
+            return None if why is None else self._repair(f"table {self.name!r}: {why}")
+
+    # ---------------------------------------------------------------- recovery
+    def fsck(self) -> dict[str, int]:
+        """Check and repair the table; the caller holds the lock. Returns counts of repairs,
+        all zero for a healthy table (which it leaves untouched: no version moves).
+
+        Drops index entries whose record number is out of range, whose record fails its
+        length/crc check, or whose key does not hash to the entry; keeps one of entries sharing
+        a record; for a set keeps only the newest (highest stamp) row of a key; moves entries
+        back so that no empty slot lies between an entry's home and the entry; rebuilds the
+        free stack from the records referenced; recounts the rows; makes every bucket version
+        even. Every step leaves a state fsck handles, so a killed fsck is finished by the next.
+        """
+        rep = {"odd_versions": 0, "bad_entries": 0, "duplicate_entries": 0,
+               "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0}
+        idx = self._idx
+        ver = self._ver
+        words = idx.tolist()
+        drop: list[int] = []
+        by_rec: dict[int, int] = {}
+        by_key: dict[bytes, tuple[int, int]] = {}
+        newest = 0
+        for s, r, kb, _, stamp in self._entries(words):
+            if stamp < 0 or self._hash(kb) != words[2 * s]:
+                drop.append(s)
+                rep["bad_entries"] += 1
+                continue
+            newest = max(newest, stamp)
+            if r in by_rec:
+                drop.append(s)
+                rep["duplicate_entries"] += 1
+                continue
+            by_rec[r] = s
+            if self._set:
+                prev = by_key.get(kb)
+                if prev is not None:
+                    rep["stale_rows"] += 1
+                    if prev[0] >= stamp:
+                        drop.append(s)
+                        del by_rec[r]
+                        continue
+                    drop.append(prev[1])
+                    del by_rec[words[2 * prev[1] + 1]]
+                by_key[kb] = (stamp, s)
+        for s in drop:
+            words[2 * s] = words[2 * s + 1] = 0
+        moves = _reachability_moves(words, self._mask)
+        versions = ver.tolist()
+        odd = [b for b, v in enumerate(versions) if v & 1]
+        rep["odd_versions"] = len(odd)
+        rep["moved"] = len(moves)
+        if drop or moves:
+            for b, v in enumerate(versions):  # readers retry (or wait on our lock) meanwhile
+                if not v & 1:
+                    ver[b] = v + 1
+            for s in drop:
+                idx[2 * s] = 0
+                idx[2 * s + 1] = 0
+            for src, dst in moves:
+                idx[2 * dst + 1] = idx[2 * src + 1]
+                idx[2 * dst] = idx[2 * src]  # a duplicate until the next store: fsck keeps one
+                idx[2 * src] = 0
+                idx[2 * src + 1] = 0
+            odd = list(range(len(versions)))
+        hq = self._hq
+        nrec = self.capacity + 1
+        nfree = nrec - len(by_rec)
+        top = hq[_TOP]
+        if top != nfree or set(self._free.tolist()[:top]) | by_rec.keys() != set(range(nrec)):
+            free = self._free
+            for i, r in enumerate(r for r in range(nrec - 1, -1, -1) if r not in by_rec):
+                free[i] = r
+            hq[_TOP] = nfree
+            rep["free_stack"] = 1
+        if hq[_ROWS] != len(by_rec):
+            hq[_ROWS] = len(by_rec)
+            rep["rows"] = 1
+        if hq[_STAMP] < newest or hq[_STAMP] >= _STAMP_MAX:
+            hq[_STAMP] = newest
+        for b in odd:
+            v = ver[b]
+            if v & 1:
+                ver[b] = v + 1
+        return rep
+
+
+def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
+    """Moves (src slot, dst slot) that leave no empty slot between any entry's home and the
+    entry, applied to ``words`` (the index as a list of u64 words) as they are computed.
+
+    One pass in probe order, starting after an empty slot: each entry goes to the first empty
+    slot from its home on. Entries passed earlier stay reachable (a move empties only the slot
+    it leaves, which lies after them), so one pass suffices.
+    """
+    nslots = mask + 1
+    start = next((s for s in range(nslots) if not words[2 * s]), None)
+    if start is None:
+        return []
+    moves = []
+    for step in range(1, nslots + 1):
+        s = (start + step) & mask
+        h = words[2 * s]
+        if not h:
+            continue
+        e = h & mask
+        while e != s and words[2 * e]:
+            e = (e + 1) & mask
+        if e != s:
+            words[2 * e], words[2 * e + 1] = h, words[2 * s + 1]
+            words[2 * s] = words[2 * s + 1] = 0
+            moves.append((s, e))
+    return moves

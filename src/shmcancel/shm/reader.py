@@ -1,0 +1,333 @@
+"""Lock-free reads of a table: the seqlock probe, ``member``/``lookup``/``get``, consistent
+snapshots (``scan``, ``scan_slots``) and :class:`Watch`, a cached poll of one key.
+
+Readers take no lock: they read a bucket's version before its slots, re-check every version they
+read at the end, and validate record lengths and crc before decoding. After a bounded number of
+retries (a writer killed mid-mutation leaves a bucket odd until fsck runs) they read under the lock.
+A reader that meets corruption (no empty slot, a record failing validation) with unmoved versions
+goes straight to the lock, where it is repaired (``fsck``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
+from .fsck import Fsck
+from .layout import _ROWS, _TOP, BUCKET_SLOTS, _unpack
+
+
+class Watch:
+    """A cached lookup of one prepared key: ``member()``/``values()`` re-read the table only
+    when a bucket version seen last time has moved.
+
+    Valid because a referenced record is never written and every change of a slot moves its
+    bucket's version: unchanged versions of every bucket the last probe read mean an unchanged
+    answer. When that probe spanned several buckets ``_v`` is -1 (never a version) and the
+    slow path compares them all.
+    """
+
+    __slots__ = ("_b", "_member", "_pk", "_raw", "_seen", "_t", "_v", "_values", "_ver")
+
+    def __init__(self, table: Reads, pk: PreparedKey) -> None:
+        self._t = table
+        self._pk = pk
+        self._ver = table._ver
+        self._b = pk.b
+        self._v = -1  # never equal to a version: the first call reads
+        self._seen: tuple[tuple[int, int], ...] = ()
+        self._member = False
+        self._raw: tuple[bytes, ...] = ()
+        self._values: tuple[Any, ...] | None = ()
+
+    @property
+    def key(self) -> PreparedKey:
+        return self._pk
+
+    def member(self) -> bool:
+        """True while the key has a row. One version load when nothing moved."""
+        if self._ver[self._b] == self._v:
+            return self._member
+        return self._refresh()
+
+    def values(self) -> tuple[Any, ...]:
+        """The key's values (at most one for a set), cached like ``member``."""
+        if self._ver[self._b] != self._v:
+            self._refresh()
+        vals = self._values
+        if vals is None:
+            vals = self._values = tuple(_unpack(x) for x in self._raw)
+        return vals
+
+    def _refresh(self) -> bool:
+        ver = self._ver
+        seen = self._seen
+        if seen:
+            for b, v in seen:
+                if ver[b] != v:
+                    break
+            else:
+                return self._member
+        rows, seen = self._t._read(self._pk)
+        self._raw = raw = tuple(rows)
+        self._values = None
+        self._member = m = bool(raw)
+        self._seen = seen
+        if len(seen) == 1:
+            self._b, self._v = seen[0]
+        else:
+            self._b, self._v = self._pk.b, -1
+        return m
+
+
+class Reads(Fsck):
+    """The lock-free reads of :class:`~shmcancel.shm.table.Table`."""
+
+    # ---------------------------------------------------------------- lock-free reads
+    # Memory ordering: the seqlock relies on x86-64 (TSO): a writer's plain stores (version odd,
+    # slots, version even) become visible in program order, and a reader's loads (version, slots,
+    # version again) are not reordered with older loads; every u64 goes through a 'Q' memoryview
+    # as one aligned 8-byte move, never torn, and CPython cannot reorder the separate C calls.
+    # A weakly ordered CPU (ARM, POWER) would need fences around these stores and loads.
+
+    def _probe(self, pk: PreparedKey) -> tuple[list[bytes], list[tuple[int, int]]] | None:
+        """One optimistic probe: (raw values, [(bucket, version) read]) or None when it met a
+        writer (odd or moved version) or a record failing validation."""
+        ver = self._ver
+        idx = self._idx
+        wmask = self._wmask
+        h = pk.hash
+        j = pk.j
+        b = pk.b
+        v = ver[b]
+        if v & 1:
+            return None
+        seen = [(b, v)]
+        out: list[bytes] = []
+        for _ in range(self.nslots):
+            sh = idx[j]
+            if not sh:
+                break
+            if sh == h:
+                rec = self._record(idx[j + 1])
+                if rec is None:
+                    self._unless_corrupt(seen, "a referenced record fails validation")
+                    return None
+                if rec[0] == pk.kbytes:
+                    out.append(rec[1])
+                    if self._set:  # a set holds one row per key: the probe can stop here
+                        break
+            j = (j + 2) & wmask
+            if not j & 31:  # the next slot opens a new bucket
+                b = j >> 5
+                v = ver[b]
+                if v & 1:
+                    return None
+                seen.append((b, v))
+        else:
+            self._unless_corrupt(seen, "a probe met no empty slot")
+            return None
+        for b, v in seen:
+            if ver[b] != v:
+                return None
+        return out, seen
+
+    def _unless_corrupt(self, seen: list[tuple[int, int]], what: str) -> None:
+        """Return (the caller retries) if a version in ``seen`` moved: the probe raced a writer.
+        Else the bytes themselves are wrong: raise TableCorrupted (the reader goes to the lock)."""
+        ver = self._ver
+        for b, v in seen:
+            if ver[b] != v:
+                return None
+        raise TableCorrupted(f"table {self.name!r}: {what}")
+
+    def _read(self, pk: PreparedKey) -> tuple[list[bytes], tuple[tuple[int, int], ...]]:
+        """Raw values of ``pk``'s rows and the (bucket, version) pairs that validated them; never
+        torn. Falls back to reading under the lock after READ_RETRIES attempts, or at once when
+        a probe meets corruption (which is repaired there)."""
+        for attempt in range(READ_RETRIES):
+            try:
+                got = self._probe(pk)
+            except TableCorrupted:
+                break
+            if got is not None:
+                return got[0], tuple(got[1])
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()  # let a preempted writer finish
+        with self._lock:
+            try:
+                out = [e[3] for e in self._find(pk)]
+            except TableCorrupted as err:
+                self._repair(str(err))
+                out = [e[3] for e in self._find(pk)]
+            try:
+                got = self._probe(pk)  # under the lock no writer moves a version
+            except TableCorrupted:  # pragma: no cover - _find just found the probe sound
+                got = None
+            seen = tuple(got[1]) if got is not None else ()
+            return out, seen
+
+    def member(self, key: Any) -> bool:
+        """True if ``key`` has a row. A miss costs a version load, the hashes of the probed slots
+        of the home bucket, and the version again."""
+        try:
+            if key.t is not self:  # prepared for another table
+                key = self.prepare(key)
+        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
+            key = self.prepare(key)
+        ver = self._ver
+        b = key.b
+        v = ver[b]
+        j = key.j
+        idx = self._idx
+        sh = idx[j]
+        if not sh:  # empty home slot
+            if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                return False
+        else:  # hashes only, within the home bucket
+            h = key.hash
+            while sh != h:
+                j += 2
+                if not j & 31:
+                    break
+                sh = idx[j]
+                if not sh:
+                    if ver[b] == v & -2:
+                        return False
+                    break
+        return bool(self._read(key)[0])
+
+    def lookup(self, key: Any) -> list[Any]:
+        """The values of ``key``'s rows: ``[]``, ``[value]`` for a set, any number for a bag."""
+        try:
+            if key.t is not self:  # prepared for another table
+                key = self.prepare(key)
+        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
+            key = self.prepare(key)
+        ver = self._ver
+        b = key.b
+        v = ver[b]
+        j = key.j
+        idx = self._idx
+        sh = idx[j]
+        if not sh:  # empty home slot
+            if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                return []
+        else:  # hashes only, within the home bucket
+            h = key.hash
+            while sh != h:
+                j += 2
+                if not j & 31:
+                    break
+                sh = idx[j]
+                if not sh:
+                    if ver[b] == v & -2:
+                        return []
+                    break
+        return [_unpack(x) for x in self._read(key)[0]]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """The value of ``key`` (for a bag: one of its values), or ``default``."""
+        vals = self.lookup(key)
+        return vals[0] if vals else default
+
+    def count(self) -> int:
+        """Number of rows (the header counter: exact whenever no writer is mid-operation).
+        A counter at or above capacity that disagrees with the free stack (garbage, or a writer
+        mid-operation) is not trusted: the count then comes from the index (still lock-free)."""
+        n = self._hq[_ROWS]
+        if n >= self.capacity and n + self._hq[_TOP] != self.capacity + 1:
+            return min(self.nslots - self._idx.tolist()[::2].count(0), self.capacity)
+        return n
+
+    def watch(self, key: Any) -> Watch:
+        """A cached poll of ``key`` (see :class:`Watch`)."""
+        return Watch(self, self.prepare(key))
+
+    def _snapshot(self) -> list[tuple[int, int, bytes, bytes, int]]:
+        """A consistent copy of every row: optimistic (all versions even and unchanged around
+        the copy), else under the lock. A copy with unmoved versions in which an entry fails
+        validation or shares its record with another is corrupt: it is repaired under the lock
+        (so no row is ever returned twice)."""
+        ver = self._ver
+        for attempt in range(READ_RETRIES // 4):
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            ents = self._entries(self._idx.tolist())
+            if ver.tolist() != v0:
+                continue
+            if _sound(ents):
+                return ents
+            break
+        with self._lock:
+            ents = self._entries(self._idx.tolist())
+            if not _sound(ents):  # under the lock: corruption, not a race
+                self._repair(f"table {self.name!r}: an index entry references a record failing "
+                             "validation or referenced twice")
+                ents = self._entries(self._idx.tolist())
+            return [e for e in ents if e[4] >= 0]
+
+    def scan(self, pred: Callable[[Any, Any], bool] | None = None) -> list[tuple[Any, Any]]:
+        """Every (key, value) for which ``pred(key, value)`` is true (all rows when None), from
+        one consistent snapshot, in index order."""
+        out = []
+        for _, _, kb, vb, _ in self._snapshot():
+            k, v = _unpack(kb), _unpack(vb)
+            if pred is None or pred(k, v):
+                out.append((k, v))
+        return out
+
+    def scan_slots(self, start: int, count: int) -> tuple[list[tuple[Any, Any]], int]:
+        """The (key, value) rows whose entries lie in index slots ``start .. start + count - 1``
+        (cyclically), and the slot to continue from: a bounded piece of a full scan, for sweeps
+        that must not hold the lock for a whole table. ``start`` is rounded down and ``count``
+        up to whole buckets; ``count`` is capped at ``nslots``. Consistent within the piece
+        (optimistic, else under the lock); a row a backward shift moves across the piece's edge
+        between two calls may be missed by that pass."""
+        nb = self.nslots // BUCKET_SLOTS
+        b0 = (start % self.nslots) // BUCKET_SLOTS
+        n = min(nb, max(1, -(-count // BUCKET_SLOTS)))
+        buckets = [(b0 + i) % nb for i in range(n)]
+        ver = self._ver
+        idx = self._idx
+        rec = self._record
+
+        def read(strict: bool) -> list[tuple[bytes, bytes]] | None:
+            out = []
+            for b in buckets:
+                j = 2 * BUCKET_SLOTS * b
+                for w in range(j, j + 2 * BUCKET_SLOTS, 2):
+                    if idx[w]:
+                        r = rec(idx[w + 1])
+                        if r is not None:
+                            out.append((r[0], r[1]))
+                        elif strict:  # torn by a writer, or damage fsck will drop
+                            return None
+            return out
+
+        got = None
+        for attempt in range(READ_RETRIES // 4):
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()
+            v0 = [ver[b] for b in buckets]
+            if any(v & 1 for v in v0):
+                continue
+            got = read(True)
+            if got is not None and [ver[b] for b in buckets] == v0:
+                break
+            got = None
+        if got is None:
+            with self._lock:
+                got = read(False) or []
+        nxt = ((b0 + n) % nb) * BUCKET_SLOTS
+        return [(_unpack(kb), _unpack(vb)) for kb, vb in got], nxt
+
+
+def _sound(ents: list[tuple[int, int, bytes, bytes, int]]) -> bool:
+    """Every entry of ``ents`` (see ``Table._entries``) valid, no record referenced twice."""
+    return all(e[4] >= 0 for e in ents) and len({e[1] for e in ents}) == len(ents)

@@ -1,0 +1,217 @@
+"""Sweeps of a table that never hold the lock for long: ``sweep_rows`` (every row, lock-free),
+``sweep_delete`` (in short holds, re-validating each row; one bulk rewrite of the index for many
+rows), ``delete_where``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableCorrupted
+from .layout import _LENS, _ROWS, _TOP, RECORD_HEADER, _pack, _unpack
+from .writer import Writes
+
+SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
+SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
+
+
+class Sweeps(Writes):
+    """The sweeps of :class:`~shmcancel.shm.table.Table`."""
+
+    def sweep_rows(self) -> list[tuple[int, int, bytes, bytes]]:
+        """``(hash, record, kbytes, vbytes)`` of every row, without holding the lock for more
+        than one copy of the index: the index is copied consistently (optimistic; else under
+        the lock, one list copy), then each referenced record is read lock-free and kept only
+        if it validates (length, crc) and its key still hashes to its entry. A row a writer
+        changed after the index copy is missing or shows its newer content: callers re-validate
+        under the lock (:meth:`sweep_delete`) before acting on a row."""
+        ver = self._ver
+        words = None
+        for attempt in range(READ_RETRIES // 4):
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            w = self._idx.tolist()
+            if ver.tolist() == v0:
+                words = w
+                break
+        if words is None:
+            with self._lock:
+                words = self._idx.tolist()
+        out = []
+        rec = self._record
+        hash_ = self._hash
+        for j in range(0, self._nwords, 2):
+            h = words[j]
+            if h:
+                r = words[j + 1]
+                got = rec(r)
+                if got is not None and hash_(got[0]) == h:
+                    out.append((h, r, got[0], got[1]))
+        return out
+
+    def sweep_delete(self, rows: list[tuple[int, int, bytes, bytes]],
+                     pred: Callable[[Any, Any], bool] | None = None,
+                     on_chunk: Callable[[list[tuple[Any, Any]]], None] | None = None,
+                     hold: float = SWEEP_HOLD) -> int:
+        """Delete ``rows`` (as :meth:`sweep_rows` gives them) in order, in chunks that each
+        hold the lock for about ``hold`` seconds (at least one row per chunk). Under the lock
+        each row is re-validated: it is deleted only if its entry still references the same
+        record holding the same bytes and, when given, ``pred(key, value)`` is still true; a
+        row gone or changed meanwhile is left alone. ``on_chunk(deleted)`` runs under the same
+        hold, after the chunk's deletions, with the (key, value) pairs deleted. Returns the
+        rows deleted. When the caller already holds the lock everything runs in its hold."""
+        lock = self._lock
+        if pred is None and len(rows) >= SWEEP_BULK:
+            bulk = self._bulk_delete(rows)
+            if bulk is not None:
+                if on_chunk is not None:  # in key order: a slice sees few distinct keys
+                    bulk.sort(key=lambda kv: _pack(kv[0]))
+                    for c in range(0, len(bulk), 2 * SWEEP_BULK):
+                        with lock:
+                            on_chunk(bulk[c:c + 2 * SWEEP_BULK])
+                return len(bulk)
+        n = 0
+        i = 0
+        total = len(rows)
+        clock = time.perf_counter
+        buf, heap, rsize = self._buf, self._heap, self.record_size
+        while i < total:
+            with lock:
+                t_end = clock() + hold
+                gone: list[tuple[Any, Any]] = []
+                while i < total:
+                    h, r, kb, vb = rows[i]
+                    i += 1
+                    s = self._locate(h, r)
+                    if s < 0:
+                        continue
+                    # the same bytes as read lock-free (a referenced record is never written
+                    # in place, so equal lengths and body mean the same row)
+                    off = heap + r * rsize
+                    body = kb + vb
+                    if (_LENS.unpack_from(buf, off + 4) != (len(kb), len(vb))
+                            or buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] != body):
+                        continue
+                    k, v = _unpack(kb), _unpack(vb)
+                    if pred is not None and not pred(k, v):
+                        continue
+                    lock.dirty = True
+                    try:
+                        self._delete_slot(s)
+                    except TableCorrupted as e:
+                        self._repair(str(e))
+                        continue
+                    lock.dirty = False
+                    gone.append((k, v))
+                    if clock() >= t_end:
+                        break
+                if gone and on_chunk is not None:
+                    on_chunk(gone)
+                n += len(gone)
+        return n
+
+    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]],
+                     tries: int = 3) -> list[tuple[Any, Any]] | None:
+        """Delete those of ``rows`` still present unchanged in one short hold: the new index
+        (every other entry re-inserted from its home slot, so no probe crosses an empty slot)
+        and free stack are computed lock-free from a consistent copy, then stored under the lock
+        with two slice copies, if no bucket version moved since the copy (no writer touched the
+        index, so no referenced record changed either). Returns the (key, value) pairs deleted,
+        or None when writers kept moving the index (``tries`` times) or the counters are
+        implausible: the caller falls back to deleting row by row."""
+        ver, idx, mask = self._ver, self._idx, self._mask
+        want = {(h, r): kb + vb for h, r, kb, vb in rows}
+        buf, heap, rsize = self._buf, self._heap, self.record_size
+        for attempt in range(tries):
+            if attempt:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            words = idx.tolist()
+            top = self._hq[_TOP]
+            freed: list[int] = []
+            gone = []
+            new = [0] * self._nwords
+            for j in range(0, self._nwords, 2):
+                h = words[j]
+                if not h:
+                    continue
+                r = words[j + 1]
+                body = want.get((h, r))
+                if body is not None:
+                    off = heap + r * rsize
+                    kl, vl = _LENS.unpack_from(buf, off + 4)
+                    if kl + vl == len(body) and \
+                            buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
+                        freed.append(r)
+                        gone.append((body[:kl], body[kl:]))
+                        continue
+                k = 2 * (h & mask)
+                for _ in range(self.nslots):
+                    if not new[k]:
+                        break
+                    k = (k + 2) & self._wmask
+                new[k] = h
+                new[k + 1] = r
+            if ver.tolist() != v0:
+                continue
+            if not gone:
+                return []
+            if top + len(freed) > self.capacity + 1:
+                return None
+            nidx = array("Q", new)
+            nfree = array("I", freed)
+            odd = array("Q", [v + 1 for v in v0])
+            even = array("Q", [v + 2 for v in v0])
+            lock = self._lock
+            with lock:
+                if ver.tolist() != v0 or self._hq[_TOP] != top:
+                    continue
+                hq = self._hq
+                rows_now = hq[_ROWS]
+                lock.dirty = True
+                ver[:] = odd
+                idx[:] = nidx
+                ver[:] = even
+                self._free[top:top + len(freed)] = nfree
+                hq[_TOP] = top + len(freed)
+                hq[_ROWS] = max(0, rows_now - len(freed))
+                lock.dirty = False
+            return [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
+        return None
+
+    def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
+        """Remove every row for which ``pred(key, value)`` is true; returns how many. ``pred``
+        sees every row before anything is removed (if it raises, nothing is). Unless the
+        caller holds the lock, the rows are chosen lock-free and deleted in short holds
+        (:meth:`sweep_delete`), where ``pred`` is asked again for each row."""
+        lock = self._lock
+        if not lock.held_by_me():
+            chosen = [row for row in self.sweep_rows()
+                      if pred(_unpack(row[2]), _unpack(row[3]))]
+            return self.sweep_delete(chosen, pred) if chosen else 0
+        with lock:
+            words = self._idx.tolist()
+            doomed = [(words[2 * s], r) for s, r, kb, vb, stamp in self._entries(words)
+                      if stamp >= 0 and pred(_unpack(kb), _unpack(vb))]
+            n = 0
+            for h, r in doomed:
+                s = self._locate(h, r)
+                if s >= 0:
+                    lock.dirty = True
+                    try:
+                        self._delete_slot(s)
+                    except TableCorrupted as e:  # the rest is found again after the repair
+                        self._repair(str(e))
+                        continue
+                    lock.dirty = False
+                    n += 1
+            return n
