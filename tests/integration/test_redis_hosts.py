@@ -39,7 +39,8 @@ def outdir() -> Iterator[str]:
 def host(name: str, host_id: str, url: str, prefix: str, outdir: str, **kw: Any) -> Gunicorn:
     env = {"SHMCANCEL_TEST_DIR": outdir, "SHMCANCEL_REDIS_URL": url,
            "SHMCANCEL_REDIS_PREFIX": prefix, "SHMCANCEL_HOST_ID": host_id,
-           "SHMCANCEL_REDIS_LEASE": str(LEASE), "SHMCANCEL_REDIS_TIMEOUT": "0.2"}
+           "SHMCANCEL_REDIS_LEASE": str(LEASE), "SHMCANCEL_REDIS_TIMEOUT": "0.2",
+           **kw.pop("env_extra", {})}
     return Gunicorn(APP, registry_name=name, config=CONF, env=env,
                     workers=kw.pop("workers", 2), **kw)
 
@@ -308,3 +309,40 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
                        what="cross-host cancellation to resume")
     finally:
         srv.stop()
+
+
+def test_quota_is_shared_across_hosts(redis_server: Any, outdir: str, shm_name: str,
+                                      shm_names: list[str]) -> None:
+    """contract §4's per-scope quota counts rows recorded through any host: with
+    ``max_rows_per_scope=2``, two calls running on A cancelled through B are recorded (they
+    see it); the third cancellation sent to B gets HTTP 429 / -32000 and its call runs on; once
+    the first two end (their rows go), a cancellation through B gets through again. B's own
+    registry holds no row of the scope, so only the shared count in Redis can refuse it."""
+    na, nb = two_names(shm_name, shm_names)
+    prefix = unique_prefix()
+    quota = {"SHMCANCEL_TEST_MAX_ROWS_PER_SCOPE": "2"}
+    with host(na, "A", redis_server.url, prefix, outdir, workers=4, env_extra=quota) as a, \
+            host(nb, "B", redis_server.url, prefix, outdir, env_extra=quota) as b:
+        c = Client(a.url)
+        tags = [tag() for _ in range(3)]
+        calls = [Background(lambda i=i, t=t: c.call(a.url, i, "stubborn", {"seconds": 4, "tag": t}))
+                 for i, t in enumerate(tags[:2], 1)]
+        calls.append(Background(lambda: c.call(a.url, 3, "sleep",
+                                               {"seconds": 20, "tag": tags[2]})))
+        for call in calls:
+            call.start()
+        for t in tags:
+            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+        for rid, t in ((1, tags[0]), (2, tags[1])):
+            assert c.cancel(b.url, rid).status_code == 202
+            wait_file(f"{outdir}/{t}.cancelled", time.monotonic() + 10)
+        over = c.cancel(b.url, 3)
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == errors.SERVER_ERROR, over.text
+        for call, t in zip(calls[:2], tags, strict=False):  # they end, their rows with them
+            assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+            assert os.path.exists(f"{outdir}/{t}.finished")
+        assert not os.path.exists(f"{outdir}/{tags[2]}.cancelled")  # ran on past the refusal
+        assert calls[2].is_alive()
+        assert c.cancel(b.url, 3).status_code == 202
+        assert calls[2].result()["error"]["code"] == errors.REQUEST_CANCELLED
