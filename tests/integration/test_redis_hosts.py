@@ -346,3 +346,40 @@ def test_quota_is_shared_across_hosts(redis_server: Any, outdir: str, shm_name: 
         assert calls[2].is_alive()
         assert c.cancel(b.url, 3).status_code == 202
         assert calls[2].result()["error"]["code"] == errors.REQUEST_CANCELLED
+
+
+def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name: str) -> None:
+    """The issue's "nothing blocks a worker longer than the timeout", on gthread: Redis stops
+    answering (SIGSTOP) and several ``tools/call`` run at once on one worker's threads; each
+    one's whole Redis part (waiting for the worker's other Redis call, connecting, reading) is
+    one budget of ``SHMCANCEL_REDIS_TIMEOUT``, so no request takes longer than that plus a
+    generous margin for scheduling - not one timeout per thread queued before it."""
+    timeout, n = 0.6, 6
+    srv = RedisServer()
+    srv.start()
+    try:
+        with host(shm_name, "A", srv.url, unique_prefix(), outdir, workers=1,
+                  worker_class="gthread", threads=n + 2,
+                  env_extra={"SHMCANCEL_REDIS_TIMEOUT": str(timeout)}) as a:
+            c = Client(a.url)
+            assert c.call(a.url, 0, "echo", {"text": "x"})["result"]  # Redis answers
+            assert srv.proc is not None
+            go = threading.Barrier(n)
+
+            def timed(i: int) -> float:
+                go.wait(10)
+                t0 = time.monotonic()
+                rep = c.call(a.url, i + 1, "echo", {"text": str(i)})
+                assert rep["result"]["content"][0]["text"] == str(i), rep
+                return time.monotonic() - t0
+            calls = [Background(lambda i=i: timed(i)) for i in range(n)]
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                for call in calls:
+                    call.start()
+                took = [call.result() for call in calls]
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            assert max(took) < timeout + 0.5, took
+    finally:
+        srv.stop()
