@@ -14,7 +14,7 @@ graceful_timeout = 5
 
 shmcancel.gunicorn.configure(config=shmcancel.Config(
     stream_cancel_timeout=float(os.environ.get("SHMCANCEL_TEST_STREAM_CANCEL_TIMEOUT", "0.5")),
-    max_rows_per_scope=16,
+    max_rows_per_scope=int(os.environ.get("SHMCANCEL_TEST_MAX_ROWS_PER_SCOPE", "16")),
     ttl=float(os.environ.get("SHMCANCEL_TEST_TTL", "300")),
     janitor_interval=float(os.environ.get("SHMCANCEL_TEST_JANITOR_INTERVAL", "60")),
     lock_timeout=float(os.environ.get("SHMCANCEL_TEST_LOCK_TIMEOUT", "10")),

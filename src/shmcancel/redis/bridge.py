@@ -15,7 +15,10 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
   or briefly disconnected waits there: the catch-up read is the next ``BLPOP``. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
 
-Polls never touch Redis. Redis down or slow: every call gives up after ``timeout``; the first
+Polls never touch Redis. Redis down or slow: every call gives up after ``timeout`` (one budget:
+a third waiting for this worker's other Redis call, else the call is skipped; a third to
+connect; a third to read; no retries), so a request's first failing call costs it at most
+``timeout`` and the rest are skipped; the first
 failure marks the bridge down and logs one warning; while down, calls return at once without
 Redis (requests are served, same-host cancellation works through shared memory, cross-host
 cancellation and session adoption do not); the thread probes every ``retry`` seconds and, when
@@ -31,7 +34,7 @@ import time
 from typing import Any
 
 from shmcancel.config import Config
-from shmcancel.exceptions import CancellationLimitReached
+from shmcancel.exceptions import CancellationLimitReached, LockTimeout
 
 from ..cancel import ids
 from ..mcp import remote
@@ -63,11 +66,15 @@ class Bridge:
         self.retry = float(retry)
         self.block = max(0.05, min(1.0, lease / 3))  # BLPOP wait, and the renew period floor
         cfg = config or registry.config
-        self.store = RedisStore(connect(url, timeout=timeout), cfg, prefix=prefix)
-        # The box reader blocks up to `block`: its socket waits that long plus the timeout.
-        self._blocking = RedisStore(connect(url, timeout=self.block + timeout), cfg,
+        # One budget of `timeout` per call: a third waiting for this process's other Redis
+        # call (RedisStorage's I/O lock), a third connecting, a third reading.
+        self.store = RedisStore(connect(url, timeout=timeout * 2 / 3), cfg, prefix=prefix)
+        # The box reader (the thread, never a request) blocks up to `block`: its socket reads
+        # wait that long plus the timeout.
+        self._blocking = RedisStore(connect(url, timeout=2 * (self.block + timeout)), cfg,
                                     prefix=prefix)
-        self.remote = RedisCancellation(self.store, lease=lease, host=host)
+        self.remote = RedisCancellation(self.store, lease=lease, host=host,
+                                        io_wait=timeout / 3)
         self.down = False
         self.delivered = 0
         self._pid = os.getpid()
@@ -86,7 +93,8 @@ class Bridge:
                         "sessions paused until it answers", what, e)
 
     def _guard(self, what: str, fn: Any, *a: Any, **kw: Any) -> Any:
-        """``fn(*a, **kw)`` unless Redis is down; a Redis failure marks it down (None)."""
+        """``fn(*a, **kw)`` unless Redis is down; a Redis failure marks it down (None); this
+        process's other Redis call holding on past the wait skips this one (None)."""
         if self.down:
             return None
         from redis.exceptions import RedisError
@@ -94,6 +102,9 @@ class Bridge:
             return fn(*a, **kw)
         except (RedisError, OSError) as e:
             self._failed(what, e)
+            return None
+        except LockTimeout as e:
+            log.debug("skipped a Redis call: %s", e)
             return None
 
     # ------------------------------------------------------------------ transport hooks
@@ -105,12 +116,8 @@ class Bridge:
         if rid is None:
             return None
         r = self.remote
-        if self.down:
-            token = r.track_offline(scope, rid)
-        else:
-            token = self._guard("track", r.track_token, rid, scope)
-            if token is None:
-                token = r.track_offline(scope, rid)
+        token = r.track_offline(scope, rid)  # held here first: a failed add leaves no orphan
+        self._guard("track", r.track_held, scope, rid, token)
         return scope, rid, token
 
     def untrack(self, handle: tuple[str, str, int] | None) -> None:
@@ -215,6 +222,8 @@ class Bridge:
             except (RedisError, OSError) as e:
                 self._failed("subscriber", e)
                 self._stop.wait(self.retry)
+            except LockTimeout:
+                pass  # a request's Redis call held on: renew on the next turn
             except Exception:
                 log.exception("shmcancel redis bridge: unexpected error")
                 self._stop.wait(self.retry)

@@ -31,8 +31,8 @@ class RedisCancellation(Cancellation):
     without :meth:`renew`; ``host``: this host's identity (rows are owned by ``host:pid``)."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
-                 lease: float = 10.0, host: str | None = None) -> None:
-        self.storage = RedisStorage(store, clock=clock, lease=lease, host=host)
+                 lease: float = 10.0, host: str | None = None, io_wait: float = 10.0) -> None:
+        self.storage = RedisStorage(store, clock=clock, lease=lease, host=host, io_wait=io_wait)
         super().__init__(None, clock, backend=self.storage)
         self.store = store
         self.lease = self.storage.lease
@@ -58,6 +58,11 @@ class RedisCancellation(Cancellation):
         self.storage.track(scope, rid, self._owner(token))
         return token
 
+    def track_held(self, scope: str, rid: str, token: int) -> None:
+        """Add to Redis the row :meth:`track_offline` holds for ``token``. Raises Redis errors
+        or ``LockTimeout``, the row staying held here (:meth:`renew` adds it later)."""
+        self.storage.track(scope, rid, self._owner(token))
+
     def track_offline(self, scope: str, rid: str) -> int:
         """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""
         token = next(_tokens)
@@ -70,7 +75,8 @@ class RedisCancellation(Cancellation):
 
     def untrack_token(self, scope: str, rid: str, token: int) -> bool:
         """End the row :meth:`track_token` returned ``token`` for; True once done (also when it
-        was not held). Raises Redis errors, leaving the row held for :meth:`forget`."""
+        was not held). Raises Redis errors or ``LockTimeout``, leaving the row held for
+        :meth:`forget`."""
         self.storage.untrack(scope, rid, self._owner(token))
         return True
 
@@ -92,10 +98,12 @@ class RedisCancellation(Cancellation):
 
 
 def connect(url: str, *, timeout: float = 0.5, **kw: Any) -> Any:
-    """A ``redis.Redis`` for ``url`` whose every call gives up after ``timeout`` seconds."""
+    """A ``redis.Redis`` for ``url`` whose every call gives up after ``timeout`` seconds, a
+    (re)connection included: connecting and reading each get half of it."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
     # No client-side retries: a failed call fails within `timeout`, and the bridge decides.
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+    return redis.Redis.from_url(url, socket_timeout=timeout / 2,
+                                socket_connect_timeout=timeout / 2,
                                 retry=Retry(NoBackoff(), 0), health_check_interval=0, **kw)

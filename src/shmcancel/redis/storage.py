@@ -24,7 +24,7 @@ from collections.abc import Callable, Container
 
 from ..cancel.storage import Owner, Poll
 from ..config import Config
-from ..exceptions import CancellationLimitReached
+from ..exceptions import CancellationLimitReached, LockTimeout
 from .store import RedisStore
 
 __all__ = ["RedisStorage", "default_host_id"]
@@ -53,7 +53,8 @@ class RedisStorage:
     :meth:`renew`; ``host``: this host's identity. Thread-safe."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
-                 lease: float = 10.0, host: str | None = None) -> None:
+                 lease: float = 10.0, host: str | None = None,
+                 io_wait: float = 10.0) -> None:
         if not 0 < lease <= 3600:
             raise ValueError(f"lease must be in (0, 3600] seconds, got {lease!r}")
         self.store = store
@@ -65,7 +66,19 @@ class RedisStorage:
         self._mine: dict[tuple[str, str, Owner], bytes] = {}  # rows this process holds
         #: Rows this instance's records evicted (the registry counts every process's).
         self.evictions = 0
+        #: Guards ``_mine``; never held across a Redis call.
         self._lock = threading.Lock()
+        #: Serialises this process's track/untrack/renew Redis calls (so ``renew`` never adds
+        #: back a row an ``untrack`` is ending); waited for at most ``io_wait`` seconds.
+        self._io = threading.Lock()
+        self.io_wait = float(io_wait)
+
+    def _io_held(self, what: str) -> None:
+        """Take ``_io`` within ``io_wait`` seconds, else raise ``LockTimeout`` (the caller skips
+        Redis: a thread never queues behind another's slow call for longer than that)."""
+        if not self._io.acquire(timeout=self.io_wait):
+            raise LockTimeout(f"{what}: another Redis call of this process held on for "
+                              f"{self.io_wait:g}s")
 
     def __repr__(self) -> str:
         return f"<RedisStorage host={self.host!r} prefix={self.store.prefix!r}>"
@@ -121,12 +134,18 @@ class RedisStorage:
 
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> None:
+        """Hold the row here and in Redis. Raises Redis errors or ``LockTimeout`` with the row
+        held here only (:meth:`renew` adds it)."""
         raw = self._owner(owner)
         with self._lock:
             self._mine[scope, rid, owner] = raw
+        self._io_held("track")
+        try:
             now = self._now_ms()
             self.store.track(scope, rid, raw, deadline_ms=now + int(self.lease * 1000),
                              now_ms=now, started_at=self.clock())
+        finally:
+            self._io.release()
 
     def hold(self, scope: str, rid: str, owner: Owner) -> None:
         """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""
@@ -140,14 +159,20 @@ class RedisStorage:
 
     def untrack(self, scope: str, rid: str, owner: Owner) -> bool:
         """End the row; when no namesake runs on, the key's cancellation row goes too (one
-        script). Raises Redis errors, leaving the row held for :meth:`forget`."""
+        script). Raises Redis errors or ``LockTimeout``, leaving the row held for
+        :meth:`forget`."""
         with self._lock:
             raw = self._mine.get((scope, rid, owner))
-            if raw is None:
-                return False
+        if raw is None:
+            return False
+        self._io_held("untrack")
+        try:
             gone = self.store.untrack(scope, rid, raw, now_ms=self._now_ms())
-            del self._mine[scope, rid, owner]
-            return gone
+            with self._lock:
+                self._mine.pop((scope, rid, owner), None)
+        finally:
+            self._io.release()
+        return gone
 
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         with self._lock:
@@ -186,14 +211,18 @@ class RedisStorage:
         restart). Returns how many were added back."""
         now = self._now_ms()
         deadline = now + int(self.lease * 1000)
-        with self._lock:
-            items = list(self._mine.items())
+        self._io_held("renew")
+        try:
+            with self._lock:
+                items = list(self._mine.items())
             missing = self.store.renew([(self.store.if_key(s, r), o) for (s, r, _), o in items],
                                        deadline)
             for i in missing:
                 (s, r, _), o = items[i]
                 self.store.track(s, r, o, deadline_ms=deadline, now_ms=now,
                                  started_at=self.clock())
+        finally:
+            self._io.release()
         return len(missing)
 
     def held(self) -> int:
