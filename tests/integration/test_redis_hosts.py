@@ -4,6 +4,7 @@ SIGKILLed mid-run and restarted. Tools report through files (tests/apps/transpor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,6 +151,17 @@ def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
     assert not os.path.exists(f"{outdir}/{t}.cancelled")
 
 
+@contextlib.contextmanager
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of the test's own (to kill, stop or restart), stopped at the end."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def two_names(shm_name: str, shm_names: list[str]) -> tuple[str, str]:
     other = TEST_PREFIX + uuid.uuid4().hex[:12]
     shm_names.append(other)
@@ -191,9 +203,7 @@ def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdi
 def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:
     """Redis SIGKILLed mid-run: no request fails, same-host cancellation keeps working, the
     outage is logged once per worker, and cross-host cancellation resumes after a restart."""
-    srv = RedisServer()
-    srv.start()
-    try:
+    with own_redis() as srv:
         na, nb = two_names(shm_name, shm_names)
         prefix = unique_prefix()
         with host(na, "A", srv.url, prefix, outdir) as a, \
@@ -252,8 +262,6 @@ def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[
             log = a.log() + b.log()
             assert 1 <= log.count("Redis unreachable") <= 4  # once per worker, not per request
             assert "Redis answers again" in log
-    finally:
-        srv.stop()
 
 
 def cross_cancel_short(a: Gunicorn, b: Gunicorn, outdir: str,
@@ -275,9 +283,7 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
     """A Redis that stops answering (SIGSTOP): calls on both hosts are served, each delayed by
     no more than the client timeout (0.2 s here) plus slack, same-host cancellation works, and
     after SIGCONT cross-host cancellation resumes."""
-    srv = RedisServer()
-    srv.start()
-    try:
+    with own_redis() as srv:
         na, nb = two_names(shm_name, shm_names)
         prefix = unique_prefix()
         with host(na, "A", srv.url, prefix, outdir) as a, \
@@ -307,8 +313,6 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
                 return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
             wait_until(cross_works, time.monotonic() + 30, interval=0.1,
                        what="cross-host cancellation to resume")
-    finally:
-        srv.stop()
 
 
 def test_quota_is_shared_across_hosts(redis_server: Any, outdir: str, shm_name: str,
@@ -355,31 +359,26 @@ def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name:
     one budget of ``SHMCANCEL_REDIS_TIMEOUT``, so no request takes longer than that plus a
     generous margin for scheduling - not one timeout per thread queued before it."""
     timeout, n = 0.6, 6
-    srv = RedisServer()
-    srv.start()
-    try:
-        with host(shm_name, "A", srv.url, unique_prefix(), outdir, workers=1,
-                  worker_class="gthread", threads=n + 2,
-                  env_extra={"SHMCANCEL_REDIS_TIMEOUT": str(timeout)}) as a:
-            c = Client(a.url)
-            assert c.call(a.url, 0, "echo", {"text": "x"})["result"]  # Redis answers
-            assert srv.proc is not None
-            go = threading.Barrier(n)
+    with own_redis() as srv, host(shm_name, "A", srv.url, unique_prefix(), outdir, workers=1,
+              worker_class="gthread", threads=n + 2,
+              env_extra={"SHMCANCEL_REDIS_TIMEOUT": str(timeout)}) as a:
+        c = Client(a.url)
+        assert c.call(a.url, 0, "echo", {"text": "x"})["result"]  # Redis answers
+        assert srv.proc is not None
+        go = threading.Barrier(n)
 
-            def timed(i: int) -> float:
-                go.wait(10)
-                t0 = time.monotonic()
-                rep = c.call(a.url, i + 1, "echo", {"text": str(i)})
-                assert rep["result"]["content"][0]["text"] == str(i), rep
-                return time.monotonic() - t0
-            calls = [Background(lambda i=i: timed(i)) for i in range(n)]
-            os.kill(srv.proc.pid, signal.SIGSTOP)
-            try:
-                for call in calls:
-                    call.start()
-                took = [call.result() for call in calls]
-            finally:
-                os.kill(srv.proc.pid, signal.SIGCONT)
-            assert max(took) < timeout + 0.5, took
-    finally:
-        srv.stop()
+        def timed(i: int) -> float:
+            go.wait(10)
+            t0 = time.monotonic()
+            rep = c.call(a.url, i + 1, "echo", {"text": str(i)})
+            assert rep["result"]["content"][0]["text"] == str(i), rep
+            return time.monotonic() - t0
+        calls = [Background(lambda i=i: timed(i)) for i in range(n)]
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            for call in calls:
+                call.start()
+            took = [call.result() for call in calls]
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert max(took) < timeout + 0.5, took
