@@ -33,10 +33,11 @@ from shmcancel.shm.table import Table, _geometry
 CFG = Config(max_rows=64, capacity=64, in_flight_capacity=32, session_capacity=16,
              lock_timeout=5.0)
 TABLES = ["cancellations", "in_flight", "sessions", "scope_counts"]
-AREAS = ["index", "records", "free stack", "counters"]
+AREAS = ["index", "records", "large records", "free stack", "counters"]
 ROWS = 12  # rows each table holds when the garbage lands: keys 0..11, values 10 * key
 DOCUMENTED = ShmCancelError  # TableFull, TableCorrupted, ...: what the library raises on purpose
-ROWS_WORD, TOP_WORD, STAMP_WORD = 3, 4, 5  # u64 words of the table header (shm/layout.py)
+ROWS_WORD, TOP_WORD, STAMP_WORD, LTOP_WORD = 3, 4, 5, 7  # u64 header words (shm/layout.py)
+BIG = "x" * 300  # a value no small record holds: its row takes a large record
 
 
 class Hang(Exception):
@@ -70,22 +71,31 @@ def reg(shm_name: str) -> Iterator[Registry]:
 
 def area(t: Table, name: str) -> tuple[int, int]:
     """Byte range of ``name`` within the table's region."""
-    _, _, idx_off, heap_off, free_off, _ = _geometry(t.capacity, t.record_size)
-    return {"index": (idx_off, heap_off), "records": (heap_off, free_off),
-            "free stack": (free_off, free_off + 4 * (t.capacity + 1)),
-            "counters": (24, 48)}[name]
+    g = _geometry(t.capacity, t.record_size, t.small_size, t.large_count)
+    return {"index": (g.idx_off, g.heap_off), "records": (g.heap_off, g.large_off),
+            "large records": (g.large_off, g.free_off),
+            "free stack": (g.free_off, g.free_off + 4 * t._nrec),
+            "counters": (24, 64)}[name]  # rows, tops, stamp and the class geometry
 
 
 def fresh(t: Table) -> None:
-    """Format ``t`` afresh and fill it with ROWS rows."""
-    Table.format(t._buf, t.capacity, t.record_size)
+    """Format ``t`` afresh and fill it with ROWS rows, and with ``bigs(t)`` rows of large records
+    (keys "big0".., value BIG) where ``t`` has a large class."""
+    Table.format(t._buf, t.capacity, t.record_size, t.small_size, t.large_count)
     for k in range(ROWS):
         t.insert(k, 10 * k)
+    for k in range(bigs(t)):
+        t.insert(f"big{k}", BIG)
+
+
+def bigs(t: Table) -> int:
+    """Rows of large records ``fresh`` puts in ``t``."""
+    return min(3, t.large_count) if t.record_size - t.RECORD_HEADER > 302 else 0
 
 
 def scribble(t: Table, name: str, seed: int, lo: float, span: float, small: bool) -> None:
     """Random bytes over the part [lo, lo + span) (fractions) of area ``name`` of ``t``;
-    ``small``: random u32s below capacity + 2 instead (plausible record numbers and counts)."""
+    ``small``: random u32s below records + 1 instead (plausible record numbers and counts)."""
     a, b = area(t, name)
     start = a + int((b - a) * lo)
     end = min(b, start + max(8, int((b - a) * span)))
@@ -93,7 +103,7 @@ def scribble(t: Table, name: str, seed: int, lo: float, span: float, small: bool
     if small:
         start &= ~3
         end &= ~3
-        data = b"".join(rng.randrange(t.capacity + 2).to_bytes(4, "little")
+        data = b"".join(rng.randrange(t._nrec + 1).to_bytes(4, "little")
                         for _ in range((end - start) // 4))
     else:
         data = rng.randbytes(end - start)
@@ -110,7 +120,7 @@ def every_operation(t: Table) -> dict[str, Any]:
         ("member", lambda: [t.member(k) for k in keys]),
         ("watch", lambda: [(w.member(), w.values(), w.member())
                            for w in (t.watch(k) for k in keys)]),
-        ("scan", lambda: sorted(t.scan())),
+        ("scan", lambda: sorted(t.scan(), key=repr)),
         ("count", t.count),
         ("stats", t.stats),
         ("insert new", lambda: t.insert(1000, 1)),
@@ -166,7 +176,10 @@ def test_garbage_over_a_table(reg: Registry, table: str, area_name: str, seed: i
     for k, vals in zip(range(ROWS), got["lookup"], strict=False):
         assert vals in ([], [10 * k]), (k, vals)
     assert got["lookup"][-1] == [] and got["member"][-1] is False
-    assert set(got["scan"]) <= {(k, 10 * k) for k in range(ROWS)}
+    for k in range(bigs(t)):
+        assert t.lookup(f"big{k}") in ([], [BIG])
+    assert set(got["scan"]) <= {(k, 10 * k) for k in range(ROWS)} | {
+        (f"big{k}", BIG) for k in range(bigs(t))}
     assert len(set(got["scan"])) == len(got["scan"])  # no row twice
     assert_works(reg, t)
 
@@ -240,11 +253,11 @@ def test_inflated_row_counter_does_not_make_the_table_full(reg: Registry) -> Non
     fresh(t)
     t._hq[ROWS_WORD] = t.capacity
     t.insert("k", "v")
-    assert t.lookup("k") == ["v"] and t.count() == ROWS + 1
+    assert t.lookup("k") == ["v"] and t.count() == ROWS + bigs(t) + 1
     t._hq[ROWS_WORD] = 2**64 - 1
-    assert t.count() == ROWS + 1  # an absurd counter is not believed
+    assert t.count() == ROWS + bigs(t) + 1  # an absurd counter is not believed
     t.insert_new("k2", "v")
-    assert t.count() == ROWS + 2
+    assert t.count() == ROWS + bigs(t) + 2
 
 
 def test_inflated_session_counter_does_not_refuse_initialize(reg: Registry) -> None:
@@ -261,6 +274,8 @@ def test_inflated_session_counter_does_not_refuse_initialize(reg: Registry) -> N
     (STAMP_WORD, 2**64 - 1),  # the next stamp must not overflow
     (TOP_WORD, 2**64 - 1),
     (TOP_WORD, 0),
+    (LTOP_WORD, 2**64 - 1),
+    (LTOP_WORD, 0),
 ])
 def test_absurd_header_counters(reg: Registry, word: int, value: int) -> None:
     """Counters no writer leaves: no store overflows, the janitor's sweep recounts them."""
@@ -271,19 +286,23 @@ def test_absurd_header_counters(reg: Registry, word: int, value: int) -> None:
         assert t.delete(0) == 1
         t.insert("k", "v")
         t.insert(1, 12)  # a set update: write a record, free the old one
+        t.insert("big0", BIG + "y")  # a set update of a large row
+        assert t.delete("big2") == 1
+        t.insert("big9", BIG)  # a new large row
     assert t.lookup("k") == ["v"] and t.lookup(1) == [12] and t.lookup(0) == []
+    assert t.lookup("big0") == [BIG + "y"] and t.lookup("big9") == [BIG]
     assert_works(reg, t)
-    assert t.count() == ROWS
+    assert t.count() == ROWS + bigs(t)
 
 
 def test_attach_recounts_implausible_counters(reg: Registry) -> None:
     """``Registry.attach`` (each worker) recounts a row counter that disagrees with the index."""
     t = reg.cancellations
     fresh(t)
-    t._hq[ROWS_WORD] = ROWS + 5
+    t._hq[ROWS_WORD] = ROWS + bigs(t) + 5
     r2 = Registry.attach(reg.name)
     try:
-        assert r2.cancellations.count() == ROWS
+        assert r2.cancellations.count() == ROWS + bigs(t)
         with r2.lock:
             assert r2.cancellations.fsck() == zeros(t)
     finally:
@@ -299,10 +318,14 @@ def test_janitor_repairs_a_free_stack_that_points_at_live_records(reg: Registry)
     top = t._hq[TOP_WORD]
     for i in range(top):
         t._free[i] = live[i % len(live)]
+    for i in range(t._hq[LTOP_WORD]):  # the large class's stack: live small and large records
+        t._free[t.capacity + 1 + i] = live[-1 - i % len(live)]
     Cancellation(reg).sweep()
-    for k in range(20, 24):
+    for k in range(20, 24 - bigs(t)):
         t.insert(k, k)
+    t.insert("big0", BIG + "z")
     assert all(t.lookup(k) == [10 * k] for k in range(ROWS))
+    assert [t.lookup(f"big{k}") for k in range(1, bigs(t))] == [[BIG]] * (bigs(t) - 1)
     with reg.lock:
         assert t.fsck() == zeros(t)
 
@@ -316,7 +339,7 @@ def test_a_corrupted_record_is_repaired_once_then_reads_are_lock_free(
     caplog.set_level(logging.ERROR, "shmcancel.table")
     for _ in range(2):
         r = next(r for _, r, kb, _, _ in t._entries(t._idx.tolist()) if kb == b"\x05")
-        off = t._heap + r * t.record_size + Table.RECORD_HEADER
+        off = t._offset(r) + Table.RECORD_HEADER
         t._buf[off] ^= 0xFF
         gen = reg.lock.generation
         for _ in range(10):
@@ -345,7 +368,7 @@ def test_attach_never_waits_long_for_a_held_lock(reg: Registry,
     pid, fd = child(holder)
     try:
         assert recv(fd) == b"held"
-        t._hq[ROWS_WORD] = ROWS + 5
+        t._hq[ROWS_WORD] = ROWS + bigs(t) + 5
         caplog.set_level(logging.WARNING, "shmcancel.registry")
         t0 = time.monotonic()
         r2 = Registry.attach(reg.name)
@@ -358,6 +381,6 @@ def test_attach_never_waits_long_for_a_held_lock(reg: Registry,
         os.close(go_r)
         os.close(fd)
         reap(pid)
-    assert t.count() == ROWS + 5
+    assert t.count() == ROWS + bigs(t) + 5
     Cancellation(reg).sweep()  # the malformed test rows go too; the counter agrees
     assert t.count() == len(t.scan()) and t._hq[ROWS_WORD] == t.count()

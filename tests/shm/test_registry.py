@@ -54,7 +54,8 @@ def test_roundtrip(shm_name: str) -> None:
             assert other.in_flight.lookup(("global", "1")) == [(1, 2, 3, 4)]
             assert other.sessions.get("s1") == {"v": 1}
             assert other.scope_counts.get(b"\x01" * 16) == 1
-            assert {t.capacity for t in other.tables.values()} == {200, 64, 32}
+            # cancellations and scope_counts hold max_rows rows (the cap evicts first)
+            assert {t.capacity for t in other.tables.values()} == {100, 64, 32}
         assert other.closed and registry.current() is reg  # the one still open
         other.close()  # idempotent
     finally:
@@ -136,8 +137,7 @@ def test_too_large_for_dev_shm(shm_name: str) -> None:
     huge = Config(max_rows=None, capacity=10_000_000, in_flight_capacity=10_000_000,
                   session_capacity=10_000_000)
     vfs = os.statvfs("/dev/shm")
-    need = sum(registry.Table.region_size(c, s) for c, s in [
-        (10_000_000, 1616), (10_000_000, 840), (10_000_000, 672), (10_000_000, 56)])
+    need = sum(s.region_size for s in registry._specs(huge))
     if need <= vfs.f_bavail * vfs.f_frsize:  # pragma: no cover - a giant /dev/shm
         pytest.skip("/dev/shm is larger than the largest configurable registry")
     with pytest.raises(SegmentTooLarge, match=r"needs .* bytes .* free"):

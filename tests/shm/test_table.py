@@ -387,7 +387,7 @@ def test_record_with_torn_header_is_rejected(rig_factory) -> None:
     t = rig.tables[0]
     t.insert("k", "value")
     r = t._find(t.prepare("k"))[0][1]
-    base = t._heap + r * t.record_size
+    base = t._offset(r)
     region = rig.region(0)
     good = region[base:base + t.record_size].tobytes()
     for field_off in (4, 8, 16):  # klen, vlen, stamp: each is covered by the crc seed

@@ -7,8 +7,8 @@ home and its slot. The load stays <= 50 % by construction (nslots >= 2 x capacit
 
 Garbage in the segment (a stray write, another process scribbling over it) never makes a loop
 spin: every probe, backward shift and scan is bounded by ``nslots``, every record number by
-``capacity``. Under the lock, a probe that meets no empty slot or a referenced record failing
-validation is corruption, never a race: :class:`TableCorrupted`.
+the records of its size class. Under the lock, a probe that meets no empty slot or a referenced
+record failing validation is corruption, never a race: :class:`TableCorrupted`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,20 @@ import struct
 import zlib
 from typing import Any, Literal, Protocol
 
-from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError
+from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
 from . import layout
-from .layout import _HDR, _M32, _SEED, HEADER_SIZE, MAGIC, RECORD_HEADER, _geometry, _pack
+from .layout import (
+    _CLS,
+    _CLS_OFF,
+    _HDR,
+    _M32,
+    _SEED,
+    HEADER_SIZE,
+    MAGIC,
+    RECORD_HEADER,
+    _geometry,
+    _pack,
+)
 
 Kind = Literal["set", "bag"]
 
@@ -36,6 +47,12 @@ class TableCorrupted(ShmCancelError):
     """The table's bytes are inconsistent in a way no interrupted writer leaves (garbage in the
     segment), and still were right after ``fsck`` repaired them. Raised only after one repair
     and one retry of the operation; nothing was half-written (the repair ran)."""
+
+
+class LargeRowsFull(TableFull):
+    """The table holds its ``large_count`` rows larger than a small record already (see
+    ``layout.py``): a new large row (or a row growing past a small record) is refused, nothing
+    written. The table's other rows and updates of its large rows are unaffected."""
 
 
 class Lock(Protocol):
@@ -83,24 +100,30 @@ class TableBase:
     format = staticmethod(layout.format_region)
 
     def __init__(self, name: str, buf: memoryview, *, kind: Kind, capacity: int,
-                 record_size: int, hash_key: bytes, lock: Lock) -> None:
+                 record_size: int, hash_key: bytes, lock: Lock, small_size: int = 0,
+                 large_count: int = 0) -> None:
         if kind not in ("set", "bag"):
             raise ValueError(f"table kind must be 'set' or 'bag', got {kind!r}")
         if not isinstance(hash_key, bytes | bytearray) or not 1 <= len(hash_key) <= 64:
             raise ValueError("hash_key must be 1..64 bytes")
-        nslots, nbuckets, idx_off, heap_off, free_off, size = _geometry(capacity, record_size)
+        g = _geometry(capacity, record_size, small_size, large_count)
+        nslots, nbuckets, size = g.nslots, g.nbuckets, g.size
         if len(buf) < size:
             raise RegistryIncompatible(
                 f"table {name!r}: region of {len(buf)} bytes, layout needs {size}")
-        header = _HDR.unpack_from(buf, 0)
-        if header != (MAGIC, capacity, record_size, nslots, nbuckets):
+        header = _HDR.unpack_from(buf, 0) + _CLS.unpack_from(buf, _CLS_OFF)
+        want = (MAGIC, capacity, record_size, nslots, nbuckets, g.small_size, large_count)
+        if header != want:
             raise RegistryIncompatible(
-                f"table {name!r}: header {header!r} does not match the layout "
-                f"{(MAGIC, capacity, record_size, nslots, nbuckets)!r}")
+                f"table {name!r}: header {header!r} does not match the layout {want!r}")
         self.name = name
         self.kind: Kind = kind
         self.capacity = capacity
         self.record_size = record_size
+        self.small_size = g.small_size  # == record_size: one class
+        self.large_count = large_count  # L: large rows the table holds (0: one class)
+        self._nlarge = g.nlarge  # large records: L + 1 (one spare), or 0
+        self._nrec = capacity + 1 + g.nlarge  # records of both classes
         self.nslots = nslots
         self._set = kind == "set"
         self._h0 = _blake2b(key=bytes(hash_key), digest_size=8)
@@ -108,14 +131,18 @@ class TableBase:
         self._mask = nslots - 1
         self._wmask = 2 * nslots - 1  # over index words
         self._nwords = 2 * nslots
-        self._payload = record_size - RECORD_HEADER
+        self._payload = record_size - RECORD_HEADER  # of a large record (the largest row)
+        self._spayload = g.small_size - RECORD_HEADER  # of a small record
         self._rs = struct.Struct(f"<IIIIQ{self._payload}s")  # a whole record, zero padded
-        self._heap = heap_off
+        self._rss = struct.Struct(f"<IIIIQ{self._spayload}s")  # a whole small record
+        self._heap = g.heap_off
+        # record r > capacity lies at _lbase + r * record_size (so r = capacity + 1 is first)
+        self._lbase = g.large_off - (capacity + 1) * record_size
         self._buf = buf[:size]
         self._hq = self._buf[0:HEADER_SIZE].cast("Q")
         self._ver = self._buf[HEADER_SIZE:HEADER_SIZE + 8 * nbuckets].cast("Q")
-        self._idx = self._buf[idx_off:heap_off].cast("Q")
-        self._free = self._buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
+        self._idx = self._buf[g.idx_off:g.heap_off].cast("Q")
+        self._free = self._buf[g.free_off:g.free_off + 4 * self._nrec].cast("I")
         self._logged_pid = 0  # the process that logged this table's corruption (log once)
 
     def close(self) -> None:
@@ -145,14 +172,29 @@ class TableBase:
         return PreparedKey(self, key, kbytes, h, h & self._mask)
 
     # ---------------------------------------------------------------- records
+    def _offset(self, r: int) -> int:
+        """Byte offset of record ``r`` in the region, -1 for a number of no record."""
+        if r <= self.capacity:
+            return self._heap + r * self.small_size
+        if r < self._nrec:
+            return self._lbase + r * self.record_size
+        return -1
+
     def _record(self, r: int) -> tuple[bytes, bytes, int] | None:
         """(kbytes, vbytes, stamp) of record ``r``, or None when it fails validation."""
-        if r > self.capacity:
-            return None
-        off = self._heap + r * self.record_size
-        crc, kl, vl, _, stamp, body = self._rs.unpack_from(self._buf, off)
-        n = kl + vl
-        if n > self._payload:
+        if r <= self.capacity:  # the class is the range: one comparison for a small record
+            crc, kl, vl, _, stamp, body = self._rss.unpack_from(
+                self._buf, self._heap + r * self.small_size)
+            n = kl + vl
+            if n > self._spayload:
+                return None
+        elif r < self._nrec:
+            crc, kl, vl, _, stamp, body = self._rs.unpack_from(
+                self._buf, self._lbase + r * self.record_size)
+            n = kl + vl
+            if n > self._payload:
+                return None
+        else:
             return None
         body = body[:n]
         if _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32) != crc:

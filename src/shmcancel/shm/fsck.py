@@ -2,7 +2,8 @@
 header counters and free stack, lock-free while all is well), the repair-and-log-once every
 operation uses when it meets corruption, and ``stats`` (from one consistent index read).
 
-The header counters obey ``rows + free_top == capacity + 1`` whenever no writer is mid-operation;
+The header counters obey ``rows + free_top + large_top == capacity + 1 + nlarge`` (every record
+referenced once or on its class's free stack once) whenever no writer is mid-operation;
 :meth:`Fsck.check` tests that and more (the janitor and ``Registry.attach`` call it) and recounts.
 Each step of ``fsck`` leaves a state ``fsck`` handles: a killed ``fsck`` is finished by the next.
 """
@@ -14,7 +15,7 @@ import os
 from typing import Any
 
 from .base import READ_RETRIES, TableBase
-from .layout import _ROWS, _STAMP, _STAMP_MAX, _TOP
+from .layout import _CLS, _CLS_OFF, _LTOP, _ROWS, _STAMP, _STAMP_MAX, _TOP
 
 log = logging.getLogger("shmcancel.table")
 
@@ -78,20 +79,27 @@ class Fsck(TableBase):
         the lock. O(nslots + capacity) list work; ``deep`` also validates every referenced
         record and its hash, keys' uniqueness (set) and reachability: what fsck would repair."""
         hq = self._hq
-        rows, top, stamp = hq[_ROWS], hq[_TOP], hq[_STAMP]
-        nrec = self.capacity + 1
-        if rows > self.capacity or top > nrec or rows + top != nrec:
-            return f"row count {rows} and free-stack top {top} do not add up to {nrec} records"
+        rows, top, ltop, stamp = hq[_ROWS], hq[_TOP], hq[_LTOP], hq[_STAMP]
+        cap, nrec = self.capacity, self._nrec
+        if rows > cap or top > cap + 1 or ltop > self._nlarge or rows + top + ltop != nrec:
+            return (f"row count {rows} and free-stack tops {top}, {ltop} do not add up to "
+                    f"{nrec} records")
         if stamp >= _STAMP_MAX:
             return f"stamp counter {stamp}"
+        if self._class_header() is not None:
+            return f"class geometry {self._class_header()} in the header"
         words = self._idx.tolist()
         refs = [r for h, r in zip(words[::2], words[1::2], strict=True) if h]
         if len(refs) != rows:
             return f"row count {rows}, index entries {len(refs)}"
-        held = set(self._free.tolist()[:top])
+        free = self._free.tolist()
+        small, large = free[:top], free[cap + 1:cap + 1 + ltop]
+        held = set(small)
+        held.update(large)
         held.update(refs)
-        if len(held) != nrec or max(held) >= nrec:
-            return "free stack and index do not hold each record exactly once"
+        if (len(held) != nrec or max(held) >= nrec or max(small, default=0) > cap
+                or min(large, default=nrec) <= cap):
+            return "free stacks and index do not hold each record exactly once, in its class"
         if locked and any(v & 1 for v in self._ver.tolist()):
             return "a bucket version is odd with no writer running"
         if deep:
@@ -126,6 +134,11 @@ class Fsck(TableBase):
             why = self._implausible(True, deep)
             return None if why is None else self._repair(f"table {self.name!r}: {why}")
 
+    def _class_header(self) -> tuple[int, int] | None:
+        """The header's (small_size, large_count) when they differ from this table's."""
+        got = _CLS.unpack_from(self._buf, _CLS_OFF)
+        return None if got == (self.small_size, self.large_count) else got
+
     # ---------------------------------------------------------------- recovery
     def fsck(self) -> dict[str, int]:
         """Check and repair the table; the caller holds the lock. Returns counts of repairs,
@@ -135,11 +148,13 @@ class Fsck(TableBase):
         length/crc check, or whose key does not hash to the entry; keeps one of entries sharing
         a record; for a set keeps only the newest (highest stamp) row of a key; moves entries
         back so that no empty slot lies between an entry's home and the entry; rebuilds the
-        free stack from the records referenced; recounts the rows; makes every bucket version
-        even. Every step leaves a state fsck handles, so a killed fsck is finished by the next.
+        free stack of each size class from the records referenced; recounts the rows; rewrites
+        the header's class geometry (from this table's, which ``Table`` checked at attach) when
+        garbage overwrote it; makes every bucket version even. Every step leaves a state fsck
+        handles, so a killed fsck is finished by the next.
         """
         rep = {"odd_versions": 0, "bad_entries": 0, "duplicate_entries": 0,
-               "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0}
+               "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0, "class_header": 0}
         idx = self._idx
         ver = self._ver
         words = idx.tolist()
@@ -190,15 +205,24 @@ class Fsck(TableBase):
                 idx[2 * src + 1] = 0
             odd = list(range(len(versions)))
         hq = self._hq
-        nrec = self.capacity + 1
-        nfree = nrec - len(by_rec)
-        top = hq[_TOP]
-        if top != nfree or set(self._free.tolist()[:top]) | by_rec.keys() != set(range(nrec)):
-            free = self._free
-            for i, r in enumerate(r for r in range(nrec - 1, -1, -1) if r not in by_rec):
+        cap, nrec = self.capacity, self._nrec
+        small = [r for r in range(cap, -1, -1) if r not in by_rec]  # pops low numbers first
+        large = [r for r in range(nrec - 1, cap, -1) if r not in by_rec]
+        top, ltop = hq[_TOP], hq[_LTOP]
+        free = self._free
+        if (top != len(small) or ltop != len(large)
+                or sorted(free[:top]) != small[::-1]
+                or sorted(free[cap + 1:cap + 1 + ltop]) != large[::-1]):
+            for i, r in enumerate(small):
                 free[i] = r
-            hq[_TOP] = nfree
+            for i, r in enumerate(large):
+                free[cap + 1 + i] = r
+            hq[_TOP] = len(small)
+            hq[_LTOP] = len(large)
             rep["free_stack"] = 1
+        if self._class_header() is not None:
+            _CLS.pack_into(self._buf, _CLS_OFF, self.small_size, self.large_count)
+            rep["class_header"] = 1
         if hq[_ROWS] != len(by_rec):
             hq[_ROWS] = len(by_rec)
             rep["rows"] = 1

@@ -6,50 +6,69 @@ u64 store through a ``memoryview.cast("Q")`` is one machine store (never seen to
 
     offset  size                      content
     0       64                        header
-              0   8s  magic  b"SHMTBL\\x00\\x01"
+              0   8s  magic  b"SHMTBL\\x00\\x02"
               8   u32 capacity          (rows the table holds)
-              12  u32 record_size       (bytes per record, header included, multiple of 8)
+              12  u32 record_size       (bytes per large record, header included, multiple of 8)
               16  u32 nslots            (index slots, power of two >= 2 x capacity, >= 16)
               20  u32 nbuckets          (nslots / 16)
               24  u64 rows              (row count; derivable: fsck recounts it)
-              32  u64 free_top          (number of record numbers on the free stack)
+              32  u64 free_top          (record numbers on the small class's free stack)
               40  u64 stamp             (last record stamp handed out)
-              48  16 bytes reserved (0)
+              48  u32 small_size        (bytes per small record; == record_size: one class)
+              52  u32 large_count       (L: rows larger than a small record the table holds)
+              56  u64 large_top         (record numbers on the large class's free stack)
     64      8 x nbuckets (pad to 64)  bucket versions: u64 seqlock per bucket of 16 index slots;
                                       odd while a writer changes a slot of the bucket
     V       16 x nslots               index: per slot u64 hash (keyed blake2b of the packed key,
                                       never 0; 0 = empty slot) then u64 record number
-    I       record_size x (capacity+1)  heap of records:
-              0   u32 crc32 of the klen + vlen payload bytes, seeded with
+    I       small_size x (capacity+1) small class: records 0 .. capacity
+    J       record_size x nlarge      large class: records capacity+1 .. capacity+nlarge, where
+                                      nlarge = L + 1 (0 for a table of one class)
+              each record: 0 u32 crc32 of the klen + vlen payload bytes, seeded with
                       (stamp ^ klen << 16 ^ vlen ^ 0x5EED5EED) mod 2**32 (so it covers the header)
               4   u32 klen, 8 u32 vlen, 12 u32 reserved (0)
               16  u64 stamp (table-wide increasing counter: the newest of two rows wins in fsck)
               24  klen bytes msgpack key, then vlen bytes msgpack value, then zeros
-    H       4 x (capacity+1) (pad to 8)  free stack: u32 record numbers, the top at free_top - 1
+    H       4 x (capacity+1+nlarge)   free stacks (pad to 8): u32 record numbers; the small
+                                      class's at 0 .. capacity (top at free_top - 1), the large
+                                      class's after it (top at capacity + large_top)
 
-There is one record more than ``capacity``: a set update writes a fresh record before it lets go
-of the old one, and the spare guarantees that a full table can still update its rows.
+Size classes: a row whose packed key + value fit a small record (``small_size - 24`` bytes)
+takes a small record, a larger one (up to ``record_size - 24``) a large record. Record number
+``r`` encodes its class: ``r <= capacity`` is small, at ``heap + r * small_size``; above, large,
+at ``large_base + r * record_size`` (one comparison).
+
+The guarantee: the table holds ``capacity`` rows, up to ``L`` of them larger than a small
+record. Each class keeps one record more than it guarantees (``capacity + 1`` small, ``L + 1``
+large): a set update writes a fresh record before it lets go of the old one, and the spare
+guarantees that a full table (or a full large class) can still update its rows. A write that
+would make an (L+1)-th large row (a new row, or a small row growing) finds the large class
+exhausted: ``LargeRowsFull`` (a ``TableFull``), nothing written; what the caller does then is
+its table's policy (see ``registry.py``). A table of one class (``small_size == record_size``,
+``L == 0``) is the layout of version 1 with the header's class fields filled in.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
-MAGIC = b"SHMTBL\x00\x01"
+MAGIC = b"SHMTBL\x00\x02"
 HEADER_SIZE = 64
 RECORD_HEADER = 24  # bytes of record header before the key
 BUCKET_SLOTS = 16  # index slots per seqlock bucket
 
 _HDR = struct.Struct("<8sIIII")  # magic, capacity, record_size, nslots, nbuckets
+_CLS = struct.Struct("<II")  # at _CLS_OFF: small_size, large_count
+_CLS_OFF = 48
 _REC = struct.Struct("<IIIIQ")  # crc, klen, vlen, reserved, stamp
 _LENS = struct.Struct("<II")  # klen, vlen
 _SEED = 0x5EED5EED  # crc seed: (stamp ^ klen << 16 ^ vlen ^ _SEED) & _M32
 _M32 = 0xFFFF_FFFF
 # u64 word numbers in the header
-_ROWS, _TOP, _STAMP = 3, 4, 5
+_ROWS, _TOP, _STAMP, _CLASSES, _LTOP = 3, 4, 5, 6, 7
 _STAMP_MAX = 1 << 62  # a stamp counter above this is garbage (2**62 writes never happen)
 
 _unpackb = msgpack.unpackb
@@ -72,28 +91,62 @@ def _round64(n: int) -> int:
     return (n + 63) & ~63
 
 
-def _geometry(capacity: int, record_size: int) -> tuple[int, int, int, int, int, int]:
-    """(nslots, nbuckets, index offset, heap offset, free-stack offset, region size)."""
+class Geometry(NamedTuple):
+    """Where everything of a table's region lies (byte offsets from the region's start)."""
+
+    nslots: int
+    nbuckets: int
+    idx_off: int  # the index
+    heap_off: int  # the small class's records
+    large_off: int  # the large class's records
+    free_off: int  # the free stacks
+    size: int  # the region, a multiple of 64
+    small_size: int  # bytes per small record (== record_size for a table of one class)
+    large_count: int  # L: large rows guaranteed (0 for one class)
+    nlarge: int  # large records: L + 1, or 0
+
+
+def _geometry(capacity: int, record_size: int, small_size: int = 0,
+              large_count: int = 0) -> Geometry:
+    """The geometry of a table; ``small_size`` 0 (or ``record_size``) means one class."""
     if not isinstance(capacity, int) or not 1 <= capacity <= 0xFFFF_FFFE:
         raise ValueError(f"table capacity must be an int in 1..2**32-2, got {capacity!r}")
     if not isinstance(record_size, int) or record_size < RECORD_HEADER + 2 or record_size % 8:
         raise ValueError(
             f"record_size must be a multiple of 8 and >= {RECORD_HEADER + 8}, got {record_size!r}")
+    if small_size in (0, record_size):
+        if large_count != 0:
+            raise ValueError(f"a table of one record size has no large class, got "
+                             f"large_count={large_count!r}")
+        small_size, nlarge = record_size, 0
+    else:
+        if (not isinstance(small_size, int) or small_size % 8
+                or not RECORD_HEADER + 8 <= small_size < record_size):
+            raise ValueError(f"small_size must be a multiple of 8 in {RECORD_HEADER + 8}.."
+                             f"record_size ({record_size}), got {small_size!r}")
+        if not isinstance(large_count, int) or not 1 <= large_count <= capacity:
+            raise ValueError(f"large_count must be an int in 1..capacity ({capacity}), got "
+                             f"{large_count!r}")
+        nlarge = large_count + 1
     nslots = BUCKET_SLOTS
     while nslots < 2 * capacity:
         nslots *= 2
     nbuckets = nslots // BUCKET_SLOTS
     idx_off = HEADER_SIZE + _round64(8 * nbuckets)
     heap_off = idx_off + 16 * nslots
-    free_off = heap_off + record_size * (capacity + 1)
-    size = _round64(free_off + _round8(4 * (capacity + 1)))
-    return nslots, nbuckets, idx_off, heap_off, free_off, size
+    large_off = heap_off + small_size * (capacity + 1)
+    free_off = large_off + record_size * nlarge
+    size = _round64(free_off + _round8(4 * (capacity + 1 + nlarge)))
+    return Geometry(nslots, nbuckets, idx_off, heap_off, large_off, free_off, size, small_size,
+                    large_count, nlarge)
 
 
-def region_size(capacity: int, record_size: int) -> int:
-    """Bytes a table of ``capacity`` rows of ``record_size``-byte records needs (a multiple
-    of 64)."""
-    return _geometry(capacity, record_size)[5]
+def region_size(capacity: int, record_size: int, small_size: int = 0,
+                large_count: int = 0) -> int:
+    """Bytes a table of ``capacity`` rows needs (a multiple of 64): records of ``record_size``
+    bytes, or with ``small_size`` records of that size plus ``large_count`` + 1 of
+    ``record_size``."""
+    return _geometry(capacity, record_size, small_size, large_count).size
 
 
 def record_size_for(max_key: int, max_value: int) -> int:
@@ -102,21 +155,28 @@ def record_size_for(max_key: int, max_value: int) -> int:
     return _round8(RECORD_HEADER + max_key + max_value)
 
 
-def format_region(buf: memoryview, capacity: int, record_size: int) -> None:
+def format_region(buf: memoryview, capacity: int, record_size: int, small_size: int = 0,
+                  large_count: int = 0) -> None:
     """Write an empty table into ``buf`` (at least ``region_size`` bytes; zero-filled here,
     which also touches every page)."""
-    nslots, nbuckets, _, _, free_off, size = _geometry(capacity, record_size)
+    g = _geometry(capacity, record_size, small_size, large_count)
+    size = g.size
     if len(buf) < size:
         raise ValueError(f"region of {len(buf)} bytes is smaller than the table's {size}")
     chunk = bytes(min(size, 1 << 20))
     for off in range(0, size, len(chunk)):
         n = min(len(chunk), size - off)
         buf[off:off + n] = chunk[:n]
-    _HDR.pack_into(buf, 0, MAGIC, capacity, record_size, nslots, nbuckets)
-    free = buf[free_off:free_off + 4 * (capacity + 1)].cast("I")
+    _HDR.pack_into(buf, 0, MAGIC, capacity, record_size, g.nslots, g.nbuckets)
+    _CLS.pack_into(buf, _CLS_OFF, g.small_size, g.large_count)
+    nrec = capacity + 1 + g.nlarge
+    free = buf[g.free_off:g.free_off + 4 * nrec].cast("I")
     try:
         for i in range(capacity + 1):  # pops 0, 1, 2, ...
             free[i] = capacity - i
+        for i in range(g.nlarge):  # pops capacity + 1, capacity + 2, ...
+            free[capacity + 1 + i] = nrec - 1 - i
     finally:
         free.release()
     struct.pack_into("<QQQ", buf, 24, 0, capacity + 1, 0)
+    struct.pack_into("<Q", buf, 56, g.nlarge)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
 from .fsck import Fsck
-from .layout import _ROWS, _TOP, BUCKET_SLOTS, _unpack
+from .layout import _LTOP, _ROWS, _TOP, BUCKET_SLOTS, _unpack
 
 
 class Watch:
@@ -238,7 +238,7 @@ class Reads(Fsck):
         A counter at or above capacity that disagrees with the free stack (garbage, or a writer
         mid-operation) is not trusted: the count then comes from the index (still lock-free)."""
         n = self._hq[_ROWS]
-        if n >= self.capacity and n + self._hq[_TOP] != self.capacity + 1:
+        if n >= self.capacity and n + self._hq[_TOP] + self._hq[_LTOP] != self._nrec:
             return min(self.nslots - self._idx.tolist()[::2].count(0), self.capacity)
         return n
 

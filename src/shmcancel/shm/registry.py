@@ -3,13 +3,14 @@ MCP sessions use.
 
 Tables (in segment order), keys and values as msgpack packs them:
 
-- ``cancellations`` (set, ``config.capacity`` rows): ``(scope, request_id)`` ->
-  ``(reason | None, cancelled_at)``;
+- ``cancellations`` (set, ``config.effective_max_rows`` rows: the cap evicts before an insert
+  passes it, contract §4.4): ``(scope, request_id)`` -> ``(reason | None, cancelled_at)``;
 - ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
   ``(pid, start, thread_ident, token)``;
 - ``sessions`` (set, ``config.session_capacity``): ``session_id`` -> a value of at most
   ``SESSION_VALUE_MAX`` packed bytes;
-- ``scope_counts`` (set, ``config.capacity``): 16-byte scope digest -> int;
+- ``scope_counts`` (set, ``config.effective_max_rows``: one row per scope holding rows):
+  16-byte scope digest -> int;
 - ``session_clients`` (set, ``config.session_capacity``): 16-byte client digest -> the ids of
   that client's sessions (at most ``config.sessions_per_client`` minted ids);
 - ``session_calls`` (bag, ``config.in_flight_capacity``): ``session_id`` -> ``(pid, start,
@@ -18,6 +19,14 @@ Tables (in segment order), keys and values as msgpack packs them:
 Record sizes come from the worst-case msgpack sizes of those shapes (see ``_KEY_*``/``_VAL_*``;
 tests pack the worst cases); ``session_clients`` records grow with ``sessions_per_client``. A row
 larger than its table's record raises ``RowTooLarge``.
+
+Size classes (``layout.py``): a table with a small record size (``SMALL_*``) keeps one small
+record per row it holds and ``large_count`` worst-case records, so every valid row fits as long
+as at most ``large_count`` rows are larger than a small record. When a write would make one more,
+the table raises ``LargeRowsFull`` (a ``TableFull``) before writing anything, and each table's
+owner does what a full table does there: ``cancellations`` evicts (contract §4.4, among its
+large rows), ``in_flight`` drops dead owners' rows and else serves the request uncancellable,
+``sessions``/``session_clients`` refuse the new session (``SessionsFull``, HTTP 503).
 """
 
 from __future__ import annotations
@@ -80,20 +89,39 @@ MINTED_ID_LEN = 32  # characters of a minted session id (secrets.token_urlsafe(2
 _KEY_CLIENT = 2 + SCOPE_DIGEST  # bin8 = 18
 
 
+# Small records (bytes, header included), sized for the common row measured from the transport:
+# ids of 1-36 characters (a UUID), scopes of a minted session id (32), a short principal or
+# "global", reasons None or a short text, a session's value (~50 packed bytes), a client with up
+# to 8 sessions. The payload of 160 is 136 packed bytes: a [32-char scope, 36-char id] key (71)
+# with an in-flight owner (<= 37) or a reason of <= 53 bytes.
+SMALL_REQUEST = 160
+SMALL_SESSION = 160
+SMALL_CLIENT = 320  # 24 + 18 + fixarray 1 + 8 x 34: up to 8 minted ids
+# Large rows each table holds (bounded by its capacity): the worst case, reserved separately.
+LARGE_CANCELLATIONS = 256
+LARGE_IN_FLIGHT = 128
+LARGE_SESSIONS = 256
+LARGE_CLIENTS = 256
+
+
 def _val_session_clients(config: Config) -> int:
     """[id, ...] of ``sessions_per_client`` minted ids: array16 3 + n x str8 (2 + 32)."""
     return 3 + int(config.sessions_per_client) * (2 + MINTED_ID_LEN)  # type: ignore[arg-type]
 
 
 # name -> (kind, config field giving the capacity, max packed key, max packed value (or its
-# function of the config))
-TABLES: dict[str, tuple[str, str, int, int | Callable[[Config], int]]] = {
-    "cancellations": ("set", "capacity", _KEY_REQUEST, _VAL_CANCEL),
-    "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT),
-    "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX),
-    "scope_counts": ("set", "capacity", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT),
-    "session_clients": ("set", "session_capacity", _KEY_CLIENT, _val_session_clients),
-    "session_calls": ("bag", "in_flight_capacity", _KEY_SESSION, _VAL_IN_FLIGHT),
+# function of the config), small record size (0: one class), large rows held)
+TABLES: dict[str, tuple[str, str, int, int | Callable[[Config], int], int, int]] = {
+    "cancellations": ("set", "effective_max_rows", _KEY_REQUEST, _VAL_CANCEL, SMALL_REQUEST,
+                      LARGE_CANCELLATIONS),
+    "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT, SMALL_REQUEST,
+                  LARGE_IN_FLIGHT),
+    "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX, SMALL_SESSION,
+                 LARGE_SESSIONS),
+    "scope_counts": ("set", "effective_max_rows", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT, 0, 0),
+    "session_clients": ("set", "session_capacity", _KEY_CLIENT, _val_session_clients,
+                        SMALL_CLIENT, LARGE_CLIENTS),
+    "session_calls": ("bag", "in_flight_capacity", _KEY_SESSION, _VAL_IN_FLIGHT, 0, 0),
 }
 
 
@@ -102,15 +130,22 @@ def record_sizes(config: Config | None = None) -> dict[str, int]:
     for the worst-case key + value."""
     cfg = Config() if config is None else config
     return {n: Table.record_size_for(k, v if isinstance(v, int) else v(cfg))
-            for n, (_, _, k, v) in TABLES.items()}
+            for n, (_, _, k, v, _, _) in TABLES.items()}
 
 
 def _specs(config: Config) -> list[TableSpec]:
+    """What each table is laid out as for ``config``: its declared classes, one class where the
+    small record would not be smaller than the worst case, at most ``capacity`` large rows."""
     sizes = record_sizes(config)
     out = []
-    for n, (kind, cap_field, _, _) in TABLES.items():
+    for n, (kind, cap_field, _, _, small, large) in TABLES.items():
         cap = getattr(config, cap_field)
-        out.append(TableSpec(kind, cap, sizes[n], Table.region_size(cap, sizes[n])))
+        rs = sizes[n]
+        if not 0 < small < rs:
+            small, large = 0, 0
+        large = min(large, cap)
+        out.append(TableSpec(kind, cap, rs, Table.region_size(cap, rs, small, large),
+                             small, large))
     return out
 
 
@@ -217,10 +252,13 @@ class Registry:
             self._check_tables()
             self.lock: RegistryLock | _ReadOnlyLock = (
                 _ReadOnlyLock(seg) if seg.readonly else RegistryLock(seg, repair=self.fsck))
+            specs = _specs(seg.config)
             for i, (n, desc) in enumerate(zip(TABLES, seg.tables, strict=True)):
                 self._tables[n] = Table(n, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
                                         capacity=desc.capacity, record_size=desc.record_size,
-                                        hash_key=seg.hash_key, lock=self.lock)
+                                        hash_key=seg.hash_key, lock=self.lock,
+                                        small_size=specs[i].small_size,
+                                        large_count=specs[i].large_count)
         except BaseException:
             self._close_parts()
             raise
@@ -233,15 +271,12 @@ class Registry:
         if len(seg.tables) != len(TABLES):
             raise RegistryIncompatible(
                 f"registry {self._name}: {len(seg.tables)} tables, expected {len(TABLES)}")
-        sizes = record_sizes(cfg)
-        for (n, (kind, cap_field, _, _)), d in zip(TABLES.items(), seg.tables, strict=True):
-            cap = getattr(cfg, cap_field)
-            if (d.kind != kind or d.capacity != cap or d.record_size < sizes[n]
-                    or d.region_size != Table.region_size(d.capacity, d.record_size)):
+        for n, s, d in zip(TABLES, _specs(cfg), seg.tables, strict=True):
+            if (d.kind, d.capacity, d.record_size, d.region_size) != s[:4]:
                 raise RegistryIncompatible(
                     f"registry {self._name}: table {n} is {d.kind}/{d.capacity} rows/"
-                    f"{d.record_size}-byte records/{d.region_size} bytes; expected {kind}/{cap}/"
-                    f">={sizes[n]}/{Table.region_size(cap, sizes[n])}")
+                    f"{d.record_size}-byte records/{d.region_size} bytes; expected {s.kind}/"
+                    f"{s.capacity}/{s.record_size}/{s.region_size}")
 
     # --- lifecycle ---
     @classmethod
@@ -256,7 +291,7 @@ class Registry:
         def init(seg: Segment) -> None:
             for i, s in enumerate(specs):
                 region = seg.region(i)
-                Table.format(region, s.capacity, s.record_size)
+                Table.format(region, s.capacity, s.record_size, s.small_size, s.large_count)
 
         seg = Segment.create(name, config, specs, init=init)
         try:
@@ -484,7 +519,8 @@ class Registry:
             "last_sweeper_pid": sweeper[0] if sweeper else None,
             "tables": [
                 {"name": n, "kind": d.kind, "capacity": d.capacity,
-                 "record_size": d.record_size, "offset": d.offset, "region_size": d.region_size}
-                for n, d in zip(TABLES, seg.tables, strict=True)
+                 "record_size": d.record_size, "small_size": t.small_size,
+                 "large_count": t.large_count, "offset": d.offset, "region_size": d.region_size}
+                for (n, t), d in zip(self._tables.items(), seg.tables, strict=True)
             ],
         }

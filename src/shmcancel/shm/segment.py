@@ -87,7 +87,8 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 2  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 3  # 2: sessions_per_client in the config; session_clients, session_calls
+# 3: tables of two record size classes (their geometry in each table's own region header)
 HEADER_SIZE = 4096
 PAGE = 4096
 MODE = 0o600
@@ -138,6 +139,8 @@ class TableSpec(NamedTuple):
     capacity: int
     record_size: int
     region_size: int
+    small_size: int = 0  # bytes per small record; 0: one class of record_size (shm/layout.py)
+    large_count: int = 0  # rows larger than a small record the table holds (0: one class)
 
 
 class TableDesc(NamedTuple):

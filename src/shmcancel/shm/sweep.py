@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableCorrupted
-from .layout import _LENS, _ROWS, _TOP, RECORD_HEADER, _pack, _unpack
+from .layout import _LENS, _LTOP, _ROWS, _TOP, RECORD_HEADER, _pack, _unpack
 from .writer import Writes
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
@@ -81,7 +81,7 @@ class Sweeps(Writes):
         i = 0
         total = len(rows)
         clock = time.perf_counter
-        buf, heap, rsize = self._buf, self._heap, self.record_size
+        buf, offset = self._buf, self._offset
         while i < total:
             with lock:
                 t_end = clock() + hold
@@ -94,9 +94,9 @@ class Sweeps(Writes):
                         continue
                     # the same bytes as read lock-free (a referenced record is never written
                     # in place, so equal lengths and body mean the same row)
-                    off = heap + r * rsize
+                    off = offset(r)
                     body = kb + vb
-                    if (_LENS.unpack_from(buf, off + 4) != (len(kb), len(vb))
+                    if (off < 0 or _LENS.unpack_from(buf, off + 4) != (len(kb), len(vb))
                             or buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] != body):
                         continue
                     k, v = _unpack(kb), _unpack(vb)
@@ -128,7 +128,7 @@ class Sweeps(Writes):
         implausible: the caller falls back to deleting row by row."""
         ver, idx, mask = self._ver, self._idx, self._mask
         want = {(h, r): kb + vb for h, r, kb, vb in rows}
-        buf, heap, rsize = self._buf, self._heap, self.record_size
+        buf, offset, cap = self._buf, self._offset, self.capacity
         for attempt in range(tries):
             if attempt:
                 os.sched_yield()
@@ -136,8 +136,9 @@ class Sweeps(Writes):
             if any(v & 1 for v in v0):
                 continue
             words = idx.tolist()
-            top = self._hq[_TOP]
-            freed: list[int] = []
+            top, ltop = self._hq[_TOP], self._hq[_LTOP]
+            freed: list[int] = []  # small records
+            lfreed: list[int] = []  # large records
             gone = []
             new = [0] * self._nwords
             for j in range(0, self._nwords, 2):
@@ -146,12 +147,12 @@ class Sweeps(Writes):
                     continue
                 r = words[j + 1]
                 body = want.get((h, r))
-                if body is not None:
-                    off = heap + r * rsize
+                off = offset(r) if body is not None else -1
+                if body is not None and off >= 0:
                     kl, vl = _LENS.unpack_from(buf, off + 4)
                     if kl + vl == len(body) and \
                             buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
-                        freed.append(r)
+                        (freed if r <= cap else lfreed).append(r)
                         gone.append((body[:kl], body[kl:]))
                         continue
                 k = 2 * (h & mask)
@@ -165,15 +166,16 @@ class Sweeps(Writes):
                 continue
             if not gone:
                 return []
-            if top + len(freed) > self.capacity + 1:
+            if top + len(freed) > cap + 1 or ltop + len(lfreed) > self._nlarge:
                 return None
             nidx = array("Q", new)
             nfree = array("I", freed)
+            nlfree = array("I", lfreed)
             odd = array("Q", [v + 1 for v in v0])
             even = array("Q", [v + 2 for v in v0])
             lock = self._lock
             with lock:
-                if ver.tolist() != v0 or self._hq[_TOP] != top:
+                if ver.tolist() != v0 or self._hq[_TOP] != top or self._hq[_LTOP] != ltop:
                     continue
                 hq = self._hq
                 rows_now = hq[_ROWS]
@@ -183,7 +185,9 @@ class Sweeps(Writes):
                 ver[:] = even
                 self._free[top:top + len(freed)] = nfree
                 hq[_TOP] = top + len(freed)
-                hq[_ROWS] = max(0, rows_now - len(freed))
+                self._free[cap + 1 + ltop:cap + 1 + ltop + len(lfreed)] = nlfree
+                hq[_LTOP] = ltop + len(lfreed)
+                hq[_ROWS] = max(0, rows_now - len(freed) - len(lfreed))
                 lock.dirty = False
             return [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
         return None

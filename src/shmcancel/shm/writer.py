@@ -4,8 +4,10 @@
 Invariants a writer (holding the registry lock) keeps, so that a writer killed at any bytecode
 leaves a table ``fsck`` restores:
 
-- a record is written only while it is unreferenced (taken from the free stack), and the index
-  references it only once it is complete; a referenced record is never written;
+- a record is written only while it is unreferenced (taken from its class's free stack), and the
+  index references it only once it is complete; a referenced record is never written;
+- ``rows + free_top + large_top == capacity + 1 + nlarge`` whenever no writer is mid-operation,
+  and a row is refused for want of a large record (``LargeRowsFull``) before any store;
 - a new row is published by writing the slot's record number, then its hash (the hash makes the
   slot non-empty); a set update swaps the record number (one store) and frees the old record after;
 - every bucket whose slots a writer touches is made odd before the first store and even after the
@@ -23,9 +25,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..exceptions import TableFull
-from .base import PreparedKey, TableCorrupted, _crc32
+from .base import LargeRowsFull, PreparedKey, TableCorrupted, _crc32
 from .fsck import Fsck
-from .layout import _M32, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
+from .layout import _LTOP, _M32, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
 
 _T = TypeVar("_T")
 
@@ -33,37 +35,71 @@ _T = TypeVar("_T")
 class Writes(Fsck):
     """The locked writes of :class:`~shmcancel.shm.table.Table`."""
 
-    def _write_record(self, kbytes: bytes, vbytes: bytes) -> int:
-        """Fill the record on top of the free stack (it is unreferenced), then pop it."""
+    def _write_record(self, kbytes: bytes, vbytes: bytes, replacing: int = -1) -> int:
+        """Fill the record on top of its class's free stack (it is unreferenced), then pop it.
+        A large row needs two free large records (one stays the spare) unless it replaces the
+        large record ``replacing``: else LargeRowsFull, raised before any store."""
         hq = self._hq
-        top = hq[_TOP]
-        r = self._free[top - 1] if 0 < top <= self.capacity + 1 else self.capacity + 1
-        if r > self.capacity:  # the free stack is damaged: rebuild it and retry
+        cap = self.capacity
+        kl = len(kbytes)
+        vl = len(vbytes)
+        if kl + vl <= self._spayload:
+            word, base, lo, hi, need = _TOP, 0, 0, cap + 1, 1
+        else:
+            word, base, lo, hi = _LTOP, cap + 1, cap + 1, self._nrec
+            need = 1 if replacing > cap else 2
+        n = hi - lo  # records of the class
+        top = hq[word]
+        r = self._free[base + top - 1] if 0 < top <= n else -1
+        if not lo <= r < hi:  # the free stack is damaged: rebuild it and retry
             self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
             self._lock.dirty = True  # the caller's write goes on
-            top = hq[_TOP]
+            top = hq[word]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
-            r = self._free[top - 1]
+            r = self._free[base + top - 1]
+        if top < need:  # only the large class can get here: its spare is for updates
+            raise LargeRowsFull(
+                f"table {self.name!r} holds {self.large_count} rows larger than "
+                f"{self._spayload} packed bytes already (its large records)")
         stamp = hq[_STAMP] + 1
         if stamp >= _STAMP_MAX:  # checked before the first store
             raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")
         hq[_STAMP] = stamp
-        kl = len(kbytes)
-        vl = len(vbytes)
         body = kbytes + vbytes
-        self._rs.pack_into(self._buf, self._heap + r * self.record_size,
-                           _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32),
-                           kl, vl, 0, stamp, body)
-        hq[_TOP] = top - 1
+        crc = _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32)
+        if base:
+            self._rs.pack_into(self._buf, self._lbase + r * self.record_size,
+                               crc, kl, vl, 0, stamp, body)
+        else:
+            self._rss.pack_into(self._buf, self._heap + r * self.small_size,
+                                crc, kl, vl, 0, stamp, body)
+        hq[word] = top - 1
         return r
+
+    def _take(self, kbytes: bytes, vbytes: bytes, replacing: int = -1) -> int:
+        """:meth:`_write_record` with ``lock.dirty`` set from before its first store; a
+        LargeRowsFull (raised before any store) leaves it clear."""
+        lock = self._lock
+        lock.dirty = True
+        try:
+            return self._write_record(kbytes, vbytes, replacing)
+        except LargeRowsFull:
+            lock.dirty = False
+            raise
 
     def _free_record(self, r: int) -> None:
         hq = self._hq
-        top = hq[_TOP]
-        if top <= self.capacity:  # else the stack is damaged; fsck rebuilds it
-            self._free[top] = r
-            hq[_TOP] = top + 1
+        if r <= self.capacity:
+            top = hq[_TOP]
+            if top <= self.capacity:  # else the stack is damaged; fsck rebuilds it
+                self._free[top] = r
+                hq[_TOP] = top + 1
+        else:
+            top = hq[_LTOP]
+            if top < self._nlarge:
+                self._free[self.capacity + 1 + top] = r
+                hq[_LTOP] = top + 1
 
     def _publish(self, pk: PreparedKey, r: int) -> None:
         """Put record ``r`` in the first empty slot of ``pk``'s probe: record number, then
@@ -162,8 +198,7 @@ class Writes(Fsck):
             s, old, _, oldvb = found[0]
             if oldvb == vb:
                 return
-            lock.dirty = True
-            new = self._write_record(key.kbytes, vb)
+            new = self._take(key.kbytes, vb, old)
             b = s >> 4
             ver = self._ver
             ver[b] += 1
@@ -177,8 +212,7 @@ class Writes(Fsck):
                 return
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        lock.dirty = True
-        self._publish(key, self._write_record(key.kbytes, vb))
+        self._publish(key, self._take(key.kbytes, vb))
         lock.dirty = False
 
     def _full(self) -> None:
@@ -187,9 +221,9 @@ class Writes(Fsck):
         plausible; the caller holds the lock."""
         hq = self._hq
         rows = hq[_ROWS]
-        if rows > self.capacity or rows + hq[_TOP] != self.capacity + 1:
-            self._repair(f"table {self.name!r}: row count {rows} and free-stack top {hq[_TOP]} "
-                         f"do not add up to {self.capacity + 1} records")
+        if rows > self.capacity or rows + hq[_TOP] + hq[_LTOP] != self._nrec:
+            self._repair(f"table {self.name!r}: row count {rows} and free-stack tops "
+                         f"{hq[_TOP]}, {hq[_LTOP]} do not add up to {self._nrec} records")
             if hq[_ROWS] < self.capacity:
                 return
         raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
@@ -208,8 +242,7 @@ class Writes(Fsck):
             return False
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        lock.dirty = True
-        self._publish(key, self._write_record(key.kbytes, vb))
+        self._publish(key, self._take(key.kbytes, vb))
         lock.dirty = False
         return True
 
