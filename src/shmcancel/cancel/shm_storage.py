@@ -15,7 +15,7 @@ from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
 from ..shm.registry import Registry
-from ..shm.table import PreparedKey, _unpack
+from ..shm.table import LargeRowsFull, PreparedKey, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage
 
@@ -138,11 +138,15 @@ class ShmBackend:
                             self.evict(batch)
                 if not full:
                     at = clock()
-                    try:
-                        self.put(scope, rid, reason, at)
-                    except TableFull:  # the physical table filled below the cap: make room
-                        self.evict(batch)
-                        self.put(scope, rid, reason, at)
+                    for _ in range(2):
+                        try:
+                            self.put(scope, rid, reason, at)
+                            return True
+                        except LargeRowsFull:  # the large records are taken: evict among them
+                            self.evict_large()
+                        except TableFull:  # the physical table filled below the cap
+                            self.evict(batch)
+                    self.put(scope, rid, reason, at)
                     return True
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
@@ -210,6 +214,22 @@ class ShmBackend:
             if not batch:
                 break
         return total
+
+    def evict_large(self) -> int:
+        """Under the lock: the table holds its ``large_count`` rows too large for a small record
+        (layout.py) and another is to be written: remove ``max(1, large_count // 20)`` of them,
+        in contract §4.4's order among the large rows (scope sizes counted among them), as the
+        global cap does among all rows. Counted as evictions."""
+        with self._lock:
+            large = self._c.large_count
+            rows = (_cancel_row(k, v) for k, v in self._c.large_rows())
+            victims = eviction.choose(((r[0], r[1], r[3]) for r in rows if r is not None),
+                                      eviction.batch_size(large, large))
+            gone = [(k, v) for k in victims for v in self._c.lookup(k)]
+            for k, _ in gone:
+                self._c.delete(k)
+            self._evicted(gone)
+            return len(gone)
 
     def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
         """Under the lock: count the chunk ``gone`` as evicted and out of its scopes."""

@@ -272,6 +272,21 @@ class Reads(Fsck):
                 ents = self._entries(self._idx.tolist())
             return [e for e in ents if e[4] >= 0]
 
+    def large_rows(self) -> list[tuple[Any, Any]]:
+        """(key, value) of every row held in a large record (see ``layout.py``), from one
+        consistent copy of the index; only those records are read (each validated)."""
+        if not self._nlarge:
+            return []
+        words = self._index_words()
+        cap, rec = self.capacity, self._record
+        out = []
+        for j in range(0, self._nwords, 2):
+            if words[j] and words[j + 1] > cap:
+                got = rec(words[j + 1])
+                if got is not None:
+                    out.append((_unpack(got[0]), _unpack(got[1])))
+        return out
+
     def scan(self, pred: Callable[[Any, Any], bool] | None = None) -> list[tuple[Any, Any]]:
         """Every (key, value) for which ``pred(key, value)`` is true (all rows when None), from
         one consistent snapshot, in index order."""
