@@ -58,17 +58,26 @@ class SemLock:
         self._depth = 0
 
 
-class Rig:
-    """Tables in one real shared-memory segment: ``specs`` = [(kind, capacity, record_size)]."""
+Spec = tuple[str, int, int] | tuple[str, int, int, int, int]
 
-    def __init__(self, name: str, specs: list[tuple[str, int, int]]) -> None:
+
+def _classes(spec: Spec) -> tuple[int, int]:
+    """(small_size, large_count) of a spec (0, 0: one record size)."""
+    return (spec[3], spec[4]) if len(spec) == 5 else (0, 0)  # type: ignore[misc]
+
+
+class Rig:
+    """Tables in one real shared-memory segment: ``specs`` = [(kind, capacity, record_size)],
+    or [(kind, capacity, record_size, small_size, large_count)] for two size classes."""
+
+    def __init__(self, name: str, specs: list[Spec]) -> None:
         self.name = name
         self.specs = specs
         self.offsets = []
         off = 0
-        for _, cap, rs in specs:
+        for spec in specs:
             self.offsets.append(off)
-            off += (Table.region_size(cap, rs) + 4095) & ~4095
+            off += (Table.region_size(spec[1], spec[2], *_classes(spec)) + 4095) & ~4095
         self.size = off
         shm = posix_ipc.SharedMemory("/shmcancel." + name, posix_ipc.O_CREAT, 0o600, size=off)
         try:
@@ -78,23 +87,27 @@ class Rig:
         self.buf = memoryview(self.mm)
         self.lock = SemLock(name)
         for i in range(len(specs)):
-            Table.format(self.region(i), specs[i][1], specs[i][2])
+            Table.format(self.region(i), specs[i][1], specs[i][2], *_classes(specs[i]))
         self.tables = [self.open(i) for i in range(len(specs))]
         self.lock.tables = self.tables
 
     def region(self, i: int) -> memoryview:
-        _, cap, rs = self.specs[i]
-        return self.buf[self.offsets[i]:self.offsets[i] + Table.region_size(cap, rs)]
+        spec = self.specs[i]
+        size = Table.region_size(spec[1], spec[2], *_classes(spec))
+        return self.buf[self.offsets[i]:self.offsets[i] + size]
 
     def open(self, i: int) -> Table:
-        kind, cap, rs = self.specs[i]
-        return Table(f"t{i}", self.region(i), kind=kind, capacity=cap,  # type: ignore[arg-type]
-                     record_size=rs, hash_key=HASH_KEY, lock=self.lock)
+        spec = self.specs[i]
+        small, large = _classes(spec)
+        return Table(f"t{i}", self.region(i), kind=spec[0],  # type: ignore[arg-type]
+                     capacity=spec[1], record_size=spec[2], hash_key=HASH_KEY, lock=self.lock,
+                     small_size=small, large_count=large)
 
     def reset(self, i: int) -> Table:
         """Format table ``i`` afresh and return a new Table over it."""
         self.tables[i].close()
-        Table.format(self.region(i), self.specs[i][1], self.specs[i][2])
+        Table.format(self.region(i), self.specs[i][1], self.specs[i][2],
+                     *_classes(self.specs[i]))
         self.tables[i] = self.open(i)
         return self.tables[i]
 

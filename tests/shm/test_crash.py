@@ -24,7 +24,7 @@ from helpers.table_rig import Rig, healthy, same_home_keys
 from helpers.tools import load_tool
 
 from shmcancel.exceptions import TableFull
-from shmcancel.shm.table import Table
+from shmcancel.shm.table import LargeRowsFull, Table
 
 crash_loop = load_tool("crash_loop")
 
@@ -121,9 +121,52 @@ def _set_insert_into_a_chain(t: Table) -> Callable[[], object]:
     return lambda: t.insert(keys[3], "new")
 
 
+# Scenarios on a table of two size classes (16 rows, small records of 64 bytes, 3 large rows):
+# rows moving between the classes, a large update with the large class full (the spare), a
+# large delete, a large bag insert.
+CLASSED = (16, 256, 64, 3)
+BIG = "y" * 100  # a value only a large record holds
+
+
+def _set_classes_small_to_large(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for k in keys:
+        t.insert(k, 1)
+    return lambda: t.insert(keys[1], BIG)
+
+
+def _set_classes_large_to_small(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for k in keys:
+        t.insert(k, BIG)
+    return lambda: t.insert(keys[1], 2)
+
+
+def _set_classes_large_update_on_the_spare(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for k in keys:  # the large class is full: the update takes its spare
+        t.insert(k, BIG)
+    return lambda: t.insert(keys[2], BIG + "z")
+
+
+def _set_classes_delete_large(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)  # slots 15..17: the shift crosses into bucket 1
+    for k in keys:
+        t.insert(k, BIG + k)
+    return lambda: t.delete(keys[0])
+
+
+def _bag_classes_insert_large(t: Table) -> Callable[[], object]:
+    t.insert("k", BIG)
+    t.insert("k", 1)
+    return lambda: t.insert("k", BIG + "new")
+
+
 KILL_SCENARIOS = {f.__name__[1:]: f for f in (
     _bag_insert_over_a_stale_record, _set_update, _set_delete_shifting_across_buckets,
-    _set_insert_into_a_chain)}
+    _set_insert_into_a_chain, _set_classes_small_to_large, _set_classes_large_to_small,
+    _set_classes_large_update_on_the_spare, _set_classes_delete_large,
+    _bag_classes_insert_large)}
 
 
 @pytest.mark.parametrize("scenario", sorted(KILL_SCENARIOS))
@@ -133,7 +176,8 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
     op, a clean second fsck, and every record still usable. Catches a wrong store order
     (hash before record number, record written after publishing) and fsck steps skipped."""
     kind = "bag" if scenario.startswith("bag") else "set"
-    rig = Rig(shm_name, [(kind, 16, 64)])
+    classed = "classes" in scenario
+    rig = Rig(shm_name, [(kind, *CLASSED) if classed else (kind, 16, 64)])
     try:
         t = rig.reset(0)
         op = KILL_SCENARIOS[scenario](t)
@@ -164,6 +208,13 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
                 got = rows(t)
                 assert got in (before, after), f"killed at bytecode {k}/{n}: {got}"
                 healthy(t)
+                if classed:  # no large record leaked: the class holds exactly L large rows
+                    held = sum(1 for _, v in t.scan() if str(v).startswith(BIG))
+                    n = 0
+                    with pytest.raises(LargeRowsFull):
+                        for n in range(t.large_count + 1):
+                            t.insert(("big", n), BIG)
+                    assert n == t.large_count - held
                 i = 0
                 while t.count() < t.capacity:  # no record leaked
                     t.insert(("fill", i), i)

@@ -1,0 +1,280 @@
+"""Record size classes (shm/layout.py): a table keeps one small record per row and ``L`` large
+ones; every valid row fits while at most ``L`` rows are large, and what happens past that is each
+table's documented policy. Real shared memory throughout (``Rig``, ``Registry``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+import pytest
+from helpers.table_rig import Rig, healthy
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from shmcancel import Cancellation, Config, Registry
+from shmcancel.cancel.shm_storage import ShmBackend
+from shmcancel.exceptions import RegistryIncompatible, TableFull
+from shmcancel.mcp.sessions import SessionsFull, SessionStore
+from shmcancel.shm import registry
+from shmcancel.shm.layout import _CLS_OFF
+from shmcancel.shm.segment import segment_path
+from shmcancel.shm.table import LargeRowsFull, Table
+
+CAP, RS, SMALL, LARGE = 12, 256, 64, 3  # the machine's table: payloads of 40 and 232 bytes
+
+
+def large(t: Table, key: Any, value: Any) -> bool:
+    return len(msgpack.packb(key)) + len(msgpack.packb(value)) > t.small_size - Table.RECORD_HEADER
+
+
+def large_rows(t: Table) -> int:
+    return sum(1 for k, v in t.scan() if large(t, k, v))
+
+
+class ClassedSet(RuleBasedStateMachine):
+    """A set table of two size classes against a dict: small and large rows up to (and past)
+    the exhaustion of both the large class and the table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rig = Rig(f"t{os.getpid()}-cls-{id(self):x}", [("set", CAP, RS, SMALL, LARGE)])
+        self.t = self.rig.tables[0]
+        self.model: dict[str, Any] = {}
+
+    def teardown(self) -> None:
+        self.rig.close()
+        os.unlink("/dev/shm/shmcancel." + self.rig.name)
+        os.unlink("/dev/shm/sem.shmcancel." + self.rig.name)
+
+    def nlarge(self) -> int:
+        return sum(1 for k, v in self.model.items() if large(self.t, k, v))
+
+    @rule(k=st.integers(0, 15), v=st.one_of(
+        st.integers(-1000, 1000), st.text("ab", max_size=30), st.text("xyz", min_size=50,
+                                                                      max_size=200)))
+    def insert(self, k: int, v: Any) -> None:
+        key = f"k{k}"
+        old = self.model.get(key)
+        grows = large(self.t, key, v) and (old is None or not large(self.t, key, old))
+        if old is None and len(self.model) == CAP:
+            with pytest.raises(TableFull) as e:
+                self.t.insert(key, v)
+            assert type(e.value) is TableFull  # the row count is checked first
+        elif old != v and grows and self.nlarge() == LARGE:
+            with pytest.raises(LargeRowsFull):
+                self.t.insert(key, v)
+        else:
+            self.t.insert(key, v)
+            self.model[key] = v
+
+    @rule(k=st.integers(0, 15))
+    def delete(self, k: int) -> None:
+        key = f"k{k}"
+        assert self.t.delete(key) == (1 if key in self.model else 0)
+        self.model.pop(key, None)
+
+    @invariant()
+    def agrees(self) -> None:
+        t = self.t
+        assert dict(t.scan()) == self.model and t.count() == len(self.model)
+        for k in range(16):
+            assert t.lookup(f"k{k}") == ([self.model[f"k{k}"]] if f"k{k}" in self.model else [])
+        assert large_rows(t) == self.nlarge() <= LARGE
+        with self.rig.lock:
+            healthy(t)
+
+
+TestClassedSet = ClassedSet.TestCase
+TestClassedSet.settings = settings(max_examples=40, stateful_step_count=60, deadline=None,
+                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_full_large_class_still_updates_its_rows_and_takes_small_ones(shm_name: str) -> None:
+    rig = Rig(shm_name, [("bag", CAP, RS, SMALL, LARGE)])
+    try:
+        t = rig.tables[0]
+        big = "x" * 100
+        for i in range(LARGE):
+            t.insert("b", f"{big}{i}")
+        with pytest.raises(LargeRowsFull):
+            t.insert("b", f"{big}new")
+        with pytest.raises(LargeRowsFull):
+            t.insert_new("other", big)
+        for i in range(CAP - LARGE):  # the small records are all there
+            t.insert("s", i)
+        assert t.count() == CAP and large_rows(t) == LARGE
+        assert t.delete_object("b", f"{big}0")
+        t.insert("b", f"{big}new")  # the freed large record is reused
+        with rig.lock:
+            healthy(t)
+    finally:
+        rig.close()
+
+
+def test_corrupt_class_geometry_is_refused_at_attach_and_restored_by_fsck(shm_name: str) -> None:
+    with Registry.create(shm_name, Config(max_rows=100)) as reg:
+        t = reg.cancellations
+        good = bytes(t._buf[_CLS_OFF:_CLS_OFF + 8])
+        t._buf[_CLS_OFF:_CLS_OFF + 4] = (t.small_size + 8).to_bytes(4, "little")
+        with pytest.raises(RegistryIncompatible, match="does not match the layout"):
+            Registry.attach(shm_name)
+        assert reg.check(deep=False)["cancellations"]["class_header"] == 1  # the janitor's
+        assert bytes(t._buf[_CLS_OFF:_CLS_OFF + 8]) == good
+        Registry.attach(shm_name).close()
+        reg.unlink()
+
+
+def test_a_record_number_outside_its_class_is_dropped(shm_name: str) -> None:
+    """An index entry naming a record of the other class (or past both) reads as absent, and
+    fsck drops it and rebuilds both free stacks whole."""
+    rig = Rig(shm_name, [("set", CAP, RS, SMALL, LARGE)])
+    try:
+        t = rig.tables[0]
+        rows = {"s": 1, "b": "y" * 100}
+        for key, r in (("s", CAP + 1), ("b", 0), ("s", CAP + LARGE + 1), ("b", 2**40)):
+            for k, v in rows.items():
+                t.insert(k, v)
+            s = t._find(t.prepare(key))[0][0]
+            t._idx[2 * s + 1] = r  # possibly another row's record: it reads as absent
+            assert t.lookup(key) == []  # never another row's value, never a crash
+            with rig.lock:  # a record failing validation was repaired by the read already
+                t.fsck()
+                healthy(t)
+            assert t.scan() == [(k, v) for k, v in rows.items() if k != key]
+        t.insert("s", 2)
+        t.insert("b", "z" * 100)
+        assert t.lookup("s") == [2] and t.lookup("b") == ["z" * 100]
+    finally:
+        rig.close()
+
+
+# ------------------------------------------------------------------ per table, past the large class
+
+REASON = "r" * 200  # a reason no small record holds
+
+
+def test_cancellations_evict_among_large_rows_when_the_large_class_is_full(shm_name: str) -> None:
+    now = [1000.0]
+
+    def clock() -> float:
+        now[0] += 1
+        return now[0]
+
+    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
+        c = Cancellation(reg, clock=clock)
+        t = reg.cancellations
+        L = t.large_count
+        assert L == registry.LARGE_CANCELLATIONS and t.capacity == 1000
+        for i in range(20):
+            c.cancel(f"small{i}", "short", scope=f"s{i % 4}")
+        for i in range(L):
+            c.cancel(f"big{i}", REASON, scope=f"s{i % 4}")
+        assert len(t.large_rows()) == L and reg.evictions == 0
+        c.cancel("big-new", REASON, scope="s0")  # never refused for its size
+        batch = max(1, L // 20)
+        assert c.cancelled("big-new", "s0") and reg.evictions == batch
+        gone = [i for i in range(L) if not c.cancelled(f"big{i}", f"s{i % 4}")]
+        assert gone == list(range(batch))  # equal scopes: the oldest large rows, in §4.4 order
+        assert all(c.cancelled(f"small{i}", f"s{i % 4}") for i in range(20))  # untouched
+        assert t.count() == 20 + L - batch + 1 and len(t.large_rows()) == L - batch + 1
+        store = ShmBackend(reg)
+        for s in range(4):  # the scope counts moved with the evicted rows
+            assert store.scope_rows(f"s{s}") == sum(
+                1 for k, _ in t.scan() if k[0] == f"s{s}")
+        reg.unlink()
+
+
+def _dead_owner() -> tuple[int, int, int, int]:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return (pid, 1, 1, 1)
+
+
+def test_in_flight_past_the_large_class_reaps_then_fails_like_a_full_table(shm_name: str) -> None:
+    with Registry.create(shm_name, Config(in_flight_capacity=1024)) as reg:
+        c = Cancellation(reg)
+        store = ShmBackend(reg)
+        L = reg.in_flight.large_count
+        scope = "p" * 150  # a long principal: every row of it is large
+        dead = _dead_owner()
+        for i in range(L):
+            store.track(scope, f"dead{i}", dead)
+        c.track("mine", scope)  # the dead owner's large rows are reaped to make room
+        assert c.in_flight("mine", scope) and len(reg.in_flight.large_rows()) == 1
+        for i in range(L - 1):
+            c.track(f"live{i}", scope)
+        with pytest.raises(TableFull, match="larger than"):
+            c.track("one-more", scope)
+        c.track("small", "global")  # small rows are unaffected
+        assert c.in_flight("small", "global") and not c.in_flight("one-more", scope)
+        reg.unlink()
+
+
+def test_session_clients_past_the_large_class_refuse_a_session(shm_name: str) -> None:
+    """A client with more than 8 sessions has a large client row; when L clients have one, a
+    ninth session of another client is refused like a full table (SessionsFull), and its first
+    eight, or a session of a client whose row is large already, are not."""
+    cfg = Config(session_capacity=registry.LARGE_CLIENTS * 9 + 32, sessions_per_client=32)
+    with Registry.create(shm_name, cfg) as reg:
+        store = SessionStore(reg)
+        L = reg.session_clients.large_count
+        for i in range(L):
+            for _ in range(9):
+                store.create("2025-06-18", client=f"c{i}")
+        for _ in range(8):
+            store.create("2025-06-18", client="late")
+        with pytest.raises(SessionsFull):
+            store.create("2025-06-18", client="late")
+        store.create("2025-06-18", client="c0")  # a large row grows: the spare serves it
+        assert len(reg.session_clients.large_rows()) == L
+        reg.unlink()
+
+
+# ------------------------------------------------------------------ footprint
+
+MIB = 1 << 20
+
+
+def test_default_segment_is_at_most_8_mib_and_follows_max_rows(shm_name: str,
+                                                             shm_names: list[str]) -> None:
+    with Registry.create(shm_name) as reg:
+        default = os.path.getsize(segment_path(shm_name))
+        assert default <= 8 * MIB and default == reg.info()["total_size"]
+        reg.unlink()
+    small_name = shm_name + "s"
+    shm_names.append(small_name)
+    with Registry.create(small_name, Config(max_rows=100)) as reg:
+        small = os.path.getsize(segment_path(small_name))
+        assert small < default - 2 * MIB
+        assert reg.cancellations.capacity == reg.scope_counts.capacity == 100
+        assert reg.config.capacity == 10_000  # the contract's meaning is unchanged
+        reg.unlink()
+
+
+def test_max_rows_rows_of_typical_size_are_all_stored(shm_name: str) -> None:
+    """The default config: max_rows cancellations of typical size (scopes of minted session
+    ids, ids of 1-36 characters, no reason or a short one) and a full in-flight table of
+    typical rows, all stored, nothing evicted."""
+    with Registry.create(shm_name) as reg:
+        c = Cancellation(reg)
+        cfg = reg.config
+        scopes = [os.urandom(24).hex()[:32] for _ in range(50)]
+        ids: list[object] = [*range(100), *(f"{i:036d}" for i in range(100))]
+        n = 0
+        for s in scopes:
+            for rid in ids:
+                if n < cfg.max_rows:  # type: ignore[operator]
+                    c.cancel(rid, None if n % 2 else "Client cancelled the request", scope=s)
+                    n += 1
+        assert reg.cancellations.count() == cfg.max_rows and reg.evictions == 0
+        assert not reg.cancellations.large_rows()
+        for i in range(cfg.in_flight_capacity):
+            c.track(f"{i:036d}", scopes[i % 50])
+        assert reg.in_flight.count() == cfg.in_flight_capacity
+        assert not reg.in_flight.large_rows()
+        reg.unlink()
