@@ -352,8 +352,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     last = "never" if s["sweeps"] == 0 else _age(now, s["last_sweep"])
     print(f"evictions {s['evictions']}, sweeps {s['sweeps']} (last {last})")
     print()
-    print(_table(("TABLE", "KIND", "ROWS", "CAPACITY", "LOAD", "MAX_PROBE"), [
-        (n, t["kind"], t["rows"], t["capacity"], f"{t['load']:.1%}", t["max_probe"])
+    print(_table(("TABLE", "KIND", "ROWS", "CAPACITY", "LOAD", "MAX_PROBE", "RECORD",
+                  "LARGE"), [
+        (n, t["kind"], t["rows"], t["capacity"], f"{t['load']:.1%}", t["max_probe"],
+         f"{t['small_size']}/{t['record_size']}" if t["large_count"] else t["record_size"],
+         f"{t['large_rows']}/{t['large_count']}" if t["large_count"] else "-")
         for n, t in s["tables"].items()]))
     print()
     print("probe lengths (distance from home slot: entries)")

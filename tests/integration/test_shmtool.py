@@ -144,7 +144,7 @@ def test_stats_json(reg):
     for i in range(5):
         c.cancel(i, None, "ip:big")
     for i in range(2):
-        c.cancel(i, None, "session:small")
+        c.cancel(i, "why" * 100 if i else None, "session:small")  # one row in a large record
     c.track(1, "ip:big")
     p = shmtool("stats", reg.name, "--json")
     assert p.returncode == 0, p.stderr
@@ -154,6 +154,9 @@ def test_stats_json(reg):
     assert s["top_scopes"][:2] == [{"scope": "ip:big", "rows": 5},
                                    {"scope": "session:small", "rows": 2}]
     assert sum(s["tables"]["cancellations"]["probe_histogram"].values()) == 7
+    t = s["tables"]["cancellations"]
+    assert (t["small_size"], t["record_size"], t["large_rows"]) == (160, 1616, 1)
+    assert 0 < t["large_count"] <= t["capacity"] == 100
     assert s["lock"]["owner_pid"] is None
     assert s["evictions"] == 0 and s["recoveries"] == 0
     assert s["creator_pid"] == os.getpid() and s["creator_alive"] is True

@@ -37,15 +37,21 @@ class Fsck(TableBase):
 
     def stats(self) -> dict[str, Any]:
         """``rows``, ``capacity``, ``nslots``, ``load`` (rows / nslots), ``probe_histogram``
-        {distance from home slot: entries}, ``max_probe``; from one consistent index read."""
+        {distance from home slot: entries}, ``max_probe``, the size classes (``small_size``,
+        ``record_size``, ``large_count``) and ``large_rows`` (rows in large records); from one
+        consistent index read."""
         hist: dict[int, int] = {}
         mask = self._mask
+        cap = self.capacity
+        nlarge = 0
         words = self._index_words()
         for j in range(0, self._nwords, 2):
             h = words[j]
             if h:
                 d = ((j >> 1) - (h & mask)) & mask
                 hist[d] = hist.get(d, 0) + 1
+                if words[j + 1] > cap:
+                    nlarge += 1
         n = sum(hist.values())
         return {
             "rows": n,
@@ -54,6 +60,10 @@ class Fsck(TableBase):
             "load": n / self.nslots,
             "probe_histogram": dict(sorted(hist.items())),
             "max_probe": max(hist, default=0),
+            "small_size": self.small_size,
+            "record_size": self.record_size,
+            "large_count": self.large_count,
+            "large_rows": nlarge,
         }
 
     # ---------------------------------------------------------------- corruption
