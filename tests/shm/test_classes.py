@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 from helpers.table_rig import Rig, healthy
+from helpers.tools import load_tool
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -242,15 +243,17 @@ MIB = 1 << 20
 
 def test_default_segment_is_at_most_8_mib_and_follows_max_rows(shm_name: str,
                                                              shm_names: list[str]) -> None:
+    footprint = load_tool("footprint").footprint
     with Registry.create(shm_name) as reg:
         default = os.path.getsize(segment_path(shm_name))
         assert default <= 8 * MIB and default == reg.info()["total_size"]
+        assert footprint(Config())[1] == default  # what tools/footprint.py prints
         reg.unlink()
     small_name = shm_name + "s"
     shm_names.append(small_name)
     with Registry.create(small_name, Config(max_rows=100)) as reg:
         small = os.path.getsize(segment_path(small_name))
-        assert small < default - 2 * MIB
+        assert small < default - 2 * MIB and footprint(Config(max_rows=100))[1] == small
         assert reg.cancellations.capacity == reg.scope_counts.capacity == 100
         assert reg.config.capacity == 10_000  # the contract's meaning is unchanged
         reg.unlink()

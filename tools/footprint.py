@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Bytes of each table of a registry's segment for a Config, and the segment's total.
+
+    python tools/footprint.py [--max-rows N|none] [--capacity N] [--in-flight-capacity N]
+                              [--session-capacity N] [--sessions-per-client N]
+
+Per table: rows held, record sizes (small/large, see ``shm/layout.py``), large rows held (L) and
+region bytes; the total is the file size of ``/dev/shm/shmcancel.NAME`` (computed, nothing is
+created). Without options: the default ``Config()`` and ``Config(max_rows=100)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shmcancel import Config
+from shmcancel.shm import registry
+from shmcancel.shm.segment import HEADER_SIZE, PAGE
+
+MIB = 1 << 20
+
+
+def footprint(config: Config) -> tuple[list[tuple[str, registry.TableSpec]], int]:
+    """[(table, its spec)] and the segment's total bytes (header and page alignment included)."""
+    specs = list(zip(registry.TABLES, registry._specs(config), strict=True))
+    total = HEADER_SIZE + sum((s.region_size + PAGE - 1) // PAGE * PAGE for _, s in specs)
+    return specs, total
+
+
+def report(config: Config, title: str) -> None:
+    specs, total = footprint(config)
+    print(f"{title}: {total:,} bytes ({total / MIB:.2f} MiB)")
+    print(f"  {'table':16} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12}")
+    for n, s in specs:
+        rec = f"{s.small_size}/{s.record_size}" if s.large_count else str(s.record_size)
+        print(f"  {n:16} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
+              f"{s.region_size:12,}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--max-rows")
+    ap.add_argument("--capacity", type=int)
+    ap.add_argument("--in-flight-capacity", type=int)
+    ap.add_argument("--session-capacity", type=int)
+    ap.add_argument("--sessions-per-client", type=int)
+    args = ap.parse_args(argv)
+    kw: dict[str, object] = {}
+    if args.max_rows is not None:
+        kw["max_rows"] = None if args.max_rows.lower() == "none" else int(args.max_rows)
+    for name in ("capacity", "in_flight_capacity", "session_capacity", "sessions_per_client"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if kw:
+        report(Config(**kw), f"Config({', '.join(f'{k}={v!r}' for k, v in kw.items())})")
+    else:
+        report(Config(), "Config()")
+        report(Config(max_rows=100), "Config(max_rows=100)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
