@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shmcancel import Cancellation, Config, Registry
-from shmcancel.exceptions import ShmCancelError
+from shmcancel.exceptions import RegistryIncompatible, ShmCancelError
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.shm.table import Table, _geometry
 
@@ -384,3 +384,51 @@ def test_attach_never_waits_long_for_a_held_lock(reg: Registry,
     assert t.count() == ROWS + bigs(t) + 5
     Cancellation(reg).sweep()  # the malformed test rows go too; the counter agrees
     assert t.count() == len(t.scan()) and t._hq[ROWS_WORD] == t.count()
+
+
+def test_a_corrupt_class_geometry_is_refused_at_attach_and_restored_by_the_sweep(
+        reg: Registry) -> None:
+    """Garbage over a table's size classes (header bytes 48..56): a new attachment refuses the
+    segment (its records would be misread), the attached processes go on with the geometry
+    they checked, and the janitor's sweep writes it back."""
+    t = reg.sessions  # a table the sweep's expiry leaves alone
+    fresh(t)
+    good = bytes(t._buf[48:56])
+    t._buf[48:52] = (t.small_size + 8).to_bytes(4, "little")
+    with pytest.raises(RegistryIncompatible, match="does not match the layout"):
+        Registry.attach(reg.name)
+    assert t.lookup("big1") == [BIG] and t.lookup(3) == [30]
+    with cpu_deadline():
+        Cancellation(reg).sweep()
+    assert bytes(t._buf[48:56]) == good
+    Registry.attach(reg.name).close()
+    assert_works(reg, t)
+
+
+@pytest.mark.parametrize(("key", "target"), [
+    (5, "large in use"), (5, "large free"), ("big1", "small in use"), ("big1", "small free"),
+    (5, "past both"), ("big1", "huge")])
+def test_a_record_number_out_of_its_class(reg: Registry, key: Any, target: str) -> None:
+    """An index entry naming a record of the other class (live or free) or no record: the row
+    reads as absent (never another row's value), every other row as itself, and the repair
+    leaves both free stacks whole (every record usable again)."""
+    t = reg.sessions  # a table the sweep's expiry leaves alone
+    fresh(t)
+    ents = {kb: r for _, r, kb, _, _ in t._entries(t._idx.tolist())}
+    used = set(ents.values())
+    r = {"large in use": ents[t.prepare("big0").kbytes],
+         "large free": next(r for r in range(t._nrec - 1, t.capacity, -1) if r not in used),
+         "small in use": ents[t.prepare(0).kbytes],
+         "small free": next(r for r in range(t.capacity, -1, -1) if r not in used),
+         "past both": t._nrec, "huge": 2**40}[target]
+    s = t._find(t.prepare(key))[0][0]
+    t._idx[2 * s + 1] = r
+    with cpu_deadline():
+        assert t.lookup(key) == [] and not t.member(key)
+        assert all(t.lookup(k) == [10 * k] for k in range(ROWS) if k != key)
+        assert all(t.lookup(f"big{k}") == [BIG] for k in range(bigs(t)) if f"big{k}" != key)
+    assert_works(reg, t)
+    assert t.count() == ROWS + bigs(t) - 1
+    t.insert(key, 1 if key == 5 else BIG)  # the key can be written again, in its class
+    while t.count() < t.capacity:  # every small record is usable
+        t.insert(("fill", t.count()), 0)
