@@ -246,3 +246,16 @@ class TableBase:
         else:
             raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         return out
+
+    def _locate(self, h: int, r: int) -> int:
+        """The slot holding (hash ``h``, record ``r``), or -1; the caller holds the lock."""
+        idx = self._idx
+        j = 2 * (h & self._mask)
+        for _ in range(self.nslots):
+            sh = idx[j]
+            if not sh:
+                return -1
+            if sh == h and idx[j + 1] == r:
+                return j >> 1
+            j = (j + 2) & self._wmask
+        return -1

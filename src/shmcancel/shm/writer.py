@@ -157,23 +157,11 @@ class Writes(Fsck):
             hq[_ROWS] = rows - 1
         self._free_record(r)
 
-    def _locate(self, h: int, r: int) -> int:
-        """The slot holding (hash ``h``, record ``r``), or -1; the caller holds the lock."""
-        idx = self._idx
-        j = 2 * (h & self._mask)
-        for _ in range(self.nslots):
-            sh = idx[j]
-            if not sh:
-                return -1
-            if sh == h and idx[j + 1] == r:
-                return j >> 1
-            j = (j + 2) & self._wmask
-        return -1
-
     def insert(self, key: Any, value: Any) -> None:
         """Set: insert or replace ``key``'s row. Bag: add the object unless an identical one is
-        there. Raises RowTooLarge (before taking the lock or writing) or TableFull (or
-        TableCorrupted: see the module docstring)."""
+        there. Raises RowTooLarge (before taking the lock or writing) or TableFull: the table
+        holds ``capacity`` rows, or (LargeRowsFull) the row needs a large record and the table
+        holds its ``large_count`` large rows (or TableCorrupted: see the module docstring)."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
