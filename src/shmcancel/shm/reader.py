@@ -273,13 +273,21 @@ class Reads(Fsck):
             return [e for e in ents if e[4] >= 0]
 
     def large_rows(self) -> list[tuple[Any, Any]]:
-        """(key, value) of every row held in a large record (see ``layout.py``), from one
-        consistent copy of the index; only those records are read (each validated)."""
+        """(key, value) of every row held in a large record (see ``layout.py``). Under the
+        lock: O(L), the large records off the free stack, each kept only if validated and
+        referenced by its key's entry. Lock-free: from one consistent copy of the index."""
         if not self._nlarge:
             return []
-        words = self._index_words()
-        cap, rec = self.capacity, self._record
+        cap, rec, hq = self.capacity, self._record, self._hq
         out = []
+        if self._lock.held_by_me() and hq[_LTOP] <= self._nlarge:
+            free = set(self._free[cap + 1:cap + 1 + hq[_LTOP]])
+            for r in range(cap + 1, self._nrec):
+                got = rec(r) if r not in free else None
+                if got is not None and self._locate(self._hash(got[0]), r) >= 0:
+                    out.append((_unpack(got[0]), _unpack(got[1])))
+            return out
+        words = self._index_words()
         for j in range(0, self._nwords, 2):
             if words[j] and words[j + 1] > cap:
                 got = rec(words[j + 1])
