@@ -45,7 +45,7 @@ guarantees that a full table (or a full large class) can still update its rows. 
 would make an (L+1)-th large row (a new row, or a small row growing) finds the large class
 exhausted: ``LargeRowsFull`` (a ``TableFull``), nothing written; what the caller does then is
 its table's policy (see ``registry.py``). A table of one class (``small_size == record_size``,
-``L == 0``) is the layout of version 1 with the header's class fields filled in.
+``L == 0``, ``nlarge == 0``) has one heap and one free stack; its class fields say so.
 """
 
 from __future__ import annotations
