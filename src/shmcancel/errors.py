@@ -2,28 +2,7 @@
 
 from __future__ import annotations
 
-from .mcp.codes import (
-    HEADER_MISMATCH,
-    INTERNAL_ERROR,
-    INVALID_PARAMS,
-    INVALID_REQUEST,
-    METHOD_NOT_FOUND,
-    PARSE_ERROR,
-    REQUEST_CANCELLED,
-    SERVER_ERROR,
-    UNSUPPORTED_PROTOCOL_VERSION,
-    request_cancelled,
-)
+from .mcp import codes as _codes
+from .mcp.codes import *  # noqa: F403 - this module is that one's public name
 
-__all__ = [
-    "HEADER_MISMATCH",
-    "INTERNAL_ERROR",
-    "INVALID_PARAMS",
-    "INVALID_REQUEST",
-    "METHOD_NOT_FOUND",
-    "PARSE_ERROR",
-    "REQUEST_CANCELLED",
-    "SERVER_ERROR",
-    "UNSUPPORTED_PROTOCOL_VERSION",
-    "request_cancelled",
-]
+__all__ = list(_codes.__all__)

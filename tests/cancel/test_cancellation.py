@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers.background import lock_held
 from helpers.clock import Clock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -395,17 +396,7 @@ def test_clear_removes_only_its_own_row(rc_any):
 def test_clear_without_row_takes_no_lock(rc):
     reg, c = rc
     c.cancel(1, None, "s")
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with reg.lock:
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert held.wait(5)
+    with lock_held(reg, hold_for=10):
         done = threading.Event()
 
         def clear_absent():
@@ -418,9 +409,6 @@ def test_clear_without_row_takes_no_lock(rc):
         assert done.wait(2), "clear() of a missing row waited for the lock"
         t2.join()
         assert c.cancelled(1, "s")
-    finally:
-        release.set()
-        t.join()
 
 
 def test_cancel_emits_telemetry(rc_any, events):

@@ -1,9 +1,12 @@
-"""A call run on a daemon thread; ``result()`` joins it (bounded) and returns or re-raises."""
+"""Work on another thread of the test's process: a call whose ``result()`` joins it (bounded)
+and returns or re-raises; the registry lock held for a ``with`` block."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -30,3 +33,24 @@ class Background(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.value
+
+
+@contextlib.contextmanager
+def lock_held(reg: Any, *, hold_for: float = 30.0) -> Iterator[None]:
+    """Hold ``reg.lock`` on another thread of this process for the ``with`` body (at most
+    ``hold_for`` seconds); the body runs once the lock is held."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reg.lock:
+            held.set()
+            release.wait(hold_for)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    try:
+        assert held.wait(5), "could not take the registry lock"
+        yield
+    finally:
+        release.set()
+        t.join(10)

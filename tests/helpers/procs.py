@@ -1,6 +1,7 @@
 """Forked helper processes for the tests that need a second process: a child that reports over a
-pipe, a bounded read of that pipe, and a reaper for ``finally``; and ``Child``, a forked process
-with a message channel (``Chan``, JSON over a socketpair), which the ``spawn`` fixture makes."""
+pipe, a bounded read of that pipe, a reaper for ``finally`` (``first_message`` does all three);
+and ``Child``, a forked process with a message channel (``Chan``, JSON over a socketpair), which
+the ``spawn`` fixture makes."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ def reap(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def first_message(fn: Callable[[int], None], timeout: float = 10) -> tuple[int, bytes]:
+    """Fork a child running fn(write_fd), wait for its first message, then kill and reap it
+    (whatever it was doing); ``(pid, message)``."""
+    pid, r = child(fn)
+    try:
+        return pid, recv(r, timeout)
+    finally:
+        os.close(r)
+        reap(pid)
 
 
 def wait_zombie(pid: int, timeout: float = 5.0) -> None:

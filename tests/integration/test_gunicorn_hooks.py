@@ -123,12 +123,9 @@ def base(g: Gunicorn) -> str:
 
 @pytest.fixture(scope="module")
 def sync_server(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
-    with Gunicorn(APP, registry_name=module_shm_name, config=CONF, workers=3) as g:
-        reg = Registry.attach(module_shm_name, readonly=True)
-        try:
-            yield g, reg
-        finally:
-            reg.close()
+    with Gunicorn(APP, registry_name=module_shm_name, config=CONF, workers=3) as g, \
+            Registry.attach(module_shm_name, readonly=True) as reg:
+        yield g, reg
 
 
 def test_master_creates_workers_attach(sync_server):

@@ -162,20 +162,24 @@ def own_redis() -> Iterator[RedisServer]:
         srv.stop()
 
 
-def two_names(shm_name: str, shm_names: list[str]) -> tuple[str, str]:
+@contextlib.contextmanager
+def two_hosts(url: str, outdir: str, shm_name: str, shm_names: list[str],
+              a_workers: int = 2, **kw: Any) -> Iterator[tuple[Gunicorn, Gunicorn, str]]:
+    """Hosts A (registry ``shm_name``) and B (a second test-unique registry) sharing the Redis
+    at ``url`` under a fresh key prefix; ``(a, b, prefix)``, both stopped at the end."""
     other = TEST_PREFIX + uuid.uuid4().hex[:12]
     shm_names.append(other)
-    return shm_name, other
+    prefix = unique_prefix()
+    with host(shm_name, "A", url, prefix, outdir, workers=a_workers, **dict(kw)) as a, \
+            host(other, "B", url, prefix, outdir, **kw) as b:
+        yield a, b, prefix
 
 
 def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdir: str,
                                                         shm_name: str,
                                                         shm_names: list[str]) -> None:
-    prefix = unique_prefix()
     r = redis.Redis.from_url(redis_server.url)
-    na, nb = two_names(shm_name, shm_names)
-    with host(na, "A", redis_server.url, prefix, outdir) as a, \
-            host(nb, "B", redis_server.url, prefix, outdir) as b:
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
         c = Client(a.url)
         t = tag()
         call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
@@ -203,11 +207,8 @@ def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdi
 def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:
     """Redis SIGKILLed mid-run: no request fails, same-host cancellation keeps working, the
     outage is logged once per worker, and cross-host cancellation resumes after a restart."""
-    with own_redis() as srv:
-        na, nb = two_names(shm_name, shm_names)
-        prefix = unique_prefix()
-        with host(na, "A", srv.url, prefix, outdir) as a, \
-                host(nb, "B", srv.url, prefix, outdir) as b:
+    with own_redis() as srv, \
+            two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
             c = Client(a.url)
             reply, _ = cross_cancel(a, b, outdir, c, "before")
             assert reply["error"]["code"] == errors.REQUEST_CANCELLED
@@ -283,11 +284,8 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
     """A Redis that stops answering (SIGSTOP): calls on both hosts are served, each delayed by
     no more than the client timeout (0.2 s here) plus slack, same-host cancellation works, and
     after SIGCONT cross-host cancellation resumes."""
-    with own_redis() as srv:
-        na, nb = two_names(shm_name, shm_names)
-        prefix = unique_prefix()
-        with host(na, "A", srv.url, prefix, outdir) as a, \
-                host(nb, "B", srv.url, prefix, outdir) as b:
+    with own_redis() as srv, \
+            two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
             c = Client(a.url)
             assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
             assert srv.proc is not None
@@ -322,11 +320,9 @@ def test_quota_is_shared_across_hosts(redis_server: Any, outdir: str, shm_name: 
     see it); the third cancellation sent to B gets HTTP 429 / -32000 and its call runs on; once
     the first two end (their rows go), a cancellation through B gets through again. B's own
     registry holds no row of the scope, so only the shared count in Redis can refuse it."""
-    na, nb = two_names(shm_name, shm_names)
-    prefix = unique_prefix()
     quota = {"SHMCANCEL_TEST_MAX_ROWS_PER_SCOPE": "2"}
-    with host(na, "A", redis_server.url, prefix, outdir, workers=4, env_extra=quota) as a, \
-            host(nb, "B", redis_server.url, prefix, outdir, env_extra=quota) as b:
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=4,
+                   env_extra=quota) as (a, b, _):
         c = Client(a.url)
         tags = [tag() for _ in range(3)]
         calls = [Background(lambda i=i, t=t: c.call(a.url, i, "stubborn", {"seconds": 4, "tag": t}))

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import anyio
 import mcp
 import pytest
+from helpers.aio import until
 from helpers.gunicorn_harness import Gunicorn
 from mcp import Client
 from mcp.shared.exceptions import MCPError
@@ -31,12 +32,9 @@ STOPPED_WITHIN = 2.0  # seconds from abandonment to the row's removal on the ser
 
 @pytest.fixture(scope="module")
 def example(module_shm_name) -> Iterator[tuple[Gunicorn, Registry]]:
-    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3) as g:
-        reg = Registry.attach(module_shm_name, readonly=True)
-        try:
-            yield g, reg
-        finally:
-            reg.close()
+    with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3) as g, \
+            Registry.attach(module_shm_name, readonly=True) as reg:
+        yield g, reg
 
 
 # The SDK's own race (mcp 2.3.0): the server's reply to an abandoned call (-32800, or the
@@ -82,17 +80,6 @@ async def client(url: str, mode: str, races: list[BaseException]) -> AsyncIterat
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
     return [k for k, _ in reg.in_flight.scan()]
-
-
-async def until(predicate, timeout: float, what: str) -> float:
-    """Poll ``predicate()`` every 10 ms; return when it held (monotonic time), fail after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await anyio.sleep(0.01)
-    return time.monotonic()
 
 
 @pytest.mark.parametrize("mode", MODES)

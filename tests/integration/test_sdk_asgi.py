@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import anyio
 import httpx
 import pytest
+from helpers.aio import until
 from helpers.gunicorn_harness import Gunicorn
 from mcp import Client
 
@@ -41,12 +42,9 @@ def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]
     kind = request.param
     env = {"SHMCANCEL_SDK_STATELESS": "1" if kind == "stateless" else "0"}
     with Gunicorn(None, registry_name=module_shm_name, config=CONF, workers=3,
-                  worker_class="uvicorn_worker.UvicornWorker", env=env) as g:
-        reg = Registry.attach(module_shm_name, readonly=True)
-        try:
-            yield kind, g, reg
-        finally:
-            reg.close()
+                  worker_class="uvicorn_worker.UvicornWorker", env=env) as g, \
+            Registry.attach(module_shm_name, readonly=True) as reg:
+        yield kind, g, reg
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
@@ -55,17 +53,6 @@ def rows(reg: Registry) -> list[tuple[str, str]]:
 
 def cancellation_rows(reg: Registry) -> list[tuple[str, str]]:
     return [k for k, _ in reg.cancellations.scan()]
-
-
-async def until(predicate, timeout: float, what: str) -> float:
-    """Poll ``predicate()`` every 5 ms; return the monotonic time it held; fail after
-    ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await anyio.sleep(0.005)
-    return time.monotonic()
 
 
 @pytest.mark.parametrize("wire", list(MODES))

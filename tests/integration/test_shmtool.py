@@ -8,12 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 import pytest
-from helpers.procs import child, reap, recv
+from helpers.background import lock_held
+from helpers.procs import first_message
 
 from shmcancel import Config
 from shmcancel.cancellation import Cancellation
@@ -46,12 +46,8 @@ def _killed_after(fn: Callable[[], object]) -> int:
         os.write(w, b"x")
         time.sleep(60)
 
-    pid, r = child(body)
-    try:
-        assert recv(r) == b"x"
-    finally:
-        os.close(r)
-        reap(pid)
+    pid, msg = first_message(body)
+    assert msg == b"x"
     return pid
 
 
@@ -106,17 +102,7 @@ def test_dump_never_locks_and_never_writes(reg):
     c.cancel(1, "r", "s")
     c.track(2, "s")
     path = f"/dev/shm/shmcancel.{reg.name}"
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with reg.lock:
-            held.set()
-            release.wait(30)
-
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert held.wait(5)
+    with lock_held(reg):
         with open(path, "rb") as f:
             before = f.read()
         started = time.monotonic()
@@ -134,9 +120,6 @@ def test_dump_never_locks_and_never_writes(reg):
         assert time.monotonic() - started < 15  # never waited out a lock timeout
         with open(path, "rb") as f:
             assert f.read() == before
-    finally:
-        release.set()
-        t.join()
 
 
 def test_stats_json(reg):
