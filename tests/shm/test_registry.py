@@ -21,7 +21,6 @@ from shmcancel.exceptions import (
     RegistryIncompatible,
     RegistryNotFound,
     RowTooLarge,
-    SegmentTooLarge,
     ShmCancelError,
 )
 from shmcancel.shm import procinfo, registry
@@ -131,19 +130,6 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
         with pytest.raises(RowTooLarge):
             reg.cancellations.insert(("s" * 2000, "1"), (None, 1.0))
         reg.unlink()
-
-
-def test_too_large_for_dev_shm(shm_name: str) -> None:
-    huge = Config(max_rows=None, capacity=10_000_000, in_flight_capacity=10_000_000,
-                  session_capacity=10_000_000)
-    vfs = os.statvfs("/dev/shm")
-    need = sum(s.region_size for s in registry._specs(huge))
-    if need <= vfs.f_bavail * vfs.f_frsize:  # pragma: no cover - a giant /dev/shm
-        pytest.skip("/dev/shm is larger than the largest configurable registry")
-    with pytest.raises(SegmentTooLarge, match=r"needs .* bytes .* free"):
-        Registry.create(shm_name, huge)
-    assert not os.path.exists(segment_path(shm_name))
-    assert not os.path.exists(sem_path(shm_name))
 
 
 def _creator(name: str) -> Callable[[int], None]:
