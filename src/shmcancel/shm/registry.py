@@ -393,8 +393,17 @@ class Registry:
     def session_calls(self) -> Table:
         return self._tables["session_calls"]
 
+    def table(self, name: str) -> Table:
+        """The table called ``name`` (KeyError naming the tables there are, if none)."""
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise KeyError(f"registry {self._name} has no table {name!r} (it has "
+                           f"{', '.join(self._tables) or 'none'})") from None
+
     @property
     def tables(self) -> dict[str, Table]:
+        """Every table, by name, in segment order."""
         return dict(self._tables)
 
     # --- header counters ---
