@@ -62,7 +62,7 @@ async def _cancel_once(url: str, reg: Registry, tool: str, rid: int) -> float:
         tg.start_soon(post_call)
         key = ("ip:127.0.0.1", str(rid))
         with anyio.fail_after(10):  # the layer records a cancel only for a call in flight
-            while key not in [k for k, _ in reg.in_flight.scan()]:
+            while key not in [k for k, _ in reg.table("in_flight").scan()]:
                 await anyio.sleep(0.002)
         async with httpx.AsyncClient(timeout=10) as h2:
             sent = time.perf_counter()

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for _ in range(args.reps):
             runs.append(_measure(lambda: c.cancel(n, "bench", "ip:new")))  # noqa: B023
-            _fill(c, rows - reg.cancellations.count(), n + 1)
+            _fill(c, rows - reg.table("cancellations").count(), n + 1)
             n += rows
         _row("evict (cancel at the cap)", runs)
         _row("cleanup, none expired", [_measure(c.cleanup) for _ in range(args.reps)])
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         def sweeps() -> None:
             nonlocal n
             c.cancel(n, "bench", "ip:new")
-            _fill(c, rows - reg.cancellations.count(), n + 1)
+            _fill(c, rows - reg.table("cancellations").count(), n + 1)
             n += rows
             c.cleanup()
 

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                           Config(max_rows=cap, capacity=cap, in_flight_capacity=1024,
                                  session_capacity=64))
     try:
-        t = reg.cancellations
+        t = reg.table("cancellations")
         rs = t.record_size
         size = Table.region_size(cap, rs)
         with _segment(size) as (name, mm):

@@ -106,7 +106,7 @@ class Model:
 
 def run_op(reg: Registry, op: Op) -> None:
     name = op[0]
-    t = reg.cancellations if name[0] == "c" else reg.in_flight
+    t = reg.table("cancellations") if name[0] == "c" else reg.table("in_flight")
     try:
         if name.endswith("_insert"):
             t.insert(op[1], op[2])
@@ -123,12 +123,13 @@ def run_op(reg: Registry, op: Op) -> None:
 def state(reg: Registry) -> Model:
     """The tables as a Model (scan decodes every row: a torn one would raise or mismatch)."""
     m = Model()
-    for k, v in reg.cancellations.scan():
+    for k, v in reg.table("cancellations").scan():
         assert _p(k) not in m.c, f"set key {k!r} twice"
         m.c[_p(k)] = _p(v)
-    for k, v in reg.in_flight.scan():
+    for k, v in reg.table("in_flight").scan():
         m.f.add((_p(k), _p(v)))
-    assert reg.cancellations.count() == len(m.c) and reg.in_flight.count() == len(m.f)
+    assert reg.table("cancellations").count() == len(m.c)
+    assert reg.table("in_flight").count() == len(m.f)
     return m
 
 

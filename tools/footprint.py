@@ -15,15 +15,15 @@ import argparse
 
 from shmcancel import Config
 from shmcancel.shm import registry
-from shmcancel.shm.segment import HEADER_SIZE, PAGE
+from shmcancel.shm.segment import HEADER_SIZE, PAGE, TableSpec
 
 MIB = 1 << 20
 
 
-def footprint(config: Config) -> tuple[list[tuple[str, registry.TableSpec]], int]:
-    """[(table, its spec)] and the segment's total bytes (header and page alignment included)."""
-    specs = list(zip(registry.TABLES, registry._specs(config), strict=True))
-    total = HEADER_SIZE + sum((s.region_size + PAGE - 1) // PAGE * PAGE for _, s in specs)
+def footprint(config: Config) -> tuple[list[TableSpec], int]:
+    """Each table's spec and the segment's total bytes (header and page alignment included)."""
+    specs = registry.table_specs(config)
+    total = HEADER_SIZE + sum((s.region_size + PAGE - 1) // PAGE * PAGE for s in specs)
     return specs, total
 
 
@@ -31,9 +31,9 @@ def report(config: Config, title: str) -> None:
     specs, total = footprint(config)
     print(f"{title}: {total:,} bytes ({total / MIB:.2f} MiB)")
     print(f"  {'table':16} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12}")
-    for n, s in specs:
+    for s in specs:
         rec = f"{s.small_size}/{s.record_size}" if s.large_count else str(s.record_size)
-        print(f"  {n:16} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
+        print(f"  {s.name:16} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
               f"{s.region_size:12,}")
 
 

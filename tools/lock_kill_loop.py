@@ -25,7 +25,6 @@ import time
 import uuid
 
 from shmcancel import telemetry
-from shmcancel.config import Config
 from shmcancel.shm.lock import RegistryLock
 from shmcancel.shm.segment import Segment, TableSpec, unlink_names
 
@@ -91,7 +90,7 @@ def main() -> int:
     logging.getLogger("shmcancel.lock").setLevel(logging.ERROR)  # one warning per round
 
     name = f"lockloop-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    seg = Segment.create(name, Config(lock_timeout=10), [TableSpec("set", 1, 64, 4096)])
+    seg = Segment.create(name, b"", [TableSpec("t", "set", 1, 64, 4096)], timeout=10)
     lock = RegistryLock(seg)
     rep_r, rep_w = os.pipe()
     stop_r, stop_w = os.pipe()

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
 
         def prepare() -> None:
-            reg.in_flight.prepare((scope, str(next(fresh))))
+            reg.table("in_flight").prepare((scope, str(next(fresh))))
 
         def watch() -> None:
             st.watch(scope, str(next(fresh)))

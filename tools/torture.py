@@ -609,8 +609,8 @@ def rows_left(name: str, killed: set[tuple[str, str]]) -> tuple[int, int, list[s
     in-flight rows, where a cancellation row of a call whose worker was killed is counted apart."""
     reg = Registry.attach(name, readonly=True)
     try:
-        cancels = [k for k, _ in reg.cancellations.scan()]
-        flights = [(k, v) for k, v in reg.in_flight.scan()]
+        cancels = [k for k, _ in reg.table("cancellations").scan()]
+        flights = [(k, v) for k, v in reg.table("in_flight").scan()]
     finally:
         reg.close()
     explained = [k for k in cancels if isinstance(k, tuple | list) and tuple(k) in killed]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors, principal, telemetry
 from .cancel import policy as _policy
+from .cancel import tables as _cancel_tables  # noqa: F401  (declares its tables)
 from .cancel.policy import Cancellation, RequestHandle
 from .config import Config
 from .exceptions import (
@@ -25,6 +26,7 @@ from .exceptions import (
     TableFull,
 )
 from .mcp import conn as _conn
+from .mcp import session_tables as _session_tables  # noqa: F401  (declares its tables)
 from .mcp.conn import cancelled
 from .shm.lock import RegistryLock
 from .shm.registry import Registry
@@ -32,6 +34,8 @@ from .shm.registry import Registry
 if TYPE_CHECKING:  # pragma: no cover
     from .mcp.server import McpServer, ToolError
 
+# Every registry holds the tables the layers that own them declare on import (cancel.tables,
+# mcp.session_tables, imported above before any registry can exist).
 # The policy takes scopes as strings; how a conn names its request and caller is the transport's.
 _policy.read_conns_with(_conn)
 

@@ -1,9 +1,13 @@
-"""Registry configuration. Stored in the segment header, so every attached process agrees."""
+"""Registry configuration. Stored in the segment header (:meth:`Config.pack`, opaque to the
+shared-memory layer), so every attached process agrees."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
 
 DEFAULT_SESSIONS_PER_CLIENT = 32
 MAX_SESSIONS_PER_CLIENT = 1024  # the per-client row lists them all: its record grows with this
@@ -77,6 +81,33 @@ class Config:
                     0 < v < 1e9 or low_ok):
                 raise ValueError(f"Config.{name} must be a positive number of seconds, got {v!r}")
             object.__setattr__(self, name, float(v))
+
+    def pack(self) -> bytes:
+        """This config as a registry header stores it: msgpack of ``{field: value}``."""
+        return msgpack.packb({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> Config:
+        """The config :meth:`pack` made ``blob`` from. ``ValueError`` (never another error) for
+        anything else: not msgpack, not a map of exactly Config's fields, or values Config
+        refuses."""
+        try:
+            d: Any = msgpack.unpackb(blob, raw=False, strict_map_key=True, use_list=False)
+        except Exception as e:  # msgpack raises several types for garbage
+            raise ValueError(f"not a packed Config ({type(e).__name__}: {e})") from None
+        if type(d) is not dict:
+            raise ValueError(f"not a packed Config (a {type(d).__name__}, not a map)")
+        names = {f.name for f in fields(cls)}
+        if d.keys() != names:
+            missing = sorted(names - d.keys())
+            unknown = ", ".join(sorted(repr(k) for k in d.keys() - names))  # str or bytes
+            raise ValueError(f"Config fields missing {missing}, unknown [{unknown}]")
+        try:
+            return cls(**d)
+        except ValueError:
+            raise
+        except Exception as e:  # pragma: no cover - __post_init__ raises ValueError
+            raise ValueError(f"invalid Config: {e}") from None
 
     @property
     def effective_max_rows(self) -> int:

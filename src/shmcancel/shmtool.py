@@ -47,7 +47,9 @@ from typing import Any
 import posix_ipc
 
 from .cancel.policy import Cancellation
+from .cancel.tables import CANCELLATIONS, IN_FLIGHT
 from .exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
+from .mcp.session_tables import SESSIONS
 from .shm import procinfo
 from .shm.registry import Registry
 from .shm.registry import unlink as _unlink_names
@@ -246,14 +248,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _dump(reg: Registry) -> dict[str, Any]:
     now = time.time()
     cancels = []
-    for k, v in reg.cancellations.scan():
+    for k, v in reg.table(CANCELLATIONS).scan():
         scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
         reason, at = (v[0], v[1]) if isinstance(v, tuple) and len(v) == 2 else (repr(v), None)
         cancels.append({"scope": scope, "request_id": rid, "reason": reason, "cancelled_at": at})
     cancels.sort(key=lambda r: (r["cancelled_at"] or 0.0, str(r["scope"]), str(r["request_id"])))
     flights = []
     alive_cache: dict[tuple[int, int], bool] = {}
-    for k, v in reg.in_flight.scan():
+    for k, v in reg.table(IN_FLIGHT).scan():
         scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
         if isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) for x in v):
             pid, start, tid, token = v
@@ -267,7 +269,7 @@ def _dump(reg: Registry) -> dict[str, Any]:
                         "start_time": start, "thread": tid, "token": token})
     flights.sort(key=lambda r: (str(r["scope"]), str(r["request_id"]), r["pid"] or 0))
     return {"name": reg.name, "now": now, "cancellations": cancels, "in_flight": flights,
-            "sessions": reg.sessions.count()}
+            "sessions": reg.table(SESSIONS).count()}
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -306,7 +308,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
         st["kind"] = t.kind
         st["probe_histogram"] = {str(k): v for k, v in st["probe_histogram"].items()}
         tables[name] = st
-    per_scope = Counter(k[0] for k, _ in reg.cancellations.scan()
+    per_scope = Counter(k[0] for k, _ in reg.table(CANCELLATIONS).scan()
                         if isinstance(k, tuple) and len(k) == 2)
     cfg = info["config"]
     return {

@@ -79,6 +79,9 @@ class _RedisView:
         self.scope_counts = _Rows(lambda: [], lambda: len(
             {s for s, _, _, _ in storage.cancellations()}))
 
+    def table(self, name):
+        return getattr(self, name)
+
     @property
     def evictions(self):
         return self.storage.evictions
@@ -124,7 +127,7 @@ def events():
 
 
 def rows(reg):
-    return sorted(reg.cancellations.scan())
+    return sorted(reg.table("cancellations").scan())
 
 
 # --------------------------------------------------------------------------------- §4.1 ids
@@ -133,7 +136,7 @@ def test_42_and_str_42_are_one_request(rc_any):
     c.cancel(42, "first", "s")
     assert c.cancelled("42", "s") and c.cancelled(42, "s")
     c.cancel("42", "second", "s")
-    assert reg.cancellations.count() == 1
+    assert reg.table("cancellations").count() == 1
     assert c.reason(42, "s") == "second"
     c.clear("42", "s")
     assert not c.cancelled(42, "s")
@@ -166,12 +169,12 @@ def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc_any, rid, event
     reg, c = rc_any
     with pytest.raises(InvalidRequestId):
         c.cancel(rid, "r", "s")
-    assert reg.cancellations.count() == 0
-    assert reg.scope_counts.count() == 0
+    assert reg.table("cancellations").count() == 0
+    assert reg.table("scope_counts").count() == 0
     assert events == []
     # None of the others raise for a bad id.
     c.track(rid, "s")
-    assert reg.in_flight.count() == 0
+    assert reg.table("in_flight").count() == 0
     assert c.in_flight(rid, "s") is False
     c.untrack(rid, "s")
     c.clear(rid, "s")
@@ -198,7 +201,7 @@ def test_none_is_a_noop_everywhere(rc_any, events):
     assert c.cancelled(None, "s") is False
     assert c.reason(None, "s") is None
     assert c.in_flight(None, "s") is False
-    assert reg.cancellations.count() == reg.in_flight.count() == 0
+    assert reg.table("cancellations").count() == reg.table("in_flight").count() == 0
     assert events == []
 
 
@@ -220,7 +223,7 @@ def test_reasons_are_sanitised_when_stored(rc_any, reason, stored):
     reg, c = rc_any
     c.cancel(1, reason, "s")
     assert c.reason(1, "s") == stored
-    assert reg.cancellations.get(("s", "1"))[0] == stored
+    assert reg.table("cancellations").get(("s", "1"))[0] == stored
 
 
 # --------------------------------------------------------------------------------- §3 scopes
@@ -248,7 +251,7 @@ def test_principal_whose_id_is_an_ip_string_shares_nothing(make_any):
     c.cancel(1, None, c.scope(anon))
     assert not c.cancelled(fake)
     c.cancel(1, None, c.scope(fake))  # its own quota of 1 is untouched by the anonymous row
-    assert reg.cancellations.count() == 2
+    assert reg.table("cancellations").count() == 2
 
 
 @pytest.mark.parametrize(
@@ -288,7 +291,7 @@ def test_cancelled_at_is_the_clock_unrounded(make_any):
     clock = Clock(1_700_000_000.123456789)
     reg, c = make_any(clock)
     c.cancel(1, None, "s")
-    assert reg.cancellations.get(("s", "1")) == (None, 1_700_000_000.123456789)
+    assert reg.table("cancellations").get(("s", "1")) == (None, 1_700_000_000.123456789)
     assert c.cancelled_at(1, "s") == 1_700_000_000.123456789
 
 
@@ -298,7 +301,7 @@ def test_overwrite_keeps_count_updates_in_place(rc_any):
     t0 = c.clock()
     c.clock.tick(5)
     c.cancel(1, "b", "s")
-    assert reg.cancellations.count() == 1
+    assert reg.table("cancellations").count() == 1
     assert c.reason(1, "s") == "b" and c.cancelled_at(1, "s") == t0 + 5
     assert c._store.scope_rows("s") == 1
 
@@ -311,7 +314,7 @@ def test_overwrite_at_quota_skips_the_quota(make_any):
         c.cancel(3, None, "s")
     c.cancel(2, "again", "s")  # overwrite: no quota check
     assert c.reason(2, "s") == "again"
-    assert reg.cancellations.count() == 2
+    assert reg.table("cancellations").count() == 2
 
 
 def test_overwrite_at_cap_does_not_evict(make_any):
@@ -320,9 +323,9 @@ def test_overwrite_at_cap_does_not_evict(make_any):
         c.clock.tick()
         c.cancel(i, None, "s")
     c.cancel(0, "again", "s")
-    assert reg.cancellations.count() == 40 and reg.evictions == 0
+    assert reg.table("cancellations").count() == 40 and reg.evictions == 0
     c.cancel(40, None, "s")
-    assert reg.cancellations.count() == 39 and reg.evictions == 2
+    assert reg.table("cancellations").count() == 39 and reg.evictions == 2
 
 
 def test_quota_refusal_writes_nothing(make_any, events):
@@ -341,7 +344,7 @@ def test_quota_none_disables(make_any):
     reg, c = make_any(max_rows_per_scope=None, max_rows=None, capacity=300)
     for i in range(300):
         c.cancel(i, None, "s")
-    assert reg.cancellations.count() == 300
+    assert reg.table("cancellations").count() == 300
 
 
 def test_quota_flood_attacker_refused_victim_served(make_any):
@@ -365,19 +368,19 @@ def test_six_scopes_of_twenty_against_cap_100(make_any):
         for i in range(20):
             c.clock.tick()
             c.cancel(i, None, f"ip:flood{s}")
-    assert reg.cancellations.count() == 100
+    assert reg.table("cancellations").count() == 100
     for i in range(20):
         c.clock.tick()
         c.cancel(i, None, "session:victim")  # under its own quota: always served
-        assert reg.cancellations.count() <= 100
+        assert reg.table("cancellations").count() <= 100
         assert c.cancelled(i, "session:victim")
     with pytest.raises(CancellationLimitReached):
         c.cancel(20, None, "session:victim")  # its own 21st
-    assert reg.cancellations.count() <= 100
+    assert reg.table("cancellations").count() <= 100
     assert all(c.cancelled(i, "session:victim") for i in range(20))
     # the counts agree with the rows
     per_scope: dict = {}
-    for (s, _), _ in reg.cancellations.scan():
+    for (s, _), _ in reg.table("cancellations").scan():
         per_scope[s] = per_scope.get(s, 0) + 1
     assert {s: c._store.scope_rows(s) for s in per_scope} == per_scope
 
@@ -449,7 +452,7 @@ def test_eviction_takes_the_largest_scope_oldest_first(make_any):
     assert c.cancelled(2, "small") and c.cancelled(0, "big")
     assert reg.evictions == 2
     assert c._store.scope_rows("small") == 18
-    assert reg.cancellations.count() == 39
+    assert reg.table("cancellations").count() == 39
 
 
 def test_eviction_spills_into_the_next_largest(make_any):
@@ -499,7 +502,7 @@ def test_batch_is_always_full(make_any, max_rows, batch):
         c.clock.tick()
         c.cancel(i, None, f"s{i}")
     c.cancel("x", None, "y")
-    assert reg.cancellations.count() == max_rows - batch + 1
+    assert reg.table("cancellations").count() == max_rows - batch + 1
     assert reg.evictions == batch
 
 
@@ -508,9 +511,9 @@ def test_eviction_without_cap_at_physical_capacity(make_any):
     for i in range(100):
         c.clock.tick()
         c.cancel(i, None, "s")
-    assert reg.cancellations.count() == 100
+    assert reg.table("cancellations").count() == 100
     c.cancel(100, None, "s")
-    assert reg.cancellations.count() == 96 and reg.evictions == 5
+    assert reg.table("cancellations").count() == 96 and reg.evictions == 5
     assert [c.cancelled(i, "s") for i in range(6)] == [False] * 5 + [True]
 
 
@@ -531,12 +534,12 @@ def test_track_untrack_in_flight(rc):
     assert not c.in_flight(1, "s")
     c.track(1, "s")
     assert c.in_flight(1, "s") and not c.in_flight(1, "t")
-    (key, owner), = reg.in_flight.scan()
+    (key, owner), = reg.table("in_flight").scan()
     pid, start, tid, _token = owner
     assert key == ("s", "1")
     assert (pid, start) == shmcancel.shm.procinfo.me() and tid == threading.get_ident()
     c.untrack(1, "s")
-    assert not c.in_flight(1, "s") and reg.in_flight.count() == 0
+    assert not c.in_flight(1, "s") and reg.table("in_flight").count() == 0
 
 
 def test_namesakes_each_hold_a_row(rc):
@@ -554,10 +557,10 @@ def test_namesakes_each_hold_a_row(rc):
     try:
         assert other_done.wait(5)
         c.track(1, "s")
-        assert reg.in_flight.count() == 2
+        assert reg.table("in_flight").count() == 2
         c.untrack(1, "s")  # removes this thread's row only
-        assert c.in_flight(1, "s") and reg.in_flight.count() == 1
-        (_, owner), = reg.in_flight.scan()
+        assert c.in_flight(1, "s") and reg.table("in_flight").count() == 1
+        (_, owner), = reg.table("in_flight").scan()
         assert owner[2] == t.ident
     finally:
         release.set()
@@ -568,7 +571,7 @@ def test_namesakes_each_hold_a_row(rc):
 def test_two_handles_of_one_thread_are_two_rows(rc_any):
     reg, c = rc_any
     h1, h2 = c.begin(1, "s"), c.begin(1, "s")
-    assert h1.tracked and h2.tracked and reg.in_flight.count() == 2
+    assert h1.tracked and h2.tracked and reg.table("in_flight").count() == 2
     h1.end()
     assert c.in_flight(1, "s")
     h2.end()
@@ -617,7 +620,7 @@ def test_handle_poll_sees_cancel_and_end_clears(rc_any):
     h.end()
     assert not c.in_flight(5, "session:x") and not c.cancelled(5, "session:x")
     h.end()  # idempotent
-    assert reg.cancellations.count() == reg.in_flight.count() == 0
+    assert reg.table("cancellations").count() == reg.table("in_flight").count() == 0
 
 
 def test_end_runs_once_even_from_racing_threads(rc_any):
@@ -649,7 +652,7 @@ def test_cancel_local_cancels_exactly_that_request(rc_any, events):
     assert mine.cancelled() and mine.reason() == "client disconnected"
     assert not namesake.cancelled()
     assert not c.cancelled(1, "ip:203.0.113.9")
-    assert reg.cancellations.count() == 0
+    assert reg.table("cancellations").count() == 0
     assert events[0][0] == CANCELLED_EVENT and events[0][2]["request_id"] == "1"
     mine.end()
     assert c.in_flight(1, "ip:203.0.113.9")  # the namesake still runs
@@ -675,7 +678,7 @@ def test_end_untracks_then_clears(rc):
 def test_gating_follows_in_flight_rows(rc_any):
     reg, c = rc_any
     assert not c.cancel_if_in_flight(5, "x", scope="s")
-    assert reg.cancellations.count() == 0  # not in flight: nothing recorded
+    assert reg.table("cancellations").count() == 0  # not in flight: nothing recorded
     c.track(5, scope="s")
     assert c.in_flight(5, scope="s") and not c.in_flight(5, scope="t")
     assert c.cancel_if_in_flight(5, "x", scope="s")
@@ -684,7 +687,7 @@ def test_gating_follows_in_flight_rows(rc_any):
     c.clear(5, scope="s")  # the end of the request: untrack, then clear
     assert not c.in_flight(5, scope="s") and not c.cancelled(5, scope="s")
     assert not c.cancel_if_in_flight(5, "late", scope="s")
-    assert reg.cancellations.count() == 0
+    assert reg.table("cancellations").count() == 0
 
 
 def test_cancel_scope_cancels_every_request_in_flight_there(rc_any):
@@ -718,7 +721,7 @@ def test_cleanup_ttl_is_strict(make_any, events):
     assert [c.cancelled(i, "s") for i in range(4)] == [True, True, False, False]
     assert events == [(CLEANUP_EVENT, {"removed": 2, "in_flight_removed": 0}, {})]
     assert c.cleanup(ttl=4.0) == 2
-    assert c._store.scope_rows("s") == reg.cancellations.count()
+    assert c._store.scope_rows("s") == reg.table("cancellations").count()
 
 
 def test_cleanup_ttl_argument_overrides_config(rc_any):
@@ -746,7 +749,7 @@ def test_cleanup_repairs_scope_counts(rc):
     assert c._store.scope_rows("s") == 5
     c.cleanup()
     assert c._store.scope_rows("s") == 2 and c._store.scope_rows("ghost") == 0
-    assert reg.scope_counts.count() == 1
+    assert reg.table("scope_counts").count() == 1
 
 
 # --------------------------------------------------------------------------------- janitor
@@ -909,7 +912,7 @@ def test_cancel_clear_sequences_match_the_model(shm_name, ops, max_rows, quota):
             else:
                 model.clear(scope, str(rid))
                 c.clear(rid, scope)
-            assert {k: v[1] for k, v in reg.cancellations.scan()} == model.rows
+            assert {k: v[1] for k, v in reg.table("cancellations").scan()} == model.rows
         for s in "abcd":
             assert c._store.scope_rows(s) == sum(1 for k in model.rows if k[0] == s)
     finally:

@@ -101,8 +101,8 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     c = Cancellation(reg)
     kids = [spawn(poller, reg.name, 1, "ip:203.0.113.9") for _ in range(4)]
     pids = {k.recv()["pid"] for k in kids}
-    assert reg.in_flight.count() == 4
-    assert {owner[0] for _, owner in reg.in_flight.scan()} == pids
+    assert reg.table("in_flight").count() == 4
+    assert {owner[0] for _, owner in reg.table("in_flight").scan()} == pids
     c.cancel(1, "all of them", "ip:203.0.113.9")
     for k in kids:
         k.send("poll")
@@ -111,14 +111,14 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     # and, having seen the cancellation, stay cancelled
     kids[0].send("end")
     assert kids[0].recv() == "ended"
-    assert reg.in_flight.count() == 3 and c.in_flight(1, "ip:203.0.113.9")
+    assert reg.table("in_flight").count() == 3 and c.in_flight(1, "ip:203.0.113.9")
     assert not c.cancelled(1, "ip:203.0.113.9")
     for k in kids[1:]:
         k.send("poll")
         assert k.recv()["cancelled"] is True
         k.send("end")
         assert k.recv() == "ended"
-    assert reg.in_flight.count() == 0
+    assert reg.table("in_flight").count() == 0
     for k in kids:
         k.send("exit")
         assert k.wait() == 0
@@ -138,9 +138,9 @@ def test_concurrent_cancels_of_one_id_make_one_row(registry, spawn):
     start_together(kids)
     for k in kids:
         assert k.recv() == {"refused": 0}
-    assert reg.cancellations.count() == 1
+    assert reg.table("cancellations").count() == 1
     assert Cancellation(reg)._store.scope_rows("s") == 1
-    assert reg.cancellations.get(("s", "9"))[0] in {"from 0", "from 1", "from 2"}
+    assert reg.table("cancellations").get(("s", "9"))[0] in {"from 0", "from 1", "from 2"}
 
 
 def test_quota_holds_under_concurrent_writers(registry, spawn):
@@ -150,7 +150,7 @@ def test_quota_holds_under_concurrent_writers(registry, spawn):
     start_together(kids)
     refused = sum(k.recv()["refused"] for k in kids)
     assert refused == 70
-    assert reg.cancellations.count() == 20
+    assert reg.table("cancellations").count() == 20
     assert Cancellation(reg)._store.scope_rows("ip:x") == 20
     Cancellation(reg).cancel(1, None, "session:victim")  # another scope is still served
 
@@ -161,10 +161,10 @@ def test_cap_holds_under_concurrent_writers(registry, spawn):
     start_together(kids)
     for k in kids:
         assert k.recv() == {"refused": 0}
-    assert reg.cancellations.count() <= 60
+    assert reg.table("cancellations").count() <= 60
     c = Cancellation(reg)
-    assert sum(c._store.scope_rows(f"s{i}") for i in range(3)) == reg.cancellations.count()
-    assert reg.evictions == 300 - reg.cancellations.count()
+    assert sum(c._store.scope_rows(f"s{i}") for i in range(3)) == reg.table("cancellations").count()
+    assert reg.evictions == 300 - reg.table("cancellations").count()
 
 
 def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registry, spawn):
@@ -174,7 +174,7 @@ def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registr
     dead_pid = dead.recv()["pid"]
     live = spawn(poller, reg.name, 5, "s")
     live_pid = live.recv()["pid"]
-    assert reg.in_flight.count() == 2
+    assert reg.table("in_flight").count() == 2
     dead.kill()  # SIGKILL: no untrack ran
     seen = []
     telemetry.attach("procs-cleanup", CLEANUP_EVENT, lambda e, m, md, cfg: seen.append(m))
@@ -184,7 +184,7 @@ def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registr
         telemetry.detach("procs-cleanup")
     assert seen == [{"removed": 0, "in_flight_removed": 1}]
     assert c.in_flight(5, "s")
-    assert [o[0] for _, o in reg.in_flight.scan()] == [live_pid] != [dead_pid]
+    assert [o[0] for _, o in reg.table("in_flight").scan()] == [live_pid] != [dead_pid]
     live.send("exit")
     assert live.wait() == 0
 
@@ -197,7 +197,7 @@ def test_an_unreaped_zombie_counts_as_dead(registry, spawn):
     z.send("exit")  # exits without untracking; not reaped yet
     wait_zombie(z.pid, TIMEOUT)
     assert c.reap() == 2
-    assert reg.in_flight.count() == 0
+    assert reg.table("in_flight").count() == 0
     assert z.wait() == 0
 
 
@@ -210,7 +210,7 @@ def test_reap_pid_drops_only_that_workers_rows(registry, spawn):
     a.kill()
     b.kill()
     assert c.reap(a_pid) == 2  # what gunicorn's child_exit does for the worker it reaped
-    assert {o[0] for _, o in reg.in_flight.scan()} == {b_pid}
+    assert {o[0] for _, o in reg.table("in_flight").scan()} == {b_pid}
     assert c.reap() == 2
 
 
@@ -223,7 +223,7 @@ def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
         c.track(5, "s")  # all four owners alive
     k.kill()
     c.track(5, "s")  # the dead child's rows are removed first
-    assert reg.in_flight.count() == 1 and c.in_flight(5, "s")
+    assert reg.table("in_flight").count() == 1 and c.in_flight(5, "s")
 
 
 def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
@@ -234,10 +234,10 @@ def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
     child = spawn(poller, reg.name, 2, "s")
     child.recv()
     deadline = time.monotonic() + TIMEOUT
-    while reg.cancellations.count() and time.monotonic() < deadline:
+    while reg.table("cancellations").count() and time.monotonic() < deadline:
         child.send("poll")
         assert child.recv()["cancelled"] is False
-    assert reg.cancellations.count() == 0, "the janitor never ran"
+    assert reg.table("cancellations").count() == 0, "the janitor never ran"
     assert reg.last_sweep - created >= 0.3
     assert reg.info()["last_sweeper_pid"] == child.pid
     child.send("exit")

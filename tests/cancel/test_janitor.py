@@ -65,11 +65,12 @@ def test_janitor_thread_sweeps_without_calls(shm_name: str) -> None:
         c = Cancellation(reg)
         c.cancel(1, "old", "global")
         dead_pid, dead_start = _dead_owner()
-        reg.in_flight.insert(("global", "2"), (dead_pid, dead_start, 1, 1))
+        reg.table("in_flight").insert(("global", "2"), (dead_pid, dead_start, 1, 1))
         with _janitor_child(shm_name) as jpid:
             # Observed through the tables only: table reads never sweep.
-            wait_until(lambda: reg.cancellations.count() == 0 and reg.in_flight.count() == 0,
-                       time.monotonic() + 5, what="the janitor thread's sweep")
+            wait_until(lambda: reg.table("cancellations").count() == 0
+                       and reg.table("in_flight").count() == 0, time.monotonic() + 5,
+                       what="the janitor thread's sweep")
             info = reg.info()
             assert info["sweeps"] >= 1 and info["last_sweeper_pid"] == jpid
     finally:
@@ -112,7 +113,8 @@ def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
     reg = Registry.attach(name)
     try:
         Cancellation(reg).cancel("stale", "from a request long gone", "ip:192.0.2.1")
-        assert reg.cancellations.member(("ip:192.0.2.1", "stale"))  # a table read: no sweep
+        # a table read: no sweep
+        assert reg.table("cancellations").member(("ip:192.0.2.1", "stale"))
     finally:
         reg.close()  # from here on nothing but read-only dumps touches the registry
     wait_until(lambda: dump(name)["cancellations"] == [], time.monotonic() + 5,

@@ -41,7 +41,7 @@ def reg(shm_name: str) -> Iterator[Registry]:
 def locked_reads(reg: Registry) -> list[int]:
     """Count the cancellations records this process decodes while it holds the lock (instance
     attribute over the bound method; the table still works as before)."""
-    t = reg.cancellations
+    t = reg.table("cancellations")
     orig = t._record
     n = [0]
 
@@ -61,14 +61,14 @@ def fill(c: Cancellation, clock: Clock, n: int, start: int = 0) -> None:
 
 
 def rows_of(reg: Registry) -> set[tuple[str, str, float]]:
-    return {(k[0], k[1], v[1]) for k, v in reg.cancellations.scan()}
+    return {(k[0], k[1], v[1]) for k, v in reg.table("cancellations").scan()}
 
 
 def counts_match(reg: Registry, c: Cancellation) -> None:
-    sizes = Counter(k[0] for k, _ in reg.cancellations.scan())
+    sizes = Counter(k[0] for k, _ in reg.table("cancellations").scan())
     for s, n in sizes.items():
         assert c._store.scope_rows(s) == n
-    assert len(reg.scope_counts.scan()) == len(sizes)
+    assert len(reg.table("scope_counts").scan()) == len(sizes)
 
 
 def test_cap_eviction_decodes_no_row_under_the_lock(reg: Registry) -> None:
@@ -100,8 +100,8 @@ def test_cleanup_decodes_no_row_under_the_lock(reg: Registry, expired: int) -> N
     clock.t = cut + ttl + 1e-6 if expired else clock.t
     assert c.cleanup() == expired
     assert n[0] == 0
-    assert reg.cancellations.count() == 2000 - expired
-    assert reg.cancellations.check(deep=True) is None
+    assert reg.table("cancellations").count() == 2000 - expired
+    assert reg.table("cancellations").check(deep=True) is None
     counts_match(reg, c)
 
 
@@ -130,12 +130,12 @@ def test_cleanup_repairs_drifted_counts_lock_free(reg: Registry) -> None:
 def test_lock_free_eviction_is_the_model_batch(reg: Registry, rows: list, batch: int) -> None:
     store = Cancellation(reg)._store
     with reg.lock:  # start empty (examples share the registry)
-        reg.cancellations.delete_where(lambda k, v: True)
-        reg.scope_counts.delete_where(lambda k, v: True)
+        reg.table("cancellations").delete_where(lambda k, v: True)
+        reg.table("scope_counts").delete_where(lambda k, v: True)
     for s, i, t in rows:
         store.put(s, i, None, float(t))
     assert store.evict(batch) == min(batch, len(rows))  # lock not held: the lock-free path
-    left = {(k[0], k[1]) for k, _ in reg.cancellations.scan()}
+    left = {(k[0], k[1]) for k, _ in reg.table("cancellations").scan()}
     gone = set(choose([(s, i, float(t)) for s, i, t in rows], batch))
     assert left == {(s, i) for s, i, _ in rows} - gone
 
@@ -162,7 +162,7 @@ def test_eviction_under_a_concurrent_writer_stays_exact(reg: Registry) -> None:
         assert recv(r) == b"go"
         n = 0
         for k in range(5):
-            while reg.cancellations.count() < 2000:
+            while reg.table("cancellations").count() < 2000:
                 clock.t += 0.001
                 c.cancel(n, None, f"ip:big{n % 5}")
                 n += 1
@@ -179,4 +179,4 @@ def test_eviction_under_a_concurrent_writer_stays_exact(reg: Registry) -> None:
         os.close(r)
     assert reg.evictions == 500
     counts_match(reg, c)
-    assert reg.cancellations.check(deep=True) is None
+    assert reg.table("cancellations").check(deep=True) is None

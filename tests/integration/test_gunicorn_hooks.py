@@ -105,7 +105,7 @@ def background(fn, *args) -> Iterator[dict]:
 
 def in_flight(reg: Registry) -> list[tuple[str, str, int]]:
     """``(scope, request_id, pid)`` of every in-flight row."""
-    return [(k[0], k[1], v[0]) for k, v in reg.in_flight.scan()]
+    return [(k[0], k[1], v[0]) for k, v in reg.table("in_flight").scan()]
 
 
 def get(url: str, timeout: float = 5.0) -> dict:

@@ -66,7 +66,7 @@ def echo_server(reg: Registry) -> McpServer:
 
 
 def in_flight_rows(reg: Registry) -> list[tuple[Any, Any]]:
-    return sorted(reg.in_flight.scan())
+    return sorted(reg.table("in_flight").scan())
 
 
 # ------------------------------------------------------------------------------ child programs
@@ -153,7 +153,7 @@ def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monk
     req.send("exit")
     assert req.wait() == 0
     assert ran, "the cancel never reached the point of recording"
-    assert reg.cancellations.scan() == [] and reg.scope_counts.scan() == []
+    assert reg.table("cancellations").scan() == [] and reg.table("scope_counts").scan() == []
     assert in_flight_rows(reg) == []
     with c.begin(7, scope) as h:  # the next call reusing the id does not start out cancelled
         assert h.cancelled() is False
@@ -164,12 +164,12 @@ def test_cancel_if_in_flight(registry) -> None:
     c = Cancellation(reg)
     assert c.cancel_if_in_flight(3, "r", "s") is False
     assert c.cancel_if_in_flight(None, "r", "s") is False
-    assert reg.cancellations.scan() == []
+    assert reg.table("cancellations").scan() == []
     with c.begin(3, "s") as h:
         assert c.cancel_if_in_flight(3, "r", "t") is False  # another scope's request 3
         assert c.cancel_if_in_flight("3", "r", "s") is True
         assert h.cancelled() and h.reason() == "r"
-    assert reg.cancellations.scan() == [] and reg.in_flight.scan() == []
+    assert reg.table("cancellations").scan() == [] and reg.table("in_flight").scan() == []
 
 
 def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:
@@ -180,7 +180,7 @@ def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> 
     with stalled_lock(spawn, reg.name):
         for rid in range(1, 21):
             assert c.cancel_if_in_flight(rid, "flood", "ip:192.0.2.9") is False
-    assert reg.cancellations.scan() == []
+    assert reg.table("cancellations").scan() == []
 
 
 def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
@@ -194,12 +194,12 @@ def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
     t[0] += 0.001
     with c.begin(4, "s") as h:
         assert h.cancelled() is False
-        assert reg.cancellations.scan() == [] and reg.scope_counts.scan() == []
+        assert reg.table("cancellations").scan() == [] and reg.table("scope_counts").scan() == []
         assert h.reason() is None
         t[0] += 0.001
         c.cancel(4, "new", "s")
         assert h.cancelled() is True and h.reason() == "new"
-    assert reg.cancellations.scan() == []
+    assert reg.table("cancellations").scan() == []
 
 
 def test_a_row_as_old_as_the_request_counts(registry) -> None:
@@ -255,7 +255,7 @@ def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path)
                     t.join(TIMEOUT)
                     assert not t.is_alive()
                 assert set(statuses) == {202}, statuses
-                if reg.cancellations.count():
+                if reg.table("cancellations").count():
                     leftover += 1
                 again = reply_of(post(call(rid, "echo", {"text": "again"})))
                 if "error" in again:
@@ -266,8 +266,8 @@ def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path)
             assert (leftover, precancelled) == (0, 0), (
                 f"round {n + 1}: a row outlived its call ({leftover}); "
                 f"the next call started cancelled ({precancelled})")
-            assert reg.cancellations.count() == 0
-            wait_until(lambda: reg.in_flight.count() == 0, time.monotonic() + TIMEOUT,
+            assert reg.table("cancellations").count() == 0
+            wait_until(lambda: reg.table("in_flight").count() == 0, time.monotonic() + TIMEOUT,
                        what="no request in flight")
         finally:
             reg.close()
@@ -319,7 +319,7 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
         assert c.sweep() == (0, 1)  # cleanup: second ended, its process lives, its row goes
         assert in_flight_rows(reg) == []
         assert wsgi_post(server, notification(2)).status == 202
-        assert reg.cancellations.scan() == []
+        assert reg.table("cancellations").scan() == []
         assert wsgi_post(server, call(2, "echo", {"text": "ok"})).json["result"]["isError"] is False
         assert cancellation_mod.owed_ends() == 0
     finally:
@@ -353,7 +353,7 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
         with stalled_lock(spawn, reg.name):
             h.end()
             assert [k[1] for k, _ in in_flight_rows(reg)] == ["8"]
-        wait_until(lambda: reg.in_flight.count() == 0 and not cancellation_mod.owed_ends(),
+        wait_until(lambda: reg.table("in_flight").count() == 0 and not cancellation_mod.owed_ends(),
                    time.monotonic() + TIMEOUT, what="the janitor to land the owed end")
     finally:
         janitor.stop()
@@ -399,12 +399,12 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
                 assert done["result"]["content"][0]["text"] == "slept 2.5s", done
                 assert [k[1] for k, _ in in_flight_rows(reg)] == ["7"]  # its end is owed
             try:
-                wait_until(lambda: reg.in_flight.count() == 0, time.monotonic() + TIMEOUT,
+                wait_until(lambda: reg.table("in_flight").count() == 0, time.monotonic() + TIMEOUT,
                            what="the owed end to land")
             except AssertionError:
                 raise AssertionError(g.log_tail()) from None
             assert post(notification(7)).status_code == 202
-            assert reg.cancellations.count() == 0
+            assert reg.table("cancellations").count() == 0
             again = reply_of(post(call(7, "echo", {"text": "again"})))
             assert again["result"]["content"][0]["text"] == "again", again
             assert "Traceback" not in g.log()

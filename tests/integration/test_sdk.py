@@ -79,7 +79,7 @@ async def client(url: str, mode: str, races: list[BaseException]) -> AsyncIterat
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
-    return [k for k, _ in reg.in_flight.scan()]
+    return [k for k, _ in reg.table("in_flight").scan()]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -48,11 +48,11 @@ def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
-    return [k for k, _ in reg.in_flight.scan()]
+    return [k for k, _ in reg.table("in_flight").scan()]
 
 
 def cancellation_rows(reg: Registry) -> list[tuple[str, str]]:
-    return [k for k, _ in reg.cancellations.scan()]
+    return [k for k, _ in reg.table("cancellations").scan()]
 
 
 @pytest.mark.parametrize("wire", list(MODES))

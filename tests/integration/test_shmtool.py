@@ -65,7 +65,7 @@ def test_dump_json_matches_the_rows(reg):
     dead_pid = _dead_row(reg, "6", "ip:192.0.2.1")
     expected = sorted(
         ({"scope": k[0], "request_id": k[1], "reason": v[0], "cancelled_at": v[1]}
-         for k, v in reg.cancellations.scan()), key=lambda d: d["request_id"])
+         for k, v in reg.table("cancellations").scan()), key=lambda d: d["request_id"])
     p = shmtool("dump", reg.name, "--json")
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""
@@ -193,7 +193,7 @@ def test_cleanup_prints_counts(reg):
     p = shmtool("cleanup", reg.name)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "removed 3 cancellation rows, 1 in-flight rows"
-    assert reg.cancellations.count() == 1 and reg.in_flight.count() == 0
+    assert reg.table("cancellations").count() == 1 and reg.table("in_flight").count() == 0
     p = shmtool("cleanup", reg.name, "--ttl", "0")
     assert p.stdout.strip() == "removed 1 cancellation rows, 0 in-flight rows"
 

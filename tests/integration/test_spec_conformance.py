@@ -215,7 +215,7 @@ def reg_rows(c: shmcancel.Cancellation) -> int:
 
 
 def _dump_rows(c: shmcancel.Cancellation) -> list[Any]:
-    return [k for k, _ in c.registry.cancellations.scan()]  # type: ignore[union-attr]
+    return [k for k, _ in c.registry.table("cancellations").scan()]  # type: ignore[union-attr]
 
 
 def test_s4_2_reasons_are_clamped_stripped_and_cut(reg: shmcancel.Registry) -> None:

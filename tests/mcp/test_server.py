@@ -197,7 +197,7 @@ def legacy_headers(sid: str | None) -> dict[str, str]:
 
 
 def tables_empty(reg: Registry) -> bool:
-    return reg.in_flight.count() == 0 and reg.cancellations.count() == 0
+    return reg.table("in_flight").count() == 0 and reg.table("cancellations").count() == 0
 
 
 class Call(threading.Thread):
@@ -380,7 +380,8 @@ def test_cancel_from_another_session_does_nothing(app: McpServer, reg: Registry,
     wait_ev(signals.ev(signals.started, "a"))
     r = post(app, note("notifications/cancelled", {"requestId": 1}), headers=legacy_headers(b))
     assert r.status == 202
-    assert reg.cancellations.count() == 0  # nothing in flight in b's scope: nothing recorded
+    # nothing in flight in b's scope: nothing recorded
+    assert reg.table("cancellations").count() == 0
     signals.ev(signals.release, "a").set()
     assert c.result().json["result"]["content"][0]["text"] == "released"
 
@@ -418,7 +419,7 @@ def test_cancel_notification_table(app: McpServer, reg: Registry, params: Any, s
         assert r.body == b""
     else:
         assert r.json["error"]["code"] == code and r.json["id"] is None
-    assert reg.cancellations.count() == 0
+    assert reg.table("cancellations").count() == 0
 
 
 def test_cancel_quota_is_429(app: McpServer, reg: Registry, signals: Signals) -> None:

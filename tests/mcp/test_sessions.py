@@ -133,9 +133,9 @@ def test_a_dead_callers_row_does_not_pin_its_session(store: SessionStore, reg: R
         os._exit(0)  # never ends its call
 
     assert first_message(run)[1] == b"ok"
-    assert reg.session_calls.member(s[0])
+    assert reg.table("session_calls").member(s[0])
     mint(store, clock, "ip:192.0.2.9", 4)
-    assert live(store, s) == [] and not reg.session_calls.member(s[0])
+    assert live(store, s) == [] and not reg.table("session_calls").member(s[0])
 
 
 def test_begin_call_on_a_displaced_session_is_refused(store: SessionStore,
@@ -152,11 +152,11 @@ def test_full_of_other_clients_refuses_a_new_client(store: SessionStore, reg: Re
     for i in range(4):
         ids += mint(store, clock, f"ip:192.0.2.{i}", 4)
     assert store.count() == 16
-    rows = sorted(reg.sessions.scan())
+    rows = sorted(reg.table("sessions").scan())
     with pytest.raises(SessionsFull, match="full") as e:
         store.create(LEGACY, "ip:198.51.100.7")
     assert e.value.retry_after > 0
-    assert sorted(reg.sessions.scan()) == rows  # nothing written, nobody evicted
+    assert sorted(reg.table("sessions").scan()) == rows  # nothing written, nobody evicted
     assert store.client_sessions("ip:198.51.100.7") == ()
     # even when every other session has expired, a mint removes none of them: the sweep does
     clock.t += TTL + 1
@@ -187,7 +187,7 @@ def test_mint_never_scans_the_table(store: SessionStore, reg: Registry, clock: C
         raise AssertionError("a mint scanned the sessions table")
 
     for name in ("scan", "delete_where", "scan_slots"):
-        monkeypatch.setattr(reg.sessions, name, scan)
+        monkeypatch.setattr(reg.table("sessions"), name, scan)
     store._next_sweep = float("inf")  # no sweep piece due in this process
     for i in range(4):
         mint(store, clock, f"ip:192.0.2.{i}", 6)  # at its bound: replaces its own
@@ -202,7 +202,7 @@ def test_expiry_is_swept_in_bounded_pieces(reg: Registry, clock: Clock) -> None:
         ids += mint(store, clock, f"ip:192.0.2.{i}", 4)
     busy = store.begin_call(store.get(ids[5]))  # type: ignore[arg-type]
     clock.t += TTL + 10
-    nslots = reg.sessions.nslots
+    nslots = reg.table("sessions").nslots
     removed = []
     for _ in range(2 * nslots // 16):  # a pass may miss a row shifted across the table's end
         removed.append(store.sweep(slots=16))  # one bucket of 16 index slots at a time
@@ -224,15 +224,15 @@ def test_phantom_ids_are_dropped(store: SessionStore, reg: Registry, clock: Cloc
     s = mint(store, clock, "ip:192.0.2.9", 3)
     digest = store.client_digest("ip:192.0.2.9")
     for listed in ((*s, "P" * 32), ("P" * 32, *s)):  # a mint or a displacement interrupted
-        reg.session_clients.insert(digest, listed)
+        reg.table("session_clients").insert(digest, listed)
         new = mint(store, clock, "ip:192.0.2.9")
         assert live(store, s) == s and store.client_sessions("ip:192.0.2.9") == (*s, *new)
         store.delete(new[0])
     gone = store.client_digest("ip:192.0.2.10")
-    reg.session_clients.insert(gone, ("Q" * 32,))
+    reg.table("session_clients").insert(gone, ("Q" * 32,))
     store.sweep_all()
     assert store.client_sessions("ip:192.0.2.10") == ()
-    assert reg.session_clients.get(gone) is None
+    assert reg.table("session_clients").get(gone) is None
 
 
 def test_processes_minting_at_once_keep_the_bound(reg: Registry) -> None:
@@ -334,7 +334,7 @@ class SessionModel(RuleBasedStateMachine):
         if must_displace:
             assert idle, "minted without anything of its own to give up"
             oldest = min(self.model[s][1] for s in idle)
-            gone = [s for s in idle if self.reg.sessions.get(s) is None]
+            gone = [s for s in idle if self.reg.table("sessions").get(s) is None]
             assert len(gone) == 1 and self.model[gone[0]][1] == oldest
             del self.model[gone[0]]
         self.model[new.id] = (client, self.clock.t)
@@ -390,7 +390,7 @@ class SessionModel(RuleBasedStateMachine):
 
     @invariant()
     def agrees(self) -> None:
-        rows = dict(self.reg.sessions.scan())
+        rows = dict(self.reg.table("sessions").scan())
         assert set(rows) == set(self.model)  # an expired one lingers until swept or read
         for client in CLIENTS:
             listed = self.store.client_sessions(client)

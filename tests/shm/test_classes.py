@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shmcancel import Cancellation, Config, Registry
+from shmcancel.cancel import tables as cancel_tables
 from shmcancel.cancel.shm_storage import ShmBackend
 from shmcancel.exceptions import TableFull
+from shmcancel.mcp import session_tables
 from shmcancel.mcp.sessions import SessionsFull, SessionStore
-from shmcancel.shm import registry
 from shmcancel.shm.segment import segment_path
 from shmcancel.shm.table import LargeRowsFull, Table
 
@@ -128,9 +129,9 @@ def test_cancellations_evict_among_large_rows_when_the_large_class_is_full(shm_n
 
     with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
         c = Cancellation(reg, clock=clock)
-        t = reg.cancellations
+        t = reg.table("cancellations")
         L = t.large_count
-        assert L == registry.LARGE_CANCELLATIONS and t.capacity == 1000
+        assert L == cancel_tables.LARGE_CANCELLATIONS and t.capacity == 1000
         for i in range(20):
             c.cancel(f"small{i}", "short", scope=f"s{i % 4}")
         for i in range(L):
@@ -162,13 +163,13 @@ def test_in_flight_past_the_large_class_reaps_then_fails_like_a_full_table(shm_n
     with Registry.create(shm_name, Config(in_flight_capacity=1024)) as reg:
         c = Cancellation(reg)
         store = ShmBackend(reg)
-        L = reg.in_flight.large_count
+        L = reg.table("in_flight").large_count
         scope = "p" * 150  # a long principal: every row of it is large
         dead = _dead_owner()
         for i in range(L):
             store.track(scope, f"dead{i}", dead)
         c.track("mine", scope)  # the dead owner's large rows are reaped to make room
-        assert c.in_flight("mine", scope) and len(reg.in_flight.large_rows()) == 1
+        assert c.in_flight("mine", scope) and len(reg.table("in_flight").large_rows()) == 1
         for i in range(L - 1):
             c.track(f"live{i}", scope)
         with pytest.raises(TableFull, match="larger than"):
@@ -182,10 +183,10 @@ def test_session_clients_past_the_large_class_refuse_a_session(shm_name: str) ->
     """A client with more than 8 sessions has a large client row; when L clients have one, a
     ninth session of another client is refused like a full table (SessionsFull), and its first
     eight, or a session of a client whose row is large already, are not."""
-    cfg = Config(session_capacity=registry.LARGE_CLIENTS * 9 + 32, sessions_per_client=32)
+    cfg = Config(session_capacity=session_tables.LARGE_CLIENTS * 9 + 32, sessions_per_client=32)
     with Registry.create(shm_name, cfg) as reg:
         store = SessionStore(reg)
-        L = reg.session_clients.large_count
+        L = reg.table("session_clients").large_count
         for i in range(L):
             for _ in range(9):
                 store.create("2025-06-18", client=f"c{i}")
@@ -194,7 +195,7 @@ def test_session_clients_past_the_large_class_refuse_a_session(shm_name: str) ->
         with pytest.raises(SessionsFull):
             store.create("2025-06-18", client="late")
         store.create("2025-06-18", client="c0")  # a large row grows: the spare serves it
-        assert len(reg.session_clients.large_rows()) == L
+        assert len(reg.table("session_clients").large_rows()) == L
         reg.unlink()
 
 
@@ -216,7 +217,7 @@ def test_default_segment_is_at_most_8_mib_and_follows_max_rows(shm_name: str,
     with Registry.create(small_name, Config(max_rows=100)) as reg:
         small = os.path.getsize(segment_path(small_name))
         assert small < default - 2 * MIB and footprint(Config(max_rows=100))[1] == small
-        assert reg.cancellations.capacity == reg.scope_counts.capacity == 100
+        assert reg.table("cancellations").capacity == reg.table("scope_counts").capacity == 100
         assert reg.config.capacity == 10_000  # the contract's meaning is unchanged
         reg.unlink()
 
@@ -236,10 +237,10 @@ def test_max_rows_rows_of_typical_size_are_all_stored(shm_name: str) -> None:
                 if n < cfg.max_rows:  # type: ignore[operator]
                     c.cancel(rid, None if n % 2 else "Client cancelled the request", scope=s)
                     n += 1
-        assert reg.cancellations.count() == cfg.max_rows and reg.evictions == 0
-        assert not reg.cancellations.large_rows()
+        assert reg.table("cancellations").count() == cfg.max_rows and reg.evictions == 0
+        assert not reg.table("cancellations").large_rows()
         for i in range(cfg.in_flight_capacity):
             c.track(f"{i:036d}", scopes[i % 50])
-        assert reg.in_flight.count() == cfg.in_flight_capacity
-        assert not reg.in_flight.large_rows()
+        assert reg.table("in_flight").count() == cfg.in_flight_capacity
+        assert not reg.table("in_flight").large_rows()
         reg.unlink()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgpack
 import pytest
 
 from shmcancel import Config
+from shmcancel.shm.segment import CONFIG_MAX
 
 
 def test_spec_defaults() -> None:
@@ -63,3 +67,33 @@ def test_times_are_floats_and_config_is_frozen() -> None:
     assert isinstance(c.ttl, float) and isinstance(c.janitor_interval, float)
     with pytest.raises(AttributeError):
         c.ttl = 1.0  # type: ignore[misc]
+
+
+# A value other than the default for every field (and None where a field allows it).
+EVERY_FIELD = {"max_rows": 1234, "capacity": 4321, "max_rows_per_scope": 7, "ttl": 0.1 + 0.2,
+               "janitor_interval": 12.5, "in_flight_capacity": 999, "stream_cancel_timeout": 2.25,
+               "session_capacity": 77, "session_ttl": 1e-3, "lock_timeout": 3.0,
+               "sessions_per_client": 5}
+
+
+def test_pack_roundtrips_every_field() -> None:
+    assert EVERY_FIELD.keys() == {f.name for f in dataclasses.fields(Config)}
+    c = Config(**EVERY_FIELD)
+    assert all(getattr(c, k) != getattr(Config(), k) for k in EVERY_FIELD)
+    back = Config.unpack(c.pack())
+    assert back == c
+    for k in EVERY_FIELD:  # exact values of the same types (floats bit for bit)
+        assert type(getattr(back, k)) is type(getattr(c, k)) and getattr(back, k) == EVERY_FIELD[k]
+    for c in (Config(), Config(max_rows=None, max_rows_per_scope=None)):
+        assert Config.unpack(c.pack()) == c
+    assert len(Config(**{**EVERY_FIELD, "capacity": 10_000_000}).pack()) <= CONFIG_MAX
+
+
+@pytest.mark.parametrize("blob", [
+    b"", b"\xc1", b"\x91" * 5000, b"\x81\x01\x02", msgpack.packb({b"ttl": 1.0}),
+    msgpack.packb(None), msgpack.packb({"ttl": 1.0}), Config().pack()[:-1],
+    Config().pack() + b"\x00",
+])
+def test_unpack_refuses_anything_pack_did_not_make(blob: bytes) -> None:
+    with pytest.raises(ValueError, match="Config"):
+        Config.unpack(blob)

@@ -191,7 +191,7 @@ def test_garbage_over_a_table(reg: Registry, table: str, area_name: str, seed: i
 @example(seed=3, small=False)
 def test_fsck_on_garbage_finishes_and_leaves_a_sound_table(reg: Registry, area_name: str,
                                                             seed: int, small: bool) -> None:
-    t = reg.sessions
+    t = reg.table("sessions")
     fresh(t)
     scribble(t, area_name, seed, 0.0, 1.0, small)
     with cpu_deadline(), reg.lock:
@@ -223,7 +223,7 @@ def test_a_spinning_worker_releases_the_lock(reg: Registry) -> None:
 
     def worker(w: int) -> None:
         r = Registry.attach(name)
-        scribble(r.in_flight, "index", 11, 0.0, 1.0, False)
+        scribble(r.table("in_flight"), "index", 11, 0.0, 1.0, False)
         c = Cancellation(r)
         c.track(7)
         assert c.in_flight(7)
@@ -240,7 +240,7 @@ def test_a_spinning_worker_releases_the_lock(reg: Registry) -> None:
         os.close(fd)
         reap(pid)
     with cpu_deadline(), reg.lock:  # free again; the worker left the table sound
-        assert reg.in_flight.fsck() == zeros(reg.in_flight)
+        assert reg.table("in_flight").fsck() == zeros(reg.table("in_flight"))
     c = Cancellation(reg)
     c.track(8)
     assert c.in_flight(8)
@@ -249,7 +249,7 @@ def test_a_spinning_worker_releases_the_lock(reg: Registry) -> None:
 def test_inflated_row_counter_does_not_make_the_table_full(reg: Registry) -> None:
     """A row counter raised to capacity (the sessions table's ``initialize`` -> TableFull until
     restart): the insert finds the counters implausible, recounts, and succeeds."""
-    t = reg.cancellations
+    t = reg.table("cancellations")
     fresh(t)
     t._hq[ROWS_WORD] = t.capacity
     t.insert("k", "v")
@@ -263,10 +263,10 @@ def test_inflated_row_counter_does_not_make_the_table_full(reg: Registry) -> Non
 def test_inflated_session_counter_does_not_refuse_initialize(reg: Registry) -> None:
     store = SessionStore(reg)
     s0 = store.create("2025-06-18")
-    reg.sessions._hq[ROWS_WORD] = reg.config.session_capacity
+    reg.table("sessions")._hq[ROWS_WORD] = reg.config.session_capacity
     s1 = store.create("2025-06-18")
     assert store.get(s1.id) is not None and store.get(s0.id) is not None
-    assert reg.sessions.count() == 2
+    assert reg.table("sessions").count() == 2
 
 
 @pytest.mark.parametrize(("word", "value"), [
@@ -279,7 +279,7 @@ def test_inflated_session_counter_does_not_refuse_initialize(reg: Registry) -> N
 ])
 def test_absurd_header_counters(reg: Registry, word: int, value: int) -> None:
     """Counters no writer leaves: no store overflows, the janitor's sweep recounts them."""
-    t = reg.sessions  # a table the sweep's expiry leaves alone
+    t = reg.table("sessions")  # a table the sweep's expiry leaves alone
     fresh(t)
     t._hq[word] = value
     with cpu_deadline():
@@ -297,14 +297,14 @@ def test_absurd_header_counters(reg: Registry, word: int, value: int) -> None:
 
 def test_attach_recounts_implausible_counters(reg: Registry) -> None:
     """``Registry.attach`` (each worker) recounts a row counter that disagrees with the index."""
-    t = reg.cancellations
+    t = reg.table("cancellations")
     fresh(t)
     t._hq[ROWS_WORD] = ROWS + bigs(t) + 5
     r2 = Registry.attach(reg.name)
     try:
-        assert r2.cancellations.count() == ROWS + bigs(t)
+        assert r2.table("cancellations").count() == ROWS + bigs(t)
         with r2.lock:
-            assert r2.cancellations.fsck() == zeros(t)
+            assert r2.table("cancellations").fsck() == zeros(t)
     finally:
         r2.close()
 
@@ -312,7 +312,7 @@ def test_attach_recounts_implausible_counters(reg: Registry) -> None:
 def test_janitor_repairs_a_free_stack_that_points_at_live_records(reg: Registry) -> None:
     """Garbage that looks like record numbers over the free stack (here: the numbers of live
     records): the sweep rebuilds it before an insert can overwrite a live row."""
-    t = reg.sessions
+    t = reg.table("sessions")
     fresh(t)
     live = [r for _, r, _, _, _ in t._entries(t._idx.tolist())]
     top = t._hq[TOP_WORD]
@@ -334,7 +334,7 @@ def test_a_corrupted_record_is_repaired_once_then_reads_are_lock_free(
         reg: Registry, caplog: pytest.LogCaptureFixture) -> None:
     """A record failing its crc sends a reader to the lock, which repairs (one log line per
     process and table, however often it recurs); later reads take no lock."""
-    t = reg.in_flight
+    t = reg.table("in_flight")
     fresh(t)
     caplog.set_level(logging.ERROR, "shmcancel.table")
     for _ in range(2):
@@ -355,7 +355,7 @@ def test_attach_never_waits_long_for_a_held_lock(reg: Registry,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     """A live process holds the lock while the counters are implausible: attach waits at most
     about a second for it, skips the repair (logged), and the next sweep does it."""
-    t = reg.cancellations
+    t = reg.table("cancellations")
     fresh(t)
     go_r, go_w = os.pipe()
 
@@ -391,7 +391,7 @@ def test_a_corrupt_class_geometry_is_refused_at_attach_and_restored_by_the_sweep
     """Garbage over a table's size classes (header bytes 48..56): a new attachment refuses the
     segment (its records would be misread), the attached processes go on with the geometry
     they checked, and the janitor's sweep writes it back."""
-    t = reg.sessions  # a table the sweep's expiry leaves alone
+    t = reg.table("sessions")  # a table the sweep's expiry leaves alone
     fresh(t)
     good = bytes(t._buf[48:56])
     t._buf[48:52] = (t.small_size + 8).to_bytes(4, "little")
@@ -412,7 +412,7 @@ def test_a_record_number_out_of_its_class(reg: Registry, key: Any, target: str) 
     """An index entry naming a record of the other class (live or free) or no record: the row
     reads as absent (never another row's value), every other row as itself, and the repair
     leaves both free stacks whole (every record usable again)."""
-    t = reg.sessions  # a table the sweep's expiry leaves alone
+    t = reg.table("sessions")  # a table the sweep's expiry leaves alone
     fresh(t)
     ents = {kb: r for _, r, kb, _, _ in t._entries(t._idx.tolist())}
     used = set(ents.values())

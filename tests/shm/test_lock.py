@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from shmcancel import telemetry
-from shmcancel.config import Config
 from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
@@ -109,7 +108,7 @@ def holding(lock: RegistryLock) -> Callable[[Child], None]:
 
 @pytest.fixture
 def seg(shm_name: str) -> Iterator[Segment]:
-    s = Segment.create(shm_name, Config(lock_timeout=5), [TableSpec("set", 1, 64, 4096)])
+    s = Segment.create(shm_name, b"", [TableSpec("t", "set", 1, 64, 4096)], timeout=5)
     try:
         yield s
     finally:
@@ -480,12 +479,13 @@ def test_stopped_holder_is_not_robbed(seg: Segment) -> None:
 
 
 def test_timeout_can_be_shortened_for_one_lock_object(seg: Segment) -> None:
-    # What a gunicorn master does (it must never wait long on a live worker): the config says 5 s.
-    lock = RegistryLock(seg)
+    # What a gunicorn master does (it must never wait long on a live worker): the config says 5 s
+    # (a Registry gives its lock Config.lock_timeout).
+    lock = RegistryLock(seg, timeout=5)
     ch = Child(holding(lock))
     try:
         assert ch.recv() == b"h"
-        master = RegistryLock(seg)
+        master = RegistryLock(seg, timeout=5)
         assert master.timeout == 5.0
         master.timeout = 0.3
         t0 = time.monotonic()

@@ -15,6 +15,7 @@ from helpers.names import leftovers
 from helpers.procs import child, reap, recv
 
 import shmcancel
+from shmcancel.cancel import tables as ct
 from shmcancel.config import Config
 from shmcancel.exceptions import (
     InvalidRegistryName,
@@ -23,7 +24,8 @@ from shmcancel.exceptions import (
     RowTooLarge,
     ShmCancelError,
 )
-from shmcancel.shm import procinfo, registry
+from shmcancel.mcp import session_tables as st
+from shmcancel.shm import procinfo, registry, schema
 from shmcancel.shm.registry import Registry, record_sizes
 from shmcancel.shm.segment import lock_path, segment_path, sem_path
 
@@ -41,18 +43,18 @@ def test_roundtrip(shm_name: str) -> None:
         assert reg.creator == procinfo.me()
         assert len(reg.hash_key) == 16
         assert reg.last_sweep == reg.created_at
-        reg.cancellations.insert(("global", "1"), ("why", 1.5))
-        reg.in_flight.insert(("global", "1"), (1, 2, 3, 4))
-        reg.sessions.insert("s1", {"v": 1})
-        reg.scope_counts.insert(b"\x01" * 16, 1)
+        reg.table("cancellations").insert(("global", "1"), ("why", 1.5))
+        reg.table("in_flight").insert(("global", "1"), (1, 2, 3, 4))
+        reg.table("sessions").insert("s1", {"v": 1})
+        reg.table("scope_counts").insert(b"\x01" * 16, 1)
         with Registry.attach(shm_name) as other:
             assert registry.current() is other
             assert other.config == SMALL
             assert other.hash_key == reg.hash_key and other.created_at == reg.created_at
-            assert other.cancellations.get(("global", "1")) == ("why", 1.5)
-            assert other.in_flight.lookup(("global", "1")) == [(1, 2, 3, 4)]
-            assert other.sessions.get("s1") == {"v": 1}
-            assert other.scope_counts.get(b"\x01" * 16) == 1
+            assert other.table("cancellations").get(("global", "1")) == ("why", 1.5)
+            assert other.table("in_flight").lookup(("global", "1")) == [(1, 2, 3, 4)]
+            assert other.table("sessions").get("s1") == {"v": 1}
+            assert other.table("scope_counts").get(b"\x01" * 16) == 1
             # cancellations and scope_counts hold max_rows rows (the cap evicts first)
             assert {t.capacity for t in other.tables.values()} == {100, 64, 32}
         assert other.closed and registry.current() is reg  # the one still open
@@ -98,20 +100,18 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
     reason = "é" * 400  # 800 UTF-8 bytes
     key = (scope, rid)
     cases = {
-        "cancellations": (key, (reason, 1e300), registry._KEY_REQUEST, registry._VAL_CANCEL),
+        "cancellations": (key, (reason, 1e300), ct.KEY_REQUEST, ct.VAL_CANCEL),
         "in_flight": (key, (2**22 - 1, 2**42 - 1, 2**64 - 1, -(2**63)),
-                      registry._KEY_REQUEST, registry._VAL_IN_FLIGHT),
-        "sessions": ("s" * 128, (b"x" * 508,), registry._KEY_SESSION,
-                     registry.SESSION_VALUE_MAX),
-        "scope_counts": (b"\xff" * 16, 2**64 - 1, registry._KEY_SCOPE_COUNT,
-                         registry._VAL_SCOPE_COUNT),
+                      ct.KEY_REQUEST, ct.VAL_OWNER),
+        "sessions": ("s" * 128, (b"x" * 508,), st.KEY_SESSION, st.SESSION_VALUE_MAX),
+        "scope_counts": (b"\xff" * 16, 2**64 - 1, ct.KEY_SCOPE_COUNT, ct.VAL_SCOPE_COUNT),
         # sessions_per_client (32 by default) minted ids
-        "session_clients": (b"\xff" * 16, ("s" * registry.MINTED_ID_LEN,) * 32,
-                            registry._KEY_CLIENT, registry._val_session_clients(SMALL)),
+        "session_clients": (b"\xff" * 16, ("s" * st.MINTED_ID_LEN,) * 32,
+                            st.KEY_CLIENT, st.val_session_clients(SMALL)),
         "session_calls": ("s" * 128, (2**22 - 1, 2**42 - 1, 2**64 - 1, -(2**63)),
-                          registry._KEY_SESSION, registry._VAL_IN_FLIGHT),
+                          st.KEY_SESSION, st.VAL_CALL),
     }
-    assert cases.keys() == registry.TABLES.keys()
+    assert cases.keys() == {d.name for d in ct.TABLES + st.TABLES}
     sizes = record_sizes()
     assert sizes == {"cancellations": 1616, "in_flight": 840, "sessions": 672,
                      "scope_counts": 56, "session_clients": 1136, "session_calls": 192}
@@ -126,9 +126,9 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
             assert t.record_size == sizes[name]
             t.insert(k, v)
             assert t.lookup(k) == [v]
-        assert size((b"x" * 508,)) == registry.SESSION_VALUE_MAX
+        assert size((b"x" * 508,)) == st.SESSION_VALUE_MAX
         with pytest.raises(RowTooLarge):
-            reg.cancellations.insert(("s" * 2000, "1"), (None, 1.0))
+            reg.table("cancellations").insert(("s" * 2000, "1"), (None, 1.0))
         reg.unlink()
 
 
@@ -179,7 +179,7 @@ def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
         reap(pid)
         os.close(r)
     try:
-        successor.cancellations.insert(("global", "1"), (None, 1.0))
+        successor.table("cancellations").insert(("global", "1"), (None, 1.0))
 
         def rival(w: int) -> None:  # another process creating the same name
             try:
@@ -195,7 +195,7 @@ def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
         finally:
             reap(rpid)
             os.close(rr)
-        assert successor.cancellations.get(("global", "1")) == (None, 1.0)
+        assert successor.table("cancellations").get(("global", "1")) == (None, 1.0)
         with Registry.attach(shm_name, readonly=True) as ro, pytest.raises(
                 ShmCancelError, match="read-only"):
             ro.adopt()
@@ -209,7 +209,7 @@ def test_incompatible_table_layout(shm_name: str) -> None:
 
     Registry.create(shm_name, SMALL).close()
     with open(segment_path(shm_name), "r+b") as f:  # table 1 ("in_flight") claims to be a set
-        f.seek(520 + 32 + 24)
+        f.seek(520 + 64 + 56)  # descriptor 1's kind byte
         f.write(struct.pack("<B", 1))
     with pytest.raises(RegistryIncompatible, match="table in_flight"):
         Registry.attach(shm_name)
@@ -217,20 +217,20 @@ def test_incompatible_table_layout(shm_name: str) -> None:
 
 def test_readonly(shm_name: str) -> None:
     with Registry.create(shm_name, SMALL) as reg:
-        reg.cancellations.insert(("global", "7"), (None, 2.0))
+        reg.table("cancellations").insert(("global", "7"), (None, 2.0))
         gen = reg.lock.generation
         with Registry.attach(shm_name, readonly=True) as ro:
             assert ro.readonly
-            assert ro.cancellations.get(("global", "7")) == (None, 2.0)
-            assert ro.cancellations.scan() == [(("global", "7"), (None, 2.0))]
+            assert ro.table("cancellations").get(("global", "7")) == (None, 2.0)
+            assert ro.table("cancellations").scan() == [(("global", "7"), (None, 2.0))]
             with pytest.raises(ShmCancelError, match="read-only"), ro.lock:
                 pass
             with pytest.raises((ShmCancelError, TypeError)):
-                ro.cancellations.insert(("global", "8"), (None, 1.0))
+                ro.table("cancellations").insert(("global", "8"), (None, 1.0))
             assert not ro.claim_sweep(reg.created_at + 1e6, 1.0)
             info = ro.info()
             assert info["semaphore_value"] is None and info["lock_generation"] == gen
-        assert reg.lock.generation == gen and reg.cancellations.count() == 1
+        assert reg.lock.generation == gen and reg.table("cancellations").count() == 1
         reg.unlink()
 
 
@@ -246,7 +246,7 @@ def test_counters_and_info(shm_name: str) -> None:
         assert info["creator_pid"] == os.getpid() and info["creator_alive"]
         assert info["config"] == dataclasses.asdict(SMALL)
         assert info["semaphore_value"] == 1 and info["lock_owner_pid"] is None
-        assert [t["name"] for t in info["tables"]] == list(registry.TABLES)
+        assert [t["name"] for t in info["tables"]] == [d.name for d in schema.declared()]
         assert info["total_size"] == os.stat(segment_path(shm_name)).st_size
         reg.unlink()
 
@@ -293,8 +293,8 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
 
     def writer(w: int) -> None:
         for i in range(20):
-            reg.cancellations.insert(("global", str(i)), (None, float(i)))
-        t = reg.cancellations
+            reg.table("cancellations").insert(("global", str(i)), (None, float(i)))
+        t = reg.table("cancellations")
         with reg.lock:
             reg.lock.dirty = True
             t._ver[0] += 1  # a write in progress: bucket 0 odd
@@ -305,12 +305,12 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
     try:
         assert recv(r) == b"mid"
         os.kill(pid, signal.SIGKILL)
-        reg.cancellations.insert(("global", "new"), ("after", 99.0))
+        reg.table("cancellations").insert(("global", "new"), ("after", 99.0))
         assert events == [{"dead_pid": pid}]
         assert reg.recoveries == 1
-        assert all(v % 2 == 0 for v in reg.cancellations._ver)
-        assert reg.cancellations.count() == 21
-        assert reg.cancellations.get(("global", "7")) == (None, 7.0)
+        assert all(v % 2 == 0 for v in reg.table("cancellations")._ver)
+        assert reg.table("cancellations").count() == 21
+        assert reg.table("cancellations").get(("global", "7")) == (None, 7.0)
         assert all(all(v == 0 for v in rep.values()) for rep in reg.fsck().values())
     finally:
         shmcancel.telemetry.detach("t-reg")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import select
 import struct
@@ -12,7 +11,6 @@ import pytest
 from helpers.names import leftovers
 from helpers.procs import child
 
-from shmcancel.config import Config
 from shmcancel.exceptions import (
     InvalidRegistryName,
     RegistryIncompatible,
@@ -21,7 +19,7 @@ from shmcancel.exceptions import (
 )
 from shmcancel.shm import procinfo
 from shmcancel.shm.segment import (
-    CONFIG_FIELDS,
+    CONFIG_MAX,
     HEADER_SIZE,
     Segment,
     TableSpec,
@@ -33,16 +31,12 @@ from shmcancel.shm.segment import (
 
 pytestmark = pytest.mark.timeout(20)
 
-SPECS = [TableSpec("set", 10, 64, 5000), TableSpec("bag", 3, 128, 100)]
-
-
-def test_config_fields_cover_config() -> None:
-    assert {n for n, _ in CONFIG_FIELDS} == {f.name for f in dataclasses.fields(Config)}
+SPECS = [TableSpec("t0", "set", 10, 64, 5000), TableSpec("t1", "bag", 3, 128, 100)]
+CFG = b"opaque config"
 
 
 def test_create_attach_roundtrip(shm_name: str) -> None:
-    cfg = Config(max_rows=None, capacity=123, max_rows_per_scope=None, ttl=1.5,
-                 in_flight_capacity=77, lock_timeout=2)
+    cfg = b"\x00config\xff"
     seg = Segment.create(shm_name, cfg, SPECS)
     try:
         assert seg.config == cfg
@@ -53,8 +47,9 @@ def test_create_attach_roundtrip(shm_name: str) -> None:
         assert st.st_mode & 0o777 == 0o600
         assert os.stat(sem_path(shm_name)).st_mode & 0o777 == 0o600
         assert seg.sem is not None and seg.sem.value == 1
-        assert [(d.kind, d.capacity, d.record_size, d.offset, d.region_size)
-                for d in seg.tables] == [("set", 10, 64, 4096, 5000), ("bag", 3, 128, 12288, 100)]
+        assert [(d.name, d.kind, d.capacity, d.record_size, d.offset, d.region_size)
+                for d in seg.tables] == [("t0", "set", 10, 64, 4096, 5000),
+                                         ("t1", "bag", 3, 128, 12288, 100)]
         seg.region(0)[:4] = b"abcd"
         other = Segment.attach(shm_name)
         try:
@@ -72,14 +67,25 @@ def test_create_attach_roundtrip(shm_name: str) -> None:
     assert leftovers(shm_name) == []
 
 
-def test_defaults_roundtrip_and_none_fields(shm_name: str) -> None:
-    for cfg in (Config(), Config(max_rows=None, max_rows_per_scope=None)):
+def test_config_bytes_roundtrip(shm_name: str) -> None:
+    for cfg in (b"", b"\x00", os.urandom(CONFIG_MAX)):
         seg = Segment.create(shm_name, cfg, SPECS)
         seg.close()
         seg = Segment.attach(shm_name)
         assert seg.config == cfg
         seg.close()
         unlink_names(shm_name)
+
+
+def test_create_refuses_what_the_header_cannot_hold(shm_name: str) -> None:
+    with pytest.raises(ValueError, match=f"at most {CONFIG_MAX}"):
+        Segment.create(shm_name, b"x" * (CONFIG_MAX + 1), SPECS)
+    for bad in ("", "T0", "a-b", "x" * 33, "é"):
+        with pytest.raises(ValueError, match="table name"):
+            Segment.create(shm_name, CFG, [TableSpec(bad, "set", 10, 64, 5000)])
+    with pytest.raises(ValueError, match="twice"):
+        Segment.create(shm_name, CFG, [SPECS[0], SPECS[0]])
+    assert leftovers(shm_name) == []
 
 
 def test_attach_missing(shm_name: str) -> None:
@@ -91,14 +97,14 @@ def test_attach_missing(shm_name: str) -> None:
 @pytest.mark.parametrize("bad", ["", "a/b", "x" * 65, "é", "a b", "../x", "a~b", None, 5])
 def test_invalid_names(bad: object) -> None:
     for op in (lambda: Segment.attach(bad),  # type: ignore[arg-type]
-               lambda: Segment.create(bad, Config(), SPECS)):  # type: ignore[arg-type]
+               lambda: Segment.create(bad, CFG, SPECS)):  # type: ignore[arg-type]
         with pytest.raises(InvalidRegistryName):
             op()
 
 
 def test_create_over_live_creator_refused(shm_name: str) -> None:
     def creator(w: int) -> None:
-        seg = Segment.create(shm_name, Config(), SPECS)
+        seg = Segment.create(shm_name, CFG, SPECS)
         os.write(w, b"k")
         select.select([], [], [], 30)  # until the parent kills us
         seg.close()
@@ -107,7 +113,7 @@ def test_create_over_live_creator_refused(shm_name: str) -> None:
     try:
         assert os.read(r, 1) == b"k"
         with pytest.raises(RegistryIncompatible, match=f"in use by live pid {pid}"):
-            Segment.create(shm_name, Config(), SPECS)
+            Segment.create(shm_name, CFG, SPECS)
         seg = Segment.attach(shm_name)  # attaching is fine
         assert seg.creator is not None and seg.creator[0] == pid
         seg.close()
@@ -116,14 +122,14 @@ def test_create_over_live_creator_refused(shm_name: str) -> None:
         os.waitpid(pid, 0)
         os.close(r)
     # The creator is gone now: create replaces the stale segment.
-    seg = Segment.create(shm_name, Config(), SPECS)
+    seg = Segment.create(shm_name, CFG, SPECS)
     assert seg.creator == procinfo.me()
     seg.close()
 
 
 def test_create_over_dead_creator_replaces(shm_name: str) -> None:
     def creator(w: int) -> None:
-        seg = Segment.create(shm_name, Config(capacity=20_000), SPECS)
+        seg = Segment.create(shm_name, b"old", SPECS)
         os.write(w, seg.hash_key)
 
     pid, r = child(creator)
@@ -132,10 +138,10 @@ def test_create_over_dead_creator_replaces(shm_name: str) -> None:
     _, status = os.waitpid(pid, 0)
     assert status == 0
     old_ino = os.stat(segment_path(shm_name)).st_ino
-    seg = Segment.create(shm_name, Config(), SPECS)
+    seg = Segment.create(shm_name, CFG, SPECS)
     try:
         assert seg.hash_key != old_key
-        assert seg.config == Config()
+        assert seg.config == CFG
         assert seg.sem is not None and seg.sem.value == 1
         assert os.stat(segment_path(shm_name)).st_ino != old_ino
     finally:
@@ -163,7 +169,7 @@ def test_garbage_segment(shm_name: str, data: bytes, match: str) -> None:
         Segment.attach(shm_name)
     with pytest.raises(RegistryIncompatible, match=match):
         Segment.attach(shm_name, readonly=True)
-    seg = Segment.create(shm_name, Config(), SPECS)  # garbage is replaced by create
+    seg = Segment.create(shm_name, CFG, SPECS)  # garbage is replaced by create
     seg.close()
     Segment.attach(shm_name).close()
 
@@ -186,19 +192,20 @@ def _patch(name: str, off: int, fmt: str, value: object) -> None:
     (8, "<Q", 1, "layout version 1"),
     (16, "<Q", 8192, "header size 8192"),
     (24, "<Q", 4096, "header says 4096 bytes"),
-    (72 + 8, "<q", -5, "invalid config"),  # max_rows = -5
+    (2048, "<Q", CONFIG_MAX + 1, f"config is {CONFIG_MAX + 1} bytes"),
     (512, "<Q", 1000, "tables"),
-    (520, "<Q", 100, "table descriptor 0"),  # table 0 at a non-page offset
+    (520, "<8s", b"BAD NAME", "table descriptor 0"),  # not a table name
+    (520 + 32, "<Q", 100, "table descriptor 0"),  # table 0 at a non-page offset
 ])
 def test_corrupt_header(shm_name: str, off: int, fmt: str, value: object, match: str) -> None:
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     _patch(shm_name, off, fmt, value)
     with pytest.raises(RegistryIncompatible, match=match):
         Segment.attach(shm_name)
 
 
 def test_size_mismatch(shm_name: str) -> None:
-    seg = Segment.create(shm_name, Config(), SPECS)
+    seg = Segment.create(shm_name, CFG, SPECS)
     seg.close()
     with open(segment_path(shm_name), "r+b") as f:
         f.truncate(seg.total_size + 4096)
@@ -211,7 +218,7 @@ def test_size_mismatch(shm_name: str) -> None:
 
 
 def test_zero_byte_and_missing_semaphore(shm_name: str) -> None:
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     posix_ipc.unlink_semaphore("/shmcancel." + shm_name)
     with pytest.raises(RegistryIncompatible, match=r"semaphore .* is missing"):
         Segment.attach(shm_name)
@@ -227,21 +234,21 @@ def test_zero_byte_and_missing_semaphore(shm_name: str) -> None:
     # Read-only attachment needs no semaphore. We are the (live) creator: create refuses.
     Segment.attach(shm_name, readonly=True).close()
     with pytest.raises(RegistryIncompatible, match="in use by live pid"):
-        Segment.create(shm_name, Config(), SPECS)
+        Segment.create(shm_name, CFG, SPECS)
     unlink_names(shm_name)
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     Segment.attach(shm_name).close()
 
 
 def test_other_users_segment_refused(shm_name: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to chown")
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     os.chown(segment_path(shm_name), 65534, 65534)
     with pytest.raises(RegistryIncompatible, match="belongs to uid 65534"):
         Segment.attach(shm_name)
     with pytest.raises(RegistryIncompatible, match="belongs to uid 65534"):
-        Segment.create(shm_name, Config(), SPECS)
+        Segment.create(shm_name, CFG, SPECS)
     os.chown(segment_path(shm_name), 0, 0)
     os.chown(sem_path(shm_name), 65534, 65534)
     with pytest.raises(RegistryIncompatible, match=r"semaphore .* belongs to uid 65534"):
@@ -249,7 +256,7 @@ def test_other_users_segment_refused(shm_name: str) -> None:
 
 
 def test_wrong_mode_refused(shm_name: str) -> None:
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     os.chmod(segment_path(shm_name), 0o644)
     with pytest.raises(RegistryIncompatible, match="mode 644"):
         Segment.attach(shm_name)
@@ -259,7 +266,7 @@ def test_too_large_for_dev_shm(shm_name: str) -> None:
     vfs = os.statvfs("/dev/shm")
     huge = vfs.f_blocks * vfs.f_frsize + 2**30
     with pytest.raises(SegmentTooLarge, match=r"needs \d+ bytes .* only \d+ bytes .* free"):
-        Segment.create(shm_name, Config(), [TableSpec("set", 1, 64, huge)])
+        Segment.create(shm_name, CFG, [TableSpec("t", "set", 1, 64, huge)])
     assert leftovers(shm_name) in ([], [f"shmcancel-lock.{shm_name}"])
     assert not os.path.exists(sem_path(shm_name))
 
@@ -269,14 +276,14 @@ def test_failed_init_leaves_nothing(shm_name: str) -> None:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        Segment.create(shm_name, Config(), SPECS, init=init)
+        Segment.create(shm_name, CFG, SPECS, init=init)
     assert not os.path.exists(segment_path(shm_name))
     assert not os.path.exists(sem_path(shm_name))
     assert not [f for f in os.listdir("/dev/shm") if shm_name + "~" in f]
 
 
 def test_readonly_attach_never_writes(shm_name: str) -> None:
-    seg = Segment.create(shm_name, Config(), SPECS)
+    seg = Segment.create(shm_name, CFG, SPECS)
     try:
         before = _read(segment_path(shm_name))
         ro = Segment.attach(shm_name, readonly=True)
@@ -293,7 +300,7 @@ def test_readonly_attach_never_writes(shm_name: str) -> None:
 
 
 def test_close_releases_views(shm_name: str) -> None:
-    seg = Segment.create(shm_name, Config(), SPECS)
+    seg = Segment.create(shm_name, CFG, SPECS)
     v = seg.region(0)
     w = seg.region(1)
     seg.close()
@@ -305,7 +312,7 @@ def test_close_releases_views(shm_name: str) -> None:
 
 
 def test_unlink_names_idempotent(shm_name: str) -> None:
-    Segment.create(shm_name, Config(), SPECS).close()
+    Segment.create(shm_name, CFG, SPECS).close()
     assert os.path.exists(lock_path(shm_name))
     unlink_names(shm_name)
     unlink_names(shm_name)

@@ -18,6 +18,7 @@ from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage
+from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
@@ -65,9 +66,9 @@ class ShmBackend:
 
     def __init__(self, reg: Registry, *, alive: Callable[[int, int], bool] = procinfo.alive):
         self.reg = reg
-        self._c = reg.cancellations
-        self._f = reg.in_flight
-        self._n = reg.scope_counts
+        self._c = reg.table(CANCELLATIONS)
+        self._f = reg.table(IN_FLIGHT)
+        self._n = reg.table(SCOPE_COUNTS)
         self._lock = reg.lock
         self._hash_key = bytes(reg.hash_key)
         self._alive = alive

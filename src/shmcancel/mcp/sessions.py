@@ -1,7 +1,7 @@
 """MCP sessions (2025-era wire) kept in the registry's shared tables, so a session minted by one
 worker is accepted by every other, bounded per client so that no client can log others out.
 
-Tables (see :mod:`shmcancel.shm.registry`):
+Tables (declared in :mod:`shmcancel.mcp.session_tables`):
 
 - ``sessions``: ``session_id -> (created, last_seen, protocol_version, client)`` — wall-clock
   seconds (the ``clock``, default :func:`time.time`, shared by every process), the version
@@ -55,6 +55,7 @@ from typing import Any
 
 from ..exceptions import LockTimeout, ShmCancelError, TableFull
 from ..shm import procinfo
+from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
 from .wire import valid_session_id
 
 __all__ = ["RETRY_AFTER", "SWEEP_EVERY", "TOUCH_INTERVAL", "Call", "Session", "SessionStore",
@@ -128,17 +129,17 @@ class _Plan:
 
 
 class SessionStore:
-    """Sessions over one registry (``reg.sessions``, ``reg.session_clients``,
-    ``reg.session_calls``, ``reg.lock``, ``reg.config``): the shared-memory
+    """Sessions over one registry (its tables ``sessions``, ``session_clients`` and
+    ``session_calls``, ``reg.lock``, ``reg.config``): the shared-memory
     :class:`~shmcancel.mcp.session_storage.SessionStorage`. Thread-safe; one per process."""
 
     def __init__(self, reg: Any, clock: Callable[[], float] = time.time, *,
                  alive: Callable[[int, int], bool] = procinfo.alive) -> None:
         self._reg = reg
         self._lock = reg.lock
-        self._table = reg.sessions
-        self._clients = reg.session_clients
-        self._calls = reg.session_calls
+        self._table = reg.table(SESSIONS)
+        self._clients = reg.table(SESSION_CLIENTS)
+        self._calls = reg.table(SESSION_CALLS)
         self._hash_key = bytes(reg.hash_key)
         self._clock = clock
         self._alive = alive

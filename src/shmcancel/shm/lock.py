@@ -64,6 +64,7 @@ log = logging.getLogger("shmcancel.lock")
 _OWNER = OFF_LOCK_OWNER >> 3
 _GEN = OFF_LOCK_GENERATION >> 3
 _RECOVERIES = OFF_RECOVERIES >> 3
+DEFAULT_TIMEOUT = 10.0  # seconds, when no timeout is given (the Registry gives its Config's)
 _SPIN = 200e-6  # seconds of sched_yield polling before blocking waits
 _FAULTS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
            signal.SIGILL}
@@ -141,7 +142,7 @@ class RegistryLock:
         self._seg = segment
         self._sem = segment.sem
         self._w = segment.words
-        self._timeout = segment.config.lock_timeout if timeout is None else float(timeout)
+        self._timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         self._step = float(step)
         self._repair = repair
         self._fd: int | None = open_lockfile(self.name)

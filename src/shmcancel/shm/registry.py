@@ -1,32 +1,20 @@
-"""A registry: one shared segment, its lock, and the tables the cancellation layer and the
-MCP sessions use.
+"""A registry: one shared segment, its lock, and the tables the layers above declare.
 
-Tables (in segment order), keys and values as msgpack packs them:
+Which tables a registry holds is not this layer's business: the layers above declare theirs
+(:mod:`shmcancel.shm.schema`; the cancellation layer's in ``shmcancel/cancel/tables.py``, the MCP
+sessions' in ``shmcancel/mcp/session_tables.py``) and :meth:`Registry.create` lays out every one
+declared in this process, sized for its :class:`~shmcancel.config.Config`. :meth:`Registry.attach`
+refuses a registry whose tables (by name, kind and size) are not exactly those. Tables are
+reached by name: ``reg.table("in_flight")``.
 
-- ``cancellations`` (set, ``config.effective_max_rows`` rows: the cap evicts before an insert
-  passes it, contract §4.4): ``(scope, request_id)`` -> ``(reason | None, cancelled_at)``;
-- ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
-  ``(pid, start, thread_ident, token)``;
-- ``sessions`` (set, ``config.session_capacity``): ``session_id`` -> a value of at most
-  ``SESSION_VALUE_MAX`` packed bytes;
-- ``scope_counts`` (set, ``config.effective_max_rows``: one row per scope holding rows):
-  16-byte scope digest -> int;
-- ``session_clients`` (set, ``config.session_capacity``): 16-byte client digest -> the ids of
-  that client's sessions (at most ``config.sessions_per_client`` minted ids);
-- ``session_calls`` (bag, ``config.in_flight_capacity``): ``session_id`` -> ``(pid, start,
-  thread_ident, token)`` of each ``tools/call`` running in that session.
+The config is stored in the header as ``Config.pack()`` bytes and checked by ``Config.unpack`` at
+attach. A row larger than its table's record raises ``RowTooLarge``.
 
-Record sizes come from the worst-case msgpack sizes of those shapes (see ``_KEY_*``/``_VAL_*``;
-tests pack the worst cases); ``session_clients`` records grow with ``sessions_per_client``. A row
-larger than its table's record raises ``RowTooLarge``.
-
-Size classes (``layout.py``): a table with a small record size (``SMALL_*``) keeps one small
-record per row it holds and ``large_count`` worst-case records, so every valid row fits as long
-as at most ``large_count`` rows are larger than a small record. When a write would make one more,
-the table raises ``LargeRowsFull`` (a ``TableFull``) before writing anything, and each table's
-owner does what a full table does there: ``cancellations`` evicts (contract §4.4, among its
-large rows), ``in_flight`` drops dead owners' rows and else serves the request uncancellable,
-``sessions``/``session_clients`` refuse the new session (``SessionsFull``, HTTP 503).
+Size classes (``layout.py``): a table declared with a small record size keeps one small record
+per row it holds and ``large_count`` worst-case records, so every valid row fits as long as at
+most ``large_count`` rows are larger than a small record. When a write would make one more, the
+table raises ``LargeRowsFull`` (a ``TableFull``) before writing anything, and the table's owner
+does what a full table does there (the declaring modules say what).
 """
 
 from __future__ import annotations
@@ -35,13 +23,14 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..config import Config
 from ..exceptions import RegistryIncompatible, ShmCancelError
 from . import procinfo
 from .lock import RegistryLock
+from .schema import TableDecl, declared
 from .segment import (
     LAYOUT_VERSION,
     OFF_CREATOR,
@@ -63,90 +52,51 @@ from .segment import (
 )
 from .table import Table
 
-__all__ = ["TABLES", "Registry", "current", "record_sizes", "unlink"]
+__all__ = ["Registry", "current", "record_sizes", "table_specs", "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
 
 ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the lock, at most
 
-# --- worst-case msgpack sizes (bytes) -----------------------------------------------------------
-# str of n bytes: fixstr 1+n (n<=31), str8 2+n (n<=255), str16 3+n (n<=65535).
-# bin of n bytes: bin8 2+n. int: at most 9 (uint64 / int64). float: 9 (float64). nil: 1.
-# array of <= 15 items: fixarray, 1 byte.
-SCOPE_MAX = 512  # UTF-8 bytes (contract §3)
-REQUEST_ID_MAX = 256  # UTF-8 bytes (contract §4.1)
-REASON_MAX = 800  # UTF-8 bytes (contract §4.2)
-SESSION_ID_MAX = 128  # UTF-8 bytes
-SESSION_VALUE_MAX = 512  # packed bytes
-SCOPE_DIGEST = 16  # bytes
-_KEY_REQUEST = 1 + (3 + SCOPE_MAX) + (3 + REQUEST_ID_MAX)  # [scope, id] = 775
-_VAL_CANCEL = 1 + (3 + REASON_MAX) + 9  # [reason, cancelled_at] = 813
-_VAL_IN_FLIGHT = 1 + 4 * 9  # [pid, start, thread_ident, token] = 37
-_KEY_SESSION = 2 + SESSION_ID_MAX  # str8 = 130
-_KEY_SCOPE_COUNT = 2 + SCOPE_DIGEST  # bin8 = 18
-_VAL_SCOPE_COUNT = 9  # int
-MINTED_ID_LEN = 32  # characters of a minted session id (secrets.token_urlsafe(24))
-_KEY_CLIENT = 2 + SCOPE_DIGEST  # bin8 = 18
+
+def _decls(tables: Iterable[TableDecl] | None) -> tuple[TableDecl, ...]:
+    """``tables``, or every table declared in this process; ValueError on a repeated name."""
+    decls = declared() if tables is None else tuple(tables)
+    names = [d.name for d in decls]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a table name repeats in {names}")
+    return decls
 
 
-# Small records (bytes, header included), sized for the common row measured from the transport:
-# ids of 1-36 characters (a UUID), scopes of a minted session id (32), a short principal or
-# "global", reasons None or a short text, a session's value (~50 packed bytes), a client with up
-# to 8 sessions. The payload of 160 is 136 packed bytes: a [32-char scope, 36-char id] key (71)
-# with an in-flight owner (<= 37) or a reason of <= 53 bytes.
-SMALL_REQUEST = 160
-SMALL_SESSION = 160
-SMALL_CLIENT = 320  # 24 + 18 + fixarray 1 + 8 x 34: up to 8 minted ids
-# Large rows each table holds (bounded by its capacity): the worst case, reserved separately.
-LARGE_CANCELLATIONS = 256
-LARGE_IN_FLIGHT = 128
-LARGE_SESSIONS = 256
-LARGE_CLIENTS = 256
-
-
-def _val_session_clients(config: Config) -> int:
-    """[id, ...] of ``sessions_per_client`` minted ids: array16 3 + n x str8 (2 + 32)."""
-    return 3 + int(config.sessions_per_client) * (2 + MINTED_ID_LEN)  # type: ignore[arg-type]
-
-
-# name -> (kind, config field giving the capacity, max packed key, max packed value (or its
-# function of the config), small record size (0: one class), large rows held)
-TABLES: dict[str, tuple[str, str, int, int | Callable[[Config], int], int, int]] = {
-    "cancellations": ("set", "effective_max_rows", _KEY_REQUEST, _VAL_CANCEL, SMALL_REQUEST,
-                      LARGE_CANCELLATIONS),
-    "in_flight": ("bag", "in_flight_capacity", _KEY_REQUEST, _VAL_IN_FLIGHT, SMALL_REQUEST,
-                  LARGE_IN_FLIGHT),
-    "sessions": ("set", "session_capacity", _KEY_SESSION, SESSION_VALUE_MAX, SMALL_SESSION,
-                 LARGE_SESSIONS),
-    "scope_counts": ("set", "effective_max_rows", _KEY_SCOPE_COUNT, _VAL_SCOPE_COUNT, 0, 0),
-    "session_clients": ("set", "session_capacity", _KEY_CLIENT, _val_session_clients,
-                        SMALL_CLIENT, LARGE_CLIENTS),
-    "session_calls": ("bag", "in_flight_capacity", _KEY_SESSION, _VAL_IN_FLIGHT, 0, 0),
-}
-
-
-def record_sizes(config: Config | None = None) -> dict[str, int]:
-    """Record size of each table (for ``config``, default ``Config()``): what ``Table`` needs
-    for the worst-case key + value."""
+def record_sizes(config: Config | None = None,
+                 tables: Iterable[TableDecl] | None = None) -> dict[str, int]:
+    """Record size of each table (for ``config``, default ``Config()``; ``tables``, default the
+    declared ones): what ``Table`` needs for the worst-case key + value."""
     cfg = Config() if config is None else config
-    return {n: Table.record_size_for(k, v if isinstance(v, int) else v(cfg))
-            for n, (_, _, k, v, _, _) in TABLES.items()}
+    return {d.name: Table.record_size_for(d.size("max_key", cfg), d.size("max_value", cfg))
+            for d in _decls(tables)}
 
 
-def _specs(config: Config) -> list[TableSpec]:
-    """What each table is laid out as for ``config``: its declared classes, one class where the
-    small record would not be smaller than the worst case, at most ``capacity`` large rows."""
-    sizes = record_sizes(config)
+def _specs(config: Config, decls: Sequence[TableDecl]) -> list[TableSpec]:
+    """What each declared table is laid out as for ``config``: its declared classes, one class
+    where the small record would not be smaller than the worst case, at most ``capacity`` large
+    rows."""
+    sizes = record_sizes(config, decls)
     out = []
-    for n, (kind, cap_field, _, _, small, large) in TABLES.items():
-        cap = getattr(config, cap_field)
-        rs = sizes[n]
-        if not 0 < small < rs:
-            small, large = 0, 0
-        large = min(large, cap)
-        out.append(TableSpec(kind, cap, rs, Table.region_size(cap, rs, small, large),
+    for d in decls:
+        cap = d.size("capacity", config)
+        rs = sizes[d.name]
+        small, large = (d.small_size, min(d.large_count, cap)) if 0 < d.small_size < rs else (0, 0)
+        out.append(TableSpec(d.name, d.kind, cap, rs, Table.region_size(cap, rs, small, large),
                              small, large))
     return out
+
+
+def table_specs(config: Config | None = None,
+                tables: Iterable[TableDecl] | None = None) -> list[TableSpec]:
+    """How each table (``tables``, default the declared ones) is laid out for ``config``
+    (default ``Config()``): rows, record sizes, large rows, region bytes."""
+    return _specs(Config() if config is None else config, _decls(tables))
 
 
 _current: Registry | None = None
@@ -240,7 +190,7 @@ class Registry:
     registry's own segment and semaphore, never a newer one created under the same name).
     """
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, decls: Sequence[TableDecl]) -> None:
         global _current
         self._seg = seg
         self._name = seg.name
@@ -249,16 +199,23 @@ class Registry:
         self._closed = False
         self._tables: dict[str, Table] = {}
         try:
-            self._check_tables()
+            try:
+                self._config = Config.unpack(seg.config)
+            except ValueError as e:
+                raise RegistryIncompatible(
+                    f"registry {self._name}: invalid config in header: {e}") from None
+            self._check_tables(decls)
             self.lock: RegistryLock | _ReadOnlyLock = (
-                _ReadOnlyLock(seg) if seg.readonly else RegistryLock(seg, repair=self.fsck))
-            specs = _specs(seg.config)
-            for i, (n, desc) in enumerate(zip(TABLES, seg.tables, strict=True)):
-                self._tables[n] = Table(n, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
-                                        capacity=desc.capacity, record_size=desc.record_size,
-                                        hash_key=seg.hash_key, lock=self.lock,
-                                        small_size=specs[i].small_size,
-                                        large_count=specs[i].large_count)
+                _ReadOnlyLock(seg) if seg.readonly else
+                RegistryLock(seg, repair=self.fsck, timeout=self._config.lock_timeout))
+            specs = {sp.name: sp for sp in _specs(self._config, decls)}
+            for i, desc in enumerate(seg.tables):
+                sp = specs[desc.name]
+                self._tables[desc.name] = Table(
+                    desc.name, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
+                    capacity=desc.capacity, record_size=desc.record_size,
+                    hash_key=seg.hash_key, lock=self.lock,
+                    small_size=sp.small_size, large_count=sp.large_count)
         except BaseException:
             self._close_parts()
             raise
@@ -266,47 +223,62 @@ class Registry:
         _opened[:] = [w for w in _opened if w() is not None]
         _opened.append(weakref.ref(self))
 
-    def _check_tables(self) -> None:
-        seg, cfg = self._seg, self._seg.config
-        if len(seg.tables) != len(TABLES):
+    def _check_tables(self, decls: Sequence[TableDecl]) -> None:
+        """The segment holds exactly the tables ``decls`` declares (by name, in any order),
+        each of the declared kind and capacity, with records at least as large as declared."""
+        seg = self._seg
+        have = [d.name for d in seg.tables]
+        want = {s.name: s for s in _specs(self._config, decls)}
+        if sorted(have) != sorted(want):
             raise RegistryIncompatible(
-                f"registry {self._name}: {len(seg.tables)} tables, expected {len(TABLES)}")
-        for n, s, d in zip(TABLES, _specs(cfg), seg.tables, strict=True):
-            if (d.kind, d.capacity, d.record_size, d.region_size) != s[:4]:
+                f"registry {self._name}: holds tables {', '.join(have) or 'none'}; expected "
+                f"{', '.join(want) or 'none'} (created by another version of the code?)")
+        for d in seg.tables:
+            s = want[d.name]
+            if (d.kind != s.kind or d.capacity != s.capacity or d.record_size < s.record_size
+                    or d.region_size != Table.region_size(d.capacity, d.record_size, s.small_size,
+                                                         s.large_count)):
                 raise RegistryIncompatible(
-                    f"registry {self._name}: table {n} is {d.kind}/{d.capacity} rows/"
+                    f"registry {self._name}: table {d.name} is {d.kind}/{d.capacity} rows/"
                     f"{d.record_size}-byte records/{d.region_size} bytes; expected {s.kind}/"
-                    f"{s.capacity}/{s.record_size}/{s.region_size}")
+                    f"{s.capacity}/>={s.record_size}/{s.region_size}")
 
     # --- lifecycle ---
     @classmethod
-    def create(cls, name: str, config: Config | None = None) -> Registry:
-        """Create registry ``name`` (replacing a stale one whose creator is gone)."""
+    def create(cls, name: str, config: Config | None = None, *,
+               tables: Iterable[TableDecl] | None = None) -> Registry:
+        """Create registry ``name`` (replacing a stale one whose creator is gone), holding
+        ``tables`` (default: every table declared in this process)."""
         check_name(name)
         config = Config() if config is None else config
         if not isinstance(config, Config):
             raise TypeError(f"config must be a shmcancel.Config, got {type(config).__name__}")
-        specs = _specs(config)
+        decls = _decls(tables)
+        specs = _specs(config, decls)
 
         def init(seg: Segment) -> None:
             for i, s in enumerate(specs):
                 region = seg.region(i)
                 Table.format(region, s.capacity, s.record_size, s.small_size, s.large_count)
 
-        seg = Segment.create(name, config, specs, init=init)
+        seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout)
         try:
-            return cls(seg)
+            return cls(seg, decls)
         except BaseException:
             # Nobody else can have attached to what this process just made and failed to open.
             _unlink_own(name, seg.ino, seg.sem_ino)
             raise
 
     @classmethod
-    def attach(cls, name: str, *, readonly: bool = False) -> Registry:
-        """Attach to registry ``name``; its config is read from the segment header.
-        ``readonly``: map it read-only, take no lock (for inspection). A writable attachment
-        checks the tables' header counters first (:meth:`check`)."""
-        reg = cls(Segment.attach(name, readonly=readonly))
+    def attach(cls, name: str, *, readonly: bool = False,
+               tables: Iterable[TableDecl] | None = None) -> Registry:
+        """Attach to registry ``name``; its config is read from the segment header. It must
+        hold exactly ``tables`` (default: every table declared in this process), else
+        :class:`RegistryIncompatible`. ``readonly``: map it read-only, take no lock (for
+        inspection). A writable attachment checks the tables' header counters first
+        (:meth:`check`)."""
+        decls = _decls(tables)
+        reg = cls(Segment.attach(name, readonly=readonly), decls)
         try:
             reg._check_on_attach()
         except BaseException:
@@ -375,7 +347,7 @@ class Registry:
 
     @property
     def config(self) -> Config:
-        return self._seg.config
+        return self._config
 
     @property
     def hash_key(self) -> bytes:
@@ -404,32 +376,17 @@ class Registry:
             raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
         self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
 
-    @property
-    def cancellations(self) -> Table:
-        return self._tables["cancellations"]
-
-    @property
-    def in_flight(self) -> Table:
-        return self._tables["in_flight"]
-
-    @property
-    def sessions(self) -> Table:
-        return self._tables["sessions"]
-
-    @property
-    def scope_counts(self) -> Table:
-        return self._tables["scope_counts"]
-
-    @property
-    def session_clients(self) -> Table:
-        return self._tables["session_clients"]
-
-    @property
-    def session_calls(self) -> Table:
-        return self._tables["session_calls"]
+    def table(self, name: str) -> Table:
+        """The table called ``name`` (KeyError naming the tables there are, if none)."""
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise KeyError(f"registry {self._name} has no table {name!r} (it has "
+                           f"{', '.join(self._tables) or 'none'})") from None
 
     @property
     def tables(self) -> dict[str, Table]:
+        """Every table, by name, in segment order."""
         return dict(self._tables)
 
     # --- header counters ---
@@ -507,7 +464,7 @@ class Registry:
             "created_at": seg.created_at,
             "creator_pid": creator[0] if creator else None,
             "creator_alive": bool(creator and procinfo.alive(*creator)),
-            "config": dataclasses.asdict(seg.config),
+            "config": dataclasses.asdict(self._config),
             "lock_owner_pid": owner[0] if owner else None,
             "lock_owner_alive": bool(owner and procinfo.alive(*owner)),
             "lock_generation": seg.u64(OFF_LOCK_GENERATION),
@@ -518,9 +475,9 @@ class Registry:
             "sweeps": seg.u64(OFF_SWEEPS),
             "last_sweeper_pid": sweeper[0] if sweeper else None,
             "tables": [
-                {"name": n, "kind": d.kind, "capacity": d.capacity,
+                {"name": d.name, "kind": d.kind, "capacity": d.capacity,
                  "record_size": d.record_size, "small_size": t.small_size,
                  "large_count": t.large_count, "offset": d.offset, "region_size": d.region_size}
-                for (n, t), d in zip(self._tables.items(), seg.tables, strict=True)
+                for d, t in zip(seg.tables, self._tables.values(), strict=True)
             ],
         }

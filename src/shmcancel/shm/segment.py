@@ -18,8 +18,6 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     40      f64     created_at (time.time() at creation)
     48      16s     hash key (os.urandom(16)) for the tables' keyed hashing
     64      u64     inode of the semaphore file created with this segment
-    72      u64     config None mask: bit i set = CONFIG_FIELDS[i] is None
-    80      11x8    config fields in CONFIG_FIELDS order, i64 ('q') or f64 ('d'); 0 when None
     256     u64     lock owner: pack_owner of the holder, 0 = none          (see lock.py)
     264     u64     lock generation: +1 on every acquire and every recovery
     320     u64     recoveries (dead holders' units taken over)
@@ -27,10 +25,15 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     384     f64     janitor: last_sweep (starts at created_at)
     392     u64     janitor: sweeps claimed
     400     u64     janitor: pack_owner of the process that claimed the last sweep
-    512     u64     table count
-    520     32 x n  table descriptors: u64 offset, u64 region size, u32 capacity,
-                    u32 record size, u8 kind (1 set, 2 bag), 7 pad
+    512     u64     table count n (at most MAX_TABLES)
+    520     64 x n  table descriptors: 32s name (ASCII, NUL-padded), u64 offset, u64 region
+                    size, u32 capacity, u32 record size, u8 kind (1 set, 2 bag), 7 pad
+    2048    u64     config length m (at most CONFIG_MAX)
+    2056    m       config: opaque bytes of the layer above (the registry's Config.pack())
     4096            table regions, each at a 4096-aligned offset, in descriptor order
+
+Unlisted bytes are zero. Which tables a segment holds is declared above this layer
+(``shm/schema.py``); the header records each one's name, so an attacher matches them by name.
 
 /dev/shm is world-writable: anyone can put a FIFO, a symbolic link or a file of their own under
 these names. Every entry is opened ``O_NOFOLLOW | O_NONBLOCK`` (never follows a link, never blocks
@@ -55,12 +58,10 @@ import stat
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import fields as dataclass_fields
 from typing import Any, NamedTuple
 
 import posix_ipc
 
-from ..config import Config
 from ..exceptions import (
     InvalidRegistryName,
     RegistryIncompatible,
@@ -88,7 +89,8 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 MAGIC = b"shmcancl"
 LAYOUT_VERSION = 3  # 2: sessions_per_client in the config; session_clients, session_calls
-# 3: tables of two record size classes (their geometry in each table's own region header)
+# 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
+#    two record size classes (their geometry in each table's own region header)
 HEADER_SIZE = 4096
 PAGE = 4096
 MODE = 0o600
@@ -99,7 +101,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # --- header offsets (bytes) -------------------------------------------------------------------
 _HEAD = struct.Struct("<8sQQQQd16sQ")  # at 0: magic .. semaphore inode (72 bytes)
 OFF_CREATOR = 32
-OFF_CONFIG = 72
 OFF_LOCK_OWNER = 256
 OFF_LOCK_GENERATION = 264
 OFF_RECOVERIES = 320
@@ -109,24 +110,12 @@ OFF_SWEEPS = 392
 OFF_LAST_SWEEPER = 400
 OFF_TABLE_COUNT = 512
 OFF_TABLES = 520
-_DESC = struct.Struct("<QQIIB7x")
-MAX_TABLES = (HEADER_SIZE - OFF_TABLES) // _DESC.size
-
-CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
-    ("max_rows", "q"),
-    ("capacity", "q"),
-    ("max_rows_per_scope", "q"),
-    ("ttl", "d"),
-    ("janitor_interval", "d"),
-    ("in_flight_capacity", "q"),
-    ("stream_cancel_timeout", "d"),
-    ("session_capacity", "q"),
-    ("session_ttl", "d"),
-    ("lock_timeout", "d"),
-    ("sessions_per_client", "q"),
-)
-_CONFIG = struct.Struct("<Q" + "".join(t for _, t in CONFIG_FIELDS))
-assert OFF_CONFIG + _CONFIG.size <= OFF_LOCK_OWNER
+_DESC = struct.Struct("<32sQQIIB7x")
+OFF_CONFIG = 2048
+MAX_TABLES = (OFF_CONFIG - OFF_TABLES) // _DESC.size  # 23
+CONFIG_MAX = HEADER_SIZE - OFF_CONFIG - 8  # bytes of config
+CREATE_TIMEOUT = 10.0  # seconds create waits for another creation or recovery, by default
+_TABLE_NAME = re.compile(rb"[a-z][a-z0-9_]{0,31}")
 
 KINDS = {"set": 1, "bag": 2}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
@@ -135,6 +124,7 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 class TableSpec(NamedTuple):
     """What ``create`` is asked to lay out for one table."""
 
+    name: str
     kind: str
     capacity: int
     record_size: int
@@ -146,6 +136,7 @@ class TableSpec(NamedTuple):
 class TableDesc(NamedTuple):
     """One table's descriptor as recorded in the header."""
 
+    name: str
     kind: str
     capacity: int
     record_size: int
@@ -344,29 +335,6 @@ def _check_stat(what: str, path: str, st: os.stat_result) -> None:
             f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}, expected {MODE:o}")
 
 
-def _config_pack(config: Config) -> bytes:
-    names = {f.name for f in dataclass_fields(Config)}
-    if names != {n for n, _ in CONFIG_FIELDS}:  # pragma: no cover - a Config field was added
-        unknown = names ^ set(dict(CONFIG_FIELDS))
-        raise RuntimeError(f"segment layout does not know Config fields {unknown}")
-    mask = 0
-    values = []
-    for i, (n, t) in enumerate(CONFIG_FIELDS):
-        v = getattr(config, n)
-        if v is None:
-            mask |= 1 << i
-            v = 0
-        values.append(int(v) if t == "q" else float(v))
-    return _CONFIG.pack(mask, *values)
-
-
-def _config_unpack(raw: bytes | memoryview) -> Config:
-    mask, *values = _CONFIG.unpack(raw)
-    pairs = zip(CONFIG_FIELDS, values, strict=True)
-    kw: dict[str, Any] = {n: (None if mask >> i & 1 else v) for i, ((n, _), v) in enumerate(pairs)}
-    return Config(**kw)
-
-
 def _align(n: int, a: int = PAGE) -> int:
     return (n + a - 1) // a * a
 
@@ -386,15 +354,17 @@ class Segment:
         self.readonly = readonly
         self.ino = ino
         self.sem = sem
-        # Parse through struct first (may raise: Config validates), make views last.
+        # Parse through struct first, make views last.
         (_magic, self.version, _hs, self.total_size, self.creator_word, self.created_at,
          self.hash_key, self.sem_ino) = _HEAD.unpack_from(mm, 0)
-        self.config = _config_unpack(mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size])
+        (m,) = struct.unpack_from("<Q", mm, OFF_CONFIG)
+        self.config: bytes = mm[OFF_CONFIG + 8:OFF_CONFIG + 8 + min(m, CONFIG_MAX)]
         (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
         descs = []
-        for i in range(n):
-            off, size, cap, rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
-            descs.append(TableDesc(_KIND_NAMES.get(kind, "?"), cap, rs, off, size))
+        for i in range(min(n, MAX_TABLES)):
+            tname, off, size, cap, rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
+            descs.append(TableDesc(tname.rstrip(b"\0").decode("ascii", "replace"),
+                                   _KIND_NAMES.get(kind, "?"), cap, rs, off, size))
         self.tables: tuple[TableDesc, ...] = tuple(descs)
         self._mm: mmap.mmap | None = mm
         self.buf = memoryview(mm)
@@ -449,28 +419,38 @@ class Segment:
 
     # --- create ---
     @classmethod
-    def create(cls, name: str, config: Config, tables: Sequence[TableSpec], *,
+    def create(cls, name: str, config: bytes, tables: Sequence[TableSpec], *,
                init: Callable[[Segment], None] | None = None,
-               timeout: float | None = None) -> Segment:
+               timeout: float = CREATE_TIMEOUT) -> Segment:
         """Create the segment and its semaphore, replacing a stale registry of the same name.
 
+        ``config``: at most ``CONFIG_MAX`` bytes kept for the layer above (:attr:`config`).
         ``init(segment)`` runs before the segment becomes visible (format the tables there).
+        ``timeout``: seconds to wait for another process creating or recovering ``name``.
         Raises :class:`RegistryIncompatible` when a live process created ``name``,
         :class:`SegmentTooLarge` when /dev/shm cannot hold it.
         """
         check_name(name)
         if len(tables) > MAX_TABLES:
             raise ValueError(f"at most {MAX_TABLES} tables")
+        if len(config) > CONFIG_MAX:
+            raise ValueError(f"config of {len(config)} bytes: at most {CONFIG_MAX}")
         # Layout first: nothing is touched for an impossible request.
-        descs, off = [], HEADER_SIZE
+        descs: list[TableDesc] = []
+        off = HEADER_SIZE
         for t in tables:
             if t.kind not in KINDS:
                 raise ValueError(f"table kind must be 'set' or 'bag', got {t.kind!r}")
-            descs.append(TableDesc(t.kind, t.capacity, t.record_size, off, t.region_size))
+            if not _TABLE_NAME.fullmatch(t.name.encode("ascii", "replace")):
+                raise ValueError(f"table name must match [a-z][a-z0-9_]{{0,31}}, got {t.name!r}")
+            if any(d.name == t.name for d in descs):
+                raise ValueError(f"table {t.name} twice")
+            descs.append(TableDesc(t.name, t.kind, t.capacity, t.record_size, off,
+                                   t.region_size))
             off = _align(off + t.region_size)
         total = off
 
-        lockfd = _flock_bounded(name, config.lock_timeout if timeout is None else timeout)
+        lockfd = _flock_bounded(name, timeout)
         made: list[Callable[[], None]] = []
         try:
             _clear_stale(name)
@@ -511,11 +491,13 @@ class Segment:
             finally:
                 os.close(fd)
             created_at = time.time()
-            mm[OFF_CONFIG:OFF_CONFIG + _CONFIG.size] = _config_pack(config)
+            struct.pack_into("<Q", mm, OFF_CONFIG, len(config))
+            mm[OFF_CONFIG + 8:OFF_CONFIG + 8 + len(config)] = config
             struct.pack_into("<Q", mm, OFF_TABLE_COUNT, len(descs))
             for i, d in enumerate(descs):
-                _DESC.pack_into(mm, OFF_TABLES + i * _DESC.size, d.offset, d.region_size,
-                                d.capacity, d.record_size, KINDS[d.kind])
+                _DESC.pack_into(mm, OFF_TABLES + i * _DESC.size, d.name.encode("ascii"),
+                                d.offset, d.region_size, d.capacity, d.record_size,
+                                KINDS[d.kind])
             struct.pack_into("<d", mm, OFF_LAST_SWEEP, created_at)
             _HEAD.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, HEADER_SIZE, total,
                             procinfo.pack_owner(*procinfo.me()), created_at, os.urandom(16),
@@ -587,11 +569,8 @@ class Segment:
             os.close(fd)
         sem = None
         try:
-            _validate_tables(name, mm, size)
+            _validate_header(name, mm, size)
             seg = cls(name, mm, readonly=readonly, ino=st.st_ino, sem=None)
-        except ValueError as e:  # Config rejected the stored values
-            mm.close()
-            raise RegistryIncompatible(f"registry {name}: invalid config in header: {e}") from None
         except BaseException:
             mm.close()
             raise
@@ -606,14 +585,22 @@ class Segment:
         return seg
 
 
-def _validate_tables(name: str, mm: mmap.mmap, size: int) -> None:
+def _validate_header(name: str, mm: mmap.mmap, size: int) -> None:
+    """The config length and the table descriptors are within bounds (what the tables and the
+    config contain is for the layers above to check)."""
+    (m,) = struct.unpack_from("<Q", mm, OFF_CONFIG)
+    if m > CONFIG_MAX:
+        raise RegistryIncompatible(
+            f"registry {name}: header says its config is {m} bytes (at most {CONFIG_MAX}): "
+            "corrupt")
     (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
     if n > MAX_TABLES:
         raise RegistryIncompatible(f"registry {name}: header names {n} tables")
     end = HEADER_SIZE
     for i in range(n):
-        off, rsize, _cap, _rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
-        if kind not in _KIND_NAMES or off % PAGE or off < end or off + rsize > size:
+        tname, off, rsize, _cap, _rs, kind = _DESC.unpack_from(mm, OFF_TABLES + i * _DESC.size)
+        if (kind not in _KIND_NAMES or off % PAGE or off < end or off + rsize > size
+                or not _TABLE_NAME.fullmatch(tname.rstrip(b"\0"))):
             raise RegistryIncompatible(
                 f"registry {name}: table descriptor {i} is out of bounds or corrupt")
         end = off + rsize

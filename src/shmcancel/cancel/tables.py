@@ -1,0 +1,67 @@
+"""The cancellation layer's tables, declared to the shared-memory layer on import (see
+:mod:`shmcancel.shm.schema`); :mod:`shmcancel.cancel.shm_storage` reaches them by these names.
+
+Keys and values as msgpack packs them:
+
+- ``cancellations`` (set, ``config.effective_max_rows`` rows: the cap evicts before an insert
+  passes it, contract §4.4): ``(scope, request_id)`` -> ``(reason | None, cancelled_at)``;
+- ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
+  ``(pid, start, thread_ident, token)``;
+- ``scope_counts`` (set, ``config.effective_max_rows``: one row per scope holding rows): 16-byte
+  keyed digest of a scope -> int.
+
+Record sizes come from the worst-case packed sizes of those shapes (``KEY_*``/``VAL_*``; tests
+pack the worst cases). ``cancellations`` and ``in_flight`` keep small records for the common row
+(``SMALL_REQUEST``) and a bounded number of worst-case ones (``LARGE_*``); past those, a write
+meets ``LargeRowsFull`` and ``cancellations`` evicts among its large rows (contract §4.4), while
+``in_flight`` drops dead owners' rows and else serves the request uncancellable.
+"""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..shm.schema import PACKED_FLOAT, PACKED_INT, TableDecl, declare, packed_bin, packed_str
+from .ids import MAX_ID_BYTES
+from .reasons import MAX_REASON_BYTES
+
+__all__ = ["CANCELLATIONS", "IN_FLIGHT", "SCOPE_COUNTS", "TABLES"]
+
+CANCELLATIONS = "cancellations"
+IN_FLIGHT = "in_flight"
+SCOPE_COUNTS = "scope_counts"
+
+SCOPE_MAX = 512  # UTF-8 bytes (contract §3)
+SCOPE_DIGEST = 16  # bytes
+KEY_REQUEST = 1 + packed_str(SCOPE_MAX) + packed_str(MAX_ID_BYTES)  # [scope, id] = 775
+VAL_CANCEL = 1 + packed_str(MAX_REASON_BYTES) + PACKED_FLOAT  # [reason, cancelled_at] = 813
+VAL_OWNER = 1 + 4 * PACKED_INT  # [pid, start, thread_ident, token] = 37
+KEY_SCOPE_COUNT = packed_bin(SCOPE_DIGEST)  # 18
+VAL_SCOPE_COUNT = PACKED_INT
+
+
+# Small records (bytes, header included), sized for the common row measured from the transport:
+# ids of 1-36 characters (a UUID), scopes of a minted session id (32), a short principal or
+# "global", reasons None or a short text. The payload of 160 is 136 packed bytes: a [32-char
+# scope, 36-char id] key (71) with an in-flight owner (<= 37) or a reason of <= 53 bytes.
+SMALL_REQUEST = 160
+# Large rows each table holds (bounded by its capacity): the worst case, reserved separately.
+LARGE_CANCELLATIONS = 256
+LARGE_IN_FLIGHT = 128
+
+
+def _max_rows(config: Config) -> int:
+    return config.effective_max_rows
+
+
+def _in_flight_capacity(config: Config) -> int:
+    return config.in_flight_capacity
+
+
+TABLES = (
+    TableDecl(CANCELLATIONS, "set", _max_rows, KEY_REQUEST, VAL_CANCEL, SMALL_REQUEST,
+              LARGE_CANCELLATIONS),
+    TableDecl(IN_FLIGHT, "bag", _in_flight_capacity, KEY_REQUEST, VAL_OWNER, SMALL_REQUEST,
+              LARGE_IN_FLIGHT),
+    TableDecl(SCOPE_COUNTS, "set", _max_rows, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
+)
+declare(*TABLES)
