@@ -44,6 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
+try:  # the stdlib's semaphore type: its non-blocking acquire keeps the GIL (posix_ipc's drops it)
+    from _multiprocessing import SemLock as _SemLock
+except ImportError:  # pragma: no cover - CPython on Linux always has it
+    _SemLock = None
+
 from .. import telemetry
 from ..exceptions import LockTimeout, ShmCancelError
 from . import procinfo
@@ -53,6 +58,7 @@ from .segment import (
     OFF_RECOVERIES,
     lock_path,
     open_lockfile,
+    sem_path,
 )
 
 if TYPE_CHECKING:
@@ -147,6 +153,9 @@ class RegistryLock:
         self._step = float(step)
         self._repair = repair
         self._fd: int | None = open_lockfile(self.name)
+        self._fast: Any = None  # see _trywait
+        self._trywait = self._trywait_posix
+        self._open_fast(segment)
         # Every lock object of this process on the same semaphore shares one state (two
         # attachments of one registry in one process must not take each other for strangers).
         key = (segment.name, segment.sem_ino)
@@ -163,6 +172,34 @@ class RegistryLock:
     @dirty.setter
     def dirty(self, value: bool) -> None:
         self._st.dirty = value
+
+    def _open_fast(self, segment: Segment) -> None:
+        """Open the registry's semaphore a second time, as the stdlib's ``SemLock``, for
+        :meth:`_trywait`: its non-blocking acquire keeps the GIL, while posix_ipc's releases it,
+        which lets another thread of this process run (and queue behind the thread lock) in
+        the middle of every write. Kept only if the entry opened is the segment's semaphore
+        (same inode as recorded at attach, checked after opening); else posix_ipc serves."""
+        if _SemLock is None:  # pragma: no cover
+            return
+        try:
+            fast = _SemLock._rebuild(0, 1, 1, self._sem.name)  # handle, kind=SEMAPHORE, max, name
+        except (OSError, TypeError, ValueError, AttributeError):  # pragma: no cover
+            return
+        try:
+            same = os.lstat(sem_path(self.name)).st_ino == segment.sem_ino
+        except OSError:
+            same = False
+        if same:
+            self._fast = fast
+            self._trywait = fast.acquire
+
+    def _trywait_posix(self, block: bool = False) -> bool:
+        """A non-blocking ``sem_trywait`` through posix_ipc (when ``SemLock`` is unavailable)."""
+        try:
+            self._sem.acquire(0)
+        except posix_ipc.BusyError:
+            return False
+        return True
 
     def _after_fork_child(self) -> None:
         # The inherited fd shares its open file description (and any flock) with the parent:
@@ -227,9 +264,7 @@ class RegistryLock:
             t0 = time.monotonic()
             self._wait_local(tlock, t0)
         try:
-            try:
-                self._sem.acquire(0)  # fast path: sem_trywait, never interrupted
-            except posix_ipc.BusyError:
+            if not self._trywait(False):  # fast path: sem_trywait, never interrupted
                 self._acquire_slow(tid, time.monotonic() if t0 is None else t0)
             else:
                 st.holder = tid
@@ -310,11 +345,10 @@ class RegistryLock:
     def _acquire_slow(self, tid: int, t0: float) -> None:
         sem, w = self._sem, self._w
         spin_end = time.monotonic() + _SPIN
+        trywait = self._trywait
         while time.monotonic() < spin_end:
             os.sched_yield()
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
+            if not trywait(False):
                 continue
             self._st.holder = tid
             self._st.depth = 1
@@ -444,6 +478,8 @@ class RegistryLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+        self._trywait = self._trywait_posix
+        self._fast = None  # sem_close of the second opening
         _locks.discard(self)
 
     def __repr__(self) -> str:
