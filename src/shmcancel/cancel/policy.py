@@ -44,6 +44,7 @@ from typing import Any, Protocol, TypeVar
 from .. import telemetry
 from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError
 from ..shm import procinfo
+from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
 from . import ids
 from .eviction import batch_size
@@ -126,7 +127,6 @@ class _NoConns:
     def scope(conn: object) -> str:
         return "global"
 
-
 _conns: ConnReader = _NoConns()
 
 
@@ -204,7 +204,7 @@ class Cancellation:
         self._polls = 0  # cached polls left before the next clock read (see the module doc)
         # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
         # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
-        self._watches: _Polls[Callable[[], bool]] = _Polls()
+        self._watches: _Polls[Poll] = _Polls()
         self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
 
     def __repr__(self) -> str:
@@ -275,14 +275,16 @@ class Cancellation:
             # ids of exact types enter it, so a bool, float or subclass never matches here.
             if (t is int or t is str) and type(scope) is str:
                 try:
-                    member = self._watches[scope][x]
+                    w = self._watches[scope][x]
                 except KeyError:
                     pass
                 else:
                     n = self._polls = self._polls - 1
                     if n < 0:
                         self._poll_tick()
-                    return member()
+                    if type(w) is _Watch and w._ver[w._b] == w._v:
+                        return w._member  # Watch.member()'s own first line, without the call
+                    return w.member()
             return self._cancelled(x, scope)
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
@@ -297,10 +299,10 @@ class Cancellation:
         scope = str.__str__(scope)  # cache keys hold plain str only
         self._tick()
         k = x if type(x) is int or type(x) is str else rid  # as the fast path looks it up
-        member = self._watches.find(scope, k)
-        if member is None:
-            member = self._watches.add(scope, k, self._store.watch(scope, rid).member)
-        return member()
+        w = self._watches.find(scope, k)
+        if w is None:
+            w = self._watches.add(scope, k, self._store.watch(scope, rid))
+        return w.member()
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled
@@ -558,10 +560,13 @@ class RequestHandle:
             return True
         try:
             w = self._watch
-            if w is None and self._rid is not None:  # made on the first poll: many tools never poll
-                w = self._watch = self._c._store.watch(self.scope, self._rid)
-            if w is not None and w.member() and self._latch():
-                return True
+            if type(w) is _Watch and w._ver[w._b] == w._v and not w._member:
+                pass  # the hot path: Watch.member()'s first line, without the call
+            elif w is not None or self._rid is not None:
+                if w is None:  # made on the first poll: many tools never poll
+                    w = self._watch = self._c._store.watch(self.scope, self._rid)  # type: ignore[arg-type]
+                if w.member() and self._latch():
+                    return True
             c = self._c
             n = c._polls = c._polls - 1
             if n < 0:
