@@ -83,17 +83,30 @@ class ShmBackend:
 
     # Packing and hashing a key costs more than a lookup: keep the last keys prepared (a cancel
     # reads, counts and writes one key several times; a request's end repeats its begin's key).
+    # Both tables key rows by (scope, rid) with one hash key: a key prepared for one serves the
+    # other after a new home slot (a request's begin prepares it; its polls and end reuse it).
+    # The caches hold plain-str keys only: a str subclass could compare equal to another scope.
     def _ck(self, scope: str, rid: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         k = (scope, rid)
         pk = self._ckeys.get(k)
-        return pk if pk is not None else _remember(self._ckeys, k, self._c.prepare(k))
+        if pk is None:
+            pk = _remember(self._ckeys, k, self._c.prepare(self._fkeys.get(k) or k))
+        return pk
 
     def _fk(self, scope: str, rid: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         k = (scope, rid)
         pk = self._fkeys.get(k)
-        return pk if pk is not None else _remember(self._fkeys, k, self._f.prepare(k))
+        if pk is None:
+            pk = _remember(self._fkeys, k, self._f.prepare(self._ckeys.get(k) or k))
+        return pk
 
     def _nk(self, scope: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         pk = self._nkeys.get(scope)
         return pk if pk is not None else _remember(
             self._nkeys, scope, self._n.prepare(self._digest(scope)))
