@@ -291,6 +291,38 @@ def test_threads_contending_while_a_dead_process_holds_the_lock(seg: Segment) ->
         lock.close()
 
 
+def test_trywait_opens_the_segments_semaphore_or_falls_back(seg: Segment) -> None:
+    """The GIL-keeping trywait is a second opening of the semaphore by name, used only when the
+    entry is the one recorded in the segment (same inode); otherwise posix_ipc's serves. Either
+    way a unit held by another process is not taken."""
+    fast = RegistryLock(seg, timeout=0.3)
+    assert fast._fast is not None
+    real_ino = seg.sem_ino
+    seg.sem_ino = real_ino + 1  # as if the entry at the name were another semaphore
+    try:
+        slow = RegistryLock(seg, timeout=0.3)
+    finally:
+        seg.sem_ino = real_ino
+    assert slow._fast is None
+    ch = Child(holding(RegistryLock(seg)))
+    try:
+        assert ch.recv() == b"h"
+        for lk in (fast, slow):
+            with pytest.raises(LockTimeout, match=f"held by live pid {ch.pid}"), lk:
+                pass
+        ch.kill()
+        ch.wait()
+        with slow:  # recovered through the fallback, then released
+            assert seg.sem.value == 0
+        with fast:
+            assert seg.sem.value == 0
+        assert seg.sem.value == 1 and seg.u64(OFF_RECOVERIES) == 1
+    finally:
+        ch.stop()
+        fast.close()
+        slow.close()
+
+
 def test_mutual_exclusion_across_processes(seg: Segment) -> None:
     lock = RegistryLock(seg)
     n, procs = 1500, 4
