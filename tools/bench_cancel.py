@@ -24,21 +24,36 @@ table holds ``--fill`` x capacity rows of other requests (issue #9's targets in 
 
 first alone, then while ``--writers`` other processes cancel and clear requests of their own
 scopes as fast as they can for the whole measurement (each write bumps the versions of the
-buckets it touches; their write rate is printed). Then, single-process, the cost of one
-``begin`` + ``end`` pair (a dispatched request's writes) and one ``cancel`` + ``clear`` pair.
-``--check`` exits 1 when a poll target is missed alone.
+buckets it touches; their write rate is printed).
+
+Then the writes (issue #9's "Writes" targets), each batch again right after a floor batch:
+
+- ``begin`` + ``end`` of a new request id, single process [<= 5 us];
+- ``cancel`` of a new id alone (the rows are cleared outside the timing) [<= 5 us], and a
+  ``cancel`` + ``clear`` pair (no target);
+- ``begin`` + ``end`` while ``--writers`` processes cancel and clear: the writers are paused
+  and resumed round by round, so every round measures the pair alone and busy back to back
+  [busy <= 4x alone, median of the per-round ratios];
+- 4 threads of this process doing ``begin`` + ``end`` against 1 thread doing as many pairs,
+  round by round [4-thread throughput >= 0.8x one thread's].
+
+Every target prints ``met`` or ``MISSED``; ``--check`` exits 1 when one is missed (the poll
+targets: alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import os
+import statistics
 import struct
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,24 +72,34 @@ TARGETS = {
     "c.cancelled(id, scope)": 3.0,
     "c.in_flight(id, scope)": 5.0,
 }
+WRITE_TARGETS = {"begin + end": 5.0, "cancel": 5.0}  # us
 _WINDOW = 200  # rows a writer keeps in its scope (below the default quota of 256)
+
+
+_PAUSE = 16 * 64  # byte offset of the pause word in the writers' counters (up to 64 writers)
 
 
 def _writer(name: str, w: int, counters: mmap.mmap) -> None:
     """Child ``w``: cancel and clear requests of its own scope until killed, keeping at most
     ``_WINDOW`` rows there; its count of write pairs (and of failed ones) goes to
-    ``counters[16 w:16 w + 16]`` every 64 pairs."""
+    ``counters[16 w:16 w + 16]`` every 16 pairs. While the pause word is non-zero it only
+    sleeps (0.2 ms steps)."""
     c = Cancellation(Registry.attach(name))
     scope = f"ip:writer{w}"
     i = errors = 0
+    words = memoryview(counters).cast("Q")
+    pause = _PAUSE // 8
     while True:
+        if words[pause]:
+            time.sleep(0.0002)
+            continue
         try:
             c.cancel(i % (2 * _WINDOW), "bench", scope)
             c.clear((i + _WINDOW) % (2 * _WINDOW), scope)
         except ShmCancelError:
             errors += 1
         i += 1
-        if not i & 63:
+        if not i & 15:
             struct.pack_into("<QQ", counters, 16 * w, i, errors)
 
 
@@ -82,15 +107,140 @@ def _writer(name: str, w: int, counters: mmap.mmap) -> None:
 def _writers(name: str, n: int) -> Iterator[mmap.mmap]:
     """``n`` writer processes on registry ``name`` for the block; yields their counters once
     every one of them has written."""
-    counters = mmap.mmap(-1, 16 * max(1, n))  # anonymous and shared: inherited by the forks
+    if not 0 <= n <= 64:
+        raise SystemExit("--writers must be 0..64")
+    counters = mmap.mmap(-1, _PAUSE + 8)  # anonymous and shared: inherited by the forks
     with ExitStack() as st:
         for w in range(n):
             st.enter_context(running(_writer, name, w, counters))
-        deadline = time.monotonic() + 10
-        while (any(struct.unpack_from("<Q", counters, 16 * w)[0] == 0 for w in range(n))
-               and time.monotonic() < deadline):
-            time.sleep(0.001)
+        _wait_all_wrote(counters, n, [0] * n)
         yield counters
+
+
+def _wait_all_wrote(counters: mmap.mmap, n: int, since: list[int]) -> None:
+    """Until every writer's pair count moved past ``since`` (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while (any(struct.unpack_from("<Q", counters, 16 * w)[0] <= since[w] for w in range(n))
+           and time.monotonic() < deadline):
+        time.sleep(0.0005)
+
+
+def _set_paused(counters: mmap.mmap, n: int, paused: bool) -> None:
+    """Pause the writers (they finish the pair they are in: wait for a writer-free 2 ms), or
+    resume them and wait until each one wrote again."""
+    if paused:
+        struct.pack_into("<Q", counters, _PAUSE, 1)
+        time.sleep(0.002)
+    else:
+        since = [struct.unpack_from("<Q", counters, 16 * w)[0] for w in range(n)]
+        struct.pack_into("<Q", counters, _PAUSE, 0)
+        _wait_all_wrote(counters, n, since)
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _write_measures(c: Cancellation, floor: tuple[Callable[[], int], int], batches: int,
+                    batch: int) -> dict[str, tuple[float, float]]:
+    """Single-process writes, each batch right after a floor batch: ``{name: (ns/op median,
+    ratio-to-floor median)}``. New request ids throughout (as JSON-RPC ids are)."""
+    fresh = itertools.count(2 * 10**9)
+    scope = "ip:writes"
+    pairs = max(1, batch // 4)
+
+    def begin_end() -> int:
+        ids = [next(fresh) for _ in range(pairs)]
+        t0 = _NOW()
+        for i in ids:
+            c.begin(i, scope).end()
+        return _NOW() - t0
+
+    def cancel_alone() -> int:
+        ids = [next(fresh) for _ in range(pairs)]
+        t0 = _NOW()
+        for i in ids:
+            c.cancel(i, "bench", scope)
+        dt = _NOW() - t0
+        for i in ids:
+            c.clear(i, scope)
+        return dt
+
+    def cancel_clear() -> int:
+        ids = [next(fresh) for _ in range(pairs)]
+        t0 = _NOW()
+        for i in ids:
+            c.cancel(i, "bench", scope)
+            c.clear(i, scope)
+        return _NOW() - t0
+
+    ms = {"begin + end": (begin_end, pairs), "cancel": (cancel_alone, pairs),
+          "cancel + clear": (cancel_clear, pairs)}
+    ns, ratio, _ = ratio_medians(ms, floor, batches)
+    return {k: (ns[k], ratio[k]) for k in ms}
+
+
+def _busy_pairs(c: Cancellation, counters: mmap.mmap, nwriters: int,
+                floor: tuple[Callable[[], int], int], rounds: int,
+                pairs: int) -> tuple[float, float, float, float]:
+    """``begin`` + ``end`` alone (writers paused) and busy (writers running), back to back each
+    round: (alone ns/pair, busy ns/pair, median busy/alone ratio, busy ratio to the floor)."""
+    fresh = itertools.count(3 * 10**9)
+    ffn, fops = floor
+
+    def run() -> float:
+        ids = [next(fresh) for _ in range(pairs)]
+        t0 = _NOW()
+        for i in ids:
+            c.begin(i, "ip:busy").end()
+        return (_NOW() - t0) / pairs
+
+    alone, busy, ratio, rfloor = [], [], [], []
+    for _ in range(rounds):
+        _set_paused(counters, nwriters, True)
+        a = run()
+        _set_paused(counters, nwriters, False)
+        f = ffn() / fops
+        b = run()
+        alone.append(a)
+        busy.append(b)
+        ratio.append(b / a)
+        rfloor.append(b / f)
+    med = statistics.median
+    return med(alone), med(busy), med(ratio), med(rfloor)
+
+
+def _thread_scaling(c: Cancellation, rounds: int, window: float, nthreads: int = 4) -> float:
+    """Median over ``rounds`` of (``begin`` + ``end`` pairs that ``nthreads`` threads complete
+    in ``window`` seconds) / (pairs one thread completes in ``window``), back to back."""
+    fresh = itertools.count(4 * 10**9)  # next() on a count is atomic under the GIL
+
+    def rate(n: int) -> float:
+        done = [0] * n
+        gate = threading.Barrier(n + 1)
+        stop = [0.0]
+
+        def worker(k: int) -> None:
+            gate.wait(10)
+            end = stop[0]
+            m = 0
+            while time.monotonic() < end:
+                for _ in range(20):
+                    c.begin(next(fresh), "ip:threads").end()
+                m += 20
+            done[k] = m
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+        for t in ts:
+            t.start()
+        stop[0] = time.monotonic() + window
+        gate.wait(10)
+        t0 = time.monotonic()
+        for t in ts:
+            t.join()
+        return sum(done) / (time.monotonic() - t0)
+
+    return statistics.median(rate(nthreads) / rate(1) for _ in range(rounds))
 
 
 def _pairs(counters: mmap.mmap, n: int) -> tuple[int, int]:
@@ -108,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--fill", type=float, default=0.5)
     ap.add_argument("--writers", type=int, default=4)
-    ap.add_argument("--check", action="store_true", help="exit 1 when a poll target is missed")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = ap.parse_args(argv)
     batch = args.batch
 
@@ -202,19 +352,14 @@ def main(argv: list[str] | None = None) -> int:
                 busy, rbusy, fbusy = ratio_medians(ms, floor, max(20, args.batches // 2))
                 p1, e1 = _pairs(counters, args.writers)
                 rate = (p1 - p0) / (time.monotonic() - t0)
+                wrounds = max(10, args.batches // 4)
+                w_alone, w_busy, w_ratio, w_rfloor = _busy_pairs(
+                    c, counters, args.writers, floor, wrounds, max(50, batch // 4))
             with reg.lock:  # a writer may have died holding it: recovered here
                 pass
 
-            n = 2000
-            t0 = _NOW()
-            for i in range(n):
-                c.begin(i, "ip:writes").end()
-            begin_end = (_NOW() - t0) / n
-            t0 = _NOW()
-            for i in range(n):
-                c.cancel(i, "bench", "ip:writes")
-                c.clear(i, "ip:writes")
-            cancel_clear = (_NOW() - t0) / n
+            writes = _write_measures(c, floor, max(20, args.batches // 4), batch)
+            scaling = _thread_scaling(c, 3, 0.3)
             handle.end()
             assert not cancelled(conn)
         finally:
@@ -238,8 +383,27 @@ def main(argv: list[str] | None = None) -> int:
                 missed.append(k)
         print(f"  {k:38} {alone[k]:7.1f} ns {ralone[k]:5.2f}x "
               f"{busy[k]:8.1f} ns {rbusy[k]:5.2f}x  {verdict}")
-    print(f"begin + end pair (single process): {begin_end / 1000:.2f} us (target <= 5 us)")
-    print(f"cancel + clear pair (single process): {cancel_clear / 1000:.2f} us")
+    print("writes (new request ids; ratio: median of per-batch ratios to the floor)")
+    for k, (ns, r) in writes.items():
+        t = WRITE_TARGETS.get(k)
+        verdict = ""
+        if t is not None:
+            ok = ns <= t * 1000
+            verdict = f"<= {t:g} us {_verdict(ok)}"
+            if not ok:
+                missed.append(k)
+        print(f"  {k:38} {ns / 1000:7.2f} us {r:6.1f}x  {verdict}")
+    ok = w_ratio <= 4.0
+    if not ok:
+        missed.append("begin + end, busy")
+    print(f"  {'begin + end, ' + str(args.writers) + ' writer processes':38} "
+          f"{w_busy / 1000:7.2f} us {w_rfloor:6.1f}x  vs {w_alone / 1000:.2f} us alone in the "
+          f"same rounds: {w_ratio:.2f}x, <= 4x {_verdict(ok)}")
+    ok = scaling >= 0.8
+    if not ok:
+        missed.append("threads")
+    print(f"  {'begin + end, 4 threads vs 1 thread':38} throughput {scaling:.2f}x, "
+          f">= 0.8x {_verdict(ok)}")
     return 1 if args.check and missed else 0
 
 

@@ -61,7 +61,85 @@ def tracker(chan: Chan, name: str, ids: list, scope: str) -> None:
     assert cmd == "exit"
 
 
+def writer(chan: Chan, name: str, scope: str) -> None:
+    """On command ["cancel", id] / ["clear", id]: do it and answer "done"; "exit" returns."""
+    c = Cancellation(Registry.attach(name))
+    while True:
+        cmd = chan.recv()
+        if cmd == "exit":
+            return
+        op, rid = cmd
+        if op == "cancel":
+            c.cancel(rid, "from writer", scope)
+        else:
+            c.clear(rid, scope)
+        chan.send("done")
+
+
 # ------------------------------------------------------------------------------ tests
+def test_cached_polls_follow_another_processes_writes_both_ways(registry, spawn):
+    """A poll answered from its cache (c.cancelled(id, scope) with a warm watch; a handle's
+    poll) sees the very next change another process makes: a cancel, a clear (the plain poll
+    goes back to False, the handle stays latched), and a neighbour's write moving the bucket
+    version without changing the answer."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = "ip:198.51.100.1"
+    h = c.begin(5, scope)
+    child = spawn(writer, reg.name, scope)
+    for rid in (5, "5"):
+        for _ in range(100):  # warm: answered from the cached watch
+            assert c.cancelled(rid, scope) is False and h.cancelled() is False
+    for op, rid, plain, handle in [
+        ("cancel", 6, False, False),  # a neighbour: the bucket may move, the answer not
+        ("cancel", 5, True, True),
+        ("clear", 6, True, True),
+        ("clear", 5, False, True),  # the handle latched
+        ("cancel", 5, True, True),
+    ]:
+        child.send([op, rid])
+        assert child.recv() == "done"
+        for _ in range(3):  # the first poll after the change, then cached ones
+            assert c.cancelled(5, scope) is plain and c.cancelled("5", scope) is plain
+            assert h.cancelled() is handle
+    h.end()
+    child.send("exit")
+    assert child.wait() == 0
+
+
+def gated_canceller(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """On "go": cancel_if_in_flight(rid) (its in-flight check prepares the key first, the
+    cancellation row reuses it), report whether it recorded."""
+    c = Cancellation(Registry.attach(name))
+    chan.send("ready")
+    assert chan.recv() == "go"
+    chan.send({"recorded": c.cancel_if_in_flight(rid, "gated", scope)})
+
+
+def test_keys_reused_across_tables_find_the_rows_other_processes_write(registry, spawn):
+    """A key prepared once per request serves both tables (a handle's begin prepares the
+    in-flight key, its poll reuses it for the cancellation row; a gated cancel's in-flight
+    check prepares it, its row reuses it): rows written through a reused key are found through
+    a freshly prepared one in another process, and the other way round."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = "session:reuse"
+    h = c.begin("r-1", scope)
+    assert h.cancelled() is False  # the watch, from the key begin prepared
+    child = spawn(gated_canceller, reg.name, "r-1", scope)
+    assert child.recv() == "ready"
+    child.send("go")
+    assert child.recv() == {"recorded": True}
+    assert h.cancelled() is True and h.reason() == "gated"
+    fresh = Cancellation(Registry.attach(reg.name))  # new key caches: keys prepared afresh
+    assert fresh.cancelled("r-1", scope) and fresh.reason("r-1", scope) == "gated"
+    assert fresh.in_flight("r-1", scope)
+    h.end()
+    assert not fresh.in_flight("r-1", scope) and not fresh.cancelled("r-1", scope)
+    assert child.wait() == 0
+    fresh.registry.close()  # type: ignore[union-attr]
+
+
 def test_cancel_in_one_process_is_seen_by_the_next_poll_in_another(registry, spawn):
     reg = registry()
     c = Cancellation(reg)

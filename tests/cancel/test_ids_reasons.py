@@ -151,3 +151,20 @@ class NotStrRepr:
 def test_repr_that_fails_still_gives_text():
     assert sanitize(BadRepr()).startswith("<test_ids_reasons.BadRepr object at")
     assert sanitize(NotStrRepr()).startswith("<test_ids_reasons.NotStrRepr object at")
+
+
+def test_plain_ascii_fast_path_matches_the_general_rules():
+    """A plain ``str`` of printable ASCII takes a shortcut; a ``str`` subclass takes the general
+    steps: both give the same text for every ASCII character (printable or not) and around
+    the 200-character and 800-byte cuts."""
+
+    class Text(str):
+        pass
+
+    samples = [chr(c) * n for c in range(128) for n in (1, 3)]
+    samples += ["a" * n for n in (0, 199, 200, 201, 799, 800, 801, 2000)]
+    samples += ["ok " + chr(c) + " ok" for c in range(128)]
+    samples += ["x" * 150 + "\x7f" + "y" * 100, "~" * 300, " leading and trailing "]
+    for s in samples:
+        assert sanitize(s) == sanitize(Text(s)), repr(s)
+        assert type(sanitize(s)) is str

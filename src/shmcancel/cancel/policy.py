@@ -38,12 +38,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
 from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError
 from ..shm import procinfo
+from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
 from . import ids
 from .eviction import batch_size
@@ -126,7 +127,6 @@ class _NoConns:
     def scope(conn: object) -> str:
         return "global"
 
-
 _conns: ConnReader = _NoConns()
 
 
@@ -140,29 +140,35 @@ def read_conns_with(reader: ConnReader) -> None:
 _T = TypeVar("_T")
 
 
-class _Polls(dict[str, dict[object, _T]]):
+class _Polls(Generic[_T]):
     """A poll cache: scope -> id as given -> poll (two lookups of cached-hash keys, no tuple
     to build and hash). At most ``_WATCH_CACHE`` polls in all (``n``); emptied when full.
-    Only plain ``str`` scopes and valid ids of the exact types ``int`` or ``str`` enter: a
-    cached poll is trusted without validating the id again."""
+    Only plain ``str`` scopes and valid ids of exact types ``int`` or ``str`` enter: a
+    cached poll is trusted without validating the id again. ``m`` is the outer map, a plain
+    ``dict`` (subscripting a ``dict`` subclass misses the interpreter's fast path) that stays
+    the same object for the cache's life, so the hot path may hold it."""
 
-    __slots__ = ("n",)
+    __slots__ = ("m", "n")
 
     def __init__(self) -> None:
-        super().__init__()
+        self.m: dict[str, dict[object, _T]] = {}
         self.n = 0
 
+    def values(self) -> Iterable[dict[object, _T]]:
+        return self.m.values()
+
     def find(self, scope: str, x: object) -> _T | None:
-        ws = self.get(scope)
+        ws = self.m.get(scope)
         return None if ws is None else ws.get(x)
 
     def add(self, scope: str, x: object, v: _T) -> _T:
+        m = self.m
         if self.n >= _WATCH_CACHE:
-            self.clear()
+            m.clear()
             self.n = 0
-        ws = self.get(scope)
+        ws = m.get(scope)
         if ws is None:
-            ws = self[scope] = {}
+            ws = m[scope] = {}
         if x not in ws:
             self.n += 1
         ws[x] = v
@@ -204,8 +210,10 @@ class Cancellation:
         self._polls = 0  # cached polls left before the next clock read (see the module doc)
         # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
         # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
-        self._watches: _Polls[Callable[[], bool]] = _Polls()
+        self._watches: _Polls[Poll] = _Polls()
         self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
+        self._watch_map = self._watches.m  # the hot path's plain dicts (see _Polls)
+        self._in_flight_map = self._in_flight_polls.m
 
     def __repr__(self) -> str:
         return f"<Cancellation over {self.registry!r}>"
@@ -263,26 +271,32 @@ class Cancellation:
         try:
             x = conn_or_request_id
             t = type(x)
-            if t is dict or (t is not int and t is not str and isinstance(x, Mapping)):
+            if t is not int and t is not str:
+                if t is not dict and not isinstance(x, Mapping):
+                    return self._cancelled(x, scope)
                 h = _conns.handle(x)  # type: ignore[arg-type]
                 if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
                     return h.cancelled()
                 scope = _conns.scope(x)
                 x = _conns.request_id(x)  # type: ignore[arg-type]
                 t = type(x)
+                if t is not int and t is not str:
+                    return self._cancelled(x, scope)
             # Fast path: an id and scope of the exact types, polled before. The cache is keyed
             # by the id as given (42 and "42" are two entries watching the one row); only valid
             # ids of exact types enter it, so a bool, float or subclass never matches here.
-            if (t is int or t is str) and type(scope) is str:
+            if type(scope) is str:
                 try:
-                    member = self._watches[scope][x]
+                    w = self._watch_map[scope][x]
                 except KeyError:
                     pass
                 else:
                     n = self._polls = self._polls - 1
                     if n < 0:
                         self._poll_tick()
-                    return member()
+                    if w.__class__ is _Watch and w._ver[w._b] == w._v:
+                        return w._member  # Watch.member()'s own first line, without the call
+                    return w.member()
             return self._cancelled(x, scope)
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
@@ -297,10 +311,10 @@ class Cancellation:
         scope = str.__str__(scope)  # cache keys hold plain str only
         self._tick()
         k = x if type(x) is int or type(x) is str else rid  # as the fast path looks it up
-        member = self._watches.find(scope, k)
-        if member is None:
-            member = self._watches.add(scope, k, self._store.watch(scope, rid).member)
-        return member()
+        w = self._watches.find(scope, k)
+        if w is None:
+            w = self._watches.add(scope, k, self._store.watch(scope, rid))
+        return w.member()
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled
@@ -376,7 +390,7 @@ class Cancellation:
             # cached per (scope, id as given) like cancelled()'s watches: exact types only
             if type(scope) is str and (type(request_id) is int or type(request_id) is str):
                 try:
-                    p = self._in_flight_polls[scope][request_id]
+                    p = self._in_flight_map[scope][request_id]
                 except KeyError:
                     pass
                 else:
@@ -558,10 +572,13 @@ class RequestHandle:
             return True
         try:
             w = self._watch
-            if w is None and self._rid is not None:  # made on the first poll: many tools never poll
-                w = self._watch = self._c._store.watch(self.scope, self._rid)
-            if w is not None and w.member() and self._latch():
-                return True
+            if w.__class__ is _Watch and w._ver[w._b] == w._v and not w._member:
+                pass  # the hot path: Watch.member()'s first line, without the call
+            elif w is not None or self._rid is not None:
+                if w is None:  # made on the first poll: many tools never poll
+                    w = self._watch = self._c._store.watch(self.scope, self._rid)  # type: ignore[arg-type]
+                if w.member() and self._latch():
+                    return True
             c = self._c
             n = c._polls = c._polls - 1
             if n < 0:

@@ -36,6 +36,11 @@ def sanitize(reason: object) -> str | None:
     type's default ``repr``)."""
     if reason is None:
         return None
+    if type(reason) is str and reason.isascii() and reason.isprintable():
+        # The common case, exactly what the steps below give: printable ASCII has no
+        # surrogate, one byte per character, and none of the removed code points (the ASCII
+        # ones, U+0000-U+001F and U+007F, are not printable).
+        return reason[:MAX_REASON_CHARS]
     if isinstance(reason, str):
         text = str.__str__(reason)
     else:

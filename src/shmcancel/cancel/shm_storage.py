@@ -84,24 +84,38 @@ class ShmBackend:
 
     # Packing and hashing a key costs more than a lookup: keep the last keys prepared (a cancel
     # reads, counts and writes one key several times; a request's end repeats its begin's key).
+    # Both tables key rows by (scope, rid) with one hash key: a key prepared for one serves the
+    # other after a new home slot (a request's begin prepares it; its polls and end reuse it).
+    # The caches hold plain-str keys only: a str subclass could compare equal to another scope.
     def _ck(self, scope: str, rid: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         k = (scope, rid)
         pk = self._ckeys.get(k)
-        return pk if pk is not None else _remember(self._ckeys, k, self._c.prepare(k))
+        if pk is None:
+            pk = _remember(self._ckeys, k, self._c.prepare(self._fkeys.get(k) or k))
+        return pk
 
     def _fk(self, scope: str, rid: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         k = (scope, rid)
         pk = self._fkeys.get(k)
-        return pk if pk is not None else _remember(self._fkeys, k, self._f.prepare(k))
+        if pk is None:
+            pk = _remember(self._fkeys, k, self._f.prepare(self._ckeys.get(k) or k))
+        return pk
 
     def _nk(self, scope: str) -> PreparedKey:
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         pk = self._nkeys.get(scope)
         return pk if pk is not None else _remember(
             self._nkeys, scope, self._n.prepare(self._digest(scope)))
 
-    def _add(self, scope: str, delta: int) -> None:
-        """Change a scope's count; caller holds the lock."""
-        n = self.scope_rows(scope) + delta
+    def _add(self, scope: str, delta: int, rows: int | None = None) -> None:
+        """Change a scope's count (``rows``: its current value when the caller just read it);
+        caller holds the lock."""
+        n = (self.scope_rows(scope) if rows is None else rows) + delta
         if n > 0:
             self._n.insert(self._nk(scope), n)
         else:
@@ -123,31 +137,38 @@ class ShmBackend:
         held lock."""
         if only_in_flight and not self.in_flight(scope, rid):
             return False
+        ck = self._ck(scope, rid)
+        c = self._c
         for attempt in range(4):
             with self._lock:
+                # Reads under the held lock are exact (no writer can move a version meanwhile).
                 if only_in_flight and not self.in_flight(scope, rid):
                     return False
                 full = False
-                if not self.exists(scope, rid):
-                    if quota is not None and self.scope_rows(scope) >= quota:
+                n = None  # the scope's count, read only for a new row
+                if not c.member(ck):
+                    n = self.scope_rows(scope)
+                    if quota is not None and n >= quota:
                         raise CancellationLimitReached(
                             f"scope {scope[:80]!r} already holds {quota} cancellation rows")
-                    if self.rows() >= cap:
+                    if c.count() >= cap:
                         if attempt < 3:
                             full = True  # evicted below, outside the lock; then checked again
                         else:
                             self.evict(batch)
+                            n = None  # the eviction may have taken rows of this scope
                 if not full:
                     at = clock()
                     for _ in range(2):
                         try:
-                            self.put(scope, rid, reason, at)
+                            self._put(ck, scope, reason, at, n)
                             return True
                         except LargeRowsFull:  # the large records are taken: evict among them
                             self.evict_large()
                         except TableFull:  # the physical table filled below the cap
                             self.evict(batch)
-                    self.put(scope, rid, reason, at)
+                        n = None  # the eviction may have taken rows of this scope
+                    self._put(ck, scope, reason, at, None)
                     return True
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
@@ -171,18 +192,30 @@ class ShmBackend:
         return n if type(n) is int else 0
 
     def put(self, scope: str, rid: str, reason: str | None, at: float) -> bool:
+        """Write the row ``(reason, at)`` (no quota or cap check); True when it is new."""
         key = self._ck(scope, rid)
         with self._lock:
+            return self._put(key, scope, reason, at, None)
+
+    def _put(self, key: PreparedKey, scope: str, reason: str | None, at: float,
+             rows: int | None) -> bool:
+        """Under the lock: write ``key``'s row. ``rows``: the scope's count when the caller just
+        read it for a key without a row, else ``None`` (then membership is read here)."""
+        if rows is None:
             new = not self._c.member(key)
             if new:
-                self._add(scope, +1)  # count first: a crash here leaves it high (stricter)
-            try:
-                self._c.insert(key, (reason, at))
-            except BaseException:
-                if new:
-                    self._add(scope, -1)
-                raise
-            return new
+                rows = self.scope_rows(scope)
+        else:
+            new = True
+        if new:
+            self._add(scope, +1, rows)  # count first: a crash here leaves it high (stricter)
+        try:
+            self._c.insert(key, (reason, at))
+        except BaseException:
+            if new:
+                self._add(scope, -1)
+            raise
+        return new
 
     def evict(self, batch: int) -> int:
         """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the

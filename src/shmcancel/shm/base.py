@@ -126,7 +126,8 @@ class TableBase:
         self._nrec = capacity + 1 + g.nlarge  # records of both classes
         self.nslots = nslots
         self._set = kind == "set"
-        self._h0 = _blake2b(key=bytes(hash_key), digest_size=8)
+        self._hash_key = bytes(hash_key)
+        self._h0 = _blake2b(key=self._hash_key, digest_size=8)
         self._lock = lock
         self._mask = nslots - 1
         self._wmask = 2 * nslots - 1  # over index words
@@ -166,6 +167,8 @@ class TableBase:
         if key.__class__ is PreparedKey:
             if key.t is self:
                 return key
+            if key.t._hash_key == self._hash_key:  # same bytes, same keyed hash: new home only
+                return PreparedKey(self, key.key, key.kbytes, key.hash, key.hash & self._mask)
             key = key.key
         kbytes = _pack(key)
         h = self._hash(kbytes)
