@@ -169,11 +169,15 @@ class Server:
     """The example under gunicorn, watching or not; stopped (and its registry unlinked by its
     ``on_exit`` hook) by :meth:`close`."""
 
-    def __init__(self, tmp: str, kind: str, watch: bool, src: str | None) -> None:
+    def __init__(self, tmp: str, kind: str, watch: bool, src: str | None, *,
+                 threads: int | None = None, workers: int = 4) -> None:
+        """``threads``: per ``gthread`` worker (default 4). The registry's name is
+        :attr:`registry`; ``tmp`` must hold the wrapper app (:func:`write_wrapper`)."""
         self.port = _free_port()
         self.kind = kind
-        env = {**os.environ, "SHMCANCEL_REGISTRY": f"bench-watch-{os.getpid()}-"
-               f"{uuid.uuid4().hex[:6]}", "BENCH_WATCH": "1" if watch else "0"}
+        self.registry = f"bench-watch-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        env = {**os.environ, "SHMCANCEL_REGISTRY": self.registry,
+               "BENCH_WATCH": "1" if watch else "0"}
         if src:
             env["PYTHONPATH"] = os.path.abspath(src)
         gunicorn = Path(sys.executable).parent / "gunicorn"
@@ -181,8 +185,8 @@ class Server:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [str(gunicorn), "-c", str(ROOT / "examples/gunicorn/gunicorn.conf.py"),
-                 "-b", f"127.0.0.1:{self.port}", "-w", "4", "-k", kind, "--threads",
-                 "4" if kind == "gthread" else "1",
+                 "-b", f"127.0.0.1:{self.port}", "-w", str(workers), "-k", kind, "--threads",
+                 str(threads or 4) if kind == "gthread" else "1",
                  "--pythonpath", f"{tmp},{ROOT / 'examples/gunicorn'}", "bench_watch_app:app"],
                 env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
@@ -229,16 +233,13 @@ def _request(port: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
 
 
-def _echo_request(port: int, wire: str) -> bytes:
-    params: dict[str, Any] = {"name": "echo", "arguments": {"text": "hello"}}
-    if wire == "modern":
-        params["_meta"] = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-                           "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
-                           "io.modelcontextprotocol/clientCapabilities": {}}
-        return _request(port, {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                               "params": params},
-                        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call",
-                         "Mcp-Name": "echo"})
+def write_wrapper(tmp: str) -> None:
+    """Write the app :class:`Server` serves (``bench_watch_app``) into ``tmp``."""
+    Path(tmp, "bench_watch_app.py").write_text(_WRAPPER)
+
+
+def _session(port: int) -> str:
+    """A new session's id (``initialize`` on the 2025-era wire)."""
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
             "params": {"protocolVersion": "2025-11-25", "capabilities": {},
                        "clientInfo": {"name": "bench", "version": "1"}}}
@@ -250,11 +251,31 @@ def _echo_request(port: int, wire: str) -> bytes:
             if not chunk:
                 break
             data += chunk
-    sid = next(line.split(b":", 1)[1].strip().decode()
-               for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")
-               if line.lower().startswith(b"mcp-session-id:"))
-    return _request(port, {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params},
-                    {"MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": sid})
+    return next(line.split(b":", 1)[1].strip().decode()
+                for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")
+                if line.lower().startswith(b"mcp-session-id:"))
+
+
+def _call_request(port: int, wire: str, name: str, arguments: dict[str, Any],
+                  rid: int = 1, sid: str | None = None) -> bytes:
+    """A ``tools/call`` POST of tool ``name``; on the 2025-era wire in session ``sid`` (a new
+    one when ``None``)."""
+    params: dict[str, Any] = {"name": name, "arguments": arguments}
+    if wire == "modern":
+        params["_meta"] = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                           "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
+                           "io.modelcontextprotocol/clientCapabilities": {}}
+        return _request(port, {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                               "params": params},
+                        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call",
+                         "Mcp-Name": name})
+    return _request(port, {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params},
+                    {"MCP-Protocol-Version": "2025-11-25",
+                     "Mcp-Session-Id": sid if sid is not None else _session(port)})
+
+
+def _echo_request(port: int, wire: str) -> bytes:
+    return _call_request(port, wire, "echo", {"text": "hello"})
 
 
 async def _load(port: int, req: bytes, seconds: float, conns: int,
@@ -308,7 +329,7 @@ async def _load(port: int, req: bytes, seconds: float, conns: int,
 def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires: list[str],
                src: str | None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-watch-") as tmp:
-        Path(tmp, "bench_watch_app.py").write_text(_WRAPPER)
+        write_wrapper(tmp)
         for kind in ("sync", "gthread"):
             on, off = Server(tmp, kind, True, src), Server(tmp, kind, False, src)
             try:
