@@ -30,8 +30,9 @@ Policy (contract §6.1):
   bounded piece of the table at a time, run on the back of this store's own calls at most every
   :data:`SWEEP_EVERY` seconds per process.
 - ``last_seen`` is refreshed at most once per :data:`TOUCH_INTERVAL` (or ``ttl / 10`` when
-  shorter), and at the end of each call: a busy session costs a shared write per second, plus
-  two per ``tools/call`` (its ``session_calls`` row).
+  shorter), also at the start and end of a call: a busy session costs a shared write per
+  interval, plus two per ``tools/call`` (its ``session_calls`` row). A session therefore expires
+  between ``ttl - interval`` and ``ttl`` idle seconds after it was last seen.
 
 Crash safety: every step writes the row that only makes things stricter first. A mint deletes
 its victim, then rewrites the client row (listing the new id), then inserts the session; a delete
@@ -303,11 +304,14 @@ class SessionStore:
             log.warning("session call end failed", exc_info=True)
 
     def _end(self, call: Call) -> None:
+        # The touch is coalesced as touch() does: a call shorter than the touch interval since
+        # the session was last seen leaves last_seen as is (the session then expires at most
+        # one interval early, never late); a longer call refreshes it.
         now = self._clock()
         with self._lock:
             self._calls.delete_object(call.session_id, call.owner)
             r = _row(self._table.get(call.session_id))
-            if r is not None and now > r[1]:
+            if r is not None and now - r[1] >= self._touch_every:
                 self._table.insert(call.session_id, (r[0], now, r[2], r[3]))
 
     def _settle(self) -> None:
