@@ -144,16 +144,17 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 body: dict[str, Any]) -> _Reply | None:
         """Send a tools/call reply: on the SSE stream when one was opened, else as one body."""
         try:
-            jsonrpc.encode(body)
+            raw = jsonrpc.encode(body)
         except (TypeError, ValueError):
             log.error("tool result is not JSON-serialisable", exc_info=True)
             body = jsonrpc.error_body(body.get("id"), codes.INTERNAL_ERROR,
                                       "Internal error: the tool result is not JSON")
+            raw = jsonrpc.encode(body)
             status = 200
         if ex.committed:
             ex.send_event(body)
             return None
-        return _body_reply(status, body, ex.json_ok)
+        return _body_reply(status, body, ex.json_ok, raw)
 
     # ------------------------------------------------------------------ disconnects
 
