@@ -37,6 +37,7 @@ __all__ = ["doorbell_address", "ring", "wait_cancelled", "waiting", "wake"]
 _LINUX = sys.platform.startswith("linux")
 _DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the next turn)
 _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
+_MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 
 _lock = threading.Lock()
 _waiters: dict[int, tuple[RequestHandle, threading.Event]] = {}  # id(event) -> (handle, event)
@@ -119,7 +120,7 @@ def _sibling_pids() -> list[int]:
     found = {me}
     with contextlib.suppress(OSError, ValueError), \
             open(f"/proc/{ppid}/task/{ppid}/children", "rb") as f:
-        found.update(int(p) for p in f.read().split()[:4096])
+        found.update(int(p) for p in f.read().split()[:_MAX_SIBLINGS])
     pids = sorted(found)
     _siblings = (now, me, pids)
     return pids
