@@ -240,6 +240,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+        # the master's on_exit unlinks it; a master that did not get that far leaves it
+        from shmcancel.exceptions import ShmCancelError
+        from shmcancel.shm.registry import Registry
+
+        with contextlib.suppress(ShmCancelError, OSError):
+            reg = Registry.attach(self.registry)
+            reg.unlink()
+            reg.close()
 
 
 def _request(port: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
