@@ -8,10 +8,10 @@ import time
 
 import shmcancel
 from shmcancel.errors import INVALID_PARAMS, REQUEST_CANCELLED
-from shmcancel.server import McpServer, ToolError
+from shmcancel.server import McpServer, ToolError, wait_cancelled
 
 MAX_SLEEP = 60.0
-POLL = 0.005  # seconds between two looks at the cancellation flag (the contract: <= 10 ms)
+POLL = 0.008  # seconds between two looks at the cancellation flag at most (the contract: 10 ms)
 
 server = McpServer(name="shmcancel-example", version="0.1.0", sessions=True)
 
@@ -55,7 +55,8 @@ def sleep(conn, params):
         left = deadline - time.monotonic()
         if left <= 0:
             return f"slept {seconds:g}s"
-        time.sleep(min(POLL, left))
+        # returns at once when the call is cancelled (the transport wakes it), else after POLL
+        wait_cancelled(conn, min(POLL, left))
 
 
 app = server

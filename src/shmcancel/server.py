@@ -10,6 +10,7 @@ from .mcp.server import (
     ToolError,
     progress,
 )
+from .mcp.wake import wait_cancelled
 
 __all__ = [
     "PROGRESS_KEY",
@@ -18,4 +19,5 @@ __all__ = [
     "Tool",
     "ToolError",
     "progress",
+    "wait_cancelled",
 ]

@@ -14,7 +14,7 @@ import time
 
 import shmcancel
 from shmcancel import errors
-from shmcancel.server import McpServer, ToolError, progress
+from shmcancel.server import McpServer, ToolError, progress, wait_cancelled
 
 OUT = os.environ.get("SHMCANCEL_TEST_DIR", "/tmp")
 POLL = 0.002  # seconds between two looks at the cancellation flag
@@ -63,6 +63,16 @@ def build(sessions: bool, path: str) -> McpServer:
             if left <= 0:
                 return f"slept {seconds:g}s"
             time.sleep(min(POLL, left))
+
+    @server.tool("waiter")
+    def waiter(conn, params):
+        """One ``wait_cancelled`` of ``seconds`` (no poll): ends early only when woken."""
+        seconds, tag = _seconds(params), params.get("tag")
+        _record(tag, "started", str(os.getpid()))
+        if wait_cancelled(conn, seconds):
+            _record(tag, "cancelled", repr(time.monotonic()))
+            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+        return f"waited {seconds:g}s"
 
     @server.tool("steps")
     def steps(conn, params):

@@ -179,6 +179,54 @@ def test_session_delete_cancels_its_calls(server: Gunicorn, outdir: str) -> None
     assert c.post({"jsonrpc": "2.0", "id": 2, "method": "ping"}).status_code == 404
 
 
+WAKE_BOUND = 1.0  # seconds: a woken tool ends well within it (unwoken, it would wait 25 s)
+
+
+@pytest.mark.parametrize("how", ["notification", "delete"])
+def test_a_cancellation_wakes_a_waiting_tool_in_another_worker(server: Gunicorn, outdir: str,
+                                                                how: str) -> None:
+    """The notification (or the session's DELETE) is served by another sync worker: its ring
+    wakes the tool, which waits once for 25 s without polling."""
+    c = Client(server.url)
+    t = tag()
+    call = Background(lambda: c.call(1, "waiter", {"seconds": 25, "tag": t}))
+    call.start()
+    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+    if how == "notification":
+        assert c.cancel(1).status_code == 202
+    else:
+        assert httpx.delete(server.url, headers=c.headers(), timeout=10).status_code == 204
+    acked = time.monotonic()
+    assert call.result(timeout=10)["error"]["code"] == errors.REQUEST_CANCELLED
+    assert call.done_at - acked < WAKE_BOUND  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("wire", ["legacy", "modern"])
+def test_a_disconnect_wakes_a_waiting_tool(shm_name: str, outdir: str, wire: str) -> None:
+    with start(shm_name, outdir, workers=2, worker_class="gthread", threads=4) as g:
+        t = tag()
+        params: dict[str, Any] = {"name": "waiter", "arguments": {"seconds": 25, "tag": t}}
+        headers = {"MCP-Protocol-Version": LEGACY}
+        if wire == "modern":
+            params["_meta"] = META
+            headers = {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/call",
+                       "Mcp-Name": "waiter"}
+        else:
+            headers["Mcp-Session-Id"] = Client(g.url).sid or ""
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                           "params": params}).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        host, port = g.url.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nAccept: {ACCEPT}\r\n"
+                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                      f"{head}\r\n".encode() + body)
+            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+        closed = time.monotonic()
+        seen = float(wait_file(f"{outdir}/{t}.cancelled", closed + 10))
+        assert seen - closed < WAKE_BOUND
+
+
 def test_progress_is_streamed_as_sse(server: Gunicorn) -> None:
     c = Client(server.url)
     body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",

@@ -123,6 +123,45 @@ def test_a_session_with_a_call_in_flight_is_never_displaced(store: SessionStore,
         store.end_call(c)  # type: ignore[arg-type]
 
 
+def test_a_call_touches_its_session_at_most_once_per_interval(store: SessionStore,
+                                                              clock: Clock) -> None:
+    """Short calls leave ``last_seen`` alone (no shared write); a call that outlasts the touch
+    interval refreshes it at its end, so the session lives ``TTL`` from then."""
+    sid = mint(store, clock, "ip:192.0.2.10")[0]
+    seen = store.get(sid).last_seen  # type: ignore[union-attr]
+    for _ in range(5):
+        clock.t += 0.1
+        call = store.begin_call(store.get(sid))  # type: ignore[arg-type]
+        clock.t += 0.05
+        store.end_call(call)  # type: ignore[arg-type]
+    assert store.get(sid).last_seen == seen  # type: ignore[union-attr]
+    call = store.begin_call(store.get(sid))  # type: ignore[arg-type]
+    clock.t += TTL - 1  # a long call: never expires while it runs
+    assert store.get(sid) is not None
+    store.end_call(call)  # type: ignore[arg-type]
+    ended = clock.t
+    assert store.get(sid).last_seen == ended  # type: ignore[union-attr]
+    clock.t = ended + TTL - 1
+    assert store.get(sid) is not None
+    clock.t = ended + TTL + 1
+    assert store.get(sid) is None
+
+
+def test_a_session_used_only_by_short_calls_still_expires(store: SessionStore,
+                                                          clock: Clock) -> None:
+    sid = mint(store, clock, "ip:192.0.2.11")[0]
+    last = clock.t
+    for _ in range(300):  # 30 s of calls every 0.1 s: touched about once a second
+        clock.t += 0.1
+        store.end_call(store.begin_call(store.get(sid)))  # type: ignore[arg-type]
+        last = clock.t
+    assert last - store.get(sid).last_seen <= 1.0  # type: ignore[union-attr]
+    clock.t = last + TTL - 1.0 - 1e-6  # within ttl - interval of the last call: alive
+    assert store.get(sid) is not None
+    clock.t = last + TTL + 1e-6  # ttl after the last call: gone
+    assert store.get(sid) is None
+
+
 def test_a_dead_callers_row_does_not_pin_its_session(store: SessionStore, reg: Registry,
                                                      clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 4)
@@ -369,7 +408,7 @@ class SessionModel(RuleBasedStateMachine):
     def end(self, data: st.DataObject) -> None:
         sid = self.pick(data, [s for s, cs in self.calls.items() if cs])
         self.store.end_call(self.calls[sid].pop())
-        if sid in self.model:
+        if sid in self.model and self.clock.t - self.model[sid][1] >= 1.0:  # coalesced too
             self.model[sid] = (self.model[sid][0], self.clock.t)
 
     @rule(data=st.data())

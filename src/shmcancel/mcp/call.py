@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from ..exceptions import LockTimeout
-from . import codes, jsonrpc, remote
+from . import codes, jsonrpc, remote, wake
 from .base import ServerBase, _ProcessState
 from .conn import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY
 from .disconnect import Watcher
@@ -83,7 +83,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
         environ[REQUEST_ID_KEY] = msg.id
         environ[CANCELLATION_KEY] = c
         environ[PROGRESS_KEY] = ex
-        ex.on_gone = lambda: handle.cancel_local("client disconnected")
+        ex.on_gone = lambda: _cancel_local(handle)
         rb = remote.current()
         remote_call = rb.track(msg.id, handle.scope) if rb is not None else None
         watcher = self._watch(environ, handle, st)
@@ -144,16 +144,17 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 body: dict[str, Any]) -> _Reply | None:
         """Send a tools/call reply: on the SSE stream when one was opened, else as one body."""
         try:
-            jsonrpc.encode(body)
+            raw = jsonrpc.encode(body)
         except (TypeError, ValueError):
             log.error("tool result is not JSON-serialisable", exc_info=True)
             body = jsonrpc.error_body(body.get("id"), codes.INTERNAL_ERROR,
                                       "Internal error: the tool result is not JSON")
+            raw = jsonrpc.encode(body)
             status = 200
         if ex.committed:
             ex.send_event(body)
             return None
-        return _body_reply(status, body, ex.json_ok)
+        return _body_reply(status, body, ex.json_ok, raw)
 
     # ------------------------------------------------------------------ disconnects
 
@@ -167,7 +168,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
         holder: list[Watcher] = []
 
         def on_disconnect() -> None:
-            handle.cancel_local("client disconnected")
+            _cancel_local(handle)
 
         def on_timeout() -> None:
             _stop_request(holder[0], handle, tool_thread, multithread, grace)
@@ -175,3 +176,9 @@ class CallLifecycle(ToolRegistry, ServerBase):
         w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
         holder.append(w)
         return w if w.start() else None
+
+
+def _cancel_local(handle: Any) -> None:
+    """The client left: cancel exactly this call, and wake its tool if it waits."""
+    handle.cancel_local("client disconnected")
+    wake.wake(handle)

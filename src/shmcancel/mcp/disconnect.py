@@ -202,6 +202,7 @@ class _Loop:
         self._due: list[tuple[float, int, Watcher]] = []
         self._seq = itertools.count()
         self._warned_full = False
+        self._readers: dict[int, Callable[[], None]] = {}  # fd -> what to call when readable
         self.thread = threading.Thread(target=self._run, name="shmcancel-disconnect",
                                        daemon=True)
         try:
@@ -248,6 +249,18 @@ class _Loop:
             with contextlib.suppress(OSError, ValueError):
                 self._ep.unregister(fd)
 
+    def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
+        """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
+        must drain ``fd``); for as long as the process runs. ``False`` when it cannot be added."""
+        with self._lock:
+            try:
+                self._ep.register(fd, _EPOLLIN)
+            except (OSError, ValueError):
+                log.warning("cannot watch a descriptor", exc_info=True)
+                return False
+            self._readers[fd] = fn
+        return True
+
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
@@ -270,6 +283,10 @@ class _Loop:
         except ValueError:  # closed
             return False
         for fd, ev in events:
+            reader = self._readers.get(fd)
+            if reader is not None:
+                reader()
+                continue
             w = self._look(fd, ev, seen_gen)
             if w is not None and w._disconnected():
                 heapq.heappush(self._due, (time.monotonic() + w._grace, next(self._seq), w))
@@ -320,6 +337,11 @@ class _Loop:
 
 _state_lock = threading.Lock()
 _loop: _Loop | None = None
+
+
+def process_loop() -> _Loop | None:
+    """This process's watcher (started on first use), ``None`` when it cannot be started."""
+    return _process_loop()
 
 
 def _process_loop() -> _Loop | None:

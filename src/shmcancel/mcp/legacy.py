@@ -10,7 +10,7 @@ from typing import Any
 
 from ..cancel import ids
 from ..exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
-from . import codes, principal, remote
+from . import codes, principal, remote, wake
 from .base import _ProcessState
 from .call import CallLifecycle
 from .jsonrpc import Notification, Request, Response, RpcError
@@ -57,6 +57,7 @@ class LegacyWire(CallLifecycle):
             rb.cancel_scope(st.cancellation.scope(environ), "session deleted")
             rb.delete_session(sid)
         if n:
+            wake.ring(st.registry.name)
             log.info("session deleted: cancelled %d request(s) in flight", n)
         return _Reply(204)
 
@@ -159,8 +160,9 @@ class LegacyWire(CallLifecycle):
         try:
             # One step: a call ending meanwhile leaves no row. Unknown or finished: ignored, as
             # MCP permits; nothing recorded.
-            if not c.cancel_if_in_flight(rid, reason, scope) \
-                    and (rb := remote.current()) is not None:
+            if c.cancel_if_in_flight(rid, reason, scope):
+                wake.ring(st.registry.name)  # its tool may be waiting (in any worker)
+            elif (rb := remote.current()) is not None:
                 rb.cancel(rid, reason, scope)  # running on another host? the remote delivers it
         except CancellationLimitReached:
             return _error_reply(429, None, codes.SERVER_ERROR,

@@ -108,10 +108,14 @@ def _sse(obj: Any) -> bytes:
     return b"event: message\ndata: " + jsonrpc.encode(obj) + b"\n\n"
 
 
-def _body_reply(status: int, body: dict[str, Any], json_ok: bool) -> _Reply:
+def _body_reply(status: int, body: dict[str, Any], json_ok: bool,
+                encoded: bytes | None = None) -> _Reply:
+    """``body`` as one JSON body, or as one SSE event when the client takes no JSON;
+    ``encoded``: ``body`` already encoded (not encoded again)."""
+    raw = jsonrpc.encode(body) if encoded is None else encoded
     if json_ok:
-        return _Reply(status, jsonrpc.encode(body), [("Content-Type", "application/json")])
-    return _Reply(status, _sse(body), list(_SSE_HEADERS))
+        return _Reply(status, raw, [("Content-Type", "application/json")])
+    return _Reply(status, b"event: message\ndata: " + raw + b"\n\n", list(_SSE_HEADERS))
 
 
 def _error_reply(status: int, id: int | str | None, code: int, message: str, data: Any = None,

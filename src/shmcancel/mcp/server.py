@@ -236,10 +236,10 @@ class McpServer(LegacyWire, ModernWire):
 
     def _post(self, environ: dict[str, Any], start_response: StartResponse,
               headers: RequestHeaders) -> _Reply | None:
-        body_or_reply = self._read_body(environ, headers)
+        json_ok, sse_ok = accepts(headers.accept)
+        body_or_reply = self._read_body(environ, headers, json_ok or sse_ok)
         if isinstance(body_or_reply, _Reply):
             return body_or_reply
-        json_ok, sse_ok = accepts(headers.accept)
         try:
             msg = jsonrpc.parse(jsonrpc.decode(body_or_reply))
             wire = detect(msg, headers)
@@ -252,7 +252,10 @@ class McpServer(LegacyWire, ModernWire):
         except RpcError as e:
             return _error_reply(e.status, e.id, e.code, e.message, e.data)
 
-    def _read_body(self, environ: dict[str, Any], headers: RequestHeaders) -> bytes | _Reply:
+    def _read_body(self, environ: dict[str, Any], headers: RequestHeaders,
+                   acceptable: bool) -> bytes | _Reply:
+        """The body, or the reply refusing the request (``acceptable``: the client accepts
+        JSON or SSE)."""
         limit = self.max_body_bytes
         raw_len = environ.get("CONTENT_LENGTH")
         length: int | None = None
@@ -267,8 +270,7 @@ class McpServer(LegacyWire, ModernWire):
         if not is_json_content_type(headers.content_type):
             return _error_reply(415, None, codes.INVALID_REQUEST,
                                 "Unsupported Media Type: Content-Type must be application/json")
-        json_ok, sse_ok = accepts(headers.accept)
-        if not (json_ok or sse_ok):
+        if not acceptable:
             return _error_reply(406, None, codes.INVALID_REQUEST,
                                 "Not Acceptable: accept application/json or text/event-stream")
         stream = environ.get("wsgi.input")

@@ -30,8 +30,9 @@ Policy (contract §6.1):
   bounded piece of the table at a time, run on the back of this store's own calls at most every
   :data:`SWEEP_EVERY` seconds per process.
 - ``last_seen`` is refreshed at most once per :data:`TOUCH_INTERVAL` (or ``ttl / 10`` when
-  shorter), and at the end of each call: a busy session costs a shared write per second, plus
-  two per ``tools/call`` (its ``session_calls`` row).
+  shorter), also at the start and end of a call: a busy session costs a shared write per
+  interval, plus two per ``tools/call`` (its ``session_calls`` row). A session therefore expires
+  between ``ttl - interval`` and ``ttl`` idle seconds after it was last seen.
 
 Crash safety: every step writes the row that only makes things stricter first. A mint deletes
 its victim, then rewrites the client row (listing the new id), then inserts the session; a delete
@@ -98,6 +99,7 @@ class Call:
 
     session_id: str
     owner: tuple[int, int, int, int] | None  # None: not recorded (session_calls was full)
+    seen: float = -math.inf  # the session's last_seen at the call's begin, as it left it
 
 
 _Row = tuple[float, float, str, bytes]
@@ -283,9 +285,11 @@ class SessionStore:
                         self._full_logged = True
                         log.warning("session_calls table is full: calls run unrecorded "
                                     "(their sessions may be displaced by their client)")
-            if now - r[1] >= self._touch_every:
+            seen = r[1]
+            if now - seen >= self._touch_every:
                 self._table.insert(session.id, (r[0], now, r[2], r[3]))
-        return Call(session.id, owner)
+                seen = now
+        return Call(session.id, owner, seen)
 
     def end_call(self, call: Call) -> None:
         """The call ended: drop its row and touch the session. Never raises: when the lock
@@ -304,11 +308,18 @@ class SessionStore:
             log.warning("session call end failed", exc_info=True)
 
     def _end(self, call: Call) -> None:
+        # The touch is coalesced as touch() does: a call shorter than the touch interval since
+        # the session was last seen leaves last_seen as is (the session then expires at most
+        # one interval early, never late); a longer call refreshes it.
+        # ``call.seen`` is a lower bound of last_seen (only ever raised), so a call shorter than
+        # the interval does not even read the session row.
         now = self._clock()
         with self._lock:
             self._calls.delete_object(call.session_id, call.owner)
+            if now - call.seen < self._touch_every:
+                return
             r = _row(self._table.get(call.session_id))
-            if r is not None and now > r[1]:
+            if r is not None and now - r[1] >= self._touch_every:
                 self._table.insert(call.session_id, (r[0], now, r[2], r[3]))
 
     def _settle(self) -> None:

@@ -1,0 +1,183 @@
+"""Waking a tool that waits for its cancellation, instead of leaving it to its next poll.
+
+A tool waits with ``wait_cancelled(conn, seconds)``: it sleeps up to ``seconds``, returns early
+when the call is cancelled, and returns whether it is. Each process whose tools wait has a
+*doorbell*: an abstract-namespace Unix datagram socket named after the registry and the pid
+(:func:`doorbell_address`), read by the process's disconnect-watcher thread
+(:mod:`.disconnect`). A process that records a cancellation (``notifications/cancelled``, a
+session ``DELETE``) calls :func:`ring`: one empty datagram to the doorbell of every sibling
+process (the children of its parent: under gunicorn, the workers) and its own. On a ring the
+watcher thread polls every waiting call's handle once (a lock-free shared-memory read each) and
+wakes those cancelled. A disconnect (``cancel_local``) wakes its own call directly
+(:func:`wake`).
+
+A ring is only a hint: lost, refused (no such doorbell) or sent by anyone, it costs at most the
+waiters' polls; a waiter never waits past its ``seconds``, so the contract's poll bound (§6.1,
+§8) holds without it. Linux only (abstract sockets, ``/proc``); elsewhere a wait just sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..cancel.policy import RequestHandle
+from .conn import HANDLE_KEY, cancelled
+from .disconnect import process_loop
+
+__all__ = ["doorbell_address", "ring", "wait_cancelled", "waiting", "wake"]
+
+_LINUX = sys.platform.startswith("linux")
+_DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the next turn)
+_SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
+_MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
+
+_lock = threading.Lock()
+_waiters: dict[int, tuple[RequestHandle, threading.Event]] = {}  # id(event) -> (handle, event)
+_bells: dict[str, tuple[int, socket.socket]] = {}  # registry name -> (pid, this process's bell)
+_siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
+
+
+def doorbell_address(registry_name: str, pid: int) -> bytes:
+    """The abstract socket address of ``pid``'s doorbell for the registry ``registry_name``."""
+    digest = hashlib.sha256(registry_name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return f"\0shmcancel-wake-{digest}-{pid}".encode()
+
+
+def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
+    """Sleep up to ``seconds`` (at least 0), returning early once the call ``conn`` belongs to
+    is cancelled; whether it is cancelled. For a conn without a transport handle, a plain
+    ``cancelled`` / ``sleep`` / ``cancelled``."""
+    seconds = max(0.0, float(seconds))
+    h = conn.get(HANDLE_KEY) if isinstance(conn, Mapping) else None
+    if not isinstance(h, RequestHandle) or not _LINUX:
+        if cancelled(conn):
+            return True
+        time.sleep(seconds)
+        return cancelled(conn)
+    if h.cancelled():
+        return True
+    registry = getattr(h._c, "registry", None)
+    if registry is not None:
+        _ensure_bell(registry.name)
+    ev = threading.Event()
+    key = id(ev)
+    with _lock:
+        _waiters[key] = (h, ev)
+    try:
+        if not h.cancelled():  # a cancel before the registration found nobody to wake
+            ev.wait(seconds)
+    finally:
+        with _lock:
+            _waiters.pop(key, None)
+    return h.cancelled()
+
+
+def wake(handle: RequestHandle) -> None:
+    """Wake the waits of ``handle`` (after ``handle.cancel_local``)."""
+    with _lock:
+        evs = [ev for h, ev in _waiters.values() if h is handle]
+    for ev in evs:
+        ev.set()
+
+
+def waiting() -> int:
+    """How many waits are under way in this process."""
+    return len(_waiters)
+
+
+def ring(registry_name: str) -> None:
+    """Ring the doorbells of this process and its siblings for ``registry_name``. Never
+    raises; costs a ``/proc`` read at most once a second and one ``sendto`` per process."""
+    if not _LINUX:
+        return
+    try:
+        pids = _sibling_pids()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            for pid in pids:
+                with contextlib.suppress(OSError):  # no bell there, or its queue is full
+                    s.sendto(b"", doorbell_address(registry_name, pid))
+    except OSError:
+        pass
+
+
+def _sibling_pids() -> list[int]:
+    global _siblings
+    me = os.getpid()
+    at, pid, pids = _siblings
+    now = time.monotonic()
+    if pid == me and now - at < _SIBLINGS_TTL:
+        return pids
+    ppid = os.getppid()
+    found = {me}
+    with contextlib.suppress(OSError, ValueError), \
+            open(f"/proc/{ppid}/task/{ppid}/children", "rb") as f:
+        found.update(int(p) for p in f.read().split()[:_MAX_SIBLINGS])
+    pids = sorted(found)
+    _siblings = (now, me, pids)
+    return pids
+
+
+def _ensure_bell(registry_name: str) -> None:
+    got = _bells.get(registry_name)
+    if got is not None and got[0] == os.getpid():
+        return
+    with _lock:
+        got = _bells.get(registry_name)
+        if got is not None and got[0] == os.getpid():
+            return
+        if got is not None:  # inherited across fork: the parent's
+            with contextlib.suppress(OSError):
+                got[1].close()
+            del _bells[registry_name]
+        loop = process_loop()
+        if loop is None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            s.setblocking(False)
+            s.bind(doorbell_address(registry_name, os.getpid()))
+        except OSError:
+            s.close()
+            return
+        if not loop.add_reader(s.fileno(), lambda: _rung(s)):
+            s.close()
+            return
+        _bells[registry_name] = (os.getpid(), s)
+
+
+def _rung(s: socket.socket) -> None:
+    """In the watcher thread: drain the doorbell, then wake every cancelled waiter."""
+    for _ in range(_DRAIN):
+        try:
+            s.recv(1)
+        except OSError:  # BlockingIOError: drained
+            break
+    with _lock:
+        waiters = list(_waiters.values())
+    for h, ev in waiters:
+        if h.cancelled():
+            ev.set()
+
+
+def _after_fork_in_child() -> None:
+    # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
+    global _lock
+    _lock = threading.Lock()
+    _waiters.clear()
+    for _, s in _bells.values():
+        with contextlib.suppress(OSError):
+            s.close()
+    _bells.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,88 @@
+"""Waking a tool that waits for its cancellation (:mod:`shmcancel.mcp.wake`), in one process over
+a real registry: a ring reaches this process's own doorbell, the watcher thread wakes exactly the
+cancelled waiters, and a stray datagram wakes nobody early."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from helpers.background import Background
+
+from shmcancel.cancel.policy import Cancellation
+from shmcancel.mcp import wake
+from shmcancel.mcp.conn import HANDLE_KEY
+
+LONG = 20.0  # seconds a wait would last unwoken
+BOUND = 1.0  # seconds within which a woken wait must return (generous)
+
+
+def _waiting(n: int, deadline: float) -> None:
+    while wake.waiting() < n:
+        assert time.monotonic() < deadline, "the wait did not start"
+        time.sleep(0.005)
+
+
+def test_a_ring_wakes_a_cancelled_waiter_and_no_other(registry) -> None:
+    reg = registry()
+    c = Cancellation(reg)
+    h1, h2 = c.begin(1, "s"), c.begin(2, "s")
+    try:
+        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
+        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, 0.5))
+        w1.start()
+        w2.start()
+        _waiting(2, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        rang = time.monotonic()
+        wake.ring(reg.name)
+        assert w1.result(timeout=BOUND + 1) is True
+        assert w1.done_at - rang < BOUND  # type: ignore[operator]
+        assert w2.result(timeout=5) is False  # not cancelled: it waited its own 0.5 s out
+        assert w2.done_at - rang >= 0.3  # type: ignore[operator]
+    finally:
+        h1.end()
+        h2.end()
+
+
+def test_a_stray_datagram_wakes_nobody_early(registry) -> None:
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    try:
+        t0 = time.monotonic()
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, 0.6))
+        w.start()
+        _waiting(1, t0 + 5)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            for _ in range(50):
+                s.sendto(b"x" * 100, wake.doorbell_address(reg.name, os.getpid()))
+        assert w.result(timeout=5) is False
+        assert w.done_at - t0 >= 0.5  # type: ignore[operator]
+    finally:
+        h.end()
+
+
+def test_wake_after_cancel_local_returns_at_once(registry) -> None:
+    c = Cancellation(registry())
+    h = c.begin(1, "s")
+    try:
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        h.cancel_local("client disconnected")
+        woke = time.monotonic()
+        wake.wake(h)
+        assert w.result(timeout=BOUND + 1) is True
+        assert w.done_at - woke < BOUND  # type: ignore[operator]
+        assert wake.waiting() == 0
+    finally:
+        h.end()
+
+
+def test_a_conn_without_a_handle_sleeps_and_polls() -> None:
+    t0 = time.monotonic()
+    assert wake.wait_cancelled({}, 0.05) is False
+    assert time.monotonic() - t0 >= 0.04
+    assert wake.wait_cancelled({}, -1) is False  # a negative wait is no wait

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Burst cancellation latency: many ``sleep`` calls in flight, all cancelled at once (issue #9).
+
+    python tools/bench_burst.py [--calls 50] [--rounds 5] [--seq 20] [--workers 4]
+                                [--threads 16] [--wire legacy|modern|both] [--target-ms 15]
+
+The example app (``examples/gunicorn``, as shipped) under gunicorn ``gthread`` (``--workers`` x
+``--threads``) on loopback, its own registry (unlinked by gunicorn's ``on_exit`` when the bench
+stops it, by pid). Per round ``--calls`` clients each POST ``tools/call sleep`` (30 s) on a
+connection of their own; once every call is in flight (read from the registry, lock-free) all are
+cancelled as fast as one thread can:
+
+- ``legacy`` (2025-era wire): a ``notifications/cancelled`` POST per call, each on a new
+  connection; latency = from the notification's connect to the ``-32800`` received on the call's
+  connection;
+- ``modern`` (2026-07-28): the call's connection closed (``shutdown``); latency = from the close
+  to the call's in-flight row gone (the tool observed the cancellation and its rows were ended),
+  seen by a thread polling the registry.
+
+``floor``: after each burst, as many ``notifications/cancelled`` of calls not in flight, sent
+the same way (latency: connect -> 202): what serving a burst of small requests costs on this
+machine now. ``sequential``: the same as the burst, one call at a time (``--seq`` per round).
+Prints p50/p99/max of the latencies over all rounds (ms), the range of the rounds' p99, and
+whether the burst p99 meets ``--target-ms``. The calls start one after the other, each in flight
+before the next; a round in which some call does not get in flight within 0.5 s (a worker
+accepted more calls than it has threads) is skipped and run again (at most 10 tries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import selectors
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+from bench_watch import Server, _call_request, _request, _session, write_wrapper
+
+from shmcancel.cancel.shm_storage import ShmBackend
+from shmcancel.exceptions import RegistryNotFound
+from shmcancel.mcp.principal import scope as scope_of
+from shmcancel.shm.registry import Registry
+
+SLEEP = 30.0  # seconds each call would sleep uncancelled
+IN_FLIGHT_WAIT = 10.0  # seconds a round waits for its calls to be in flight
+ANSWER_WAIT = 10.0  # seconds a round waits for its cancellations to land
+_now = time.perf_counter
+
+
+def _parse(data: bytes) -> bytes | None:
+    """The body of the one HTTP response in ``data`` once it is complete, else ``None``."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+    return body[:length] if len(body) >= length else None
+
+
+class _Call:
+    """One POST on a connection of its own; :attr:`answered_at` (``perf_counter``) and
+    :attr:`code` (the JSON-RPC error code, or ``None``) once its response arrived, or the
+    connection closed; read by a :class:`_Reader`."""
+
+    __slots__ = ("answered_at", "buf", "code", "done", "reader", "sock")
+
+    def __init__(self, port: int, req: bytes, reader: _Reader) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.answered_at: float | None = None
+        self.code: int | None = None
+        self.buf = b""
+        self.done = threading.Event()
+        self.sock.sendall(req)
+        self.sock.setblocking(False)
+        self.reader = reader
+        reader.add(self)
+
+    def _readable(self) -> bool:
+        """Read what is there; ``True`` once the response is complete or the peer closed."""
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return False
+        except OSError:  # reset
+            chunk = b""
+        self.buf += chunk
+        body = _parse(self.buf) if chunk else b""
+        if body is None:
+            return False
+        self.answered_at = _now()
+        with contextlib.suppress(ValueError, AttributeError):
+            self.code = json.loads(body).get("error", {}).get("code")
+        self.done.set()
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.done.wait(ANSWER_WAIT)
+        with contextlib.suppress(KeyError, ValueError):
+            self.reader.sel.unregister(self.sock)
+        self.sock.close()
+
+
+class _Reader:
+    """One thread reading every :class:`_Call`'s response (no thread per connection: the
+    bench shares two cores with the server it measures)."""
+
+    def __init__(self) -> None:
+        # registered from other threads while select() waits: epoll allows it, and the
+        # selector's map is only read by select() under the GIL
+        self.sel = selectors.EpollSelector()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def add(self, call: _Call) -> None:
+        self.sel.register(call.sock, selectors.EVENT_READ, call)
+
+    def _run(self) -> None:
+        while self.running:
+            for key, _ in self.sel.select(0.05):
+                if key.data._readable():
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.sel.unregister(key.fileobj)
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.sel.close()
+
+
+def _wait_all(polls: list[Callable[[], bool]], want: bool, deadline: float,
+              seen: list[float | None] | None = None) -> bool:
+    """Poll until every ``poll()`` is ``want`` (recording when each first was, in ``seen``);
+    ``False`` at the deadline."""
+    left = set(range(len(polls)))
+    while left:
+        for i in list(left):
+            if polls[i]() is want:
+                left.discard(i)
+                if seen is not None:
+                    seen[i] = _now()
+        if left:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+    return True
+
+
+class Bench:
+    def __init__(self, server: Server, wire: str) -> None:
+        self.server = server
+        self.wire = wire
+        self.port = server.port
+        deadline = time.monotonic() + IN_FLIGHT_WAIT
+        while True:  # the master creates it once its sockets are bound: wait for that
+            try:
+                self.reg = Registry.attach(server.registry)  # reads; may lock on a torn read
+                break
+            except RegistryNotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.store = ShmBackend(self.reg)
+        self.sid = _session(self.port) if wire == "legacy" else None
+        self.scope = (f"session:{self.sid}" if self.sid is not None
+                      else scope_of({"REMOTE_ADDR": "127.0.0.1"}))
+        self.next_id = 1000
+        self.reader = _Reader()
+        self.lost = 0  # cancelled calls not answered -32800 (legacy) or still in flight (modern)
+        self.answered: list[float] = []  # seconds from a notification's connect to its 202
+
+    def close(self) -> None:
+        self.reader.close()
+        self.reg.close()
+
+    def _notify(self, rid: int) -> _Call:
+        body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": rid, "reason": "bench"}}
+        return _Call(self.port, _request(self.port, body, {"MCP-Protocol-Version": "2025-11-25",
+                                                           "Mcp-Session-Id": self.sid or ""}),
+                     self.reader)
+
+    def floor(self, n: int) -> list[float]:
+        """``n`` notifications for calls not in flight (nothing runs), as fast as the burst
+        sends them: seconds from each one's connect to its 202 (what serving them costs)."""
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        sent: list[float] = []
+        notes: list[_Call] = []
+        try:
+            for rid in ids:
+                sent.append(_now())
+                notes.append(self._notify(rid))
+            for c in notes:
+                c.done.wait(ANSWER_WAIT)
+            return [c.answered_at - t for c, t in zip(notes, sent, strict=True)
+                    if c.answered_at is not None]
+        finally:
+            for c in notes:
+                c.close()
+
+    def round(self, n: int) -> list[float] | None:
+        """Start ``n`` calls, cancel them all at once; their latencies in seconds, or ``None``
+        when some call never got in flight."""
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        polls = [self.store.watch_in_flight(self.scope, str(i)).member for i in ids]
+        calls: list[_Call] = []
+        notes: list[_Call] = []
+        try:
+            # one at a time, each in flight before the next: a call queued behind a worker's
+            # busy threads (gthread accepts past its threads) would never see its cancellation
+            for i, rid in enumerate(ids):
+                calls.append(_Call(self.port, _call_request(self.port, self.wire, "sleep",
+                                                            {"seconds": SLEEP}, rid, self.sid),
+                                   self.reader))
+                if not _wait_all(polls[i:i + 1], True, time.monotonic() + IN_FLIGHT_WAIT / 20):
+                    return None
+            sent: list[float] = []
+            gone: list[float | None] = [None] * n
+            if self.wire == "legacy":
+                for rid in ids:
+                    sent.append(_now())
+                    notes.append(self._notify(rid))
+                for c in calls:
+                    c.done.wait(ANSWER_WAIT)
+                for c in notes:
+                    c.done.wait(ANSWER_WAIT)
+                self.answered += [c.answered_at - t for c, t in zip(notes, sent, strict=True)
+                                  if c.answered_at is not None]
+                self.lost += sum(c.code != -32800 for c in calls)
+                return [c.answered_at - t for c, t in zip(calls, sent, strict=True)
+                        if c.answered_at is not None and c.code == -32800]
+            watcher = threading.Thread(
+                target=_wait_all, args=(polls, False, time.monotonic() + ANSWER_WAIT, gone))
+            watcher.start()
+            for c in calls:
+                sent.append(_now())
+                with contextlib.suppress(OSError):
+                    c.sock.shutdown(socket.SHUT_RDWR)
+            watcher.join()
+            self.lost += sum(g is None for g in gone)
+            return [g - t for g, t in zip(gone, sent, strict=True) if g is not None]
+        finally:
+            for c in calls + notes:
+                c.close()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def run(a: argparse.Namespace) -> bool:
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
+        write_wrapper(tmp)
+        server = Server(tmp, "gthread", True, a.src, threads=a.threads, workers=a.workers)
+        try:
+            for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
+                b = Bench(server, wire)
+                try:
+                    b.round(min(a.calls, 8))  # warm every worker up
+                    got: dict[str, list[list[float]]] = {"sequential": [], "burst": [],
+                                                         "floor": []}
+                    skipped = 0
+                    for _ in range(a.rounds):
+                        seq: list[float] = []
+                        for _ in range(a.seq):
+                            seq += b.round(1) or []
+                        got["sequential"].append(seq)
+                        for _ in range(10):  # a round some call of which never got a thread
+                            lat = b.round(a.calls)
+                            if lat is not None:
+                                got["burst"].append(lat)
+                                got["floor"].append(b.floor(a.calls))
+                                break
+                            skipped += 1
+                    what = ("notification -> -32800" if wire == "legacy"
+                            else "close -> row gone")
+                    print(f"{wire} ({what}; floor: as many notifications, nothing in flight, "
+                          f"-> 202), gthread {a.workers}x{a.threads}, {a.rounds} rounds:")
+                    for mode, rounds in got.items():
+                        flat = [x for r in rounds for x in r]
+                        if not flat:
+                            print(f"  {mode:10s} no samples")
+                            continue
+                        p99s = [_pct(r, 0.99) * 1e3 for r in rounds if r]
+                        print(f"  {mode:10s} n={len(flat):4d}  p50 {_pct(flat, 0.5) * 1e3:6.2f}"
+                              f"  p99 {_pct(flat, 0.99) * 1e3:6.2f}  max {max(flat) * 1e3:6.2f}"
+                              f" ms  (rounds' p99 {min(p99s):.1f}..{max(p99s):.1f}, median "
+                              f"{statistics.median(p99s):.1f})")
+                    if b.answered:
+                        ans = b.answered
+                        print(f"  (notifications answered 202: p50 {_pct(ans, 0.5) * 1e3:.2f}"
+                              f" p99 {_pct(ans, 0.99) * 1e3:.2f} ms)")
+                    flat = [x for r in got["burst"] for x in r]
+                    if flat:
+                        p99 = _pct(flat, 0.99) * 1e3
+                        met = p99 <= a.target_ms
+                        ok = ok and met
+                        fl = _pct([x for r in got["floor"] for x in r], 0.99) * 1e3
+                        print(f"  target burst p99 <= {a.target_ms:g} ms: "
+                              f"{'met' if met else 'MISSED'} ({p99:.2f} ms; {p99 / fl:.1f}x the "
+                              f"floor's p99 {fl:.2f} ms)"
+                              + (f"; {skipped} round(s) skipped" if skipped else "")
+                              + (f"; {b.lost} call(s) lost (not answered -32800 / not ended)"
+                                 if b.lost else ""))
+                finally:
+                    b.close()
+        finally:
+            server.close()
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seq", type=int, default=20, help="sequential cancellations per round")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--wire", choices=["legacy", "modern", "both"], default="both")
+    ap.add_argument("--target-ms", type=float, default=15.0)
+    ap.add_argument("--src", help="the src directory gunicorn serves (default: this checkout)")
+    a = ap.parse_args(argv)
+    if not 1 <= a.calls <= 1000 or not 1 <= a.rounds <= 100 or not 0 <= a.seq <= 1000:
+        ap.error("--calls 1..1000, --rounds 1..100, --seq 0..1000")
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
