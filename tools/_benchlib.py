@@ -4,7 +4,8 @@ requests of either MCP wire, and an asyncio load generator. Imported with ``tool
 ``sys.path`` (a script's own directory is, when it runs).
 
 Every server started here is stopped by its pid in :meth:`GunicornServer.close` (call it in a
-``finally``); its registry is unlinked by gunicorn's ``on_exit`` hook. Every wait has a deadline.
+``finally``), and its registry segment is unlinked there even when gunicorn's ``on_exit`` hook did
+not run. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class GunicornServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+        if os.path.exists(f"/dev/shm/shmcancel.{self.registry}"):  # on_exit did not run
+            from shmcancel import Registry, ShmCancelError
+
+            with contextlib.suppress(ShmCancelError, OSError):
+                Registry.attach(self.registry).unlink()
 
 
 def post_request(port: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
@@ -133,11 +139,12 @@ def echo_request(port: int, wire: str) -> bytes:
                         {"MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": sid})
 
 
-async def load(port: int, req: bytes, seconds: float, conns: int,
-               max_requests: int) -> tuple[int, int, float]:
+async def load(port: int, req: bytes, seconds: float, conns: int, max_requests: int,
+               latencies: list[float] | None = None) -> tuple[int, int, float]:
     """``conns`` clients send ``req`` to ``port`` for ``seconds`` (at most ``max_requests`` in
     all), keep-alive while the server keeps the connection: ``(answered 200 with a result, other
-    outcomes, elapsed seconds)``."""
+    outcomes, elapsed seconds)``. ``latencies``: gets the seconds from sending each request to
+    reading its whole answer, for the requests answered with a result (connecting not counted)."""
     ok = bad = started = 0
     t0 = time.monotonic()
     stop_at = t0 + seconds
@@ -153,6 +160,7 @@ async def load(port: int, req: bytes, seconds: float, conns: int,
                     reader, writer = await asyncio.wait_for(
                         asyncio.open_connection("127.0.0.1", port), 5)
                 assert reader is not None and writer is not None
+                sent = time.perf_counter()
                 writer.write(req)
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
                 length, close = 0, False
@@ -166,6 +174,8 @@ async def load(port: int, req: bytes, seconds: float, conns: int,
                 body = await asyncio.wait_for(reader.readexactly(length), 10)
                 if head.startswith(b"HTTP/1.1 200") and b'"result"' in body:
                     ok += 1
+                    if latencies is not None:
+                        latencies.append(time.perf_counter() - sent)
                 else:
                     bad += 1
             except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
@@ -181,3 +191,46 @@ async def load(port: int, req: bytes, seconds: float, conns: int,
 
     await asyncio.gather(*(one_client() for _ in range(conns)))
     return ok, bad, time.monotonic() - t0
+
+
+_WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def wrk_load(wrk: str, port: int, req: bytes, seconds: float, conns: int,
+             script_dir: str) -> dict[str, float]:
+    """Load ``port`` with ``wrk`` sending ``req`` (a request made by :func:`post_request`) for
+    ``seconds`` over ``conns`` connections (2 threads). Returns ``requests``, ``elapsed``
+    (seconds), ``bad`` (non-2xx answers + socket errors) and the latency percentiles ``p50``,
+    ``p75``, ``p90``, ``p99`` (seconds). wrk does not read bodies: check one answer first.
+    Raises ``RuntimeError`` when wrk fails or its output cannot be read."""
+    head, _, body = req.partition(b"\r\n\r\n")
+    lines = ['wrk.method = "POST"', f"wrk.body = [==[{body.decode()}]==]"]
+    for line in head.decode().split("\r\n")[1:]:
+        k, _, v = line.partition(":")
+        if k.lower() not in ("host", "content-length"):
+            lines.append(f'wrk.headers["{k}"] = "{v.strip()}"')
+    script = os.path.join(script_dir, f"wrk-{port}.lua")
+    Path(script).write_text("\n".join(lines) + "\n")
+    cmd = [wrk, "-t", "2", "-c", str(conns), "-d", f"{max(1, round(seconds))}s", "--latency",
+           "--timeout", "10s", "-s", script, f"http://127.0.0.1:{port}/mcp"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"wrk failed: {e}") from None
+    got: dict[str, float] = {"bad": 0.0}
+    for raw in out.splitlines():
+        parts = raw.split()
+        if len(parts) == 2 and parts[0] in ("50%", "75%", "90%", "99%"):
+            num = parts[1].rstrip("usm")
+            got[f"p{parts[0][:-1]}"] = float(num) * _WRK_UNITS[parts[1][len(num):]]
+        elif len(parts) >= 4 and parts[1] == "requests" and parts[2] == "in":
+            got["requests"] = float(parts[0])
+            got["elapsed"] = float(parts[3].rstrip(",").rstrip("s"))
+        elif raw.strip().startswith("Non-2xx or 3xx responses:"):
+            got["bad"] += float(parts[-1])
+        elif raw.strip().startswith("Socket errors:"):
+            got["bad"] += sum(int(x.rstrip(",")) for x in parts if x.rstrip(",").isdigit())
+    if not {"requests", "elapsed", "p50", "p99"} <= got.keys():
+        raise RuntimeError(f"cannot read wrk's output: {out[-500:]!r}")
+    return got
