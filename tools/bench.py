@@ -479,8 +479,9 @@ def plot(path: str, rep: Report) -> None:
             continue
         for label, xs in rep.plots[key].items():
             pts = _cdf(xs)
-            style: dict[str, Any] = {"color": "black", "linestyle": ":"} if label == "floor" else {}
-            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **style)
+            floor_style: dict[str, Any] = ({"color": "black", "linestyle": ":"}
+                                           if label == "floor" else {})
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **floor_style)
         ax.set_xscale("log")
         ax.set_xlabel("ns per operation (timed one by one, timer included)")
         ax.set_ylabel("fraction of operations")
