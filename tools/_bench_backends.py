@@ -15,6 +15,7 @@ import mmap
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sqlite3
 import statistics
 import struct
@@ -301,10 +302,14 @@ class ShmBackend(Backend):
         return os.stat(f"/dev/shm/shmcancel.{self.reg_name}").st_size
 
     def close(self) -> None:
-        for h in self.handles.values():
-            h.end()
-        self.reg.close()
-        self.reg.unlink()
+        try:
+            for h in self.handles.values():
+                h.end()  # never raises
+        finally:
+            try:
+                self.reg.close()
+            finally:
+                self.reg.unlink()
 
 
 class RedisBackend(Backend):
@@ -322,7 +327,7 @@ class RedisBackend(Backend):
             return
         from helpers.redis_server import RedisServer
 
-        self.srv = RedisServer()
+        self.srv = RedisServer(own_session=True)  # Ctrl-C: stopped by close()
         try:
             self.srv.start()
         except BaseException:
@@ -492,6 +497,7 @@ def _stop_procs(procs: list[Any], deadline: float = 10.0) -> None:
 def _writer_main(b: Backend, w: int, counters: Any, stop: Any, max_seconds: float) -> None:
     """Writer ``w``: mark + unmark, cancel, clear in its own scope until ``stop`` is set (or
     ``max_seconds``); its rounds and failures go to ``counters[2w]``, ``counters[2w + 1]``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops it by pid
     cl = b.client()
     i = errors = 0
     end = time.monotonic() + max_seconds
@@ -538,7 +544,8 @@ def other_writers(b: Backend, n: int) -> Iterator[Callable[[], tuple[float, int]
 def _pairs_main(b: Backend, w: int, threads: int, go: Any, ready: Any, out: Any,
                 seconds: float) -> None:
     """Scaling child ``w``: ``threads`` threads doing mark + unmark pairs for ``seconds`` after
-    ``go``; pairs/s of each thread summed into ``out[w]``."""
+    ``go``; pairs/s of each thread summed into ``out[w]`` (NaN when a thread's writes failed)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops it by pid
     cl = b.client()
     rates = [0.0] * threads
 
@@ -548,12 +555,15 @@ def _pairs_main(b: Backend, w: int, threads: int, go: Any, ready: Any, out: Any,
         n = 0
         t0 = time.monotonic()
         end = t0 + seconds
-        while True:
-            b.mark_unmark(tcl, ww, n % 100)
-            n += 1
-            if not n & 7 and time.monotonic() >= end:
-                break
-        rates[t] = n / (time.monotonic() - t0)
+        try:
+            while True:
+                b.mark_unmark(tcl, ww, n % 100)
+                n += 1
+                if not n & 7 and time.monotonic() >= end:
+                    break
+            rates[t] = n / (time.monotonic() - t0)
+        except Exception:
+            rates[t] = float("nan")
         if tcl is not cl:
             b.close_client(tcl)
 

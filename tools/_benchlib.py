@@ -196,6 +196,15 @@ async def load(port: int, req: bytes, seconds: float, conns: int, max_requests: 
 _WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
 
+def _seconds(text: str) -> float:
+    """A wrk duration (``"635.91us"``, ``"3.07ms"``, ``"1.00s"``, ``"1.02m"``) in seconds."""
+    num = text.rstrip("usm")
+    try:
+        return float(num) * _WRK_UNITS[text[len(num):]]
+    except (KeyError, ValueError):
+        raise RuntimeError(f"cannot read wrk's duration {text!r}") from None
+
+
 def wrk_load(wrk: str, port: int, req: bytes, seconds: float, conns: int,
              script_dir: str) -> dict[str, float]:
     """Load ``port`` with ``wrk`` sending ``req`` (a request made by :func:`post_request`) for
@@ -222,11 +231,10 @@ def wrk_load(wrk: str, port: int, req: bytes, seconds: float, conns: int,
     for raw in out.splitlines():
         parts = raw.split()
         if len(parts) == 2 and parts[0] in ("50%", "75%", "90%", "99%"):
-            num = parts[1].rstrip("usm")
-            got[f"p{parts[0][:-1]}"] = float(num) * _WRK_UNITS[parts[1][len(num):]]
+            got[f"p{parts[0][:-1]}"] = _seconds(parts[1])
         elif len(parts) >= 4 and parts[1] == "requests" and parts[2] == "in":
             got["requests"] = float(parts[0])
-            got["elapsed"] = float(parts[3].rstrip(",").rstrip("s"))
+            got["elapsed"] = _seconds(parts[3].rstrip(","))
         elif raw.strip().startswith("Non-2xx or 3xx responses:"):
             got["bad"] += float(parts[-1])
         elif raw.strip().startswith("Socket errors:"):

@@ -572,29 +572,33 @@ def main(argv: list[str] | None = None) -> int:
     a.wires = ["legacy", "modern"] if a.wire == "both" else [a.wire]
     _header(a)
     rep = Report()
-    needs_backends = any(s in only for s in ("poll", "write", "scaling", "footprint"))
-    with contextlib.ExitStack() as stack:
-        backends: list[Backend] = []
-        floor = Floor()
-        stack.callback(floor.close)
-        if needs_backends:
-            for cls in (ShmBackend, RedisBackend, ManagerBackend, SqliteBackend):
-                b = cls()
-                stack.callback(b.close)
-                backends.append(b)
-        for sec in SECTIONS:
-            if sec not in only:
-                continue
-            if sec == "poll":
-                section_poll(backends, floor, a, rep)
-            elif sec == "write":
-                section_write(backends, floor, a, rep)
-            elif sec == "scaling":
-                section_scaling(backends, a, rep)
-            elif sec == "footprint":
-                section_footprint(backends, a, rep)
-            else:
-                section_e2e(a, rep)
+    try:
+        needs_backends = any(s in only for s in ("poll", "write", "scaling", "footprint"))
+        with contextlib.ExitStack() as stack:
+            backends: list[Backend] = []
+            floor = Floor()
+            stack.callback(floor.close)
+            if needs_backends:
+                for cls in (ShmBackend, RedisBackend, ManagerBackend, SqliteBackend):
+                    b = cls()
+                    stack.callback(b.close)
+                    backends.append(b)
+            for sec in SECTIONS:
+                if sec not in only:
+                    continue
+                if sec == "poll":
+                    section_poll(backends, floor, a, rep)
+                elif sec == "write":
+                    section_write(backends, floor, a, rep)
+                elif sec == "scaling":
+                    section_scaling(backends, a, rep)
+                elif sec == "footprint":
+                    section_footprint(backends, a, rep)
+                else:
+                    section_e2e(a, rep)
+    except KeyboardInterrupt:
+        print("\nbench: interrupted; everything it started was stopped", file=sys.stderr)
+        return 130
     print("\n== targets (issue #9)")
     for what, got, ok in rep.targets:
         print(f"  {'met   ' if ok else 'MISSED'} {what}: {got}")
