@@ -412,8 +412,9 @@ def _e2e_pair(on: GunicornServer, off: GunicornServer, kind: str, wire: str,
     p99: dict[bool, list[float]] = {True: [], False: []}
     ratio: list[float] = []
     cpu_ratio: list[float] = []
-    # the latency distribution drawn by --plot: (seconds, fraction) points of each server
-    lat_all: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    # for --plot: every request's latency (the Python generator), or wrk's percentiles
+    lat_all: dict[bool, list[float]] = {True: [], False: []}
+    wrk_pct: dict[bool, dict[int, list[float]]] = {True: {}, False: {}}
     bad = 0
     for r in range(a.e2e_rounds):
         got: dict[bool, float] = {}
@@ -425,13 +426,14 @@ def _e2e_pair(on: GunicornServer, off: GunicornServer, kind: str, wire: str,
                 n, dt = int(w["requests"]), w["elapsed"]
                 bad += int(w["bad"])
                 q50, q99 = w["p50"], w["p99"]
-                lat_all[s is on] = [(w[f"p{k}"], k / 100) for k in (50, 75, 90, 99)]
+                for k in (50, 75, 90, 99):
+                    wrk_pct[s is on].setdefault(k, []).append(w[f"p{k}"])
             else:
                 lat: list[float] = []
                 n, b_, dt = asyncio.run(load(s.port, reqs[s], a.seconds, a.conns, 10**7, lat))
                 bad += b_
                 q50, q99 = med(lat), pct(lat, 99)
-                lat_all[s is on] = _cdf(lat)
+                lat_all[s is on].extend(lat)
             got[s is on] = n / dt
             cpu[s is on] = (s.worker_cpu() - c0) / max(n, 1)
             p50[s is on].append(q50)
@@ -446,7 +448,9 @@ def _e2e_pair(on: GunicornServer, off: GunicornServer, kind: str, wire: str,
           f"{q:6.2f} | {med(p50[True]) * 1e3:8.2f} ms {med(p50[False]) * 1e3:5.2f} ms | "
           f"{med(p99[True]) * 1e3:8.2f} ms {med(p99[False]) * 1e3:5.2f} ms | "
           f"{med(cpu_ratio):13.2f}  >= 0.90 {v}" + (f"  ({bad} other outcomes)" if bad else ""))
-    rep.plots["e2e"][f"{kind} {wire}"] = lat_all
+    rep.plots["e2e"][f"{kind} {wire}"] = {
+        k: ([(med(v), p / 100) for p, v in wrk_pct[k].items()] if wrk else _cdf(lat_all[k]))
+        for k in (True, False)}
 
 
 # ------------------------------------------------------------------ plot
@@ -455,6 +459,16 @@ def _e2e_pair(on: GunicornServer, off: GunicornServer, kind: str, wire: str,
 def _cdf(xs: list[float]) -> list[tuple[float, float]]:
     s = sorted(xs)
     return [(x, (i + 1) / len(s)) for i, x in enumerate(s)]
+
+
+def _line_style(label: str) -> dict[str, Any]:
+    """The floor black and dotted; each alternative a dash pattern of its own."""
+    if label == "floor":
+        return {"color": "black", "linestyle": (0, (1, 1))}
+    for prefix, dash in (("redis", "--"), ("Manager", "-."), ("sqlite", ":")):
+        if label.startswith(prefix):
+            return {"linestyle": dash}
+    return {"linestyle": "-"}
 
 
 def plot(path: str, rep: Report) -> None:
@@ -479,9 +493,7 @@ def plot(path: str, rep: Report) -> None:
             continue
         for label, xs in rep.plots[key].items():
             pts = _cdf(xs)
-            floor_style: dict[str, Any] = ({"color": "black", "linestyle": ":"}
-                                           if label == "floor" else {})
-            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **floor_style)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **_line_style(label))
         ax.set_xscale("log")
         ax.set_xlabel("ns per operation (timed one by one, timer included)")
         ax.set_ylabel("fraction of operations")
