@@ -40,7 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from bench_watch import Server, _call_request, _request, _session, write_wrapper
+from _benchlib import call_request, post_request, session
+from bench_watch import Server, write_wrapper
 
 from shmcancel.cancel.shm_storage import ShmBackend
 from shmcancel.exceptions import RegistryNotFound
@@ -172,7 +173,7 @@ class Bench:
                     raise
                 time.sleep(0.05)
         self.store = ShmBackend(self.reg)
-        self.sid = _session(self.port) if wire == "legacy" else None
+        self.sid = session(self.port) if wire == "legacy" else None
         self.scope = (f"session:{self.sid}" if self.sid is not None
                       else scope_of({"REMOTE_ADDR": "127.0.0.1"}))
         self.next_id = 1000
@@ -187,9 +188,8 @@ class Bench:
     def _notify(self, rid: int) -> _Call:
         body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                 "params": {"requestId": rid, "reason": "bench"}}
-        return _Call(self.port, _request(self.port, body, {"MCP-Protocol-Version": "2025-11-25",
-                                                           "Mcp-Session-Id": self.sid or ""}),
-                     self.reader)
+        headers = {"MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": self.sid or ""}
+        return _Call(self.port, post_request(self.port, body, headers), self.reader)
 
     def floor(self, n: int) -> list[float]:
         """``n`` notifications for calls not in flight (nothing runs), as fast as the burst
@@ -222,7 +222,7 @@ class Bench:
             # one at a time, each in flight before the next: a call queued behind a worker's
             # busy threads (gthread accepts past its threads) would never see its cancellation
             for i, rid in enumerate(ids):
-                calls.append(_Call(self.port, _call_request(self.port, self.wire, "sleep",
+                calls.append(_Call(self.port, call_request(self.port, self.wire, "sleep",
                                                             {"seconds": SLEEP}, rid, self.sid),
                                    self.reader))
                 if not _wait_all(polls[i:i + 1], True, time.monotonic() + IN_FLIGHT_WAIT / 20):

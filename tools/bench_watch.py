@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
-import json
 import os
 import select
-import signal
 import socket
 import statistics
 import subprocess
@@ -50,11 +47,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded by path
+
+from _benchlib import GunicornServer, echo_request, load
 
 from shmcancel.mcp.disconnect import Watcher
 
@@ -174,181 +173,24 @@ app = _example.app
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """The example under gunicorn, watching or not; stopped (and its registry unlinked by its
-    ``on_exit`` hook) by :meth:`close`."""
+class Server(GunicornServer):
+    """The example under gunicorn, watching or not (``bench_watch_app`` in ``tmp``)."""
 
     def __init__(self, tmp: str, kind: str, watch: bool, src: str | None, *,
-                 threads: int | None = None, workers: int = 4, untracked: bool = False) -> None:
-        """``threads``: per ``gthread`` worker (default 4); ``untracked`` (with ``watch``
-        false): no in-flight or session-call rows either (shmcancel's per-call machinery off,
-        from the wrapper app, not a production switch). The registry's name is
-        :attr:`registry`; ``tmp`` must hold the wrapper app (:func:`write_wrapper`)."""
-        self.port = _free_port()
-        self.kind = kind
-        self.registry = f"bench-watch-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        env = {**os.environ, "SHMCANCEL_REGISTRY": self.registry,
-               "BENCH_WATCH": "1" if watch else "off" if untracked else "0"}
-        if src:
-            env["PYTHONPATH"] = os.path.abspath(src)
-        gunicorn = Path(sys.executable).parent / "gunicorn"
-        self.log = os.path.join(tmp, f"{kind}-{env['BENCH_WATCH']}-{self.port}.log")
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [str(gunicorn), "-c", str(ROOT / "examples/gunicorn/gunicorn.conf.py"),
-                 "-b", f"127.0.0.1:{self.port}", "-w", str(workers), "-k", kind, "--threads",
-                 str(threads or 4) if kind == "gthread" else "1",
-                 "--pythonpath", f"{tmp},{ROOT / 'examples/gunicorn'}", "bench_watch_app:app"],
-                env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise SystemExit(f"gunicorn did not start; see {self.log}") from None
-                time.sleep(0.05)
-
-    def worker_cpu(self) -> float:
-        """CPU seconds (user + system, all threads, live or ended) of the workers now."""
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return 0.0
-        total = 0
-        for pid in kids.split():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(stat[11]) + int(stat[12])
-        return total / os.sysconf("SC_CLK_TCK")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        # the master's on_exit unlinks it; a master that did not get that far leaves it
-        from shmcancel.exceptions import ShmCancelError
-        from shmcancel.shm.registry import Registry
-
-        with contextlib.suppress(ShmCancelError, OSError):
-            reg = Registry.attach(self.registry)
-            reg.unlink()
-            reg.close()
-
-
-def _request(port: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
-    raw = json.dumps(body).encode()
-    head = ["POST /mcp HTTP/1.1", f"Host: 127.0.0.1:{port}", "Content-Type: application/json",
-            "Accept: application/json, text/event-stream", f"Content-Length: {len(raw)}",
-            *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
+                 threads: int = 4, workers: int = 4, untracked: bool = False) -> None:
+        """``threads``: per ``gthread`` worker; ``untracked`` (with ``watch`` false): no
+        in-flight or session-call rows either (shmcancel's per-call machinery off, from the
+        wrapper app, not a production switch). ``tmp`` must hold the wrapper app
+        (:func:`write_wrapper`)."""
+        mode = "1" if watch else "off" if untracked else "0"
+        super().__init__(tmp, kind, "bench_watch_app:app", {"BENCH_WATCH": mode},
+                         f"{kind}-{mode}-{os.getpid()}-{id(self):x}", src, workers=workers,
+                         threads=threads, registry_prefix="bench-watch")
 
 
 def write_wrapper(tmp: str) -> None:
     """Write the app :class:`Server` serves (``bench_watch_app``) into ``tmp``."""
     Path(tmp, "bench_watch_app.py").write_text(_WRAPPER)
-
-
-def _session(port: int) -> str:
-    """A new session's id (``initialize`` on the 2025-era wire)."""
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                       "clientInfo": {"name": "bench", "version": "1"}}}
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(_request(port, init, {}))
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return next(line.split(b":", 1)[1].strip().decode()
-                for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")
-                if line.lower().startswith(b"mcp-session-id:"))
-
-
-def _call_request(port: int, wire: str, name: str, arguments: dict[str, Any],
-                  rid: int = 1, sid: str | None = None) -> bytes:
-    """A ``tools/call`` POST of tool ``name``; on the 2025-era wire in session ``sid`` (a new
-    one when ``None``)."""
-    params: dict[str, Any] = {"name": name, "arguments": arguments}
-    if wire == "modern":
-        params["_meta"] = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
-                           "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
-                           "io.modelcontextprotocol/clientCapabilities": {}}
-        return _request(port, {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
-                               "params": params},
-                        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call",
-                         "Mcp-Name": name})
-    return _request(port, {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params},
-                    {"MCP-Protocol-Version": "2025-11-25",
-                     "Mcp-Session-Id": sid if sid is not None else _session(port)})
-
-
-def _echo_request(port: int, wire: str) -> bytes:
-    return _call_request(port, wire, "echo", {"text": "hello"})
-
-
-async def _load(port: int, req: bytes, seconds: float, conns: int,
-                max_requests: int) -> tuple[int, int, float]:
-    """``(answered 200 with a result, other outcomes, elapsed seconds)``."""
-    ok = bad = started = 0
-    t0 = time.monotonic()
-    stop_at = t0 + seconds
-
-    async def one_client() -> None:
-        nonlocal ok, bad, started
-        reader: asyncio.StreamReader | None = None
-        writer: asyncio.StreamWriter | None = None
-        while time.monotonic() < stop_at and started < max_requests:
-            started += 1
-            try:
-                if writer is None:
-                    reader, writer = await asyncio.wait_for(
-                        asyncio.open_connection("127.0.0.1", port), 5)
-                assert reader is not None and writer is not None
-                writer.write(req)
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-                length, close = 0, False
-                for line in head.split(b"\r\n")[1:]:
-                    k, _, v = line.partition(b":")
-                    k = k.strip().lower()
-                    if k == b"content-length":
-                        length = int(v)
-                    elif k == b"connection" and v.strip().lower() == b"close":
-                        close = True
-                body = await asyncio.wait_for(reader.readexactly(length), 10)
-                if head.startswith(b"HTTP/1.1 200") and b'"result"' in body:
-                    ok += 1
-                else:
-                    bad += 1
-            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
-                bad += 1
-                close = True
-            if close and writer is not None:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-                reader = writer = None
-        if writer is not None:
-            writer.close()
-
-    await asyncio.gather(*(one_client() for _ in range(conns)))
-    return ok, bad, time.monotonic() - t0
 
 
 def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires: list[str],
@@ -364,9 +206,9 @@ def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires
             off = Server(tmp, kind, False, src, untracked=untracked)
             try:
                 for wire in wires:
-                    reqs = {s: _echo_request(s.port, wire) for s in (on, off)}
+                    reqs = {s: echo_request(s.port, wire) for s in (on, off)}
                     for s in (on, off):  # warm up every worker
-                        asyncio.run(_load(s.port, reqs[s], 0.5, conns, max_requests))
+                        asyncio.run(load(s.port, reqs[s], 0.5, conns, max_requests))
                     rate: dict[bool, list[float]] = {True: [], False: []}
                     cpu: dict[bool, list[float]] = {True: [], False: []}
                     ratio: list[float] = []
@@ -376,7 +218,7 @@ def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires
                         got, used = {}, {}
                         for s in ((on, off) if r % 2 == 0 else (off, on)):
                             c0 = s.worker_cpu()
-                            n, b, dt = asyncio.run(_load(s.port, reqs[s], seconds, conns,
+                            n, b, dt = asyncio.run(load(s.port, reqs[s], seconds, conns,
                                                          max_requests))
                             got[s is on] = n / dt
                             used[s is on] = (s.worker_cpu() - c0) / max(n, 1)

@@ -23,9 +23,11 @@ def free_port() -> int:
 
 class RedisServer:
     """One ``redis-server`` process on ``127.0.0.1:port``; :meth:`kill` and :meth:`start` again
-    on the same port (a restart loses everything: no persistence)."""
+    on the same port (a restart loses everything: no persistence). ``own_session``: start it in a
+    session of its own, so a Ctrl-C at the terminal reaches only its starter, which stops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_session: bool = False) -> None:
+        self.own_session = own_session
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (tools/test.sh installs it: "
@@ -44,7 +46,8 @@ class RedisServer:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes",
              "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=self.own_session)
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             if self.proc.poll() is not None:
