@@ -19,7 +19,8 @@ meets ``LargeRowsFull`` and ``cancellations`` evicts among its large rows (contr
 
 from __future__ import annotations
 
-from ..config import Config
+from operator import attrgetter
+
 from ..shm.schema import PACKED_FLOAT, PACKED_INT, TableDecl, declare, packed_bin, packed_str
 from .ids import MAX_ID_BYTES
 from .reasons import MAX_REASON_BYTES
@@ -49,19 +50,16 @@ LARGE_CANCELLATIONS = 256
 LARGE_IN_FLIGHT = 128
 
 
-def _max_rows(config: Config) -> int:
-    return config.effective_max_rows
 
 
-def _in_flight_capacity(config: Config) -> int:
-    return config.in_flight_capacity
-
+_MAX_ROWS = attrgetter("effective_max_rows")
+_IN_FLIGHT = attrgetter("in_flight_capacity")
 
 TABLES = (
-    TableDecl(CANCELLATIONS, "set", _max_rows, KEY_REQUEST, VAL_CANCEL, SMALL_REQUEST,
+    TableDecl(CANCELLATIONS, "set", _MAX_ROWS, KEY_REQUEST, VAL_CANCEL, SMALL_REQUEST,
               LARGE_CANCELLATIONS),
-    TableDecl(IN_FLIGHT, "bag", _in_flight_capacity, KEY_REQUEST, VAL_OWNER, SMALL_REQUEST,
+    TableDecl(IN_FLIGHT, "bag", _IN_FLIGHT, KEY_REQUEST, VAL_OWNER, SMALL_REQUEST,
               LARGE_IN_FLIGHT),
-    TableDecl(SCOPE_COUNTS, "set", _max_rows, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
+    TableDecl(SCOPE_COUNTS, "set", _MAX_ROWS, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
 )
 declare(*TABLES)

@@ -17,6 +17,8 @@ of worst-case ones; past those a new session is refused (``SessionsFull``, HTTP 
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from ..config import Config
 from ..shm.schema import PACKED_INT, TableDecl, declare, packed_bin, packed_str
 
@@ -49,19 +51,15 @@ def val_session_clients(config: Config) -> int:
     return 3 + n * packed_str(MINTED_ID_LEN)
 
 
-def _session_capacity(config: Config) -> int:
-    return config.session_capacity
 
 
-def _in_flight_capacity(config: Config) -> int:
-    return config.in_flight_capacity
-
+_SESSIONS = attrgetter("session_capacity")
 
 TABLES = (
-    TableDecl(SESSIONS, "set", _session_capacity, KEY_SESSION, SESSION_VALUE_MAX, SMALL_SESSION,
+    TableDecl(SESSIONS, "set", _SESSIONS, KEY_SESSION, SESSION_VALUE_MAX, SMALL_SESSION,
               LARGE_SESSIONS),
-    TableDecl(SESSION_CLIENTS, "set", _session_capacity, KEY_CLIENT, val_session_clients,
+    TableDecl(SESSION_CLIENTS, "set", _SESSIONS, KEY_CLIENT, val_session_clients,
               SMALL_CLIENT, LARGE_CLIENTS),
-    TableDecl(SESSION_CALLS, "bag", _in_flight_capacity, KEY_SESSION, VAL_CALL),
+    TableDecl(SESSION_CALLS, "bag", attrgetter("in_flight_capacity"), KEY_SESSION, VAL_CALL),
 )
 declare(*TABLES)
