@@ -555,6 +555,73 @@ def test_holder_killed_before_recording_itself(seg: Segment,
         lock.close()
 
 
+def _raw_holder(seg: Segment, *, busy: bool) -> Callable[[Child], None]:
+    """A child's body: take the bare semaphore (no generation, no owner: a holder caught between
+    its acquire and its record), say b"h", then spin on the CPU or sleep until b"go"; release."""
+    def run(ctl: Child) -> None:
+        seg.sem.acquire()
+        ctl.send(b"h")
+        if busy:
+            while not select.select([ctl._r], [], [], 0)[0]:
+                pass
+        assert ctl.recv(30) == b"go"
+        seg.sem.release()
+        ctl.send(b"released")
+    return run
+
+
+@pytest.mark.parametrize("how", ["busy", "stopped"])
+def test_live_holder_before_recording_itself_is_not_robbed(seg: Segment, how: str) -> None:
+    """Owner 0 with the unit taken and the generation still is also what a LIVE holder looks
+    like while it waits for the CPU (or the GIL) between its acquire and its record: under load
+    that lasts longer than two steps. It must not be robbed while it runs or is stopped."""
+    lock = RegistryLock(seg, timeout=1.0)
+    ch = Child(_raw_holder(seg, busy=how == "busy"))
+    try:
+        assert ch.recv() == b"h"
+        if how == "stopped":
+            os.kill(ch.pid, signal.SIGSTOP)
+        gen = seg.words[_GEN]
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match=f"not recorded itself yet .*{ch.pid}"), lock:
+            pass
+        assert time.monotonic() - t0 >= 1.0
+        assert lock.owner() is None and seg.sem.value == 0 and seg.words[_GEN] == gen
+        assert seg.u64(OFF_RECOVERIES) == 0
+        if how == "stopped":
+            os.kill(ch.pid, signal.SIGCONT)
+        ch.send(b"go")
+        assert ch.recv() == b"released"
+        assert ch.wait() == 0
+        with lock:
+            assert lock.owner() == procinfo.me()
+        assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_live_unrecorded_holder_that_settles_then_dies_is_recovered(seg: Segment) -> None:
+    """Busy at first (waited for), then killed: the waiter recovers it once, in the same wait."""
+    lock = RegistryLock(seg, timeout=10.0)
+    ch = Child(_raw_holder(seg, busy=True))
+    got: list[float] = []
+    try:
+        assert ch.recv() == b"h"
+        t = threading.Thread(target=lambda: (lock.__enter__(), got.append(time.monotonic()),
+                                             lock.__exit__(None, None, None)))
+        t.start()
+        select.select([], [], [], 0.6)  # a real wait, longer than the stable-generation rule
+        assert not got and seg.u64(OFF_RECOVERIES) == 0
+        ch.kill()
+        ch.wait()
+        t.join(5)
+        assert got and seg.u64(OFF_RECOVERIES) == 1 and seg.sem.value == 1
+    finally:
+        ch.stop()
+        lock.close()
+
+
 def test_stopped_holder_is_not_robbed(seg: Segment) -> None:
     lock = RegistryLock(seg)
 

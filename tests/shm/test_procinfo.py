@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
+import time
+from collections.abc import Callable
 
+import posix_ipc
 import pytest
 from helpers.procs import wait_zombie
 
@@ -145,3 +149,65 @@ def test_pack_rejects_out_of_range_and_zero_is_none() -> None:
     for pid, start in [(0, 1), (2**22, 1), (1, 2**42), (1, -1)]:
         with pytest.raises(ValueError):
             procinfo.pack_owner(pid, start)
+
+
+def _states_until(pid: int, ok: Callable[[list[str]], bool], timeout: float = 10) -> list[str]:
+    """Poll ``thread_states(pid)`` until ``ok`` accepts them (both threads up); those states."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = procinfo.thread_states(pid) or []
+        if len(states) == 2 and ok(states):
+            return states
+        assert time.monotonic() < deadline, (pid, states)
+        select.select([], [], [], 0.01)
+
+
+def test_thread_states_and_settled() -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a second thread sleeps; the main one spins until told to sleep, then sleeps
+        try:
+            os.close(w)
+            threading.Thread(target=select.select, args=([], [], [], 60), daemon=True).start()
+            while not select.select([r], [], [], 0)[0]:
+                pass
+            os.read(r, 1)
+            select.select([r], [], [], 60)
+        finally:
+            os._exit(0)
+    try:
+        os.close(r)
+        _states_until(pid, lambda s: "R" in s)  # spinning: running or runnable
+        assert not procinfo.settled(pid)
+        os.write(w, b"s")
+        _states_until(pid, lambda s: s == ["S", "S"])
+        assert procinfo.settled(pid)
+        os.kill(pid, signal.SIGSTOP)
+        _states_until(pid, lambda s: "T" in s)
+        assert not procinfo.settled(pid)  # stopped: not settled either
+        os.kill(pid, signal.SIGCONT)
+    finally:
+        os.close(w)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert procinfo.thread_states(pid) is None and procinfo.settled(pid)  # gone
+
+
+def test_mappers_finds_processes_with_a_semaphore_open_by_inode(shm_name: str) -> None:
+    name = f"/{shm_name}"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
+    try:
+        ino = os.stat(f"/dev/shm/sem.{shm_name}").st_ino
+        assert procinfo.mappers("/dev/shm/sem.", ino) == []  # the caller itself is left out
+        pid, w = _fork_waiting()  # inherits the mapping
+        try:
+            assert procinfo.mappers("/dev/shm/sem.", ino) == [pid]
+            assert procinfo.mappers("/dev/shm/sem.", ino + 1) == []
+            assert procinfo.mappers("/dev/shm/other.", ino) == []
+        finally:
+            os.close(w)
+            os.waitpid(pid, 0)
+        assert procinfo.mappers("/dev/shm/sem.", ino) == []
+    finally:
+        sem.unlink()
+        sem.close()

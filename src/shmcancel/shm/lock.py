@@ -7,8 +7,10 @@ Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` o
   store each). Release: ``owner = 0``, then ``sem.release()``.
 - a waiter whose bounded wait (``step``) times out looks at the owner. It takes over the held unit
   when the owner is dead (gone, zombie, or its pid reused), or when the owner is 0 while the
-  semaphore stays taken and the generation has not moved for two whole steps (a holder that died
-  between acquiring and recording itself). Taking over is NOT release-then-acquire (that could
+  semaphore stays taken, the generation has not moved for two whole steps and, at the last two
+  timeouts, every other process that has the semaphore open was asleep (a holder that died
+  between acquiring and recording itself; a live one starved of CPU there is runnable, or its
+  GIL holder is). Taking over is NOT release-then-acquire (that could
   let two processes in): under an ``flock`` on the registry's lock file (the kernel drops it when
   its holder dies), the waiter re-checks owner, generation and ``sem.value == 0`` unchanged, then
   writes ``generation += 1``, ``owner = me``, ``recoveries += 1`` and carries on as the holder,
@@ -56,6 +58,7 @@ from .segment import (
     OFF_LOCK_GENERATION,
     OFF_LOCK_OWNER,
     OFF_RECOVERIES,
+    SHM_DIR,
     lock_path,
     open_lockfile,
     sem_path,
@@ -358,6 +361,7 @@ class RegistryLock:
         deadline = t0 + self._timeout
         sigs = _handled_signals()
         zero_gen, zero_seen = -1, 0  # owner-0 observations with an unchanged generation
+        calm_seen, busy = 0, []  # ... of which with no other mapper of the semaphore busy
         while True:
             got = False
             with _SignalsBlocked(sigs):  # pending handlers run (and may raise) on unblock
@@ -379,17 +383,22 @@ class RegistryLock:
                 if sem.value == 0 and gen == zero_gen:
                     zero_seen += 1
                 else:
-                    zero_gen, zero_seen = gen, (1 if sem.value == 0 else 0)
-                # Seen at three consecutive timeouts: nobody recorded itself for two steps.
-                if zero_seen >= 3 and self._recover(owner, gen, tid, time.monotonic() - t0):
+                    zero_gen, zero_seen, calm_seen = gen, (1 if sem.value == 0 else 0), 0
+                if zero_seen >= 2:
+                    busy = self._busy_mappers()
+                    calm_seen = 0 if busy else calm_seen + 1
+                # Seen at three consecutive timeouts (nobody recorded itself for two steps), and
+                # every other process on the semaphore asleep at the last two of them.
+                if zero_seen >= 3 and calm_seen >= 2 and self._recover(
+                        owner, gen, tid, time.monotonic() - t0):
                     return
             else:
-                zero_gen, zero_seen = -1, 0
+                zero_gen, zero_seen, calm_seen, busy = -1, 0, 0, []
                 if self._owner_dead(owner) and self._recover(
                         owner, gen, tid, time.monotonic() - t0):
                     return
             if time.monotonic() >= deadline:
-                raise LockTimeout(self._timeout_message(owner))
+                raise LockTimeout(self._timeout_message(owner, busy))
 
     def _owner_dead(self, owner: int) -> bool:
         if owner == self._st.me:
@@ -399,9 +408,17 @@ class RegistryLock:
         p = procinfo.unpack_owner(owner)
         return p is None or not procinfo.alive(*p)
 
-    def _timeout_message(self, owner: int) -> str:
+    def _busy_mappers(self) -> list[int]:
+        """Other processes with the semaphore open that may be running (see ``procinfo``)."""
+        # The creator maps it under glibc's temporary name, linked to sem_path() afterwards.
+        return [pid for pid in procinfo.mappers(f"{SHM_DIR}/sem.", self._seg.sem_ino)
+                if not procinfo.settled(pid)]
+
+    def _timeout_message(self, owner: int, busy: list[int]) -> str:
         p = procinfo.unpack_owner(owner)
         who = (f"live pid {p[0]}" if p is not None
+               else "a process that has not recorded itself yet (one of the busy pids "
+                    f"{sorted(busy)} that have the semaphore open)" if busy
                else "a process that has not recorded itself yet")
         return (f"registry {self.name}: lock held by {who} for more than {self._timeout:.1f}s "
                 f"(generation {self._w[_GEN]}); a live holder is never robbed")
@@ -424,6 +441,8 @@ class RegistryLock:
                 return False
             if owner != 0 and not self._owner_dead(owner):
                 return False
+            if owner == 0 and self._busy_mappers():
+                return False  # a live holder may be between its acquire and its record
             w[_GEN] = gen + 1
             w[_OWNER] = self._st.me
             w[_RECOVERIES] = w[_RECOVERIES] + 1

@@ -7,13 +7,19 @@ An owner (pid, start) packs into one u64 so shared memory can hold it in a singl
 that no reader sees torn: pid in the low 22 bits (Linux caps ``pid_max`` at 2**22), start time in
 the high 42 bits (2**42 ticks at 100 Hz is over a thousand years of uptime). 0 means "no owner";
 a packed owner is never 0 because a pid is never 0.
+
+``mappers`` and ``settled`` serve the lock's one judgement without an owner record: which other
+processes have a semaphore open (``sem_open`` maps its file, so it shows in ``/proc/<pid>/maps``),
+and whether any thread of theirs could be running (state R), in the kernel (D) or stopped (T).
+A process whose maps are unreadable (another user's, or not dumpable) counts as not mapping.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["PID_BITS", "START_BITS", "alive", "me", "pack_owner", "start_time", "unpack_owner"]
+__all__ = ["PID_BITS", "START_BITS", "alive", "mappers", "me", "pack_owner", "settled",
+           "start_time", "thread_states", "unpack_owner"]
 
 PID_BITS = 22
 START_BITS = 42
@@ -21,10 +27,11 @@ _PID_MASK = (1 << PID_BITS) - 1
 _START_MASK = (1 << START_BITS) - 1
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, starttime) of ``pid``, or None when it has no /proc entry (or it is unreadable)."""
+def _stat(pid: int, task: str = "") -> tuple[str, int] | None:
+    """(state, starttime) of ``pid`` (or of its thread ``task/<tid>``), or None when it has no
+    /proc entry (or it is unreadable)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"/proc/{pid}/{task}stat", "rb") as f:
             data = f.read()
     except OSError:  # FileNotFoundError, ProcessLookupError (ESRCH on a vanishing task), ...
         return None
@@ -60,6 +67,60 @@ def alive(pid: int, start: int) -> bool:
         return False
     state, started = st
     return state not in ("Z", "X", "x") and (started & _START_MASK) == (start & _START_MASK)
+
+
+def thread_states(pid: int) -> list[str] | None:
+    """The state letter of every thread of ``pid`` (``R``, ``S``, ``D``, ``T``, ...), or None
+    when the process is gone. A thread that exits during the scan is left out."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    out = []
+    for tid in tids:
+        st = _stat(pid, f"task/{tid}/")
+        if st is not None:
+            out.append(st[0])
+    return out
+
+
+_SETTLED = frozenset("SIZXx")  # asleep, idle kernel thread, or dead: not between two bytecodes
+
+
+def settled(pid: int) -> bool:
+    """True when no thread of ``pid`` is running, runnable, in uninterruptible sleep or stopped
+    (or the process is gone). A Python thread waiting for the GIL sleeps (S), but then the
+    thread holding the GIL is running or runnable: a process that is anywhere inside a critical
+    section is never settled, except for an instant."""
+    states = thread_states(pid)
+    return states is None or all(s in _SETTLED for s in states)
+
+
+def mappers(path_prefix: str, inode: int) -> list[int]:
+    """Pids, other than the caller's, that map the file ``inode`` under ``path_prefix`` (a POSIX
+    semaphore: ``/dev/shm/sem.``; its creator's mapping names the temporary file glibc linked
+    to the semaphore's name, `` (deleted)``, so only the inode identifies it).
+    Scans every readable ``/proc/<pid>/maps``: milliseconds, for a slow path only."""
+    me_ = os.getpid()
+    prefix = path_prefix.encode()
+    ino = str(inode).encode()
+    out = []
+    for ent in os.listdir("/proc"):
+        if not ent.isdigit() or int(ent) == me_:
+            continue
+        try:
+            with open(f"/proc/{ent}/maps", "rb") as f:
+                data = f.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        if prefix not in data:
+            continue
+        for line in data.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[4] == ino and fields[5].startswith(prefix):
+                out.append(int(ent))
+                break
+    return out
 
 
 _me: tuple[int, int] | None = None
