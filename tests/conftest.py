@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from helpers.names import SHM_DIR, TEST_PREFIX, fresh_registry_name, unlink_registry_names
-from helpers.procs import Chan, Child
+from helpers.procs import Chan, Child, fork
 from helpers.redis_server import running as running_redis
 from helpers.redis_server import unique_prefix
 
@@ -68,18 +66,11 @@ def spawn() -> Iterator[Callable[..., Child]]:
 
     def _spawn(fn: Callable[..., None], *args: Any) -> Child:
         parent_end, child_end = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                parent_end.close()
-                fn(Chan(child_end), *args)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+
+        def run() -> None:
+            parent_end.close()
+            fn(Chan(child_end), *args)
+        pid = fork(run)
         child_end.close()
         child = Child(pid, Chan(parent_end))
         children.append(child)

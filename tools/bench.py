@@ -73,6 +73,7 @@ from _bench_backends import (  # noqa: E402
     Backend,
     Floor,
     ManagerBackend,
+    Measure,
     RedisBackend,
     Result,
     ShmBackend,
@@ -131,6 +132,17 @@ POLL_TARGETS = {"shmcancel.cancelled(conn), handle": 2.5, "c.cancelled(conn), no
                 "c.cancelled(id, scope)": 3.0, "c.in_flight(id, scope)": 5.0}
 
 
+def _alone_and_busy(b: Backend, ms: list[Measure], floor: Floor, a: argparse.Namespace
+                    ) -> tuple[dict[str, Result], dict[str, Result], str]:
+    """``ms`` measured interleaved with the floor alone, then while OTHER_WRITERS processes
+    write; the two result maps and a line saying how fast those writers went."""
+    alone = interleaved(ms, floor.measure, a.rounds, a.per_op)
+    with other_writers(b, OTHER_WRITERS) as rate:
+        busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op)
+        wrate, werr = rate()
+    return alone, busy, f"    ({b.name} writers: {wrate:,.0f} write rounds/s in all, {werr} failed)"
+
+
 def section_poll(backends: list[Backend], floor: Floor, a: argparse.Namespace,
                  rep: Report) -> None:
     print(f"\n== poll: is this id cancelled? (an in-flight, uncancelled request; {FILL_POLL} "
@@ -142,10 +154,7 @@ def section_poll(backends: list[Backend], floor: Floor, a: argparse.Namespace,
         b.fill(FILL_POLL, "pollfill")
         cl = b.client()
         ms = b.polls(cl)
-        alone = interleaved(ms, floor.measure, a.rounds, a.per_op)
-        with other_writers(b, OTHER_WRITERS) as rate:
-            busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op)
-            wrate, werr = rate()
+        alone, busy, writers = _alone_and_busy(b, ms, floor, a)
         if b is backends[0]:
             f = alone[floor.measure.label]
             print(f"  floor {fmt_ns(f.ns)} (per-op timed p50 {fmt_ns(f.p50)}, p99 "
@@ -162,7 +171,7 @@ def section_poll(backends: list[Backend], floor: Floor, a: argparse.Namespace,
             rows.append((m.label, alone[m.label], busy[m.label], verdict))
             rep.plots["poll"][m.label] = alone[m.label].samples
         _table(rows)
-        print(f"    ({b.name} writers: {wrate:,.0f} write rounds/s in all, {werr} failed)")
+        print(writers)
         if b.name != "shmcancel":
             b.close_client(cl)
         rep.plots["poll"].setdefault("floor", alone[floor.measure.label].samples)
@@ -178,10 +187,7 @@ def section_write(backends: list[Backend], floor: Floor, a: argparse.Namespace,
             continue
         cl = b.client()
         ms = write_measures(b, cl)
-        alone = interleaved(ms, floor.measure, a.rounds, a.per_op)
-        with other_writers(b, OTHER_WRITERS) as rate:
-            busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op)
-            wrate, werr = rate()
+        alone, busy, writers = _alone_and_busy(b, ms, floor, a)
         if first:
             print(f"  floor {fmt_ns(alone[floor.measure.label].ns)}")
             first = False
@@ -198,7 +204,7 @@ def section_write(backends: list[Backend], floor: Floor, a: argparse.Namespace,
             rows.append((m.label, alone[m.label], busy[m.label], verdict))
             rep.plots["write"][m.label] = alone[m.label].samples
         _table(rows)
-        print(f"    ({b.name} writers: {wrate:,.0f} write rounds/s in all, {werr} failed)")
+        print(writers)
         if b.name != "shmcancel":
             b.close_client(cl)
 

@@ -11,29 +11,63 @@ import os
 import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 
-def child(fn: Callable[[int], None]) -> tuple[int, int]:
-    """Fork a child running fn(write_fd); returns (pid, read_fd). The child exits when fn
-    returns (status 0) or raises (status 1)."""
-    r, w = os.pipe()
+def fork(fn: Callable[[], object]) -> int:
+    """Fork a child running ``fn()``; its pid. The child exits when fn returns (status 0) or
+    raises (status 1, the traceback on stderr), never returning into the caller's code."""
     pid = os.fork()
-    if pid == 0:
-        code = 0
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
         try:
-            os.close(r)
-            fn(w)
+            fn()
+            code = 0
         except BaseException:
             traceback.print_exc()
-            code = 1
+            sys.stderr.flush()
         finally:
             os._exit(code)
+    return pid
+
+
+def child(fn: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a child running fn(write_fd); returns (pid, read_fd)."""
+    r, w = os.pipe()
+
+    def run() -> None:
+        os.close(r)
+        fn(w)
+    pid = fork(run)
     os.close(w)
     return pid, r
+
+
+def communicate(proc: subprocess.Popen[str], timeout: float, *, grace: float = 0.0
+                ) -> tuple[str, str, bool]:
+    """``proc.communicate()`` within ``timeout`` seconds: ``(stdout, stderr, overran)``. Past
+    the deadline the process gets SIGTERM and ``grace`` seconds to stop what it started (when
+    ``grace`` > 0), then SIGKILL; what it printed until then is returned."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return out or "", err or "", False
+    except subprocess.TimeoutExpired:
+        pass
+    if grace > 0:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=grace)
+            return out or "", err or "", True
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    out, err = proc.communicate(timeout=30)
+    return out or "", err or "", True
 
 
 def recv(fd: int, timeout: float = 10) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.gunicorn_harness import REPO_ROOT
+from helpers.procs import communicate
 
 BENCH = REPO_ROOT / "tools" / "bench.py"
 ALTERNATIVES = ("shmcancel", "redis GET flag", "Manager dict", "sqlite WAL")
@@ -25,11 +26,8 @@ def run_bench(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, 
     proc = subprocess.Popen([sys.executable, str(BENCH), *args], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate(timeout=30)
+    out, _, overran = communicate(proc, 420)
+    if overran:
         pytest.fail(f"tools/bench.py did not finish in 420 s:\n{out[-3000:]}")
     return proc.returncode, out, proc.pid
 

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 from helpers.gunicorn_harness import REPO_ROOT, carrying
+from helpers.procs import communicate
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,15 +37,9 @@ def test_torture_must_be_zero_figures_are_zero(shm_name: str, shm_names: list[st
          "--registry-prefix", shm_name],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out, err = proc.communicate(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate(timeout=10)
-        pytest.fail(f"tools/torture.py overran {DEADLINE} s:\n{err[-3000:]}")
+        out, err, overran = communicate(proc, DEADLINE, grace=45)
+        if overran:
+            pytest.fail(f"tools/torture.py overran {DEADLINE} s:\n{err[-3000:]}")
     finally:
         for pid in carrying(shm_name, prefix=True):
             with contextlib.suppress(ProcessLookupError):

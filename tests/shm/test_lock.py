@@ -13,11 +13,11 @@ import select
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers.procs import fork
 
 from shmcancel import telemetry
 from shmcancel.exceptions import LockTimeout
@@ -38,19 +38,13 @@ class Child:
     def __init__(self, fn: Callable[[Child], object]) -> None:
         up_r, up_w = os.pipe()
         down_r, down_w = os.pipe()
-        self.pid = os.fork()
-        if self.pid == 0:
-            code = 0
-            try:
-                os.close(up_r)
-                os.close(down_w)
-                self._w, self._r = up_w, down_r
-                fn(self)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                os._exit(code)
+
+        def run() -> None:
+            os.close(up_r)
+            os.close(down_w)
+            self._w, self._r = up_w, down_r
+            fn(self)
+        self.pid = fork(run)
         os.close(up_w)
         os.close(down_r)
         self._r, self._w = up_r, down_w

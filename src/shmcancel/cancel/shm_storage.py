@@ -9,13 +9,14 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import Callable, Container
+from functools import partial
 from typing import Any
 
 from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
 from ..shm.registry import Registry
-from ..shm.table import LargeRowsFull, PreparedKey, _unpack
+from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS
@@ -52,6 +53,23 @@ def _remember(cache: dict[Any, PreparedKey], k: Any, pk: PreparedKey) -> Prepare
     return pk
 
 
+def _prepared(cache: dict[tuple[str, str], PreparedKey],
+              other: dict[tuple[str, str], PreparedKey], table: Table, scope: str,
+              rid: str) -> PreparedKey:
+    """``(scope, rid)`` prepared for ``table``, from ``cache``. Packing and hashing a key costs
+    more than a lookup: a cancel reads, counts and writes one key several times, a request's end
+    repeats its begin's key. The cancellation and in-flight tables key rows by (scope, rid) with
+    one hash key, so a key prepared for the ``other`` serves after a new home slot. The caches
+    hold plain-str keys only: a str subclass could compare equal to another scope."""
+    if type(scope) is not str:
+        scope = str.__str__(scope)
+    k = (scope, rid)
+    pk = cache.get(k)
+    if pk is None:
+        pk = _remember(cache, k, table.prepare(other.get(k) or k))
+    return pk
+
+
 class ShmBackend:
     """:class:`Storage` over a registry's ``cancellations``, ``in_flight`` and ``scope_counts``
     tables. Lock-free reads; each write operation under the registry lock (``reg.lock``,
@@ -75,35 +93,15 @@ class ShmBackend:
         self._ckeys: dict[tuple[str, str], PreparedKey] = {}
         self._fkeys: dict[tuple[str, str], PreparedKey] = {}
         self._nkeys: dict[str, PreparedKey] = {}
+        # _ck / _fk(scope, rid): the prepared key of a cancellation / in-flight row
+        self._ck = partial(_prepared, self._ckeys, self._fkeys, self._c)
+        self._fk = partial(_prepared, self._fkeys, self._ckeys, self._f)
         self.config: Config = reg.config
         self.capacity: int = reg.config.capacity  # type: ignore[assignment]
 
     # --- helpers
     def _digest(self, scope: str) -> bytes:
         return hashlib.blake2b(scope.encode("utf-8"), key=self._hash_key, digest_size=16).digest()
-
-    # Packing and hashing a key costs more than a lookup: keep the last keys prepared (a cancel
-    # reads, counts and writes one key several times; a request's end repeats its begin's key).
-    # Both tables key rows by (scope, rid) with one hash key: a key prepared for one serves the
-    # other after a new home slot (a request's begin prepares it; its polls and end reuse it).
-    # The caches hold plain-str keys only: a str subclass could compare equal to another scope.
-    def _ck(self, scope: str, rid: str) -> PreparedKey:
-        if type(scope) is not str:
-            scope = str.__str__(scope)
-        k = (scope, rid)
-        pk = self._ckeys.get(k)
-        if pk is None:
-            pk = _remember(self._ckeys, k, self._c.prepare(self._fkeys.get(k) or k))
-        return pk
-
-    def _fk(self, scope: str, rid: str) -> PreparedKey:
-        if type(scope) is not str:
-            scope = str.__str__(scope)
-        k = (scope, rid)
-        pk = self._fkeys.get(k)
-        if pk is None:
-            pk = _remember(self._fkeys, k, self._f.prepare(self._ckeys.get(k) or k))
-        return pk
 
     def _nk(self, scope: str) -> PreparedKey:
         if type(scope) is not str:

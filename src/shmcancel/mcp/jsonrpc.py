@@ -152,21 +152,17 @@ def _describe_bad_id(value: Any) -> str:
     return f'the request "id" must be an integer or a string, got {_json_type(value)}'
 
 
+_JSON_TYPES = ((bool, "a boolean"), (int, "an integer"),  # bool first: it is an int
+               (float, "a number with a fraction or exponent"), (str, "a string"),
+               (list, "an array"), (dict, "an object"))
+
+
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number with a fraction or exponent"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
+    for t, name in _JSON_TYPES:
+        if isinstance(value, t):
+            return name
     return type(value).__name__
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from .base import READ_RETRIES, TableBase
+from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableBase
 from .layout import _CLS, _CLS_OFF, _LTOP, _ROWS, _STAMP, _STAMP_MAX, _TOP
+
+T = TypeVar("T")
 
 log = logging.getLogger("shmcancel.table")
 
@@ -23,15 +26,28 @@ log = logging.getLogger("shmcancel.table")
 class Fsck(TableBase):
     """``fsck``, ``check`` and ``stats`` of :class:`~shmcancel.shm.table.Table`."""
 
+    def _optimistic(self, read: Callable[[list[int]], T]) -> T | None:
+        """``read(index words)`` from a consistent copy of the index, lock-free: every bucket
+        version even before, and all unchanged after ``read`` returns (it may read records:
+        a writer bumps a bucket's version around any change to what its entries reference).
+        None after ``READ_RETRIES // 4`` tries: the caller reads under the lock."""
+        ver = self._ver
+        for attempt in range(READ_RETRIES // 4):
+            if attempt >= _SPIN_BEFORE_YIELD:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            got = read(self._idx.tolist())
+            if ver.tolist() == v0:
+                return got
+        return None
+
     def _index_words(self) -> list[int]:
         """The index as a list of u64 words, consistent (optimistic, else under the lock)."""
-        ver = self._ver
-        for _ in range(READ_RETRIES // 4):
-            v0 = ver.tolist()
-            words = self._idx.tolist()
-            if not any(v & 1 for v in v0) and ver.tolist() == v0:
-                return words
-            os.sched_yield()
+        words = self._optimistic(list)
+        if words is not None:
+            return words
         with self._lock:
             return self._idx.tolist()
 

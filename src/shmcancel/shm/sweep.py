@@ -11,7 +11,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableCorrupted
+from .base import TableCorrupted
 from .layout import _LENS, _LTOP, _ROWS, _TOP, RECORD_HEADER, _pack, _unpack
 from .writer import Writes
 
@@ -29,21 +29,7 @@ class Sweeps(Writes):
         if it validates (length, crc) and its key still hashes to its entry. A row a writer
         changed after the index copy is missing or shows its newer content: callers re-validate
         under the lock (:meth:`sweep_delete`) before acting on a row."""
-        ver = self._ver
-        words = None
-        for attempt in range(READ_RETRIES // 4):
-            if attempt >= _SPIN_BEFORE_YIELD:
-                os.sched_yield()
-            v0 = ver.tolist()
-            if any(v & 1 for v in v0):
-                continue
-            w = self._idx.tolist()
-            if ver.tolist() == v0:
-                words = w
-                break
-        if words is None:
-            with self._lock:
-                words = self._idx.tolist()
+        words = self._index_words()
         out = []
         rec = self._record
         hash_ = self._hash
