@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import posix_ipc
 import pytest
-from helpers.procs import wait_zombie
+from helpers.procs import child, reap, recv, wait_zombie
 
 from shmcancel.shm import procinfo
 
@@ -198,16 +198,58 @@ def test_mappers_finds_processes_with_a_semaphore_open_by_inode(shm_name: str) -
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=1)
     try:
         ino = os.stat(f"/dev/shm/sem.{shm_name}").st_ino
-        assert procinfo.mappers("/dev/shm/sem.", ino) == []  # the caller itself is left out
+        # Processes whose maps this one cannot read count whatever the inode (see the next test)
+        unreadable = set(procinfo.mappers("/dev/shm/sem.", 1))
+        assert os.getpid() not in unreadable
+        assert set(procinfo.mappers("/dev/shm/sem.", ino)) == unreadable  # the caller left out
         pid, w = _fork_waiting()  # inherits the mapping
         try:
-            assert procinfo.mappers("/dev/shm/sem.", ino) == [pid]
-            assert procinfo.mappers("/dev/shm/sem.", ino + 1) == []
-            assert procinfo.mappers("/dev/shm/other.", ino) == []
+            assert set(procinfo.mappers("/dev/shm/sem.", ino)) == unreadable | {pid}
+            assert set(procinfo.mappers("/dev/shm/sem.", ino + 1)) == unreadable
+            assert set(procinfo.mappers("/dev/shm/other.", ino)) == unreadable
         finally:
             os.close(w)
             os.waitpid(pid, 0)
-        assert procinfo.mappers("/dev/shm/sem.", ino) == []
+        assert set(procinfo.mappers("/dev/shm/sem.", ino)) == unreadable
     finally:
         sem.unlink()
         sem.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
+def test_unreadable_process_of_my_uid_counts_as_a_mapper() -> None:
+    """Gunicorn workers that dropped privileges (its ``user`` setting) are not dumpable: they
+    cannot read each other's maps. A sibling may have the semaphore open, so it counts (and
+    must be asleep before an unrecorded holder is recovered). Here: two processes as nobody,
+    one asking about the other and about inode 1, which nothing maps."""
+    pid, r = child(_nobody_asks_about_a_sibling)
+    try:
+        got = recv(r, 20)
+        deadline = time.monotonic() + 20  # it reaps its sibling, then exits by itself
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the asking child did not exit"
+            select.select([], [], [], 0.01)
+    finally:
+        os.close(r)
+        reap(pid)
+    sibling, found = got.decode().split(":")
+    assert sibling in found.split(","), got
+
+
+def _nobody_asks_about_a_sibling(w: int) -> None:
+    os.setgid(65534)
+    os.setuid(65534)  # non-dumpable from here, and without capabilities
+    rr, ww = os.pipe()
+    sib = os.fork()
+    if sib == 0:
+        try:
+            os.close(ww)
+            os.read(rr, 1)  # until the asker closes its end
+        finally:
+            os._exit(0)
+    try:
+        found = procinfo.mappers("/dev/shm/sem.", 1)
+        os.write(w, f"{sib}:{','.join(map(str, found))}".encode())
+    finally:
+        os.close(ww)
+        os.waitpid(sib, 0)

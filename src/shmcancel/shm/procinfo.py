@@ -11,7 +11,8 @@ a packed owner is never 0 because a pid is never 0.
 ``mappers`` and ``settled`` serve the lock's one judgement without an owner record: which other
 processes have a semaphore open (``sem_open`` maps its file, so it shows in ``/proc/<pid>/maps``),
 and whether any thread of theirs could be running (state R), in the kernel (D) or stopped (T).
-A process whose maps are unreadable (another user's, or not dumpable) counts as not mapping.
+A process whose maps are unreadable (not dumpable) counts as mapping when it could: see
+``mappers``.
 """
 
 from __future__ import annotations
@@ -96,12 +97,28 @@ def settled(pid: int) -> bool:
     return states is None or all(s in _SETTLED for s in states)
 
 
+def _euid(pid: int) -> int | None:
+    """Effective uid of ``pid`` (``/proc/<pid>/status`` is readable for any process)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def mappers(path_prefix: str, inode: int) -> list[int]:
     """Pids, other than the caller's, that map the file ``inode`` under ``path_prefix`` (a POSIX
     semaphore: ``/dev/shm/sem.``; its creator's mapping names the temporary file glibc linked
-    to the semaphore's name, `` (deleted)``, so only the inode identifies it).
-    Scans every readable ``/proc/<pid>/maps``: milliseconds, for a slow path only."""
+    to the semaphore's name, `` (deleted)``, so only the inode identifies it), or may: a process
+    whose maps are unreadable (made non-dumpable, e.g. by dropping privileges) counts when it
+    runs as the caller's effective uid or is the caller's parent (a gunicorn master that stayed
+    root). Another user's process cannot open an owner-only file. Scans ``/proc``: milliseconds,
+    for a slow path only."""
     me_ = os.getpid()
+    euid, ppid = os.geteuid(), os.getppid()
     prefix = path_prefix.encode()
     ino = str(inode).encode()
     out = []
@@ -111,7 +128,11 @@ def mappers(path_prefix: str, inode: int) -> list[int]:
         try:
             with open(f"/proc/{ent}/maps", "rb") as f:
                 data = f.read()
-        except OSError:  # gone, or not ours to read
+        except PermissionError:
+            if _euid(int(ent)) == euid or int(ent) == ppid:
+                out.append(int(ent))
+            continue
+        except OSError:  # gone
             continue
         if prefix not in data:
             continue
