@@ -43,3 +43,12 @@ class InvalidRequestId(ShmCancelError, ValueError):
 
 class CancellationLimitReached(ShmCancelError):
     """The scope already holds ``max_rows_per_scope`` cancellation rows."""
+
+
+class RemoteUnavailable(ShmCancelError):
+    """The cross-host layer (``shmcancel.redis``) gave no answer: its call timed out, failed or
+    was skipped (Redis down, this process's other Redis call holding on). What it would have said
+    is unknown, so nothing may be concluded from it (a session it may hold is not "unknown"): the
+    transport answers HTTP 503 with ``Retry-After: retry_after`` seconds."""
+
+    retry_after = 1

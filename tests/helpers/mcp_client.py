@@ -1,12 +1,14 @@
-"""What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, reading
-the JSON-RPC reply out of a JSON or SSE response, waiting for a file a test tool writes, unique
-tags, and ``shmtool dump --json`` of a registry."""
+"""What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, sending a
+request as a real client does (a 503 with ``Retry-After`` is retried), reading the JSON-RPC reply
+out of a JSON or SSE response, waiting for a file a test tool writes, unique tags, and
+``shmtool dump --json`` of a registry."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,31 @@ def meta(client: str) -> dict[str, Any]:
     return {"io.modelcontextprotocol/protocolVersion": MODERN,
             "io.modelcontextprotocol/clientInfo": {"name": client, "version": "1"},
             "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+RETRY_FOR = 20.0  # seconds a client keeps retrying a 503 that carries Retry-After
+MAX_RETRY_WAIT = 1.0  # seconds, the longest wait between two tries (whatever Retry-After says)
+
+
+def send(method: str, url: str, *, retry_for: float = RETRY_FOR, timeout: float = 20.0,
+         **kw: Any) -> httpx.Response:
+    """``httpx.request(method, url, **kw)`` as a real client sends it: a 503 that carries
+    ``Retry-After`` (the server is briefly unable to answer: a registry lock held, Redis slow)
+    is sent again after the wait it asks for (at most :data:`MAX_RETRY_WAIT`), until
+    ``retry_for`` seconds have passed; then the last answer is returned. ``retry_for=0``: the
+    first answer, for a test whose point is the 503."""
+    end = time.monotonic() + retry_for
+    while True:
+        r = httpx.request(method, url, timeout=timeout, **kw)
+        after = r.headers.get("retry-after")
+        left = end - time.monotonic()
+        if r.status_code != 503 or after is None or left <= 0:
+            return r
+        try:
+            wait = float(after)
+        except ValueError:
+            wait = MAX_RETRY_WAIT
+        time.sleep(max(0.0, min(wait, MAX_RETRY_WAIT, left)))
 
 
 def reply_of(r: httpx.Response) -> dict[str, Any]:

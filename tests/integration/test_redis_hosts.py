@@ -20,7 +20,7 @@ import pytest
 import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import Gunicorn, wait_until
-from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
+from helpers.mcp_client import ACCEPT, LEGACY, RETRY_FOR, reply_of, send, tag, wait_file
 from helpers.names import TEST_PREFIX, fresh_registry_name
 from helpers.redis_server import RedisServer, unique_prefix
 
@@ -57,12 +57,20 @@ class Client:
         assert r.status_code == 200, r.text
         self.sid = r.headers["mcp-session-id"]
 
-    def post(self, url: str, obj: Any, timeout: float = 20.0) -> httpx.Response:
+    def post(self, url: str, obj: Any, timeout: float = 20.0,
+             retry_for: float = RETRY_FOR) -> httpx.Response:
+        """POST ``obj``, retrying a 503 with ``Retry-After`` for ``retry_for`` seconds as a
+        real client does (0: the first answer)."""
         h = {"Accept": ACCEPT, "Content-Type": "application/json"}
         if self.sid is not None:
             h["Mcp-Session-Id"] = self.sid
             h["MCP-Protocol-Version"] = LEGACY
-        return httpx.post(url, content=json.dumps(obj).encode(), headers=h, timeout=timeout)
+        return send("POST", url, content=json.dumps(obj).encode(), headers=h, timeout=timeout,
+                    retry_for=retry_for)
+
+    def delete(self, url: str, retry_for: float = RETRY_FOR) -> httpx.Response:
+        h = {"Mcp-Session-Id": self.sid or "", "MCP-Protocol-Version": LEGACY}
+        return send("DELETE", url, headers=h, timeout=10, retry_for=retry_for)
 
     def call(self, url: str, id: Any, tool: str, args: dict) -> dict[str, Any]:
         return reply_of(self.post(url, {"jsonrpc": "2.0", "id": id, "method": "tools/call",
@@ -128,8 +136,7 @@ def test_delete_on_b_ends_the_session_and_its_call_on_a(hosts: Any, outdir: str)
     call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
     call.start()
     wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
-    h = {"Mcp-Session-Id": c.sid or "", "MCP-Protocol-Version": LEGACY}
-    assert httpx.delete(b.url, headers=h, timeout=10).status_code == 204
+    assert c.delete(b.url).status_code == 204
     assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
     ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
     wait_until(lambda: c.post(a.url, ping).status_code == 404 or None, time.monotonic() + 10,
@@ -378,3 +385,70 @@ def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name:
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
         assert max(took) < timeout + 0.5, took
+
+
+PING = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+
+
+@contextlib.contextmanager
+def paused(srv: RedisServer) -> Iterator[None]:
+    """The test's redis-server stopped (SIGSTOP) for the block, resumed (SIGCONT) after."""
+    assert srv.proc is not None
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+def assert_retry_later(r: httpx.Response) -> None:
+    """A 503 that asks the client to retry: ``Retry-After`` and a JSON-RPC error body."""
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == errors.SERVER_ERROR, r.text
+
+
+def test_a_session_lookup_redis_cannot_answer_is_503_not_404(outdir: str, shm_name: str,
+                                                              shm_names: list[str]) -> None:
+    """A session minted on A, first seen by B while Redis is stopped: B cannot know whether it
+    exists, so it answers 503 + Retry-After (a 404 would tell the client its session is gone for
+    good), and so does a session id unknown everywhere. Once Redis answers again, the same
+    session works on B and the unknown one is 404."""
+    with own_redis() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
+        c = Client(a.url)
+        unknown = Client(a.url)
+        unknown.sid = "y" * 32  # never minted anywhere
+        with paused(srv):
+            assert_retry_later(c.post(b.url, PING, retry_for=0))
+            assert_retry_later(c.post(b.url, PING, retry_for=0))  # the same, asked again
+            assert_retry_later(unknown.post(b.url, PING, retry_for=0))
+            assert c.post(a.url, PING, retry_for=0).status_code == 200  # A holds it
+        wait_until(lambda: c.post(b.url, PING, retry_for=0).status_code == 200 or None,
+                   time.monotonic() + 20, interval=0.05, what="B to adopt the session")
+        assert c.call(b.url, 2, "echo", {"text": "back"})["result"]["content"][0]["text"] == "back"
+        assert unknown.post(b.url, PING).status_code == 404
+        assert "Traceback" not in a.log() + b.log()
+
+
+def test_writes_made_while_redis_is_stopped_are_applied_after(outdir: str, shm_name: str,
+                                                              shm_names: list[str]) -> None:
+    """A session minted on A while Redis is stopped (its publish is owed) is accepted on B once
+    Redis answers; a session deleted on A meanwhile (its delete is owed) ends in Redis and on B,
+    which had adopted it before; a call that ended meanwhile leaves no in-flight row."""
+    with own_redis() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, prefix):
+        r = redis.Redis.from_url(srv.url)
+        old = Client(a.url)
+        assert old.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
+        with paused(srv):
+            new = Client(a.url)  # minted on A: publish owed
+            assert old.delete(a.url, retry_for=0).status_code == 204  # delete owed
+            assert new.call(a.url, 1, "echo", {"text": "y"})["result"]  # untrack owed
+        wait_until(lambda: new.post(b.url, PING).status_code == 200 or None,
+                   time.monotonic() + 20, interval=0.05, what="the owed publish")
+        wait_until(lambda: r.get(f"{prefix}sess:{old.sid}") is None or None,
+                   time.monotonic() + 20, interval=0.05, what="the owed delete")
+        wait_until(lambda: old.post(b.url, PING).status_code == 404 or None,
+                   time.monotonic() + 20, interval=0.05, what="B to end the deleted session")
+        wait_until(lambda: not list(r.scan_iter(match=prefix + "*:if:*")) or None,
+                   time.monotonic() + 20, interval=0.05, what="no in-flight row left")
+        r.close()

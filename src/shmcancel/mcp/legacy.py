@@ -9,7 +9,12 @@ import logging
 from typing import Any
 
 from ..cancel import ids
-from ..exceptions import CancellationLimitReached, InvalidRequestId, ShmCancelError
+from ..exceptions import (
+    CancellationLimitReached,
+    InvalidRequestId,
+    LockTimeout,
+    ShmCancelError,
+)
 from . import codes, principal, remote, wake
 from .base import _ProcessState
 from .call import CallLifecycle
@@ -191,7 +196,9 @@ def _unsupported_header(requested: str) -> RpcError:
 
 def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
     """A session another host minted (found through the remote), stored here under the same id
-    and counted against the same client; None when there is none."""
+    and counted against the same client; None when there is none. Raises ``RemoteUnavailable``
+    when the remote gave no answer and ``LockTimeout`` when the registry lock was held too long:
+    the session may well exist, so the front end answers 503 with ``Retry-After``, not 404."""
     rb = remote.current()
     if rb is None or sid is None or not valid_session_id(sid):
         return None
@@ -200,5 +207,7 @@ def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
         return None
     try:
         return st.sessions.create(got[0], got[1], session_id=sid)
-    except ShmCancelError:  # this host's client bound, a lock timeout: not adopted
+    except LockTimeout:
+        raise
+    except ShmCancelError:  # this host's client bound: not adopted
         return None

@@ -3,8 +3,14 @@
 An integration (``shmcancel.redis``) installs a provider with :func:`install`; until then
 :func:`current` is ``None`` and the transport serves one host alone. The transport calls a remote
 only where the local registry has no answer (a session minted elsewhere, a call not in flight
-here), so a poll never reaches it. Every method is bounded by the remote's own timeout and never
-raises into a request.
+here), so a poll never reaches it. Every method is bounded by the remote's own timeout.
+
+Only :meth:`Remote.lookup_session` may raise into a request, and only
+:class:`~shmcancel.exceptions.RemoteUnavailable`: "no answer" must not read as "no such
+session", which a client takes as its session gone for good (404); the transport answers 503
+with ``Retry-After`` instead. The other methods never raise: a write the remote could not make
+now is its own to retry or drop (the Redis bridge owes the ones that matter and retries them off
+the request path).
 """
 
 from __future__ import annotations
@@ -12,17 +18,35 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Remote", "current", "install"]
+from ..exceptions import RemoteUnavailable
+
+__all__ = ["Remote", "RemoteUnavailable", "current", "install"]
 
 
 class Remote(Protocol):
-    def track(self, request_id: Any, scope: str) -> Any: ...
-    def untrack(self, handle: Any) -> None: ...
-    def cancel(self, request_id: Any, reason: Any, scope: str) -> bool: ...
-    def cancel_scope(self, scope: str, reason: Any) -> int: ...
-    def publish_session(self, sid: str, version: str, client: str) -> None: ...
-    def lookup_session(self, sid: str) -> tuple[str, str] | None: ...
-    def delete_session(self, sid: str) -> None: ...
+    def track(self, request_id: Any, scope: str) -> Any:
+        """A ``tools/call`` begins here: a handle for :meth:`untrack`."""
+
+    def untrack(self, handle: Any) -> None:
+        """That call ended (owed to the remote when it cannot be told now)."""
+
+    def cancel(self, request_id: Any, reason: Any, scope: str) -> bool:
+        """Cancel a call running on another host; False when not in flight anywhere or
+        unknown (no answer). May raise ``CancellationLimitReached``."""
+
+    def cancel_scope(self, scope: str, reason: Any) -> int:
+        """Cancel every call of ``scope`` on any host; how many were recorded."""
+
+    def publish_session(self, sid: str, version: str, client: str) -> None:
+        """A session minted or adopted here (owed when it cannot be stored now)."""
+
+    def lookup_session(self, sid: str) -> tuple[str, str] | None:
+        """``(protocol_version, client)`` of a session another host minted; ``None`` only when
+        the remote answered that there is no such session. Raises
+        :class:`~shmcancel.exceptions.RemoteUnavailable` when it gave no answer."""
+
+    def delete_session(self, sid: str) -> None:
+        """A session ended here (owed when it cannot be deleted now)."""
 
 
 _provider: Callable[[], Remote | None] | None = None

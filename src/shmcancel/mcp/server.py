@@ -63,7 +63,9 @@ raised in the tool's thread, and if the tool still has not returned after anothe
 the worker is asked to exit gracefully (``SIGTERM``). A request meeting a registry lock held
 past ``lock_timeout`` by a live process (``LockTimeout``) is answered 503 with ``Retry-After``;
 a call that already ran keeps its reply, its end is owed and lands later
-(:mod:`shmcancel.cancellation`).
+(:mod:`shmcancel.cancellation`). So is a session id this host does not hold when the cross-host
+layer gives no answer about it (``RemoteUnavailable``: Redis slow or down); 404 only when it
+answered that there is no such session.
 
 Progress
 --------
@@ -92,7 +94,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from ..exceptions import LockTimeout
+from ..exceptions import LockTimeout, RemoteUnavailable
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .jsonrpc import RpcError
@@ -199,6 +201,14 @@ class McpServer(LegacyWire, ModernWire):
             reply = _error_reply(503, None, codes.SERVER_ERROR,
                                  "Service unavailable: the registry is busy; retry later",
                                  headers=[("Retry-After", _RETRY_AFTER)])
+        except RemoteUnavailable as e:
+            # The cross-host layer gave no answer about a session minted elsewhere: it may well
+            # exist, so not 404 (a client takes that as its session gone for good). Retry.
+            log.info("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
+            reply = _error_reply(503, None, codes.SERVER_ERROR,
+                                 "Service unavailable: the session store of other hosts did "
+                                 "not answer; retry later",
+                                 headers=[("Retry-After", str(e.retry_after))])
         except Exception:
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))

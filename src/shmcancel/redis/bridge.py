@@ -15,26 +15,54 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
   or briefly disconnected waits there: the catch-up read is the next ``BLPOP``. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
 
-Polls never touch Redis. Redis down or slow: every call gives up after ``timeout`` (one budget:
-a third waiting for this worker's other Redis call, else the call is skipped; a third to
-connect; a third to read; no retries), so a request's first failing call costs it at most
-``timeout`` and the rest are skipped; the first
-failure marks the bridge down and logs one warning; while down, calls return at once without
-Redis (requests are served, same-host cancellation works through shared memory, cross-host
-cancellation and session adoption do not); the thread probes every ``retry`` seconds and, when
-Redis answers, logs once, adds back every in-flight row of the worker (renew) and resumes.
+Polls never touch Redis. Every call gives up after ``timeout`` (one budget: a third waiting for
+this worker's other Redis call, else the call is skipped; a third to connect; a third to read;
+no retries). A request whose session lookup gets no answer is answered at once (503); one whose
+track gets none does not wait on its untrack (owed, below): a ``tools/call`` pays the timeout
+once, not once per call it makes.
+
+Health. A call that fails to *connect* (refused, reset, closed: ``ConnectionError``) marks the
+bridge down at once. A call that times out (or gets an error answer) counts one failure: it
+marks the bridge down only when :data:`DOWN_AFTER` calls in a row of this worker failed so,
+since a single slow call under load says little about Redis; any answered call resets the
+count. A skipped call (the worker's other Redis call held on) counts nothing. Going down logs
+one warning; while down, calls return at once without Redis (requests are served, same-host
+cancellation works through shared memory; cross-host cancellation does not, a session minted on
+another host is answered 503, and writes are owed);
+the thread probes every ``retry`` seconds and, when Redis answers, logs once, adds back every
+in-flight row of the worker (renew) and resumes.
+
+No answer is not "no". A session lookup that got no answer (timed out, failed, skipped, or the
+bridge is down) raises :class:`~shmcancel.exceptions.RemoteUnavailable`: the transport answers
+503 with ``Retry-After``, never 404, which tells a client its session is gone for good. 404 is for
+a session Redis says it does not hold (or one this worker deleted).
+
+Owed writes. A write that matters and got no answer (ending an in-flight row, storing a session,
+deleting one) is owed, not lost: kept in a queue of at most :data:`OWED_MAX` entries (one per
+row or session: a newer write replaces an older one; when full the oldest is dropped, with one
+warning per overflow), each with a deadline past which it no longer matters (a row's lease; the
+session TTL), and applied by the thread, oldest first, before its next renew, stopping at the
+first that gets no answer. Deleting a session drops a publish of it still owed; a session
+deleted here is never adopted again. A row whose end is owed is released here first, so renew
+never adds it back. A timed-out write may have landed anyway: each is idempotent. What is still
+owed when the worker exits is lost: its rows end with their lease, its sessions with their TTL.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from shmcancel.config import Config
-from shmcancel.exceptions import CancellationLimitReached, LockTimeout
+from shmcancel.exceptions import LockTimeout, RemoteUnavailable
 
 from ..cancel import ids
 from ..mcp import remote
@@ -42,9 +70,34 @@ from ..mcp.sessions import SessionStore
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
 
-__all__ = ["Bridge", "current", "start", "start_from_env", "stop"]
+__all__ = ["DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env", "stop"]
 
 log = logging.getLogger("shmcancel.redis")
+
+DOWN_AFTER = 3  # calls in a row that time out (or get an error answer) before Redis is down
+OWED_MAX = 1024  # writes owed to Redis (and sessions remembered as deleted here)
+SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
+
+
+class _NoAnswer(Exception):
+    """A Redis call got no answer: skipped, failed or timed out."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Owed:
+    key: tuple[Any, ...]
+    deadline: float  # time.monotonic() past which it no longer matters
+    fn: Callable[[], object]
+
+
+def _connection_failure(e: BaseException) -> bool:
+    """Redis could not be reached (refused, reset, closed), as opposed to a call that timed out
+    or got an error answer."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    if isinstance(e, RedisTimeoutError | TimeoutError):
+        return False
+    return isinstance(e, RedisConnectionError | OSError)
 
 _current: Bridge | None = None
 _current_lock = threading.Lock()
@@ -77,6 +130,16 @@ class Bridge:
                                         io_wait=timeout / 3)
         self.down = False
         self.delivered = 0
+        self._health = threading.Lock()
+        self._failures = 0  # calls in a row that timed out or got an error answer
+        self._owed: OrderedDict[tuple[Any, ...], _Owed] = OrderedDict()
+        self._owed_lock = threading.Lock()
+        self._overflowing = False
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
+        self._session_ttl = float(cfg.session_ttl)
+        self.owed_applied = 0
+        self.owed_expired = 0
+        self.owed_dropped = 0
         self._pid = os.getpid()
         self._sessions: Any = None
         self._stop = threading.Event()
@@ -87,29 +150,101 @@ class Bridge:
     # ------------------------------------------------------------------ health
 
     def _failed(self, what: str, e: BaseException) -> None:
-        if not self.down:
-            self.down = True
-            log.warning("Redis unreachable (%s: %s): serving on; cross-host cancellation and "
-                        "sessions paused until it answers", what, e)
+        """A Redis call failed: a connection failure marks the bridge down, a timeout or an
+        error answer counts towards :data:`DOWN_AFTER` (see the module docstring)."""
+        connection = _connection_failure(e)
+        with self._health:
+            self._failures = DOWN_AFTER if connection else self._failures + 1
+            mark = self._failures >= DOWN_AFTER and not self.down
+            if mark:
+                self.down = True
+        if mark:
+            why = "connection failed" if connection else f"{DOWN_AFTER} calls in a row failed"
+            log.warning("Redis unreachable (%s: %s: %s): serving on; cross-host cancellation "
+                        "and sessions paused until it answers", why, what, e)
+        else:
+            log.debug("a Redis call failed (%s: %s); not marked down", what, e)
 
-    def _guard(self, what: str, fn: Any, *a: Any, **kw: Any) -> Any:
-        """``fn(*a, **kw)`` unless Redis is down; a Redis failure marks it down (None); this
-        process's other Redis call holding on past the wait skips this one (None)."""
+    def _answered(self) -> None:
+        if self._failures:
+            with self._health:
+                self._failures = 0
+
+    def _ask(self, what: str, fn: Any, *a: Any, **kw: Any) -> Any:
+        """``fn(*a, **kw)``'s answer. Raises :class:`_NoAnswer` when there was none: the bridge
+        is down (skipped), the call failed or timed out (:meth:`_failed`), or this process's
+        other Redis call held on past the wait (skipped)."""
         if self.down:
-            return None
+            raise _NoAnswer(f"{what}: Redis is down")
         from redis.exceptions import RedisError
         try:
-            return fn(*a, **kw)
+            got = fn(*a, **kw)
         except (RedisError, OSError) as e:
             self._failed(what, e)
-            return None
+            raise _NoAnswer(f"{what}: {e}") from None
         except LockTimeout as e:
             log.debug("skipped a Redis call: %s", e)
-            return None
+            raise _NoAnswer(f"{what}: {e}") from None
+        self._answered()
+        return got
+
+    # ------------------------------------------------------------------ owed writes
+
+    def _owe(self, key: tuple[Any, ...], ttl: float, fn: Callable[[], object]) -> None:
+        """Keep ``fn()`` for the thread to apply within ``ttl`` seconds (replacing what was
+        owed under ``key``); the oldest entry goes when the queue is full."""
+        entry = _Owed(key, time.monotonic() + ttl, fn)
+        dropped: _Owed | None = None
+        with self._owed_lock:
+            self._owed.pop(key, None)
+            if len(self._owed) >= OWED_MAX:
+                _, dropped = self._owed.popitem(last=False)
+                self.owed_dropped += 1
+            self._owed[key] = entry
+            warn = dropped is not None and not self._overflowing
+            if dropped is not None:
+                self._overflowing = True
+        if warn and dropped is not None:
+            log.warning("Redis writes owed exceed %d: dropping the oldest (a %s); rows end with "
+                        "their lease, sessions with their TTL", OWED_MAX, dropped.key[0])
+
+    def _unowe(self, key: tuple[Any, ...], entry: _Owed | None = None) -> None:
+        with self._owed_lock:
+            if entry is None or self._owed.get(key) is entry:
+                self._owed.pop(key, None)
+            if not self._owed:
+                self._overflowing = False
+
+    def owed(self) -> int:
+        """Writes owed to Redis now."""
+        return len(self._owed)
+
+    def _settle(self) -> None:
+        """The thread: apply owed writes, oldest first, at most :data:`SETTLE_BATCH` per turn.
+        Raises what the first one that gets no answer raised (the loop counts it), leaving it
+        and the rest owed."""
+        with self._owed_lock:
+            entries = list(itertools.islice(self._owed.values(), SETTLE_BATCH))
+        for entry in entries:
+            if self._stop.is_set():
+                return
+            if time.monotonic() > entry.deadline:
+                self.owed_expired += 1
+                self._unowe(entry.key, entry)
+                continue
+            entry.fn()
+            self._answered()
+            self._unowe(entry.key, entry)
+            self.owed_applied += 1
+            if entry.key[0] == "publish" and entry.key[1] in self._deleted:
+                self._owe_delete(entry.key[1])  # deleted while its publish was on the way
+
+    def _owe_delete(self, sid: str) -> None:
+        self._owe(("delete", sid), self._session_ttl, functools.partial(self._delete, sid))
 
     # ------------------------------------------------------------------ transport hooks
 
-    def track(self, request_id: object, scope: str) -> tuple[str, str, int] | None:
+    def track(self, request_id: object, scope: str) -> tuple[str, str, int, bool] | None:
         """A ``tools/call`` begins: hold a cross-host in-flight row. Returns the handle for
         :meth:`untrack`. Kept locally even while Redis is down (added back when it returns)."""
         rid = ids.key(request_id)
@@ -117,43 +252,64 @@ class Bridge:
             return None
         r = self.remote
         token = r.track_offline(scope, rid)  # held here first: a failed add leaves no orphan
-        self._guard("track", r.track_held, scope, rid, token)
-        return scope, rid, token
+        try:
+            self._ask("track", r.track_held, scope, rid, token)
+            answered = True
+        except _NoAnswer:
+            answered = False
+        return scope, rid, token, answered
 
-    def untrack(self, handle: tuple[str, str, int] | None) -> None:
+    def untrack(self, handle: tuple[str, str, int, bool] | None) -> None:
+        """The call ended: its row ends in Redis now, or is owed (Redis down or not answering;
+        straight away when its track got no answer either, so a request pays the timeout at
+        most once)."""
         if handle is None:
             return
-        scope, rid, token = handle
-        # Down (or failing now): dropped here only; its lease ends the row in Redis.
-        if self.down or self._guard("untrack", self.remote.untrack_token, scope, rid,
-                                    token) is None:
-            self.remote.forget(scope, rid, token)
+        scope, rid, token, answered = handle
+        if answered:
+            try:
+                self._ask("untrack", self.remote.untrack_token, scope, rid, token)
+                return
+            except _NoAnswer:
+                pass
+        raw = self.remote.release(scope, rid, token)
+        if raw is not None:
+            self._owe(("untrack", scope, rid, raw), self.remote.lease,
+                      functools.partial(self.remote.untrack_released, scope, rid, raw))
 
     def cancel(self, request_id: object, reason: object, scope: str) -> bool:
         """A notification found nothing in flight here: record it if the request runs on some
         host (it is delivered there). Raises ``CancellationLimitReached`` (quota); False when
-        not in flight anywhere or Redis is down."""
-        from redis.exceptions import RedisError
-        if self.down:
-            return False
+        not in flight anywhere or Redis gave no answer."""
         try:
-            return self.remote.cancel_if_in_flight(request_id, reason, scope)
-        except CancellationLimitReached:
-            raise
-        except (RedisError, OSError) as e:
-            self._failed("cancel", e)
+            return bool(self._ask("cancel", self.remote.cancel_if_in_flight, request_id,
+                                  reason, scope))
+        except _NoAnswer:
             return False
 
     def publish_session(self, sid: str, version: str, client: str) -> None:
-        """A session minted here (or adopted here): stored for other hosts, and this worker's
-        box listed to hear of its deletion elsewhere."""
-        self._guard("session", self.store.put_session, sid, version, client,
-                    now_ms=int(time.time() * 1000), box=self.remote.box)
+        """A session minted (or adopted) here: stored for other hosts, and this worker's box
+        listed to hear of its deletion elsewhere. Owed when Redis gives no answer."""
+        put = functools.partial(self._put, sid, version, client)
+        try:
+            self._ask("session", put)
+        except _NoAnswer:
+            self._owe(("publish", sid), self._session_ttl, put)
+
+    def _put(self, sid: str, version: str, client: str) -> None:
+        self.store.put_session(sid, version, client, now_ms=int(time.time() * 1000),
+                               box=self.remote.box)
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; the caller adopts
-        it, so this worker is listed as a holder."""
-        got = self._guard("session", self.store.get_session, sid)
+        it, so this worker is listed as a holder. None when Redis says there is no such session
+        (or it was deleted here); raises ``RemoteUnavailable`` when Redis gave no answer."""
+        if sid in self._deleted:
+            return None
+        try:
+            got = self._ask("session", self.store.get_session, sid)
+        except _NoAnswer as e:
+            raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
         if isinstance(got, tuple):
             self.publish_session(sid, got[0], got[1])
             return got
@@ -161,20 +317,27 @@ class Bridge:
 
     def delete_session(self, sid: str) -> None:
         """A session ended here: forgotten in Redis, and every other host holding it deletes
-        its copy (through the boxes)."""
-        self._guard("session", self.store.delete_session, sid, own_box=self.remote.box,
-                    box_lease_ms=int(self.remote.lease * 1000))
+        its copy (through the boxes). Owed when Redis gives no answer."""
+        with self._owed_lock:
+            self._deleted[sid] = None
+            if len(self._deleted) > OWED_MAX:
+                self._deleted.popitem(last=False)
+        self._unowe(("publish", sid))
+        try:
+            self._ask("session", self._delete, sid)
+        except _NoAnswer:
+            self._owe_delete(sid)
+
+    def _delete(self, sid: str) -> None:
+        self.store.delete_session(sid, own_box=self.remote.box,
+                                  box_lease_ms=int(self.remote.lease * 1000))
 
     def cancel_scope(self, scope: str, reason: object) -> int:
         """Cancel every request in flight in ``scope`` on any host (a session's ``DELETE``);
         how many were recorded. Stops quietly at the scope's quota, as the local one does."""
-        from redis.exceptions import RedisError
-        if self.down:
-            return 0
         try:
-            return self.remote.cancel_scope(scope, reason)
-        except (RedisError, OSError) as e:
-            self._failed("cancel_scope", e)
+            return int(self._ask("cancel_scope", self.remote.cancel_scope, scope, reason))
+        except _NoAnswer:
             return 0
 
     # ------------------------------------------------------------------ the thread
@@ -197,15 +360,20 @@ class Bridge:
             try:
                 if self.down:
                     self.store.client.ping()
+                    self._answered()
                     self.down = False
                     added = self.remote.renew()
                     log.warning("Redis answers again: cross-host cancellation resumed "
-                                "(%d in-flight rows added back)", added)
+                                "(%d in-flight rows added back, %d writes owed)", added,
+                                self.owed())
                     next_renew = time.monotonic() + self.block
+                if self._owed:
+                    self._settle()
                 now = time.monotonic()
                 if now >= next_renew:
                     self.remote.renew()
                     self.store.client.pexpire(box, int(self.remote.lease * 1000))
+                    self._answered()
                     next_renew = now + self.block
                 if now >= self._next_sweep:
                     self._next_sweep = now + self._janitor_interval
@@ -220,7 +388,7 @@ class Bridge:
                             break
                         self._apply(raw)
             except (RedisError, OSError) as e:
-                self._failed("subscriber", e)
+                self._failed("bridge thread", e)
                 self._stop.wait(self.retry)
             except LockTimeout:
                 pass  # a request's Redis call held on: renew on the next turn

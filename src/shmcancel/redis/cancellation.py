@@ -80,6 +80,16 @@ class RedisCancellation(Cancellation):
         self.storage.untrack(scope, rid, self._owner(token))
         return True
 
+    def release(self, scope: str, rid: str, token: int) -> bytes | None:
+        """Stop holding a row here without telling Redis (nor adding it back on :meth:`renew`);
+        what :meth:`untrack_released` needs to end it there later. None when not held."""
+        return self.storage.release(scope, rid, self._owner(token))
+
+    def untrack_released(self, scope: str, rid: str, raw: bytes) -> bool:
+        """End in Redis a row :meth:`release` let go of. Raises Redis errors or
+        ``LockTimeout``."""
+        return self.storage.untrack_released(scope, rid, raw)
+
     def renew(self) -> int:
         """Extend the lease of every row this process holds, adding back any Redis lost (a
         restart). Returns how many were added back."""

@@ -174,6 +174,21 @@ class RedisStorage:
             self._io.release()
         return gone
 
+    def release(self, scope: str, rid: str, owner: Owner) -> bytes | None:
+        """Stop holding a row here (so :meth:`renew` never adds it back) and return what names
+        its owner in Redis, for :meth:`untrack_released`; None when it was not held."""
+        with self._lock:
+            return self._mine.pop((scope, rid, owner), None)
+
+    def untrack_released(self, scope: str, rid: str, raw: bytes) -> bool:
+        """:meth:`untrack` of a row :meth:`release` let go of (owed: it could not be ended
+        when its request ended). Raises Redis errors or ``LockTimeout``."""
+        self._io_held("untrack")
+        try:
+            return self.store.untrack(scope, rid, raw, now_ms=self._now_ms())
+        finally:
+            self._io.release()
+
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         with self._lock:
             mine = [o for (s, r, o) in self._mine if s == scope and r == rid

@@ -1,0 +1,193 @@
+"""The per-worker Redis bridge (shmcancel.redis.bridge) against a real redis-server of the test's
+own, made slow or unreachable for real: ``CLIENT PAUSE`` (the server holds every client's
+commands for a while), SIGKILL. A call that gets no answer is told apart from Redis's "no";
+one timed-out call does not mark Redis down, several in a row or a refused connection do; writes
+that got no answer are owed and applied once Redis answers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from helpers.gunicorn_harness import wait_until
+from helpers.redis_server import RedisServer, unique_prefix
+
+from shmcancel import Config, RemoteUnavailable
+from shmcancel.redis import bridge as bridge_mod
+from shmcancel.redis.bridge import DOWN_AFTER, OWED_MAX, Bridge
+from shmcancel.shm.registry import Registry
+
+TIMEOUT = 0.3  # the bridge's budget per call: reads give up after 0.1 s
+
+
+@pytest.fixture
+def srv() -> Iterator[RedisServer]:
+    s = RedisServer()
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def reg(shm_name: str) -> Iterator[Registry]:
+    r = Registry.create(shm_name, Config(capacity=400, max_rows=200, in_flight_capacity=64,
+                                         session_capacity=16))
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+
+
+@contextlib.contextmanager
+def bridge(reg: Registry, srv: RedisServer, *, thread: bool = False,
+           lease: float = 30.0, timeout: float = TIMEOUT) -> Iterator[Bridge]:
+    """A bridge with a long lease (an in-flight row only goes when it is ended) and, unless
+    ``thread``, no thread: only the calls a test makes reach Redis."""
+    b = Bridge(reg, srv.url, prefix=unique_prefix(), timeout=timeout, lease=lease,
+               host="h", retry=0.1)
+    if thread:
+        b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def pause(srv: RedisServer, ms: int) -> float:
+    """``CLIENT PAUSE ms ALL``: the server holds every client's commands for ``ms``; when
+    that ends (monotonic)."""
+    c = redis.Redis.from_url(srv.url)
+    try:
+        c.execute_command("CLIENT", "PAUSE", ms, "ALL")
+    finally:
+        c.close()
+    return time.monotonic() + ms / 1000
+
+
+SID = "s" * 32
+
+
+def test_no_answer_is_not_no_and_one_timeout_does_not_mark_redis_down(
+        reg: Registry, srv: RedisServer) -> None:
+    with bridge(reg, srv) as b:
+        b.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+        assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")
+        assert b.lookup_session("u" * 32) is None  # Redis says: no such session
+        until = pause(srv, 1500)
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session(SID)  # the read timed out
+        assert not b.down  # one slow call says little about Redis
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")
+        assert not b.down
+
+
+def test_timeouts_in_a_row_mark_redis_down_and_an_answer_resets_the_count(
+        reg: Registry, srv: RedisServer) -> None:
+    with bridge(reg, srv) as b:
+        b.publish_session(SID, "2025-11-25", "c")
+        until = pause(srv, 1500)
+        for _ in range(DOWN_AFTER - 1):
+            with pytest.raises(RemoteUnavailable):
+                b.lookup_session(SID)
+        assert not b.down
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        assert b.lookup_session(SID) == ("2025-11-25", "c")  # answered: the count starts over
+        until = pause(srv, 1500)
+        for _ in range(DOWN_AFTER - 1):
+            with pytest.raises(RemoteUnavailable):
+                b.lookup_session(SID)
+        assert not b.down
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session(SID)
+        assert b.down  # DOWN_AFTER in a row
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session(SID)  # skipped: not tried, so not counted
+        assert b._failures == DOWN_AFTER
+
+
+def test_a_refused_connection_marks_redis_down_at_once(reg: Registry,
+                                                       srv: RedisServer) -> None:
+    with bridge(reg, srv) as b:
+        b.publish_session(SID, "2025-11-25", "c")
+        srv.kill()
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session(SID)
+        assert b.down
+
+
+def test_owed_writes_are_applied_once_redis_answers(reg: Registry, srv: RedisServer) -> None:
+    """publish, delete and untrack that time out (and those made while the bridge is down)
+    land once Redis answers, applied by the bridge thread; a deleted session is not adopted
+    again meanwhile."""
+    with bridge(reg, srv, thread=True) as b:
+        r = redis.Redis.from_url(srv.url)
+        b.publish_session("d" * 32, "2025-11-25", "c")
+        handle = b.track(7, "session:x")
+        assert handle is not None and handle[3]  # its track answered
+        assert b.remote.in_flight(7, "session:x")
+        until = pause(srv, 2000)
+        b.publish_session("p" * 32, "2025-11-25", "c")
+        b.delete_session("d" * 32)
+        b.untrack(handle)
+        assert b.owed() == 3
+        assert b.lookup_session("d" * 32) is None  # deleted here: no need to ask
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        wait_until(lambda: b.owed() == 0 or None, time.monotonic() + 20, interval=0.05,
+                   what="the owed writes")
+        assert b.owed_applied == 3 and b.owed_dropped == 0 and b.owed_expired == 0
+        assert b.lookup_session("p" * 32) == ("2025-11-25", "c")
+        assert r.get(b.store.prefix + "sess:" + "d" * 32) is None
+        assert not b.remote.in_flight(7, "session:x")
+        assert b.remote.held() == 0
+        r.close()
+
+
+def test_an_owed_untrack_is_not_added_back_by_renew(reg: Registry, srv: RedisServer) -> None:
+    """A call whose track got no answer owes its untrack at once (it does not wait on Redis a
+    second time), and the lease renewals after Redis answers do not bring its row back."""
+    with bridge(reg, srv, thread=True, timeout=1.5) as b:  # a read gives up after 0.5 s
+        until = pause(srv, 2500)
+        handle = b.track(8, "session:y")
+        assert handle is not None and not handle[3]
+        t0 = time.monotonic()
+        b.untrack(handle)
+        assert time.monotonic() - t0 < 0.25  # owed, not tried
+        assert b.owed() == 1 and b.remote.held() == 0
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        wait_until(lambda: b.owed() == 0 or None, time.monotonic() + 20, interval=0.05,
+                   what="the owed untrack")
+        renewed = b.remote.renew()
+        assert renewed == 0 and not b.remote.in_flight(8, "session:y")
+
+
+def test_owed_writes_are_bounded(reg: Registry, srv: RedisServer,
+                                 caplog: pytest.LogCaptureFixture) -> None:
+    with bridge(reg, srv) as b:
+        srv.kill()
+        caplog.set_level(logging.WARNING, logger="shmcancel.redis")
+        for i in range(OWED_MAX + 10):
+            b.publish_session(f"{i:032d}", "2025-11-25", "c")
+        assert b.down
+        assert b.owed() == OWED_MAX and b.owed_dropped == 10
+        drops = [rec for rec in caplog.records if "owed exceed" in rec.getMessage()]
+        assert len(drops) == 1
+
+
+def test_connection_failure_kinds() -> None:
+    """Refused, reset and closed connections are connection failures; timeouts are not."""
+    from redis.exceptions import ConnectionError as RCE
+    from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RTE
+    f: Any = bridge_mod._connection_failure
+    assert f(RCE("Error 111 connecting")) and f(ConnectionResetError())
+    assert not f(RTE("Timeout reading from socket")) and not f(TimeoutError())
+    assert not f(ResponseError("BUSY"))
