@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 from helpers.gunicorn_harness import wait_until
-from helpers.redis_server import RedisServer, unique_prefix
+from helpers.redis_server import RedisServer, running, unique_prefix
 
 from shmcancel import Config, RemoteUnavailable
 from shmcancel.redis import bridge as bridge_mod
@@ -27,12 +27,9 @@ TIMEOUT = 0.3  # the bridge's budget per call: reads give up after 0.1 s
 
 @pytest.fixture
 def srv() -> Iterator[RedisServer]:
-    s = RedisServer()
-    s.start()
-    try:
+    """A redis-server of the test's own (to pause or kill), stopped at the end."""
+    with running() as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from helpers.background import Background
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, RETRY_FOR, reply_of, send, tag, wait_file
 from helpers.names import TEST_PREFIX, fresh_registry_name
-from helpers.redis_server import RedisServer, unique_prefix
+from helpers.redis_server import RedisServer, running, unique_prefix
 
 from shmcancel import errors
 
@@ -158,15 +158,6 @@ def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
     assert not os.path.exists(f"{outdir}/{t}.cancelled")
 
 
-@contextlib.contextmanager
-def own_redis() -> Iterator[RedisServer]:
-    """A redis-server of the test's own (to kill, stop or restart), stopped at the end."""
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @contextlib.contextmanager
@@ -214,7 +205,7 @@ def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdi
 def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:
     """Redis SIGKILLed mid-run: no request fails, same-host cancellation keeps working, the
     outage is logged once per worker, and cross-host cancellation resumes after a restart."""
-    with own_redis() as srv, \
+    with running() as srv, \
             two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
             c = Client(a.url)
             reply, _ = cross_cancel(a, b, outdir, c, "before")
@@ -291,7 +282,7 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
     """A Redis that stops answering (SIGSTOP): calls on both hosts are served, each delayed by
     no more than the client timeout (0.2 s here) plus slack, same-host cancellation works, and
     after SIGCONT cross-host cancellation resumes."""
-    with own_redis() as srv, \
+    with running() as srv, \
             two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
             c = Client(a.url)
             assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
@@ -362,7 +353,7 @@ def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name:
     one budget of ``SHMCANCEL_REDIS_TIMEOUT``, so no request takes longer than that plus a
     generous margin for scheduling - not one timeout per thread queued before it."""
     timeout, n = 0.6, 6
-    with own_redis() as srv, host(shm_name, "A", srv.url, unique_prefix(), outdir, workers=1,
+    with running() as srv, host(shm_name, "A", srv.url, unique_prefix(), outdir, workers=1,
               worker_class="gthread", threads=n + 2,
               env_extra={"SHMCANCEL_REDIS_TIMEOUT": str(timeout)}) as a:
         c = Client(a.url)
@@ -414,7 +405,7 @@ def test_a_session_lookup_redis_cannot_answer_is_503_not_404(outdir: str, shm_na
     exists, so it answers 503 + Retry-After (a 404 would tell the client its session is gone for
     good), and so does a session id unknown everywhere. Once Redis answers again, the same
     session works on B and the unknown one is 404."""
-    with own_redis() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
+    with running() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
         c = Client(a.url)
         unknown = Client(a.url)
         unknown.sid = "y" * 32  # never minted anywhere
@@ -435,7 +426,7 @@ def test_writes_made_while_redis_is_stopped_are_applied_after(outdir: str, shm_n
     """A session minted on A while Redis is stopped (its publish is owed) is accepted on B once
     Redis answers; a session deleted on A meanwhile (its delete is owed) ends in Redis and on B,
     which had adopted it before; a call that ended meanwhile leaves no in-flight row."""
-    with own_redis() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, prefix):
+    with running() as srv, two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, prefix):
         r = redis.Redis.from_url(srv.url)
         old = Client(a.url)
         assert old.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B

@@ -564,6 +564,18 @@ def _raw_holder(seg: Segment, *, busy: bool) -> Callable[[Child], None]:
     return run
 
 
+def _resume_release_and_take(ch: Child, lock: RegistryLock, seg: Segment) -> None:
+    """The holder (stopped or not) goes on and releases normally; then ``lock`` is free to take
+    with nothing recovered: it was never robbed."""
+    os.kill(ch.pid, signal.SIGCONT)
+    ch.send(b"go")
+    assert ch.recv() == b"released"
+    assert ch.wait() == 0
+    with lock:
+        assert lock.owner() == procinfo.me()
+    assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+
+
 @pytest.mark.parametrize("how", ["busy", "stopped"])
 def test_live_holder_before_recording_itself_is_not_robbed(seg: Segment, how: str) -> None:
     """Owner 0 with the unit taken and the generation still is also what a LIVE holder looks
@@ -582,14 +594,7 @@ def test_live_holder_before_recording_itself_is_not_robbed(seg: Segment, how: st
         assert time.monotonic() - t0 >= 1.0
         assert lock.owner() is None and seg.sem.value == 0 and seg.words[_GEN] == gen
         assert seg.u64(OFF_RECOVERIES) == 0
-        if how == "stopped":
-            os.kill(ch.pid, signal.SIGCONT)
-        ch.send(b"go")
-        assert ch.recv() == b"released"
-        assert ch.wait() == 0
-        with lock:
-            assert lock.owner() == procinfo.me()
-        assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+        _resume_release_and_take(ch, lock, seg)
     finally:
         ch.stop()
         lock.close()
@@ -636,13 +641,7 @@ def test_stopped_holder_is_not_robbed(seg: Segment) -> None:
         assert 0.5 <= time.monotonic() - t0 < 2
         assert lock.owner()[0] == ch.pid and seg.sem.value == 0
         assert seg.u64(OFF_RECOVERIES) == 0
-        os.kill(ch.pid, signal.SIGCONT)
-        ch.send(b"go")
-        assert ch.recv() == b"released"
-        assert ch.wait() == 0
-        with short:
-            assert short.owner() == procinfo.me()
-        assert seg.u64(OFF_RECOVERIES) == 0 and seg.sem.value == 1
+        _resume_release_and_take(ch, short, seg)
         short.close()
     finally:
         ch.stop()
