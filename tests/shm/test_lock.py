@@ -708,6 +708,41 @@ def test_two_waiters_race_to_recover(seg: Segment) -> None:
         lock.close()
 
 
+def test_waiters_recover_an_unrecorded_dead_holder_once(seg: Segment) -> None:
+    """Several waiting processes check each other (each is briefly running at its own
+    timeouts): they still recover a holder killed before recording itself, exactly once."""
+    lock = RegistryLock(seg)
+    counter = Counter(seg)
+
+    def waiter(ctl: Child) -> None:
+        c = Counter(seg, 1)
+        ctl.send(b"w")
+        with lock:
+            c.set(c.get() + 1)
+        ctl.send(b"d")
+
+    h = Child(_raw_holder(seg, busy=False))
+    ws: list[Child] = []
+    try:
+        assert h.recv() == b"h"
+        ws = [Child(waiter) for _ in range(3)]
+        for w in ws:
+            assert w.recv() == b"w"
+        h.kill()
+        for w in ws:
+            assert w.recv(15) == b"d"
+            assert w.wait() == 0
+        assert counter.q[1] == 3
+        assert seg.u64(OFF_RECOVERIES) == 1
+        assert seg.sem.value == 1
+    finally:
+        h.stop()
+        for w in ws:
+            w.stop()
+        counter.release()
+        lock.close()
+
+
 def test_recover_from(seg: Segment, events: list[tuple[Any, ...]]) -> None:
     calls: list[int] = []
     lock = RegistryLock(seg, repair=lambda: calls.append(seg.sem.value))
