@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from . import errors, principal, telemetry
 from .cancel import policy as _policy
 from .cancel import tables as _cancel_tables  # noqa: F401  (declares its tables)
-from .cancel.policy import Cancellation, RequestHandle
+from .cancel.handle import RequestHandle
+from .cancel.policy import Cancellation
 from .config import Config
 from .exceptions import (
     CancellationLimitReached,

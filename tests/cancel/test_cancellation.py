@@ -589,7 +589,7 @@ def test_track_raises_table_full(make):
 
 def test_begin_when_full_is_untracked_but_still_cancellable_locally(make, caplog):
     _reg, c = make(in_flight_capacity=2)
-    import shmcancel.cancel.policy as mod
+    import shmcancel.cancel.handle as mod
 
     mod._full_logged = False
     c.track(1, "s")

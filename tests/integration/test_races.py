@@ -28,6 +28,7 @@ from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
 from helpers.procs import Chan, Child
 from helpers.wsgi import environ_for, run
 
+import shmcancel.cancel.owed as owed_mod
 import shmcancel.cancel.policy as cancellation_mod
 from shmcancel import LockTimeout, errors
 from shmcancel.cancel.janitor import Janitor
@@ -278,7 +279,7 @@ def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path)
 
 def forget_owed_ends() -> None:
     """For ``finally``: never leave an owed end of a closed registry to another test."""
-    getattr(cancellation_mod, "_owed", []).clear()
+    owed_mod.queue.clear()
 
 
 def assert_503(r: Any) -> None:
@@ -302,7 +303,7 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
     c = Cancellation(reg)
     scope = c.scope(SCOPE_ENV)
     server = echo_server(reg)
-    monkeypatch.setattr(cancellation_mod, "_OWED_MAX", 1, raising=False)
+    monkeypatch.setattr(owed_mod, "_OWED_MAX", 1)
     first, second = c.begin(1, scope), c.begin(2, scope)
     assert first.tracked and second.tracked
     try:
@@ -321,7 +322,7 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
         assert wsgi_post(server, notification(2)).status == 202
         assert reg.table("cancellations").scan() == []
         assert wsgi_post(server, call(2, "echo", {"text": "ok"})).json["result"]["isError"] is False
-        assert cancellation_mod.owed_ends() == 0
+        assert owed_mod.owed_ends() == 0
     finally:
         forget_owed_ends()
 
@@ -353,7 +354,7 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
         with stalled_lock(spawn, reg.name):
             h.end()
             assert [k[1] for k, _ in in_flight_rows(reg)] == ["8"]
-        wait_until(lambda: reg.table("in_flight").count() == 0 and not cancellation_mod.owed_ends(),
+        wait_until(lambda: reg.table("in_flight").count() == 0 and not owed_mod.owed_ends(),
                    time.monotonic() + TIMEOUT, what="the janitor to land the owed end")
     finally:
         janitor.stop()

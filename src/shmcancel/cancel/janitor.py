@@ -16,8 +16,9 @@ import threading
 import time
 
 from ..exceptions import LockTimeout
-from . import policy as _cancellation
-from .policy import Cancellation, owed_ends
+from . import owed
+from .owed import owed_ends
+from .policy import Cancellation
 
 __all__ = ["Janitor"]
 
@@ -52,14 +53,14 @@ class Janitor:
         if self.running:
             return
         self._stop.clear()
-        _cancellation._owed_listeners.add(self._wake.set)
+        owed.listeners.add(self._wake.set)
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
         self._wake.set()
-        _cancellation._owed_listeners.discard(self._wake.set)
+        owed.listeners.discard(self._wake.set)
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
             t.join(timeout)

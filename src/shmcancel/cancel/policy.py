@@ -29,28 +29,26 @@ Why, at length: docs/design.md ("Hardening edges", "The janitor").
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
-import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
-from ..exceptions import CancellationLimitReached, LockTimeout, ShmCancelError
+from ..exceptions import CancellationLimitReached, LockTimeout
 from ..shm import procinfo
 from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
-from . import ids
+from . import ids, owed
 from .eviction import batch_size
+from .handle import CANCELLED_EVENT, RequestHandle, valid_scope
+from .owed import owed_ends, settle_owed
 from .reasons import sanitize
 from .shm_storage import ShmBackend
-from .storage import Owner, Poll, Storage
+from .storage import Poll, Storage
 
 __all__ = [
     "CANCELLED_EVENT",
@@ -65,7 +63,6 @@ __all__ = [
 
 log = logging.getLogger("shmcancel.cancellation")
 
-CANCELLED_EVENT = ("shmcancel", "request", "cancelled")
 CLEANUP_EVENT = ("shmcancel", "cancellation", "cleanup")
 
 _now = time.time  # the janitor's schedule (see the module docstring)
@@ -74,34 +71,6 @@ _WATCH_CACHE = 1024
 _POLLS_PER_CLOCK = 16
 # After a lost claim_sweep, look again after this fraction of the interval.
 _RECHECK_FRACTION = 0.125
-
-_tokens = itertools.count(1)
-_full_logged = False
-
-# Ends owed to a store (see the module docstring): (store, scope, rid, owner, ended_at).
-_OWED_MAX = 1024
-_owed: collections.deque[tuple[Storage, str, str, Owner | None, float]] = collections.deque()
-_owed_lock = threading.Lock()  # one thread lands owed ends at a time
-_dropped_logged = False
-#: Tokens of the requests this process runs. A token is added before its row is written and
-#: removed when its end begins, so a row whose token is absent belongs to an ended request.
-_running: set[int] = set()
-#: Called (from the thread that owes) whenever an end becomes owed: a janitor's wake-up.
-_owed_listeners: set[Callable[[], None]] = set()
-
-
-def _reset_after_fork() -> None:
-    global _full_logged, _dropped_logged, _owed_lock
-    _full_logged = False
-    _dropped_logged = False
-    _owed.clear()  # the parent's requests: the parent (or the reaper of its rows) ends them
-    _running.clear()
-    _owed_listeners.clear()  # threads do not survive a fork
-    _owed_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
-
 
 class ConnReader(Protocol):
     """How a conn (a mapping) names its request and its caller. The transport provides one
@@ -173,10 +142,6 @@ class _Polls(Generic[_T]):
             self.n += 1
         ws[x] = v
         return v
-
-
-def _valid_scope(scope: object) -> bool:
-    return type(scope) is str or isinstance(scope, str)
 
 
 class Cancellation:
@@ -251,7 +216,7 @@ class Cancellation:
     def _record(self, request_id: object, reason: object, scope: str, *,
                 only_in_flight: bool) -> bool:
         rid = ids.require_key(request_id)
-        if not _valid_scope(scope):
+        if not valid_scope(scope):
             raise TypeError(f"scope must be a str, got {type(scope).__name__}")
         scope = str.__str__(scope)
         text = sanitize(reason)
@@ -331,7 +296,7 @@ class Cancellation:
         """The stored ``(reason, cancelled_at)`` of the request; ``None`` when not cancelled or
         the id or scope is invalid."""
         rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        if rid is None or not valid_scope(scope):
             return None
         self._tick()
         return self._store.get(scope, rid)
@@ -340,7 +305,7 @@ class Cancellation:
         """Remove the ``(scope, id)`` cancellation row. Reads first: when there is no row (the
         common case) no lock is taken. Invalid ids are ignored."""
         rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        if rid is None or not valid_scope(scope):
             return
         self._tick()
         self._store.clear(scope, rid)
@@ -348,7 +313,7 @@ class Cancellation:
     def cancel_scope(self, scope: str, reason: object = None) -> int:
         """Cancel every request in flight in ``scope`` (a session's ``DELETE``). Returns how many
         were recorded; stops quietly at the scope's quota."""
-        if not _valid_scope(scope):
+        if not valid_scope(scope):
             return 0
         n = 0
         for rid in self._store.in_flight_ids(scope):
@@ -368,7 +333,7 @@ class Cancellation:
         dead owners' rows are removed. Invalid ids are ignored. Prefer :meth:`begin`.
         """
         rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        if rid is None or not valid_scope(scope):
             return
         pid, start = procinfo.me()
         self._store.track(scope, rid, (pid, start, threading.get_ident(), 0))
@@ -378,7 +343,7 @@ class Cancellation:
         """Remove the calling thread's own in-flight row for the key (one of them), leaving
         namesakes run by other threads or processes in flight."""
         rid = ids.key(request_id)
-        if rid is None or not _valid_scope(scope):
+        if rid is None or not valid_scope(scope):
             return
         pid, start = procinfo.me()
         self._store.untrack_thread(scope, rid, pid, start, threading.get_ident())
@@ -399,7 +364,7 @@ class Cancellation:
                         self._poll_tick()
                     return p()
             rid = ids.key(request_id)
-            if rid is None or not _valid_scope(scope):
+            if rid is None or not valid_scope(scope):
                 return False
             self._tick()
             st = self._store
@@ -487,7 +452,7 @@ class Cancellation:
 
     def _reap_ended(self) -> int:
         pid, start = procinfo.me()
-        return self._store.reap_ended(pid, start, _running)
+        return self._store.reap_ended(pid, start, owed.running)
 
     def _poll_tick(self) -> None:
         """The janitor check of a cached poll, once per ``_POLLS_PER_CLOCK`` of them."""
@@ -500,241 +465,3 @@ class Cancellation:
         check."""
         if _now() >= self._next_check:
             self.tick()
-
-
-class RequestHandle:
-    """One dispatched request, as the transport holds it (see the module docstring).
-
-    ``request_id`` (as given), ``scope``, ``tracked``, ``error`` (why it is not tracked, or
-    ``None``; a :class:`~shmcancel.LockTimeout` there means the registry is stalled).
-    ``cancelled()`` is the hot poll; ``cancel_local(reason)`` cancels this request only, in this
-    process; ``end()`` untracks then clears, is idempotent and never raises.
-
-    ``began`` is the ``clock`` before the row was written: a cancellation is recorded only
-    while the request is in flight, hence at or after ``began``; a row with an older
-    ``cancelled_at`` is a leftover of an earlier namesake, never this request's.
-    """
-
-    __slots__ = (
-        "_c", "_ended", "_local", "_local_reason", "_owner", "_rid", "_stale_at", "_token",
-        "_watch", "began", "error", "request_id", "scope", "tracked",
-    )
-
-    def __init__(self, c: Cancellation, request_id: object, scope: str) -> None:
-        self._c = c
-        self.request_id = request_id
-        self.scope = scope
-        self.tracked = False
-        # end() runs from the request's finally and from the disconnect watcher's stop: the
-        # first caller to take this lock ends the request, any other returns at once.
-        self._ended = threading.Lock()
-        self._local = False
-        self._local_reason: str | None = None
-        self._owner: Owner | None = None
-        self._watch: Poll | None = None
-        self._token = 0
-        self._stale_at: float | None = None
-        self.error: ShmCancelError | None = None
-        self.began = c.clock()
-        rid = self._rid = ids.key(request_id) if _valid_scope(scope) else None
-        if rid is None:
-            return
-        token = self._token = next(_tokens)
-        _running.add(token)  # before the row exists: see _running
-        try:
-            pid, start = procinfo.me()
-            owner = (pid, start, threading.get_ident(), token)
-            c._store.track(scope, rid, owner)
-            self._owner = owner
-            self.tracked = True
-        except LockTimeout as e:
-            self.error = e
-            _running.discard(token)
-            log.warning("a request could not be tracked: %s", e)
-        except ShmCancelError as e:
-            self.error = e
-            _running.discard(token)
-            _log_untracked(e)
-        else:
-            if _owed:
-                settle_owed()  # the lock answered: land what this process owes
-        c._tick()
-
-    def __repr__(self) -> str:
-        return (f"<RequestHandle {self.scope!r} {self._rid!r} tracked={self.tracked} "
-                f"cancelled={self.cancelled()}>")
-
-    def cancelled(self) -> bool:
-        """True once this request was cancelled, here or by any process. Lock-free; never
-        raises. Once true it stays true (it latches: a namesake's ``end()``, an eviction or the
-        janitor removing the shared row afterwards does not un-cancel a running tool)."""
-        if self._local:
-            return True
-        try:
-            w = self._watch
-            if w.__class__ is _Watch and w._ver[w._b] == w._v and not w._member:
-                pass  # the hot path: Watch.member()'s first line, without the call
-            elif w is not None or self._rid is not None:
-                if w is None:  # made on the first poll: many tools never poll
-                    w = self._watch = self._c._store.watch(self.scope, self._rid)  # type: ignore[arg-type]
-                if w.member() and self._latch():
-                    return True
-            c = self._c
-            n = c._polls = c._polls - 1
-            if n < 0:
-                c._poll_tick()
-        except Exception:
-            return False
-        return False
-
-    def _latch(self) -> bool:
-        """The shared row was seen: latch it unless it is older than this request (then
-        remove that old row, once, and return ``False``)."""
-        row = None
-        if self._rid is not None:
-            try:
-                row = self._c._store.get(self.scope, self._rid)
-            except Exception:
-                row = None
-        if row is not None and row[1] < self.began:
-            if row[1] != self._stale_at:  # try each old row once: the poll must not block
-                self._stale_at = row[1]
-                try:
-                    self._c._store.clear_before(self.scope, self._rid, self.began)  # type: ignore[arg-type]
-                except Exception:
-                    log.debug("removing a stale cancellation row failed", exc_info=True)
-            return False
-        self._local_reason = row[0] if row is not None else None
-        self._local = True
-        return True
-
-    def cancel_local(self, reason: object = None) -> None:
-        """Cancel exactly this request, in this process only (a client disconnect). Emits the
-        ``cancelled`` telemetry event with ``"local": True`` in its metadata."""
-        if self._local:
-            return
-        self._local_reason = sanitize(reason)
-        self._local = True
-        telemetry.execute(
-            CANCELLED_EVENT,
-            {"count": 1},
-            {"request_id": self._rid if self._rid is not None else repr(self.request_id),
-             "scope": self.scope, "reason": self._local_reason, "local": True},
-        )
-
-    def reason(self) -> str | None:
-        """The shared row's reason when one exists, else the one latched or given to
-        :meth:`cancel_local` (or ``None``)."""
-        if self._rid is not None:
-            try:
-                row = self._c._store.get(self.scope, self._rid)
-            except Exception:
-                row = None
-            if row is not None and row[1] >= self.began:
-                return row[0]
-        return self._local_reason
-
-    def end(self) -> None:
-        """Untrack this request's own row, then clear the key's cancellation row. Idempotent;
-        logs and swallows storage errors (it runs in a ``finally``)."""
-        if not self._ended.acquire(blocking=False):
-            return
-        rid = self._rid
-        if rid is None:
-            return
-        _running.discard(self._token)
-        c = self._c
-        st = c._store
-        try:
-            ended_at = c.clock()
-            if self._owner is not None:
-                st.untrack(self.scope, rid, self._owner)
-            # Skip the clear's own read when cheaper evidence says there is no row: a polled
-            # handle's watch (one load), else the scope's count, never below its rows (a row
-            # left by a wrong count is a leftover the next namesake's first poll removes).
-            w = self._watch
-            if w.member() if w is not None else st.scope_rows(self.scope) > 0:
-                st.clear(self.scope, rid)
-        except LockTimeout as e:
-            _owe(st, self.scope, rid, self._owner, ended_at)
-            log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
-        except Exception:
-            log.warning("ending request %r in %r failed", rid, self.scope[:80], exc_info=True)
-        else:
-            if _owed:
-                settle_owed()
-
-    def __enter__(self) -> RequestHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end()
-
-
-def _owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-    """Queue an end that could not land. At ``_OWED_MAX`` the oldest is dropped (logged once
-    per process): its in-flight row is still removed by :meth:`Cancellation.settle`."""
-    global _dropped_logged
-    if len(_owed) >= _OWED_MAX:
-        with contextlib.suppress(IndexError):
-            _owed.popleft()
-        if not _dropped_logged:
-            _dropped_logged = True
-            log.warning("more than %d request ends are owed to a stalled registry; the oldest "
-                        "are dropped (their rows are reaped later). (Logged once per process.)",
-                        _OWED_MAX)
-    _owed.append((st, scope, rid, owner, ended_at))
-    for wake in list(_owed_listeners):
-        try:
-            wake()
-        except Exception:
-            log.debug("an owed-end listener failed", exc_info=True)
-
-
-def owed_ends() -> int:
-    """How many request ends this process still owes to a registry (see the module docstring)."""
-    return len(_owed)
-
-
-def _land(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-    """An owed end, as one store operation (:meth:`Storage.end`)."""
-    st.end(scope, rid, owner, ended_at)
-
-
-def settle_owed() -> int:
-    """Land the ends this process owes, oldest first; stops at the first
-    :class:`~shmcancel.LockTimeout` (the rest stay owed). Other errors drop that end (logged).
-    One thread at a time (another caller returns 0 at once). Returns the ends landed."""
-    lock = _owed_lock
-    if not _owed or not lock.acquire(blocking=False):
-        return 0
-    n = 0
-    try:
-        for _ in range(len(_owed)):  # bounded: ends owed meanwhile wait for the next call
-            try:
-                entry = _owed[0]
-            except IndexError:
-                break
-            try:
-                _land(*entry)
-            except LockTimeout:
-                break
-            except Exception:
-                log.warning("dropping an owed request end", exc_info=True)
-            else:
-                n += 1
-            if _owed and _owed[0] is entry:  # _owe may have dropped it meanwhile
-                _owed.popleft()
-    finally:
-        lock.release()
-    return n
-
-
-def _log_untracked(e: Exception) -> None:
-    global _full_logged
-    if not _full_logged:
-        _full_logged = True
-        log.warning(
-            "a request could not be tracked (%s); it runs uncancellable by notifications. "
-            "Raise Config.in_flight_capacity. (Logged once per process.)", e,
-        )

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..cancel.policy import RequestHandle
+from ..cancel.handle import RequestHandle
 from .conn import HANDLE_KEY, cancelled
 from .disconnect import process_loop
 

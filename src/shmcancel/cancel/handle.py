@@ -1,0 +1,228 @@
+"""One dispatched request as the transport holds it: :class:`RequestHandle` (contract §4.3).
+
+``Cancellation.begin`` makes one: it writes the request's in-flight row (never raising: an
+untracked handle still cancels locally), ``cancelled()`` is the tool's lock-free cached poll and
+latches, ``end()`` untracks then clears, is idempotent, and owes what a stalled lock refuses
+(:mod:`shmcancel.cancel.owed`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from .. import telemetry
+from ..exceptions import LockTimeout, ShmCancelError
+from ..shm import procinfo
+from ..shm.reader import Watch as _Watch
+from . import ids, owed
+from .owed import settle_owed
+from .reasons import sanitize
+from .storage import Owner, Poll
+
+if TYPE_CHECKING:
+    from .policy import Cancellation
+
+__all__ = ["CANCELLED_EVENT", "RequestHandle", "valid_scope"]
+
+log = logging.getLogger("shmcancel.cancellation")
+
+CANCELLED_EVENT = ("shmcancel", "request", "cancelled")
+
+_tokens = itertools.count(1)
+_full_logged = False
+
+
+def _reset_after_fork() -> None:
+    global _full_logged
+    _full_logged = False
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def valid_scope(scope: object) -> bool:
+    """A scope is a string (a ``str`` subclass too: the stores read it as a plain ``str``)."""
+    return type(scope) is str or isinstance(scope, str)
+
+
+class RequestHandle:
+    """One dispatched request, as the transport holds it (see the module docstring).
+
+    ``request_id`` (as given), ``scope``, ``tracked``, ``error`` (why it is not tracked, or
+    ``None``; a :class:`~shmcancel.LockTimeout` there means the registry is stalled).
+    ``cancelled()`` is the hot poll; ``cancel_local(reason)`` cancels this request only, in this
+    process; ``end()`` untracks then clears, is idempotent and never raises.
+
+    ``began`` is the ``clock`` before the row was written: a cancellation is recorded only
+    while the request is in flight, hence at or after ``began``; a row with an older
+    ``cancelled_at`` is a leftover of an earlier namesake, never this request's.
+    """
+
+    __slots__ = (
+        "_c", "_ended", "_local", "_local_reason", "_owner", "_rid", "_stale_at", "_token",
+        "_watch", "began", "error", "request_id", "scope", "tracked",
+    )
+
+    def __init__(self, c: Cancellation, request_id: object, scope: str) -> None:
+        self._c = c
+        self.request_id = request_id
+        self.scope = scope
+        self.tracked = False
+        # end() runs from the request's finally and from the disconnect watcher's stop: the
+        # first caller to take this lock ends the request, any other returns at once.
+        self._ended = threading.Lock()
+        self._local = False
+        self._local_reason: str | None = None
+        self._owner: Owner | None = None
+        self._watch: Poll | None = None
+        self._token = 0
+        self._stale_at: float | None = None
+        self.error: ShmCancelError | None = None
+        self.began = c.clock()
+        rid = self._rid = ids.key(request_id) if valid_scope(scope) else None
+        if rid is None:
+            return
+        token = self._token = next(_tokens)
+        owed.running.add(token)  # before the row exists: see owed.running
+        try:
+            pid, start = procinfo.me()
+            owner = (pid, start, threading.get_ident(), token)
+            c._store.track(scope, rid, owner)
+            self._owner = owner
+            self.tracked = True
+        except LockTimeout as e:
+            self.error = e
+            owed.running.discard(token)
+            log.warning("a request could not be tracked: %s", e)
+        except ShmCancelError as e:
+            self.error = e
+            owed.running.discard(token)
+            _log_untracked(e)
+        else:
+            if owed.queue:
+                settle_owed()  # the lock answered: land what this process owes
+        c._tick()
+
+    def __repr__(self) -> str:
+        return (f"<RequestHandle {self.scope!r} {self._rid!r} tracked={self.tracked} "
+                f"cancelled={self.cancelled()}>")
+
+    def cancelled(self) -> bool:
+        """True once this request was cancelled, here or by any process. Lock-free; never
+        raises. Once true it stays true (it latches: a namesake's ``end()``, an eviction or the
+        janitor removing the shared row afterwards does not un-cancel a running tool)."""
+        if self._local:
+            return True
+        try:
+            w = self._watch
+            if w.__class__ is _Watch and w._ver[w._b] == w._v and not w._member:
+                pass  # the hot path: Watch.member()'s first line, without the call
+            elif w is not None or self._rid is not None:
+                if w is None:  # made on the first poll: many tools never poll
+                    w = self._watch = self._c._store.watch(self.scope, self._rid)  # type: ignore[arg-type]
+                if w.member() and self._latch():
+                    return True
+            c = self._c
+            n = c._polls = c._polls - 1
+            if n < 0:
+                c._poll_tick()
+        except Exception:
+            return False
+        return False
+
+    def _latch(self) -> bool:
+        """The shared row was seen: latch it unless it is older than this request (then
+        remove that old row, once, and return ``False``)."""
+        row = None
+        if self._rid is not None:
+            try:
+                row = self._c._store.get(self.scope, self._rid)
+            except Exception:
+                row = None
+        if row is not None and row[1] < self.began:
+            if row[1] != self._stale_at:  # try each old row once: the poll must not block
+                self._stale_at = row[1]
+                try:
+                    self._c._store.clear_before(self.scope, self._rid, self.began)  # type: ignore[arg-type]
+                except Exception:
+                    log.debug("removing a stale cancellation row failed", exc_info=True)
+            return False
+        self._local_reason = row[0] if row is not None else None
+        self._local = True
+        return True
+
+    def cancel_local(self, reason: object = None) -> None:
+        """Cancel exactly this request, in this process only (a client disconnect). Emits the
+        ``cancelled`` telemetry event with ``"local": True`` in its metadata."""
+        if self._local:
+            return
+        self._local_reason = sanitize(reason)
+        self._local = True
+        telemetry.execute(
+            CANCELLED_EVENT,
+            {"count": 1},
+            {"request_id": self._rid if self._rid is not None else repr(self.request_id),
+             "scope": self.scope, "reason": self._local_reason, "local": True},
+        )
+
+    def reason(self) -> str | None:
+        """The shared row's reason when one exists, else the one latched or given to
+        :meth:`cancel_local` (or ``None``)."""
+        if self._rid is not None:
+            try:
+                row = self._c._store.get(self.scope, self._rid)
+            except Exception:
+                row = None
+            if row is not None and row[1] >= self.began:
+                return row[0]
+        return self._local_reason
+
+    def end(self) -> None:
+        """Untrack this request's own row, then clear the key's cancellation row. Idempotent;
+        logs and swallows storage errors (it runs in a ``finally``)."""
+        if not self._ended.acquire(blocking=False):
+            return
+        rid = self._rid
+        if rid is None:
+            return
+        owed.running.discard(self._token)
+        c = self._c
+        st = c._store
+        try:
+            ended_at = c.clock()
+            if self._owner is not None:
+                st.untrack(self.scope, rid, self._owner)
+            # Skip the clear's own read when cheaper evidence says there is no row: a polled
+            # handle's watch (one load), else the scope's count, never below its rows (a row
+            # left by a wrong count is a leftover the next namesake's first poll removes).
+            w = self._watch
+            if w.member() if w is not None else st.scope_rows(self.scope) > 0:
+                st.clear(self.scope, rid)
+        except LockTimeout as e:
+            owed.owe(st, self.scope, rid, self._owner, ended_at)
+            log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
+        except Exception:
+            log.warning("ending request %r in %r failed", rid, self.scope[:80], exc_info=True)
+        else:
+            if owed.queue:
+                settle_owed()
+
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
+def _log_untracked(e: Exception) -> None:
+    global _full_logged
+    if not _full_logged:
+        _full_logged = True
+        log.warning(
+            "a request could not be tracked (%s); it runs uncancellable by notifications. "
+            "Raise Config.in_flight_capacity. (Logged once per process.)", e,
+        )

@@ -1,0 +1,107 @@
+"""Request ends this process owes to a store, and the requests it runs (contract §4.3).
+
+An end that meets :class:`~shmcancel.LockTimeout` is queued here (at most ``_OWED_MAX``, the
+oldest dropped, logged once per process) and landed later, oldest first, by
+:func:`settle_owed`: on the process's next write, by ``Cancellation.settle`` and by the
+worker's janitor thread, which ``listeners`` wake. ``running`` holds the tokens of the requests
+this process runs: a token enters before its in-flight row is written and leaves when its end
+begins, so a row of this process whose token is absent belongs to an ended request (and is
+removed by ``Cancellation.settle``). All of it is per process: cleared in a fork child.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from ..exceptions import LockTimeout
+from .storage import Owner, Storage
+
+__all__ = ["listeners", "owe", "owed_ends", "queue", "running", "settle_owed"]
+
+log = logging.getLogger("shmcancel.cancellation")
+
+_OWED_MAX = 1024
+#: Owed ends, oldest first: (store, scope, rid, owner, ended_at).
+queue: collections.deque[tuple[Storage, str, str, Owner | None, float]] = collections.deque()
+_owed_lock = threading.Lock()  # one thread lands owed ends at a time
+_dropped_logged = False
+#: Tokens of the requests this process runs (see the module docstring).
+running: set[int] = set()
+#: Called (from the thread that owes) whenever an end becomes owed: a janitor's wake-up.
+listeners: set[Callable[[], None]] = set()
+
+
+def _reset_after_fork() -> None:
+    global _dropped_logged, _owed_lock
+    _dropped_logged = False
+    queue.clear()  # the parent's requests: the parent (or the reaper of its rows) ends them
+    running.clear()
+    listeners.clear()  # threads do not survive a fork
+    _owed_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+    """Queue an end that could not land. At ``_OWED_MAX`` the oldest is dropped (logged once
+    per process): its in-flight row is still removed by :meth:`Cancellation.settle`."""
+    global _dropped_logged
+    if len(queue) >= _OWED_MAX:
+        with contextlib.suppress(IndexError):
+            queue.popleft()
+        if not _dropped_logged:
+            _dropped_logged = True
+            log.warning("more than %d request ends are owed to a stalled registry; the oldest "
+                        "are dropped (their rows are reaped later). (Logged once per process.)",
+                        _OWED_MAX)
+    queue.append((st, scope, rid, owner, ended_at))
+    for wake in list(listeners):
+        try:
+            wake()
+        except Exception:
+            log.debug("an owed-end listener failed", exc_info=True)
+
+
+def owed_ends() -> int:
+    """How many request ends this process still owes to a registry (see the module docstring)."""
+    return len(queue)
+
+
+def _land(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
+    """An owed end, as one store operation (:meth:`Storage.end`)."""
+    st.end(scope, rid, owner, ended_at)
+
+
+def settle_owed() -> int:
+    """Land the ends this process owes, oldest first; stops at the first
+    :class:`~shmcancel.LockTimeout` (the rest stay owed). Other errors drop that end (logged).
+    One thread at a time (another caller returns 0 at once). Returns the ends landed."""
+    lock = _owed_lock
+    if not queue or not lock.acquire(blocking=False):
+        return 0
+    n = 0
+    try:
+        for _ in range(len(queue)):  # bounded: ends owed meanwhile wait for the next call
+            try:
+                entry = queue[0]
+            except IndexError:
+                break
+            try:
+                _land(*entry)
+            except LockTimeout:
+                break
+            except Exception:
+                log.warning("dropping an owed request end", exc_info=True)
+            else:
+                n += 1
+            if queue and queue[0] is entry:  # _owe may have dropped it meanwhile
+                queue.popleft()
+    finally:
+        lock.release()
+    return n
