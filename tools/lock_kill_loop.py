@@ -26,7 +26,8 @@ import uuid
 
 from shmcancel import telemetry
 from shmcancel.shm.lock import RegistryLock
-from shmcancel.shm.segment import Segment, TableSpec, unlink_names
+from shmcancel.shm.names import unlink_names
+from shmcancel.shm.segment import Segment, TableSpec
 
 COUNT, BUSY, VIOLATIONS, SEM_OVER = 0, 1, 2, 3
 

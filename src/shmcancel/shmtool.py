@@ -51,18 +51,18 @@ from .cancel.tables import CANCELLATIONS, IN_FLIGHT
 from .exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
 from .mcp.session_tables import SESSIONS
 from .shm import procinfo
-from .shm.registry import Registry
-from .shm.registry import unlink as _unlink_names
-from .shm.segment import (
+from .shm.names import (
     SHM_DIR,
-    _flock_bounded,
     check_entry,
     check_name,
-    creator_of,
+    flock_bounded,
     lock_path,
     name_paths,
     segment_path,
 )
+from .shm.registry import Registry
+from .shm.registry import unlink as _unlink_names
+from .shm.segment import creator_of
 
 __all__ = ["main"]
 
@@ -409,7 +409,7 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
         pass
     else:
         try:
-            fd = _flock_bounded(name, LOCK_WAIT)
+            fd = flock_bounded(name, LOCK_WAIT)
         except RegistryIncompatible:
             if not force:
                 raise

@@ -21,7 +21,7 @@ from shmcancel.cancel.shm_storage import ShmBackend
 from shmcancel.exceptions import TableFull
 from shmcancel.mcp import session_tables
 from shmcancel.mcp.sessions import SessionsFull, SessionStore
-from shmcancel.shm.segment import segment_path
+from shmcancel.shm.names import segment_path
 from shmcancel.shm.table import LargeRowsFull, Table
 
 CAP, RS, SMALL, LARGE = 12, 256, 64, 3  # the machine's table: payloads of 40 and 232 bytes

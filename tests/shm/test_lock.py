@@ -23,7 +23,8 @@ from shmcancel import telemetry
 from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
-from shmcancel.shm.segment import OFF_RECOVERIES, Segment, TableSpec, open_lockfile
+from shmcancel.shm.names import open_lockfile
+from shmcancel.shm.segment import OFF_RECOVERIES, Segment, TableSpec
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,8 +26,8 @@ from shmcancel.exceptions import (
 )
 from shmcancel.mcp import session_tables as st
 from shmcancel.shm import procinfo, registry, schema
+from shmcancel.shm.names import lock_path, segment_path, sem_path
 from shmcancel.shm.registry import Registry, record_sizes
-from shmcancel.shm.segment import lock_path, segment_path, sem_path
 
 pytestmark = pytest.mark.timeout(30)
 

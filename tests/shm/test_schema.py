@@ -12,9 +12,10 @@ import pytest
 from shmcancel.config import Config
 from shmcancel.exceptions import RegistryIncompatible
 from shmcancel.shm import schema
+from shmcancel.shm.names import segment_path
 from shmcancel.shm.registry import Registry
 from shmcancel.shm.schema import PACKED_INT, TableDecl, packed_str
-from shmcancel.shm.segment import CONFIG_MAX, OFF_CONFIG, segment_path
+from shmcancel.shm.segment import CONFIG_MAX, OFF_CONFIG
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,16 +18,8 @@ from shmcancel.exceptions import (
     SegmentTooLarge,
 )
 from shmcancel.shm import procinfo
-from shmcancel.shm.segment import (
-    CONFIG_MAX,
-    HEADER_SIZE,
-    Segment,
-    TableSpec,
-    lock_path,
-    segment_path,
-    sem_path,
-    unlink_names,
-)
+from shmcancel.shm.names import lock_path, segment_path, sem_path, unlink_names
+from shmcancel.shm.segment import CONFIG_MAX, HEADER_SIZE, Segment, TableSpec
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -54,15 +54,8 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, ShmCancelError
 from . import procinfo
-from .segment import (
-    OFF_LOCK_GENERATION,
-    OFF_LOCK_OWNER,
-    OFF_RECOVERIES,
-    SHM_DIR,
-    lock_path,
-    open_lockfile,
-    sem_path,
-)
+from .names import SHM_DIR, lock_path, open_lockfile, sem_path
+from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
 if TYPE_CHECKING:
     from .segment import Segment

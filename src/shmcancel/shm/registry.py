@@ -30,6 +30,7 @@ from ..config import Config
 from ..exceptions import RegistryIncompatible, ShmCancelError
 from . import procinfo
 from .lock import RegistryLock
+from .names import check_name, lock_path, segment_path, sem_path, unlink_names, unlink_quiet
 from .schema import TableDecl, declared
 from .segment import (
     LAYOUT_VERSION,
@@ -43,12 +44,6 @@ from .segment import (
     OFF_SWEEPS,
     Segment,
     TableSpec,
-    check_name,
-    lock_path,
-    segment_path,
-    sem_path,
-    unlink_names,
-    unlink_quiet,
 )
 from .table import Table
 

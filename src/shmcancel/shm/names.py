@@ -1,0 +1,232 @@
+"""A registry's names in /dev/shm, and opening them safely (squatters, links, FIFOs).
+
+Names derived from a registry NAME (``[A-Za-z0-9_.-]{1,64}``), all mode 0600, owner-only:
+
+- segment: POSIX shm ``/shmcancel.NAME`` (file ``/dev/shm/shmcancel.NAME``);
+- semaphore: POSIX named semaphore ``/shmcancel.NAME`` (``/dev/shm/sem.shmcancel.NAME``), value 1;
+- lock file: ``/dev/shm/shmcancel-lock.NAME``, only ever ``flock``-ed: it serialises creators and
+  would-be lock recoverers, and the kernel drops an ``flock`` when its holder dies.
+
+/dev/shm is world-writable: anyone can put a FIFO, a symbolic link or a file of their own under
+these names. Every entry is opened ``O_NOFOLLOW | O_NONBLOCK`` (never follows a link, never blocks
+on a FIFO) and ``fstat``-checked to be a regular file owned by the effective uid before it is used
+(the semaphore, which ``sem_open`` opens itself, is ``lstat``-checked first and its inode compared
+after); anything else is a :class:`RegistryIncompatible` naming the path, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import stat
+import time
+from collections.abc import Callable
+
+import posix_ipc
+
+from ..exceptions import InvalidRegistryName, RegistryIncompatible, ShmCancelError
+
+__all__ = ["MODE", "SHM_DIR", "check_entry", "check_name", "check_stat", "flock_bounded",
+           "lock_path", "name_paths", "not_ours", "open_entry", "open_lockfile", "segment_path",
+           "sem_path", "shm_name", "tmp_path", "unlink_names", "unlink_quiet"]
+
+SHM_DIR = "/dev/shm"
+MODE = 0o600
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+# --- names ------------------------------------------------------------------------------------
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidRegistryName(
+            f"registry name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
+    return name
+
+
+def shm_name(name: str) -> str:
+    return "/shmcancel." + name
+
+
+def segment_path(name: str) -> str:
+    return f"{SHM_DIR}/shmcancel.{name}"
+
+
+def sem_path(name: str) -> str:
+    return f"{SHM_DIR}/sem.shmcancel.{name}"
+
+
+def lock_path(name: str) -> str:
+    return f"{SHM_DIR}/shmcancel-lock.{name}"
+
+
+def _tmp_shm_name(name: str) -> str:
+    # '~' is outside the registry name alphabet: no registry can collide with a creation in flight.
+    return f"/shmcancel.{name}~creating"
+
+
+def tmp_path(name: str) -> str:
+    return SHM_DIR + _tmp_shm_name(name)
+
+
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
+    """Why an entry of /dev/shm is not one shmcancel may use, or ``None`` if it is
+    (``any_owner``: a regular file of another user will do, to be read only)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if stat.S_ISFIFO(st.st_mode):
+        return "is a FIFO"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid() and not any_owner:
+        return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
+    return None
+
+
+def not_ours(what: str, path: str, problem: str) -> RegistryIncompatible:
+    """The one-line error for an entry of /dev/shm that shmcancel will not use."""
+    return RegistryIncompatible(
+        f"{what} {path} {problem}: not using it; remove it (as its owner or root) or choose "
+        "another registry name")
+
+
+def _os_problem(e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "is a symbolic link"
+    if e.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader
+        return "is a FIFO"
+    return f"cannot be opened ({e.strerror})"
+
+
+def check_entry(what: str, path: str) -> os.stat_result | None:
+    """``lstat`` ``path``: ``None`` if absent; its stat if it is a regular file of ours; else
+    :class:`RegistryIncompatible`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    problem = _problem(st)
+    if problem is not None:
+        raise not_ours(what, path, problem)
+    return st
+
+
+def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
+               any_owner: bool = False) -> int:
+    """Open ``path`` without following a symbolic link or blocking on a FIFO, and return the fd
+    only if it is a regular file owned by us (else :class:`RegistryIncompatible`, fd closed).
+    ``FileNotFoundError`` (and ``FileExistsError`` under ``O_EXCL``) pass through."""
+    try:
+        fd = os.open(path, flags | _SAFE, mode)
+    except (FileNotFoundError, FileExistsError):
+        raise
+    except OSError as e:
+        raise not_ours(what, path, _os_problem(e)) from None
+    try:
+        problem = _problem(os.fstat(fd), any_owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise not_ours(what, path, problem)
+    return fd
+
+
+def open_lockfile(name: str) -> int:
+    """Open (creating if needed) the registry's lock file; a new open file description, so the
+    ``flock`` on it is this process's own."""
+    return open_entry("lock file", lock_path(name), os.O_RDWR | os.O_CREAT)
+
+
+def flock_bounded(name: str, timeout: float) -> int:
+    """An fd of the lock file, exclusively flock-ed; waits at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = open_lockfile(name)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise RegistryIncompatible(
+                            f"registry {name}: lock file {lock_path(name)} stayed locked for "
+                            f"{timeout:.1f}s (another process is creating or recovering it)"
+                        ) from None
+                    time.sleep(0.005)
+            # The file may have been unlinked (Registry.unlink) and recreated while we waited:
+            # only a lock on the inode currently at the path serialises anything.
+            try:
+                same = os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def unlink_quiet(fn: Callable[[str], None], arg: str) -> None:
+    with contextlib.suppress(posix_ipc.ExistentialError, FileNotFoundError):
+        fn(arg)
+
+
+def name_paths(name: str) -> list[str]:
+    """Every path in /dev/shm that belongs to registry ``name`` and exists: segment, semaphore,
+    lock file and temporaries of a creation (``shmcancel.NAME~...``)."""
+    check_name(name)
+    paths = [segment_path(name), sem_path(name), lock_path(name)]
+    tmp_prefix = f"shmcancel.{name}~"
+    with contextlib.suppress(OSError):  # /dev/shm unreadable: the fixed names still go
+        paths += [f"{SHM_DIR}/{f}" for f in sorted(os.listdir(SHM_DIR))
+                  if f.startswith(tmp_prefix)]
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def unlink_names(name: str) -> list[str]:
+    """Remove whatever exists of ``name``'s segment, semaphore, lock file and temporaries (the
+    entries themselves: a symbolic link is removed, never followed); the paths removed.
+    Raises one :class:`ShmCancelError` naming the first path that could not be removed, after
+    trying them all."""
+    removed, failed = [], []
+    for path in name_paths(name):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append((path, e))
+    if failed:
+        path, err = failed[0]
+        try:
+            owner = f"it belongs to uid {os.lstat(path).st_uid}; "
+        except OSError:
+            owner = ""
+        raise ShmCancelError(f"cannot remove {path}: {err.strerror} ({owner}remove it as its "
+                             "owner or root)")
+    return removed
+
+
+def check_stat(what: str, path: str, st: os.stat_result) -> None:
+    if st.st_uid != os.geteuid():
+        raise RegistryIncompatible(
+            f"{what} {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) != MODE:
+        raise RegistryIncompatible(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}, expected {MODE:o}")
+
+
