@@ -7,8 +7,9 @@ Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` o
   store each). Release: ``owner = 0``, then ``sem.release()``.
 - a waiter whose bounded wait (``step``) times out looks at the owner. It takes over the held unit
   when the owner is dead (gone, zombie, or its pid reused), or when the owner is 0 while the
-  semaphore stays taken, the generation has not moved for two whole steps and, at the last two
-  timeouts, every other process that has the semaphore open was asleep (a holder that died
+  semaphore stays taken, the generation has not moved for two whole steps and, at each of the
+  last two timeouts, every other process that has the semaphore open was seen asleep within
+  ``_SETTLE_WINDOW`` (a holder that died
   between acquiring and recording itself; a live one starved of CPU there is runnable, or its
   GIL holder is). Taking over is NOT release-then-acquire (that could
   let two processes in): under an ``flock`` on the registry's lock file (the kernel drops it when
@@ -69,6 +70,8 @@ _GEN = OFF_LOCK_GENERATION >> 3
 _RECOVERIES = OFF_RECOVERIES >> 3
 DEFAULT_TIMEOUT = 10.0  # seconds, when no timeout is given (the Registry gives its Config's)
 _SPIN = 200e-6  # seconds of sched_yield polling before blocking waits
+_SETTLE_WINDOW = 0.02  # seconds to see each other process on the semaphore asleep once
+_SETTLE_POLL = 0.002  # seconds between those looks
 _LOCAL_YIELDS = 16  # yields before a thread blocks on another thread's hold (_wait_local)
 _FAULTS = {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
            signal.SIGILL}
@@ -402,10 +405,18 @@ class RegistryLock:
         return p is None or not procinfo.alive(*p)
 
     def _busy_mappers(self) -> list[int]:
-        """Other processes with the semaphore open that may be running (see ``procinfo``)."""
+        """Other processes with the semaphore open that were not once seen asleep within
+        ``_SETTLE_WINDOW`` (see ``procinfo``). A window, not one sample: the other waiters wake
+        at their own timeouts, in step with this one when they began waiting together, and are
+        briefly running then; a live holder inside its window is never asleep at any instant."""
         # The creator maps it under glibc's temporary name, linked to sem_path() afterwards.
-        return [pid for pid in procinfo.mappers(f"{SHM_DIR}/sem.", self._seg.sem_ino)
+        busy = [pid for pid in procinfo.mappers(f"{SHM_DIR}/sem.", self._seg.sem_ino)
                 if not procinfo.settled(pid)]
+        deadline = time.monotonic() + _SETTLE_WINDOW
+        while busy and time.monotonic() < deadline:
+            time.sleep(_SETTLE_POLL)
+            busy = [pid for pid in busy if not procinfo.settled(pid)]
+        return busy
 
     def _timeout_message(self, owner: int, busy: list[int]) -> str:
         p = procinfo.unpack_owner(owner)
