@@ -17,7 +17,7 @@ import redis
 from helpers.gunicorn_harness import wait_until
 from helpers.redis_server import RedisServer, running, unique_prefix
 
-from shmcancel import Config, RemoteUnavailable
+from shmcancel import Cancellation, Config, RemoteUnavailable
 from shmcancel.redis import bridge as bridge_mod
 from shmcancel.redis.bridge import DOWN_AFTER, OWED_MAX, Bridge
 from shmcancel.shm.registry import Registry
@@ -45,11 +45,13 @@ def reg(shm_name: str) -> Iterator[Registry]:
 
 @contextlib.contextmanager
 def bridge(reg: Registry, srv: RedisServer, *, thread: bool = False,
-           lease: float = 30.0, timeout: float = TIMEOUT) -> Iterator[Bridge]:
+           lease: float = 30.0, timeout: float = TIMEOUT, prefix: str | None = None,
+           host: str = "h") -> Iterator[Bridge]:
     """A bridge with a long lease (an in-flight row only goes when it is ended) and, unless
-    ``thread``, no thread: only the calls a test makes reach Redis."""
-    b = Bridge(reg, srv.url, prefix=unique_prefix(), timeout=timeout, lease=lease,
-               host="h", retry=0.1)
+    ``thread``, no thread: only the calls a test makes reach Redis. Bridges given one
+    ``prefix`` and different ``host`` names are hosts of one deployment."""
+    b = Bridge(reg, srv.url, prefix=prefix or unique_prefix(), timeout=timeout, lease=lease,
+               host=host, retry=0.1)
     if thread:
         b.start()
     try:
@@ -164,6 +166,32 @@ def test_an_owed_untrack_is_not_added_back_by_renew(reg: Registry, srv: RedisSer
                    what="the owed untrack")
         renewed = b.remote.renew()
         assert renewed == 0 and not b.remote.in_flight(8, "session:y")
+
+
+def test_a_cross_host_cancel_without_an_answer_is_owed_and_lands(reg: Registry,
+                                                                 srv: RedisServer) -> None:
+    """Host B's notification for a call running on host A meets a paused Redis: the
+    cancellation is owed, not dropped, and A's tool sees it once Redis answers. One owed for a
+    request in flight nowhere records nothing when it lands."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, thread=True, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, thread=True, prefix=prefix, host="B") as b:
+        handle = c.begin(7, "session:x")  # running on A: its local row and its Redis row
+        assert handle.tracked and a.track(7, "session:x") is not None
+        until = pause(srv, 1500)
+        assert b.cancel(7, "stop", "session:x") is False  # no answer
+        assert b.cancel(8, "nobody runs it", "session:x") is False
+        assert b.owed() == 2 and not handle.cancelled()
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 20, interval=0.02,
+                   what="the owed cancellation delivered on A")
+        assert handle.reason() == "stop"
+        wait_until(lambda: b.owed() == 0 or None, time.monotonic() + 20, interval=0.02,
+                   what="both owed cancellations applied")
+        assert b.owed_applied == 2 and a.delivered == 1
+        assert not c.cancelled(8, "session:x")
+        handle.end()
 
 
 def test_owed_writes_are_bounded(reg: Registry, srv: RedisServer,

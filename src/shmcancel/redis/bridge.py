@@ -38,14 +38,15 @@ bridge is down) raises :class:`~shmcancel.exceptions.RemoteUnavailable`: the tra
 a session Redis says it does not hold (or one this worker deleted).
 
 Owed writes. A write that matters and got no answer (ending an in-flight row, storing a session,
-deleting one) is owed, not lost: kept in a queue of at most :data:`OWED_MAX` entries (one per
-row or session: a newer write replaces an older one; when full the oldest is dropped, with one
-warning per overflow), each with a deadline past which it no longer matters (a row's lease; the
-session TTL), and applied by the thread, oldest first, before its next renew, stopping at the
-first that gets no answer. Deleting a session drops a publish of it still owed; a session
-deleted here is never adopted again. A row whose end is owed is released here first, so renew
-never adds it back. A timed-out write may have landed anyway: each is idempotent. What is still
-owed when the worker exits is lost: its rows end with their lease, its sessions with their TTL.
+deleting one, a cross-host cancellation) is owed, not lost: kept in a queue of at most
+:data:`OWED_MAX` entries (one per row, session or cancelled request: a newer write replaces an
+older one; when full the oldest is dropped, with one warning per overflow), each with a deadline
+past which it no longer matters (a row's lease; the session TTL; :data:`CANCEL_TTL`), and applied
+by the thread, oldest first, before its next renew, stopping at the first that gets no answer.
+Deleting a session drops a publish of it still owed; a session deleted here is never adopted
+again. A row whose end is owed is released here first, so renew never adds it back. A timed-out
+write may have landed anyway: each is idempotent. What is still owed when the worker exits is
+lost: its rows end with their lease, its sessions with their TTL.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmcancel.config import Config
-from shmcancel.exceptions import LockTimeout, RemoteUnavailable
+from shmcancel.exceptions import CancellationLimitReached, LockTimeout, RemoteUnavailable
 
 from ..cancel import ids
 from ..mcp import remote
@@ -70,13 +71,15 @@ from ..mcp.sessions import SessionStore
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
 
-__all__ = ["DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env", "stop"]
+__all__ = ["CANCEL_TTL", "DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env",
+           "stop"]
 
 log = logging.getLogger("shmcancel.redis")
 
 DOWN_AFTER = 3  # calls in a row that time out (or get an error answer) before Redis is down
 OWED_MAX = 1024  # writes owed to Redis (and sessions remembered as deleted here)
 SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
+CANCEL_TTL = 10.0  # seconds an owed cross-host cancellation still matters
 
 
 class _NoAnswer(Exception):
@@ -280,12 +283,24 @@ class Bridge:
     def cancel(self, request_id: object, reason: object, scope: str) -> bool:
         """A notification found nothing in flight here: record it if the request runs on some
         host (it is delivered there). Raises ``CancellationLimitReached`` (quota); False when
-        not in flight anywhere or Redis gave no answer."""
+        not in flight anywhere, or when Redis gave no answer: then the cancellation is owed
+        for :data:`CANCEL_TTL` seconds (still gated on the request being in flight when it
+        lands, so a call that ended meanwhile gets no row)."""
         try:
             return bool(self._ask("cancel", self.remote.cancel_if_in_flight, request_id,
                                   reason, scope))
         except _NoAnswer:
+            rid = ids.key(request_id)
+            if rid is not None:
+                self._owe(("cancel", scope, rid), CANCEL_TTL,
+                          functools.partial(self._owed_cancel, request_id, reason, scope))
             return False
+
+    def _owed_cancel(self, request_id: object, reason: object, scope: str) -> None:
+        try:
+            self.remote.cancel_if_in_flight(request_id, reason, scope)
+        except CancellationLimitReached as e:  # the quota filled meanwhile: nothing to retry
+            log.warning("an owed cross-host cancellation was refused: %s", e)
 
     def publish_session(self, sid: str, version: str, client: str) -> None:
         """A session minted (or adopted) here: stored for other hosts, and this worker's box
