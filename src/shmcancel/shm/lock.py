@@ -9,13 +9,13 @@ Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` o
   when the owner is dead (gone, zombie, or its pid reused), or when the owner is 0 while the
   semaphore stays taken, the generation has not moved for two whole steps and, at each of the
   last two timeouts, every other process that has the semaphore open was seen asleep within
-  ``_SETTLE_WINDOW`` (a holder that died
-  between acquiring and recording itself; a live one starved of CPU there is runnable, or its
-  GIL holder is). Taking over is NOT release-then-acquire (that could
-  let two processes in): under an ``flock`` on the registry's lock file (the kernel drops it when
-  its holder dies), the waiter re-checks owner, generation and ``sem.value == 0`` unchanged, then
-  writes ``generation += 1``, ``owner = me``, ``recoveries += 1`` and carries on as the holder,
-  after running ``repair()`` (the registry's fsck).
+  ``_SETTLE_WINDOW`` (a holder that died between acquiring and recording itself; a live one
+  starved of CPU there is runnable, or its GIL holder is). Taking over is NOT
+  release-then-acquire (that could let two processes in): under an ``flock`` on the registry's
+  lock file (the kernel drops it when its holder dies), the waiter re-checks owner, generation,
+  ``sem.value == 0`` and the other processes, then writes ``generation += 1``, ``owner = me``,
+  ``recoveries += 1`` and carries on as the holder, after running ``repair()`` (the registry's
+  fsck).
 - a live owner is never robbed: a stopped holder makes waiters wait, then raise ``LockTimeout``.
 
 Within a process a ``threading.Lock`` serialises threads before the semaphore (a waiter yields
