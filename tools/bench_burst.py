@@ -100,8 +100,7 @@ class _Call:
         self.answered_at = _now()
         with contextlib.suppress(ValueError, AttributeError):
             self.code = json.loads(body).get("error", {}).get("code")
-        self.done.set()
-        return True
+        return True  # the reader unregisters the socket, then sets done
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -131,8 +130,11 @@ class _Reader:
         while self.running:
             for key, _ in self.sel.select(0.05):
                 if key.data._readable():
+                    # before done: once done, the round may close the socket and a new one
+                    # reuse its descriptor number
                     with contextlib.suppress(KeyError, ValueError):
                         self.sel.unregister(key.fileobj)
+                    key.data.done.set()
 
     def close(self) -> None:
         self.running = False
