@@ -66,6 +66,17 @@ class RedisServer:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stopped (SIGSTOP: it answers nothing) for the block, resumed (SIGCONT)
+        after, whatever the block raised."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

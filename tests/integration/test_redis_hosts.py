@@ -22,7 +22,7 @@ from helpers.background import Background
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, RETRY_FOR, reply_of, send, tag, wait_file
 from helpers.names import TEST_PREFIX, fresh_registry_name
-from helpers.redis_server import RedisServer, running, unique_prefix
+from helpers.redis_server import running, unique_prefix
 
 from shmcancel import errors
 
@@ -286,9 +286,7 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
             two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
             c = Client(a.url)
             assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
-            assert srv.proc is not None
-            os.kill(srv.proc.pid, signal.SIGSTOP)
-            try:
+            with srv.paused():
                 for i in range(8):
                     url = (a.url, b.url)[i % 2]
                     t0 = time.monotonic()
@@ -301,8 +299,6 @@ def test_redis_stalled_costs_at_most_the_timeout(outdir: str, shm_name: str,
                 wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
                 assert c.cancel(a.url, "s").status_code == 202
                 assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
-            finally:
-                os.kill(srv.proc.pid, signal.SIGCONT)
 
             def cross_works() -> bool | None:
                 rep, _ = cross_cancel_short(a, b, outdir, c)
@@ -358,7 +354,6 @@ def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name:
               env_extra={"SHMCANCEL_REDIS_TIMEOUT": str(timeout)}) as a:
         c = Client(a.url)
         assert c.call(a.url, 0, "echo", {"text": "x"})["result"]  # Redis answers
-        assert srv.proc is not None
         go = threading.Barrier(n)
 
         def timed(i: int) -> float:
@@ -368,28 +363,14 @@ def test_redis_stalled_blocks_no_request_past_the_timeout(outdir: str, shm_name:
             assert rep["result"]["content"][0]["text"] == str(i), rep
             return time.monotonic() - t0
         calls = [Background(lambda i=i: timed(i)) for i in range(n)]
-        os.kill(srv.proc.pid, signal.SIGSTOP)
-        try:
+        with srv.paused():
             for call in calls:
                 call.start()
             took = [call.result() for call in calls]
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
         assert max(took) < timeout + 0.5, took
 
 
 PING = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
-
-
-@contextlib.contextmanager
-def paused(srv: RedisServer) -> Iterator[None]:
-    """The test's redis-server stopped (SIGSTOP) for the block, resumed (SIGCONT) after."""
-    assert srv.proc is not None
-    os.kill(srv.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(srv.proc.pid, signal.SIGCONT)
 
 
 def assert_retry_later(r: httpx.Response) -> None:
@@ -409,7 +390,7 @@ def test_a_session_lookup_redis_cannot_answer_is_503_not_404(outdir: str, shm_na
         c = Client(a.url)
         unknown = Client(a.url)
         unknown.sid = "y" * 32  # never minted anywhere
-        with paused(srv):
+        with srv.paused():
             assert_retry_later(c.post(b.url, PING, retry_for=0))
             assert_retry_later(c.post(b.url, PING, retry_for=0))  # the same, asked again
             assert_retry_later(unknown.post(b.url, PING, retry_for=0))
@@ -430,7 +411,7 @@ def test_writes_made_while_redis_is_stopped_are_applied_after(outdir: str, shm_n
         r = redis.Redis.from_url(srv.url)
         old = Client(a.url)
         assert old.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
-        with paused(srv):
+        with srv.paused():
             new = Client(a.url)  # minted on A: publish owed
             assert old.delete(a.url, retry_for=0).status_code == 204  # delete owed
             assert new.call(a.url, 1, "echo", {"text": "y"})["result"]  # untrack owed
