@@ -96,6 +96,19 @@ def first_message(fn: Callable[[int], None], timeout: float = 10) -> tuple[int, 
         reap(pid)
 
 
+def wait_exit(pid: int, timeout: float) -> int | None:
+    """Reap the child ``pid`` once it exits by itself, polling for up to ``timeout`` seconds:
+    its raw wait status, or None if it is still running then (not reaped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return status
+        if time.monotonic() > deadline:
+            return None
+        select.select([], [], [], 0.005)
+
+
 def wait_zombie(pid: int, timeout: float = 5.0) -> None:
     """Poll /proc until ``pid`` is a zombie (it exited and nobody reaped it yet)."""
     deadline = time.monotonic() + timeout
@@ -151,15 +164,10 @@ class Child:
 
     def wait(self, timeout: float = TIMEOUT) -> int:
         """Reap the child (it must exit by itself); its exit code."""
-        deadline = time.monotonic() + timeout
-        while self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = status
-                break
-            if time.monotonic() > deadline:
+        if self.status is None:
+            self.status = wait_exit(self.pid, timeout)
+            if self.status is None:
                 raise TimeoutError(f"child {self.pid} did not exit")
-            time.sleep(0.005)
         return os.waitstatus_to_exitcode(self.status)
 
     def kill(self) -> None:

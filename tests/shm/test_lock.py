@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers.procs import fork
+from helpers.procs import fork, wait_exit
 
 from shmcancel import telemetry
 from shmcancel.exceptions import LockTimeout
@@ -67,15 +67,11 @@ class Child:
             os.kill(self.pid, sig)
 
     def wait(self, timeout: float = 10.0) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.reaped = True
-                return os.waitstatus_to_exitcode(status)
-            if time.monotonic() > deadline:
-                raise AssertionError(f"child {self.pid} did not exit within {timeout}s")
-            select.select([], [], [], 0.005)
+        status = wait_exit(self.pid, timeout)
+        if status is None:
+            raise AssertionError(f"child {self.pid} did not exit within {timeout}s")
+        self.reaped = True
+        return os.waitstatus_to_exitcode(status)
 
     def stop(self) -> None:
         """For ``finally``: kill and reap whatever state the child is in."""

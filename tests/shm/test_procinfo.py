@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import posix_ipc
 import pytest
-from helpers.procs import child, reap, recv, wait_zombie
+from helpers.procs import child, fork, reap, recv, wait_exit, wait_zombie
 
 from shmcancel.shm import procinfo
 
@@ -19,13 +19,11 @@ from shmcancel.shm import procinfo
 def _fork_waiting() -> tuple[int, int]:
     """A child that blocks until its pipe closes. Returns (pid, write end)."""
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
+
+    def run() -> None:
         os.close(w)
-        try:
-            os.read(r, 1)
-        finally:
-            os._exit(0)
+        os.read(r, 1)
+    pid = fork(run)
     os.close(r)
     return pid, w
 
@@ -164,17 +162,15 @@ def _states_until(pid: int, ok: Callable[[list[str]], bool], timeout: float = 10
 
 def test_thread_states_and_settled() -> None:
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a second thread sleeps; the main one spins until told to sleep, then sleeps
-        try:
-            os.close(w)
-            threading.Thread(target=select.select, args=([], [], [], 60), daemon=True).start()
-            while not select.select([r], [], [], 0)[0]:
-                pass
-            os.read(r, 1)
-            select.select([r], [], [], 60)
-        finally:
-            os._exit(0)
+
+    def run() -> None:  # a second thread sleeps; the main one spins until told to, then sleeps
+        os.close(w)
+        threading.Thread(target=select.select, args=([], [], [], 60), daemon=True).start()
+        while not select.select([r], [], [], 0)[0]:
+            pass
+        os.read(r, 1)
+        select.select([r], [], [], 60)
+    pid = fork(run)
     try:
         os.close(r)
         _states_until(pid, lambda s: "R" in s)  # spinning: running or runnable
@@ -225,10 +221,8 @@ def test_unreadable_process_of_my_uid_counts_as_a_mapper() -> None:
     pid, r = child(_nobody_asks_about_a_sibling)
     try:
         got = recv(r, 20)
-        deadline = time.monotonic() + 20  # it reaps its sibling, then exits by itself
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            assert time.monotonic() < deadline, "the asking child did not exit"
-            select.select([], [], [], 0.01)
+        # it reaps its sibling, then exits by itself
+        assert wait_exit(pid, 20) is not None, "the asking child did not exit"
     finally:
         os.close(r)
         reap(pid)
@@ -240,13 +234,11 @@ def _nobody_asks_about_a_sibling(w: int) -> None:
     os.setgid(65534)
     os.setuid(65534)  # non-dumpable from here, and without capabilities
     rr, ww = os.pipe()
-    sib = os.fork()
-    if sib == 0:
-        try:
-            os.close(ww)
-            os.read(rr, 1)  # until the asker closes its end
-        finally:
-            os._exit(0)
+
+    def sibling() -> None:
+        os.close(ww)
+        os.read(rr, 1)  # until the asker closes its end
+    sib = fork(sibling)
     try:
         found = procinfo.mappers("/dev/shm/sem.", 1)
         os.write(w, f"{sib}:{','.join(map(str, found))}".encode())
