@@ -100,7 +100,7 @@ def settle_owed() -> int:
                 log.warning("dropping an owed request end", exc_info=True)
             else:
                 n += 1
-            if queue and queue[0] is entry:  # _owe may have dropped it meanwhile
+            if queue and queue[0] is entry:  # owe() may have dropped it meanwhile
                 queue.popleft()
     finally:
         lock.release()
