@@ -11,8 +11,9 @@ import textwrap
 import types
 
 import pytest
+from helpers import procs
 
-from shmcancel import Config, principal
+from shmcancel import Config, cancelled, principal
 from shmcancel.cancel.policy import _WATCH_CACHE, Cancellation
 from shmcancel.shm.registry import Registry
 
@@ -214,3 +215,40 @@ def test_end_clears_the_row_whether_or_not_the_handle_was_polled(c, polls, other
     h2 = c.begin(8, S)  # a request nobody cancelled ends without writing a row
     h2.end()
     assert c.cancelled(8, S) is False
+
+
+@pytest.mark.parametrize("polls", [1, 3])
+@pytest.mark.parametrize("via", ["handle", "conn"])
+def test_a_handle_that_cached_no_row_sees_a_cancel_from_another_process(c, polls, via):
+    """The handle's hot poll trusts one bucket version: a cancel written by another process
+    moves it, so the next poll answers True (a poll that missed it would stay False)."""
+    name = c.registry.name
+    h = c.begin(7, S)
+    poll = h.cancelled if via == "handle" else lambda: cancelled({"shmcancel.handle": h})
+    for _ in range(polls):
+        assert poll() is False
+    pid = procs.fork(lambda: Cancellation(Registry.attach(name)).cancel_if_in_flight(7, "x", S))
+    assert procs.wait_exit(pid, 10) == 0
+    assert poll() is True and h.reason() == "x"
+    c.clear(7, S)
+    assert poll() is True  # latched
+    h.end()
+
+
+def test_cancel_local_after_a_cached_poll_is_seen_at_once(c):
+    h = c.begin(7, S)
+    assert h.cancelled() is False and h.cancelled() is False
+    h.cancel_local("gone")
+    assert h.cancelled() is True and h.reason() == "gone"
+    h.end()
+
+
+def test_a_stale_row_is_not_cached_as_cancelled_and_is_removed(c):
+    c.cancel(7, "old", S)  # a row of an earlier namesake: older than the handle
+    h = c.begin(7, S)
+    assert h.cancelled() is False
+    assert c.cancelled(7, S) is False  # the first poll removed it
+    assert h.cancelled() is False
+    assert c.cancel_if_in_flight(7, "new", S)
+    assert h.cancelled() is True and h.reason() == "new"
+    h.end()

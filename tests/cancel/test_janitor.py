@@ -16,7 +16,7 @@ import pytest
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import dump
 
-from shmcancel import Cancellation, Config, Registry
+from shmcancel import Cancellation, Config, Registry, cancelled
 from shmcancel.cancel.janitor import Janitor
 from shmcancel.shm import procinfo
 
@@ -119,3 +119,33 @@ def test_idle_gunicorn_sweeps_expired_rows(idle_server: Gunicorn) -> None:
         reg.close()  # from here on nothing but read-only dumps touches the registry
     wait_until(lambda: dump(name)["cancellations"] == [], time.monotonic() + 5,
                what="an idle server's workers to sweep the expired row")
+
+
+@pytest.mark.parametrize("poll", ["handle", "conn", "id"])
+def test_a_tool_that_only_polls_still_drives_the_janitor(shm_name: str, monkeypatch,
+                                                         poll: str) -> None:
+    """Contract §4.6, with no janitor thread: a process whose only use of the registry is a
+    long tool's cached poll still sweeps once the interval is due (every POLLS_PER_CLOCK polls
+    read the clock)."""
+    from shmcancel.cancel import policy
+
+    now = [time.time()]
+    monkeypatch.setattr(policy, "_now", lambda: now[0])
+    reg = Registry.create(shm_name, FAST)
+    try:
+        c = Cancellation(reg, clock=lambda: now[0])
+        c.cancel(1, None, "ip:192.0.2.9")  # expires after ttl = 0.1 s
+        h = c.begin(7, "ip:192.0.2.9")
+        polls = {"handle": h.cancelled, "conn": lambda: cancelled({"shmcancel.handle": h}),
+                 "id": lambda: c.cancelled(7, "ip:192.0.2.9")}[poll]
+        for _ in range(3 * policy.POLLS_PER_CLOCK):
+            assert polls() is False
+        assert c.cancelled(1, "ip:192.0.2.9") is True  # not swept: the interval is not due
+        now[0] += 2 * FAST.janitor_interval
+        for _ in range(policy.POLLS_PER_CLOCK + 1):
+            assert polls() is False
+        assert reg.table("cancellations").count() == 0  # the expired row went
+        h.end()
+    finally:
+        reg.close()
+        reg.unlink()

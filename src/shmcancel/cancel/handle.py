@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import telemetry
@@ -26,13 +27,17 @@ from .storage import Owner, Poll
 if TYPE_CHECKING:
     from .policy import Cancellation
 
-__all__ = ["CANCELLED_EVENT", "RequestHandle", "valid_scope"]
+__all__ = ["CANCELLED_EVENT", "POLLS_PER_CLOCK", "RequestHandle", "valid_scope"]
 
 log = logging.getLogger("shmcancel.cancellation")
 
 CANCELLED_EVENT = ("shmcancel", "request", "cancelled")
 
 _tokens = itertools.count(1)
+#: Cached polls between two clock reads of the janitor check (per handle, and per Cancellation
+#: for its own polls).
+POLLS_PER_CLOCK = 16
+_NO_VERSIONS: Sequence[int] = (0,)  # a handle's versions before its first poll: never == -1
 _full_logged = False
 
 
@@ -63,8 +68,8 @@ class RequestHandle:
     """
 
     __slots__ = (
-        "_c", "_ended", "_local", "_local_reason", "_owner", "_rid", "_stale_at", "_token",
-        "_watch", "began", "error", "request_id", "scope", "tracked",
+        "_b", "_c", "_ended", "_local", "_local_reason", "_n", "_owner", "_rid", "_stale_at",
+        "_token", "_v", "_ver", "_watch", "began", "error", "request_id", "scope", "tracked",
     )
 
     def __init__(self, c: Cancellation, request_id: object, scope: str) -> None:
@@ -79,6 +84,11 @@ class RequestHandle:
         self._local_reason: str | None = None
         self._owner: Owner | None = None
         self._watch: Poll | None = None
+        # The hot poll's cache: "not cancelled while versions[_b] == _v" (_v = -1: never).
+        self._ver: Sequence[int] = _NO_VERSIONS
+        self._b = 0
+        self._v = -1
+        self._n = POLLS_PER_CLOCK  # polls left before the janitor check
         self._token = 0
         self._stale_at: float | None = None
         self.error: ShmCancelError | None = None
@@ -114,24 +124,43 @@ class RequestHandle:
     def cancelled(self) -> bool:
         """True once this request was cancelled, here or by any process. Lock-free; never
         raises. Once true it stays true (it latches: a namesake's ``end()``, an eviction or the
-        janitor removing the shared row afterwards does not un-cancel a running tool)."""
-        if self._local:
-            return True
+        janitor removing the shared row afterwards does not un-cancel a running tool).
+
+        The hot path is one version load: ``_ver[_b] == _v`` holds while the bucket the watch
+        last read without finding a row has not moved (a latch or ``cancel_local`` sets
+        ``_v = -1``, which no version equals)."""
         try:
-            w = self._watch
-            if w.__class__ is _Watch and w._ver[w._b] == w._v and not w._member:
-                pass  # the hot path: Watch.member()'s first line, without the call
-            elif w is not None or self._rid is not None:
-                if w is None:  # made on the first poll: many tools never poll
-                    w = self._watch = self._c._store.watch(self.scope, self._rid)  # type: ignore[arg-type]
-                if w.member() and self._latch():
-                    return True
-            c = self._c
-            n = c._polls = c._polls - 1
-            if n < 0:
-                c._poll_tick()
+            if self._ver[self._b] == self._v:
+                n = self._n = self._n - 1
+                if n < 0:
+                    self._n = POLLS_PER_CLOCK
+                    self._c._tick()
+                return False
+            return self._poll()
         except Exception:
             return False
+
+    def _poll(self) -> bool:
+        """:meth:`cancelled` when the cached answer cannot be trusted: read the watch (made on
+        the first poll: many tools never poll), latch a row, or cache its "no row"."""
+        if self._local:
+            return True
+        w = self._watch
+        if w is None and self._rid is not None:
+            w = self._watch = self._c._store.watch(self.scope, self._rid)
+        if w is not None:
+            if w.member():
+                if self._latch():
+                    return True
+            elif w.__class__ is _Watch:
+                seen = w._seen  # one tuple: the (bucket, version) pairs of that read
+                if len(seen) == 1 and not w._member:
+                    self._ver = w._ver
+                    self._b, self._v = seen[0]
+        n = self._n = self._n - 1
+        if n < 0:
+            self._n = POLLS_PER_CLOCK
+            self._c._tick()
         return False
 
     def _latch(self) -> bool:
@@ -153,6 +182,7 @@ class RequestHandle:
             return False
         self._local_reason = row[0] if row is not None else None
         self._local = True
+        self._v = -1
         return True
 
     def cancel_local(self, reason: object = None) -> None:
@@ -162,6 +192,7 @@ class RequestHandle:
             return
         self._local_reason = sanitize(reason)
         self._local = True
+        self._v = -1  # after _local: a poll that misses the -1 once finds _local next time
         telemetry.execute(
             CANCELLED_EVENT,
             {"count": 1},

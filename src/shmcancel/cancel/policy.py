@@ -44,7 +44,7 @@ from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
 from . import ids, owed
 from .eviction import batch_size
-from .handle import CANCELLED_EVENT, RequestHandle, valid_scope
+from .handle import CANCELLED_EVENT, POLLS_PER_CLOCK, RequestHandle, valid_scope
 from .owed import owed_ends, settle_owed
 from .reasons import sanitize
 from .shm_storage import ShmBackend
@@ -67,8 +67,6 @@ CLEANUP_EVENT = ("shmcancel", "cancellation", "cleanup")
 
 _now = time.time  # the janitor's schedule (see the module docstring)
 _WATCH_CACHE = 1024
-#: Cached polls between two clock reads of the janitor check (per Cancellation).
-_POLLS_PER_CLOCK = 16
 # After a lost claim_sweep, look again after this fraction of the interval.
 _RECHECK_FRACTION = 0.125
 
@@ -455,8 +453,8 @@ class Cancellation:
         return self._store.reap_ended(pid, start, owed.running)
 
     def _poll_tick(self) -> None:
-        """The janitor check of a cached poll, once per ``_POLLS_PER_CLOCK`` of them."""
-        self._polls = _POLLS_PER_CLOCK - 1
+        """The janitor check of a cached poll, once per ``POLLS_PER_CLOCK`` of them."""
+        self._polls = POLLS_PER_CLOCK - 1
         self._tick()
 
     def _tick(self) -> None:
