@@ -252,3 +252,55 @@ def test_a_stale_row_is_not_cached_as_cancelled_and_is_removed(c):
     assert c.cancel_if_in_flight(7, "new", S)
     assert h.cancelled() is True and h.reason() == "new"
     h.end()
+
+
+@pytest.mark.parametrize("polls", [1, 3])
+def test_a_conn_without_a_handle_caches_its_poll_and_sees_another_process_cancel(c, polls):
+    """A dict conn keeps the poll it resolved (issue #9: the scope is read once per request);
+    the cached poll still answers from shared memory, so another process's cancel is seen."""
+    name = c.registry.name
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
+    for _ in range(polls):
+        assert c.cancelled(conn) is False
+    assert conn["shmcancel.poll"].c is c  # the poll is kept in the conn
+    pid = procs.fork(lambda: Cancellation(Registry.attach(name)).cancel(7, "x", S))
+    assert procs.wait_exit(pid, 10) == 0
+    assert c.cancelled(conn) is True
+    c.clear(7, S)
+    assert c.cancelled(conn) is False  # no handle: nothing latches
+
+
+def test_a_conn_whose_request_id_changes_is_resolved_again(c):
+    c.cancel(8, None, S)
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
+    assert c.cancelled(conn) is False
+    conn["shmcancel.request_id"] = 8
+    assert c.cancelled(conn) is True
+    conn["shmcancel.request_id"] = "7"
+    assert c.cancelled(conn) is False
+    del conn["shmcancel.request_id"]
+    assert c.cancelled(conn) is False
+
+
+@pytest.mark.parametrize("junk", [5, "x", None, (1, 2, 3), {"c": None}])
+def test_junk_under_the_poll_key_is_ignored_and_replaced(c, junk):
+    c.cancel(7, None, S)
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7, "shmcancel.poll": junk}
+    assert c.cancelled(conn) is True
+    assert conn["shmcancel.poll"].c is c
+
+
+def test_a_poll_cached_by_another_cancellation_is_not_trusted(c, shm_names):
+    name = f"{c.registry.name}-b"
+    shm_names.append(name)
+    other_reg = Registry.create(name, Config(**SMALL))
+    try:
+        other = Cancellation(other_reg)
+        conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
+        assert other.cancelled(conn) is False  # cached for `other`
+        c.cancel(7, None, S)
+        assert c.cancelled(conn) is True  # c's registry, not other's cached poll
+        assert other.cancelled(conn) is False
+    finally:
+        other_reg.close()
+        other_reg.unlink()

@@ -34,7 +34,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
@@ -72,7 +72,14 @@ _RECHECK_FRACTION = 0.125
 
 class ConnReader(Protocol):
     """How a conn (a mapping) names its request and its caller. The transport provides one
-    (:mod:`shmcancel.mcp.conn`); the package installs it at import (:func:`read_conns_with`)."""
+    (:mod:`shmcancel.mcp.conn`); the package installs it at import (:func:`read_conns_with`).
+
+    ``REQUEST_ID_KEY`` is the conn key of the request id; ``POLL_KEY`` the key under which
+    :meth:`Cancellation.cancelled` keeps, in a ``dict`` conn without a handle, the poll it
+    resolved (valid while the conn's request id stays the same object)."""
+
+    REQUEST_ID_KEY: str
+    POLL_KEY: str
 
     def handle(self, conn: Mapping[str, Any]) -> Any: ...
     def request_id(self, conn: Mapping[str, Any]) -> Any: ...
@@ -81,6 +88,8 @@ class ConnReader(Protocol):
 
 class _NoConns:
     """Before a transport is installed a conn names no request, and every caller is global."""
+
+    REQUEST_ID_KEY = POLL_KEY = ""
 
     @staticmethod
     def handle(conn: Mapping[str, Any]) -> Any:
@@ -95,13 +104,57 @@ class _NoConns:
         return "global"
 
 _conns: ConnReader = _NoConns()
+_rid_key = _poll_key = ""  # the reader's keys, as globals for the hot path
 
 
 def read_conns_with(reader: ConnReader) -> None:
     """Read conns with ``reader`` in :meth:`Cancellation.scope` and :meth:`Cancellation.cancelled`
     (the scope lookup and the environ keys belong to the transport, above this layer)."""
-    global _conns
+    global _conns, _rid_key, _poll_key
     _conns = reader
+    _rid_key, _poll_key = reader.REQUEST_ID_KEY, reader.POLL_KEY
+
+
+class _HotPoll(Protocol):
+    """What the poll caches hold: a :class:`~shmcancel.shm.reader.Watch`, or a :class:`_Cached`
+    store poll. ``_ver[_b] == _v`` means "unchanged, answer ``_member``"."""
+
+    @property
+    def _ver(self) -> Sequence[int]: ...
+    @property
+    def _b(self) -> int: ...
+    @property
+    def _v(self) -> int: ...
+    @property
+    def _member(self) -> bool: ...
+    def member(self) -> bool: ...
+
+
+class _Cached:
+    """A store's poll that is not a :class:`~shmcancel.shm.reader.Watch`, given the attributes
+    the hot paths of :meth:`Cancellation.cancelled` read first, so that they need no type check:
+    ``_ver[_b] == _v`` never holds, so ``member()`` always runs."""
+
+    __slots__ = ("_member", "member")
+    _ver: Sequence[int] = (0,)
+    _b = 0
+    _v = -1
+
+    def __init__(self, poll: Poll) -> None:
+        self._member = False
+        self.member = poll.member
+
+
+class _ConnPoll:
+    """What :meth:`Cancellation.cancelled` keeps in a conn without a handle: the poll ``w`` of
+    request id ``rid`` (the conn's object, compared by identity) for Cancellation ``c``."""
+
+    __slots__ = ("c", "rid", "w")
+
+    def __init__(self, c: Cancellation, rid: object, w: _HotPoll) -> None:
+        self.c = c
+        self.rid = rid
+        self.w = w
 
 
 _T = TypeVar("_T")
@@ -173,7 +226,7 @@ class Cancellation:
         self._polls = 0  # cached polls left before the next clock read (see the module doc)
         # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
         # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
-        self._watches: _Polls[Poll] = _Polls()
+        self._watches: _Polls[_HotPoll] = _Polls()
         self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
         self._watch_map = self._watches.m  # the hot path's plain dicts (see _Polls)
         self._in_flight_map = self._in_flight_polls.m
@@ -230,21 +283,39 @@ class Cancellation:
     def cancelled(self, conn_or_request_id: object, scope: str = "global") -> bool:
         """Whether the request is cancelled. With a conn (a mapping): its handle when it has
         one, else its ``"shmcancel.request_id"`` in ``scope(conn)`` (no request id → ``False``).
-        Otherwise the argument is the request id, looked up in ``scope``. Never raises."""
+        Otherwise the argument is the request id, looked up in ``scope``. Never raises.
+
+        A ``dict`` conn without a handle keeps the poll its first call resolved, under
+        ``ConnReader.POLL_KEY``, for as long as its request id stays the same object: its scope
+        is read once per request (the transport and any middleware set the keys it is read from
+        before the tool runs)."""
         try:
             x = conn_or_request_id
             t = type(x)
             if t is not int and t is not str:
-                if t is not dict and not isinstance(x, Mapping):
+                if t is dict:
+                    e = x.get(_poll_key)  # type: ignore[attr-defined]
+                    if e.__class__ is _ConnPoll and e.c is self and x.get(_rid_key) is e.rid:  # type: ignore[attr-defined]
+                        w = e.w
+                        n = self._polls = self._polls - 1
+                        if n < 0:
+                            self._poll_tick()
+                        if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
+                            return w._member
+                        return w.member()
+                elif not isinstance(x, Mapping):
                     return self._cancelled(x, scope)
                 h = _conns.handle(x)  # type: ignore[arg-type]
                 if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
                     return h.cancelled()
                 scope = _conns.scope(x)
-                x = _conns.request_id(x)  # type: ignore[arg-type]
-                t = type(x)
-                if t is not int and t is not str:
-                    return self._cancelled(x, scope)
+                rid = _conns.request_id(x)  # type: ignore[arg-type]
+                cw = self._watch_of(rid, scope)
+                if cw is None:
+                    return False
+                if t is dict and h is None and _poll_key:
+                    x[_poll_key] = _ConnPoll(self, rid, cw)  # type: ignore[index]
+                return cw.member()
             # Fast path: an id and scope of the exact types, polled before. The cache is keyed
             # by the id as given (42 and "42" are two entries watching the one row); only valid
             # ids of exact types enter it, so a bool, float or subclass never matches here.
@@ -257,8 +328,8 @@ class Cancellation:
                     n = self._polls = self._polls - 1
                     if n < 0:
                         self._poll_tick()
-                    if w.__class__ is _Watch and w._ver[w._b] == w._v:
-                        return w._member  # Watch.member()'s own first line, without the call
+                    if w._ver[w._b] == w._v:  # Watch.member()'s own first line (see _Cached)
+                        return w._member
                     return w.member()
             return self._cancelled(x, scope)
         except Exception:
@@ -268,16 +339,24 @@ class Cancellation:
     def _cancelled(self, x: object, scope: str) -> bool:
         """:meth:`cancelled`'s general path for an id (the conn already resolved): one not
         cached yet, or not of an exact type."""
+        w = self._watch_of(x, scope)
+        return False if w is None else w.member()
+
+    def _watch_of(self, x: object, scope: str) -> _HotPoll | None:
+        """The cached poll of id ``x`` in ``scope`` (made and cached when new); ``None`` for an
+        invalid id or scope."""
         rid = ids.key(x)
         if rid is None or (type(scope) is not str and not isinstance(scope, str)):
-            return False
+            return None
         scope = str.__str__(scope)  # cache keys hold plain str only
         self._tick()
         k = x if type(x) is int or type(x) is str else rid  # as the fast path looks it up
         w = self._watches.find(scope, k)
         if w is None:
-            w = self._watches.add(scope, k, self._store.watch(scope, rid))
-        return w.member()
+            p = self._store.watch(scope, rid)
+            w = p if isinstance(p, _Watch) else _Cached(p)
+            self._watches.add(scope, k, w)
+        return w
 
     def reason(self, request_id: object, scope: str = "global") -> str | None:
         """The stored reason of a cancelled request; ``None`` when not cancelled, cancelled

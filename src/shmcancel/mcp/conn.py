@@ -20,6 +20,7 @@ from .principal import scope
 __all__ = [
     "CANCELLATION_KEY",
     "HANDLE_KEY",
+    "POLL_KEY",
     "REQUEST_ID_KEY",
     "cancelled",
     "handle",
@@ -30,6 +31,8 @@ __all__ = [
 HANDLE_KEY = "shmcancel.handle"
 REQUEST_ID_KEY = "shmcancel.request_id"
 CANCELLATION_KEY = "shmcancel.cancellation"
+#: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle.
+POLL_KEY = "shmcancel.poll"
 
 _defaults: dict[int, tuple[Any, Cancellation]] = {}
 
