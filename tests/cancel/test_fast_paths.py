@@ -304,3 +304,38 @@ def test_a_poll_cached_by_another_cancellation_is_not_trusted(c, shm_names):
     finally:
         other_reg.close()
         other_reg.unlink()
+
+
+def test_a_first_poll_in_a_scope_without_rows_makes_no_watch(c):
+    """The transport's own look when a tool returns is often a handle's only poll: with no row
+    counted in the scope it answers from the count alone; the next poll makes the watch."""
+    h = c.begin(7, S)
+    assert h.cancelled() is False and h._watch is None
+    assert h.cancelled() is False and h._watch is not None
+    h.end()
+
+
+@pytest.mark.parametrize("mine", [True, False])
+def test_a_first_poll_in_a_scope_with_rows_reads_the_row(c, mine):
+    c.cancel(8, None, S)  # another request's row: the scope's count is 1
+    h = c.begin(7, S)
+    if mine:
+        assert c.cancel_if_in_flight(7, "x", S)
+    assert h.cancelled() is mine
+    assert h._watch is not None
+    h.end()
+    assert c.cancelled(7, S) is False and c.cancelled(8, S) is True
+
+
+def test_end_removes_its_own_row_by_receipt_and_leaves_a_namesake(c):
+    """A handle's row goes by the receipt its begin got; a namesake's row (same key, another
+    owner) stays in flight."""
+    a = c.begin(7, S)
+    b = c.begin(7, S)
+    assert type(a._receipt) is tuple and a._receipt != b._receipt
+    a.end()
+    assert c.in_flight(7, S) is True
+    rows = c.registry.table("in_flight").lookup((S, "7"))
+    assert rows == [b._owner]
+    b.end()
+    assert c.in_flight(7, S) is False

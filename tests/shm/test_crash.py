@@ -100,6 +100,21 @@ def _bag_insert_over_a_stale_record(t: Table) -> Callable[[], object]:
     return lambda: t.insert("k", "new")
 
 
+def _bag_add_over_a_stale_record(t: Table) -> Callable[[], object]:
+    # add() (a row known to be distinct, no read first) publishes as insert does
+    t.insert("k", "old")
+    t.insert("z", "z")
+    t.delete_object("k", "old")
+    t.delete("z")
+    return lambda: t.add("k", "new")
+
+
+def _bag_remove_by_receipt_shifting_across_buckets(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 4, home=14)  # slots 14..17: the shift crosses into bucket 1
+    receipts = [t.add(k, i) for i, k in enumerate(keys)]
+    return lambda: t.remove(keys[0], receipts[0])
+
+
 def _set_update(t: Table) -> Callable[[], object]:
     keys = same_home_keys(t, 3, home=15)
     for k in keys:
@@ -163,8 +178,10 @@ def _bag_classes_insert_large(t: Table) -> Callable[[], object]:
 
 
 KILL_SCENARIOS = {f.__name__[1:]: f for f in (
-    _bag_insert_over_a_stale_record, _set_update, _set_delete_shifting_across_buckets,
-    _set_insert_into_a_chain, _set_classes_small_to_large, _set_classes_large_to_small,
+    _bag_insert_over_a_stale_record, _bag_add_over_a_stale_record,
+    _bag_remove_by_receipt_shifting_across_buckets, _set_update,
+    _set_delete_shifting_across_buckets, _set_insert_into_a_chain, _set_classes_small_to_large,
+    _set_classes_large_to_small,
     _set_classes_large_update_on_the_spare, _set_classes_delete_large,
     _bag_classes_insert_large)}
 

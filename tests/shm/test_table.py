@@ -66,6 +66,8 @@ class TableMachine(RuleBasedStateMachine):
         super().__init__()
         self.model: dict[bytes, list[bytes]] = {}
         self.keys: dict[bytes, Any] = {}
+        self.receipts: list[tuple[Any, bytes, tuple[int, int]]] = []  # (key, value, receipt)
+        self.tokens = 0
         self.t = self.rig.reset(0)
         self.watches = [(k, self.t.watch(k)) for k in KEYS[:3]]
 
@@ -142,6 +144,38 @@ class TableMachine(RuleBasedStateMachine):
             vals.remove(vb)
             if not vals:
                 del self.model[kb]
+
+    @rule(k=st.sampled_from(KEYS))
+    def add(self, k: Any) -> None:
+        """Bags: a row distinct from every other (a fresh token), by receipt."""
+        if self.kind != "bag":
+            return
+        self.tokens += 1
+        v = ("token", self.tokens)
+        if self.rows() >= self.capacity:
+            with pytest.raises(TableFull):
+                self.t.add(k, v)
+            return
+        receipt = self.t.add(k, v)
+        kb = packed(k)
+        self.model.setdefault(kb, []).append(packed(v))
+        self.keys[kb] = k
+        self.receipts.append((k, packed(v), receipt))
+
+    @rule(i=st.integers(0, 7))
+    def remove(self, i: int) -> None:
+        """A receipt removes its own row while it is there, and nothing once it went (deleted
+        by another rule, its record maybe reused since)."""
+        if not self.receipts:
+            return
+        k, vb, receipt = self.receipts.pop(i % len(self.receipts))
+        vals = self.model.get(packed(k), [])
+        present = vb in vals
+        assert self.t.remove(k, receipt) is present
+        if present:
+            vals.remove(vb)
+            if not vals:
+                del self.model[packed(k)]
 
     @rule(m=st.integers(2, 3), r=st.integers(0, 2))
     def delete_where(self, m: int, r: int) -> None:
@@ -437,3 +471,30 @@ def test_every_read_path_takes_the_lock_on_an_odd_version(rig_factory) -> None:
     for what, read, want in reads:
         assert read() == want, what
     assert rig.lock.acquisitions == acq  # even again: every path is lock-free
+
+
+def test_bag_rows_by_receipt(rig_factory) -> None:
+    """add() returns a receipt; remove() takes exactly that row, and nothing once the row is
+    gone, even when its record holds another row of the same key since (the stamp differs)."""
+    rig = rig_factory([("bag", 16, 64)])
+    t = rig.tables[0]
+    a = t.add("k", ("a", 1))
+    b = t.add("k", ("b", 2))
+    assert sorted(t.lookup("k")) == [("a", 1), ("b", 2)]
+    assert t.remove("k", a) is True
+    assert t.lookup("k") == [("b", 2)]
+    assert t.remove("k", a) is False  # gone already
+    assert t.delete_object("k", ("b", 2))
+    c = t.add("k", ("c", 3))  # reuses b's record (the free stack is LIFO), with a new stamp
+    assert c[0] == b[0] and c[1] != b[1]
+    assert t.remove("k", b) is False and t.lookup("k") == [("c", 3)]
+    assert t.remove("other", c) is False  # another key's probe does not hold that record
+    assert t.remove("k", c) is True and t.count() == 0
+    healthy(t)
+
+
+def test_add_is_for_bags(rig_factory) -> None:
+    rig = rig_factory([("set", 16, 64)])
+    with pytest.raises(TypeError):
+        rig.tables[0].add("k", 1)
+    assert rig.tables[0].count() == 0

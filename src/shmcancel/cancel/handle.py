@@ -68,8 +68,9 @@ class RequestHandle:
     """
 
     __slots__ = (
-        "_b", "_c", "_ended", "_local", "_local_reason", "_n", "_owner", "_rid", "_stale_at",
-        "_token", "_v", "_ver", "_watch", "began", "error", "request_id", "scope", "tracked",
+        "_b", "_c", "_ended", "_local", "_local_reason", "_n", "_owner", "_polled", "_receipt",
+        "_rid", "_stale_at", "_token", "_v", "_ver", "_watch", "began", "error", "request_id",
+        "scope", "tracked",
     )
 
     def __init__(self, c: Cancellation, request_id: object, scope: str) -> None:
@@ -83,6 +84,8 @@ class RequestHandle:
         self._local = False
         self._local_reason: str | None = None
         self._owner: Owner | None = None
+        self._receipt: object = None
+        self._polled = False  # see _poll
         self._watch: Poll | None = None
         # The hot poll's cache: "not cancelled while versions[_b] == _v" (_v = -1: never).
         self._ver: Sequence[int] = _NO_VERSIONS
@@ -101,7 +104,7 @@ class RequestHandle:
         try:
             pid, start = procinfo.me()
             owner = (pid, start, threading.get_ident(), token)
-            c._store.track(scope, rid, owner)
+            self._receipt = c._store.track(scope, rid, owner)
             self._owner = owner
             self.tracked = True
         except LockTimeout as e:
@@ -147,6 +150,13 @@ class RequestHandle:
             return True
         w = self._watch
         if w is None and self._rid is not None:
+            if not self._polled:
+                # The first poll (often the only one: the transport's own look when the tool
+                # returns) reads the scope's count, never below its rows: 0 means no row for
+                # this request either, and the watch is not worth making yet.
+                self._polled = True
+                if self._c._store.scope_rows(self.scope) == 0:
+                    return False
             w = self._watch = self._c._store.watch(self.scope, self._rid)
         if w is not None:
             if w.member():
@@ -226,7 +236,7 @@ class RequestHandle:
         try:
             ended_at = c.clock()
             if self._owner is not None:
-                st.untrack(self.scope, rid, self._owner)
+                st.untrack(self.scope, rid, self._owner, self._receipt)
             # Skip the clear's own read when cheaper evidence says there is no row: a polled
             # handle's watch (one load), else the scope's count, never below its rows (a row
             # left by a wrong count is a leftover the next namesake's first poll removes).

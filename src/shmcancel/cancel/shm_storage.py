@@ -404,17 +404,23 @@ class ShmBackend:
             else:
                 self.clear(scope, rid)
 
-    def track(self, scope: str, rid: str, owner: Owner) -> None:
+    def track(self, scope: str, rid: str, owner: Owner) -> object:
+        """Returns the row's receipt (``Table.add``'s) for a handle's row (token non-zero: no
+        other row equals it, so none is read first); ``None`` for a plain ``track`` row."""
         key = self._fk(scope, rid)
+        write = self._f.add if owner[3] else self._f.insert
         try:
-            self._f.insert(key, owner)
+            return write(key, owner)
         except TableFull:
             if not self.reap():
                 raise
-            self._f.insert(key, owner)
+            return write(key, owner)
 
-    def untrack(self, scope: str, rid: str, owner: Owner) -> bool:
-        return self._f.delete_object(self._fk(scope, rid), owner)
+    def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
+        key = self._fk(scope, rid)
+        if type(receipt) is tuple and self._f.remove(key, receipt):
+            return True
+        return self._f.delete_object(key, owner)
 
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         key = self._fk(scope, rid)

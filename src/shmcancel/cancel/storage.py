@@ -82,9 +82,12 @@ class Storage(Protocol):
         """Every row ``(scope, rid, reason, at)``: a snapshot for inspection and tests."""
 
     # --- in-flight rows
-    def track(self, scope: str, rid: str, owner: Owner) -> None:
-        """Add a row; when full, drop dead owners' rows and retry; ``TableFull`` if still full."""
-    def untrack(self, scope: str, rid: str, owner: Owner) -> bool: ...
+    def track(self, scope: str, rid: str, owner: Owner) -> object:
+        """Add a row; when full, drop dead owners' rows and retry; ``TableFull`` if still full.
+        Returns a receipt for :meth:`untrack` (opaque; ``None`` when the store keeps none)."""
+    def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
+        """Remove the row of ``owner``; ``receipt`` (what :meth:`track` returned, or ``None``)
+        may let the store find it at once."""
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         """Remove one row of this thread for the key (a token-0 row first)."""
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:

@@ -157,10 +157,10 @@ class RedisStorage:
         with self._lock:
             self._mine.pop((scope, rid, owner), None)
 
-    def untrack(self, scope: str, rid: str, owner: Owner) -> bool:
-        """End the row; when no namesake runs on, the key's cancellation row goes too (one
-        script). Raises Redis errors or ``LockTimeout``, leaving the row held for
-        :meth:`forget`."""
+    def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
+        """End the row (``receipt`` is ``None``: :meth:`track` gives none); when no namesake
+        runs on, the key's cancellation row goes too (one script). Raises Redis errors or
+        ``LockTimeout``, leaving the row held for :meth:`forget`."""
         with self._lock:
             raw = self._mine.get((scope, rid, owner))
         if raw is None:

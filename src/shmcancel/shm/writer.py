@@ -1,5 +1,6 @@
 """Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``delete``,
-``delete_object``; publishing a record, the backward-shift delete, the free stack.
+``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
+backward-shift delete, the free stack.
 
 Invariants a writer (holding the registry lock) keeps, so that a writer killed at any bytecode
 leaves a table ``fsck`` restores:
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 from ..exceptions import TableFull
 from .base import LargeRowsFull, PreparedKey, TableCorrupted, _crc32
 from .fsck import Fsck
-from .layout import _LTOP, _M32, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
+from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
 
 _T = TypeVar("_T")
 
@@ -268,3 +269,45 @@ class Writes(Fsck):
                 lock.dirty = False
                 return True
         return False
+
+    # ------------------------------------------------------------ rows by receipt (bags)
+    def add(self, key: Any, value: Any) -> tuple[int, int]:
+        """Bag: add the row ``(key, value)`` that the caller knows differs from every row of
+        ``key`` (its value holds a token no other row has), without reading them. Returns the
+        receipt ``(record, stamp)`` that :meth:`remove` takes. Raises as :meth:`insert`."""
+        if self._set:
+            raise TypeError(f"table {self.name!r} is a set: add() is for bags")
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        vb = _pack(value)
+        if len(key.kbytes) + len(vb) > self._payload:
+            self._check_size(key.kbytes, vb)
+        return self._write(self._add, key, vb)
+
+    def _add(self, key: PreparedKey, vb: bytes) -> tuple[int, int]:
+        if self._hq[_ROWS] >= self.capacity:
+            self._full()
+        r = self._take(key.kbytes, vb)
+        self._publish(key, r)
+        self._lock.dirty = False
+        return r, self._hq[_STAMP]  # the stamp _write_record gave r (the lock is held)
+
+    def remove(self, key: Any, receipt: tuple[int, int]) -> bool:
+        """Remove the row that :meth:`add` returned ``receipt`` for, if it is still there: a
+        slot of ``key``'s probe holding that record, whose stamp is still the receipt's (stamps
+        are never handed out twice, so a record reused since is another row). False when it
+        is gone; the caller may then look by value (:meth:`delete_object`)."""
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        return self._write(self._remove, key, receipt[0], receipt[1])
+
+    def _remove(self, key: PreparedKey, r: int, stamp: int) -> bool:
+        s = self._locate(key.hash, r)
+        off = self._offset(r)
+        if s < 0 or off < 0 or _REC.unpack_from(self._buf, off)[4] != stamp:
+            return False
+        lock = self._lock
+        lock.dirty = True
+        self._delete_slot(s)
+        lock.dirty = False
+        return True
