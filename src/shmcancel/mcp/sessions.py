@@ -100,6 +100,7 @@ class Call:
     session_id: str
     owner: tuple[int, int, int, int] | None  # None: not recorded (session_calls was full)
     seen: float = -math.inf  # the session's last_seen at the call's begin, as it left it
+    receipt: tuple[int, int] | None = None  # its row's (Table.add), to remove it without a read
 
 
 _Row = tuple[float, float, str, bytes]
@@ -270,15 +271,16 @@ class SessionStore:
         owner: tuple[int, int, int, int] | None = (me[0], me[1], threading.get_ident(),
                                                     next(_tokens))
         now = self._clock()
+        receipt = None
         with self._lock:
             r = _row(self._table.get(session.id))
             if r is None:
                 return None
-            try:
-                self._calls.insert(session.id, owner)
+            try:  # the token makes the row unlike any other: add() reads no rows first
+                receipt = self._calls.add(session.id, owner)
             except TableFull:
                 if self._reap_calls():
-                    self._calls.insert(session.id, owner)
+                    receipt = self._calls.add(session.id, owner)
                 else:
                     owner = None
                     if not self._full_logged:
@@ -289,7 +291,7 @@ class SessionStore:
             if now - seen >= self._touch_every:
                 self._table.insert(session.id, (r[0], now, r[2], r[3]))
                 seen = now
-        return Call(session.id, owner, seen)
+        return Call(session.id, owner, seen, receipt)
 
     def end_call(self, call: Call) -> None:
         """The call ended: drop its row and touch the session. Never raises: when the lock
@@ -315,7 +317,8 @@ class SessionStore:
         # the interval does not even read the session row.
         now = self._clock()
         with self._lock:
-            self._calls.delete_object(call.session_id, call.owner)
+            if call.receipt is None or not self._calls.remove(call.session_id, call.receipt):
+                self._calls.delete_object(call.session_id, call.owner)
             if now - call.seen < self._touch_every:
                 return
             r = _row(self._table.get(call.session_id))
