@@ -86,3 +86,28 @@ def test_a_conn_without_a_handle_sleeps_and_polls() -> None:
     assert wake.wait_cancelled({}, 0.05) is False
     assert time.monotonic() - t0 >= 0.04
     assert wake.wait_cancelled({}, -1) is False  # a negative wait is no wait
+
+
+def test_a_ring_to_the_owners_wakes_the_waiter_and_a_ring_elsewhere_does_not(registry) -> None:
+    """``notifications/cancelled`` rings only the processes running the call
+    (``Cancellation.in_flight_pids``): that ring wakes it, one to another pid does not."""
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    try:
+        assert c.in_flight_pids(1, "s") == {os.getpid()}
+        assert c.in_flight_pids(2, "s") == set() and c.in_flight_pids(1.5, "s") is None
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        wake.ring(reg.name, {os.getppid()})  # not the owner: the waiter sleeps on
+        time.sleep(0.2)
+        assert w.done_at is None
+        rang = time.monotonic()
+        wake.ring(reg.name, c.in_flight_pids(1, "s"))
+        assert w.result(timeout=BOUND + 1) is True
+        assert w.done_at - rang < BOUND  # type: ignore[operator]
+    finally:
+        h.end()
+    assert c.in_flight_pids(1, "s") == set()

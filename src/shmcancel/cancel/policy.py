@@ -455,6 +455,20 @@ class Cancellation:
             log.debug("in_flight() failed", exc_info=True)
             return False
 
+    def in_flight_pids(self, request_id: object, scope: str = "global") -> set[int] | None:
+        """The pids of the processes running ``request_id`` in ``scope`` now (a lock-free
+        snapshot: empty when none), or ``None`` when the store cannot tell (a store without
+        ``in_flight_pids``) or the id or scope is invalid. Never raises."""
+        rid = ids.key(request_id)
+        pids = getattr(self._store, "in_flight_pids", None)
+        if rid is None or pids is None or not valid_scope(scope):
+            return None
+        try:
+            return set(pids(str.__str__(scope), rid))
+        except Exception:
+            log.debug("in_flight_pids() failed", exc_info=True)
+            return None
+
     def begin(self, request_id: object, scope: str) -> RequestHandle:
         """Track a dispatched request and return its :class:`RequestHandle`. Never raises: when
         the request cannot be tracked (full in-flight table, invalid id) the handle has

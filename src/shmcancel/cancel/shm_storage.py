@@ -433,6 +433,11 @@ class ShmBackend:
     def in_flight(self, scope: str, rid: str) -> bool:
         return self._f.member(self._fk(scope, rid))
 
+    def in_flight_pids(self, scope: str, rid: str) -> set[int]:
+        """The pids owning ``(scope, rid)``'s in-flight rows, read lock-free (optional for a
+        store: what a cancellation's wake-up rings, :meth:`Cancellation.in_flight_pids`)."""
+        return {o[0] for o in map(_owner, self._f.lookup(self._fk(scope, rid))) if o}
+
     def watch_in_flight(self, scope: str, rid: str) -> Poll:
         """A cached poll of ``in_flight(scope, rid)`` (optional for a store: the policy falls
         back to calling ``in_flight``)."""

@@ -166,7 +166,8 @@ class LegacyWire(CallLifecycle):
             # One step: a call ending meanwhile leaves no row. Unknown or finished: ignored, as
             # MCP permits; nothing recorded.
             if c.cancel_if_in_flight(rid, reason, scope):
-                wake.ring(st.registry.name)  # its tool may be waiting (in any worker)
+                # its tool may be waiting: wake the processes running it (all when unknown)
+                wake.ring(st.registry.name, c.in_flight_pids(rid, scope))
             elif (rb := remote.current()) is not None:
                 rb.cancel(rid, reason, scope)  # running on another host? the remote delivers it
         except CancellationLimitReached:

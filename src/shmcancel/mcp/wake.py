@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cancel.handle import RequestHandle
@@ -93,13 +93,14 @@ def waiting() -> int:
     return len(_waiters)
 
 
-def ring(registry_name: str) -> None:
-    """Ring the doorbells of this process and its siblings for ``registry_name``. Never
-    raises; costs a ``/proc`` read at most once a second and one ``sendto`` per process."""
+def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
+    """Ring the doorbells for ``registry_name`` of ``pids`` (the processes running the call
+    just cancelled), or when ``None`` of this process and its siblings. Never raises; costs a
+    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process."""
     if not _LINUX:
         return
     try:
-        pids = _sibling_pids()
+        pids = _sibling_pids() if pids is None else sorted(pids)[:_MAX_SIBLINGS]
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             s.setblocking(False)
             for pid in pids:
