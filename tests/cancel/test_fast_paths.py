@@ -5,6 +5,7 @@ their base type's text; a poll never raises. And ``import shmcancel`` stays ligh
 from __future__ import annotations
 
 import enum
+import os
 import subprocess
 import sys
 import textwrap
@@ -339,3 +340,33 @@ def test_end_removes_its_own_row_by_receipt_and_leaves_a_namesake(c):
     assert rows == [b._owner]
     b.end()
     assert c.in_flight(7, S) is False
+
+
+def test_a_fork_child_ending_an_inherited_handle_leaves_the_parents_row(c):
+    """end() is idempotent by taking the handle's token out of this process's running set; a
+    fork child's set is empty, so a copy of the parent's handle ends nothing there."""
+    h = c.begin(7, S)
+
+    def child() -> None:
+        h.end()
+        os._exit(0 if Cancellation(Registry.attach(name)).in_flight(7, S) else 3)
+
+    name = c.registry.name
+    assert procs.wait_exit(procs.fork(child), 10) == 0
+    assert c.in_flight(7, S) is True
+    h.end()
+    h.end()  # a second end is a no-op
+    assert c.in_flight(7, S) is False
+
+
+def test_scope_has_rows_follows_the_count(c):
+    st = c._store
+    assert st.scope_has_rows(S) is False
+    c.cancel(1, None, S)
+    assert st.scope_has_rows(S) is True and st.scope_has_rows(Text(S)) is True
+    assert st.scope_has_rows("ip:192.0.2.2") is False
+    c.cancel(2, None, S)
+    c.clear(1, S)
+    assert st.scope_has_rows(S) is True
+    c.clear(2, S)
+    assert st.scope_has_rows(S) is False

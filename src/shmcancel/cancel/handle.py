@@ -68,7 +68,7 @@ class RequestHandle:
     """
 
     __slots__ = (
-        "_b", "_c", "_ended", "_local", "_local_reason", "_n", "_owner", "_polled", "_receipt",
+        "_b", "_c", "_local", "_local_reason", "_n", "_owner", "_polled", "_receipt",
         "_rid", "_stale_at", "_token", "_v", "_ver", "_watch", "began", "error", "request_id",
         "scope", "tracked",
     )
@@ -78,9 +78,6 @@ class RequestHandle:
         self.request_id = request_id
         self.scope = scope
         self.tracked = False
-        # end() runs from the request's finally and from the disconnect watcher's stop: the
-        # first caller to take this lock ends the request, any other returns at once.
-        self._ended = threading.Lock()
         self._local = False
         self._local_reason: str | None = None
         self._owner: Owner | None = None
@@ -100,7 +97,9 @@ class RequestHandle:
         if rid is None:
             return
         token = self._token = next(_tokens)
-        owed.running.add(token)  # before the row exists: see owed.running
+        # Before the row exists (see owed.running); it stays, rows or not, until end() takes
+        # it out, which makes end() idempotent (see there).
+        owed.running.add(token)
         try:
             pid, start = procinfo.me()
             owner = (pid, start, threading.get_ident(), token)
@@ -109,11 +108,9 @@ class RequestHandle:
             self.tracked = True
         except LockTimeout as e:
             self.error = e
-            owed.running.discard(token)
             log.warning("a request could not be tracked: %s", e)
         except ShmCancelError as e:
             self.error = e
-            owed.running.discard(token)
             _log_untracked(e)
         else:
             if owed.queue:
@@ -155,7 +152,7 @@ class RequestHandle:
                 # returns) reads the scope's count, never below its rows: 0 means no row for
                 # this request either, and the watch is not worth making yet.
                 self._polled = True
-                if self._c._store.scope_rows(self.scope) == 0:
+                if not self._c._store.scope_has_rows(self.scope):
                     return False
             w = self._watch = self._c._store.watch(self.scope, self._rid)
         if w is not None:
@@ -225,12 +222,17 @@ class RequestHandle:
     def end(self) -> None:
         """Untrack this request's own row, then clear the key's cancellation row. Idempotent;
         logs and swallows storage errors (it runs in a ``finally``)."""
-        if not self._ended.acquire(blocking=False):
-            return
         rid = self._rid
         if rid is None:
             return
-        owed.running.discard(self._token)
+        # end() runs from the request's finally and from the disconnect watcher's stop: the
+        # first caller takes the token out of owed.running (one atomic set operation) and
+        # ends the request, any other returns here (so does a copy of the handle in a fork
+        # child, whose running set was emptied: the parent's request is the parent's).
+        try:
+            owed.running.remove(self._token)
+        except KeyError:
+            return
         c = self._c
         st = c._store
         try:
@@ -241,7 +243,7 @@ class RequestHandle:
             # handle's watch (one load), else the scope's count, never below its rows (a row
             # left by a wrong count is a leftover the next namesake's first poll removes).
             w = self._watch
-            if w.member() if w is not None else st.scope_rows(self.scope) > 0:
+            if w.member() if w is not None else st.scope_has_rows(self.scope):
                 st.clear(self.scope, rid)
         except LockTimeout as e:
             owed.owe(st, self.scope, rid, self._owner, ended_at)

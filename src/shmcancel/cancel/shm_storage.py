@@ -15,6 +15,7 @@ from typing import Any
 from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
+from ..shm.reader import Watch
 from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
 from . import eviction
@@ -93,6 +94,7 @@ class ShmBackend:
         self._ckeys: dict[tuple[str, str], PreparedKey] = {}
         self._fkeys: dict[tuple[str, str], PreparedKey] = {}
         self._nkeys: dict[str, PreparedKey] = {}
+        self._scope_watches: dict[str, Watch] = {}
         # _ck / _fk(scope, rid): the prepared key of a cancellation / in-flight row
         self._ck = partial(_prepared, self._ckeys, self._fkeys, self._c)
         self._fk = partial(_prepared, self._fkeys, self._ckeys, self._f)
@@ -188,6 +190,18 @@ class ShmBackend:
     def scope_rows(self, scope: str) -> int:
         n = self._n.get(self._nk(scope), 0)
         return n if type(n) is int else 0
+
+    def scope_has_rows(self, scope: str) -> bool:
+        """A scope's count row exists exactly while its count is above 0 (``_add`` deletes it
+        at 0): a cached watch of it, one load while no count in its bucket changed."""
+        if type(scope) is not str:
+            scope = str.__str__(scope)
+        w = self._scope_watches.get(scope)
+        if w is None:
+            if len(self._scope_watches) >= _KEY_CACHE:
+                self._scope_watches.clear()
+            w = self._scope_watches[scope] = self._n.watch(self._nk(scope))
+        return w.member()
 
     def put(self, scope: str, rid: str, reason: str | None, at: float) -> bool:
         """Write the row ``(reason, at)`` (no quota or cap check); True when it is new."""

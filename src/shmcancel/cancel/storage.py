@@ -69,6 +69,8 @@ class Storage(Protocol):
         it may cost a round trip per ``member()``)."""
     def scope_rows(self, scope: str) -> int:
         """Rows counted for ``scope``: never below its true rows."""
+    def scope_has_rows(self, scope: str) -> bool:
+        """``scope_rows(scope) > 0``, as cheaply as the store can (a request's end asks)."""
     def rows(self) -> int: ...
     def clear(self, scope: str, rid: str) -> bool:
         """Remove one row (and its count); True when one went."""

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..shm import procinfo
+
 __all__ = ["IDLE_WAIT", "MAX_WATCHED", "Watcher", "client_gone", "watchable", "watched_count",
            "watcher_thread"]
 
@@ -59,16 +61,21 @@ _GONE_ERRNOS = (errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE, errno.ETIMEDOUT,
 def watchable(sock: Any) -> bool:
     """Whether ``sock`` can be watched: a plain, open stream socket (not TLS) and ``epoll`` is
     available."""
+    return _watchable_fd(sock) >= 0
+
+
+def _watchable_fd(sock: Any) -> int:
+    """``sock``'s descriptor when it can be watched (see :func:`watchable`), else -1."""
     if not _HAS_EPOLL or not isinstance(sock, socket.socket):
-        return False
+        return -1
     # ssl is not imported for this check: with no ssl module loaded there is no SSLSocket
     ssl = sys.modules.get("ssl")
     if ssl is not None and isinstance(sock, ssl.SSLSocket):
-        return False
+        return -1
     try:
-        return sock.fileno() >= 0
+        return sock.fileno()
     except OSError:
-        return False
+        return -1
 
 
 def client_gone(sock: socket.socket) -> bool | None:
@@ -108,11 +115,8 @@ class Watcher:
         """Start watching; ``False`` (and nothing registered) when the socket cannot be watched,
         the process watches :data:`MAX_WATCHED` sockets already, or the watcher thread cannot
         be started."""
-        if not watchable(self._sock):
-            return False
-        try:
-            fd = self._sock.fileno()
-        except OSError:
+        fd = _watchable_fd(self._sock)
+        if fd < 0:
             return False
         loop = _process_loop()
         if loop is None:
@@ -194,7 +198,8 @@ class _Loop:
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = procinfo.pid()
+        self._running = True  # until the thread's loop ends (alive() reads it: no lock taken)
         self._ep = select.epoll()  # EPOLL_CLOEXEC
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Watcher, int]] = {}
@@ -212,7 +217,7 @@ class _Loop:
             raise
 
     def alive(self) -> bool:
-        return self.pid == os.getpid() and self.thread.is_alive()
+        return self._running and self.pid == procinfo.pid()
 
     def count(self) -> int:
         return len(self._watched)
@@ -239,7 +244,7 @@ class _Loop:
         return True
 
     def remove(self, w: Watcher, fd: int) -> None:
-        if self.pid != os.getpid():
+        if self.pid != procinfo.pid():
             return  # a copy inherited across fork: its epoll set is the parent's
         with self._lock:
             cur = self._watched.get(fd)
@@ -264,13 +269,16 @@ class _Loop:
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._turn():
-                    return
-            except Exception:  # keep watching the others; a bug here must not end detection
-                log.warning("disconnect watcher failed", exc_info=True)
-                time.sleep(0.01)
+        try:
+            while True:
+                try:
+                    if not self._turn():
+                        return
+                except Exception:  # keep watching the others; a bug must not end detection
+                    log.warning("disconnect watcher failed", exc_info=True)
+                    time.sleep(0.01)
+        finally:
+            self._running = False
 
     def _turn(self) -> bool:
         """One wait and what it found; ``False`` once the epoll set is closed."""
@@ -354,7 +362,7 @@ def _process_loop() -> _Loop | None:
         loop = _loop
         if loop is not None and loop.alive():
             return loop
-        if loop is not None and loop.pid != os.getpid():  # forked without the at-fork hook
+        if loop is not None and loop.pid != procinfo.pid():  # forked without the at-fork hook
             with contextlib.suppress(OSError, ValueError):
                 loop._ep.close()
         try:

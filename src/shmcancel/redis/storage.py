@@ -117,6 +117,9 @@ class RedisStorage:
     def scope_rows(self, scope: str) -> int:
         return self.store.scope_rows(scope)
 
+    def scope_has_rows(self, scope: str) -> bool:
+        return self.store.scope_rows(scope) > 0
+
     def rows(self) -> int:
         return self.store.rows()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["PID_BITS", "START_BITS", "alive", "mappers", "me", "pack_owner", "settled",
+__all__ = ["PID_BITS", "START_BITS", "alive", "mappers", "me", "pack_owner", "pid", "settled",
            "start_time", "thread_states", "unpack_owner"]
 
 PID_BITS = 22
@@ -159,9 +159,19 @@ def me() -> tuple[int, int]:
     return _me
 
 
+_pid = os.getpid()
+
+
+def pid() -> int:
+    """The calling process's pid without a system call (``os.getpid()`` is one: ~0.2 us here),
+    kept by an at-fork hook."""
+    return _pid
+
+
 def _reset_after_fork() -> None:
-    global _me
+    global _me, _pid
     _me = None
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
