@@ -4,6 +4,7 @@ instead, and each of the issue's targets met or MISSED.
 
     python tools/bench.py [--quick] [--only poll,write,scaling,footprint,e2e] [--plot out.png]
                           [--load auto|python|wrk] [--seconds S] [--conns N]
+                          [--wire legacy|modern|both] [--kind sync|gthread|both] [--e2e-rounds R]
 
 One process tree: this process, the processes it forks, a ``redis-server`` on a free loopback
 port (``--save '' --appendonly no``), a ``multiprocessing.Manager`` server process and, for
@@ -392,7 +393,7 @@ def section_e2e(a: argparse.Namespace, rep: Report) -> None:
           f" {'off':>8} | {'p99 shipped':>11} {'off':>8} | {'CPU/req ratio':>13}")
     with tempfile.TemporaryDirectory(prefix="shmcancel-bench-") as tmp:
         Path(tmp, "shmcancel_bench_app.py").write_text(_APP)
-        for kind in ("sync", "gthread"):
+        for kind in a.kinds:
             servers: list[GunicornServer] = []
             try:
                 for mode in ("shipped", "off"):
@@ -567,13 +568,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, help="e2e: seconds per load (default 3, quick 1)")
     ap.add_argument("--conns", type=int, default=16, help="e2e: concurrent connections")
     ap.add_argument("--wire", choices=["legacy", "modern", "both"], default="both")
+    ap.add_argument("--kind", choices=["sync", "gthread", "both"], default="both",
+                    help="e2e: gunicorn worker classes")
+    ap.add_argument("--e2e-rounds", type=int, help="e2e: interleaved rounds (default 3, quick 1)")
     a = ap.parse_args(argv)
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in only if s not in SECTIONS]
     if bad or not only:
         ap.error(f"--only takes sections of {','.join(SECTIONS)}; got {a.only!r}")
-    if (a.seconds is not None and not 0 < a.seconds <= 600) or not 1 <= a.conns <= 1000:
-        ap.error("--seconds in (0, 600], --conns 1..1000")
+    if (a.seconds is not None and not 0 < a.seconds <= 600) or not 1 <= a.conns <= 1000 \
+            or (a.e2e_rounds is not None and not 1 <= a.e2e_rounds <= 50):
+        ap.error("--seconds in (0, 600], --conns 1..1000, --e2e-rounds 1..50")
     if a.plot:
         try:
             import matplotlib  # noqa: F401
@@ -585,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     a.rounds, a.per_op = (4, 5) if q else (60, 20)
     a.scale_rounds, a.scale_seconds = (1, 0.3) if q else (3, 1.0)
     a.rss_runs = 1 if q else 3
-    a.e2e_rounds = 1 if q else 3
+    a.e2e_rounds = a.e2e_rounds or (1 if q else 3)
+    a.kinds = ["sync", "gthread"] if a.kind == "both" else [a.kind]
     a.seconds = a.seconds or (1.0 if q else 3.0)
     a.wires = ["legacy", "modern"] if a.wire == "both" else [a.wire]
     _header(a)
