@@ -6,7 +6,8 @@
 Times, interleaved batch by batch (medians of ns/op), the whole pair for new ids (each request a
 new key, as JSON-RPC ids usually are) and for a repeated id, and the parts it is made of: the
 registry lock's enter+exit, preparing a key (msgpack + keyed hash), a ``Watch``, the in-flight
-table's insert + delete of one row, ``clear`` of a key without a row. ``--cprofile`` adds the
+table's insert + delete of one row (a plain ``track`` row, found by value) and add + remove (a
+handle's row, found by its receipt), ``clear`` of a key without a row. ``--cprofile`` adds the
 cProfile listing of 5000 pairs (relative weights only: profiling inflates small calls).
 """
 
@@ -62,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         def watch() -> None:
             st.watch(scope, str(next(fresh)))
 
-        def track_untrack() -> None:
+        def track_untrack() -> None:  # a plain track() row (token 0): insert, then by value
             st.track(scope, "7", owner)
             st.untrack(scope, "7", owner)
+
+        handle_owner = (*owner[:3], 1)
+
+        def track_untrack_receipt() -> None:  # a handle's row (a token): add, then by receipt
+            st.untrack(scope, "7", handle_owner, st.track(scope, "7", handle_owner))
 
         def clear_none() -> None:
             st.clear(scope, "7")
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             "prepare a key": prepare,
             "Watch of a new key": watch,
             "in-flight insert + delete": track_untrack,
+            "in-flight add + remove by receipt": track_untrack_receipt,
             "clear, no row": clear_none,
         }
         samples: dict[str, list[float]] = {k: [] for k in parts}
