@@ -454,3 +454,71 @@ def test_watched_sockets_are_capped(monkeypatch: pytest.MonkeyPatch,
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def _ticking(deadline: float) -> Any:
+    """Start and stop watches until this process's watcher thread wakes every TICK (calls keep
+    starting); returns its loop."""
+    while True:
+        a, b = socket.socketpair()
+        w, _ = watch(a)
+        w.stop()
+        a.close()
+        b.close()
+        loop = disconnect.process_loop()
+        assert loop is not None
+        if loop._ticking:
+            return loop
+        assert time.monotonic() < deadline, "the watcher thread never started ticking"
+        time.sleep(disconnect.TICK)
+
+
+def test_while_calls_keep_starting_a_short_call_is_never_registered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that ends within a tick costs no epoll_ctl (each releases the GIL); one that
+    runs on is registered by the thread within two ticks, and its disconnect is seen."""
+    loop = _ticking(time.monotonic() + 5)
+    registered: list[Watcher] = []
+    real = loop._register
+
+    def counting(w: Watcher, fd: int) -> bool:
+        registered.append(w)
+        return real(w, fd)
+
+    monkeypatch.setattr(loop, "_register", counting)
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        short, _ = watch(pairs[0][0])
+        long_, rec = watch(pairs[1][0])
+        short.stop()
+        assert disconnect.watched_count() == 1
+        deadline = time.monotonic() + 5
+        while long_ not in registered:
+            assert time.monotonic() < deadline, "a running call was never registered"
+            time.sleep(disconnect.TICK)
+        assert short not in registered
+        t0 = time.monotonic()
+        pairs[1][1].close()
+        assert rec.gone.wait(5)
+        assert time.monotonic() - t0 < 1.0
+        long_.stop()
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+    assert disconnect.watched_count() == 0
+
+
+def test_a_client_gone_before_its_call_is_registered_is_seen_once_it_is() -> None:
+    """Level-triggered: a socket whose peer closed before the thread registers it reports the
+    hang-up at once when registered (a disconnect in a call's first ticks is late, not lost)."""
+    _ticking(time.monotonic() + 5)
+    a, b = socket.socketpair()
+    try:
+        w, rec = watch(a)
+        b.close()
+        assert rec.gone.wait(5)
+        w.stop()
+    finally:
+        a.close()
+    assert disconnect.watched_count() == 0

@@ -6,10 +6,15 @@ request, not a disconnect (the watcher then waits for ``EPOLLRDHUP``/``EPOLLHUP`
 ``EAGAIN`` — a spurious wake-up.
 
 A :class:`Watcher` is one request's registration with its process's single watcher thread
-(``shmcancel-disconnect``, level-triggered epoll over every watched socket). ``start``/``stop``
-are one ``epoll_ctl`` each. The thread starts on the first watch in a process (never in a
-gunicorn master) and again in a fork child. On a disconnect it calls ``on_disconnect()``; ``grace``
-seconds later, if the request has not ended, ``on_timeout()`` runs in a thread of its own.
+(``shmcancel-disconnect``, level-triggered epoll over every watched socket). While calls keep
+starting, the thread wakes every :data:`TICK` and registers the calls still running that started
+before its previous wake (so a call shorter than a tick costs no ``epoll_ctl``, each of which
+releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back); a
+disconnect is then seen at most two ticks late. When the thread sleeps longer (no call started
+for :data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
+process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
+``on_disconnect()``; ``grace`` seconds later, if the request has not ended, ``on_timeout()`` runs
+in a thread of its own.
 ``stop()`` before either callback guarantees neither runs later. An event is trusted only for
 registrations older than the ``epoll_wait`` that returned it (descriptor numbers are reused).
 
@@ -25,6 +30,7 @@ import errno
 import heapq
 import itertools
 import logging
+import math
 import os
 import select
 import socket
@@ -45,6 +51,10 @@ MAX_WATCHED = 4096
 """The most client sockets one process watches at once; a call beyond it runs unwatched."""
 IDLE_WAIT = 1.0
 """The longest the watcher thread blocks in ``epoll_wait`` (seconds)."""
+TICK = 0.005
+"""Seconds between the watcher thread's wakes while calls start (see the module docstring)."""
+ACTIVE_FOR = 0.1
+"""Seconds after a call started during which the thread keeps waking every :data:`TICK`."""
 
 _HAS_EPOLL = hasattr(select, "epoll")
 _EPOLLIN = getattr(select, "EPOLLIN", 0)
@@ -193,8 +203,11 @@ class _Loop:
     """A process's watcher: one epoll set and the thread waiting on it.
 
     ``_watched`` maps each registered descriptor to its :class:`Watcher` and the registration's
-    generation (a counter bumped by every :meth:`add`); it and the epoll set change together
-    under ``_lock``. ``_due`` (a heap of ``(deadline, seq, watcher)``) is the thread's own.
+    generation (a counter bumped by every registration); it and the epoll set change together
+    under ``_lock``. ``_new`` and ``_old`` (also under ``_lock``) hold the watchers started
+    since the thread's last wake and before it, not registered yet; ``_ticking`` says the
+    thread wakes every :data:`TICK` now. ``_due`` (a heap of ``(deadline, seq, watcher)``) is
+    the thread's own.
     """
 
     def __init__(self) -> None:
@@ -203,6 +216,10 @@ class _Loop:
         self._ep = select.epoll()  # EPOLL_CLOEXEC
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Watcher, int]] = {}
+        self._new: dict[Watcher, int] = {}  # watcher -> fd, started since the last wake
+        self._old: dict[Watcher, int] = {}  # ... started before it: registered at the next
+        self._ticking = False
+        self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
         self._gen = 0
         self._due: list[tuple[float, int, Watcher]] = []
         self._seq = itertools.count()
@@ -220,39 +237,61 @@ class _Loop:
         return self._running and self.pid == procinfo.pid()
 
     def count(self) -> int:
-        return len(self._watched)
+        return len(self._watched) + len(self._new) + len(self._old)
 
     def add(self, w: Watcher, fd: int) -> bool:
         with self._lock:
-            if len(self._watched) >= MAX_WATCHED and fd not in self._watched:
+            if len(self._watched) + len(self._new) + len(self._old) >= MAX_WATCHED \
+                    and fd not in self._watched:
                 if not self._warned_full:
                     self._warned_full = True
                     log.warning("%d client sockets are watched in this process already; calls "
                                 "beyond that run without disconnect detection", MAX_WATCHED)
                 return False
-            self._gen += 1
+            self._last_start = time.monotonic()
+            if self._ticking:  # the thread registers it if it still runs two wakes on
+                self._new[w] = fd
+                return True
+            return self._register(w, fd)
+
+    def _register(self, w: Watcher, fd: int) -> bool:
+        """Add ``w``'s socket to the epoll set; the caller holds ``_lock``."""
+        self._gen += 1
+        try:
             try:
-                try:
-                    self._ep.register(fd, _WATCH_MASK)
-                except FileExistsError:  # a registration left behind on this socket
-                    self._ep.modify(fd, _WATCH_MASK)
-            except (OSError, ValueError):
-                log.warning("cannot watch a client socket", exc_info=True)
-                self._watched.pop(fd, None)
-                return False
-            self._watched[fd] = (w, self._gen)
+                self._ep.register(fd, _WATCH_MASK)
+            except FileExistsError:  # a registration left behind on this socket
+                self._ep.modify(fd, _WATCH_MASK)
+        except (OSError, ValueError):
+            log.warning("cannot watch a client socket", exc_info=True)
+            self._watched.pop(fd, None)
+            return False
+        self._watched[fd] = (w, self._gen)
         return True
 
     def remove(self, w: Watcher, fd: int) -> None:
         if self.pid != procinfo.pid():
             return  # a copy inherited across fork: its epoll set is the parent's
         with self._lock:
+            if self._new.pop(w, None) is not None or self._old.pop(w, None) is not None:
+                return  # never registered
             cur = self._watched.get(fd)
             if cur is None or cur[0] is not w:
                 return  # the thread dropped it at the disconnect, or the fd was reused
             del self._watched[fd]
             with contextlib.suppress(OSError, ValueError):
                 self._ep.unregister(fd)
+
+    def _promote(self) -> None:
+        """In the thread, at a wake: register the watchers started before the previous wake
+        (still running: :meth:`remove` takes a stopped one out), and decide how long the next
+        wait may be. Each is registered under ``_lock``, which ``stop`` takes too, so its
+        request has not ended and its socket is still open."""
+        with self._lock:
+            old, self._old, self._new = self._old, self._new, {}
+            for w, fd in old.items():
+                self._register(w, fd)  # a failure is logged; the call runs on unwatched
+            self._ticking = bool(self._old) or time.monotonic() - self._last_start < ACTIVE_FOR
 
     def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
@@ -282,7 +321,8 @@ class _Loop:
 
     def _turn(self) -> bool:
         """One wait and what it found; ``False`` once the epoll set is closed."""
-        timeout = IDLE_WAIT
+        self._promote()
+        timeout = TICK if self._ticking else IDLE_WAIT
         if self._due:
             timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
         seen_gen = self._gen
