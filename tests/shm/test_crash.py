@@ -89,7 +89,7 @@ def kill_at_bytecode(lock: Any, k: int) -> list[int]:
     return seen
 
 
-def _bag_insert_over_a_stale_record(t: Table) -> Callable[[], object]:
+def _a_stale_record_of_k(t: Table) -> None:
     # Record 0 keeps a freed but intact row of "k" (what an empty slot's record number names);
     # the new row goes to record 1. A slot given its hash before its record number would, if
     # the writer died in between, resurrect the deleted row.
@@ -97,15 +97,15 @@ def _bag_insert_over_a_stale_record(t: Table) -> Callable[[], object]:
     t.insert("z", "z")
     t.delete_object("k", "old")
     t.delete("z")
+
+
+def _bag_insert_over_a_stale_record(t: Table) -> Callable[[], object]:
+    _a_stale_record_of_k(t)
     return lambda: t.insert("k", "new")
 
 
 def _bag_add_over_a_stale_record(t: Table) -> Callable[[], object]:
-    # add() (a row known to be distinct, no read first) publishes as insert does
-    t.insert("k", "old")
-    t.insert("z", "z")
-    t.delete_object("k", "old")
-    t.delete("z")
+    _a_stale_record_of_k(t)  # add() (no read of the key's rows first) publishes as insert does
     return lambda: t.add("k", "new")
 
 
