@@ -498,3 +498,19 @@ def test_add_is_for_bags(rig_factory) -> None:
     with pytest.raises(TypeError):
         rig.tables[0].add("k", 1)
     assert rig.tables[0].count() == 0
+
+
+def test_remove_falls_back_to_the_value_when_given(rig_factory) -> None:
+    """With a value, a receipt that no longer names the row (or none at all) removes one row
+    equal to the value instead, in the same lock hold; without one it removes nothing."""
+    rig = rig_factory([("bag", 16, 64)])
+    t = rig.tables[0]
+    a = t.add("k", ("a", 1))
+    t.delete_object("k", ("a", 1))
+    t.insert("k", ("a", 1))  # the same row again, written by value: a's receipt is stale
+    t.insert("k", ("b", 2))
+    assert t.remove("k", a) is False and t.count() == 2
+    assert t.remove("k", a, ("a", 1)) is True and t.lookup("k") == [("b", 2)]
+    assert t.remove("k", None, ("b", 2)) is True and t.count() == 0
+    assert t.remove("k", None, ("b", 2)) is False
+    healthy(t)

@@ -431,10 +431,8 @@ class ShmBackend:
             return write(key, owner)
 
     def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
-        key = self._fk(scope, rid)
-        if type(receipt) is tuple and self._f.remove(key, receipt):
-            return True
-        return self._f.delete_object(key, owner)
+        return self._f.remove(self._fk(scope, rid),
+                              receipt if type(receipt) is tuple else None, owner)
 
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         key = self._fk(scope, rid)

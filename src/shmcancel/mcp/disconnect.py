@@ -402,7 +402,9 @@ def _process_loop() -> _Loop | None:
         loop = _loop
         if loop is not None and loop.alive():
             return loop
-        if loop is not None and loop.pid != procinfo.pid():  # forked without the at-fork hook
+        # A parent's loop (its epoll set) in a fork child; like procinfo.me(), this relies on
+        # the at-fork hooks, which os.fork always runs.
+        if loop is not None and loop.pid != procinfo.pid():
             with contextlib.suppress(OSError, ValueError):
                 loop._ep.close()
         try:

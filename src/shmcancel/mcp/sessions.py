@@ -317,8 +317,7 @@ class SessionStore:
         # the interval does not even read the session row.
         now = self._clock()
         with self._lock:
-            if call.receipt is None or not self._calls.remove(call.session_id, call.receipt):
-                self._calls.delete_object(call.session_id, call.owner)
+            self._calls.remove(call.session_id, call.receipt, call.owner)
             if now - call.seen < self._touch_every:
                 return
             r = _row(self._table.get(call.session_id))

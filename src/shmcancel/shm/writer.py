@@ -31,6 +31,7 @@ from .fsck import Fsck
 from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
 
 _T = TypeVar("_T")
+_BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
 
 
 class Writes(Fsck):
@@ -292,22 +293,28 @@ class Writes(Fsck):
         self._lock.dirty = False
         return r, self._hq[_STAMP]  # the stamp _write_record gave r (the lock is held)
 
-    def remove(self, key: Any, receipt: tuple[int, int]) -> bool:
+    def remove(self, key: Any, receipt: tuple[int, int] | None, value: Any = _BY_RECEIPT) -> bool:
         """Remove the row that :meth:`add` returned ``receipt`` for, if it is still there: a
         slot of ``key``'s probe holding that record, whose stamp is still the receipt's (stamps
-        are never handed out twice, so a record reused since is another row). False when it
-        is gone; the caller may then look by value (:meth:`delete_object`)."""
+        are never handed out twice, so a record reused since is another row). When it is not
+        (or ``receipt`` is ``None``) and ``value`` is given, one row of ``key`` equal to
+        ``value`` goes instead, in the same lock hold (as :meth:`delete_object`). False when
+        nothing went."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
-        return self._write(self._remove, key, receipt[0], receipt[1])
+        return self._write(self._remove, key, receipt, value)
 
-    def _remove(self, key: PreparedKey, r: int, stamp: int) -> bool:
-        s = self._locate(key.hash, r)
-        off = self._offset(r)
-        if s < 0 or off < 0 or _REC.unpack_from(self._buf, off)[4] != stamp:
+    def _remove(self, key: PreparedKey, receipt: tuple[int, int] | None, value: Any) -> bool:
+        if receipt is not None:
+            r, stamp = receipt
+            s = self._locate(key.hash, r)
+            off = self._offset(r)
+            if s >= 0 and off >= 0 and _REC.unpack_from(self._buf, off)[4] == stamp:
+                lock = self._lock
+                lock.dirty = True
+                self._delete_slot(s)
+                lock.dirty = False
+                return True
+        if value is _BY_RECEIPT:
             return False
-        lock = self._lock
-        lock.dirty = True
-        self._delete_slot(s)
-        lock.dirty = False
-        return True
+        return self._delete_object(key, _pack(value))
