@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from shmcancel import Config
-from shmcancel.shm import registry
+from shmcancel.shm import lanes, registry
 from shmcancel.shm.segment import HEADER_SIZE, PAGE, TableSpec
 
 MIB = 1 << 20
@@ -23,8 +23,12 @@ MIB = 1 << 20
 def footprint(config: Config) -> tuple[list[TableSpec], int]:
     """Each table's spec and the segment's total bytes (header and page alignment included)."""
     specs = registry.table_specs(config)
-    total = HEADER_SIZE + sum((s.region_size + PAGE - 1) // PAGE * PAGE for s in specs)
+    total = HEADER_SIZE + sum(_pages(s.region_size) for s in specs) + _pages(lanes.region_size())
     return specs, total
+
+
+def _pages(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
 
 
 def report(config: Config, title: str) -> None:
@@ -35,6 +39,8 @@ def report(config: Config, title: str) -> None:
         rec = f"{s.small_size}/{s.record_size}" if s.large_count else str(s.record_size)
         print(f"  {s.name:16} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
               f"{s.region_size:12,}")
+    print(f"  {'lanes':16} {lanes.LANES * lanes.BUCKETS * lanes.WAYS:7} {lanes.BODY + 8:>10} "
+          f"{'-':>6} {lanes.region_size():12,}  ({lanes.LANES} processes' own in-flight rows)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,9 @@ from typing import Any
 from ..config import Config
 from ..exceptions import RegistryIncompatible, ShmCancelError
 from . import procinfo
+from .lanes import Lanes
+from .lanes import format_region as lanes_format
+from .lanes import region_size as lanes_size
 from .lock import RegistryLock
 from .names import check_name, lock_path, segment_path, sem_path, unlink_names, unlink_quiet
 from .schema import TableDecl, declared
@@ -193,6 +196,7 @@ class Registry:
         self._sem_ino = seg.sem_ino
         self._closed = False
         self._tables: dict[str, Table] = {}
+        self.lanes: Lanes | None = None
         try:
             try:
                 self._config = Config.unpack(seg.config)
@@ -211,6 +215,10 @@ class Registry:
                     capacity=desc.capacity, record_size=desc.record_size,
                     hash_key=seg.hash_key, lock=self.lock,
                     small_size=sp.small_size, large_count=sp.large_count)
+            region = seg.lanes_region
+            if region is None:
+                raise RegistryIncompatible(f"registry {self._name}: the segment has no lanes")
+            self.lanes = Lanes(*region, self.lock)
         except BaseException:
             self._close_parts()
             raise
@@ -255,8 +263,12 @@ class Registry:
             for i, s in enumerate(specs):
                 region = seg.region(i)
                 Table.format(region, s.capacity, s.record_size, s.small_size, s.large_count)
+            lanes = seg.lanes_region
+            assert lanes is not None
+            lanes_format(lanes[2])
 
-        seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout)
+        seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout,
+                             lanes_size=lanes_size())
         try:
             return cls(seg, decls)
         except BaseException:
@@ -300,6 +312,8 @@ class Registry:
     def _close_parts(self) -> None:
         for t in self._tables.values():
             t.close()
+        if self.lanes is not None:
+            self.lanes.close()
         lock = getattr(self, "lock", None)
         if lock is not None:
             lock.close()
@@ -311,6 +325,11 @@ class Registry:
             return
         self._closed = True
         _forget(self)
+        if self.lanes is not None and not self.readonly:
+            try:
+                self.lanes.release()
+            except ShmCancelError as e:  # a stalled lock: the lane is freed once this process exits
+                log.warning("registry %s: releasing this process's lane: %s", self._name, e)
         self._close_parts()
 
     def unlink(self) -> None:

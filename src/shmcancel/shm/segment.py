@@ -20,12 +20,15 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     384     f64     janitor: last_sweep (starts at created_at)
     392     u64     janitor: sweeps claimed
     400     u64     janitor: pack_owner of the process that claimed the last sweep
+    448     u64     lanes: offset of the lanes region (``lanes.py``), after the tables; 0 = none
+    456     u64     lanes: size of that region
     512     u64     table count n (at most MAX_TABLES)
     520     64 x n  table descriptors: 32s name (ASCII, NUL-padded), u64 offset, u64 region
                     size, u32 capacity, u32 record size, u8 kind (1 set, 2 bag), 7 pad
     2048    u64     config length m (at most CONFIG_MAX)
     2056    m       config: opaque bytes of the layer above (the registry's Config.pack())
-    4096            table regions, each at a 4096-aligned offset, in descriptor order
+    4096            table regions, each at a 4096-aligned offset, in descriptor order, then
+                    the lanes region (4096-aligned)
 
 Unlisted bytes are zero. Which tables a segment holds is declared above this layer
 (``shm/schema.py``); the header records each one's name, so an attacher matches them by name.
@@ -84,9 +87,10 @@ __all__ = [
 ]
 
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 3  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 4  # 2: sessions_per_client in the config; session_clients, session_calls
 # 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
 #    two record size classes (their geometry in each table's own region header)
+# 4: the lanes region (per-process rows written without the lock)
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
@@ -101,6 +105,8 @@ OFF_EVICTIONS = 328
 OFF_LAST_SWEEP = 384
 OFF_SWEEPS = 392
 OFF_LAST_SWEEPER = 400
+OFF_LANES = 448
+OFF_LANES_SIZE = 456
 OFF_TABLE_COUNT = 512
 OFF_TABLES = 520
 _DESC = struct.Struct("<32sQQIIB7x")
@@ -200,6 +206,17 @@ class Segment:
         return v
 
     @property
+    def lanes_region(self) -> tuple[Any, int, memoryview] | None:
+        """``(mapping, offset, view)`` of the lanes region (the view released by
+        :meth:`close`), or ``None`` when the segment has none."""
+        off, size = self.words[OFF_LANES >> 3], self.words[OFF_LANES_SIZE >> 3]
+        if not size:
+            return None
+        v = self.buf[off:off + size]
+        self._views.append(v)
+        return self._mm, off, v
+
+    @property
     def closed(self) -> bool:
         return self._mm is None
 
@@ -223,12 +240,13 @@ class Segment:
     @classmethod
     def create(cls, name: str, config: bytes, tables: Sequence[TableSpec], *,
                init: Callable[[Segment], None] | None = None,
-               timeout: float = CREATE_TIMEOUT) -> Segment:
+               timeout: float = CREATE_TIMEOUT, lanes_size: int = 0) -> Segment:
         """Create the segment and its semaphore, replacing a stale registry of the same name.
 
         ``config``: at most ``CONFIG_MAX`` bytes kept for the layer above (:attr:`config`).
         ``init(segment)`` runs before the segment becomes visible (format the tables there).
         ``timeout``: seconds to wait for another process creating or recovering ``name``.
+        ``lanes_size``: bytes of the lanes region after the tables (0: none).
         Raises :class:`RegistryIncompatible` when a live process created ``name``,
         :class:`SegmentTooLarge` when /dev/shm cannot hold it.
         """
@@ -250,7 +268,8 @@ class Segment:
             descs.append(TableDesc(t.name, t.kind, t.capacity, t.record_size, off,
                                    t.region_size))
             off = _align(off + t.region_size)
-        total = off
+        lanes_off = off if lanes_size else 0
+        total = _align(off + lanes_size)
 
         lockfd = flock_bounded(name, timeout)
         made: list[Callable[[], None]] = []
@@ -301,6 +320,7 @@ class Segment:
                                 d.offset, d.region_size, d.capacity, d.record_size,
                                 KINDS[d.kind])
             struct.pack_into("<d", mm, OFF_LAST_SWEEP, created_at)
+            struct.pack_into("<QQ", mm, OFF_LANES, lanes_off, lanes_size)
             _HEAD.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, HEADER_SIZE, total,
                             procinfo.pack_owner(*procinfo.me()), created_at, os.urandom(16),
                             sem_ino)
@@ -406,6 +426,9 @@ def _validate_header(name: str, mm: mmap.mmap, size: int) -> None:
             raise RegistryIncompatible(
                 f"registry {name}: table descriptor {i} is out of bounds or corrupt")
         end = off + rsize
+    loff, lsize = struct.unpack_from("<QQ", mm, OFF_LANES)
+    if lsize and (loff % PAGE or loff < end or loff + lsize > size):
+        raise RegistryIncompatible(f"registry {name}: the lanes region is out of bounds")
 
 
 def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:

@@ -1,0 +1,388 @@
+"""Per-process rows of a bag: one lane per process, written without the registry lock.
+
+A lane belongs to one process (its owner word); only that process writes it, its threads
+serialised by a ``threading.Lock``. Any process reads every lane lock-free. A row is a key's
+keyed hash and packed bytes (a :class:`~shmcancel.shm.base.PreparedKey`'s) with two u64s
+``(thread, token)``; its owner is the lane's. A key whose row finds no room (no lane, its
+bucket's ways taken, a key longer than ``KEY_MAX``) goes to the shared table instead: the
+caller's choice, this module only says ``None``.
+
+Binary layout of the region (little-endian u64s unless noted; sizes in bytes)::
+
+    offset  size             content
+    0       32               LANES, BUCKETS, WAYS, BODY (the geometry; checked on attach)
+    32      8                high water: lanes [0, hw) were ever claimed (readers scan those)
+    64      8 x LANES        owners: procinfo.pack_owner of the lane's process, 0 = free
+    V       8 x B x LANES    versions [bucket][lane]: +1 after each change of that lane's bucket
+    H       8 x B x LANES x W  hashes [bucket][lane][way]: the row's keyed hash, 0 = empty way
+    D       BODY x same      bodies, same order: u64 thread, u64 token, u16 klen, key bytes
+
+A row is published by writing its body, then its hash (the store that makes it visible), then
+bumping its version; removed by zeroing its hash, then bumping the version. Readers rely on
+x86-64 TSO like the tables' (``reader.py``): a reader that loads a hash sees the body written
+before it; a body read while its way is being reused for another key fails the key compare,
+which is the answer after the removal that preceded the reuse. A cached "absent" is valid while
+the versions of its bucket, read before the scan, are unchanged.
+
+A lane is claimed, and a dead owner's lane cleared and freed, under the registry lock.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..exceptions import LockTimeout, RegistryIncompatible
+from . import procinfo
+from .base import Lock, PreparedKey
+
+__all__ = ["BODY", "BUCKETS", "KEY_MAX", "LANES", "WAYS", "LaneWatch", "Lanes", "region_size"]
+
+LANES = 32  # processes with a lane; more write to the shared table
+BUCKETS = 32
+WAYS = 4  # rows per bucket of a lane: BUCKETS * WAYS = 128 rows per process
+BODY = 112
+_BODY_HEAD = struct.Struct("<QQH")
+KEY_MAX = BODY - _BODY_HEAD.size  # 94 packed bytes: a [40-char scope, 36-char id] key is 79
+_BODY = struct.Struct(f"<QQH{KEY_MAX}s")  # the whole body in one store call (zero-padded)
+_GEOMETRY = struct.Struct("<QQQQ")
+_HW = 32
+_OWNERS = 64
+_V = _OWNERS + 8 * LANES
+_H = _V + 8 * BUCKETS * LANES
+_D = _H + 8 * BUCKETS * LANES * WAYS
+_END = _D + BODY * BUCKETS * LANES * WAYS
+_BUCKET_WORDS = LANES * WAYS  # hash words of one bucket, all lanes
+_HQ = _H >> 3  # the hash words' and the versions' first index in the region's u64s
+_VQ = _V >> 3
+_OQ = _OWNERS >> 3
+_CLAIM_RETRY = 1.0  # seconds between claims after none was free
+_YIELDS = 16  # GIL-releasing yields before blocking on another thread's hold of the lane
+_WAIT = 1.0  # seconds a thread waits for another's hold of the lane (a few us) at most
+
+
+def _enter(wl: threading.Lock) -> bool:
+    """Take this process's lane lock: at once, else after yields (the holder was switched out
+    mid-write and wants the GIL back: blocking at once forms a convoy, see ``lock.py``), else
+    within ``_WAIT`` seconds. False when even that failed (a bug: no hold blocks)."""
+    if wl.acquire(False):
+        return True
+    for _ in range(_YIELDS):
+        os.sched_yield()  # releases the GIL
+        if wl.acquire(False):
+            return True
+    return wl.acquire(timeout=_WAIT)
+
+
+def region_size() -> int:
+    return _END
+
+
+def format_region(buf: memoryview) -> None:
+    """Write the geometry of an all-zero region (no lane claimed)."""
+    _GEOMETRY.pack_into(buf, 0, LANES, BUCKETS, WAYS, BODY)
+
+
+def _bucket(h: int) -> int:
+    return (h >> 32) & (BUCKETS - 1)  # the tables' homes use the low bits
+
+
+_open: weakref.WeakSet[Lanes] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lanes in list(_open):  # the parent's lane is the parent's: the child claims its own
+        lanes._forget()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Lanes:
+    """The lanes of one mapped region: lock-free reads of every lane, and this process's own
+    lane (claimed on its first :meth:`add`; a fork child claims its own)."""
+
+    def __init__(self, mm: Any, offset: int, buf: memoryview, lock: Lock,
+                 alive: Callable[[int, int], bool] = procinfo.alive) -> None:
+        if len(buf) < _END or _GEOMETRY.unpack_from(buf, 0) != (LANES, BUCKETS, WAYS, BODY):
+            raise RegistryIncompatible("the segment's lanes have another geometry")
+        self._mm = mm  # the mapping: mm.find scans hash words without copying them
+        self._base = offset
+        self._buf = buf
+        self._q = buf.cast("Q")
+        self._lock = lock  # the registry lock: claims and clearing others' lanes
+        self._alive = alive
+        self._wl = threading.Lock()  # this process's writes to its lane
+        self._lane = -1  # this process's lane, -1 until claimed (and in a fork child)
+        self._retry_at = 0.0
+        _open.add(self)
+
+    def _forget(self) -> None:
+        self._lane = -1
+        self._retry_at = 0.0
+        self._wl = threading.Lock()
+
+    def close(self) -> None:
+        self._q.release()
+
+    # ------------------------------------------------------------------ reads (lock-free)
+    def _ways(self, b: int) -> tuple[int, int]:
+        """Absolute byte range in the mapping of bucket ``b``'s hash words in lanes [0, hw)."""
+        start = self._base + _H + 8 * _BUCKET_WORDS * b
+        return start, start + 8 * WAYS * min(self._q[_HW >> 3], LANES)
+
+    def _hits(self, pk: PreparedKey) -> Iterator[int]:
+        """Ways (indices into the hash words) holding ``pk``'s rows: hash and key bytes equal."""
+        h = pk.hash
+        hb = h.to_bytes(8, "little")
+        start, end = self._ways(_bucket(h))
+        find = self._mm.find
+        i = find(hb, start, end)
+        while i >= 0:
+            if not (i - start) & 7:
+                w = (i - self._base - _H) >> 3
+                off = _D + BODY * w
+                kl = _BODY_HEAD.unpack_from(self._buf, off)[2]
+                if kl == len(pk.kbytes) and self._buf[off + _BODY_HEAD.size:
+                                                      off + _BODY_HEAD.size + kl] == pk.kbytes:
+                    yield w
+            i = find(hb, i + 1, end)
+
+    def member(self, pk: PreparedKey) -> bool:
+        for _ in self._hits(pk):
+            return True
+        return False
+
+    def versions(self, pk: PreparedKey) -> bytes:
+        """The versions of ``pk``'s bucket in every lane: read before a scan, equal later means
+        that scan's answer still holds."""
+        v = self._base + _V + 8 * LANES * _bucket(pk.hash)
+        return self._mm[v:v + 8 * LANES]
+
+    def owners(self, pk: PreparedKey) -> list[tuple[int, int, int, int]]:
+        """``(pid, start, thread, token)`` of ``pk``'s rows (the lane's owner first)."""
+        out = []
+        for w in self._hits(pk):
+            lane = (w // WAYS) % LANES
+            owner = procinfo.unpack_owner(self._q[_OQ + lane])
+            if owner is not None:
+                tid, token, _ = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+                out.append((*owner, tid, token))
+        return out
+
+    def rows(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
+        """Every row: ``(key bytes, (pid, start, thread, token))``, a lock-free snapshot."""
+        q = self._q
+        out = []
+        hw = min(q[_HW >> 3], LANES)
+        for lane in range(hw):
+            owner = procinfo.unpack_owner(q[_OQ + lane])
+            if owner is None:
+                continue
+            for b in range(BUCKETS):
+                w0 = (b * LANES + lane) * WAYS
+                for w in range(w0, w0 + WAYS):
+                    if q[_HQ + w]:
+                        tid, token, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+                        kl = min(kl, KEY_MAX)
+                        k0 = _D + BODY * w + _BODY_HEAD.size
+                        out.append((bytes(self._buf[k0:k0 + kl]), (*owner, tid, token)))
+        return out
+
+    def lane_owners(self) -> list[tuple[int, tuple[int, int]]]:
+        """``(lane, (pid, start))`` of every claimed lane."""
+        q = self._q
+        return [(i, o) for i in range(min(q[_HW >> 3], LANES))
+                if (o := procinfo.unpack_owner(q[_OQ + i])) is not None]
+
+    # ------------------------------------------------------------------ this process's lane
+    def add(self, pk: PreparedKey, tid: int, token: int) -> int | None:
+        """Publish the row ``(pk, tid, token)`` in this process's lane; its way (the receipt
+        :meth:`remove` takes), or ``None`` when it has no room there (then nothing written)."""
+        kb = pk.kbytes
+        lane = self._lane
+        if lane < 0:
+            lane = self._own()
+            if lane < 0:
+                return None
+        if len(kb) > KEY_MAX:
+            return None
+        h = pk.hash
+        b = (h >> 32) & (BUCKETS - 1)  # the tables' homes use the low bits
+        w = (b * LANES + lane) * WAYS
+        q = self._q
+        wl = self._wl
+        if not wl.acquire(False) and not _enter(wl):
+            return None
+        try:
+            if q[_HQ + w]:
+                w += 1
+                if q[_HQ + w]:
+                    w += 1
+                    if q[_HQ + w]:
+                        w += 1
+                        if q[_HQ + w]:
+                            return None
+            _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
+            q[_HQ + w] = h  # visible from here
+            q[_VQ + b * LANES + lane] += 1
+        finally:
+            wl.release()
+        return w
+
+    def remove(self, w: int, token: int) -> bool:
+        """Remove the row at way ``w`` of this process's lane if it still holds ``token``."""
+        lane = (w // WAYS) % LANES
+        if lane != self._lane or not 0 <= w < BUCKETS * LANES * WAYS:
+            return False  # a fork child's copy of a receipt: the parent's row is the parent's
+        q = self._q
+        wl = self._wl
+        if not wl.acquire(False) and not _enter(wl):
+            raise LockTimeout(f"this process's lane stayed taken for {_WAIT}s")
+        try:
+            if not q[_HQ + w] or _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)[1] != token:
+                return False
+            q[_HQ + w] = 0
+            q[_VQ + (w // (LANES * WAYS)) * LANES + lane] += 1
+        finally:
+            # A lock release is a locked instruction (sem_post): the full barrier between this
+            # removal and the caller's next load (contract §4.3's race at a request's end).
+            wl.release()
+        return True
+
+    def own_rows(self) -> list[tuple[int, bytes, int, int]]:
+        """``(way, key bytes, thread, token)`` of this process's rows."""
+        if self._lane < 0:
+            return []
+        lane = self._lane
+        q = self._q
+        out = []
+        for b in range(BUCKETS):
+            w0 = (b * LANES + lane) * WAYS
+            for w in range(w0, w0 + WAYS):
+                if q[_HQ + w]:
+                    tid, token, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+                    k0 = _D + BODY * w + _BODY_HEAD.size
+                    out.append((w, bytes(self._buf[k0:k0 + min(kl, KEY_MAX)]), tid, token))
+        return out
+
+    def _own(self) -> int:
+        """This process's lane, claimed under the registry lock now (a free lane, else a dead
+        owner's, cleared first); -1 when every lane has a live owner (tried again after
+        ``_CLAIM_RETRY`` seconds)."""
+        if self._lane >= 0:
+            return self._lane
+        now = time.monotonic()
+        if now < self._retry_at:
+            return -1
+        me = procinfo.pack_owner(*procinfo.me())
+        q = self._q
+        with self._lock:
+            for i in range(LANES):
+                word = q[_OQ + i]
+                owner = procinfo.unpack_owner(word)
+                if owner is None or not self._alive(*owner):
+                    self._clear(i)
+                    q[_OQ + i] = me
+                    if q[_HW >> 3] <= i:
+                        q[_HW >> 3] = i + 1
+                    self._lane = i
+                    return i
+        self._retry_at = now + _CLAIM_RETRY
+        return -1
+
+    def _clear(self, lane: int) -> int:
+        """Under the registry lock, of a lane no live process writes: zero its rows."""
+        q = self._q
+        n = 0
+        for b in range(BUCKETS):
+            w0 = _HQ + (b * LANES + lane) * WAYS
+            moved = False
+            for w in range(w0, w0 + WAYS):
+                if q[w]:
+                    q[w] = 0
+                    n += 1
+                    moved = True
+            if moved:
+                q[_VQ + b * LANES + lane] += 1
+        return n
+
+    def reap(self, pid: int | None = None) -> int:
+        """Clear and free the lanes of dead owners (of ``pid`` only, when given); returns the
+        rows removed. Liveness is read before the lock, checked again under it."""
+        dead = [(i, o) for i, o in self.lane_owners()
+                if (pid is None or o[0] == pid) and not self._alive(*o)]
+        if not dead:
+            return 0
+        n = 0
+        q = self._q
+        with self._lock:
+            for i, o in dead:
+                if procinfo.unpack_owner(q[_OQ + i]) == o:
+                    n += self._clear(i)
+                    q[_OQ + i] = 0
+        return n
+
+    def release(self) -> None:
+        """Give up this process's lane (its rows go): for a registry being closed."""
+        if self._lane < 0:
+            return
+        lane, self._lane = self._lane, -1
+        me = procinfo.pack_owner(*procinfo.me())
+        q = self._q
+        with self._lock:
+            if q[_OQ + lane] == me:
+                self._clear(lane)
+                q[_OQ + lane] = 0
+
+
+class LaneWatch:
+    """A cached ``member()`` of a key over a table's :class:`~shmcancel.shm.reader.Watch` and
+    the lanes. Present in a lane: one load, that way's hash word still the key's (a way reused
+    by another key of the same 64-bit keyed hash would pass: never seen, not worth a compare).
+    Present in the table: the table watch's own check. Absent: the table watch unchanged and
+    the key's lane versions, read before the scan, unchanged."""
+
+    __slots__ = ("_h", "_lanes", "_mm", "_pk", "_q", "_snap", "_va", "_vb", "_w", "_way")
+
+    def __init__(self, w: Any, lanes: Lanes, pk: PreparedKey) -> None:
+        self._w = w
+        self._lanes = lanes
+        self._pk = pk
+        self._h = pk.hash
+        self._q = lanes._q
+        self._mm = lanes._mm
+        self._va = lanes._base + _V + 8 * LANES * ((pk.hash >> 32) & (BUCKETS - 1))
+        self._vb = self._va + 8 * LANES
+        self._snap = b""  # never a slice of 8 * LANES bytes: the first call reads
+        self._way = -1  # the hash word of the lane row last found, else -1
+
+    def member(self) -> bool:
+        way = self._way
+        if way >= 0:
+            if self._q[way] == self._h:
+                return True
+        else:
+            w = self._w
+            if w._ver[w._b] == w._v:
+                if w._member:
+                    return True
+                if self._mm[self._va:self._vb] == self._snap:
+                    return False
+        return self._refresh()
+
+    def _refresh(self) -> bool:
+        snap = self._mm[self._va:self._vb]  # before the scan: see the module docstring
+        self._way = -1
+        if self._w.member():
+            return True
+        for way in self._lanes._hits(self._pk):
+            self._way = _HQ + way
+            return True
+        self._snap = snap
+        return False
