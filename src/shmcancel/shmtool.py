@@ -47,7 +47,8 @@ from typing import Any
 import posix_ipc
 
 from .cancel.policy import Cancellation
-from .cancel.tables import CANCELLATIONS, IN_FLIGHT
+from .cancel.shm_storage import ShmBackend
+from .cancel.tables import CANCELLATIONS
 from .exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
 from .mcp.session_tables import SESSIONS
 from .shm import procinfo
@@ -255,7 +256,7 @@ def _dump(reg: Registry) -> dict[str, Any]:
     cancels.sort(key=lambda r: (r["cancelled_at"] or 0.0, str(r["scope"]), str(r["request_id"])))
     flights = []
     alive_cache: dict[tuple[int, int], bool] = {}
-    for k, v in reg.table(IN_FLIGHT).scan():
+    for k, v in ShmBackend(reg).in_flight_rows():
         scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
         if isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) for x in v):
             pid, start, tid, token = v

@@ -11,6 +11,7 @@ import time
 import pytest
 from helpers.background import lock_held
 from helpers.clock import Clock
+from helpers.rows import in_flight_count, in_flight_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -174,7 +175,7 @@ def test_invalid_ids_rejected_by_cancel_and_ignored_elsewhere(rc_any, rid, event
     assert events == []
     # None of the others raise for a bad id.
     c.track(rid, "s")
-    assert reg.table("in_flight").count() == 0
+    assert in_flight_count(reg) == 0
     assert c.in_flight(rid, "s") is False
     c.untrack(rid, "s")
     c.clear(rid, "s")
@@ -201,7 +202,7 @@ def test_none_is_a_noop_everywhere(rc_any, events):
     assert c.cancelled(None, "s") is False
     assert c.reason(None, "s") is None
     assert c.in_flight(None, "s") is False
-    assert reg.table("cancellations").count() == reg.table("in_flight").count() == 0
+    assert reg.table("cancellations").count() == in_flight_count(reg) == 0
     assert events == []
 
 
@@ -534,12 +535,12 @@ def test_track_untrack_in_flight(rc):
     assert not c.in_flight(1, "s")
     c.track(1, "s")
     assert c.in_flight(1, "s") and not c.in_flight(1, "t")
-    (key, owner), = reg.table("in_flight").scan()
+    (key, owner), = in_flight_rows(reg)
     pid, start, tid, _token = owner
     assert key == ("s", "1")
     assert (pid, start) == shmcancel.shm.procinfo.me() and tid == threading.get_ident()
     c.untrack(1, "s")
-    assert not c.in_flight(1, "s") and reg.table("in_flight").count() == 0
+    assert not c.in_flight(1, "s") and in_flight_count(reg) == 0
 
 
 def test_namesakes_each_hold_a_row(rc):
@@ -557,10 +558,10 @@ def test_namesakes_each_hold_a_row(rc):
     try:
         assert other_done.wait(5)
         c.track(1, "s")
-        assert reg.table("in_flight").count() == 2
+        assert in_flight_count(reg) == 2
         c.untrack(1, "s")  # removes this thread's row only
-        assert c.in_flight(1, "s") and reg.table("in_flight").count() == 1
-        (_, owner), = reg.table("in_flight").scan()
+        assert c.in_flight(1, "s") and in_flight_count(reg) == 1
+        (_, owner), = in_flight_rows(reg)
         assert owner[2] == t.ident
     finally:
         release.set()
@@ -571,7 +572,7 @@ def test_namesakes_each_hold_a_row(rc):
 def test_two_handles_of_one_thread_are_two_rows(rc_any):
     reg, c = rc_any
     h1, h2 = c.begin(1, "s"), c.begin(1, "s")
-    assert h1.tracked and h2.tracked and reg.table("in_flight").count() == 2
+    assert h1.tracked and h2.tracked and in_flight_count(reg) == 2
     h1.end()
     assert c.in_flight(1, "s")
     h2.end()
@@ -620,7 +621,7 @@ def test_handle_poll_sees_cancel_and_end_clears(rc_any):
     h.end()
     assert not c.in_flight(5, "session:x") and not c.cancelled(5, "session:x")
     h.end()  # idempotent
-    assert reg.table("cancellations").count() == reg.table("in_flight").count() == 0
+    assert reg.table("cancellations").count() == in_flight_count(reg) == 0
 
 
 def test_end_runs_once_even_from_racing_threads(rc_any):

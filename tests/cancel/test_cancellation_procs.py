@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from helpers.procs import TIMEOUT, Chan, Child, wait_zombie
+from helpers.rows import in_flight_count, in_flight_rows
 
 from shmcancel import CancellationLimitReached, TableFull, telemetry
 from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
@@ -179,8 +180,8 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     c = Cancellation(reg)
     kids = [spawn(poller, reg.name, 1, "ip:203.0.113.9") for _ in range(4)]
     pids = {k.recv()["pid"] for k in kids}
-    assert reg.table("in_flight").count() == 4
-    assert {owner[0] for _, owner in reg.table("in_flight").scan()} == pids
+    assert in_flight_count(reg) == 4
+    assert {owner[0] for _, owner in in_flight_rows(reg)} == pids
     c.cancel(1, "all of them", "ip:203.0.113.9")
     for k in kids:
         k.send("poll")
@@ -189,14 +190,14 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     # and, having seen the cancellation, stay cancelled
     kids[0].send("end")
     assert kids[0].recv() == "ended"
-    assert reg.table("in_flight").count() == 3 and c.in_flight(1, "ip:203.0.113.9")
+    assert in_flight_count(reg) == 3 and c.in_flight(1, "ip:203.0.113.9")
     assert not c.cancelled(1, "ip:203.0.113.9")
     for k in kids[1:]:
         k.send("poll")
         assert k.recv()["cancelled"] is True
         k.send("end")
         assert k.recv() == "ended"
-    assert reg.table("in_flight").count() == 0
+    assert in_flight_count(reg) == 0
     for k in kids:
         k.send("exit")
         assert k.wait() == 0
@@ -252,7 +253,7 @@ def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registr
     dead_pid = dead.recv()["pid"]
     live = spawn(poller, reg.name, 5, "s")
     live_pid = live.recv()["pid"]
-    assert reg.table("in_flight").count() == 2
+    assert in_flight_count(reg) == 2
     dead.kill()  # SIGKILL: no untrack ran
     seen = []
     telemetry.attach("procs-cleanup", CLEANUP_EVENT, lambda e, m, md, cfg: seen.append(m))
@@ -262,7 +263,7 @@ def test_cleanup_drops_a_dead_processs_row_while_a_live_one_keeps_the_id(registr
         telemetry.detach("procs-cleanup")
     assert seen == [{"removed": 0, "in_flight_removed": 1}]
     assert c.in_flight(5, "s")
-    assert [o[0] for _, o in reg.table("in_flight").scan()] == [live_pid] != [dead_pid]
+    assert [o[0] for _, o in in_flight_rows(reg)] == [live_pid] != [dead_pid]
     live.send("exit")
     assert live.wait() == 0
 
@@ -275,7 +276,7 @@ def test_an_unreaped_zombie_counts_as_dead(registry, spawn):
     z.send("exit")  # exits without untracking; not reaped yet
     wait_zombie(z.pid, TIMEOUT)
     assert c.reap() == 2
-    assert reg.table("in_flight").count() == 0
+    assert in_flight_count(reg) == 0
     assert z.wait() == 0
 
 
@@ -288,7 +289,7 @@ def test_reap_pid_drops_only_that_workers_rows(registry, spawn):
     a.kill()
     b.kill()
     assert c.reap(a_pid) == 2  # what gunicorn's child_exit does for the worker it reaped
-    assert {o[0] for _, o in reg.table("in_flight").scan()} == {b_pid}
+    assert {o[0] for _, o in in_flight_rows(reg)} == {b_pid}
     assert c.reap() == 2
 
 
@@ -301,7 +302,7 @@ def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
         c.track(5, "s")  # all four owners alive
     k.kill()
     c.track(5, "s")  # the dead child's rows are removed first
-    assert reg.table("in_flight").count() == 1 and c.in_flight(5, "s")
+    assert in_flight_count(reg) == 1 and c.in_flight(5, "s")
 
 
 def test_janitor_runs_in_whichever_process_is_active(registry, spawn):

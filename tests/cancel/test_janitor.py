@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import dump
+from helpers.rows import in_flight_count
 
 from shmcancel import Cancellation, Config, Registry, cancelled
 from shmcancel.cancel.janitor import Janitor
@@ -69,7 +70,7 @@ def test_janitor_thread_sweeps_without_calls(shm_name: str) -> None:
         with _janitor_child(shm_name) as jpid:
             # Observed through the tables only: table reads never sweep.
             wait_until(lambda: reg.table("cancellations").count() == 0
-                       and reg.table("in_flight").count() == 0, time.monotonic() + 5,
+                       and in_flight_count(reg) == 0, time.monotonic() + 5,
                        what="the janitor thread's sweep")
             info = reg.info()
             assert info["sweeps"] >= 1 and info["last_sweeper_pid"] == jpid

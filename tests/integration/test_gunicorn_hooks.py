@@ -19,6 +19,7 @@ import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, alive, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of
+from helpers.rows import in_flight_rows
 
 from shmcancel.errors import REQUEST_CANCELLED
 from shmcancel.shm.registry import Registry
@@ -105,7 +106,7 @@ def background(fn, *args) -> Iterator[dict]:
 
 def in_flight(reg: Registry) -> list[tuple[str, str, int]]:
     """``(scope, request_id, pid)`` of every in-flight row."""
-    return [(k[0], k[1], v[0]) for k, v in reg.table("in_flight").scan()]
+    return [(k[0], k[1], v[0]) for k, v in in_flight_rows(reg)]
 
 
 def get(url: str, timeout: float = 5.0) -> dict:

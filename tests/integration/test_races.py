@@ -26,6 +26,8 @@ import pytest
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
 from helpers.procs import Chan, Child
+from helpers.rows import in_flight_count
+from helpers.rows import in_flight_rows as _rows
 from helpers.wsgi import environ_for, run
 
 import shmcancel.cancel.owed as owed_mod
@@ -64,10 +66,6 @@ def echo_server(reg: Registry) -> McpServer:
         return str(params.get("text", ""))
 
     return server
-
-
-def in_flight_rows(reg: Registry) -> list[tuple[Any, Any]]:
-    return sorted(reg.table("in_flight").scan())
 
 
 # ------------------------------------------------------------------------------ child programs
@@ -155,7 +153,7 @@ def test_a_cancel_racing_the_end_of_its_call_leaves_no_row(registry, spawn, monk
     assert req.wait() == 0
     assert ran, "the cancel never reached the point of recording"
     assert reg.table("cancellations").scan() == [] and reg.table("scope_counts").scan() == []
-    assert in_flight_rows(reg) == []
+    assert sorted(_rows(reg)) == []
     with c.begin(7, scope) as h:  # the next call reusing the id does not start out cancelled
         assert h.cancelled() is False
 
@@ -170,7 +168,7 @@ def test_cancel_if_in_flight(registry) -> None:
         assert c.cancel_if_in_flight(3, "r", "t") is False  # another scope's request 3
         assert c.cancel_if_in_flight("3", "r", "s") is True
         assert h.cancelled() and h.reason() == "r"
-    assert reg.table("cancellations").scan() == [] and reg.table("in_flight").scan() == []
+    assert reg.table("cancellations").scan() == [] and sorted(_rows(reg)) == []
 
 
 def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> None:
@@ -268,7 +266,7 @@ def test_gunicorn_cancels_racing_the_end_of_short_calls(shm_name: str, tmp_path)
                 f"round {n + 1}: a row outlived its call ({leftover}); "
                 f"the next call started cancelled ({precancelled})")
             assert reg.table("cancellations").count() == 0
-            wait_until(lambda: reg.table("in_flight").count() == 0, time.monotonic() + TIMEOUT,
+            wait_until(lambda: in_flight_count(reg) == 0, time.monotonic() + TIMEOUT,
                        what="no request in flight")
         finally:
             reg.close()
@@ -294,11 +292,13 @@ def assert_503(r: Any) -> None:
 
 def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
                                                             monkeypatch) -> None:
-    """A real lock holder, SIGSTOPped past lock_timeout. The requests that meet it get 503; the
-    ends of two requests that finish meanwhile are owed, not lost (the owed queue is cut to one
-    here, so one of them is dropped). Once the holder is continued the owed end lands, and
-    cleanup removes the row of the dropped one although its process (this one) lives; a
-    notification for its id then records nothing and the next call with it is not cancelled."""
+    """A real lock holder, SIGSTOPped past lock_timeout. The requests that need the lock get 503;
+    a call does not (its in-flight row is in this process's lane, claimed before the stall), and
+    the in-flight rows of requests ending meanwhile go at once. The clears of two cancelled
+    requests ending meanwhile are owed, not lost (the owed queue is cut to one here, so one is
+    dropped). Once the holder is continued the owed clear lands; the dropped one's row is older
+    than any later call with its id, which is not cancelled by it, and a notification for the
+    ended id records nothing."""
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
     scope = c.scope(SCOPE_ENV)
@@ -306,23 +306,27 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
     monkeypatch.setattr(owed_mod, "_OWED_MAX", 1)
     first, second = c.begin(1, scope), c.begin(2, scope)
     assert first.tracked and second.tracked
+    c.cancel(1, "r", scope)
+    c.cancel(2, "r", scope)
     try:
         with stalled_lock(spawn, reg.name):
             assert_503(wsgi_post(server, notification(1)))
-            assert_503(wsgi_post(server, call(3, "echo", {})))  # begin could not track it
+            r = wsgi_post(server, call(3, "echo", {"text": "served"}))
+            assert r.status == 200 and r.json["result"]["content"][0]["text"] == "served"
             with pytest.raises(LockTimeout):
                 c.cancel(1, "r", scope)
-            second.end()  # owed
-            first.end()  # owed; the queue holds one, so second's end is dropped
-            assert [k[1] for k, _ in in_flight_rows(reg)] == ["1", "2"]  # nothing landed
-        with c.begin(3, scope):  # the next write lands what is owed: first's end
-            assert [k[1] for k, _ in in_flight_rows(reg)] == ["2", "3"]
-        assert c.sweep() == (0, 1)  # cleanup: second ended, its process lives, its row goes
-        assert in_flight_rows(reg) == []
-        assert wsgi_post(server, notification(2)).status == 202
-        assert reg.table("cancellations").scan() == []
-        assert wsgi_post(server, call(2, "echo", {"text": "ok"})).json["result"]["isError"] is False
+            second.end()  # its clear is owed
+            first.end()  # owed; the queue holds one, so second's clear is dropped
+            assert sorted(_rows(reg)) == []  # the in-flight rows went without the lock
+            assert sorted(k[1] for k, _ in reg.table("cancellations").scan()) == ["1", "2"]
+            assert owed_mod.owed_ends() == 1
+        with c.begin(3, scope):  # the next write lands what is owed: first's clear
+            assert [k[1] for k, _ in reg.table("cancellations").scan()] == ["2"]
         assert owed_mod.owed_ends() == 0
+        assert wsgi_post(server, notification(2)).status == 202  # not in flight: nothing new
+        later = wsgi_post(server, call(2, "echo", {"text": "ok"}))
+        assert later.json["result"]["isError"] is False  # the old row is not this call's
+        assert later.json["result"]["content"][0]["text"] == "ok"
     finally:
         forget_owed_ends()
 
@@ -332,13 +336,16 @@ def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
     h = c.begin(5, "s")
+    c.cancel(5, "r", "s")  # so that its end must clear a row: under the lock
     try:
         with stalled_lock(spawn, reg.name):
             h.end()
-        assert [k[1] for k, _ in in_flight_rows(reg)] == ["5"]
+        assert sorted(_rows(reg)) == []  # the in-flight row went without the lock
+        assert reg.table("cancellations").count() == 1 and owed_mod.owed_ends() == 1
         with c.begin(6, "s"):
-            assert [k[1] for k, _ in in_flight_rows(reg)] == ["6"]
-        assert in_flight_rows(reg) == []
+            assert [k[1] for k, _ in sorted(_rows(reg))] == ["6"]
+            assert reg.table("cancellations").count() == 0 and owed_mod.owed_ends() == 0
+        assert sorted(_rows(reg)) == []
     finally:
         forget_owed_ends()
 
@@ -351,10 +358,11 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
     janitor.start()
     try:
         h = Cancellation(reg).begin(8, "s")
+        Cancellation(reg).cancel(8, "r", "s")  # so that its end must clear a row: under the lock
         with stalled_lock(spawn, reg.name):
             h.end()
-            assert [k[1] for k, _ in in_flight_rows(reg)] == ["8"]
-        wait_until(lambda: reg.table("in_flight").count() == 0 and not owed_mod.owed_ends(),
+            assert reg.table("cancellations").count() == 1 and owed_mod.owed_ends() == 1
+        wait_until(lambda: reg.table("cancellations").count() == 0 and not owed_mod.owed_ends(),
                    time.monotonic() + TIMEOUT, what="the janitor to land the owed end")
     finally:
         janitor.stop()
@@ -398,9 +406,10 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
                 assert not running.is_alive()
                 done = reply_of(result[0])
                 assert done["result"]["content"][0]["text"] == "slept 2.5s", done
-                assert [k[1] for k, _ in in_flight_rows(reg)] == ["7"]  # its end is owed
+                # its in-flight row is in the worker's lane: gone without the lock
+                assert sorted(_rows(reg)) == []
             try:
-                wait_until(lambda: reg.table("in_flight").count() == 0, time.monotonic() + TIMEOUT,
+                wait_until(lambda: in_flight_count(reg) == 0, time.monotonic() + TIMEOUT,
                            what="the owed end to land")
             except AssertionError:
                 raise AssertionError(g.log_tail()) from None

@@ -17,6 +17,7 @@ import mcp
 import pytest
 from helpers.aio import until
 from helpers.gunicorn_harness import Gunicorn
+from helpers.rows import in_flight_rows
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
@@ -79,7 +80,7 @@ async def client(url: str, mode: str, races: list[BaseException]) -> AsyncIterat
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
-    return [k for k, _ in reg.table("in_flight").scan()]
+    return [k for k, _ in in_flight_rows(reg)]
 
 
 @pytest.mark.parametrize("mode", MODES)

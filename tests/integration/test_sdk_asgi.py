@@ -25,6 +25,7 @@ import httpx
 import pytest
 from helpers.aio import until
 from helpers.gunicorn_harness import Gunicorn
+from helpers.rows import in_flight_rows
 from mcp import Client
 
 from shmcancel import Registry
@@ -48,7 +49,7 @@ def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]
 
 
 def rows(reg: Registry) -> list[tuple[str, str]]:
-    return [k for k, _ in reg.table("in_flight").scan()]
+    return [k for k, _ in in_flight_rows(reg)]
 
 
 def cancellation_rows(reg: Registry) -> list[tuple[str, str]]:

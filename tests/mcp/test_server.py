@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers.rows import in_flight_count
 from helpers.wsgi import Reply, environ_for, run
 
 import shmcancel
@@ -197,7 +198,7 @@ def legacy_headers(sid: str | None) -> dict[str, str]:
 
 
 def tables_empty(reg: Registry) -> bool:
-    return reg.table("in_flight").count() == 0 and reg.table("cancellations").count() == 0
+    return in_flight_count(reg) == 0 and reg.table("cancellations").count() == 0
 
 
 class Call(threading.Thread):

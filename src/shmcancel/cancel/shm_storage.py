@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Container
 from functools import partial
@@ -15,6 +16,7 @@ from typing import Any
 from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
+from ..shm.lanes import LaneWatch
 from ..shm.reader import Watch
 from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
@@ -25,6 +27,7 @@ from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
 _KEY_CACHE = 1024
+_barrier = threading.Lock()  # acquired and released: a full memory barrier (see _still_in_flight)
 
 
 def _cancel_row(key: Any, value: Any) -> tuple[str, str, str | None, float] | None:
@@ -88,6 +91,9 @@ class ShmBackend:
         self._c = reg.table(CANCELLATIONS)
         self._f = reg.table(IN_FLIGHT)
         self._n = reg.table(SCOPE_COUNTS)
+        lanes = reg.lanes
+        assert lanes is not None
+        self._lanes = lanes  # a handle's in-flight row, when its process's lane has room
         self._lock = reg.lock
         self._hash_key = bytes(reg.hash_key)
         self._alive = alive
@@ -162,16 +168,35 @@ class ShmBackend:
                     for _ in range(2):
                         try:
                             self._put(ck, scope, reason, at, n)
-                            return True
+                            break
                         except LargeRowsFull:  # the large records are taken: evict among them
                             self.evict_large()
                         except TableFull:  # the physical table filled below the cap
                             self.evict(batch)
                         n = None  # the eviction may have taken rows of this scope
-                    self._put(ck, scope, reason, at, None)
-                    return True
+                    else:
+                        self._put(ck, scope, reason, at, None)
+                    return not only_in_flight or self._still_in_flight(scope, rid)
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
+
+    def _still_in_flight(self, scope: str, rid: str) -> bool:
+        """Under the lock, right after the gate's row was written: is the request still in
+        flight? Its lane row (if that is where it is) is removed without this lock, so its end
+        is a store then a load (the row removed, then "is there a cancellation?") and so is
+        this side (the cancellation written, then "is it still running?"): with a full barrier
+        between each store and its load, one of the two sees the other. Not running: the row
+        goes again and nothing was recorded."""
+        fk = self._fk(scope, rid)
+        if self._f.member(fk):  # exact under the lock
+            return True
+        _barrier.acquire()  # a locked instruction: the row's stores before the lanes' loads
+        _barrier.release()
+        if self._lanes.member(fk):
+            return True
+        if self._c.delete(self._ck(scope, rid)):
+            self._add(scope, -1)
+        return False
 
     def exists(self, scope: str, rid: str) -> bool:
         return self._c.member(self._ck(scope, rid))
@@ -422,6 +447,12 @@ class ShmBackend:
         """Returns the row's receipt (``Table.add``'s) for a handle's row (token non-zero: no
         other row equals it, so none is read first); ``None`` for a plain ``track`` row."""
         key = self._fk(scope, rid)
+        # A handle's row goes to this process's lane while the shared table has room (so a
+        # full table still refuses every new request, as contract §4.5 says); see lanes.py.
+        if owner[3] and self._f.count() < self._f.capacity:
+            w = self._lanes.add(key, owner[2], owner[3])
+            if w is not None:
+                return w
         write = self._f.add if owner[3] else self._f.insert
         try:
             return write(key, owner)
@@ -431,33 +462,62 @@ class ShmBackend:
             return write(key, owner)
 
     def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
+        if type(receipt) is int:  # a lane's way
+            return self._lanes.remove(receipt, owner[3])
         return self._f.remove(self._fk(scope, rid),
                               receipt if type(receipt) is tuple else None, owner)
 
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         key = self._fk(scope, rid)
         mine = [o for o in map(_owner, self._f.lookup(key)) if o and o[:3] == (pid, start, tid)]
-        if not mine:
-            return False
-        # a plain track() row (token 0) first
-        return self._f.delete_object(key, min(mine, key=lambda o: o[3] != 0))
+        # a plain track() row (token 0) first, then a handle's (in the lane, else the table)
+        if any(o[3] == 0 for o in mine):
+            return self._f.delete_object(key, (pid, start, tid, 0))
+        if (pid, start) == procinfo.me():
+            for w, kb, t, token in self._lanes.own_rows():
+                if kb == key.kbytes and t == tid and self._lanes.remove(w, token):
+                    return True
+        return bool(mine) and self._f.delete_object(key, mine[0])
 
     def in_flight(self, scope: str, rid: str) -> bool:
-        return self._f.member(self._fk(scope, rid))
+        key = self._fk(scope, rid)
+        return self._f.member(key) or self._lanes.member(key)
 
     def in_flight_pids(self, scope: str, rid: str) -> set[int]:
         """The pids owning ``(scope, rid)``'s in-flight rows, read lock-free (optional for a
         store: what a cancellation's wake-up rings, :meth:`Cancellation.in_flight_pids`)."""
-        return {o[0] for o in map(_owner, self._f.lookup(self._fk(scope, rid))) if o}
+        key = self._fk(scope, rid)
+        return ({o[0] for o in map(_owner, self._f.lookup(key)) if o}
+                | {o[0] for o in self._lanes.owners(key)})
 
     def watch_in_flight(self, scope: str, rid: str) -> Poll:
         """A cached poll of ``in_flight(scope, rid)`` (optional for a store: the policy falls
         back to calling ``in_flight``)."""
-        return self._f.watch(self._fk(scope, rid))
+        key = self._fk(scope, rid)
+        return LaneWatch(self._f.watch(key), self._lanes, key)
 
     def in_flight_ids(self, scope: str) -> list[str]:
         ids = {k[1] for k, _ in self._f.scan(lambda k, v: type(k) is tuple and k[0] == scope)}
+        ids.update(k[1] for k, _ in self.lane_rows() if k[0] == scope)
         return sorted(ids)
+
+    def in_flight_rows(self) -> list[tuple[Any, Any]]:
+        """Every in-flight row as ``(key, value)``, the shared table's then the lanes' (a
+        lock-free snapshot, for inspection: ``shmtool dump``, tests)."""
+        return [*self._f.scan(), *self.lane_rows()]
+
+    def lane_rows(self) -> list[tuple[tuple[str, str], Owner]]:
+        """The in-flight rows held in the processes' lanes (a lock-free snapshot): ``((scope,
+        rid), owner)``, rows whose key does not decode as one left out."""
+        out = []
+        for kb, owner in self._lanes.rows():
+            try:
+                k = _unpack(kb)
+            except Exception:
+                continue
+            if type(k) is tuple and len(k) == 2 and type(k[0]) is str and type(k[1]) is str:
+                out.append(((k[0], k[1]), owner))
+        return out
 
     def reap(self, pid: int | None = None) -> int:
         # Liveness reads /proc: decide before taking the lock, then delete under it.
@@ -467,14 +527,15 @@ class ShmBackend:
             owners = {o for o in owners if o[0] == pid}
         dead = {o for o in owners if not self._alive(*o)}
         malformed = pid is None and any(_owner(v) is None for _, v in rows)
+        lanes = self._lanes.reap(pid)
         if not dead and not malformed:
-            return 0
+            return lanes
 
         def gone(key: Any, value: Any) -> bool:
             o = _owner(value)
             return pid is None if o is None else (o[0], o[1]) in dead
 
-        return self._f.delete_where(gone)
+        return lanes + self._f.delete_where(gone)
 
     def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
         def ended(key: Any, value: Any) -> bool:
@@ -482,11 +543,16 @@ class ShmBackend:
             return (o is not None and o[0] == pid and o[1] == start and o[3] != 0
                     and o[3] not in running)
 
+        n = 0
+        if (pid, start) == procinfo.me():
+            for w, _, _, token in self._lanes.own_rows():
+                if token not in running:
+                    n += self._lanes.remove(w, token)
         if not self._f.scan(ended):
-            return 0
+            return n
         # Under the lock ``running`` is read again: a request that began since has its token
         # in it before its row exists (the caller's invariant), so it is never taken for ended.
-        return self._f.delete_where(ended)
+        return n + self._f.delete_where(ended)
 
     # --- janitor
     def claim_sweep(self, now: float, interval: float) -> bool:
