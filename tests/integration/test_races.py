@@ -420,3 +420,21 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
             assert "Traceback" not in g.log()
         finally:
             reg.close()
+
+
+def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, spawn) -> None:
+    """Registry.close() frees this process's lane under the lock but waits about a second at
+    most, not lock_timeout: a stalled holder leaves the lane claimed (whoever needs it takes it
+    once this process has exited)."""
+    reg = registry(lock_timeout=10)
+    mine = Registry.attach(reg.name)
+    try:
+        Cancellation(mine).begin(1, "s").end()  # claims this process's lane, through `mine`
+        assert len(reg.lanes.lane_owners()) == 1
+        with stalled_lock(spawn, reg.name):
+            t0 = time.monotonic()
+            mine.close()
+            assert time.monotonic() - t0 < 5
+            assert len(reg.lanes.lane_owners()) == 1  # left claimed
+    finally:
+        mine.close()

@@ -325,11 +325,17 @@ class Registry:
             return
         self._closed = True
         _forget(self)
-        if self.lanes is not None and not self.readonly:
+        lock = self.lock
+        if self.lanes is not None and isinstance(lock, RegistryLock):
+            # Briefly: a lane left claimed is freed by whoever needs it once this process exits.
+            saved = lock.timeout
+            lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
             try:
                 self.lanes.release()
-            except ShmCancelError as e:  # a stalled lock: the lane is freed once this process exits
+            except ShmCancelError as e:
                 log.warning("registry %s: releasing this process's lane: %s", self._name, e)
+            finally:
+                lock.timeout = saved
         self._close_parts()
 
     def unlink(self) -> None:
