@@ -4,9 +4,10 @@
 
     shmtool list [--json]            registries in /dev/shm: name, size, creator pid, state
                                      (alive, stale: creator gone, leftover: no segment)
-    shmtool dump NAME [--json]       every cancellation and in-flight row
+    shmtool dump NAME [--json]       every cancellation and in-flight row (the shared table's
+                                     and the processes' lanes')
     shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
-                                     recoveries, evictions, sweeps
+                                     recoveries, evictions, sweeps, the processes' lanes
     shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
     shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
                                      named); a live one is never removed (named: exit 1)
@@ -301,6 +302,17 @@ def cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lanes(reg: Registry) -> list[dict[str, Any]]:
+    """The claimed lanes: each one's owner and in-flight rows (handles' rows, written without
+    the lock; docs/design.md, "Lanes")."""
+    lanes = reg.lanes
+    if lanes is None:
+        return []
+    rows = Counter((o[0], o[1]) for _, o in lanes.rows())
+    return [{"lane": i, "pid": o[0], "alive": procinfo.alive(*o), "rows": rows[o]}
+            for i, o in lanes.lane_owners()]
+
+
 def _stats(reg: Registry) -> dict[str, Any]:
     info = reg.info()
     tables = {}
@@ -329,6 +341,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
         "lock": {"owner_pid": info["lock_owner_pid"], "owner_alive": info["lock_owner_alive"],
                  "generation": info["lock_generation"],
                  "semaphore_value": info["semaphore_value"]},
+        "lanes": _lanes(reg),
         "recoveries": info["recoveries"],
         "evictions": info["evictions"],
         "sweeps": info["sweeps"],
@@ -354,6 +367,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"lock: {holder}, generation {lock['generation']}, recoveries {s['recoveries']}")
     last = "never" if s["sweeps"] == 0 else _age(now, s["last_sweep"])
     print(f"evictions {s['evictions']}, sweeps {s['sweeps']} (last {last})")
+    lanes = ", ".join(f"pid {x['pid']}{'' if x['alive'] else ' (DEAD)'}: {x['rows']}"
+                      for x in s["lanes"]) or "none"
+    print(f"lanes claimed (in-flight rows written without the lock): {lanes}")
     print()
     print(_table(("TABLE", "KIND", "ROWS", "CAPACITY", "LOAD", "MAX_PROBE", "RECORD",
                   "LARGE"), [

@@ -130,9 +130,16 @@ def test_stats_json(reg):
     for i in range(2):
         c.cancel(i, "why" * 100 if i else None, "session:small")  # one row in a large record
     c.track(1, "ip:big")
+    h = c.begin(9, "ip:big")  # a handle's row: in this process's lane
     p = shmtool("stats", reg.name, "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
+    assert [(x["pid"], x["alive"], x["rows"]) for x in s["lanes"]] == [(os.getpid(), True, 1)]
+    d = json.loads(shmtool("dump", reg.name, "--json").stdout)
+    assert sorted(r["request_id"] for r in d["in_flight"]) == ["1", "9"]
+    text = shmtool("stats", reg.name).stdout
+    assert f"lanes claimed (in-flight rows written without the lock): pid {os.getpid()}: 1" in text
+    h.end()
     assert s["capacity"] == 200 and s["max_rows"] == 100 and s["max_rows_per_scope"] == 50
     assert s["rows"]["cancellations"] == 7 and s["rows"]["in_flight"] == 1
     assert s["top_scopes"][:2] == [{"scope": "ip:big", "rows": 5},
