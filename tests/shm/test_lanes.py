@@ -738,3 +738,68 @@ def test_a_process_stopped_mid_write_never_delays_another_processes_calls(regist
         os.kill(pid, signal.SIGCONT)
         page.close()
     child.kill()
+
+
+def test_threads_of_one_process_never_share_a_way_and_give_every_way_back(registry):
+    """8 threads begin and end requests as fast as they can (a few open each) while another
+    thread keeps running settle() (reap_ended: it removes rows of ended requests, racing their
+    own end()). No two open handles ever hold one way, each sees its own row, and afterwards
+    every way is free exactly once and no row is left."""
+    import threading
+
+    reg = registry(janitor_interval=3600.0)
+    c = Cancellation(reg)
+    ln = reg.lanes
+    assert ln is not None
+    guard = threading.Lock()
+    open_ways: set[int] = set()
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def worker(k: int) -> None:
+        mine: list[Any] = []
+        try:
+            for i in range(1500):
+                rid = f"{k}-{i}"
+                h = c.begin(rid, SCOPE)
+                if kind(h._receipt) == "lane":
+                    with guard:
+                        if h._receipt in open_ways:
+                            errors.append(f"way {h._receipt} given twice")
+                        open_ways.add(h._receipt)
+                if not c.in_flight(rid, SCOPE):
+                    errors.append(f"{rid} not in flight while open")
+                mine.append(h)
+                if len(mine) > 3:
+                    old = mine.pop(0)
+                    if kind(old._receipt) == "lane":
+                        with guard:
+                            open_ways.discard(old._receipt)
+                    old.end()
+            for h in mine:
+                if kind(h._receipt) == "lane":
+                    with guard:
+                        open_ways.discard(h._receipt)
+                h.end()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    def settler() -> None:  # paced: a settle() also scans the shared table
+        while not stop.wait(0.0005):
+            c.settle()
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    s = threading.Thread(target=settler)
+    s.start()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    stop.set()
+    s.join(60)
+    assert not any(t.is_alive() for t in [*ts, s])
+    assert errors == []
+    assert c._store.in_flight_rows() == []  # type: ignore[attr-defined]
+    free = [w for ways in ln._free for w in ways]
+    assert len(free) == len(set(free)) == lanes.BUCKETS * lanes.WAYS
+    assert ln._held == {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 from collections import Counter
 from collections.abc import Callable, Container
 from functools import partial
@@ -16,7 +15,7 @@ from typing import Any
 from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
-from ..shm.lanes import LaneWatch
+from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
@@ -27,7 +26,6 @@ from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
 _KEY_CACHE = 1024
-_barrier = threading.Lock()  # acquired and released: a full memory barrier (see _still_in_flight)
 
 
 def _cancel_row(key: Any, value: Any) -> tuple[str, str, str | None, float] | None:
@@ -190,8 +188,7 @@ class ShmBackend:
         fk = self._fk(scope, rid)
         if self._f.member(fk):  # exact under the lock
             return True
-        _barrier.acquire()  # a locked instruction: the row's stores before the lanes' loads
-        _barrier.release()
+        fence()  # the row's stores before the lanes' loads
         if self._lanes.member(fk):
             return True
         if self._c.delete(self._ck(scope, rid)):

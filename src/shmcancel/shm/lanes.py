@@ -1,7 +1,9 @@
 """Per-process rows of a bag: one lane per process, written without the registry lock.
 
-A lane belongs to one process (its owner word); only that process writes it, its threads
-serialised by a ``threading.Lock``. Any process reads every lane lock-free. A row is a key's
+A lane belongs to one process (its owner word); only that process writes it, and its threads
+never contend for a way: each takes a free way from a per-bucket list and gives it back once
+its row is gone (``list.pop``/``append`` and ``dict.pop`` are atomic under the GIL), so a write
+takes no lock at all. Any process reads every lane lock-free. A row is a key's
 keyed hash and packed bytes (a :class:`~shmcancel.shm.base.PreparedKey`'s) with two u64s
 ``(thread, token)``; its owner is the lane's. A key whose row finds no room (no lane, its
 bucket's ways taken, a key longer than ``KEY_MAX``) goes to the shared table instead: the
@@ -13,16 +15,15 @@ Binary layout of the region (little-endian u64s unless noted; sizes in bytes)::
     0       32               LANES, BUCKETS, WAYS, BODY (the geometry; checked on attach)
     32      8                high water: lanes [0, hw) were ever claimed (readers scan those)
     64      8 x LANES        owners: procinfo.pack_owner of the lane's process, 0 = free
-    V       8 x B x LANES    versions [bucket][lane]: +1 after each change of that lane's bucket
     H       8 x B x LANES x W  hashes [bucket][lane][way]: the row's keyed hash, 0 = empty way
     D       BODY x same      bodies, same order: u64 thread, u64 token, u16 klen, key bytes
 
-A row is published by writing its body, then its hash (the store that makes it visible), then
-bumping its version; removed by zeroing its hash, then bumping the version. Readers rely on
-x86-64 TSO like the tables' (``reader.py``): a reader that loads a hash sees the body written
-before it; a body read while its way is being reused for another key fails the key compare,
-which is the answer after the removal that preceded the reuse. A cached "absent" is valid while
-the versions of its bucket, read before the scan, are unchanged.
+A row is published by writing its body, then its hash (the store that makes it visible); removed
+by zeroing its hash. Readers rely on x86-64 TSO like the tables' (``reader.py``): a reader that
+loads a hash sees the body written before it; a body read while its way is being reused for
+another key fails the key compare, which is the answer after the removal that preceded the
+reuse. A cached "absent" is valid while its bucket's hash words in every lane, read before the
+scan, are unchanged: a key is present exactly while one of them holds its hash.
 
 A lane is claimed, and a dead owner's lane cleared and freed, under the registry lock.
 """
@@ -37,7 +38,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..exceptions import LockTimeout, RegistryIncompatible
+from ..exceptions import RegistryIncompatible
 from . import procinfo
 from .base import Lock, PreparedKey
 
@@ -53,30 +54,28 @@ _BODY = struct.Struct(f"<QQH{KEY_MAX}s")  # the whole body in one store call (ze
 _GEOMETRY = struct.Struct("<QQQQ")
 _HW = 32
 _OWNERS = 64
-_V = _OWNERS + 8 * LANES
-_H = _V + 8 * BUCKETS * LANES
+_H = _OWNERS + 8 * LANES
 _D = _H + 8 * BUCKETS * LANES * WAYS
 _END = _D + BODY * BUCKETS * LANES * WAYS
 _BUCKET_WORDS = LANES * WAYS  # hash words of one bucket, all lanes
-_HQ = _H >> 3  # the hash words' and the versions' first index in the region's u64s
-_VQ = _V >> 3
+_HQ = _H >> 3  # the hash words' first index in the region's u64s
 _OQ = _OWNERS >> 3
 _CLAIM_RETRY = 1.0  # seconds between claims after none was free
-_YIELDS = 16  # GIL-releasing yields before blocking on another thread's hold of the lane
-_WAIT = 1.0  # seconds a thread waits for another's hold of the lane (a few us) at most
+_fences = [threading.Lock() for _ in range(4)]
 
 
-def _enter(wl: threading.Lock) -> bool:
-    """Take this process's lane lock: at once, else after yields (the holder was switched out
-    mid-write and wants the GIL back: blocking at once forms a convoy, see ``lock.py``), else
-    within ``_WAIT`` seconds. False when even that failed (a bug: no hold blocks)."""
-    if wl.acquire(False):
-        return True
-    for _ in range(_YIELDS):
-        os.sched_yield()  # releases the GIL
-        if wl.acquire(False):
-            return True
-    return wl.acquire(timeout=_WAIT)
+def fence() -> None:
+    """A full memory barrier: a successful non-blocking acquire and its release are locked
+    instructions (``sem_trywait``'s compare-and-swap, ``sem_post``'s add), which x86-64 orders
+    with every load and store around them (a failed try need not be one: then the next lock).
+    Never blocks unless 4 other threads are each between the two calls (switched out there)."""
+    for lk in _fences:
+        if lk.acquire(False):
+            lk.release()
+            return
+    lk = _fences[0]
+    lk.acquire()
+    lk.release()
 
 
 def region_size() -> int:
@@ -96,6 +95,7 @@ _open: weakref.WeakSet[Lanes] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    _fences[:] = [threading.Lock() for _ in range(4)]  # a parent thread was inside fence()?
     for lanes in list(_open):  # the parent's lane is the parent's: the child claims its own
         lanes._forget()
 
@@ -117,15 +117,17 @@ class Lanes:
         self._q = buf.cast("Q")
         self._lock = lock  # the registry lock: claims and clearing others' lanes
         self._alive = alive
-        self._wl = threading.Lock()  # this process's writes to its lane
         self._lane = -1  # this process's lane, -1 until claimed (and in a fork child)
         self._retry_at = 0.0
+        self._free: list[list[int]] = []  # per bucket: this lane's ways without a row
+        self._held: dict[int, int] = {}  # token -> way of this process's rows
         _open.add(self)
 
     def _forget(self) -> None:
         self._lane = -1
         self._retry_at = 0.0
-        self._wl = threading.Lock()
+        self._free = []
+        self._held = {}
 
     def close(self) -> None:
         self._q.release()
@@ -157,12 +159,6 @@ class Lanes:
         for _ in self._hits(pk):
             return True
         return False
-
-    def versions(self, pk: PreparedKey) -> bytes:
-        """The versions of ``pk``'s bucket in every lane: read before a scan, equal later means
-        that scan's answer still holds."""
-        v = self._base + _V + 8 * LANES * _bucket(pk.hash)
-        return self._mm[v:v + 8 * LANES]
 
     def owners(self, pk: PreparedKey) -> list[tuple[int, int, int, int]]:
         """``(pid, start, thread, token)`` of ``pk``'s rows (the lane's owner first)."""
@@ -203,72 +199,46 @@ class Lanes:
     # ------------------------------------------------------------------ this process's lane
     def add(self, pk: PreparedKey, tid: int, token: int) -> int | None:
         """Publish the row ``(pk, tid, token)`` in this process's lane; its way (the receipt
-        :meth:`remove` takes), or ``None`` when it has no room there (then nothing written)."""
+        :meth:`remove` takes), or ``None`` when it has no room there (then nothing written).
+        ``token`` is unique to the row (the caller's), never reused."""
         kb = pk.kbytes
-        lane = self._lane
-        if lane < 0:
-            lane = self._own()
-            if lane < 0:
-                return None
+        if self._lane < 0 and self._own() < 0:
+            return None
         if len(kb) > KEY_MAX:
             return None
         h = pk.hash
-        b = (h >> 32) & (BUCKETS - 1)  # the tables' homes use the low bits
-        w = (b * LANES + lane) * WAYS
-        q = self._q
-        wl = self._wl
-        if not wl.acquire(False) and not _enter(wl):
-            return None
         try:
-            if q[_HQ + w]:
-                w += 1
-                if q[_HQ + w]:
-                    w += 1
-                    if q[_HQ + w]:
-                        w += 1
-                        if q[_HQ + w]:
-                            return None
-            _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
-            q[_HQ + w] = h  # visible from here
-            q[_VQ + b * LANES + lane] += 1
-        finally:
-            wl.release()
+            w = self._free[(h >> 32) & (BUCKETS - 1)].pop()  # the tables' homes: the low bits
+        except IndexError:  # this bucket's ways are taken
+            return None
+        self._held[token] = w
+        _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
+        self._q[_HQ + w] = h  # visible from here
         return w
 
     def remove(self, w: int, token: int) -> bool:
-        """Remove the row at way ``w`` of this process's lane if it still holds ``token``."""
-        lane = (w // WAYS) % LANES
-        if lane != self._lane or not 0 <= w < BUCKETS * LANES * WAYS:
-            return False  # a fork child's copy of a receipt: the parent's row is the parent's
-        q = self._q
-        wl = self._wl
-        if not wl.acquire(False) and not _enter(wl):
-            raise LockTimeout(f"this process's lane stayed taken for {_WAIT}s")
-        try:
-            if not q[_HQ + w] or _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)[1] != token:
-                return False
-            q[_HQ + w] = 0
-            q[_VQ + (w // (LANES * WAYS)) * LANES + lane] += 1
-        finally:
-            # A lock release is a locked instruction (sem_post): the full barrier between this
-            # removal and the caller's next load (contract §4.3's race at a request's end).
-            wl.release()
+        """Remove this process's row ``token`` at way ``w``; False when it is not there (removed
+        already, or a fork child's copy of the parent's receipt). Then a full barrier: the
+        caller's next load is ordered after the removal (contract §4.3's race at the end)."""
+        held = self._held
+        got = held.pop(token, None)  # one caller wins it
+        if got != w:
+            if got is not None:
+                held[token] = got
+            return False
+        self._q[_HQ + w] = 0
+        self._free[w // (LANES * WAYS)].append(w)  # after the hash: the way is empty now
+        fence()
         return True
 
     def own_rows(self) -> list[tuple[int, bytes, int, int]]:
-        """``(way, key bytes, thread, token)`` of this process's rows."""
-        if self._lane < 0:
-            return []
-        lane = self._lane
-        q = self._q
+        """``(way, key bytes, thread, token)`` of this process's rows (a snapshot)."""
         out = []
-        for b in range(BUCKETS):
-            w0 = (b * LANES + lane) * WAYS
-            for w in range(w0, w0 + WAYS):
-                if q[_HQ + w]:
-                    tid, token, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
-                    k0 = _D + BODY * w + _BODY_HEAD.size
-                    out.append((w, bytes(self._buf[k0:k0 + min(kl, KEY_MAX)]), tid, token))
+        for token, w in list(self._held.items()):
+            tid, tok, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+            if tok == token and self._q[_HQ + w]:
+                k0 = _D + BODY * w + _BODY_HEAD.size
+                out.append((w, bytes(self._buf[k0:k0 + min(kl, KEY_MAX)]), tid, token))
         return out
 
     def _own(self) -> int:
@@ -283,11 +253,16 @@ class Lanes:
         me = procinfo.pack_owner(*procinfo.me())
         q = self._q
         with self._lock:
+            if self._lane >= 0:  # another thread of this process claimed it meanwhile
+                return self._lane
             for i in range(LANES):
                 word = q[_OQ + i]
                 owner = procinfo.unpack_owner(word)
                 if owner is None or not self._alive(*owner):
                     self._clear(i)
+                    self._free = [list(range((b * LANES + i) * WAYS, (b * LANES + i + 1) * WAYS))
+                                  for b in range(BUCKETS)]
+                    self._held = {}
                     q[_OQ + i] = me
                     if q[_HW >> 3] <= i:
                         q[_HW >> 3] = i + 1
@@ -302,14 +277,10 @@ class Lanes:
         n = 0
         for b in range(BUCKETS):
             w0 = _HQ + (b * LANES + lane) * WAYS
-            moved = False
             for w in range(w0, w0 + WAYS):
                 if q[w]:
                     q[w] = 0
                     n += 1
-                    moved = True
-            if moved:
-                q[_VQ + b * LANES + lane] += 1
         return n
 
     def reap(self, pid: int | None = None) -> int:
@@ -333,6 +304,8 @@ class Lanes:
         if self._lane < 0:
             return
         lane, self._lane = self._lane, -1
+        self._free = []
+        self._held = {}
         me = procinfo.pack_owner(*procinfo.me())
         q = self._q
         with self._lock:
@@ -346,9 +319,9 @@ class LaneWatch:
     the lanes. Present in a lane: one load, that way's hash word still the key's (a way reused
     by another key of the same 64-bit keyed hash would pass: never seen, not worth a compare).
     Present in the table: the table watch's own check. Absent: the table watch unchanged and
-    the key's lane versions, read before the scan, unchanged."""
+    the key's bucket's hash words in every lane, read before the scan, unchanged."""
 
-    __slots__ = ("_h", "_lanes", "_mm", "_pk", "_q", "_snap", "_va", "_vb", "_w", "_way")
+    __slots__ = ("_a", "_b", "_h", "_lanes", "_mm", "_pk", "_q", "_snap", "_w", "_way")
 
     def __init__(self, w: Any, lanes: Lanes, pk: PreparedKey) -> None:
         self._w = w
@@ -357,9 +330,9 @@ class LaneWatch:
         self._h = pk.hash
         self._q = lanes._q
         self._mm = lanes._mm
-        self._va = lanes._base + _V + 8 * LANES * ((pk.hash >> 32) & (BUCKETS - 1))
-        self._vb = self._va + 8 * LANES
-        self._snap = b""  # never a slice of 8 * LANES bytes: the first call reads
+        self._a = lanes._base + _H + 8 * _BUCKET_WORDS * ((pk.hash >> 32) & (BUCKETS - 1))
+        self._b = self._a + 8 * _BUCKET_WORDS
+        self._snap = b""  # never a slice of the bucket's words: the first call reads
         self._way = -1  # the hash word of the lane row last found, else -1
 
     def member(self) -> bool:
@@ -372,12 +345,12 @@ class LaneWatch:
             if w._ver[w._b] == w._v:
                 if w._member:
                     return True
-                if self._mm[self._va:self._vb] == self._snap:
+                if self._mm[self._a:self._b] == self._snap:
                     return False
         return self._refresh()
 
     def _refresh(self) -> bool:
-        snap = self._mm[self._va:self._vb]  # before the scan: see the module docstring
+        snap = self._mm[self._a:self._b]  # before the scan: see the module docstring
         self._way = -1
         if self._w.member():
             return True
