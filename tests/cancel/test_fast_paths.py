@@ -17,6 +17,7 @@ from helpers.rows import in_flight_rows
 
 from shmcancel import Config, cancelled, principal
 from shmcancel.cancel.policy import _WATCH_CACHE, Cancellation
+from shmcancel.shm.reader import Watch
 from shmcancel.shm.registry import Registry
 
 SMALL = {"capacity": 400, "max_rows": 200, "in_flight_capacity": 64, "session_capacity": 16}
@@ -371,3 +372,27 @@ def test_scope_has_rows_follows_the_count(c):
     assert st.scope_has_rows(S) is True
     c.clear(2, S)
     assert st.scope_has_rows(S) is False
+
+
+def test_a_cancel_local_landing_inside_another_threads_poll_is_not_lost(c, monkeypatch):
+    """The disconnect watcher's thread calls cancel_local while the tool's thread may be inside
+    a poll that is about to cache "no row". The interleaving is forced: cancel_local runs inside
+    the watch's read of that poll. The poll, and every later one, answers True."""
+    h = c.begin(1, S)
+    try:
+        assert h.cancelled() is False  # the first poll: the scope's count only
+        real = Watch.member
+
+        def member_then_cancel(self: Watch) -> bool:
+            r = real(self)
+            if not h._local:
+                h.cancel_local("client disconnected")  # between the read and the caching
+            return r
+
+        monkeypatch.setattr(Watch, "member", member_then_cancel)
+        first = h.cancelled()
+        monkeypatch.undo()
+        assert first is True
+        assert all(h.cancelled() for _ in range(100))
+    finally:
+        h.end()

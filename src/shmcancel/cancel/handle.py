@@ -164,6 +164,12 @@ class RequestHandle:
                 if len(seen) == 1 and not w._member:
                     self._ver = w._ver
                     self._b, self._v = seen[0]
+                    # cancel_local (another thread: the disconnect watcher) stores _local, then
+                    # _v = -1; this poll stored _v, then reads _local: either it sees the flag
+                    # or that -1 lands after its own store. Else the cache would hide the flag.
+                    if self._local:
+                        self._v = -1
+                        return True
         n = self._n = self._n - 1
         if n < 0:
             self._n = POLLS_PER_CLOCK
