@@ -803,3 +803,30 @@ def test_threads_of_one_process_never_share_a_way_and_give_every_way_back(regist
     free = [w for ways in ln._free for w in ways]
     assert len(free) == len(set(free)) == lanes.BUCKETS * lanes.WAYS
     assert ln._held == {}
+
+
+def test_a_row_gone_and_back_in_the_same_way_during_a_poll_is_seen(registry, monkeypatch):
+    """The cached "absent" is a snapshot of hash words read before the scan. When the key's
+    row is removed between the snapshot and the scan (forced here) and later comes back in
+    the same way, the words equal the snapshot again: the poll must not trust it."""
+    reg = registry()
+    c = Cancellation(reg)
+    ln = reg.lanes
+    assert ln is not None
+    h = c.begin(5, SCOPE)
+    way = h._receipt
+    assert kind(way) == "lane"
+    real = lanes.Lanes._hits
+
+    def end_then_scan(self: lanes.Lanes, pk: Any) -> Any:
+        h.end()  # after the snapshot, before the scan
+        return real(self, pk)
+
+    monkeypatch.setattr(lanes.Lanes, "_hits", end_then_scan)
+    assert c.in_flight(5, SCOPE) is False  # the scan found no row: right at that moment
+    monkeypatch.undo()
+    again = c.begin(5, SCOPE)
+    assert again._receipt == way  # the same way, the same words as the snapshot
+    assert c.in_flight(5, SCOPE) is True
+    again.end()
+    assert c.in_flight(5, SCOPE) is False

@@ -23,7 +23,8 @@ by zeroing its hash. Readers rely on x86-64 TSO like the tables' (``reader.py``)
 loads a hash sees the body written before it; a body read while its way is being reused for
 another key fails the key compare, which is the answer after the removal that preceded the
 reuse. A cached "absent" is valid while its bucket's hash words in every lane, read before the
-scan, are unchanged: a key is present exactly while one of them holds its hash.
+scan, are unchanged: a key is present exactly while one of them holds its hash (a snapshot
+that held it is not cached: the row the scan missed could come back in the same way).
 
 A lane is claimed, and a dead owner's lane cleared and freed, under the registry lock.
 """
@@ -352,10 +353,19 @@ class LaneWatch:
     def _refresh(self) -> bool:
         snap = self._mm[self._a:self._b]  # before the scan: see the module docstring
         self._way = -1
+        self._snap = b""
         if self._w.member():
             return True
         for way in self._lanes._hits(self._pk):
             self._way = _HQ + way
             return True
+        # A snapshot that held the key's hash saw a row the scan then missed (removed in
+        # between): the same row back in the same way would match it again. Not cached.
+        hb = self._h.to_bytes(8, "little")
+        i = snap.find(hb)
+        while i >= 0:
+            if not i & 7:
+                return False
+            i = snap.find(hb, i + 1)
         self._snap = snap
         return False
