@@ -296,6 +296,55 @@ def test_watch_sees_every_write(rig_factory) -> None:
     assert w.member() is False and w.values() == ()
 
 
+def test_two_threads_refreshing_one_watch_never_interleave(rig_factory, monkeypatch) -> None:
+    """A watch is shared by threads: while one thread's refresh is inside its read, another
+    thread's refresh of the same watch waits for it (else it could leave its member flag beside
+    the other's version). The first read is held until the second thread is seen waiting."""
+    import threading
+    import time
+
+    from shmcancel.shm import reader
+
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    w = t.watch("k")
+    assert w.member() is False
+    t.insert("k", 1)  # the version moved: both threads refresh
+    monkeypatch.setattr(reader, "_REFRESH_WAIT", 10.0)
+    events: list[str] = []
+    entered, go = threading.Event(), threading.Event()
+    real = type(t)._read
+
+    def read(self: Any, pk: Any) -> Any:
+        first = not entered.is_set()
+        events.append("start A" if first else "start B")
+        if first:
+            entered.set()
+            assert go.wait(10)
+        out = real(self, pk)
+        events.append("end A" if first else "end B")
+        return out
+
+    monkeypatch.setattr(type(t), "_read", read)
+    a = threading.Thread(target=w.member)
+    a.start()
+    assert entered.wait(10)
+    got: list[bool] = []
+    b = threading.Thread(target=lambda: got.append(w.member()))
+    b.start()
+    try:
+        deadline = time.monotonic() + 0.2  # B must not reach its read while A is in its own
+        while time.monotonic() < deadline:
+            assert "start B" not in events
+            time.sleep(0.005)
+    finally:
+        go.set()
+    a.join(10)
+    b.join(10)
+    assert not a.is_alive() and not b.is_alive()
+    assert events[:2] == ["start A", "end A"] and got == [True]
+
+
 def test_prepared_key_of_another_table_is_reprepared(rig_factory) -> None:
     rig = rig_factory([("set", 8, 64), ("set", 100, 64)])
     a, b = rig.tables

@@ -11,12 +11,16 @@ goes straight to the lock, where it is repaired (``fsck``).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
 from .fsck import Fsck
 from .layout import _LTOP, _ROWS, _TOP, BUCKET_SLOTS, _unpack
+
+
+_REFRESH_WAIT = 0.05  # seconds a refresh waits for another thread's refresh of the same watch
 
 
 class Watch:
@@ -27,9 +31,16 @@ class Watch:
     bucket's version: unchanged versions of every bucket the last probe read mean an unchanged
     answer. When that probe spanned several buckets ``_v`` is -1 (never a version) and the
     slow path compares them all.
+
+    A watch is shared by threads (the policy caches one per key; a handle's is polled by its
+    tool and by the watcher thread): refreshes of one watch never interleave (``_lk``), else
+    one could leave its ``_member`` beside the other's newer ``_v``. A refresh waits
+    ``_REFRESH_WAIT`` at most for another's (then replaces the lock: its holder may be a
+    thread that did not survive a fork).
     """
 
-    __slots__ = ("_b", "_member", "_pk", "_raw", "_seen", "_t", "_v", "_values", "_ver")
+    __slots__ = ("_b", "_lk", "_member", "_pk", "_raw", "_seen", "_t", "_v", "_values",
+                 "_ver")
 
     def __init__(self, table: Reads, pk: PreparedKey) -> None:
         self._t = table
@@ -41,6 +52,7 @@ class Watch:
         self._member = False
         self._raw: tuple[bytes, ...] = ()
         self._values: tuple[Any, ...] | None = ()
+        self._lk = threading.Lock()
 
     @property
     def key(self) -> PreparedKey:
@@ -62,6 +74,17 @@ class Watch:
         return vals
 
     def _refresh(self) -> bool:
+        lk = self._lk
+        got = lk.acquire(timeout=_REFRESH_WAIT)
+        if not got:  # held past the wait (a refresh falling back to the registry lock, or a
+            self._lk = threading.Lock()  # holder lost in a fork): go on, and unblock the rest
+        try:
+            return self._refresh_held()
+        finally:
+            if got:
+                lk.release()
+
+    def _refresh_held(self) -> bool:
         ver = self._ver
         seen = self._seen
         if seen:
