@@ -19,7 +19,6 @@ from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
 from .fsck import Fsck
 from .layout import _LTOP, _ROWS, _TOP, BUCKET_SLOTS, _unpack
 
-
 _REFRESH_WAIT = 0.05  # seconds a refresh waits for another thread's refresh of the same watch
 
 
