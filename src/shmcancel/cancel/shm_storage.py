@@ -142,11 +142,14 @@ class ShmBackend:
         if only_in_flight and not self.in_flight(scope, rid):
             return False
         ck = self._ck(scope, rid)
+        fk = self._fk(scope, rid)
         c = self._c
         for attempt in range(4):
             with self._lock:
-                # Reads under the held lock are exact (no writer can move a version meanwhile).
-                if only_in_flight and not self.in_flight(scope, rid):
+                # Reads of the tables under the held lock are exact (no writer can move a
+                # version meanwhile); a lane row can go without the lock (see _still_in_lane).
+                in_table = only_in_flight and self._f.member(fk)
+                if only_in_flight and not in_table and not self._lanes.member(fk):
                     return False
                 full = False
                 n = None  # the scope's count, read only for a new row
@@ -174,20 +177,17 @@ class ShmBackend:
                         n = None  # the eviction may have taken rows of this scope
                     else:
                         self._put(ck, scope, reason, at, None)
-                    return not only_in_flight or self._still_in_flight(scope, rid)
+                    return not only_in_flight or in_table or self._still_in_lane(scope, rid, fk)
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
 
-    def _still_in_flight(self, scope: str, rid: str) -> bool:
-        """Under the lock, right after the gate's row was written: is the request still in
-        flight? Its lane row (if that is where it is) is removed without this lock, so its end
-        is a store then a load (the row removed, then "is there a cancellation?") and so is
-        this side (the cancellation written, then "is it still running?"): with a full barrier
-        between each store and its load, one of the two sees the other. Not running: the row
-        goes again and nothing was recorded."""
-        fk = self._fk(scope, rid)
-        if self._f.member(fk):  # exact under the lock
-            return True
+    def _still_in_lane(self, scope: str, rid: str, fk: PreparedKey) -> bool:
+        """Under the lock, right after the gate's row was written for a request found only in
+        a lane: is it still running? A lane row is removed without this lock, so the request's
+        end is a store then a load (the row removed, then "is there a cancellation?") and so
+        is this side (the cancellation written, then "is it still running?"): with a full
+        barrier between each store and its load, one of the two sees the other. Not running:
+        the row goes again and nothing was recorded."""
         fence()  # the row's stores before the lanes' loads
         if self._lanes.member(fk):
             return True
@@ -441,8 +441,9 @@ class ShmBackend:
                 self.clear(scope, rid)
 
     def track(self, scope: str, rid: str, owner: Owner) -> object:
-        """Returns the row's receipt (``Table.add``'s) for a handle's row (token non-zero: no
-        other row equals it, so none is read first); ``None`` for a plain ``track`` row."""
+        """Returns the row's receipt for a handle's row (token non-zero): its way (an ``int``)
+        in this process's lane, else ``Table.add``'s (no other row equals it, so none is read
+        first); ``None`` for a plain ``track`` row."""
         key = self._fk(scope, rid)
         # A handle's row goes to this process's lane while the shared table has room (so a
         # full table still refuses every new request, as contract §4.5 says); see lanes.py.
