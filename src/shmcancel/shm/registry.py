@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..config import Config
@@ -297,15 +297,21 @@ class Registry:
         """:meth:`check` (not deep), never failing the attach and waiting at most
         ATTACH_CHECK_LOCK_TIMEOUT for the lock (it takes it only to repair): a lock held longer
         (or any other error of ours) leaves the counters to the janitor's next sweep."""
+        if not self.readonly:
+            self._briefly(lambda: self.check(deep=False), "counter check on attach skipped")
+
+    def _briefly(self, fn: Callable[[], object], failed: str) -> None:
+        """``fn()`` under a lock timeout of at most ATTACH_CHECK_LOCK_TIMEOUT (for work that may
+        be left to others); a ShmCancelError it raises is logged as ``failed``, not raised."""
         lock = self.lock
-        if self.readonly or not isinstance(lock, RegistryLock):
+        if not isinstance(lock, RegistryLock):
             return
         saved = lock.timeout
         lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
         try:
-            self.check(deep=False)
+            fn()
         except ShmCancelError as e:
-            log.warning("registry %s: counter check on attach skipped: %s", self._name, e)
+            log.warning("registry %s: %s: %s", self._name, failed, e)
         finally:
             lock.timeout = saved
 
@@ -325,17 +331,9 @@ class Registry:
             return
         self._closed = True
         _forget(self)
-        lock = self.lock
-        if self.lanes is not None and isinstance(lock, RegistryLock):
+        if self.lanes is not None:
             # Briefly: a lane left claimed is freed by whoever needs it once this process exits.
-            saved = lock.timeout
-            lock.timeout = min(saved, ATTACH_CHECK_LOCK_TIMEOUT)
-            try:
-                self.lanes.release()
-            except ShmCancelError as e:
-                log.warning("registry %s: releasing this process's lane: %s", self._name, e)
-            finally:
-                lock.timeout = saved
+            self._briefly(self.lanes.release, "releasing this process's lane")
         self._close_parts()
 
     def unlink(self) -> None:
