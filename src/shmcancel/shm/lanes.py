@@ -61,6 +61,7 @@ _END = _D + BODY * BUCKETS * LANES * WAYS
 _BUCKET_WORDS = LANES * WAYS  # hash words of one bucket, all lanes
 _HQ = _H >> 3  # the hash words' first index in the region's u64s
 _OQ = _OWNERS >> 3
+_HWQ = _HW >> 3
 _CLAIM_RETRY = 1.0  # seconds between claims after none was free
 _fences = [threading.Lock() for _ in range(4)]
 
@@ -137,7 +138,7 @@ class Lanes:
     def _ways(self, b: int) -> tuple[int, int]:
         """Absolute byte range in the mapping of bucket ``b``'s hash words in lanes [0, hw)."""
         start = self._base + _H + 8 * _BUCKET_WORDS * b
-        return start, start + 8 * WAYS * min(self._q[_HW >> 3], LANES)
+        return start, start + 8 * WAYS * min(self._q[_HWQ], LANES)
 
     def _hits(self, pk: PreparedKey) -> Iterator[int]:
         """Ways (indices into the hash words) holding ``pk``'s rows: hash and key bytes equal."""
@@ -172,29 +173,29 @@ class Lanes:
                 out.append((*owner, tid, token))
         return out
 
+    def _body(self, w: int) -> tuple[int, int, bytes]:
+        """``(thread, token, key bytes)`` of way ``w``'s body."""
+        tid, token, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+        k0 = _D + BODY * w + _BODY_HEAD.size
+        return tid, token, bytes(self._buf[k0:k0 + min(kl, KEY_MAX)])
+
     def rows(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
         """Every row: ``(key bytes, (pid, start, thread, token))``, a lock-free snapshot."""
         q = self._q
         out = []
-        hw = min(q[_HW >> 3], LANES)
-        for lane in range(hw):
-            owner = procinfo.unpack_owner(q[_OQ + lane])
-            if owner is None:
-                continue
+        for lane, owner in self.lane_owners():
             for b in range(BUCKETS):
                 w0 = (b * LANES + lane) * WAYS
                 for w in range(w0, w0 + WAYS):
                     if q[_HQ + w]:
-                        tid, token, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
-                        kl = min(kl, KEY_MAX)
-                        k0 = _D + BODY * w + _BODY_HEAD.size
-                        out.append((bytes(self._buf[k0:k0 + kl]), (*owner, tid, token)))
+                        tid, token, kb = self._body(w)
+                        out.append((kb, (*owner, tid, token)))
         return out
 
     def lane_owners(self) -> list[tuple[int, tuple[int, int]]]:
         """``(lane, (pid, start))`` of every claimed lane."""
         q = self._q
-        return [(i, o) for i in range(min(q[_HW >> 3], LANES))
+        return [(i, o) for i in range(min(q[_HWQ], LANES))
                 if (o := procinfo.unpack_owner(q[_OQ + i])) is not None]
 
     # ------------------------------------------------------------------ this process's lane
@@ -209,7 +210,7 @@ class Lanes:
             return None
         h = pk.hash
         try:
-            w = self._free[(h >> 32) & (BUCKETS - 1)].pop()  # the tables' homes: the low bits
+            w = self._free[(h >> 32) & (BUCKETS - 1)].pop()  # _bucket(h), inlined: the hot path
         except IndexError:  # this bucket's ways are taken
             return None
         self._held[token] = w
@@ -236,10 +237,9 @@ class Lanes:
         """``(way, key bytes, thread, token)`` of this process's rows (a snapshot)."""
         out = []
         for token, w in list(self._held.items()):
-            tid, tok, kl = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+            tid, tok, kb = self._body(w)
             if tok == token and self._q[_HQ + w]:
-                k0 = _D + BODY * w + _BODY_HEAD.size
-                out.append((w, bytes(self._buf[k0:k0 + min(kl, KEY_MAX)]), tid, token))
+                out.append((w, kb, tid, token))
         return out
 
     def _own(self) -> int:
@@ -265,8 +265,8 @@ class Lanes:
                                   for b in range(BUCKETS)]
                     self._held = {}
                     q[_OQ + i] = me
-                    if q[_HW >> 3] <= i:
-                        q[_HW >> 3] = i + 1
+                    if q[_HWQ] <= i:
+                        q[_HWQ] = i + 1
                     self._lane = i
                     return i
         self._retry_at = now + _CLAIM_RETRY
@@ -331,7 +331,7 @@ class LaneWatch:
         self._h = pk.hash
         self._q = lanes._q
         self._mm = lanes._mm
-        self._a = lanes._base + _H + 8 * _BUCKET_WORDS * ((pk.hash >> 32) & (BUCKETS - 1))
+        self._a = lanes._base + _H + 8 * _BUCKET_WORDS * _bucket(pk.hash)
         self._b = self._a + 8 * _BUCKET_WORDS
         self._snap = b""  # never a slice of the bucket's words: the first call reads
         self._way = -1  # the hash word of the lane row last found, else -1
