@@ -164,12 +164,17 @@ class Writes(Fsck):
         there. Raises RowTooLarge (before taking the lock or writing) or TableFull: the table
         holds ``capacity`` rows, or (LargeRowsFull) the row needs a large record and the table
         holds its ``large_count`` large rows (or TableCorrupted: see the module docstring)."""
+        return self._write(self._insert, *self._row(key, value))
+
+    def _row(self, key: Any, value: Any) -> tuple[PreparedKey, bytes]:
+        """``key`` prepared for this table and ``value`` packed; RowTooLarge (before the lock
+        is taken or anything written) when the two do not fit a record."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
         if len(key.kbytes) + len(vb) > self._payload:
             self._check_size(key.kbytes, vb)
-        return self._write(self._insert, key, vb)
+        return key, vb
 
     def _write(self, op: Callable[..., _T], *args: Any) -> _T:
         """``op(*args)`` under the lock; corruption it meets is repaired (fsck) and ``op`` tried
@@ -220,11 +225,7 @@ class Writes(Fsck):
 
     def insert_new(self, key: Any, value: Any) -> bool:
         """Insert only if ``key`` has no row; False (nothing written) if it has one."""
-        if key.__class__ is not PreparedKey or key.t is not self:
-            key = self.prepare(key)
-        vb = _pack(value)
-        self._check_size(key.kbytes, vb)
-        return self._write(self._insert_new, key, vb)
+        return self._write(self._insert_new, *self._row(key, value))
 
     def _insert_new(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
@@ -278,12 +279,7 @@ class Writes(Fsck):
         receipt ``(record, stamp)`` that :meth:`remove` takes. Raises as :meth:`insert`."""
         if self._set:
             raise TypeError(f"table {self.name!r} is a set: add() is for bags")
-        if key.__class__ is not PreparedKey or key.t is not self:
-            key = self.prepare(key)
-        vb = _pack(value)
-        if len(key.kbytes) + len(vb) > self._payload:
-            self._check_size(key.kbytes, vb)
-        return self._write(self._add, key, vb)
+        return self._write(self._add, *self._row(key, value))
 
     def _add(self, key: PreparedKey, vb: bytes) -> tuple[int, int]:
         if self._hq[_ROWS] >= self.capacity:
