@@ -109,13 +109,17 @@ def wait_exit(pid: int, timeout: float) -> int | None:
         select.select([], [], [], 0.005)
 
 
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, T, Z, ...)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0].decode()
+
+
 def wait_zombie(pid: int, timeout: float = 5.0) -> None:
     """Poll /proc until ``pid`` is a zombie (it exited and nobody reaped it yet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-        if state == b"Z":
+        if proc_state(pid) == "Z":
             return
         select.select([], [], [], 0.005)
     raise AssertionError(f"pid {pid} did not become a zombie")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
-from helpers.procs import Chan, Child
+from helpers.procs import Chan, Child, proc_state
 from helpers.rows import in_flight_count
 from helpers.rows import in_flight_rows as _rows
 from helpers.wsgi import environ_for, run
@@ -93,11 +93,6 @@ def lock_holder(chan: Chan, name: str) -> None:
     assert chan.recv() == "exit"
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0].decode()
-
-
 @contextlib.contextmanager
 def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:
     """A live process holding the registry lock, stopped; continued (and so releasing the lock)
@@ -105,7 +100,7 @@ def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:
     holder = spawn(lock_holder, name)
     try:
         assert holder.recv() == "held"
-        wait_until(lambda: _state(holder.pid) == "T", time.monotonic() + TIMEOUT,
+        wait_until(lambda: proc_state(holder.pid) == "T", time.monotonic() + TIMEOUT,
                    what="the lock holder to stop")
         yield holder
     finally:

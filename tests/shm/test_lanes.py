@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import mmap
 import os
-import select
 import signal
 import struct
 import time
 from collections import Counter
 from typing import Any
 
-from helpers.procs import Chan, wait_zombie
+from helpers.gunicorn_harness import wait_until
+from helpers.procs import Chan, proc_state, wait_zombie
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -78,14 +78,8 @@ def lane_row_pids(c: Cancellation) -> list[int]:
 
 
 def poll_until(fn: Any, timeout: float = DEADLINE) -> Any:
-    """``fn()`` until it returns something true, for at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        select.select([], [], [], 0.002)
+    """``fn()`` until it returns something true (returned), for at most ``timeout`` seconds."""
+    return wait_until(fn, time.monotonic() + timeout, interval=0.002)
 
 
 # ------------------------------------------------------------------------------ child programs
@@ -672,11 +666,6 @@ def _count(page: mmap.mmap) -> int:
     return struct.unpack_from("<Q", page, 0)[0]
 
 
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0].decode()
-
-
 def test_processes_killed_mid_write_leave_lanes_that_reap_restores(registry, spawn):
     """SIGKILL at arbitrary points of a begin/end loop (the kill lands inside a lane write more
     often than not): the dead lane's rows are at most the open handles plus one, reap removes
@@ -722,7 +711,7 @@ def test_a_process_stopped_mid_write_never_delays_another_processes_calls(regist
     try:
         poll_until(lambda: _count(page) >= 300)
         os.kill(pid, signal.SIGSTOP)
-        poll_until(lambda: _proc_state(pid) == "T")
+        poll_until(lambda: proc_state(pid) == "T")
         t0 = time.monotonic()
         for i in range(2000):
             h = c.begin(i, "session:other")
