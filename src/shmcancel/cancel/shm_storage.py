@@ -142,14 +142,14 @@ class ShmBackend:
         if only_in_flight and not self.in_flight(scope, rid):
             return False
         ck = self._ck(scope, rid)
-        fk = self._fk(scope, rid)
+        fk = self._fk(scope, rid) if only_in_flight else None
         c = self._c
         for attempt in range(4):
             with self._lock:
                 # Reads of the tables under the held lock are exact (no writer can move a
                 # version meanwhile); a lane row can go without the lock (see _still_in_lane).
-                in_table = only_in_flight and self._f.member(fk)
-                if only_in_flight and not in_table and not self._lanes.member(fk):
+                in_table = fk is not None and self._f.member(fk)
+                if fk is not None and not in_table and not self._lanes.member(fk):
                     return False
                 full = False
                 n = None  # the scope's count, read only for a new row
@@ -177,7 +177,7 @@ class ShmBackend:
                         n = None  # the eviction may have taken rows of this scope
                     else:
                         self._put(ck, scope, reason, at, None)
-                    return not only_in_flight or in_table or self._still_in_lane(scope, rid, fk)
+                    return fk is None or in_table or self._still_in_lane(scope, rid, fk)
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
 
