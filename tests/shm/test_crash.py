@@ -63,17 +63,19 @@ TABLE_FILES = frozenset(
     sys.modules[c.__module__].__file__ for c in Table.__mro__ if c is not object)
 
 
-def rows(t: Table) -> list[tuple[bytes, bytes]]:
-    return sorted((msgpack.packb(k), msgpack.packb(v)) for k, v in t.scan())
+def rows(t: Table) -> list[tuple[bytes, bytes, int | None]]:
+    """Every row, with its key's word (bag rows keep word 0)."""
+    return sorted((msgpack.packb(k), msgpack.packb(v), t.word(k)) for k, v in t.scan())
 
 
-def kill_at_bytecode(lock: Any, k: int) -> list[int]:
-    """Trace the table modules' opcodes run while ``lock.dirty``; SIGKILL this process at the k-th
-    (k = 0: only count them). Returns the counter."""
+def kill_at_bytecode(lock: Any, k: int, every: bool = False) -> list[int]:
+    """Trace the table modules' opcodes run while ``lock.dirty`` (``every``: all of those run
+    under the lock); SIGKILL this process at the k-th (k = 0: only count them). Returns the
+    counter."""
     seen = [0]
 
     def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode" and lock.dirty:
+        if event == "opcode" and (lock.dirty or (every and lock.held_by_me())):
             seen[0] += 1
             if seen[0] == k:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -177,7 +179,34 @@ def _bag_classes_insert_large(t: Table) -> Callable[[], object]:
     return lambda: t.insert("k", BIG + "new")
 
 
+# A row's word is stored in place (one u32 store outside the crc, no dirty flag): these trace
+# every opcode run under the lock, not only those between a dirty flag's set and clear.
+def _set_word_in_a_chain(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for i, k in enumerate(keys):
+        t.insert_new(k, None, i + 1)
+    return lambda: t.set_word(keys[1], 0xFFFF_FFFF)
+
+
+def _set_update_keeps_the_word(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 2, home=15)
+    for k in keys:
+        t.insert_new(k, 1, 5)
+    return lambda: t.insert(keys[1], "x" * 20)
+
+
+def _set_insert_new_with_a_word(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for k in keys[:2]:
+        t.insert_new(k, None, 1)
+    return lambda: t.insert_new(keys[2], None, 9)
+
+
+WORD_SCENARIOS = {"set_word_in_a_chain", "set_update_keeps_the_word",
+                  "set_insert_new_with_a_word"}
+
 KILL_SCENARIOS = {f.__name__[1:]: f for f in (
+    _set_word_in_a_chain, _set_update_keeps_the_word, _set_insert_new_with_a_word,
     _bag_insert_over_a_stale_record, _bag_add_over_a_stale_record,
     _bag_remove_by_receipt_shifting_across_buckets, _set_update,
     _set_delete_shifting_across_buckets, _set_insert_into_a_chain, _set_classes_small_to_large,
@@ -199,7 +228,8 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
         t = rig.reset(0)
         op = KILL_SCENARIOS[scenario](t)
         before = rows(t)
-        seen = kill_at_bytecode(rig.lock, 0)
+        every = scenario in WORD_SCENARIOS
+        seen = kill_at_bytecode(rig.lock, 0, every)
         try:
             op()
         finally:
@@ -212,7 +242,7 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:
-                    kill_at_bytecode(rig.lock, k)
+                    kill_at_bytecode(rig.lock, k, every)
                     op()
                 finally:
                     os._exit(7)

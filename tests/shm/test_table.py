@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from shmcancel.exceptions import RowTooLarge, TableFull
+from shmcancel.shm.layout import _TOP
 from shmcancel.shm.table import PreparedKey, Table
 
 
@@ -65,6 +66,7 @@ class TableMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.model: dict[bytes, list[bytes]] = {}
+        self.words: dict[bytes, int] = {}  # a set's rows' words (absent: 0)
         self.keys: dict[bytes, Any] = {}
         self.receipts: list[tuple[Any, bytes, tuple[int, int]]] = []  # (key, value, receipt)
         self.tokens = 0
@@ -107,19 +109,31 @@ class TableMachine(RuleBasedStateMachine):
             self.t.insert(key, v)
             self.model.setdefault(kb, []).append(vb)
             self.keys[kb] = k
+            self.words.pop(kb, None)  # a fresh row's word is 0
 
-    @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES)
-    def insert_new(self, k: Any, v: Any) -> None:
+    @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES, w=st.sampled_from((0, 1, 7, 2**32 - 1)))
+    def insert_new(self, k: Any, v: Any, w: int) -> None:
         kb = packed(k)
         if kb in self.model:
-            assert self.t.insert_new(k, v) is False
+            assert self.t.insert_new(k, v, w) is False
         elif self.rows() >= self.capacity:
             with pytest.raises(TableFull):
-                self.t.insert_new(k, v)
+                self.t.insert_new(k, v, w)
         else:
-            assert self.t.insert_new(k, v) is True
+            assert self.t.insert_new(k, v, w) is True
             self.model[kb] = [packed(v)]
             self.keys[kb] = k
+            self.words[kb] = w
+
+    @rule(k=st.sampled_from(KEYS), w=st.integers(0, 2**32 - 1))
+    def set_word(self, k: Any, w: int) -> None:
+        """Sets: the word changes in place; a bag's row is only ever set by insert_new here."""
+        if self.kind != "set":
+            return
+        kb = packed(k)
+        assert self.t.set_word(k, w) is (kb in self.model)
+        if kb in self.model:
+            self.words[kb] = w
 
     @rule(k=st.sampled_from(KEYS), prepared=st.booleans())
     def lookup(self, k: Any, prepared: bool) -> None:
@@ -133,6 +147,7 @@ class TableMachine(RuleBasedStateMachine):
     @rule(k=st.sampled_from(KEYS))
     def delete(self, k: Any) -> None:
         assert self.t.delete(k) == len(self.model.pop(packed(k), []))
+        self.words.pop(packed(k), None)
 
     @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES)
     def delete_object(self, k: Any, v: Any) -> None:
@@ -144,6 +159,7 @@ class TableMachine(RuleBasedStateMachine):
             vals.remove(vb)
             if not vals:
                 del self.model[kb]
+                self.words.pop(kb, None)
 
     @rule(k=st.sampled_from(KEYS))
     def add(self, k: Any) -> None:
@@ -186,6 +202,7 @@ class TableMachine(RuleBasedStateMachine):
         for kb in list(self.model):
             if len(kb) % m == r:
                 n += len(self.model.pop(kb))
+                self.words.pop(kb, None)
         assert self.t.delete_where(pred) == n
 
     @rule(k=st.sampled_from(KEYS[:3]))
@@ -203,6 +220,14 @@ class TableMachine(RuleBasedStateMachine):
             want_vals = sorted(self.model.get(packed(k), []))
             assert w.member() is bool(want_vals)
             assert sorted(packed(x) for x in w.values()) == want_vals
+
+    @invariant()
+    def words_match(self) -> None:
+        if self.kind != "set":
+            return
+        for k in KEYS:
+            kb = packed(k)
+            assert self.t.word(k) == (self.words.get(kb, 0) if kb in self.model else None), k
 
     @invariant()
     def fsck_noop_and_stats(self) -> None:
@@ -563,3 +588,41 @@ def test_remove_falls_back_to_the_value_when_given(rig_factory) -> None:
     assert t.remove("k", None, ("b", 2)) is True and t.count() == 0
     assert t.remove("k", None, ("b", 2)) is False
     healthy(t)
+
+
+def test_words_change_in_place_and_survive_updates_and_fsck(rig_factory) -> None:
+    """A word is stored into the row's own record: no record is taken, no version moves, the
+    crc still validates; a value update carries the word to the new record; fsck keeps it."""
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    assert t.insert_new("k", None, 7) is True and t.word("k") == 7
+    assert t.insert_new("k", None, 9) is False and t.word("k") == 7
+    t.insert("fresh", 1)
+    assert t.word("fresh") == 0 and t.word("absent") is None
+    free_top, versions = t._hq[_TOP], t._ver.tolist()
+    assert t.set_word("k", 2**32 - 1) is True and t.word("k") == 2**32 - 1
+    assert t._hq[_TOP] == free_top and t._ver.tolist() == versions  # in place, nothing moved
+    assert t.lookup("k") == [None]  # the record still validates
+    t.insert("k", "a new value")  # a fresh record: the word goes with the row
+    assert t.word("k") == 2**32 - 1 and t.lookup("k") == ["a new value"]
+    t._ver[t.prepare("k").b] += 1  # damage: an odd version, which fsck repairs
+    with rig.lock:
+        t.fsck()
+    assert t.word("k") == 2**32 - 1
+    assert t.set_word("absent", 1) is False and t.word("absent") is None
+    t.delete("k")
+    assert t.word("k") is None and t.insert_new("k", None) and t.word("k") == 0
+    healthy(t)
+
+
+@pytest.mark.parametrize("word", [-1, 2**32, 1.0, True, "1", None])
+def test_a_bad_word_is_refused_before_any_store(rig_factory, word: Any) -> None:
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    t.insert_new("k", None, 3)
+    before, acq = rig.region(0).tobytes(), rig.lock.acquisitions
+    with pytest.raises(ValueError, match="word"):
+        t.insert_new("new", None, word)
+    with pytest.raises(ValueError, match="word"):
+        t.set_word("k", word)
+    assert rig.region(0).tobytes() == before and rig.lock.acquisitions == acq

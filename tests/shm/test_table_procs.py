@@ -370,6 +370,52 @@ def test_reader_never_sees_a_record_being_reused(shm_name) -> None:
         rig.close()
 
 
+WORDS = (0xFFFF_FFFF, 0)  # any mix of their bytes is neither
+
+
+@pytest.mark.slow
+def test_reader_never_sees_a_torn_word(shm_name) -> None:
+    """A writer flips one row's word between all ones and all zeros, in place (no version
+    moves, so the seqlock cannot catch a tear); a reader in another process reads it lock-free.
+    Mutation-checked: a set_word that stores the word a byte at a time fails here with torn
+    words within the budget."""
+    rig = Rig(shm_name, [("set", 4, 64)])
+    t = rig.tables[0]
+    t.insert_new("w", None, WORDS[0])
+
+    def writer() -> int:
+        for w in WORDS * 32:
+            t.set_word("w", w)
+        return 64
+
+    def reader() -> dict[str, Any]:
+        pk = t.prepare("w")
+        reads = 0
+        seen: set[int] = set()
+        bad: list[int] = []
+        deadline = time.monotonic() + RACE_SECONDS
+        while time.monotonic() < deadline and not bad:
+            for _ in range(200):
+                w = t.word(pk)
+                reads += 1
+                if w in WORDS:
+                    seen.add(w)
+                else:
+                    bad.append(w)
+        return {"reads": reads, "seen": sorted(seen), "bad": bad[:5]}
+
+    try:
+        got, writes = race(rig, writer, reader)
+        assert not got["bad"], (got, writes)
+        assert got["seen"] == sorted(WORDS) and got["reads"] >= 5000, got  # the race was on
+        assert writes >= 5000, writes
+        assert t.word("w") in WORDS and t.lookup("w") == [None]
+        with rig.lock:
+            healthy(t)
+    finally:
+        rig.close()
+
+
 NK = 6  # keys sharing one home slot: a chain of 6-7 entries in one 16-slot bucket
 
 

@@ -119,11 +119,18 @@ class ShmBackend:
     def _add(self, scope: str, delta: int, rows: int | None = None) -> None:
         """Change a scope's count (``rows``: its current value when the caller just read it);
         caller holds the lock."""
-        n = (self.scope_rows(scope) if rows is None else rows) + delta
-        if n > 0:
-            self._n.insert(self._nk(scope), n)
-        else:
-            self._n.delete(self._nk(scope))
+        self._set_count(self._nk(scope), (self.scope_rows(scope) if rows is None else rows)
+                        + delta)
+
+    def _set_count(self, key: PreparedKey | bytes, n: int) -> None:
+        """Under the lock: the count of the scope whose count key (digest) is ``key`` becomes
+        ``n``. Its row exists exactly while ``n > 0``; the count is the row's word, so a change
+        that keeps the row is one store."""
+        t = self._n
+        if n <= 0:
+            t.delete(key)
+        elif not t.set_word(key, n):
+            t.insert_new(key, None, n)
 
     def atomic(self) -> contextlib.AbstractContextManager[Any]:
         """The registry lock: several of this store's writes as one step (not in
@@ -210,8 +217,7 @@ class ShmBackend:
         return self._c.count()
 
     def scope_rows(self, scope: str) -> int:
-        n = self._n.get(self._nk(scope), 0)
-        return n if type(n) is int else 0
+        return self._n.word(self._nk(scope)) or 0
 
     def scope_has_rows(self, scope: str) -> bool:
         """A scope's count row exists exactly while its count is above 0 (``_add`` deletes it
@@ -386,8 +392,8 @@ class ShmBackend:
                     counts[self._digest(r[0])] += 1
             fixes: list[tuple[Any, int]] = []
             for row in self._n.sweep_rows():
-                d, n = _unpack(row[2]), _unpack(row[3])
-                if counts.get(d) != n:
+                d = _unpack(row[2])
+                if counts.get(d) != self._n.word(d):
                     fixes.append((d, counts.get(d, 0)))
                 counts.pop(d, None)
             fixes.extend(counts.items())
@@ -399,10 +405,7 @@ class ShmBackend:
                 if lock.generation != g0 + 1:  # a writer ran between the reads and now
                     continue
                 for d, n in fixes[:chunk]:
-                    if n:
-                        self._n.insert(d, n)
-                    else:
-                        self._n.delete(d)
+                    self._set_count(d, n)
             return
 
     def _expire_locked(self, now: float, ttl: float) -> int:
@@ -416,15 +419,12 @@ class ShmBackend:
                 else:
                     counts[self._digest(row[0])] += 1
             # Repair drift left by a writer killed between a count and its row.
-            for d, n in self._n.scan():
-                if counts.get(d) != n:
-                    if d in counts:
-                        self._n.insert(d, counts[d])
-                    else:
-                        self._n.delete(d)
+            for d, _ in self._n.scan():
+                if counts.get(d) != self._n.word(d):
+                    self._set_count(d, counts.get(d, 0))
                 counts.pop(d, None)
             for d, n in counts.items():
-                self._n.insert(d, n)
+                self._set_count(d, n)
             return removed
 
     def cancellations(self) -> list[tuple[str, str, str | None, float]]:

@@ -8,7 +8,8 @@ Keys and values as msgpack packs them:
 - ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
   ``(pid, start, thread_ident, token)``;
 - ``scope_counts`` (set, ``config.effective_max_rows``: one row per scope holding rows): 16-byte
-  keyed digest of a scope -> int.
+  keyed digest of a scope -> None; the count is the row's word (``shm/layout.py``), changed in
+  place by one store instead of a fresh record per change.
 
 Record sizes come from the worst-case packed sizes of those shapes (``KEY_*``/``VAL_*``; tests
 pack the worst cases). ``cancellations`` and ``in_flight`` keep small records for the common row
@@ -21,7 +22,15 @@ from __future__ import annotations
 
 from operator import attrgetter
 
-from ..shm.schema import PACKED_FLOAT, PACKED_INT, TableDecl, declare, packed_bin, packed_str
+from ..shm.schema import (
+    PACKED_FLOAT,
+    PACKED_INT,
+    PACKED_NIL,
+    TableDecl,
+    declare,
+    packed_bin,
+    packed_str,
+)
 from .ids import MAX_ID_BYTES
 from .reasons import MAX_REASON_BYTES
 
@@ -37,7 +46,7 @@ KEY_REQUEST = 1 + packed_str(SCOPE_MAX) + packed_str(MAX_ID_BYTES)  # [scope, id
 VAL_CANCEL = 1 + packed_str(MAX_REASON_BYTES) + PACKED_FLOAT  # [reason, cancelled_at] = 813
 VAL_OWNER = 1 + 4 * PACKED_INT  # [pid, start, thread_ident, token] = 37
 KEY_SCOPE_COUNT = packed_bin(SCOPE_DIGEST)  # 18
-VAL_SCOPE_COUNT = PACKED_INT
+VAL_SCOPE_COUNT = PACKED_NIL  # the count is the word
 
 
 # Small records (bytes, header included), sized for the common row measured from the transport:

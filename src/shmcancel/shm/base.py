@@ -144,11 +144,12 @@ class TableBase:
         self._ver = self._buf[HEADER_SIZE:HEADER_SIZE + 8 * nbuckets].cast("Q")
         self._idx = self._buf[g.idx_off:g.heap_off].cast("Q")
         self._free = self._buf[g.free_off:g.free_off + 4 * self._nrec].cast("I")
+        self._u32 = self._buf.cast("I")  # the region as u32 words: a record's word in place
         self._logged_pid = 0  # the process that logged this table's corruption (log once)
 
     def close(self) -> None:
         """Release the memoryviews on the segment (so that the mapping can be closed)."""
-        for name in ("_hq", "_ver", "_idx", "_free", "_buf"):
+        for name in ("_hq", "_ver", "_idx", "_free", "_u32", "_buf"):
             mv = getattr(self, name, None)
             if mv is not None:
                 mv.release()
@@ -183,16 +184,16 @@ class TableBase:
             return self._lbase + r * self.record_size
         return -1
 
-    def _record(self, r: int) -> tuple[bytes, bytes, int] | None:
-        """(kbytes, vbytes, stamp) of record ``r``, or None when it fails validation."""
+    def _record(self, r: int) -> tuple[bytes, bytes, int, int] | None:
+        """(kbytes, vbytes, stamp, word) of record ``r``, or None when it fails validation."""
         if r <= self.capacity:  # the class is the range: one comparison for a small record
-            crc, kl, vl, _, stamp, body = self._rss.unpack_from(
+            crc, kl, vl, w, stamp, body = self._rss.unpack_from(
                 self._buf, self._heap + r * self.small_size)
             n = kl + vl
             if n > self._spayload:
                 return None
         elif r < self._nrec:
-            crc, kl, vl, _, stamp, body = self._rs.unpack_from(
+            crc, kl, vl, w, stamp, body = self._rs.unpack_from(
                 self._buf, self._lbase + r * self.record_size)
             n = kl + vl
             if n > self._payload:
@@ -202,7 +203,7 @@ class TableBase:
         body = body[:n]
         if _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32) != crc:
             return None
-        return body[:kl], body[kl:], stamp
+        return body[:kl], body[kl:], stamp, w
 
     def _check_size(self, kbytes: bytes, vbytes: bytes) -> None:
         if len(kbytes) + len(vbytes) > self._payload:
@@ -224,8 +225,9 @@ class TableBase:
                     out.append((j >> 1, words[j + 1], b"", b"", -1))
         return out
 
-    def _find(self, pk: PreparedKey) -> list[tuple[int, int, bytes, bytes]]:
-        """(slot, record, kbytes, vbytes) of ``pk``'s rows; the caller holds the lock. Raises
+    def _find(self, pk: PreparedKey) -> list[tuple[int, int, bytes, bytes, int, int]]:
+        """(slot, record, kbytes, vbytes, stamp, word) of ``pk``'s rows; the caller holds the
+        lock. Raises
         TableCorrupted when the probe meets no empty slot or a record failing validation (under
         the lock neither is a race)."""
         idx = self._idx
@@ -244,7 +246,7 @@ class TableBase:
                     raise TableCorrupted(
                         f"table {self.name!r}: a referenced record fails validation")
                 if rec[0] == pk.kbytes:
-                    out.append((j >> 1, r, rec[0], rec[1]))
+                    out.append((j >> 1, r, *rec))
             j = (j + 2) & wmask
         else:
             raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")

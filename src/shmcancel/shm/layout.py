@@ -6,7 +6,7 @@ u64 store through a ``memoryview.cast("Q")`` is one machine store (never seen to
 
     offset  size                      content
     0       64                        header
-              0   8s  magic  b"SHMTBL\\x00\\x02"
+              0   8s  magic  b"SHMTBL\\x00\\x03"
               8   u32 capacity          (rows the table holds)
               12  u32 record_size       (bytes per large record, header included, multiple of 8)
               16  u32 nslots            (index slots, power of two >= 2 x capacity, >= 16)
@@ -26,7 +26,8 @@ u64 store through a ``memoryview.cast("Q")`` is one machine store (never seen to
                                       nlarge = L + 1 (0 for a table of one class)
               each record: 0 u32 crc32 of the klen + vlen payload bytes, seeded with
                       (stamp ^ klen << 16 ^ vlen ^ 0x5EED5EED) mod 2**32 (so it covers the header)
-              4   u32 klen, 8 u32 vlen, 12 u32 reserved (0)
+              4   u32 klen, 8 u32 vlen, 12 u32 word (the row's counter, outside the crc:
+                      stored in place under the lock, one aligned u32 store; 0 unless set)
               16  u64 stamp (table-wide increasing counter: the newest of two rows wins in fsck)
               24  klen bytes msgpack key, then vlen bytes msgpack value, then zeros
     H       4 x (capacity+1+nlarge)   free stacks (pad to 8): u32 record numbers; the small
@@ -55,7 +56,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-MAGIC = b"SHMTBL\x00\x02"
+MAGIC = b"SHMTBL\x00\x03"
 HEADER_SIZE = 64
 RECORD_HEADER = 24  # bytes of record header before the key
 BUCKET_SLOTS = 16  # index slots per seqlock bucket
@@ -63,7 +64,8 @@ BUCKET_SLOTS = 16  # index slots per seqlock bucket
 _HDR = struct.Struct("<8sIIII")  # magic, capacity, record_size, nslots, nbuckets
 _CLS = struct.Struct("<II")  # at _CLS_OFF: small_size, large_count
 _CLS_OFF = 48
-_REC = struct.Struct("<IIIIQ")  # crc, klen, vlen, reserved, stamp
+_REC = struct.Struct("<IIIIQ")  # crc, klen, vlen, word, stamp
+_WORD = 12  # byte offset of the word in a record
 _LENS = struct.Struct("<II")  # klen, vlen
 _SEED = 0x5EED5EED  # crc seed: (stamp ^ klen << 16 ^ vlen ^ _SEED) & _M32
 _M32 = 0xFFFF_FFFF

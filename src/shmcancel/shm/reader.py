@@ -17,7 +17,7 @@ from typing import Any
 
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
 from .fsck import Fsck
-from .layout import _LTOP, _ROWS, _TOP, BUCKET_SLOTS, _unpack
+from .layout import _LTOP, _ROWS, _TOP, _WORD, BUCKET_SLOTS, _unpack
 
 _REFRESH_WAIT = 0.05  # seconds a refresh waits for another thread's refresh of the same watch
 
@@ -114,9 +114,11 @@ class Reads(Fsck):
     # as one aligned 8-byte move, never torn, and CPython cannot reorder the separate C calls.
     # A weakly ordered CPU (ARM, POWER) would need fences around these stores and loads.
 
-    def _probe(self, pk: PreparedKey) -> tuple[list[bytes], list[tuple[int, int]]] | None:
-        """One optimistic probe: (raw values, [(bucket, version) read]) or None when it met a
-        writer (odd or moved version) or a record failing validation."""
+    def _probe(self, pk: PreparedKey, words: bool = False
+               ) -> tuple[list[Any], list[tuple[int, int]]] | None:
+        """One optimistic probe: (raw values, or with ``words`` the rows' words; [(bucket,
+        version) read]) or None when it met a writer (odd or moved version) or a record failing
+        validation."""
         ver = self._ver
         idx = self._idx
         wmask = self._wmask
@@ -127,18 +129,21 @@ class Reads(Fsck):
         if v & 1:
             return None
         seen = [(b, v)]
-        out: list[bytes] = []
+        out: list[Any] = []
         for _ in range(self.nslots):
             sh = idx[j]
             if not sh:
                 break
             if sh == h:
-                rec = self._record(idx[j + 1])
+                r = idx[j + 1]
+                rec = self._record(r)
                 if rec is None:
                     self._unless_corrupt(seen, "a referenced record fails validation")
                     return None
                 if rec[0] == pk.kbytes:
-                    out.append(rec[1])
+                    # a word changes in place with no version move: load it as one aligned u32
+                    # (through the 'I' view; struct promises no single load for rec[3])
+                    out.append(self._u32[(self._offset(r) + _WORD) >> 2] if words else rec[1])
                     if self._set:  # a set holds one row per key: the probe can stop here
                         break
             j = (j + 2) & wmask
@@ -165,13 +170,14 @@ class Reads(Fsck):
                 return None
         raise TableCorrupted(f"table {self.name!r}: {what}")
 
-    def _read(self, pk: PreparedKey) -> tuple[list[bytes], tuple[tuple[int, int], ...]]:
-        """Raw values of ``pk``'s rows and the (bucket, version) pairs that validated them; never
-        torn. Falls back to reading under the lock after READ_RETRIES attempts, or at once when
-        a probe meets corruption (which is repaired there)."""
+    def _read(self, pk: PreparedKey, words: bool = False
+              ) -> tuple[list[Any], tuple[tuple[int, int], ...]]:
+        """Raw values (or ``words``: the words) of ``pk``'s rows and the (bucket, version) pairs
+        that validated them; never torn. Falls back to reading under the lock after
+        READ_RETRIES attempts, or at once when a probe meets corruption (repaired there)."""
         for attempt in range(READ_RETRIES):
             try:
-                got = self._probe(pk)
+                got = self._probe(pk, words)
             except TableCorrupted:
                 break
             if got is not None:
@@ -179,11 +185,12 @@ class Reads(Fsck):
             if attempt >= _SPIN_BEFORE_YIELD:
                 os.sched_yield()  # let a preempted writer finish
         with self._lock:
+            f = 5 if words else 3  # in a _find entry (slot, record, kbytes, vbytes, stamp, word)
             try:
-                out = [e[3] for e in self._find(pk)]
+                out = [e[f] for e in self._find(pk)]
             except TableCorrupted as err:
                 self._repair(str(err))
-                out = [e[3] for e in self._find(pk)]
+                out = [e[f] for e in self._find(pk)]
             try:
                 got = self._probe(pk)  # under the lock no writer moves a version
             except TableCorrupted:  # pragma: no cover - _find just found the probe sound
@@ -251,6 +258,15 @@ class Reads(Fsck):
                         return []
                     break
         return [_unpack(x) for x in self._read(key)[0]]
+
+    def word(self, key: Any) -> int | None:
+        """The word of ``key``'s row (see ``layout.py``; a bag: of one of its rows), or None
+        when it has no row. Lock-free and never torn: a word is one aligned u32 store, and the
+        bucket versions around the read show its record was still the row's."""
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        got = self._read(key, True)[0]
+        return got[0] if got else None
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value of ``key`` (for a bag: one of its values), or ``default``."""

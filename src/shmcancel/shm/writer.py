@@ -1,12 +1,13 @@
-"""Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``delete``,
-``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
+"""Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``set_word``,
+``delete``, ``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
 backward-shift delete, the free stack.
 
 Invariants a writer (holding the registry lock) keeps, so that a writer killed at any bytecode
 leaves a table ``fsck`` restores:
 
 - a record is written only while it is unreferenced (taken from its class's free stack), and the
-  index references it only once it is complete; a referenced record is never written;
+  index references it only once it is complete; of a referenced record only the word is ever
+  written (one aligned u32 store, outside the crc: a kill leaves the old word or the new);
 - ``rows + free_top + large_top == capacity + 1 + nlarge`` whenever no writer is mid-operation,
   and a row is refused for want of a large record (``LargeRowsFull``) before any store;
 - a new row is published by writing the slot's record number, then its hash (the hash makes the
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 from ..exceptions import TableFull
 from .base import LargeRowsFull, PreparedKey, TableCorrupted, _crc32
 from .fsck import Fsck
-from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _pack
+from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _WORD, _pack
 
 _T = TypeVar("_T")
 _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
@@ -37,7 +38,8 @@ _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
 class Writes(Fsck):
     """The locked writes of :class:`~shmcancel.shm.table.Table`."""
 
-    def _write_record(self, kbytes: bytes, vbytes: bytes, replacing: int = -1) -> int:
+    def _write_record(self, kbytes: bytes, vbytes: bytes, replacing: int = -1,
+                      word: int = 0) -> int:
         """Fill the record on top of its class's free stack (it is unreferenced), then pop it.
         A large row needs two free large records (one stays the spare) unless it replaces the
         large record ``replacing``: else LargeRowsFull, raised before any store."""
@@ -46,17 +48,17 @@ class Writes(Fsck):
         kl = len(kbytes)
         vl = len(vbytes)
         if kl + vl <= self._spayload:
-            word, base, lo, hi, need = _TOP, 0, 0, cap + 1, 1
+            tw, base, lo, hi, need = _TOP, 0, 0, cap + 1, 1
         else:
-            word, base, lo, hi = _LTOP, cap + 1, cap + 1, self._nrec
+            tw, base, lo, hi = _LTOP, cap + 1, cap + 1, self._nrec
             need = 1 if replacing > cap else 2
-        n = hi - lo  # records of the class
-        top = hq[word]
+        n = hi - lo  # records of the class (tw: the header word of its free-stack top)
+        top = hq[tw]
         r = self._free[base + top - 1] if 0 < top <= n else -1
         if not lo <= r < hi:  # the free stack is damaged: rebuild it and retry
             self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
             self._lock.dirty = True  # the caller's write goes on
-            top = hq[word]
+            top = hq[tw]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
             r = self._free[base + top - 1]
@@ -72,20 +74,20 @@ class Writes(Fsck):
         crc = _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32)
         if base:
             self._rs.pack_into(self._buf, self._lbase + r * self.record_size,
-                               crc, kl, vl, 0, stamp, body)
+                               crc, kl, vl, word, stamp, body)
         else:
             self._rss.pack_into(self._buf, self._heap + r * self.small_size,
-                                crc, kl, vl, 0, stamp, body)
-        hq[word] = top - 1
+                                crc, kl, vl, word, stamp, body)
+        hq[tw] = top - 1
         return r
 
-    def _take(self, kbytes: bytes, vbytes: bytes, replacing: int = -1) -> int:
+    def _take(self, kbytes: bytes, vbytes: bytes, replacing: int = -1, word: int = 0) -> int:
         """:meth:`_write_record` with ``lock.dirty`` set from before its first store; a
         LargeRowsFull (raised before any store) leaves it clear."""
         lock = self._lock
         lock.dirty = True
         try:
-            return self._write_record(kbytes, vbytes, replacing)
+            return self._write_record(kbytes, vbytes, replacing, word)
         except LargeRowsFull:
             lock.dirty = False
             raise
@@ -190,10 +192,10 @@ class Writes(Fsck):
         lock = self._lock
         found = self._find(key)
         if found and self._set:
-            s, old, _, oldvb = found[0]
+            s, old, _, oldvb, _, word = found[0]
             if oldvb == vb:
                 return
-            new = self._take(key.kbytes, vb, old)
+            new = self._take(key.kbytes, vb, old, word)  # the word stays the row's
             b = s >> 4
             ver = self._ver
             ver[b] += 1
@@ -223,18 +225,39 @@ class Writes(Fsck):
                 return
         raise TableFull(f"table {self.name!r} is full ({self.capacity} rows)")
 
-    def insert_new(self, key: Any, value: Any) -> bool:
-        """Insert only if ``key`` has no row; False (nothing written) if it has one."""
-        return self._write(self._insert_new, *self._row(key, value))
+    def insert_new(self, key: Any, value: Any, word: int = 0) -> bool:
+        """Insert only if ``key`` has no row, its word ``word`` (0 .. 2**32 - 1); False
+        (nothing written) if it has one."""
+        if word.__class__ is not int or not 0 <= word <= _M32:
+            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+        return self._write(self._insert_new, *self._row(key, value), word)
 
-    def _insert_new(self, key: PreparedKey, vb: bytes) -> bool:
+    def _insert_new(self, key: PreparedKey, vb: bytes, word: int = 0) -> bool:
         lock = self._lock
         if self._find(key):
             return False
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        self._publish(key, self._take(key.kbytes, vb))
+        self._publish(key, self._take(key.kbytes, vb, -1, word))
         lock.dirty = False
+        return True
+
+    def set_word(self, key: Any, word: int) -> bool:
+        """Store ``word`` (0 .. 2**32 - 1) as the word of ``key``'s row (a bag: of the first
+        row of its probe) in place: one aligned u32 store into a referenced record, outside its
+        crc, so a reader sees the old word or the new one, and a writer killed around it leaves
+        either. No version moves (the record stays the row's). False when ``key`` has no row."""
+        if word.__class__ is not int or not 0 <= word <= _M32:
+            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        return self._write(self._set_word, key, word)
+
+    def _set_word(self, key: PreparedKey, word: int) -> bool:
+        found = self._find(key)
+        if not found:
+            return False
+        self._u32[(self._offset(found[0][1]) + _WORD) >> 2] = word
         return True
 
     def delete(self, key: Any) -> int:
@@ -250,7 +273,7 @@ class Writes(Fsck):
             lock.dirty = True
             # from the far end: a backward shift moves only entries after the hole, never
             # the ones found before it (the cluster cannot wrap: load <= 50 %)
-            for s, _, _, _ in reversed(found):
+            for s, *_ in reversed(found):
                 self._delete_slot(s)
             lock.dirty = False
         return len(found)
@@ -264,7 +287,7 @@ class Writes(Fsck):
 
     def _delete_object(self, key: PreparedKey, vb: bytes) -> bool:
         lock = self._lock
-        for s, _, _, v in self._find(key):
+        for s, _, _, v, _, _ in self._find(key):
             if v == vb:
                 lock.dirty = True
                 self._delete_slot(s)
