@@ -188,6 +188,18 @@ def _set_word_in_a_chain(t: Table) -> Callable[[], object]:
     return lambda: t.set_word(keys[1], 0xFFFF_FFFF)
 
 
+def _store_word_by_ref_in_a_chain(t: Table) -> Callable[[], object]:
+    keys = same_home_keys(t, 3, home=15)
+    for i, k in enumerate(keys):
+        t.insert_new(k, None, i + 1)
+
+    def op() -> None:
+        with t._lock:  # one probe for the ref, then its load and its store, in one hold
+            ref = t.word_ref(keys[1])
+            t.store_word(ref, t.load_word(ref) + 0xFFFF_0000)
+    return op
+
+
 def _set_update_keeps_the_word(t: Table) -> Callable[[], object]:
     keys = same_home_keys(t, 2, home=15)
     for k in keys:
@@ -202,11 +214,12 @@ def _set_insert_new_with_a_word(t: Table) -> Callable[[], object]:
     return lambda: t.insert_new(keys[2], None, 9)
 
 
-WORD_SCENARIOS = {"set_word_in_a_chain", "set_update_keeps_the_word",
-                  "set_insert_new_with_a_word"}
+WORD_SCENARIOS = {"set_word_in_a_chain", "store_word_by_ref_in_a_chain",
+                  "set_update_keeps_the_word", "set_insert_new_with_a_word"}
 
 KILL_SCENARIOS = {f.__name__[1:]: f for f in (
-    _set_word_in_a_chain, _set_update_keeps_the_word, _set_insert_new_with_a_word,
+    _set_word_in_a_chain, _store_word_by_ref_in_a_chain, _set_update_keeps_the_word,
+    _set_insert_new_with_a_word,
     _bag_insert_over_a_stale_record, _bag_add_over_a_stale_record,
     _bag_remove_by_receipt_shifting_across_buckets, _set_update,
     _set_delete_shifting_across_buckets, _set_insert_into_a_chain, _set_classes_small_to_large,

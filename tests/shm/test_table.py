@@ -135,6 +135,21 @@ class TableMachine(RuleBasedStateMachine):
         if kb in self.model:
             self.words[kb] = w
 
+    @rule(k=st.sampled_from(KEYS), w=st.integers(0, 2**32 - 1))
+    def store_word_at_ref(self, k: Any, w: int) -> None:
+        """The one-probe path (read, then change, under one hold): the ref reads the word
+        set_word would change, and a store through it is that change."""
+        if self.kind != "set":
+            return
+        kb = packed(k)
+        with self.rig.lock:
+            ref = self.t.word_ref(k)
+            assert (ref >= 0) is (kb in self.model)
+            if ref >= 0:
+                assert self.t.load_word(ref) == self.words.get(kb, 0)
+                self.t.store_word(ref, w)
+                self.words[kb] = w
+
     @rule(k=st.sampled_from(KEYS), prepared=st.booleans())
     def lookup(self, k: Any, prepared: bool) -> None:
         key = self.t.prepare(k) if prepared else k
@@ -610,6 +625,13 @@ def test_words_change_in_place_and_survive_updates_and_fsck(rig_factory) -> None
         t.fsck()
     assert t.word("k") == 2**32 - 1
     assert t.set_word("absent", 1) is False and t.word("absent") is None
+    with rig.lock:  # by reference: one probe, then loads and stores of that word alone
+        ref = t.word_ref("k")
+        assert t.word_ref("absent") == -1 and t.load_word(ref) == 2**32 - 1
+        versions = t._ver.tolist()
+        t.store_word(ref, 5)
+        assert t._ver.tolist() == versions and t.load_word(ref) == 5
+    assert t.word("k") == 5 and t.lookup("k") == ["a new value"]
     t.delete("k")
     assert t.word("k") is None and t.insert_new("k", None) and t.word("k") == 0
     healthy(t)
@@ -626,3 +648,6 @@ def test_a_bad_word_is_refused_before_any_store(rig_factory, word: Any) -> None:
     with pytest.raises(ValueError, match="word"):
         t.set_word("k", word)
     assert rig.region(0).tobytes() == before and rig.lock.acquisitions == acq
+    with rig.lock, pytest.raises(ValueError, match="word"):
+        t.store_word(t.word_ref("k"), word)
+    assert rig.region(0).tobytes() == before

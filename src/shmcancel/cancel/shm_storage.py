@@ -116,11 +116,27 @@ class ShmBackend:
         return pk if pk is not None else _remember(
             self._nkeys, scope, self._n.prepare(self._digest(scope)))
 
-    def _add(self, scope: str, delta: int, rows: int | None = None) -> None:
-        """Change a scope's count (``rows``: its current value when the caller just read it);
-        caller holds the lock."""
-        self._set_count(self._nk(scope), (self.scope_rows(scope) if rows is None else rows)
-                        + delta)
+    def _count(self, scope: str) -> tuple[int, int]:
+        """Under the lock: ``(ref, n)``, the scope's count ``n`` and where its word lies (-1:
+        no count row, ``n`` is 0), found with one probe; ``ref`` holds while this hold writes
+        no count."""
+        t = self._n
+        ref = t.word_ref(self._nk(scope))
+        return ref, (t.load_word(ref) if ref >= 0 else 0)
+
+    def _add(self, scope: str, delta: int, counted: tuple[int, int] | None = None) -> None:
+        """Change a scope's count (``counted``: :meth:`_count`'s answer when the caller just
+        read it under this hold); caller holds the lock."""
+        ref, n = self._count(scope) if counted is None else counted
+        n += delta
+        t = self._n
+        if ref >= 0:
+            if n > 0:
+                t.store_word(ref, n)  # the row stays: one store
+            else:
+                t.delete(self._nk(scope))
+        elif n > 0:
+            t.insert_new(self._nk(scope), None, n)
 
     def _set_count(self, key: PreparedKey | bytes, n: int) -> None:
         """Under the lock: the count of the scope whose count key (digest) is ``key`` becomes
@@ -159,10 +175,10 @@ class ShmBackend:
                 if fk is not None and not in_table and not self._lanes.member(fk):
                     return False
                 full = False
-                n = None  # the scope's count, read only for a new row
+                counted = None  # the scope's count (_count), read only for a new row
                 if not c.member(ck):
-                    n = self.scope_rows(scope)
-                    if quota is not None and n >= quota:
+                    counted = self._count(scope)
+                    if quota is not None and counted[1] >= quota:
                         raise CancellationLimitReached(
                             f"scope {scope[:80]!r} already holds {quota} cancellation rows")
                     if c.count() >= cap:
@@ -170,18 +186,18 @@ class ShmBackend:
                             full = True  # evicted below, outside the lock; then checked again
                         else:
                             self.evict(batch)
-                            n = None  # the eviction may have taken rows of this scope
+                            counted = None  # the eviction may have taken rows of this scope
                 if not full:
                     at = clock()
                     for _ in range(2):
                         try:
-                            self._put(ck, scope, reason, at, n)
+                            self._put(ck, scope, reason, at, counted)
                             break
                         except LargeRowsFull:  # the large records are taken: evict among them
                             self.evict_large()
                         except TableFull:  # the physical table filled below the cap
                             self.evict(batch)
-                        n = None  # the eviction may have taken rows of this scope
+                        counted = None  # the eviction may have taken rows of this scope
                     else:
                         self._put(ck, scope, reason, at, None)
                     return fk is None or in_table or self._still_in_lane(scope, rid, fk)
@@ -238,17 +254,18 @@ class ShmBackend:
             return self._put(key, scope, reason, at, None)
 
     def _put(self, key: PreparedKey, scope: str, reason: str | None, at: float,
-             rows: int | None) -> bool:
-        """Under the lock: write ``key``'s row. ``rows``: the scope's count when the caller just
-        read it for a key without a row, else ``None`` (then membership is read here)."""
-        if rows is None:
+             counted: tuple[int, int] | None) -> bool:
+        """Under the lock: write ``key``'s row. ``counted``: the scope's count (:meth:`_count`)
+        when the caller just read it for a key without a row, else ``None`` (then membership
+        is read here)."""
+        if counted is None:
             new = not self._c.member(key)
             if new:
-                rows = self.scope_rows(scope)
+                counted = self._count(scope)
         else:
             new = True
         if new:
-            self._add(scope, +1, rows)  # count first: a crash here leaves it high (stricter)
+            self._add(scope, +1, counted)  # count first: a crash here leaves it high (stricter)
         try:
             self._c.insert(key, (reason, at))
         except BaseException:

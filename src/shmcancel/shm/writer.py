@@ -1,6 +1,6 @@
-"""Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``set_word``,
-``delete``, ``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
-backward-shift delete, the free stack.
+"""Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``set_word`` (or
+``word_ref`` then ``store_word``), ``delete``, ``delete_object``, a bag's ``add``/``remove`` by
+receipt; publishing a record, the backward-shift delete, the free stack.
 
 Invariants a writer (holding the registry lock) keeps, so that a writer killed at any bytecode
 leaves a table ``fsck`` restores:
@@ -254,11 +254,35 @@ class Writes(Fsck):
         return self._write(self._set_word, key, word)
 
     def _set_word(self, key: PreparedKey, word: int) -> bool:
-        found = self._find(key)
-        if not found:
+        ref = self._word_ref(key)
+        if ref < 0:
             return False
-        self._u32[(self._offset(found[0][1]) + _WORD) >> 2] = word
+        self._u32[ref] = word
         return True
+
+    def word_ref(self, key: Any) -> int:
+        """Where the word of ``key``'s row (a bag: of the first row of its probe) lies, for
+        :meth:`load_word` and :meth:`store_word`; -1 when ``key`` has no row. The reference
+        is the row's only while the caller holds the lock from this call on and writes no row
+        of this table meanwhile: a count read, checked and changed with one probe."""
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        return self._write(self._word_ref, key)
+
+    def _word_ref(self, key: PreparedKey) -> int:
+        found = self._find(key)
+        return (self._offset(found[0][1]) + _WORD) >> 2 if found else -1
+
+    def load_word(self, ref: int) -> int:
+        """The word at ``ref`` (from :meth:`word_ref`, under the same lock hold)."""
+        return self._u32[ref]
+
+    def store_word(self, ref: int, word: int) -> None:
+        """:meth:`set_word` at ``ref`` (from :meth:`word_ref`, under the same lock hold): one
+        aligned u32 store, no probe."""
+        if word.__class__ is not int or not 0 <= word <= _M32:
+            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+        self._u32[ref] = word
 
     def delete(self, key: Any) -> int:
         """Remove every row of ``key``; returns how many."""
