@@ -69,6 +69,7 @@ class TableMachine(RuleBasedStateMachine):
         self.words: dict[bytes, int] = {}  # a set's rows' words (absent: 0)
         self.keys: dict[bytes, Any] = {}
         self.receipts: list[tuple[Any, bytes, tuple[int, int]]] = []  # (key, value, receipt)
+        self.kept: dict[bytes, Any] = {}  # prepared keys that live across rules
         self.tokens = 0
         self.t = self.rig.reset(0)
         self.watches = [(k, self.t.watch(k)) for k in KEYS[:3]]
@@ -135,20 +136,25 @@ class TableMachine(RuleBasedStateMachine):
         if kb in self.model:
             self.words[kb] = w
 
-    @rule(k=st.sampled_from(KEYS), w=st.integers(0, 2**32 - 1))
-    def store_word_at_ref(self, k: Any, w: int) -> None:
+    @rule(k=st.sampled_from(KEYS[:4]), w=st.integers(0, 2**32 - 1), kept=st.booleans())
+    def store_word_at_ref(self, k: Any, w: int, kept: bool) -> None:
         """The one-probe path (read, then change, under one hold): the ref reads the word
-        set_word would change, and a store through it is that change."""
+        set_word would change, and a store through it is that change. ``kept``: through a
+        prepared key kept across rules, whose cached ref must follow every insert, delete and
+        move of the rows around it."""
         if self.kind != "set":
             return
         kb = packed(k)
+        key = self.kept.setdefault(kb, self.t.prepare(k)) if kept else k
         with self.rig.lock:
-            ref = self.t.word_ref(k)
+            ref = self.t.word_ref(key)
             assert (ref >= 0) is (kb in self.model)
             if ref >= 0:
                 assert self.t.load_word(ref) == self.words.get(kb, 0)
                 self.t.store_word(ref, w)
                 self.words[kb] = w
+        if ref < 0 and self.rows() < self.capacity:  # as a count row is made at its first use
+            self.insert_new(k, None, w)
 
     @rule(k=st.sampled_from(KEYS), prepared=st.booleans())
     def lookup(self, k: Any, prepared: bool) -> None:
@@ -634,6 +640,44 @@ def test_words_change_in_place_and_survive_updates_and_fsck(rig_factory) -> None
     assert t.word("k") == 5 and t.lookup("k") == ["a new value"]
     t.delete("k")
     assert t.word("k") is None and t.insert_new("k", None) and t.word("k") == 0
+    healthy(t)
+
+
+def test_a_kept_word_ref_follows_the_row(rig_factory) -> None:
+    """A prepared key's cached word reference is used only while its slot is unchanged: after
+    the row is deleted, moved by a backward shift, given a fresh record by an update, or its
+    bucket rewritten by fsck, the next word_ref probes again and finds the row where it is."""
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    a, b, c = same_home_keys(t, 3, home=14)  # slots 14, 15, 16: the chain crosses a bucket
+    for i, k in enumerate((a, b, c)):
+        t.insert_new(k, None, i + 1)
+    pc = t.prepare(c)
+
+    def word(pk: Any) -> int:
+        with rig.lock:
+            ref = t.word_ref(pk)
+            return -1 if ref < 0 else t.load_word(ref)
+
+    assert word(pc) == 3 and pc.wref is not None
+    t.set_word(c, 30)  # in place: the kept ref stays right
+    assert word(pc) == 30
+    t.delete(a)  # c moves back from slot 16 to 15
+    assert t.word(c) == 30 and word(pc) == 30
+    t.insert(c, "updated")  # a fresh record, the word carried over
+    assert word(pc) == 30
+    with rig.lock:
+        t.store_word(t.word_ref(pc), 31)
+    assert t.word(c) == 31 and t.lookup(c) == ["updated"]
+    t._ver[pc.b] += 1  # an odd version, as a killed writer leaves it: fsck makes it even
+    with rig.lock:
+        t.fsck()
+    assert word(pc) == 31
+    t.delete(c)
+    assert word(pc) == -1
+    t.insert_new(b"other", None, 5)
+    t.insert_new(c, None, 6)
+    assert word(pc) == 6 and t.word(b"other") == 5
     healthy(t)
 
 

@@ -71,10 +71,12 @@ class PreparedKey:
     """A key with its msgpack bytes, keyed hash and home slot computed once (for one table).
 
     ``j`` is the home slot's first word in the index (``2 * home``) and ``b`` its bucket;
-    ``t`` is the table it was prepared for (a key prepared for another table is re-prepared).
+    ``t`` is the table it was prepared for (a key prepared for another table is re-prepared);
+    ``wref`` is the table's ``(bucket, version, ref)`` of its row's word last found (see
+    ``Writes.word_ref``), or None.
     """
 
-    __slots__ = ("b", "hash", "home", "j", "kbytes", "key", "t")
+    __slots__ = ("b", "hash", "home", "j", "kbytes", "key", "t", "wref")
 
     def __init__(self, t: TableBase, key: Any, kbytes: bytes, h: int, home: int) -> None:
         self.t = t
@@ -84,6 +86,7 @@ class PreparedKey:
         self.home = home
         self.j = 2 * home
         self.b = home >> 4
+        self.wref: tuple[int, int, int] | None = None
 
     def __repr__(self) -> str:
         return f"PreparedKey({self.key!r}, home={self.home})"

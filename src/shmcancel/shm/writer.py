@@ -264,14 +264,27 @@ class Writes(Fsck):
         """Where the word of ``key``'s row (a bag: of the first row of its probe) lies, for
         :meth:`load_word` and :meth:`store_word`; -1 when ``key`` has no row. The reference
         is the row's only while the caller holds the lock from this call on and writes no row
-        of this table meanwhile: a count read, checked and changed with one probe."""
+        of this table meanwhile: a count read, checked and changed with one probe.
+
+        A prepared key keeps the reference it found with its slot's bucket version: while that
+        version has not moved, the slot still holds the same record (every change of a slot
+        moves its bucket's version, and a referenced record is never rewritten but for its
+        word), so the reference is returned without a probe."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
+        w = key.wref
+        if w is not None and self._ver[w[0]] == w[1]:
+            return w[2]
         return self._write(self._word_ref, key)
 
     def _word_ref(self, key: PreparedKey) -> int:
         found = self._find(key)
-        return (self._offset(found[0][1]) + _WORD) >> 2 if found else -1
+        if not found:
+            return -1
+        b = found[0][0] >> 4
+        ref = (self._offset(found[0][1]) + _WORD) >> 2
+        key.wref = (b, self._ver[b], ref)  # even: the caller holds the lock
+        return ref
 
     def load_word(self, ref: int) -> int:
         """The word at ``ref`` (from :meth:`word_ref`, under the same lock hold)."""
