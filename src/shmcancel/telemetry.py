@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Event", "Handler", "attach", "detach", "execute", "list_handlers"]
+__all__ = ["Event", "Handler", "attach", "detach", "execute", "list_handlers", "listening"]
 
 Event = tuple[str, ...]
 Handler = Callable[[Event, Mapping[str, Any], Mapping[str, Any], Any], object]
@@ -54,6 +54,12 @@ def list_handlers(event: Event | None = None) -> list[str]:
     """Ids of the handlers attached to ``event`` (all when ``None``), in attach order."""
     with _lock:
         return [h for h, (ev, _, _) in _handlers.items() if event is None or ev == tuple(event)]
+
+
+def listening() -> bool:
+    """Whether any handler is attached: a hot caller skips building an event's measurements
+    and metadata when none is (``execute`` would deliver them to no one)."""
+    return bool(_handlers)
 
 
 def execute(event: Event, measurements: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:

@@ -41,6 +41,14 @@ def test_attach_with_existing_id_replaces():
     assert telemetry.list_handlers(EV).count("t1") == 1
 
 
+def test_listening_follows_attach_and_detach():
+    base = bool(telemetry.list_handlers())  # handlers other tests' modules may have left
+    telemetry.attach("t1", EV, lambda *a: None)
+    assert telemetry.listening() is True
+    telemetry.detach("t1")
+    assert telemetry.listening() is base
+
+
 def test_detach_unknown_is_a_noop():
     telemetry.detach("never-attached")
 

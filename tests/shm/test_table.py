@@ -87,27 +87,37 @@ class TableMachine(RuleBasedStateMachine):
     def start(self) -> None:
         healthy(self.t)
 
-    @rule(k=st.sampled_from(KEYS), v=VALUES, prepared=st.booleans())
-    def insert(self, k: Any, v: Any, prepared: bool) -> None:
+    @rule(k=st.sampled_from(KEYS), v=VALUES, prepared=st.booleans(), held=st.booleans())
+    def insert(self, k: Any, v: Any, prepared: bool, held: bool) -> None:
+        """``held``: through insert_held, inside a lock hold of the test's own."""
         kb, vb = packed(k), packed(v)
         key = self.t.prepare(k) if prepared else k
+
+        def insert() -> None:
+            if held:
+                with self.rig.lock:
+                    self.t.insert_held(key, v)
+            else:
+                self.t.insert(key, v)
+
         if self._too_large(k, v):
             before, acq = self.region_bytes(), self.rig.lock.acquisitions
             with pytest.raises(RowTooLarge):
-                self.t.insert(key, v)
-            assert self.region_bytes() == before and self.rig.lock.acquisitions == acq
+                insert()
+            assert self.region_bytes() == before
+            assert self.rig.lock.acquisitions == acq + held  # insert takes no lock for it
             return
         vals = self.model.get(kb, [])
         if self.kind == "set" and vals:
-            self.t.insert(key, v)
+            insert()
             self.model[kb] = [vb]
         elif self.kind == "bag" and vb in vals:
-            self.t.insert(key, v)
+            insert()
         elif self.rows() >= self.capacity:
             with pytest.raises(TableFull):
-                self.t.insert(key, v)
+                insert()
         else:
-            self.t.insert(key, v)
+            insert()
             self.model.setdefault(kb, []).append(vb)
             self.keys[kb] = k
             self.words.pop(kb, None)  # a fresh row's word is 0

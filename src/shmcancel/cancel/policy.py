@@ -274,9 +274,9 @@ class Cancellation:
         if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
             return False
-        telemetry.execute(
-            CANCELLED_EVENT, {"count": 1}, {"request_id": rid, "scope": scope, "reason": text}
-        )
+        if telemetry.listening():
+            telemetry.execute(CANCELLED_EVENT, {"count": 1},
+                              {"request_id": rid, "scope": scope, "reason": text})
         self._tick()
         return True
 

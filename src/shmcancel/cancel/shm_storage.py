@@ -267,7 +267,7 @@ class ShmBackend:
         if new:
             self._add(scope, +1, counted)  # count first: a crash here leaves it high (stricter)
         try:
-            self._c.insert(key, (reason, at))
+            self._c.insert_held(key, (reason, at))
         except BaseException:
             if new:
                 self._add(scope, -1)

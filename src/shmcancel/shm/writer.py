@@ -1,6 +1,7 @@
-"""Writes to a table, under the registry lock: ``insert``, ``insert_new``, ``set_word`` (or
-``word_ref`` then ``store_word``), ``delete``, ``delete_object``, a bag's ``add``/``remove`` by
-receipt; publishing a record, the backward-shift delete, the free stack.
+"""Writes to a table, under the registry lock: ``insert`` (``insert_held`` inside a hold),
+``insert_new``, ``set_word`` (or ``word_ref`` then ``store_word``), ``delete``,
+``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
+backward-shift delete, the free stack.
 
 Invariants a writer (holding the registry lock) keeps, so that a writer killed at any bytecode
 leaves a table ``fsck`` restores:
@@ -167,6 +168,17 @@ class Writes(Fsck):
         holds ``capacity`` rows, or (LargeRowsFull) the row needs a large record and the table
         holds its ``large_count`` large rows (or TableCorrupted: see the module docstring)."""
         return self._write(self._insert, *self._row(key, value))
+
+    def insert_held(self, key: Any, value: Any) -> None:
+        """:meth:`insert` for a caller that holds the lock already (several writes as one
+        step): the same checks, the same repair of corruption it meets, without taking the lock
+        again."""
+        key, vb = self._row(key, value)
+        try:
+            return self._insert(key, vb)
+        except TableCorrupted as e:
+            self._repair(str(e))
+        return self._insert(key, vb)
 
     def _row(self, key: Any, value: Any) -> tuple[PreparedKey, bytes]:
         """``key`` prepared for this table and ``value`` packed; RowTooLarge (before the lock
