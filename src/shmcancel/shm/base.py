@@ -234,9 +234,11 @@ class TableBase:
         TableCorrupted when the probe meets no empty slot or a record failing validation (under
         the lock neither is a race)."""
         idx = self._idx
+        j = pk.j
+        if not idx[j]:  # an empty home slot: no row (the probe would stop there)
+            return []
         wmask = self._wmask
         h = pk.hash
-        j = pk.j
         out = []
         for _ in range(self.nslots):
             sh = idx[j]
