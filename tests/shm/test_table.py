@@ -691,6 +691,20 @@ def test_a_kept_word_ref_follows_the_row(rig_factory) -> None:
     healthy(t)
 
 
+def test_a_bags_word_ref_is_found_each_time(rig_factory) -> None:
+    """Only a set's key keeps its word reference; a bag's word_ref probes every time and
+    finds the first row of the key's probe."""
+    rig = rig_factory([("bag", 16, 64)])
+    t = rig.tables[0]
+    t.insert_new("k", "first", 1)
+    t.insert("k", "second")
+    pk = t.prepare("k")
+    with rig.lock:
+        ref = t.word_ref(pk)
+        assert ref >= 0 and t.load_word(ref) == 1 and pk.wref is None
+    healthy(t)
+
+
 @pytest.mark.parametrize("word", [-1, 2**32, 1.0, True, "1", None])
 def test_a_bad_word_is_refused_before_any_store(rig_factory, word: Any) -> None:
     rig = rig_factory([("set", 8, 64)])

@@ -278,10 +278,11 @@ class Writes(Fsck):
         is the row's only while the caller holds the lock from this call on and writes no row
         of this table meanwhile: a count read, checked and changed with one probe.
 
-        A prepared key keeps the reference it found with its slot's bucket version: while that
-        version has not moved, the slot still holds the same record (every change of a slot
-        moves its bucket's version, and a referenced record is never rewritten but for its
-        word), so the reference is returned without a probe."""
+        A set's prepared key keeps the reference it found with its slot's bucket version: while
+        that version has not moved, the slot still holds the same record (every change of a
+        slot moves its bucket's version, and a referenced record is never rewritten but for its
+        word), so the reference is returned without a probe. (A bag's is not kept: a row of
+        the key published earlier in the probe would come first.)"""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         w = key.wref
@@ -293,9 +294,10 @@ class Writes(Fsck):
         found = self._find(key)
         if not found:
             return -1
-        b = found[0][0] >> 4
         ref = (self._offset(found[0][1]) + _WORD) >> 2
-        key.wref = (b, self._ver[b], ref)  # even: the caller holds the lock
+        if self._set:
+            b = found[0][0] >> 4
+            key.wref = (b, self._ver[b], ref)  # even: the caller holds the lock
         return ref
 
     def load_word(self, ref: int) -> int:
