@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmcancel import Config
+from shmcancel.cancel import shm_storage
 from shmcancel.cancel.eviction import choose
 from shmcancel.cancellation import Cancellation
 from shmcancel.shm.registry import Registry
@@ -89,17 +90,29 @@ def test_cap_eviction_decodes_no_row_under_the_lock(reg: Registry) -> None:
 
 
 @pytest.mark.parametrize("expired", [0, 1000, 2000])
-def test_cleanup_decodes_no_row_under_the_lock(reg: Registry, expired: int) -> None:
+def test_cleanup_decodes_no_row_under_the_lock(reg: Registry, expired: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the records (read) nor the rows deleted (their scopes summed for the counts)
+    are decoded while the lock is held: under it only the deletes and the count stores."""
     clock = Clock()
     c = Cancellation(reg, clock=clock)
     fill(c, clock, 2000)
     n = locked_reads(reg)
+    rows_decoded = [0]
+    decode = shm_storage._cancel_row
+
+    def counted(k: Any, v: Any) -> Any:
+        if reg.lock.held_by_me():
+            rows_decoded[0] += 1
+        return decode(k, v)
+
+    monkeypatch.setattr(shm_storage, "_cancel_row", counted)
     ttl = reg.config.ttl
     old = sorted(rows_of(reg), key=lambda r: r[2])
     cut = old[expired - 1][2] if expired else clock.t - 10 * ttl
     clock.t = cut + ttl + 1e-6 if expired else clock.t
     assert c.cleanup() == expired
-    assert n[0] == 0
+    assert n[0] == 0 and rows_decoded[0] == 0
     assert reg.table("cancellations").count() == 2000 - expired
     assert reg.table("cancellations").check(deep=True) is None
     counts_match(reg, c)

@@ -279,7 +279,9 @@ class ShmBackend:
         lock, the batch is chosen from a lock-free read of every row and deleted in short
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction
-        counter move with each chunk, so they always match the rows at a release."""
+        counter move with each chunk, so they match the rows at a release (after a bulk
+        rewrite, in short holds right after it: a count high meanwhile only makes its scope's
+        quota stricter)."""
         if self._lock.held_by_me():
             return self._evict_locked(batch)
         total = 0
@@ -323,19 +325,23 @@ class ShmBackend:
             return len(gone)
 
     def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
-        """Under the lock: count the chunk ``gone`` as evicted and out of its scopes."""
-        self._uncount(gone)
-        self.reg.add_evictions(len(gone))
+        """Count the chunk ``gone`` (rows deleted) as evicted and out of its scopes."""
+        self._uncount(gone, evicted=True)
 
-    def _uncount(self, gone: list[tuple[Any, Any]]) -> None:
-        """Under the lock: take the well-formed rows of ``gone`` out of their scopes' counts."""
+    def _uncount(self, gone: list[tuple[Any, Any]], evicted: bool = False) -> None:
+        """Take the well-formed rows of ``gone`` (deleted) out of their scopes' counts; the
+        per-scope sums are made before the lock is taken (reentrant: a sweep's chunk may hold
+        it already)."""
         per_scope: Counter[str] = Counter()
         for k, v in gone:
             r = _cancel_row(k, v)
             if r is not None:
                 per_scope[r[0]] += 1
-        for scope, n in per_scope.items():
-            self._add(scope, -n)
+        with self._lock:
+            for scope, n in per_scope.items():
+                self._add(scope, -n)
+            if evicted:
+                self.reg.add_evictions(len(gone))
 
     def _evict_locked(self, batch: int) -> int:
         with self._lock:

@@ -50,8 +50,10 @@ class Sweeps(Writes):
         hold the lock for about ``hold`` seconds (at least one row per chunk). Under the lock
         each row is re-validated: it is deleted only if its entry still references the same
         record holding the same bytes and, when given, ``pred(key, value)`` is still true; a
-        row gone or changed meanwhile is left alone. ``on_chunk(deleted)`` runs under the same
-        hold, after the chunk's deletions, with the (key, value) pairs deleted. Returns the
+        row gone or changed meanwhile is left alone. ``on_chunk(deleted)`` gets the (key, value)
+        pairs deleted: row by row, inside each chunk's hold after its deletions; after a bulk
+        rewrite (one hold for all), in slices once that hold is over, so that what it computes
+        from them holds no lock. It takes the lock (reentrant) for what it writes. Returns the
         rows deleted. When the caller already holds the lock everything runs in its hold."""
         lock = self._lock
         if pred is None and len(rows) >= SWEEP_BULK:
@@ -60,8 +62,7 @@ class Sweeps(Writes):
                 if on_chunk is not None:  # in key order: a slice sees few distinct keys
                     bulk.sort(key=lambda kv: _pack(kv[0]))
                     for c in range(0, len(bulk), 2 * SWEEP_BULK):
-                        with lock:
-                            on_chunk(bulk[c:c + 2 * SWEEP_BULK])
+                        on_chunk(bulk[c:c + 2 * SWEEP_BULK])
                 return len(bulk)
         n = 0
         i = 0
