@@ -5,6 +5,7 @@ sends a ``tools/call`` and goes away. Tools report through files (tests/apps/tra
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -340,6 +342,35 @@ def watch(sock: socket.socket, grace: float = 30.0) -> tuple[Watcher, Recorder]:
     w = Watcher(sock, on_disconnect=rec.gone.set, on_timeout=rec.timed_out.set, grace=grace)
     assert w.start()
     return w, rec
+
+
+def test_a_stopped_watcher_drops_its_callbacks() -> None:
+    """A callback that refers back to its watcher (the transport's on_timeout does) makes a
+    cycle; stop() drops the callbacks, so reference counting frees both at once."""
+    mine, peer = socket.socketpair()
+
+    def make() -> tuple[Watcher, Any]:
+        holder: list[Watcher] = []
+
+        def on_timeout() -> None:
+            holder[0].stop()
+
+        w = Watcher(mine, on_disconnect=lambda: None, on_timeout=on_timeout, grace=30.0)
+        holder.append(w)
+        return w, weakref.ref(on_timeout)
+
+    gc.disable()
+    try:
+        w, callback = make()
+        assert w.start()
+        assert callback() is not None
+        w.stop()
+        del w
+        assert callback() is None  # freed at once, no collection needed
+    finally:
+        gc.enable()
+        mine.close()
+        peer.close()
 
 
 def thread_cpu_seconds(native_id: int) -> float:

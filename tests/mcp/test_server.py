@@ -5,6 +5,7 @@ test_http.py and test_disconnect.py."""
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import socket
 import threading
@@ -819,6 +820,34 @@ def test_stubborn_tool_is_stopped_in_a_threaded_worker(stateless: McpServer, reg
         assert tables_empty(reg)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("multithread", [False, True])
+def test_a_watched_call_leaves_no_cyclic_garbage(stateless: McpServer,
+                                                 multithread: bool) -> None:
+    """Everything a watched, tracked tools/call makes is freed by reference counting when it
+    ends: garbage that only the cyclic collector frees would make a worker run full
+    collections (milliseconds each, in a heap the size of gunicorn's) every few thousand
+    calls."""
+    server_side, client_side = socket.socketpair()
+    body = json.dumps(rpc(1, "tools/call", {"name": "echo", "arguments": {"text": "x"}}))
+
+    def call() -> None:
+        env = environ_for("POST", body.encode(), extra={"gunicorn.socket": server_side,
+                                                         "wsgi.multithread": multithread})
+        assert run(stateless, env, validate=False).json["result"]["content"][0]["text"] == "x"
+
+    call()  # first-use state (the watcher thread, caches) made before counting
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(50):
+            call()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+        server_side.close()
+        client_side.close()
 
 
 def test_no_watcher_without_a_gunicorn_socket(stateless: McpServer, signals: Signals) -> None:

@@ -111,7 +111,7 @@ class Watcher:
     def __init__(self, sock: socket.socket, *, on_disconnect: Callable[[], None],
                  on_timeout: Callable[[], None] | None, grace: float) -> None:
         self._sock = sock
-        self._on_disconnect = on_disconnect
+        self._on_disconnect: Callable[[], None] | None = on_disconnect
         self._on_timeout = on_timeout
         self._grace = max(0.0, float(grace))
         self._lock = threading.Lock()  # orders stop() against the callbacks
@@ -153,11 +153,14 @@ class Watcher:
 
     def stop(self) -> None:
         """Stop watching. After it returns no callback starts; an ``on_timeout`` already running
-        (stopping a tool) is not waited for."""
+        (stopping a tool) is not waited for. The callbacks are dropped: one that refers back to
+        its watcher (as the transport's does) then leaves no reference cycle, which only the
+        cyclic garbage collector would free (a full collection in a worker costs milliseconds)."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
+            self._on_disconnect = self._on_timeout = None
             if self._done is not None:
                 self._done.set()
             loop = self._loop
@@ -176,11 +179,12 @@ class Watcher:
     def _disconnected(self) -> bool:
         """The client is gone: ``on_disconnect()`` unless stopped; whether a deadline is due."""
         with self._lock:
-            if self._stopped:
+            on_disconnect = self._on_disconnect
+            if self._stopped or on_disconnect is None:
                 return False
             self.disconnected_at = time.monotonic()
             try:
-                self._on_disconnect()
+                on_disconnect()
             except Exception:
                 log.warning("on_disconnect callback failed", exc_info=True)
         return self._on_timeout is not None
