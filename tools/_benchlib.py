@@ -149,11 +149,13 @@ def echo_request(port: int, wire: str) -> bytes:
 
 
 async def load(port: int, req: bytes, seconds: float, conns: int, max_requests: int,
-               latencies: list[float] | None = None) -> tuple[int, int, float]:
+               latencies: list[float] | None = None,
+               per_conn: int | None = None) -> tuple[int, int, float]:
     """``conns`` clients send ``req`` to ``port`` for ``seconds`` (at most ``max_requests`` in
-    all), keep-alive while the server keeps the connection: ``(answered 200 with a result, other
-    outcomes, elapsed seconds)``. ``latencies``: gets the seconds from sending each request to
-    reading its whole answer, for the requests answered with a result (connecting not counted)."""
+    all), keep-alive while the server keeps the connection (and for ``per_conn`` requests at
+    most, when given): ``(answered 200 with a result, other outcomes, elapsed seconds)``.
+    ``latencies``: gets the seconds from sending each request to reading its whole answer, for
+    the requests answered with a result (connecting not counted)."""
     ok = bad = started = 0
     t0 = time.monotonic()
     stop_at = t0 + seconds
@@ -162,8 +164,10 @@ async def load(port: int, req: bytes, seconds: float, conns: int, max_requests: 
         nonlocal ok, bad, started
         reader: asyncio.StreamReader | None = None
         writer: asyncio.StreamWriter | None = None
+        on_conn = 0
         while time.monotonic() < stop_at and started < max_requests:
             started += 1
+            on_conn += 1
             try:
                 if writer is None:
                     reader, writer = await asyncio.wait_for(
@@ -190,6 +194,10 @@ async def load(port: int, req: bytes, seconds: float, conns: int, max_requests: 
             except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
                 bad += 1
                 close = True
+            if per_conn is not None and on_conn >= per_conn:
+                close = True
+            if close:
+                on_conn = 0
             if close and writer is not None:
                 writer.close()
                 with contextlib.suppress(OSError):

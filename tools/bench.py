@@ -37,7 +37,10 @@ Sections (``--only`` picks some):
   same server with tracking and disconnect watching switched off by this script's wrapper app
   (``McpServer.watch_disconnects = False`` and a ``Cancellation.begin`` returning a handle
   that writes nothing), loaded in turn for ``--seconds`` each, alternating which goes first, by
-  ``wrk`` when installed, else an asyncio load generator (``tools/_benchlib.py``).
+  ``wrk`` when installed, else an asyncio load generator (``tools/_benchlib.py``) whose clients
+  reconnect every ``--per-conn`` requests: with keep-alive for a whole round, which ``gthread``
+  worker holds which connection is left to chance (two of four workers often serve all 16), and
+  an identical server's throughput moves by ±20 % from round to round.
 
 Every micro figure is a median over rounds; in each round the floor (one ``struct.unpack_from``
 of a 16-byte slot of a posix_ipc mapping) runs right before the measure and the ratio is taken
@@ -383,7 +386,8 @@ def section_e2e(a: argparse.Namespace, rep: Report) -> None:
     if a.load == "wrk" and wrk is None:
         raise SystemExit("bench: --load wrk but wrk is not installed (Debian: apt-get install "
                          "wrk)")
-    gen = f"wrk ({wrk}, 2 threads)" if wrk else "the asyncio load generator"
+    gen = (f"wrk ({wrk}, 2 threads)" if wrk else "the asyncio load generator"
+           + (f", each client reconnecting after {a.per_conn} requests" if a.per_conn else ""))
     print(f"\n== e2e: tools/call echo, example app, 4 workers, {a.conns} connections, "
           f"{gen}; medians of {a.e2e_rounds} interleaved rounds of {a.seconds:g}s")
     if not (Path(sys.executable).parent / "gunicorn").exists():
@@ -437,7 +441,8 @@ def _e2e_pair(on: GunicornServer, off: GunicornServer, kind: str, wire: str,
                     wrk_pct[s is on].setdefault(k, []).append(w[f"p{k}"])
             else:
                 lat: list[float] = []
-                n, b_, dt = asyncio.run(load(s.port, reqs[s], a.seconds, a.conns, 10**7, lat))
+                n, b_, dt = asyncio.run(load(s.port, reqs[s], a.seconds, a.conns, 10**7, lat,
+                                             per_conn=a.per_conn or None))
                 bad += b_
                 q50, q99 = med(lat), pct(lat, 99)
                 lat_all[s is on].extend(lat)
@@ -567,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="e2e load generator (auto: wrk when installed)")
     ap.add_argument("--seconds", type=float, help="e2e: seconds per load (default 3, quick 1)")
     ap.add_argument("--conns", type=int, default=16, help="e2e: concurrent connections")
+    ap.add_argument("--per-conn", type=int, default=20, metavar="N",
+                    help="e2e, asyncio generator: a client reconnects after N requests "
+                         "(0: keep-alive for the whole round)")
     ap.add_argument("--wire", choices=["legacy", "modern", "both"], default="both")
     ap.add_argument("--kind", choices=["sync", "gthread", "both"], default="both",
                     help="e2e: gunicorn worker classes")
