@@ -80,3 +80,39 @@ def test_bad_only_is_a_one_line_usage_error() -> None:
     rc, out, _ = run_bench("--only", "poll,nonsense")
     assert rc == 2
     assert "--only takes sections of" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("per_conn,connections", [(None, 1), (3, 4)])
+def test_the_load_generator_reconnects_every_per_conn_requests(per_conn: int | None,
+                                                               connections: int) -> None:
+    """One client, 10 requests to a keep-alive server on loopback: on one connection, or on a
+    new one every ``per_conn`` requests (how bench.py spreads gthread load over workers)."""
+    import asyncio
+
+    from helpers.tools import load_tool
+
+    benchlib = load_tool("_benchlib")
+    body = b'{"jsonrpc":"2.0","id":1,"result":{}}'
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    conns = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(writer)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> tuple[int, int, float]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await benchlib.load(port, b"GET / HTTP/1.1\r\n\r\n", 5.0, 1, 10,
+                                       per_conn=per_conn)
+
+    ok, bad, _ = asyncio.run(main())
+    assert (ok, bad) == (10, 0)
+    assert len(conns) == connections  # with per_conn=3: 3 + 3 + 3 + 1 requests
