@@ -634,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== targets (issue #9)")
     for what, got, ok in rep.targets:
         print(f"  {'met   ' if ok else 'MISSED'} {what}: {got}")
-    print("  (not measured here: sweeps, tools/bench_sweeps.py; burst cancel latency)")
+    print("  (not measured here: sweeps, tools/bench_sweeps.py; burst cancel latency, "
+          "tools/bench_burst.py)")
     if a.plot:
         plot(a.plot, rep)
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import selectors
 import socket
 import statistics
@@ -182,10 +183,26 @@ class Bench:
         self.reader = _Reader()
         self.lost = 0  # cancelled calls not answered -32800 (legacy) or still in flight (modern)
         self.answered: list[float] = []  # seconds from a notification's connect to its 202
+        # per burst / floor: (workers' CPU, this process's CPU, wall), seconds, from the first
+        # send to the last answer
+        self.cpu: dict[str, list[tuple[float, float, float]]] = {}
 
     def close(self) -> None:
         self.reader.close()
         self.reg.close()
+
+    def _cpu0(self) -> tuple[int, float, float]:
+        return self.server.worker_run_ns(), time.process_time(), _now()
+
+    def _cpu1(self, mode: str | None, t0: tuple[int, float, float],
+              last: list[float | None]) -> None:
+        """Record under ``mode`` (``None``: not at all) what the span since ``t0`` cost, up to
+        the last of ``last`` (answers)."""
+        client = time.process_time() - t0[1]
+        workers = (self.server.worker_run_ns() - t0[0]) / 1e9
+        ends = [t for t in last if t is not None]
+        if ends and mode is not None:
+            self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
 
     def _notify(self, rid: int) -> _Call:
         body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
@@ -201,20 +218,23 @@ class Bench:
         sent: list[float] = []
         notes: list[_Call] = []
         try:
+            t0 = self._cpu0()
             for rid in ids:
                 sent.append(_now())
                 notes.append(self._notify(rid))
             for c in notes:
                 c.done.wait(ANSWER_WAIT)
+            self._cpu1("floor", t0, [c.answered_at for c in notes])
             return [c.answered_at - t for c, t in zip(notes, sent, strict=True)
                     if c.answered_at is not None]
         finally:
             for c in notes:
                 c.close()
 
-    def round(self, n: int) -> list[float] | None:
+    def round(self, n: int, mode: str | None = "burst") -> list[float] | None:
         """Start ``n`` calls, cancel them all at once; their latencies in seconds, or ``None``
-        when some call never got in flight."""
+        when some call never got in flight. What the cancelling cost is kept under ``mode``
+        (:attr:`cpu`)."""
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         polls = [self.store.watch_in_flight(self.scope, str(i)).member for i in ids]
@@ -231,6 +251,7 @@ class Bench:
                     return None
             sent: list[float] = []
             gone: list[float | None] = [None] * n
+            t0 = self._cpu0()
             if self.wire == "legacy":
                 for rid in ids:
                     sent.append(_now())
@@ -239,6 +260,7 @@ class Bench:
                     c.done.wait(ANSWER_WAIT)
                 for c in notes:
                     c.done.wait(ANSWER_WAIT)
+                self._cpu1(mode, t0, [c.answered_at for c in calls])
                 self.answered += [c.answered_at - t for c, t in zip(notes, sent, strict=True)
                                   if c.answered_at is not None]
                 self.lost += sum(c.code != -32800 for c in calls)
@@ -252,6 +274,7 @@ class Bench:
                 with contextlib.suppress(OSError):
                     c.sock.shutdown(socket.SHUT_RDWR)
             watcher.join()
+            self._cpu1(mode, t0, gone)
             self.lost += sum(g is None for g in gone)
             return [g - t for g, t in zip(gone, sent, strict=True) if g is not None]
         finally:
@@ -264,6 +287,23 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def _print_cpu(cpu: dict[str, list[tuple[float, float, float]]]) -> None:
+    """Per mode, the median CPU one burst (or one sequential cancel, or one floor) cost the
+    workers and this process, and the least wall time that CPU takes on this machine's cores."""
+    cores = len(os.sched_getaffinity(0))
+    print(f"  CPU per burst (from the first send to the last answer; medians, ms), {cores} "
+          "cores:")
+    for mode in ("sequential", "burst", "floor"):
+        spans = cpu.get(mode)
+        if not spans:
+            continue
+        med = statistics.median
+        workers, client, wall = (med(x[i] for x in spans) * 1e3 for i in range(3))
+        print(f"  {mode:10s} workers {workers:6.2f}  this client {client:6.2f}  -> at least "
+              f"{(workers + client) / cores:6.2f} ms of wall time on {cores} cores; took "
+              f"{wall:6.2f}")
+
+
 def run(a: argparse.Namespace) -> bool:
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
@@ -273,14 +313,14 @@ def run(a: argparse.Namespace) -> bool:
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
                 b = Bench(server, wire)
                 try:
-                    b.round(min(a.calls, 8))  # warm every worker up
+                    b.round(min(a.calls, 8), None)  # warm every worker up
                     got: dict[str, list[list[float]]] = {"sequential": [], "burst": [],
                                                          "floor": []}
                     skipped = 0
                     for _ in range(a.rounds):
                         seq: list[float] = []
                         for _ in range(a.seq):
-                            seq += b.round(1) or []
+                            seq += b.round(1, "sequential") or []
                         got["sequential"].append(seq)
                         for _ in range(10):  # a round some call of which never got a thread
                             lat = b.round(a.calls)
@@ -307,6 +347,7 @@ def run(a: argparse.Namespace) -> bool:
                         ans = b.answered
                         print(f"  (notifications answered 202: p50 {_pct(ans, 0.5) * 1e3:.2f}"
                               f" p99 {_pct(ans, 0.99) * 1e3:.2f} ms)")
+                    _print_cpu(b.cpu)
                     flat = [x for r in got["burst"] for x in r]
                     if flat:
                         p99 = _pct(flat, 0.99) * 1e3

@@ -16,19 +16,21 @@ from helpers.gunicorn_harness import REPO_ROOT
 from helpers.procs import communicate
 
 BENCH = REPO_ROOT / "tools" / "bench.py"
+BURST = REPO_ROOT / "tools" / "bench_burst.py"
 ALTERNATIVES = ("shmcancel", "redis GET flag", "Manager dict", "sqlite WAL")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def run_bench(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, int]:
+def run_bench(*args: str, env: dict[str, str] | None = None,
+              script: Path = BENCH) -> tuple[int, str, int]:
     """``(exit code, stdout + stderr, pid)`` of one run, killed past its deadline."""
-    proc = subprocess.Popen([sys.executable, str(BENCH), *args], cwd=REPO_ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO_ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     out, _, overran = communicate(proc, 420)
     if overran:
-        pytest.fail(f"tools/bench.py did not finish in 420 s:\n{out[-3000:]}")
+        pytest.fail(f"{script.name} did not finish in 420 s:\n{out[-3000:]}")
     return proc.returncode, out, proc.pid
 
 
@@ -73,6 +75,24 @@ def test_without_redis_server_the_redis_rows_say_skipped(tmp_path: Path) -> None
     assert "redis GET flag: skipped: no redis-server" in poll, poll
     for alt in ("shmcancel", "Manager dict", "sqlite WAL"):
         assert alt in poll
+    assert leftovers(pid) == []
+
+
+def test_burst_bench_cancels_every_call_and_prints_what_the_burst_cost() -> None:
+    """Both wires, a small burst: every call cancelled (none lost), latencies and the CPU the
+    bursts cost (the bound they set on this machine's cores) printed for every mode."""
+    rc, out, pid = run_bench("--calls", "4", "--rounds", "1", "--seq", "2", "--workers", "2",
+                             "--threads", "4", "--wire", "both", script=BURST)
+    assert rc == 0, out[-3000:]
+    assert "lost" not in out, out
+    for wire in ("legacy", "modern"):
+        block = out.split(f"{wire} (", 1)[1].split("target burst", 1)[0]
+        for mode in ("sequential", "burst", "floor"):
+            assert re.search(rf"^  {mode} +n= +\d+ +p50", block, re.M), block
+            cpu = re.search(rf"^  {mode} +workers +([\d.]+) +this client +([\d.]+) +-> at "
+                            r"least +([\d.]+) ms", block, re.M)
+            assert cpu is not None, block
+            assert float(cpu[1]) > 0, f"the workers did no work in {mode}?\n{block}"
     assert leftovers(pid) == []
 
 
