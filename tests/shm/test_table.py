@@ -166,6 +166,19 @@ class TableMachine(RuleBasedStateMachine):
         if ref < 0 and self.rows() < self.capacity:  # as a count row is made at its first use
             self.insert_new(k, None, w)
 
+    @rule(k=st.sampled_from(KEYS[:4]))
+    def word_through_kept_key(self, k: Any) -> None:
+        """The lock-free word read through a prepared key kept across rules: after its first
+        read it reads the word at the place it found (a set's), and must notice every insert,
+        delete and move of the rows around it."""
+        kb = packed(k)
+        key = self.kept.setdefault(kb, self.t.prepare(k))
+        want = self.words.get(kb, 0) if kb in self.model else None
+        if self.kind == "set" or want is None:
+            assert self.t.word(key) == want
+        if self.kind == "set" and want is not None:
+            assert key.wref is not None
+
     @rule(k=st.sampled_from(KEYS), prepared=st.booleans())
     def lookup(self, k: Any, prepared: bool) -> None:
         key = self.t.prepare(k) if prepared else k
@@ -686,6 +699,43 @@ def test_a_kept_word_ref_follows_the_row(rig_factory) -> None:
     t.delete(c)
     assert word(pc) == -1
     t.insert_new(b"other", None, 5)
+    t.insert_new(c, None, 6)
+    assert word(pc) == 6 and t.word(b"other") == 5
+    healthy(t)
+
+
+def test_a_lock_free_word_read_keeps_its_place_and_follows_the_row(rig_factory) -> None:
+    """``word`` through a prepared key: the probe that finds a set's row keeps the word's place
+    (no lock taken), later reads load it there while its slot's bucket version holds, and a
+    delete, a move by a backward shift, an update's fresh record or a record reused by another
+    row sends the read back to a probe that finds the row where it is, or none."""
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    a, b, c = same_home_keys(t, 3, home=14)  # slots 14, 15, 16: the chain crosses a bucket
+    for i, k in enumerate((a, b, c)):
+        t.insert_new(k, None, i + 1)
+    pc = t.prepare(c)
+
+    def word(pk: Any) -> int | None:
+        acq = rig.lock.acquisitions
+        got = t.word(pk)
+        assert rig.lock.acquisitions == acq, "a word read took the lock"
+        return got
+
+    assert word(pc) == 3 and pc.wref is not None
+    kept = pc.wref
+    t.set_word(c, 30)  # in place: no version moves, the kept place reads the new word
+    assert word(pc) == 30 and pc.wref == kept
+    t.delete(a)  # c moves back from slot 16 to 15
+    assert word(pc) == 30 and pc.wref != kept
+    t.insert(c, "updated")  # a fresh record, the word carried over
+    assert word(pc) == 30
+    t.set_word(c, 31)
+    assert word(pc) == 31 and t.lookup(c) == ["updated"]
+    t.delete(c)
+    assert word(pc) is None
+    t.insert_new(b"other", None, 5)  # may take c's old record: the old place reads 5 now
+    assert word(pc) is None
     t.insert_new(c, None, 6)
     assert word(pc) == 6 and t.word(b"other") == 5
     healthy(t)

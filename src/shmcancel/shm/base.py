@@ -73,7 +73,7 @@ class PreparedKey:
     ``j`` is the home slot's first word in the index (``2 * home``) and ``b`` its bucket;
     ``t`` is the table it was prepared for (a key prepared for another table is re-prepared);
     ``wref`` is the table's ``(bucket, version, ref)`` of its row's word last found (see
-    ``Writes.word_ref``), or None.
+    ``Writes.word_ref``, ``Reads.word``; a set's only), or None.
     """
 
     __slots__ = ("b", "hash", "home", "j", "kbytes", "key", "t", "wref")

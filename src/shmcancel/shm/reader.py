@@ -118,8 +118,10 @@ class Reads(Fsck):
                ) -> tuple[list[Any], list[tuple[int, int]]] | None:
         """One optimistic probe: (raw values, or with ``words`` the rows' words; [(bucket,
         version) read]) or None when it met a writer (odd or moved version) or a record failing
-        validation."""
+        validation. A set's word read this way is kept with its slot's bucket version in the
+        key's ``wref``, as :meth:`Writes.word_ref` keeps it (valid only once the probe is)."""
         ver = self._ver
+        loc = None
         idx = self._idx
         wmask = self._wmask
         h = pk.hash
@@ -141,9 +143,14 @@ class Reads(Fsck):
                     self._unless_corrupt(seen, "a referenced record fails validation")
                     return None
                 if rec[0] == pk.kbytes:
-                    # a word changes in place with no version move: load it as one aligned u32
-                    # (through the 'I' view; struct promises no single load for rec[3])
-                    out.append(self._u32[(self._offset(r) + _WORD) >> 2] if words else rec[1])
+                    if words:
+                        # a word changes in place with no version move: load it as one aligned
+                        # u32 (through the 'I' view; struct promises no single load for rec[3])
+                        ref = (self._offset(r) + _WORD) >> 2
+                        out.append(self._u32[ref])
+                        loc = (b, v, ref)
+                    else:
+                        out.append(rec[1])
                     if self._set:  # a set holds one row per key: the probe can stop here
                         break
             j = (j + 2) & wmask
@@ -159,6 +166,8 @@ class Reads(Fsck):
         for b, v in seen:
             if ver[b] != v:
                 return None
+        if loc is not None and self._set:
+            pk.wref = loc
         return out, seen
 
     def _unless_corrupt(self, seen: list[tuple[int, int]], what: str) -> None:
@@ -262,9 +271,19 @@ class Reads(Fsck):
     def word(self, key: Any) -> int | None:
         """The word of ``key``'s row (see ``layout.py``; a bag: of one of its rows), or None
         when it has no row. Lock-free and never torn: a word is one aligned u32 store, and the
-        bucket versions around the read show its record was still the row's."""
+        bucket versions around the read show its record was still the row's. A set's key that
+        keeps its word's place (``wref``, from the last probe that found it) is read there, with
+        no probe, while that slot's bucket version has not moved (before and after the load)."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
+        w = key.wref
+        if w is not None:
+            ver = self._ver
+            b, v, ref = w
+            if ver[b] == v:
+                word = self._u32[ref]
+                if ver[b] == v:
+                    return word
         got = self._read(key, True)[0]
         return got[0] if got else None
 
