@@ -374,6 +374,65 @@ def test_scope_has_rows_follows_the_count(c):
     assert st.scope_has_rows(S) is False
 
 
+def _count_rows(c: Cancellation) -> dict[bytes, int]:
+    t = c.registry.table("scope_counts")
+    return {k: t.word(k) for k, _ in t.scan()}
+
+
+def test_a_count_at_zero_keeps_its_row_and_the_next_cancel_only_stores(c):
+    """A scope's count falling to 0 stays in its row: the next cancel in the scope changes one
+    word (no slot of the table moves), and the count still reads 0 for every reader."""
+    st = c._store
+    t = c.registry.table("scope_counts")
+    c.cancel(1, None, S)
+    c.clear(1, S)
+    assert _count_rows(c) == {st._digest(S): 0}
+    assert st.scope_rows(S) == 0 and st.scope_has_rows(S) is False
+    with c.begin(1, S) as h:
+        assert h.cancelled() is False
+    before = t._ver.tolist()
+    c.cancel(2, None, S)
+    assert t._ver.tolist() == before, "the count's row was written anew"
+    assert _count_rows(c) == {st._digest(S): 1} and st.scope_has_rows(S) is True
+    c.clear(2, S)
+    assert _count_rows(c) == {st._digest(S): 0}
+
+
+def test_counts_left_at_zero_are_bounded_and_leave_room_for_every_scope(shm_name):
+    """max_rows 8: at most 2 rows at 0 stay (a quarter), whatever number of scopes cancelled
+    once; then 8 rows in 8 new scopes all get counts (no TableFull), and the cap still evicts."""
+    reg = Registry.create(shm_name, Config(**{**SMALL, "max_rows": 8, "ttl": 3600}))
+    try:
+        c = Cancellation(reg)
+        t = reg.table("scope_counts")
+        assert t.capacity == 8 + 2
+        for i in range(20):
+            c.cancel(i, None, f"once:{i}")
+            c.clear(i, f"once:{i}")
+            assert len(t.scan()) <= 2 and set(_count_rows(c).values()) <= {0}
+        for i in range(8):
+            c.cancel(i, None, f"full:{i}")
+        assert sorted(_count_rows(c).values()) == [0] * (len(t.scan()) - 8) + [1] * 8
+        c.cancel(99, None, "full:99")  # at the cap: a batch is evicted first
+        assert sum(_count_rows(c).values()) == reg.table("cancellations").count() <= 8
+        assert all(c._store.scope_rows(s) == sum(1 for r in c._store.cancellations()
+                                                 if r[0] == s)
+                   for s in [f"full:{i}" for i in range(8)] + ["full:99"])
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def test_a_sweep_removes_counts_at_zero(c):
+    for i in range(3):
+        c.cancel(i, None, f"s{i}")
+        c.clear(i, f"s{i}")
+    c.cancel(9, None, "kept")
+    assert len(_count_rows(c)) == 4
+    c.cleanup()
+    assert _count_rows(c) == {c._store._digest("kept"): 1}
+
+
 def test_a_cancel_local_landing_inside_another_threads_poll_is_not_lost(c, monkeypatch):
     """The disconnect watcher's thread calls cancel_local while the tool's thread may be inside
     a poll that is about to cache "no row". The interleaving is forced: cancel_local runs inside

@@ -1,5 +1,6 @@
 """The in-flight rows of a registry as the tests read them: the shared ``in_flight`` table's and
-the processes' lanes' (``shm/lanes.py``), where a handle's row usually is."""
+the processes' lanes' (``shm/lanes.py``), where a handle's row usually is; and the scope counts
+above 0 (a count that fell to 0 may keep its row, ``cancel/tables.py``)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def in_flight_count(reg: Registry | Any) -> int:
     if not isinstance(reg, Registry):
         return int(reg.table("in_flight").count())
     return len(in_flight_rows(reg))
+
+
+def scope_counts(reg: Registry) -> dict[bytes, int]:
+    """``{scope digest: count}`` of the ``scope_counts`` rows holding more than 0."""
+    t = reg.table("scope_counts")
+    return {k: n for k, _ in t.scan() if (n := t.word(k))}

@@ -21,7 +21,7 @@ from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage
-from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS
+from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
@@ -89,6 +89,7 @@ class ShmBackend:
         self._c = reg.table(CANCELLATIONS)
         self._f = reg.table(IN_FLIGHT)
         self._n = reg.table(SCOPE_COUNTS)
+        self._zeros_kept = zero_counts_kept(reg.config)
         lanes = reg.lanes
         assert lanes is not None
         self._lanes = lanes  # a handle's in-flight row, when its process's lane has room
@@ -126,13 +127,16 @@ class ShmBackend:
 
     def _add(self, scope: str, delta: int, counted: tuple[int, int] | None = None) -> None:
         """Change a scope's count (``counted``: :meth:`_count`'s answer when the caller just
-        read it under this hold); caller holds the lock."""
+        read it under this hold); caller holds the lock. A count falling to 0 keeps its row
+        while the table holds at most ``zero_counts_kept`` rows (see ``tables.py``)."""
         ref, n = self._count(scope) if counted is None else counted
         n += delta
         t = self._n
         if ref >= 0:
             if n > 0:
                 t.store_word(ref, n)  # the row stays: one store
+            elif t.count() <= self._zeros_kept:
+                t.store_word(ref, 0)
             else:
                 t.delete(self._nk(scope))
         elif n > 0:
@@ -236,8 +240,9 @@ class ShmBackend:
         return self._n.word(self._nk(scope)) or 0
 
     def scope_has_rows(self, scope: str) -> bool:
-        """A scope's count row exists exactly while its count is above 0 (``_add`` deletes it
-        at 0): a cached watch of it, one load while no count in its bucket changed."""
+        """A scope without a count row has no rows: a cached watch of it answers that with one
+        load while no row of its bucket changed. With a row (its count may be 0), its word,
+        read through the place the key keeps (two version loads and the word)."""
         if type(scope) is not str:
             scope = str.__str__(scope)
         w = self._scope_watches.get(scope)
@@ -245,7 +250,7 @@ class ShmBackend:
             if len(self._scope_watches) >= _KEY_CACHE:
                 self._scope_watches.clear()
             w = self._scope_watches[scope] = self._n.watch(self._nk(scope))
-        return w.member()
+        return w.member() and bool(self._n.word(w.key))
 
     def put(self, scope: str, rid: str, reason: str | None, at: float) -> bool:
         """Write the row ``(reason, at)`` (no quota or cap check); True when it is new."""
@@ -398,7 +403,8 @@ class ShmBackend:
         return removed
 
     def _repair_counts(self, attempts: int = 3, chunk: int = 64) -> None:
-        """Make ``scope_counts`` match the rows: compare both tables read lock-free between two
+        """Make ``scope_counts`` match the rows, and remove its rows at 0 (after the drift
+        fixes, within the same ``chunk``): compare both tables read lock-free between two
         equal idle lock generations, then apply at most ``chunk`` corrections under the lock if
         no writer took it since (else try again, ``attempts`` times; the next sweep goes on)."""
         lock = self._lock
@@ -414,12 +420,17 @@ class ShmBackend:
                 if r is not None:
                     counts[self._digest(r[0])] += 1
             fixes: list[tuple[Any, int]] = []
+            zeros: list[tuple[Any, int]] = []  # rows at 0 of scopes without rows: removed last
             for row in self._n.sweep_rows():
                 d = _unpack(row[2])
-                if counts.get(d) != self._n.word(d):
-                    fixes.append((d, counts.get(d, 0)))
-                counts.pop(d, None)
+                want = counts.pop(d, 0)
+                have = self._n.word(d)
+                if have != want:
+                    fixes.append((d, want))
+                elif want == 0:
+                    zeros.append((d, 0))
             fixes.extend(counts.items())
+            fixes.extend(zeros)
             if lock.idle_generation() != g0:
                 continue
             if not fixes:

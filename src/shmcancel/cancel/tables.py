@@ -7,9 +7,12 @@ Keys and values as msgpack packs them:
   passes it, contract §4.4): ``(scope, request_id)`` -> ``(reason | None, cancelled_at)``;
 - ``in_flight`` (bag, ``config.in_flight_capacity``): ``(scope, request_id)`` ->
   ``(pid, start, thread_ident, token)``;
-- ``scope_counts`` (set, ``config.effective_max_rows``: one row per scope holding rows): 16-byte
-  keyed digest of a scope -> None; the count is the row's word (``shm/layout.py``), changed in
-  place by one store instead of a fresh record per change.
+- ``scope_counts`` (set, ``effective_max_rows`` + :func:`zero_counts_kept`): 16-byte keyed digest
+  of a scope -> None; the count is the row's word (``shm/layout.py``), changed in place by one
+  store instead of a fresh record per change. A scope holding rows has a row; one whose count
+  fell to 0 keeps it (its next cancel is then one store, not an insert and a delete per
+  cancel-and-clear) while the table holds at most :func:`zero_counts_kept` rows, so rows at 0
+  never number more than that and a scope holding rows always finds room. Sweeps remove them.
 
 Record sizes come from the worst-case packed sizes of those shapes (``KEY_*``/``VAL_*``; tests
 pack the worst cases). ``cancellations`` and ``in_flight`` keep small records for the common row
@@ -21,6 +24,7 @@ meets ``LargeRowsFull`` and ``cancellations`` evicts among its large rows (contr
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Any
 
 from ..shm.schema import (
     PACKED_FLOAT,
@@ -34,7 +38,7 @@ from ..shm.schema import (
 from .ids import MAX_ID_BYTES
 from .reasons import MAX_REASON_BYTES
 
-__all__ = ["CANCELLATIONS", "IN_FLIGHT", "SCOPE_COUNTS", "TABLES"]
+__all__ = ["CANCELLATIONS", "IN_FLIGHT", "SCOPE_COUNTS", "TABLES", "zero_counts_kept"]
 
 CANCELLATIONS = "cancellations"
 IN_FLIGHT = "in_flight"
@@ -64,11 +68,21 @@ LARGE_IN_FLIGHT = 128
 _MAX_ROWS = attrgetter("effective_max_rows")
 _IN_FLIGHT = attrgetter("in_flight_capacity")
 
+
+def zero_counts_kept(config: Any) -> int:
+    """The most ``scope_counts`` rows a count falling to 0 leaves in place (a quarter of
+    ``effective_max_rows``, at least 1): the table's room beyond one row per cancellation."""
+    return max(1, config.effective_max_rows // 4)
+
+
+def _counts_capacity(config: Any) -> int:
+    return config.effective_max_rows + zero_counts_kept(config)
+
 TABLES = (
     TableDecl(CANCELLATIONS, "set", _MAX_ROWS, KEY_REQUEST, VAL_CANCEL, SMALL_REQUEST,
               LARGE_CANCELLATIONS),
     TableDecl(IN_FLIGHT, "bag", _IN_FLIGHT, KEY_REQUEST, VAL_OWNER, SMALL_REQUEST,
               LARGE_IN_FLIGHT),
-    TableDecl(SCOPE_COUNTS, "set", _MAX_ROWS, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
+    TableDecl(SCOPE_COUNTS, "set", _counts_capacity, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
 )
 declare(*TABLES)

@@ -87,11 +87,12 @@ __all__ = [
 ]
 
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 5  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 6  # 2: sessions_per_client in the config; session_clients, session_calls
 # 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
 #    two record size classes (their geometry in each table's own region header)
 # 4: the lanes region (per-process rows written without the lock)
 # 5: a record's reserved u32 is its row's word, stored in place (scope counts live there)
+# 6: a scope count may stay at 0 in its row; scope_counts holds a quarter more rows for them
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
