@@ -69,14 +69,17 @@ class GunicornServer:
                     raise SystemExit(f"gunicorn did not start; see {self.log}") from None
                 time.sleep(0.05)
 
+    def worker_pids(self) -> list[str]:
+        """The master's children now (``/proc``), as text; none once it is gone."""
+        try:
+            return Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return []
+
     def worker_cpu(self) -> float:
         """CPU seconds (user + system, all threads, live or ended) of the workers now."""
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return 0.0
         total = 0
-        for pid in kids.split():
+        for pid in self.worker_pids():
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
@@ -89,12 +92,8 @@ class GunicornServer:
         schedstat``): finer than :meth:`worker_cpu`'s clock ticks, for spans of milliseconds,
         but a thread that ended within the span loses its time (gunicorn's threads live as
         long as their worker)."""
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return 0
         total = 0
-        for pid in kids.split():
+        for pid in self.worker_pids():
             with contextlib.suppress(OSError):
                 for task in os.listdir(f"/proc/{pid}/task"):
                     with contextlib.suppress(OSError, ValueError, IndexError):

@@ -666,15 +666,22 @@ def test_words_change_in_place_and_survive_updates_and_fsck(rig_factory) -> None
     healthy(t)
 
 
+def _chain_of_three(rig_factory) -> tuple[Any, Any, list[Any]]:
+    """A set of 64 slots holding three keys of home slot 14 (in slots 14, 15, 16: the chain
+    crosses a bucket), with words 1, 2, 3."""
+    rig = rig_factory([("set", 16, 64)])
+    t = rig.tables[0]
+    keys = same_home_keys(t, 3, home=14)
+    for i, k in enumerate(keys):
+        t.insert_new(k, None, i + 1)
+    return rig, t, keys
+
+
 def test_a_kept_word_ref_follows_the_row(rig_factory) -> None:
     """A prepared key's cached word reference is used only while its slot is unchanged: after
     the row is deleted, moved by a backward shift, given a fresh record by an update, or its
     bucket rewritten by fsck, the next word_ref probes again and finds the row where it is."""
-    rig = rig_factory([("set", 16, 64)])
-    t = rig.tables[0]
-    a, b, c = same_home_keys(t, 3, home=14)  # slots 14, 15, 16: the chain crosses a bucket
-    for i, k in enumerate((a, b, c)):
-        t.insert_new(k, None, i + 1)
+    rig, t, (a, _, c) = _chain_of_three(rig_factory)
     pc = t.prepare(c)
 
     def word(pk: Any) -> int:
@@ -709,11 +716,7 @@ def test_a_lock_free_word_read_keeps_its_place_and_follows_the_row(rig_factory) 
     (no lock taken), later reads load it there while its slot's bucket version holds, and a
     delete, a move by a backward shift, an update's fresh record or a record reused by another
     row sends the read back to a probe that finds the row where it is, or none."""
-    rig = rig_factory([("set", 16, 64)])
-    t = rig.tables[0]
-    a, b, c = same_home_keys(t, 3, home=14)  # slots 14, 15, 16: the chain crosses a bucket
-    for i, k in enumerate((a, b, c)):
-        t.insert_new(k, None, i + 1)
+    rig, t, (a, _, c) = _chain_of_three(rig_factory)
     pc = t.prepare(c)
 
     def word(pk: Any) -> int | None:
