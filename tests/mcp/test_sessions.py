@@ -297,6 +297,49 @@ def test_processes_minting_at_once_keep_the_bound(reg: Registry) -> None:
     assert live(store, other) == other and store.count() == 8
 
 
+def test_another_process_changing_a_session_is_seen_through_this_ones_cached_keys(
+        store: SessionStore, reg: Registry, clock: Clock) -> None:
+    """This process keeps each session's prepared keys and a watch of its row: a touch, a
+    delete and a new session under the same id made by another process are all seen by the
+    next get and begin_call here."""
+    sid = mint(store, clock, "ip:192.0.2.5")[0]
+    got = store.get(sid)
+    assert got is not None and got.last_seen == clock.t
+    call = store.begin_call(got)
+    assert call is not None
+    store.end_call(call)
+
+    def in_child(fn: Any) -> None:
+        def run(w: int) -> None:
+            fn(SessionStore(reg, clock=Clock(clock.t + 50)))
+            os.write(w, b"done")
+        _, message = first_message(run)
+        assert message == b"done"
+
+    in_child(lambda other: other.touch(other.get(sid)))
+    touched = store.get(sid)
+    assert touched is not None and touched.last_seen == clock.t + 50
+    in_child(lambda other: other.delete(sid))
+    assert store.get(sid) is None and store.begin_call(got) is None
+    in_child(lambda other: other.create(LEGACY, "ip:192.0.2.5", session_id=sid))
+    again = store.get(sid)
+    assert again is not None and again.created == clock.t + 50
+    assert store.begin_call(again) is not None
+
+
+def test_the_cached_session_keys_are_bounded(store: SessionStore, clock: Clock,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import shmcancel.mcp.sessions as sessions_mod
+
+    monkeypatch.setattr(sessions_mod, "_KEYS_MAX", 3)
+    ids = [f"{i:032d}" for i in range(10)]  # well-formed ids no session has
+    for sid in ids:
+        assert store.get(sid) is None
+        assert len(store._keys) <= 3
+    s = mint(store, clock, "ip:192.0.2.6")[0]
+    assert store.get(s) is not None and s in store._keys
+
+
 def test_delete_unlists(store: SessionStore, clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 2)
     assert store.delete(s[0]) and not store.delete(s[0])

@@ -56,6 +56,8 @@ from typing import Any
 
 from ..exceptions import LockTimeout, ShmCancelError, TableFull
 from ..shm import procinfo
+from ..shm.base import PreparedKey
+from ..shm.reader import Watch
 from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
 from .wire import valid_session_id
 
@@ -72,6 +74,8 @@ RETRY_AFTER = 10  # seconds a refused initialize is told to wait (HTTP Retry-Aft
 BUCKET = 16  # index slots per seqlock bucket: the unit of a sweep piece
 _PLAN_TRIES = 4  # lock-free plans re-checked under the lock before planning under it
 _OWED_MAX = 4096  # call ends kept for a retry after a lock timeout
+_KEYS_MAX = 1024  # session ids whose prepared keys and watch a process keeps (then starts over)
+_NUM = (int, float)
 
 _tokens = itertools.count(1)
 
@@ -108,10 +112,11 @@ _Row = tuple[float, float, str, bytes]
 
 def _row(value: Any) -> _Row | None:
     """A stored value as ``(created, last_seen, version, client)``, or ``None``."""
-    if (type(value) is tuple and len(value) == 4
-            and all(type(v) in (int, float) for v in value[:2])
-            and type(value[2]) is str and type(value[3]) is bytes):
-        return float(value[0]), float(value[1]), value[2], value[3]
+    if type(value) is tuple and len(value) == 4:
+        created, seen, version, client = value
+        if (type(created) in _NUM and type(seen) in _NUM and type(version) is str
+                and type(client) is bytes):
+            return float(created), float(seen), version, client
     return None
 
 
@@ -157,6 +162,9 @@ class SessionStore:
         self._client_cursor = 0
         self._next_sweep = -math.inf  # time.monotonic()
         self._full_logged = False
+        # session id -> (its key prepared for sessions, for session_calls, a watch of its row):
+        # a session's requests land on the same workers again and again
+        self._keys: dict[str, tuple[PreparedKey, PreparedKey, Watch]] = {}
 
     def client_digest(self, client: str) -> bytes:
         """The 16-byte keyed digest a client scope is counted under."""
@@ -253,6 +261,22 @@ class SessionStore:
 
     # ------------------------------------------------------------------ calls
 
+    def _keys_of(self, session_id: str) -> tuple[PreparedKey, PreparedKey, Watch]:
+        """``session_id``'s prepared keys (``sessions``, ``session_calls``) and a watch of its
+        session row, made once per process (while at most ``_KEYS_MAX`` ids are kept)."""
+        got = self._keys.get(session_id)
+        if got is None:
+            if len(self._keys) >= _KEYS_MAX:
+                self._keys.clear()
+            pk = self._table.prepare(session_id)
+            got = self._keys[session_id] = (pk, self._calls.prepare(pk), self._table.watch(pk))
+        return got
+
+    def _session_row(self, watch: Watch) -> Any:
+        """The session row's value through its watch (decoded once while it is unchanged)."""
+        vals = watch.values()
+        return vals[0] if vals else None
+
     def _busy(self, session_id: str) -> bool:
         """True while a call of a live process runs in the session (lock-free; a miss costs
         one probe, a hit a /proc read per owner)."""
@@ -272,15 +296,16 @@ class SessionStore:
                                                     next(_tokens))
         now = self._clock()
         receipt = None
+        pk, ck, watch = self._keys_of(session.id)
         with self._lock:
-            r = _row(self._table.get(session.id))
+            r = _row(self._session_row(watch))
             if r is None:
                 return None
             try:  # the token makes the row unlike any other: add() reads no rows first
-                receipt = self._calls.add(session.id, owner)
+                receipt = self._calls.add(ck, owner)
             except TableFull:
                 if self._reap_calls():
-                    receipt = self._calls.add(session.id, owner)
+                    receipt = self._calls.add(ck, owner)
                 else:
                     owner = None
                     if not self._full_logged:
@@ -289,7 +314,7 @@ class SessionStore:
                                     "(their sessions may be displaced by their client)")
             seen = r[1]
             if now - seen >= self._touch_every:
-                self._table.insert(session.id, (r[0], now, r[2], r[3]))
+                self._table.insert(pk, (r[0], now, r[2], r[3]))
                 seen = now
         return Call(session.id, owner, seen, receipt)
 
@@ -316,13 +341,14 @@ class SessionStore:
         # ``call.seen`` is a lower bound of last_seen (only ever raised), so a call shorter than
         # the interval does not even read the session row.
         now = self._clock()
+        pk, ck, watch = self._keys_of(call.session_id)
         with self._lock:
-            self._calls.remove(call.session_id, call.receipt, call.owner)
+            self._calls.remove(ck, call.receipt, call.owner)
             if now - call.seen < self._touch_every:
                 return
-            r = _row(self._table.get(call.session_id))
+            r = _row(self._session_row(watch))
             if r is not None and now - r[1] >= self._touch_every:
-                self._table.insert(call.session_id, (r[0], now, r[2], r[3]))
+                self._table.insert(pk, (r[0], now, r[2], r[3]))
 
     def _settle(self) -> None:
         """Retry the call ends a lock timeout deferred (bounded; stops at the next timeout)."""
@@ -361,7 +387,7 @@ class SessionStore:
             return None
         self._tick()
         try:
-            v = self._table.get(session_id)
+            v = self._session_row(self._keys_of(session_id)[2])  # type: ignore[arg-type]
         except ShmCancelError:
             return None
         r = _row(v)
