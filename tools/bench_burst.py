@@ -194,14 +194,16 @@ class Bench:
     def _cpu0(self) -> tuple[int, float, float]:
         return self.server.worker_run_ns(), time.process_time(), _now()
 
-    def _cpu1(self, mode: str | None, t0: tuple[int, float, float],
+    def _cpu1(self, mode: str | None, t0: tuple[int, float, float] | None,
               last: list[float | None]) -> None:
-        """Record under ``mode`` (``None``: not at all) what the span since ``t0`` cost, up to
-        the last of ``last`` (answers)."""
+        """Record under ``mode`` what the span since ``t0`` cost, up to the last of ``last``
+        (answers); nothing without a mode (``t0`` is then ``None``: nothing was read)."""
+        if mode is None or t0 is None:
+            return
         client = time.process_time() - t0[1]
         workers = (self.server.worker_run_ns() - t0[0]) / 1e9
         ends = [t for t in last if t is not None]
-        if ends and mode is not None:
+        if ends:
             self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
 
     def _notify(self, rid: int) -> _Call:
@@ -251,7 +253,7 @@ class Bench:
                     return None
             sent: list[float] = []
             gone: list[float | None] = [None] * n
-            t0 = self._cpu0()
+            t0 = self._cpu0() if mode is not None else None  # the warm-up reads no /proc
             if self.wire == "legacy":
                 for rid in ids:
                     sent.append(_now())

@@ -13,7 +13,7 @@ import types
 
 import pytest
 from helpers import procs
-from helpers.rows import in_flight_rows
+from helpers.rows import in_flight_rows, scope_counts
 
 from shmcancel import Config, cancelled, principal
 from shmcancel.cancel.policy import _WATCH_CACHE, Cancellation
@@ -375,8 +375,7 @@ def test_scope_has_rows_follows_the_count(c):
 
 
 def _count_rows(c: Cancellation) -> dict[bytes, int]:
-    t = c.registry.table("scope_counts")
-    return {k: t.word(k) for k, _ in t.scan()}
+    return scope_counts(c.registry, zeros=True)
 
 
 def test_a_count_at_zero_keeps_its_row_and_the_next_cancel_only_stores(c):

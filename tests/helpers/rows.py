@@ -24,7 +24,9 @@ def in_flight_count(reg: Registry | Any) -> int:
     return len(in_flight_rows(reg))
 
 
-def scope_counts(reg: Registry) -> dict[bytes, int]:
-    """``{scope digest: count}`` of the ``scope_counts`` rows holding more than 0."""
+def scope_counts(reg: Registry, *, zeros: bool = False) -> dict[bytes, int]:
+    """``{scope digest: count}`` of the ``scope_counts`` rows holding more than 0 (``zeros``:
+    of every row, those left at 0 too)."""
     t = reg.table("scope_counts")
-    return {k: n for k, _ in t.scan() if (n := t.word(k))}
+    got = {k: t.word(k) or 0 for k, _ in t.scan()}
+    return got if zeros else {k: n for k, n in got.items() if n}
