@@ -292,46 +292,45 @@ class Cancellation:
         try:
             x = conn_or_request_id
             t = type(x)
-            if t is not int and t is not str:
-                if t is dict:
-                    e = x.get(_poll_key)  # type: ignore[attr-defined]
-                    if e.__class__ is _ConnPoll and e.c is self and x.get(_rid_key) is e.rid:  # type: ignore[attr-defined]
-                        w = e.w
-                        n = self._polls = self._polls - 1
-                        if n < 0:
-                            self._poll_tick()
-                        if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
-                            return w._member
-                        return w.member()
-                elif not isinstance(x, Mapping):
-                    return self._cancelled(x, scope)
-                h = _conns.handle(x)  # type: ignore[arg-type]
-                if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
-                    return h.cancelled()
-                scope = _conns.scope(x)
-                rid = _conns.request_id(x)  # type: ignore[arg-type]
-                cw = self._watch_of(rid, scope)
-                if cw is None:
-                    return False
-                if t is dict and h is None and _poll_key:
-                    x[_poll_key] = _ConnPoll(self, rid, cw)  # type: ignore[index]
-                return cw.member()
-            # Fast path: an id and scope of the exact types, polled before. The cache is keyed
-            # by the id as given (42 and "42" are two entries watching the one row); only valid
-            # ids of exact types enter it, so a bool, float or subclass never matches here.
-            if type(scope) is str:
+            if t is int or t is str:
+                # Fast path: an id of an exact type polled before in this scope. The cache is
+                # keyed by the id as given (42 and "42" are two entries watching the one row);
+                # only valid ids of exact types and scopes of exact type str enter it, so a
+                # bool, float or subclass id never gets here, and a scope that is not a str
+                # matches no entry (or raises, unhashable: not a valid scope either).
                 try:
                     w = self._watch_map[scope][x]
                 except KeyError:
-                    pass
-                else:
+                    return self._cancelled(x, scope)
+                n = self._polls = self._polls - 1
+                if n < 0:
+                    self._poll_tick()
+                if w._ver[w._b] == w._v:  # Watch.member()'s own first line (see _Cached)
+                    return w._member
+                return w.member()
+            if t is dict:
+                e = x.get(_poll_key)  # type: ignore[attr-defined]
+                if e.__class__ is _ConnPoll and e.c is self and x.get(_rid_key) is e.rid:  # type: ignore[attr-defined]
+                    w = e.w
                     n = self._polls = self._polls - 1
                     if n < 0:
                         self._poll_tick()
-                    if w._ver[w._b] == w._v:  # Watch.member()'s own first line (see _Cached)
+                    if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
                         return w._member
                     return w.member()
-            return self._cancelled(x, scope)
+            elif not isinstance(x, Mapping):
+                return self._cancelled(x, scope)
+            h = _conns.handle(x)  # type: ignore[arg-type]
+            if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
+                return h.cancelled()
+            scope = _conns.scope(x)
+            rid = _conns.request_id(x)  # type: ignore[arg-type]
+            cw = self._watch_of(rid, scope)
+            if cw is None:
+                return False
+            if t is dict and h is None and _poll_key:
+                x[_poll_key] = _ConnPoll(self, rid, cw)  # type: ignore[index]
+            return cw.member()
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
             return False
@@ -429,8 +428,9 @@ class Cancellation:
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
         """True while any in-flight row exists for ``(scope, id)``. Never raises."""
         try:
-            # cached per (scope, id as given) like cancelled()'s watches: exact types only
-            if type(scope) is str and (type(request_id) is int or type(request_id) is str):
+            # cached per (scope, id as given) like cancelled()'s watches: exact types only (a
+            # scope that is not a str matches no entry, or raises: unhashable, not valid either)
+            if type(request_id) is int or type(request_id) is str:
                 try:
                     p = self._in_flight_map[scope][request_id]
                 except KeyError:
