@@ -10,7 +10,8 @@
                                      recoveries, evictions, sweeps, the processes' lanes
     shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
     shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
-                                     named); a live one is never removed (named: exit 1)
+                                     named); a live one is never removed (named: exit 1), nor
+                                     a segment without a shmcancel header (exit 1)
     shmtool unlink NAME [--force]    remove whatever exists of the registry's segment, semaphore,
                                      lock file and temporaries (attached processes keep their
                                      mapping until they exit); refused while its creator lives
@@ -448,9 +449,21 @@ def _live_creator(name: str) -> int | None:
     return owner[0] if owner is not None and procinfo.alive(*owner) else None
 
 
+def _headerless(name: str) -> bool:
+    """Whether ``name`` has a segment without a shmcancel header: not a registry (another
+    program's file under our prefix, a bare table), so no creator says whether it is in use.
+    A registry's segment appears complete (it is written aside, then renamed into place)."""
+    try:
+        return creator_of(name, any_owner=True) is None
+    except (FileNotFoundError, ShmCancelError):
+        return False
+
+
 def _cleanup_stale(only: list[str]) -> int:
-    """Remove stale and leftover registries (all, or those in ``only``); a live one is kept,
-    and reported when named. 1 if any was skipped or kept for a reason worth a line."""
+    """Remove stale and leftover registries (all, or those in ``only``): only what is known
+    unused, a creator gone or no segment at all. A live one is kept, and reported when named;
+    a segment without a shmcancel header is kept and reported. 1 if any was skipped or kept
+    for a reason worth a line."""
     skipped = 0
     done = 0
     names = list(_entries())
@@ -472,6 +485,12 @@ def _cleanup_stale(only: list[str]) -> int:
                         print(f"shmtool: kept {name}: its creator, pid {pid}, is alive",
                               file=sys.stderr)
                         skipped += 1
+                    continue
+                if _headerless(name):
+                    print(f"shmtool: skipped {name}: its segment has no shmcancel header, so "
+                          f"whether it is in use is unknown (shmtool unlink {name} removes it)",
+                          file=sys.stderr)
+                    skipped += 1
                     continue
                 if not name_paths(name):  # gone meanwhile
                     continue

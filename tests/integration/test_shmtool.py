@@ -277,6 +277,26 @@ def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_remove
     Registry.attach(reg.name).close()  # the live one is untouched
 
 
+@pytest.mark.parametrize("content", [b"", b"SHMTBL\x00\x03" + bytes(4088), os.urandom(4096)],
+                         ids=["empty", "a bare table", "garbage"])
+def test_cleanup_stale_keeps_a_segment_without_a_registry_header(shm_name, content):
+    """Nothing says whether such a segment is in use (another program's file under our prefix,
+    a bare table a test maps): ``--stale`` keeps it, says so, exits 1; ``unlink`` removes it."""
+    path = f"/dev/shm/shmcancel.{shm_name}"
+    with open(path, "xb") as f:
+        f.write(content)
+    p = shmtool("cleanup", "--stale", shm_name)
+    assert p.returncode == 1, p
+    assert p.stdout == "" and p.stderr.startswith(f"shmtool: skipped {shm_name}: its segment "
+                                                  "has no shmcancel header"), p.stderr
+    assert len(p.stderr.splitlines()) == 1
+    with open(path, "rb") as f:
+        assert f.read() == content
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert _entries(shm_name) == []
+
+
 @pytest.mark.parametrize(
     "args",
     [("dump", "{name}"), ("dump", "{name}", "--json"), ("stats", "{name}"),
