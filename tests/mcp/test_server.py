@@ -838,12 +838,21 @@ def test_a_watched_call_leaves_no_cyclic_garbage(stateless: McpServer,
         assert run(stateless, env, validate=False).json["result"]["content"][0]["text"] == "x"
 
     call()  # first-use state (the watcher thread, caches) made before counting
-    gc.collect()
-    gc.disable()
+    # Counted: what a collection finds after 50 calls. An earlier test's thread (a stop thread
+    # waiting out its grace, a tool thread) may drop the last reference to its registry's
+    # cycle inside one window; garbage the calls make shows up in every window.
+    found = []
     try:
-        for _ in range(50):
-            call()
-        assert gc.collect() == 0
+        for _ in range(3):
+            gc.collect()
+            gc.disable()
+            for _ in range(50):
+                call()
+            found.append(gc.collect())
+            gc.enable()
+            if found[-1] == 0:
+                break
+        assert found[-1] == 0, f"cyclic garbage after each 50 calls: {found}"
     finally:
         gc.enable()
         server_side.close()
