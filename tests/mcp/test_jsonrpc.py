@@ -63,51 +63,51 @@ def test_parse_accepts(obj: object, expected: object) -> None:
     assert parse(obj) == expected
 
 
-# (body, code, id echoed)
+# (body, code): each answered 400 with "id": null (contract §5), even where a usable id is there
 REJECTED = [
-    ([], errors.INVALID_REQUEST, None),
-    ([req(id=1, method="ping")], errors.INVALID_REQUEST, None),
-    ("ping", errors.INVALID_REQUEST, None),
-    (42, errors.INVALID_REQUEST, None),
-    (None, errors.INVALID_REQUEST, None),
-    ({"id": 1, "method": "ping"}, errors.INVALID_REQUEST, 1),
-    ({"jsonrpc": "1.0", "id": 1, "method": "ping"}, errors.INVALID_REQUEST, 1),
-    ({"jsonrpc": 2.0, "id": "a", "method": "ping"}, errors.INVALID_REQUEST, "a"),
-    (req(id=1), errors.INVALID_REQUEST, 1),
-    (req(id=1, method=5), errors.INVALID_REQUEST, 1),
-    (req(id=1, method=None), errors.INVALID_REQUEST, 1),
-    (req(id=1, method=["tools/call"]), errors.INVALID_REQUEST, 1),
-    (req(id=None, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=1.5, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=1.0, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=True, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=False, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id={"a": 1}, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=[1], method="ping"), errors.INVALID_REQUEST, None),
-    (req(id="x" * 257, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id="é" * 129, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id="\ud800", method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=10**300, method="ping"), errors.INVALID_REQUEST, None),
-    (req(id=1, method="ping", params=[1, 2]), errors.INVALID_PARAMS, 1),
-    (req(id=1, method="ping", params="x"), errors.INVALID_PARAMS, 1),
-    (req(id=1, method="ping", params=None), errors.INVALID_PARAMS, 1),
-    (req(id=1, method="ping", params=3), errors.INVALID_PARAMS, 1),
-    (req(method="notifications/cancelled", params=[1]), errors.INVALID_PARAMS, None),
-    (req(method="notifications/cancelled", params="1"), errors.INVALID_PARAMS, None),
-    (req(id=1, result={}, error={}), errors.INVALID_REQUEST, 1),
-    (req(result={}), errors.INVALID_REQUEST, None),
-    (req(), errors.INVALID_REQUEST, None),
+    ([], errors.INVALID_REQUEST),
+    ([req(id=1, method="ping")], errors.INVALID_REQUEST),
+    ("ping", errors.INVALID_REQUEST),
+    (42, errors.INVALID_REQUEST),
+    (None, errors.INVALID_REQUEST),
+    ({"id": 1, "method": "ping"}, errors.INVALID_REQUEST),
+    ({"jsonrpc": "1.0", "id": 1, "method": "ping"}, errors.INVALID_REQUEST),
+    ({"jsonrpc": 2.0, "id": "a", "method": "ping"}, errors.INVALID_REQUEST),
+    (req(id=1), errors.INVALID_REQUEST),
+    (req(id=1, method=5), errors.INVALID_REQUEST),
+    (req(id=1, method=None), errors.INVALID_REQUEST),
+    (req(id=1, method=["tools/call"]), errors.INVALID_REQUEST),
+    (req(id=None, method="ping"), errors.INVALID_REQUEST),
+    (req(id=1.5, method="ping"), errors.INVALID_REQUEST),
+    (req(id=1.0, method="ping"), errors.INVALID_REQUEST),
+    (req(id=True, method="ping"), errors.INVALID_REQUEST),
+    (req(id=False, method="ping"), errors.INVALID_REQUEST),
+    (req(id={"a": 1}, method="ping"), errors.INVALID_REQUEST),
+    (req(id=[1], method="ping"), errors.INVALID_REQUEST),
+    (req(id="x" * 257, method="ping"), errors.INVALID_REQUEST),
+    (req(id="é" * 129, method="ping"), errors.INVALID_REQUEST),
+    (req(id="\ud800", method="ping"), errors.INVALID_REQUEST),
+    (req(id=10**300, method="ping"), errors.INVALID_REQUEST),
+    (req(id=1, method="ping", params=[1, 2]), errors.INVALID_PARAMS),
+    (req(id=1, method="ping", params="x"), errors.INVALID_PARAMS),
+    (req(id=1, method="ping", params=None), errors.INVALID_PARAMS),
+    (req(id=1, method="ping", params=3), errors.INVALID_PARAMS),
+    (req(method="notifications/cancelled", params=[1]), errors.INVALID_PARAMS),
+    (req(method="notifications/cancelled", params="1"), errors.INVALID_PARAMS),
+    (req(id=1, result={}, error={}), errors.INVALID_REQUEST),
+    (req(result={}), errors.INVALID_REQUEST),
+    (req(), errors.INVALID_REQUEST),
 ]
 
 
-@pytest.mark.parametrize("obj, code, echo", REJECTED)
-def test_parse_rejects(obj: object, code: int, echo: object) -> None:
+@pytest.mark.parametrize("obj, code", REJECTED)
+def test_parse_rejects(obj: object, code: int) -> None:
     with pytest.raises(RpcError) as ei:
         parse(obj)
     e = ei.value
-    assert (e.code, e.id, e.status) == (code, echo, 400)
+    assert (e.code, e.id, e.status) == (code, None, 400)
     body = e.body()
-    assert body["jsonrpc"] == "2.0" and "id" in body and body["id"] == echo
+    assert body["jsonrpc"] == "2.0" and "id" in body and body["id"] is None
     assert body["error"]["code"] == code and isinstance(body["error"]["message"], str)
     encode(body)  # always serialisable
 

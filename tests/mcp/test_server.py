@@ -735,6 +735,8 @@ def test_bad_input(stateless: McpServer, reg: Registry, name: str, kw: dict, sta
     r = run(stateless, environ_for("POST", body, **kw), validate="content-length " not in name)
     assert r.status == status, r
     assert r.json["error"]["code"] == code, r
+    if status == 400:  # contract §5: not a request the server read, whatever id it carries
+        assert "id" in r.json and r.json["id"] is None, r
     assert tables_empty(reg)
 
 

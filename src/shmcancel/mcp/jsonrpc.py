@@ -9,9 +9,10 @@ What MCP narrows in JSON-RPC (and what this module therefore rejects):
 - one message per POST: JSON-RPC batching was removed from MCP in 2025-06-18 (and never
   existed on the 2026-07-28 wire), so a JSON array is answered ``-32600``.
 
-Every rejection is an :class:`RpcError` carrying the JSON-RPC code, the ``id`` to echo (``None``
-when the id itself is unusable or the message was a notification) and the HTTP status the
-transport sends it with. No input makes this module raise anything else.
+Every rejection of :func:`decode` and :func:`parse` is an :class:`RpcError` with HTTP 400 and
+``"id": null`` (contract §5: a message that is not a valid envelope is not a request the server
+read, whatever id it carries; the official SDK's server answers the same); errors of requests
+that were read carry their id. No input makes this module raise anything else.
 """
 
 from __future__ import annotations
@@ -120,23 +121,21 @@ def parse(obj: Any) -> Message:
     raw_id = obj.get("id")
     echo = raw_id if has_id and _valid_id(raw_id) else None
     if obj.get("jsonrpc") != JSONRPC_VERSION:
-        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"', id=echo)
+        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "jsonrpc" must be "2.0"')
     if "method" not in obj:
         if ("result" in obj) != ("error" in obj) and has_id:
             return Response(raw_id if echo is not None else None)
         raise RpcError(codes.INVALID_REQUEST,
-                       'Invalid Request: a request needs a "method" string', id=echo)
+                       'Invalid Request: a request needs a "method" string')
     method = obj["method"]
     if not isinstance(method, str):
-        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "method" must be a string',
-                       id=echo)
+        raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "method" must be a string')
     if has_id and echo is None:
         raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
         raise RpcError(codes.INVALID_PARAMS,
-                       f'Invalid params: "params" must be an object, got {_json_type(params)}',
-                       id=echo)
+                       f'Invalid params: "params" must be an object, got {_json_type(params)}')
     if has_id:
         return Request(echo, method, params)  # type: ignore[arg-type]
     return Notification(method, params)
