@@ -739,6 +739,14 @@ def test_cleanup_rejects_bad_ttl(rc_any, ttl):
         rc_any[1].cleanup(ttl)
 
 
+def test_cleanup_takes_an_int_past_floats_range_as_infinite(rc_any):
+    _reg, c = rc_any
+    c.cancel(1, None, "s")
+    c.clock.tick(50)
+    assert c.cleanup(ttl=10**400) == 0 and c.cancelled(1, "s")  # nothing is that old
+    assert c.cleanup(ttl=-(10**400)) == 1 and not c.cancelled(1, "s")  # everything is older
+
+
 def test_cleanup_repairs_scope_counts(rc):
     reg, c = rc
     c.cancel(1, None, "s")

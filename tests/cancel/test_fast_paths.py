@@ -95,12 +95,53 @@ def test_a_scope_subclass_does_not_poison_the_cache(c):
         assert c.cancelled(7, Text(S)) is False
 
 
+BAD_TEXT_SCOPES = ["\ud800", "ip:\udcff", "a" * 513, "é" * 257, Text("a" * 513)]
+
+
 def test_bad_scopes_are_false_never_raise(c):
     c.cancel(5, None, S)
     assert c.cancelled(5, S)
-    for scope in (None, 5, b"ip:192.0.2.1", object()):
+    for scope in (None, 5, b"ip:192.0.2.1", object(), ["ip"], *BAD_TEXT_SCOPES):
         assert c.cancelled(5, scope) is False  # type: ignore[arg-type]
         assert c.in_flight(5, scope) is False  # type: ignore[arg-type]
+        assert c.reason(5, scope) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scope", BAD_TEXT_SCOPES, ids=["surrogate", "surrogate in ip", "513 B",
+                                                        "257 x 2 B", "a subclass, 513 B"])
+def test_a_scope_that_cannot_be_stored_is_a_clear_error_and_writes_nothing(c, scope):
+    """contract §3: a scope is at most 512 UTF-8 bytes (what scope(conn) makes, what the tables
+    are sized for). One passed by hand beyond that, or with a lone surrogate (not encodable),
+    is refused by cancel with a ValueError naming the bound, ignored by the writes that
+    ignore bad ids, and reads as absent; no row is written either way."""
+    with pytest.raises(ValueError, match="at most 512 UTF-8 bytes"):
+        c.cancel(5, "r", scope)
+    with pytest.raises(ValueError, match="at most 512 UTF-8 bytes"):
+        c.cancel_if_in_flight(5, "r", scope)
+    c.track(5, scope)
+    c.untrack(5, scope)
+    c.clear(5, scope)
+    with c.begin(5, scope) as h:
+        assert not h.tracked and not h.cancelled()
+    assert c.cancel_scope(scope) == 0
+    reg = c.registry
+    assert reg.table("cancellations").count() == 0 and reg.table("in_flight").count() == 0
+
+
+def test_reason_and_cancelled_at_read_a_scope_subclass_as_its_text(c):
+    c.cancel(5, "why", Text(S))  # a StrEnum member is such a subclass
+    for scope in (S, Text(S)):
+        assert c.reason(5, scope) == "why" and c.cancelled_at(5, scope) is not None
+
+
+def test_the_largest_scopes_are_stored(c):
+    for scope in ("a" * 512, "é" * 256, Text("€" * 170 + "ab")):
+        c.cancel(5, "x" * 800, scope)
+        with c.begin("y" * 256, scope) as h:
+            assert h.tracked and c.in_flight("y" * 256, scope)
+        assert c.cancelled(5, scope) and c.reason(5, scope) == "x" * 200
+        c.clear(5, scope)
+        assert not c.cancelled(5, scope)
 
 
 def test_caches_stay_bounded_and_correct(c):

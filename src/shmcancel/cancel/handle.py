@@ -23,6 +23,7 @@ from . import ids, owed
 from .owed import settle_owed
 from .reasons import sanitize
 from .storage import Owner, Poll
+from .tables import SCOPE_MAX
 
 if TYPE_CHECKING:
     from .policy import Cancellation
@@ -50,8 +51,17 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def valid_scope(scope: object) -> bool:
-    """A scope is a string (a ``str`` subclass too: the stores read it as a plain ``str``)."""
-    return type(scope) is str or isinstance(scope, str)
+    """A scope is a string (a ``str`` subclass too: the stores read it as a plain ``str``) of
+    at most ``SCOPE_MAX`` (512) UTF-8 bytes, as ``scope(conn)`` makes them and the tables are
+    sized for; a lone surrogate cannot be encoded, so it is not one either."""
+    if type(scope) is str and scope.isascii():  # the common case: one byte a character
+        return len(scope) <= SCOPE_MAX
+    if not isinstance(scope, str):
+        return False
+    try:
+        return len(str.__str__(scope).encode("utf-8")) <= SCOPE_MAX
+    except UnicodeEncodeError:
+        return False
 
 
 class RequestHandle:

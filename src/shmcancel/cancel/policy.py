@@ -49,6 +49,7 @@ from .owed import owed_ends, settle_owed
 from .reasons import sanitize
 from .shm_storage import ShmBackend
 from .storage import Poll, Storage
+from .tables import SCOPE_MAX
 
 __all__ = [
     "CANCELLED_EVENT",
@@ -268,7 +269,10 @@ class Cancellation:
                 only_in_flight: bool) -> bool:
         rid = ids.require_key(request_id)
         if not valid_scope(scope):
-            raise TypeError(f"scope must be a str, got {type(scope).__name__}")
+            if not isinstance(scope, str):
+                raise TypeError(f"scope must be a str, got {type(scope).__name__}")
+            raise ValueError(f"scope must be at most {SCOPE_MAX} UTF-8 bytes (and encodable: "
+                             f"no lone surrogate), got {scope[:40]!r}...")
         scope = str.__str__(scope)
         text = sanitize(reason)
         if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
@@ -375,7 +379,7 @@ class Cancellation:
         if rid is None or not valid_scope(scope):
             return None
         self._tick()
-        return self._store.get(scope, rid)
+        return self._store.get(str.__str__(scope), rid)  # a str subclass reads as its text
 
     def clear(self, request_id: object, scope: str = "global") -> None:
         """Remove the ``(scope, id)`` cancellation row. Reads first: when there is no row (the
@@ -488,8 +492,10 @@ class Cancellation:
         """:meth:`cleanup`, returning ``(cancellation rows removed, in-flight rows removed)``."""
         if ttl is None:
             ttl = self.config.ttl
-        elif isinstance(ttl, bool) or not isinstance(ttl, int | float) or math.isnan(ttl):
-            raise ValueError(f"ttl must be a number of seconds, got {ttl!r}")
+        elif isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl != ttl:  # NaN
+            raise ValueError(f"ttl must be a number of seconds, got {ttl!r:.80}")
+        elif abs(ttl) > 1e300:  # an int past float's range: as good as infinite
+            ttl = math.inf if ttl > 0 else -math.inf
         if self.registry is not None:  # header counters plausible, else recounted (fsck)
             self.registry.check()
         removed = self._store.expire(self.clock(), float(ttl))
