@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import httpx  # noqa: E402
 from helpers.gunicorn_harness import Gunicorn  # noqa: E402
 from helpers.names import TEST_PREFIX, unlink_registry_names  # noqa: E402
-from redis_server import RedisServer, unique_prefix  # noqa: E402
+from helpers.redis_server import RedisServer, unique_prefix  # noqa: E402
 
 import shmcancel  # noqa: E402
 from shmcancel import redis as sredis  # noqa: E402

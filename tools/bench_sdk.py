@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from helpers.gunicorn_harness import Gunicorn  # noqa: E402
 
-from shmcancel import Registry  # noqa: E402
+from shmcancel import Cancellation, Registry  # noqa: E402
 
 CONF = "examples/sdk/gunicorn.conf.py"
 HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream",
@@ -60,9 +60,9 @@ async def _cancel_once(url: str, reg: Registry, tool: str, rid: int) -> float:
             done.set()
 
         tg.start_soon(post_call)
-        key = ("ip:127.0.0.1", str(rid))
+        c = Cancellation(reg)  # in_flight reads the table and the processes' lanes
         with anyio.fail_after(10):  # the layer records a cancel only for a call in flight
-            while key not in [k for k, _ in reg.table("in_flight").scan()]:
+            while not c.in_flight(rid, "ip:127.0.0.1"):
                 await anyio.sleep(0.002)
         async with httpx.AsyncClient(timeout=10) as h2:
             sent = time.perf_counter()
