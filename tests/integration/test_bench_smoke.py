@@ -98,6 +98,38 @@ def test_burst_bench_cancels_every_call_and_prints_what_the_burst_cost() -> None
     assert leftovers(pid) == []
 
 
+def _readme_tools() -> list[str]:
+    """Every ``tools/<script>.py`` a README in the repository tells a newcomer to run."""
+    found: set[str] = set()
+    for readme in [REPO_ROOT / "README.md", *sorted(REPO_ROOT.glob("examples/*/README.md"))]:
+        found.update(re.findall(r"\.venv/bin/python (tools/\w+\.py)", readme.read_text()))
+    return sorted(found)
+
+
+def test_the_readmes_name_the_benches() -> None:
+    assert {"tools/bench.py", "tools/bench_sdk.py", "tools/bench_redis.py",
+            "tools/bench_table.py"} <= set(_readme_tools())
+
+
+@pytest.mark.parametrize("script", _readme_tools())
+def test_every_script_a_readme_names_starts(script: str) -> None:
+    """Each imports what it needs and parses its arguments (one broke by importing a test
+    helper from a path it did not put on ``sys.path``)."""
+    rc, out, _ = run_bench("--help", script=REPO_ROOT / script)
+    assert rc == 0 and "usage:" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_sdk_bench_cancels_across_workers_and_compares_throughput() -> None:
+    """A small run of tools/bench_sdk.py: its cancels find the call in flight (its row may be
+    in a process's lane, not the table: the run once timed out on that) and land -32800."""
+    rc, out, pid = run_bench("--cancels", "2", "--seconds", "0.5", "--rounds", "1",
+                             "--hop-calls", "4", script=REPO_ROOT / "tools" / "bench_sdk.py")
+    assert rc == 0, out[-3000:]
+    for tool in ("sleep", "sleep_sync"):
+        assert re.search(rf"^cancel {tool} +n=2 p50=", out, re.M), out
+    assert "echo throughput" in out and leftovers(pid) == []
+
+
 def test_bad_only_is_a_one_line_usage_error() -> None:
     rc, out, _ = run_bench("--only", "poll,nonsense")
     assert rc == 2
