@@ -6,11 +6,13 @@ tests/helpers/."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers import gunicorn_harness
 from helpers.names import SHM_DIR, TEST_PREFIX, fresh_registry_name, unlink_registry_names
 from helpers.procs import Chan, Child, fork
 from helpers.redis_server import running as running_redis
@@ -46,7 +48,14 @@ def shm_names() -> Iterator[list[str]]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail loudly if this run left anything of its own in /dev/shm."""
+    """Fail loudly if this run left anything of its own in /dev/shm, or a gunicorn's
+    temporary directory in /tmp."""
+    dirs = sorted(d for d in gunicorn_harness.MADE_DIRS if os.path.exists(d))
+    if dirs:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"\nshmcancel tests left {len(dirs)} gunicorn directories: {dirs[:5]}")
+        session.exitstatus = 1
     try:
         left = [f for f in os.listdir(SHM_DIR) if TEST_PREFIX in f]
     except OSError:

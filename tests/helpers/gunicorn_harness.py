@@ -120,6 +120,9 @@ def wait_until(predicate, deadline: float, interval: float = 0.02, what: str = "
         time.sleep(interval)
 
 
+MADE_DIRS: set[str] = set()  # each Gunicorn's temporary directory until its cleanup()
+
+
 class Gunicorn:
     """A gunicorn master and its workers, started on ``__enter__`` and stopped on ``__exit__``.
 
@@ -150,12 +153,16 @@ class Gunicorn:
         self.masters: list[int] = []  # every master started so far, the current one last
         self._proc: subprocess.Popen | None = None
         self._tmpdir = tempfile.mkdtemp(prefix="shmcancel-gunicorn-")
+        MADE_DIRS.add(self._tmpdir)
         self.log_path = os.path.join(self._tmpdir, "gunicorn.log")
+        self._kept_log: str | None = None  # the log of a start that failed (its dir is gone)
 
     # -- introspection -------------------------------------------------------------------
 
     def log(self) -> str:
         """The whole log so far (stdout and stderr of every master and worker)."""
+        if self._kept_log is not None:
+            return self._kept_log
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 return f.read()
@@ -227,6 +234,10 @@ class Gunicorn:
                 self.wait_workers(self.workers, deadline)
         except BaseException as e:
             self.stop()
+            # ``with`` runs no __exit__ when __enter__ raises: keep the log in memory (a test
+            # may read it), remove the directory now
+            self._kept_log = self.log()
+            self.cleanup()
             if isinstance(e, AssertionError):
                 raise AssertionError(f"gunicorn failed to start: {e}\n{self.log_tail()}") \
                     from None
@@ -323,6 +334,7 @@ class Gunicorn:
 
     def cleanup(self) -> None:
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+        MADE_DIRS.discard(self._tmpdir)
 
     def __enter__(self) -> Gunicorn:
         return self.start()
