@@ -611,7 +611,9 @@ def test_modern_rejections(stateless: McpServer, params: dict, hdrs: dict, statu
                            code: int) -> None:
     h = {"Mcp-Name": "echo", **hdrs}
     r = modern(stateless, 11, "tools/call", params, headers=h)
-    assert (r.status, r.json["error"]["code"], r.json["id"]) == (status, code, 11)
+    # contract §5: a 400 -32602 is of the envelope, "id": null; a mismatch names the request
+    want_id = None if (status, code) == (400, errors.INVALID_PARAMS) else 11
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (status, code, want_id)
     if code == errors.UNSUPPORTED_PROTOCOL_VERSION:
         assert r.json["error"]["data"]["requested"] == "2030-01-01"
         assert MODERN in r.json["error"]["data"]["supported"]

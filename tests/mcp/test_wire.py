@@ -147,7 +147,9 @@ LADDER = [
 def test_validate_modern_rejects(msg: Request, headers: RequestHeaders, code: int) -> None:
     with pytest.raises(RpcError) as ei:
         validate_modern(msg, headers)
-    assert (ei.value.code, ei.value.status, ei.value.id) == (code, 400, msg.id)
+    # contract §5: a -32602 of the envelope carries "id": null; a mismatch names the request
+    want_id = None if code == errors.INVALID_PARAMS else msg.id
+    assert (ei.value.code, ei.value.status, ei.value.id) == (code, 400, want_id)
     if code == errors.UNSUPPORTED_PROTOCOL_VERSION:
         assert ei.value.data == {"supported": list(SUPPORTED_VERSIONS), "requested": "2027-01-01"}
 

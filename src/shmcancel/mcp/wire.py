@@ -220,7 +220,8 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
     3. the version is served → else ``-32022`` with ``data.supported``/``data.requested``;
     4. ``clientCapabilities`` (and ``clientInfo`` when present) are objects → else ``-32602``.
 
-    All with HTTP 400.
+    All with HTTP 400; the ``-32602`` ones (the request's envelope, contract §5) with
+    ``"id": null``, the others with the request's id (as the official SDK's server answers).
     """
     rid = msg.id
     params = msg.params
@@ -228,13 +229,12 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
     if not isinstance(meta, dict):
         raise RpcError(codes.INVALID_PARAMS,
                        "Invalid params: params._meta must be an object carrying "
-                       f"{PROTOCOL_VERSION_META_KEY!r} and {CLIENT_CAPABILITIES_META_KEY!r}",
-                       id=rid)
+                       f"{PROTOCOL_VERSION_META_KEY!r} and {CLIENT_CAPABILITIES_META_KEY!r}")
     missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY)
                if k not in meta]
     if missing:
         raise RpcError(codes.INVALID_PARAMS,
-                       f"Invalid params: params._meta lacks {', '.join(missing)}", id=rid)
+                       f"Invalid params: params._meta lacks {', '.join(missing)}")
     version = meta[PROTOCOL_VERSION_META_KEY]
     header_version = headers.protocol_version
     if header_version is None:
@@ -254,18 +254,17 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
             raise _mismatch(f"Mcp-Name does not match params.{name_key}", rid)
     if not isinstance(version, str):  # unreachable with a header (a header is a str), kept total
         raise RpcError(codes.INVALID_PARAMS, "Invalid params: the protocol version must be a "
-                       "string", id=rid)
+                       "string")
     if version not in MODERN_VERSIONS:
         raise _unsupported(version, rid)
     caps = meta[CLIENT_CAPABILITIES_META_KEY]
     if not isinstance(caps, dict):
         raise RpcError(codes.INVALID_PARAMS,
-                       f"Invalid params: {CLIENT_CAPABILITIES_META_KEY!r} must be an object",
-                       id=rid)
+                       f"Invalid params: {CLIENT_CAPABILITIES_META_KEY!r} must be an object")
     info = meta.get(CLIENT_INFO_META_KEY)
     if info is not None and not isinstance(info, dict):
         raise RpcError(codes.INVALID_PARAMS,
-                       f"Invalid params: {CLIENT_INFO_META_KEY!r} must be an object", id=rid)
+                       f"Invalid params: {CLIENT_INFO_META_KEY!r} must be an object")
     return Envelope(version, info, caps)
 
 
