@@ -452,7 +452,7 @@ def _live_creator(name: str) -> int | None:
 def _headerless(name: str) -> bool:
     """Whether ``name`` has a segment without a shmcancel header: not a registry (another
     program's file under our prefix, a bare table), so no creator says whether it is in use.
-    A registry's segment appears complete (it is written aside, then renamed into place)."""
+    A registry's segment appears complete (written aside, then linked into place)."""
     try:
         return creator_of(name, any_owner=True) is None
     except (FileNotFoundError, ShmCancelError):

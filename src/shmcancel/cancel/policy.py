@@ -272,7 +272,8 @@ class Cancellation:
             if not isinstance(scope, str):
                 raise TypeError(f"scope must be a str, got {type(scope).__name__}")
             raise ValueError(f"scope must be at most {SCOPE_MAX} UTF-8 bytes (and encodable: "
-                             f"no lone surrogate), got {scope[:40]!r}...")
+                             f"no lone surrogate), got {scope[:40]!r}"
+                             + ("..." if len(scope) > 40 else ""))
         scope = str.__str__(scope)
         text = sanitize(reason)
         if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
