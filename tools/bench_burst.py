@@ -19,7 +19,9 @@ cancelled as fast as one thread can:
 
 ``floor``: after each burst, as many ``notifications/cancelled`` of calls not in flight, sent
 the same way (latency: connect -> 202): what serving a burst of small requests costs on this
-machine now. ``sequential``: the same as the burst, one call at a time (``--seq`` per round).
+machine now. ``bare``: the same requests to a second gunicorn of the same shape serving a WSGI
+app that only answers 202 (no shmcancel in the request path): what gunicorn alone costs.
+``sequential``: the same as the burst, one call at a time (``--seq`` per round).
 Prints p50/p99/max of the latencies over all rounds (ms), the range of the rounds' p99, and
 whether the burst p99 meets ``--target-ms``. The calls start one after the other, each in flight
 before the next; a round in which some call does not get in flight within 0.5 s (a worker
@@ -40,8 +42,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from _benchlib import call_request, post_request, session
+from _benchlib import GunicornServer, call_request, post_request, session
 from bench_watch import Server, write_wrapper
 
 from shmcancel.cancel.shm_storage import ShmBackend
@@ -53,6 +56,11 @@ SLEEP = 30.0  # seconds each call would sleep uncancelled
 IN_FLIGHT_WAIT = 10.0  # seconds a round waits for its calls to be in flight
 ANSWER_WAIT = 10.0  # seconds a round waits for its cancellations to land
 _now = time.perf_counter
+_BARE_APP = """def app(environ, start_response):  # reads the body, answers 202: gunicorn alone
+    environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+    start_response("202 Accepted", [("Content-Length", "0")])
+    return [b""]
+"""
 
 
 def _parse(data: bytes) -> bytes | None:
@@ -191,42 +199,46 @@ class Bench:
         self.reader.close()
         self.reg.close()
 
-    def _cpu0(self) -> tuple[int, float, float]:
-        return self.server.worker_run_ns(), time.process_time(), _now()
+    def _cpu0(self, server: GunicornServer | None = None) -> tuple[int, float, float]:
+        return (server or self.server).worker_run_ns(), time.process_time(), _now()
 
     def _cpu1(self, mode: str | None, t0: tuple[int, float, float] | None,
-              last: list[float | None]) -> None:
+              last: list[float | None], server: GunicornServer | None = None) -> None:
         """Record under ``mode`` what the span since ``t0`` cost, up to the last of ``last``
         (answers); nothing without a mode (``t0`` is then ``None``: nothing was read)."""
         if mode is None or t0 is None:
             return
         client = time.process_time() - t0[1]
-        workers = (self.server.worker_run_ns() - t0[0]) / 1e9
+        workers = ((server or self.server).worker_run_ns() - t0[0]) / 1e9
         ends = [t for t in last if t is not None]
         if ends:
             self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
 
-    def _notify(self, rid: int) -> _Call:
+    def _notify(self, rid: int, port: int | None = None) -> _Call:
+        port = self.port if port is None else port
         body = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                 "params": {"requestId": rid, "reason": "bench"}}
         headers = {"MCP-Protocol-Version": "2025-11-25", "Mcp-Session-Id": self.sid or ""}
-        return _Call(self.port, post_request(self.port, body, headers), self.reader)
+        return _Call(port, post_request(port, body, headers), self.reader)
 
-    def floor(self, n: int) -> list[float]:
+    def floor(self, n: int, server: GunicornServer | None = None) -> list[float]:
         """``n`` notifications for calls not in flight (nothing runs), as fast as the burst
-        sends them: seconds from each one's connect to its 202 (what serving them costs)."""
+        sends them: seconds from each one's connect to its 202 (what serving them costs). To
+        ``server`` (the bare app, kept as ``bare``) when given, else to this bench's server."""
         ids = list(range(self.next_id, self.next_id + n))
         self.next_id += n
         sent: list[float] = []
         notes: list[_Call] = []
+        port = None if server is None else server.port
         try:
-            t0 = self._cpu0()
+            t0 = self._cpu0(server)
             for rid in ids:
                 sent.append(_now())
-                notes.append(self._notify(rid))
+                notes.append(self._notify(rid, port))
             for c in notes:
                 c.done.wait(ANSWER_WAIT)
-            self._cpu1("floor", t0, [c.answered_at for c in notes])
+            self._cpu1("floor" if server is None else "bare", t0,
+                       [c.answered_at for c in notes], server)
             return [c.answered_at - t for c, t in zip(notes, sent, strict=True)
                     if c.answered_at is not None]
         finally:
@@ -295,7 +307,7 @@ def _print_cpu(cpu: dict[str, list[tuple[float, float, float]]]) -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"  CPU per burst (from the first send to the last answer; medians, ms), {cores} "
           "cores:")
-    for mode in ("sequential", "burst", "floor"):
+    for mode in ("sequential", "burst", "floor", "bare"):
         spans = cpu.get(mode)
         if not spans:
             continue
@@ -311,6 +323,10 @@ def run(a: argparse.Namespace) -> bool:
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
         write_wrapper(tmp)
         server = Server(tmp, "gthread", True, a.src, threads=a.threads, workers=a.workers)
+        Path(tmp, "bench_burst_bare.py").write_text(_BARE_APP)
+        bare = GunicornServer(tmp, "gthread", "bench_burst_bare:app", {}, "bare", a.src,
+                              workers=a.workers, threads=a.threads,
+                              registry_prefix="bench-burst-bare")
         try:
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
                 b = Bench(server, wire)
@@ -320,7 +336,7 @@ def run(a: argparse.Namespace) -> bool:
                     # past its threads)
                     b.round(max(1, min(a.calls, 8, a.threads - 1)), None)
                     got: dict[str, list[list[float]]] = {"sequential": [], "burst": [],
-                                                         "floor": []}
+                                                         "floor": [], "bare": []}
                     skipped = 0
                     for _ in range(a.rounds):
                         seq: list[float] = []
@@ -332,12 +348,14 @@ def run(a: argparse.Namespace) -> bool:
                             if lat is not None:
                                 got["burst"].append(lat)
                                 got["floor"].append(b.floor(a.calls))
+                                got["bare"].append(b.floor(a.calls, bare))
                                 break
                             skipped += 1
                     what = ("notification -> -32800" if wire == "legacy"
                             else "close -> row gone")
                     print(f"{wire} ({what}; floor: as many notifications, nothing in flight, "
-                          f"-> 202), gthread {a.workers}x{a.threads}, {a.rounds} rounds:")
+                          "-> 202; bare: the same to an app that only answers 202), gthread "
+                          f"{a.workers}x{a.threads}, {a.rounds} rounds:")
                     for mode, rounds in got.items():
                         flat = [x for r in rounds for x in r]
                         if not flat:
@@ -359,9 +377,11 @@ def run(a: argparse.Namespace) -> bool:
                         met = p99 <= a.target_ms
                         ok = ok and met
                         fl = _pct([x for r in got["floor"] for x in r], 0.99) * 1e3
+                        bp = _pct([x for r in got["bare"] for x in r], 0.99) * 1e3
                         print(f"  target burst p99 <= {a.target_ms:g} ms: "
                               f"{'met' if met else 'MISSED'} ({p99:.2f} ms; {p99 / fl:.1f}x the "
-                              f"floor's p99 {fl:.2f} ms)"
+                              f"floor's p99 {fl:.2f} ms, {p99 / bp:.1f}x the bare app's "
+                              f"{bp:.2f} ms)"
                               + (f"; {skipped} round(s) skipped" if skipped else "")
                               + (f"; {b.lost} call(s) lost (not answered -32800 / not ended)"
                                  if b.lost else ""))
@@ -369,6 +389,7 @@ def run(a: argparse.Namespace) -> bool:
                     b.close()
         finally:
             server.close()
+            bare.close()
     return ok
 
 
