@@ -18,4 +18,5 @@ shmcancel.gunicorn.configure(config=shmcancel.Config(
     ttl=float(os.environ.get("SHMCANCEL_TEST_TTL", "300")),
     janitor_interval=float(os.environ.get("SHMCANCEL_TEST_JANITOR_INTERVAL", "60")),
     lock_timeout=float(os.environ.get("SHMCANCEL_TEST_LOCK_TIMEOUT", "10")),
+    session_ttl=float(os.environ.get("SHMCANCEL_TEST_SESSION_TTL", "3600")),
 ))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 
+import msgpack
 import pytest
 from helpers.clock import Clock as _Clock
 
@@ -90,6 +91,22 @@ def test_cancel_goes_to_the_owner_box(redis_server, redis_prefix):
     raw = a.store.client.rpop(a.store.box_key(a.box))
     assert RedisStore.decode_box_item(raw) == ("session:z", "q", "stop")
     assert a.store.client.llen(b.store.box_key(b.box)) == 0
+
+
+@pytest.mark.parametrize("item", [[400_000_000] * 3, [b"s", b"q", 10**9], [b"d", 10**9],
+                                  [b"s", b"q"], {"a": 1}, 5, b"\xc1", [b"s", [b"q"], b"r"]])
+def test_a_malformed_box_item_is_dropped_without_allocating(item):
+    """A box item written by anyone with Redis access: ints where byte strings go must not
+    become bytes(n) (one item of 16 bytes once allocated 1.5 GB)."""
+    import tracemalloc
+
+    raw = item if isinstance(item, bytes) else msgpack.packb(item)
+    tracemalloc.start()
+    try:
+        assert RedisStore.decode_box_item(raw) is None
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_a_stale_row_does_not_cancel_a_new_request(redis_server, redis_prefix):

@@ -160,6 +160,26 @@ def test_scoping_holds_across_hosts(hosts: Any, outdir: str) -> None:
 
 
 
+def test_a_session_id_naming_another_key_is_404_and_redis_stays_up(hosts: Any) -> None:
+    """A session's key plus ":boxes" names the set of its holders' boxes: looked up as a
+    session it made Redis answer WRONGTYPE, three of which marked Redis down on that worker
+    (503 for everyone's sessions held elsewhere). Ids not of the minted form are not looked up."""
+    a, b, _ = hosts
+    c = Client(a.url)
+    assert c.call(b.url, 1, "echo", {"text": "adopted"})["result"]["content"][0]["text"] \
+        == "adopted"  # B adopted it: its key and its ":boxes" set exist in Redis
+    crafted = Client(a.url)
+    for suffix in (":boxes", "{x}", "*"):
+        crafted.sid = c.sid + suffix
+        for _ in range(4):  # past DOWN_AFTER
+            r = crafted.post(b.url, {"jsonrpc": "2.0", "id": 1, "method": "ping"}, retry_for=0)
+            assert r.status_code in (400, 404), (suffix, r.status_code, r.text)
+    other = Client(a.url)  # never seen on B: B must still ask Redis, and get an answer
+    reply = other.call(b.url, 2, "echo", {"text": "still up"})
+    assert reply["result"]["content"][0]["text"] == "still up", reply
+    assert "Redis unreachable" not in b.log()
+
+
 @contextlib.contextmanager
 def two_hosts(url: str, outdir: str, shm_name: str, shm_names: list[str],
               a_workers: int = 2, **kw: Any) -> Iterator[tuple[Gunicorn, Gunicorn, str]]:
@@ -200,6 +220,47 @@ def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdi
         with pytest.raises(httpx.HTTPError):
             call.result()
     r.close()
+
+
+def test_a_session_in_use_outlives_its_ttl_on_other_hosts(redis_server: Any, outdir: str,
+                                                          shm_name: str,
+                                                          shm_names: list[str]) -> None:
+    """``session_ttl`` is an idle lifetime: a session used on A every 0.25 s for twice its
+    2 s TTL is still found by B (its copy in Redis was stored once, at the mint, and expired)."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names,
+                   env_extra={"SHMCANCEL_TEST_SESSION_TTL": "2"}) as (a, b, _):
+        c = Client(a.url)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            r = c.post(a.url, {"jsonrpc": "2.0", "id": 1, "method": "ping"}, retry_for=0)
+            assert r.status_code == 200, r.text
+            time.sleep(0.25)
+        reply = c.call(b.url, 2, "echo", {"text": "found"})
+        assert reply.get("result", {}).get("content", [{}])[0].get("text") == "found", reply
+
+
+def test_after_redis_restarts_empty_other_hosts_find_the_sessions_again(
+        outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """A session minted on A and never seen by B: once Redis is back (empty), A stores it
+    again, so B adopts it and a cancellation sent to B reaches A's call."""
+    with running() as srv, \
+            two_hosts(srv.url, outdir, shm_name, shm_names) as (a, b, _):
+        c = Client(a.url)
+        assert c.post(a.url, {"jsonrpc": "2.0", "id": 1, "method": "ping"}).status_code == 200
+        srv.kill()
+        wait_until(lambda: "Redis unreachable" in a.log() or None, time.monotonic() + 20,
+                   what="A to see Redis gone")
+        srv.start()
+        wait_until(lambda: "Redis answers again" in a.log() or None, time.monotonic() + 30,
+                   what="A to see Redis back")
+
+        def b_finds_it() -> bool | None:
+            r = c.post(b.url, {"jsonrpc": "2.0", "id": 2, "method": "ping"}, retry_for=0)
+            return r.status_code == 200 or None
+        wait_until(b_finds_it, time.monotonic() + 10, interval=0.1,
+                   what="B to find A's session")
+        reply, _ = cross_cancel(a, b, outdir, c, "after-restart")
+        assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
 
 
 def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[str]) -> None:

@@ -97,6 +97,8 @@ class LegacyWire(CallLifecycle):
             if session is None:
                 raise RpcError(codes.INVALID_REQUEST, "Session not found", id=rid, status=404)
             environ[SESSION_KEY] = sid
+            if (rb := remote.current()) is not None:  # other hosts keep finding it in use
+                rb.keep_session(sid)  # type: ignore[arg-type]
         else:
             environ.pop(SESSION_KEY, None)
         if isinstance(msg, Notification):

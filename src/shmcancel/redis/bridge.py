@@ -51,6 +51,7 @@ lost: its rows end with their lease, its sessions with their TTL.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -80,6 +81,15 @@ DOWN_AFTER = 3  # calls in a row that time out (or get an error answer) before R
 OWED_MAX = 1024  # writes owed to Redis (and sessions remembered as deleted here)
 SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
 CANCEL_TTL = 10.0  # seconds an owed cross-host cancellation still matters
+KEEP_EVERY = 60.0  # seconds between two renewals of one session's copy by one process, at most
+HELD_MAX = 4096  # sessions a process remembers publishing, and renewal times it keeps
+# The form of the session ids the transport mints (secrets.token_urlsafe): any other id names no
+# session of ours, and could name another key (a session's key plus ":boxes")
+_SID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def _minted_form(sid: str) -> bool:
+    return 0 < len(sid) <= 128 and _SID_CHARS.issuperset(sid)
 
 
 class _NoAnswer(Exception):
@@ -139,6 +149,10 @@ class Bridge:
         self._owed_lock = threading.Lock()
         self._overflowing = False
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
+        # sessions published by this process: sid -> (version, client), newest last; and when
+        # this process last renewed a session's copy (keep_session)
+        self._held: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._kept: OrderedDict[str, float] = OrderedDict()
         self._session_ttl = float(cfg.session_ttl)
         self.owed_applied = 0
         self.owed_expired = 0
@@ -305,6 +319,15 @@ class Bridge:
     def publish_session(self, sid: str, version: str, client: str) -> None:
         """A session minted (or adopted) here: stored for other hosts, and this worker's box
         listed to hear of its deletion elsewhere. Owed when Redis gives no answer."""
+        with self._owed_lock:
+            self._held[sid] = (version, client)
+            self._held.move_to_end(sid)
+            if len(self._held) > HELD_MAX:
+                self._held.popitem(last=False)
+            self._kept[sid] = time.monotonic()
+            self._kept.move_to_end(sid)
+            if len(self._kept) > HELD_MAX:
+                self._kept.popitem(last=False)
         put = functools.partial(self._put, sid, version, client)
         try:
             self._ask("session", put)
@@ -315,11 +338,37 @@ class Bridge:
         self.store.put_session(sid, version, client, now_ms=int(time.time() * 1000),
                                box=self.remote.box)
 
+    def keep_session(self, sid: str) -> None:
+        """A request used session ``sid`` here: at most every :data:`KEEP_EVERY` seconds (or a
+        quarter of ``session_ttl``) this process renews its copy's lifetime in Redis, so other
+        hosts keep finding a session in use; a copy gone (Redis restarted empty) is stored again
+        when this process published it. Never raises; a renewal without an answer is retried
+        at the next request after the period."""
+        if not _minted_form(sid):
+            return
+        now = time.monotonic()
+        with self._owed_lock:
+            last = self._kept.get(sid)
+            if last is not None and now - last < min(KEEP_EVERY, self._session_ttl / 4):
+                return
+            self._kept[sid] = now
+            self._kept.move_to_end(sid)
+            if len(self._kept) > HELD_MAX:
+                self._kept.popitem(last=False)
+            held = self._held.get(sid)
+        with contextlib.suppress(_NoAnswer):
+            self._ask("session", self._keep, sid, held)
+
+    def _keep(self, sid: str, held: tuple[str, str] | None) -> None:
+        if not self.store.touch_session(sid) and held is not None:
+            self._put(sid, *held)
+
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; the caller adopts
         it, so this worker is listed as a holder. None when Redis says there is no such session
-        (or it was deleted here); raises ``RemoteUnavailable`` when Redis gave no answer."""
-        if sid in self._deleted:
+        (or it was deleted here, or the id is not of the form this transport mints: it is not
+        looked up); raises ``RemoteUnavailable`` when Redis gave no answer."""
+        if sid in self._deleted or not _minted_form(sid):
             return None
         try:
             got = self._ask("session", self.store.get_session, sid)
@@ -337,6 +386,8 @@ class Bridge:
             self._deleted[sid] = None
             if len(self._deleted) > OWED_MAX:
                 self._deleted.popitem(last=False)
+            self._held.pop(sid, None)
+            self._kept.pop(sid, None)
         self._unowe(("publish", sid))
         try:
             self._ask("session", self._delete, sid)
@@ -378,9 +429,10 @@ class Bridge:
                     self._answered()
                     self.down = False
                     added = self.remote.renew()
+                    republished = self._republish()
                     log.warning("Redis answers again: cross-host cancellation resumed "
-                                "(%d in-flight rows added back, %d writes owed)", added,
-                                self.owed())
+                                "(%d in-flight rows added back, %d sessions stored again, %d "
+                                "writes owed)", added, republished, self.owed())
                     next_renew = time.monotonic() + self.block
                 if self._owed:
                     self._settle()
@@ -410,6 +462,23 @@ class Bridge:
             except Exception:
                 log.exception("shmcancel redis bridge: unexpected error")
                 self._stop.wait(self.retry)
+
+    def _republish(self) -> int:
+        """After an outage (Redis may have restarted empty): owe a store of every session this
+        process published that still lives here, so other hosts find it again; how many."""
+        sessions = self._session_store()
+        with self._owed_lock:
+            held = list(self._held.items())
+        n = 0
+        for sid, (version, client) in held:
+            if sessions.get(sid) is None:  # ended here meanwhile: not brought back
+                with self._owed_lock:
+                    self._held.pop(sid, None)
+                continue
+            self._owe(("publish", sid), self._session_ttl,
+                      functools.partial(self._put, sid, version, client))
+            n += 1
+        return n
 
     def _session_store(self) -> Any:
         if self._sessions is None:

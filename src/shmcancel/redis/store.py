@@ -208,9 +208,12 @@ class RedisStore:
         None when malformed."""
         try:
             v = msgpack.unpackb(raw, raw=True)
+            # only byte strings: bytes(n) of an int would allocate n bytes (a hostile writer)
+            if type(v) is not list or not all(type(x) is bytes for x in v):
+                return None
             if len(v) == 2 and v[0] == b"d":
-                return bytes(v[1]).decode("ascii")
-            scope, rid, reason = (bytes(x) for x in v)
+                return v[1].decode("ascii")
+            scope, rid, reason = v
             return (scope.decode("utf-8", "surrogatepass"), rid.decode("utf-8", "surrogatepass"),
                     decode_reason(reason))
         except Exception:
@@ -243,8 +246,9 @@ class RedisStore:
             return None
         return version, client
 
-    def touch_session(self, sid: str) -> None:
-        self.client.pexpire(self._sess_key(sid), int(self.config.session_ttl * 1000))
+    def touch_session(self, sid: str) -> bool:
+        """Renew the session's lifetime; False when Redis holds no copy of it."""
+        return bool(self.client.pexpire(self._sess_key(sid), int(self.config.session_ttl * 1000)))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
