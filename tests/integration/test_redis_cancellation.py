@@ -118,6 +118,30 @@ def test_a_stale_row_does_not_cancel_a_new_request(redis_server, redis_prefix):
     assert not c.cancelled(3, scope="s")
 
 
+def test_members_another_client_put_in_the_index_do_not_stop_expiry(redis_server,
+                                                                     redis_prefix):
+    """One member not of the form <#scope>:<scope><rid> made every expiry script fail (a Lua
+    error on a nil), so rows past their TTL stayed; it is dropped now, rows expire."""
+    clock = Clock()
+    c = make(redis_server, redis_prefix, clock=clock)
+    c.cancel(1, scope="s")
+    junk = [b"no-colon", b"99:short", b"x:ab", b"-1:s", b"1.5:sx"]
+    c.store.client.zadd(c.store._all, dict.fromkeys(junk, 0))
+    assert [r[:2] for r in c.store.cancellations()] == [("s", "1")]
+    clock.tick(400.0)
+    assert c.cleanup(ttl=300.0) == 1
+    assert not c.cancelled(1, scope="s")
+    assert [c.store.client.zscore(c.store._all, m) for m in junk] == [None] * len(junk)
+
+
+def test_the_sweep_claim_key_expires_when_no_host_claims(redis_server, redis_prefix):
+    c = make(redis_server, redis_prefix)
+    key = (redis_prefix + "{g}:sweep").encode()
+    assert not c.store.claim_sweep(100.0, 2.0)  # the first claim: one interval later
+    assert c.store.claim_sweep(102.5, 2.0)
+    assert 19_000 < c.store.client.pttl(key) <= 20_000  # ten intervals
+
+
 def test_rows_of_a_dead_host_expire_with_its_lease(redis_server, redis_prefix):
     dead = make(redis_server, redis_prefix, lease=0.3, host="dead")
     live = make(redis_server, redis_prefix, lease=0.3, host="live")

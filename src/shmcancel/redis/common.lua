@@ -6,9 +6,11 @@
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
 --   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
-local function unmember(m)
+local function unmember(m)  -- nil for a member not of that form (written by another client)
   local colon = string.find(m, ':', 1, true)
+  if not colon then return nil end
   local n = tonumber(string.sub(m, 1, colon - 1))
+  if not n or n < 0 or n % 1 ~= 0 or colon + n > #m then return nil end
   return string.sub(m, colon + 1, colon + n), string.sub(m, colon + n + 1)
 end
 local function skey(P, scope, kind) return P .. '{' .. redis.sha1hex(scope) .. '}:' .. kind end

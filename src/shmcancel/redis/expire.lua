@@ -4,6 +4,10 @@ local rows = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2], 'LIMIT
 local n = 0
 for _, m in ipairs(rows) do
   local scope, rid = unmember(m)
-  n = n + remove(ARGV[1], KEYS[1], KEYS[2], scope, rid)
+  if scope == nil then
+    redis.call('ZREM', KEYS[1], m)  -- not a row's member: dropped, not counted
+  else
+    n = n + remove(ARGV[1], KEYS[1], KEYS[2], scope, rid)
+  end
 end
 return n

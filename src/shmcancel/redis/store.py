@@ -142,6 +142,8 @@ class RedisStore:
         out = []
         for m, at in self.client.zrange(self._all, 0, -1, withscores=True):
             n, _, rest = bytes(m).partition(b":")
+            if not n.isdigit() or int(n) > len(rest):
+                continue  # not a row's member (written by another client)
             scope = rest[:int(n)].decode("utf-8", "surrogatepass")
             rid = rest[int(n):].decode("utf-8", "surrogatepass")
             got = self.get(scope, rid)
