@@ -6,6 +6,7 @@ synchronise: every wait polls a condition with a deadline.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -317,6 +318,47 @@ def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
             capture_output=True, text=True, timeout=30)
         assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
         assert segment_exists(shm_name)
+
+
+def test_a_rolled_back_upgrade_leaves_the_registry_in_use_at_once(shm_name):
+    """The new master of a USR2 upgrade adopts the registry, then dies (a rollback). Until the
+    old master's next child_exit re-adopts it, the recorded creator is dead: the registry
+    looked stale, so `shmtool cleanup --stale` removed it under the serving old master and a
+    second server of that name replaced it. The creator an adoption replaced counts too."""
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        orphans = g.worker_pids(master=new)
+        try:
+            os.kill(new, signal.SIGKILL)
+            wait_until(lambda: not alive(new), time.monotonic() + 20,
+                       what="the new master to die")
+        finally:
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        g.pid = old
+        with Registry.attach(shm_name, readonly=True) as ro:
+            assert ro.creator[0] == old and ro.info()["creator_alive"]
+        tool = [sys.executable, "-m", "shmcancel.shmtool"]
+        listed = subprocess.run([*tool, "list", "--json"], capture_output=True, text=True,
+                                timeout=30)
+        row = {r["name"]: r for r in json.loads(listed.stdout)["registries"]}[shm_name]
+        assert (row["state"], row["creator_pid"]) == ("alive", old), row
+        kept = subprocess.run([*tool, "cleanup", "--stale", shm_name], capture_output=True,
+                              text=True, timeout=30)
+        assert kept.returncode == 1 and f"kept {shm_name}" in kept.stderr, kept
+        out = subprocess.run(
+            [sys.executable, "-c", "import shmcancel, sys; "
+             f"shmcancel.Registry.create({shm_name!r})"],
+            capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
+        assert segment_exists(shm_name)
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                "params": {"protocolVersion": LEGACY, "capabilities": {},
+                           "clientInfo": {"name": "t", "version": "1"}}}
+        r = httpx.post(g.url, json=init, headers={"Accept": ACCEPT}, timeout=10)
+        assert r.status_code == 200, r.text  # the old master serves on its registry
 
 
 _PARKING_CONF = """

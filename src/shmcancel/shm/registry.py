@@ -43,6 +43,7 @@ from .segment import (
     OFF_LAST_SWEEPER,
     OFF_LOCK_GENERATION,
     OFF_LOCK_OWNER,
+    OFF_PREV_CREATOR,
     OFF_RECOVERIES,
     OFF_SWEEPS,
     Segment,
@@ -387,12 +388,19 @@ class Registry:
         ``create`` replaces a registry only when its creator is gone; a process that takes over
         a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade, or the
         old one when the upgrade failed) adopts it so that the registry is not taken for stale
-        once the recorded creator has exited. One aligned 8-byte store: no lock, so a gunicorn
-        master never waits on a worker that holds it.
+        once the recorded creator has exited. The creator it replaces is kept beside it: the
+        registry stays in use while that one lives (a rolled-back upgrade: the new master gone,
+        the old one serving). Two aligned 8-byte stores: no lock, so a gunicorn master never
+        waits on a worker that holds it.
         """
         if self.readonly:
             raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
-        self._seg.set_u64(OFF_CREATOR, procinfo.pack_owner(*procinfo.me()))
+        me = procinfo.pack_owner(*procinfo.me())
+        replaced = self._seg.u64(OFF_CREATOR)
+        if replaced != me:
+            # first: a crash between the two stores leaves the old creator recorded, still valid
+            self._seg.set_u64(OFF_PREV_CREATOR, replaced)
+        self._seg.set_u64(OFF_CREATOR, me)
 
     def table(self, name: str) -> Table:
         """The table called ``name`` (KeyError naming the tables there are, if none)."""

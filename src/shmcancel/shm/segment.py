@@ -100,6 +100,10 @@ SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside 
 # --- header offsets (bytes) -------------------------------------------------------------------
 _HEAD = struct.Struct("<8sQQQQd16sQ")  # at 0: magic .. semaphore inode (72 bytes)
 OFF_CREATOR = 32
+# The creator an adoption replaced (a USR2 upgrade's old master; 0: none). The registry counts as
+# in use while either process lives: after a rollback the new master is gone and the old one
+# serves on. In bytes 72..79, zero in every segment formatted before it was used.
+OFF_PREV_CREATOR = 72
 OFF_LOCK_OWNER = 256
 OFF_LOCK_GENERATION = 264
 OFF_RECOVERIES = 320
@@ -185,8 +189,11 @@ class Segment:
     # --- header access ---
     @property
     def creator(self) -> tuple[int, int] | None:
-        """The creating (or adopting, ``Registry.adopt``) process, read live from the header."""
-        return procinfo.unpack_owner(self.words[OFF_CREATOR >> 3])
+        """The creating (or adopting, ``Registry.adopt``) process, read live from the header;
+        when it is gone and the creator its adoption replaced lives, that one (see
+        :func:`effective_creator`)."""
+        w = self.words
+        return effective_creator(w[OFF_CREATOR >> 3], w[OFF_PREV_CREATOR >> 3])
 
     def u64(self, off: int) -> int:
         return self.words[off >> 3]
@@ -460,21 +467,36 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     return sem
 
 
+def effective_creator(creator: int, previous: int) -> tuple[int, int] | None:
+    """The process a registry belongs to, from its two header words: the recorded creator
+    while it lives, else the creator its adoption replaced if that one lives, else the
+    recorded (dead) creator; None when none is recorded."""
+    c = procinfo.unpack_owner(creator)
+    if c is not None and procinfo.alive(*c):
+        return c
+    p = procinfo.unpack_owner(previous)
+    if p is not None and procinfo.alive(*p):
+        return p
+    return c
+
+
 def creator_of(name: str, *, any_owner: bool = False) -> tuple[int, int] | None:
-    """The creator recorded in registry ``name``'s segment header (pid, start time); ``None``
-    if the segment holds no complete shmcancel header. Never blocks and never follows a link:
-    ``FileNotFoundError`` when there is no segment, :class:`RegistryIncompatible` when the entry
-    is not a regular file owned by us (``any_owner``: or by anyone, if readable)."""
+    """The creator of registry ``name`` (pid, start time) as :func:`effective_creator` reads
+    its segment header; ``None`` if the segment holds no complete shmcancel header. Never
+    blocks and never follows a link: ``FileNotFoundError`` when there is no segment,
+    :class:`RegistryIncompatible` when the entry is not a regular file owned by us
+    (``any_owner``: or by anyone, if readable)."""
     fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY,
                     any_owner=any_owner)
     try:
-        head = os.pread(fd, _HEAD.size, 0)
+        head = os.pread(fd, OFF_PREV_CREATOR + 8, 0)
     finally:
         os.close(fd)
-    if len(head) < _HEAD.size or head[:8] != MAGIC:
+    if len(head) < OFF_PREV_CREATOR + 8 or head[:8] != MAGIC:
         return None
     (creator,) = struct.unpack_from("<Q", head, OFF_CREATOR)
-    return procinfo.unpack_owner(creator)
+    (previous,) = struct.unpack_from("<Q", head, OFF_PREV_CREATOR)
+    return effective_creator(creator, previous)
 
 
 def _clear_stale(name: str) -> None:
