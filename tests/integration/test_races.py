@@ -417,6 +417,54 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
             reg.close()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name: str, tmp_path,
+                                                                        spawn) -> None:
+    """A request under a stalled lock waits ``lock_timeout`` for its own write, then 503. It
+    waited once more per piece of deferrable work on its way (the session sweep, the owed
+    call ends, the janitor's claim): 20-30 s at the default 10 s. Those skip their turn now
+    while this process has seen the lock time out within ``lock_timeout``."""
+    lock_timeout = 1.0
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path),
+           "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout),
+           "SHMCANCEL_TEST_JANITOR_INTERVAL": "0.2"}  # sweeps due on every request
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", env=env, workers=1,
+                  worker_class="gthread", threads=4) as g:
+        headers = {"Accept": ACCEPT, "Content-Type": "application/json"}
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                "params": {"protocolVersion": LEGACY, "capabilities": {},
+                           "clientInfo": {"name": "t", "version": "1"}}}
+        r = httpx.post(g.url, json=init, headers=headers, timeout=15)
+        headers |= {"Mcp-Session-Id": r.headers["mcp-session-id"],
+                    "MCP-Protocol-Version": LEGACY}
+
+        def post(obj: Any) -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = httpx.post(g.url, content=json.dumps(obj).encode(), headers=headers,
+                           timeout=30)
+            return r, time.monotonic() - t0
+
+        t = tag()
+        result: list[tuple[httpx.Response, float]] = []
+        running = threading.Thread(
+            target=lambda: result.append(post(call(7, "sleep", {"seconds": 1.0, "tag": t}))),
+            daemon=True)
+        running.start()
+        wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
+        with stalled_lock(spawn, shm_name):
+            running.join(TIMEOUT)  # it ends during the stall: its session call end is owed
+            assert result and result[0][0].status_code == 200
+            for msg in (notification(99), {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+                        call(8, "echo", {"text": "x"}), notification(98)):
+                r, took = post(msg)
+                assert r.status_code in (202, 503), r.text
+                assert took < 1.8 * lock_timeout, (msg, r.status_code, took, g.log_tail())
+        wait_until(lambda: "Traceback" not in g.log() or None, time.monotonic() + 1,
+                   what="no traceback")
+
+
 def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, spawn) -> None:
     """Registry.close() frees this process's lane under the lock but waits about a second at
     most, not lock_timeout: a stalled holder leaves the lane claimed (whoever needs it takes it

@@ -517,6 +517,10 @@ class Cancellation:
         janitor does on the back of calls, and what
         :class:`shmcancel.cancel.janitor.Janitor` calls."""
         now = _now()
+        reg = self.registry
+        if reg is not None and reg.lock.stalled():  # a sweep can wait; a request should not
+            self._next_check = now + self._interval * _RECHECK_FRACTION
+            return False
         stalled = False
         try:
             won = self._store.claim_sweep(now, self._interval)

@@ -351,8 +351,9 @@ class SessionStore:
                 self._table.insert(pk, (r[0], now, r[2], r[3]))
 
     def _settle(self) -> None:
-        """Retry the call ends a lock timeout deferred (bounded; stops at the next timeout)."""
-        if not self._owed:
+        """Retry the call ends a lock timeout deferred (bounded; stops at the next timeout;
+        skipped while the lock is stalled: a request waits for its own write only)."""
+        if not self._owed or self._lock.stalled():
             return
         with self._owed_lock:
             owed, self._owed = self._owed, []
@@ -513,7 +514,7 @@ class SessionStore:
     def _tick(self) -> None:
         """One sweep piece when this process's next one is due (a clock read otherwise)."""
         t = time.monotonic()
-        if t < self._next_sweep:
+        if t < self._next_sweep or self._lock.stalled():  # a sweep can wait for the lock
             return
         self._next_sweep = t + SWEEP_EVERY
         try:

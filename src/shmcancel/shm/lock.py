@@ -114,7 +114,7 @@ class _SignalsBlocked:
 class _ProcState:
     """Per-process, per-registry lock state (rebuilt in a fork child)."""
 
-    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "tlock")
+    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "stalled_until", "tlock")
 
     def __init__(self) -> None:
         self.reset()
@@ -124,6 +124,7 @@ class _ProcState:
         self.holder: int | None = None  # thread ident of the holding thread
         self.depth = 0
         self.dirty = False
+        self.stalled_until = 0.0  # monotonic: a wait of this process timed out until then
         # In a fork child procinfo's own after-fork reset has run already: it registered first
         # (after_in_child hooks run in registration order), so me() is the child's.
         self.me = procinfo.pack_owner(*procinfo.me())
@@ -311,9 +312,16 @@ class RegistryLock:
             if tlock.acquire(False):
                 return
         if not tlock.acquire(timeout=max(0.0, t0 + self._timeout - time.monotonic())):
+            self._st.stalled_until = time.monotonic() + self._timeout
             raise LockTimeout(
                 f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
                 f"held the lock for more than {self._timeout:.1f}s")
+
+    def stalled(self) -> bool:
+        """Whether a wait of this process for the lock timed out within the last
+        ``lock_timeout`` seconds: work that can wait (sweeps, settling owed ends on a
+        request's way) skips its turn rather than make a request wait a second time."""
+        return time.monotonic() < self._st.stalled_until
 
     def _stamp(self) -> None:
         w = self._w
@@ -394,6 +402,7 @@ class RegistryLock:
                         owner, gen, tid, time.monotonic() - t0):
                     return
             if time.monotonic() >= deadline:
+                self._st.stalled_until = time.monotonic() + self._timeout
                 raise LockTimeout(self._timeout_message(owner, busy))
 
     def _owner_dead(self, owner: int) -> bool:

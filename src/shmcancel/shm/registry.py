@@ -162,6 +162,9 @@ class _ReadOnlyLock:
     def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
         return None
 
+    def stalled(self) -> bool:
+        return False  # never waited for
+
     def owner(self) -> tuple[int, int] | None:
         return procinfo.unpack_owner(self._w[OFF_LOCK_OWNER >> 3])
 
