@@ -289,35 +289,45 @@ def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_t
         assert not segment_exists(shm_name), "the last master to exit unlinks"
 
 
+def _create_is_refused(name: str, owner: int) -> None:
+    """Another process's ``Registry.create(name)`` fails, naming the live ``owner``, and the
+    segment stays."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"import shmcancel; shmcancel.Registry.create({name!r})"],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and f"in use by live pid {owner}" in out.stderr, out.stderr
+    assert segment_exists(name)
+
+
+def _kill_new_master(g: Gunicorn, new: int) -> None:
+    """SIGKILL a USR2 upgrade's new master and its workers (out of the harness's reach once
+    their master is gone); return once all are dead."""
+    orphans = g.worker_pids(master=new)
+    try:
+        os.kill(new, signal.SIGKILL)
+        wait_until(lambda: not alive(new), time.monotonic() + 20, what="the new master to die")
+    finally:
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not any(alive(p) for p in orphans), time.monotonic() + 20,
+               what="the failed master's workers to die")
+
+
 def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
     with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
         old = g.pid
         new = g.upgrade(time.monotonic() + 20)
         with Registry.attach(shm_name, readonly=True) as ro:
             assert ro.creator[0] == new  # the new master adopted it
-        orphans = g.worker_pids(master=new)  # out of the harness's reach once their master dies
-        try:
-            os.kill(new, signal.SIGKILL)  # the upgrade fails: no hook runs in the old master
-            wait_until(lambda: not alive(new), time.monotonic() + 20,
-                       what="the new master to die")
-        finally:
-            for pid in orphans:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not any(alive(p) for p in orphans), time.monotonic() + 20,
-                   what="the failed master's workers to die")
+        _kill_new_master(g, new)  # the upgrade fails: no hook runs in the old master
         g.pid = old
         os.kill(g.worker_pids(master=old)[0], signal.SIGKILL)  # child_exit runs in the old one
         with Registry.attach(shm_name, readonly=True) as ro:
             wait_until(lambda: ro.creator[0] == old, time.monotonic() + 10,
                        what="the old master to adopt the registry again")
         # So another create of that name is refused rather than replacing a live registry.
-        out = subprocess.run(
-            [sys.executable, "-c", "import shmcancel, sys; "
-             f"shmcancel.Registry.create({shm_name!r})"],
-            capture_output=True, text=True, timeout=30)
-        assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
-        assert segment_exists(shm_name)
+        _create_is_refused(shm_name, old)
 
 
 def test_a_rolled_back_upgrade_leaves_the_registry_in_use_at_once(shm_name):
@@ -328,15 +338,7 @@ def test_a_rolled_back_upgrade_leaves_the_registry_in_use_at_once(shm_name):
     with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
         old = g.pid
         new = g.upgrade(time.monotonic() + 20)
-        orphans = g.worker_pids(master=new)
-        try:
-            os.kill(new, signal.SIGKILL)
-            wait_until(lambda: not alive(new), time.monotonic() + 20,
-                       what="the new master to die")
-        finally:
-            for pid in orphans:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _kill_new_master(g, new)
         g.pid = old
         with Registry.attach(shm_name, readonly=True) as ro:
             assert ro.creator[0] == old and ro.info()["creator_alive"]
@@ -348,12 +350,7 @@ def test_a_rolled_back_upgrade_leaves_the_registry_in_use_at_once(shm_name):
         kept = subprocess.run([*tool, "cleanup", "--stale", shm_name], capture_output=True,
                               text=True, timeout=30)
         assert kept.returncode == 1 and f"kept {shm_name}" in kept.stderr, kept
-        out = subprocess.run(
-            [sys.executable, "-c", "import shmcancel, sys; "
-             f"shmcancel.Registry.create({shm_name!r})"],
-            capture_output=True, text=True, timeout=30)
-        assert out.returncode != 0 and f"in use by live pid {old}" in out.stderr, out.stderr
-        assert segment_exists(shm_name)
+        _create_is_refused(shm_name, old)
         init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
                 "params": {"protocolVersion": LEGACY, "capabilities": {},
                            "clientInfo": {"name": "t", "version": "1"}}}

@@ -364,6 +364,20 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
         forget_owed_ends()
 
 
+def _sleep_started(post: Callable[[Any], Any], seconds: float,
+                   tmp_path: Any) -> tuple[threading.Thread, list[Any]]:
+    """A ``sleep`` call (id 7) posted on a thread of its own, once its tool has started: the
+    thread and the list that receives what ``post`` returns."""
+    t = tag()
+    result: list[Any] = []
+    running = threading.Thread(
+        target=lambda: result.append(post(call(7, "sleep", {"seconds": seconds, "tag": t}))),
+        daemon=True)
+    running.start()
+    wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
+    return running, result
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> None:
@@ -385,13 +399,7 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
                 return httpx.post(url, content=json.dumps(obj).encode(), headers=headers,
                                   timeout=15)
 
-            t = tag()
-            result: list[httpx.Response] = []
-            running = threading.Thread(
-                target=lambda: result.append(post(call(7, "sleep", {"seconds": 2.5, "tag": t}))),
-                daemon=True)
-            running.start()
-            wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
+            running, result = _sleep_started(post, 2.5, tmp_path)
             with stalled_lock(spawn, shm_name):
                 r = post(notification(7))
                 assert r.status_code == 503, r.text
@@ -446,13 +454,7 @@ def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name
                            timeout=30)
             return r, time.monotonic() - t0
 
-        t = tag()
-        result: list[tuple[httpx.Response, float]] = []
-        running = threading.Thread(
-            target=lambda: result.append(post(call(7, "sleep", {"seconds": 1.0, "tag": t}))),
-            daemon=True)
-        running.start()
-        wait_file(str(tmp_path / f"{t}.started"), time.monotonic() + TIMEOUT)
+        running, result = _sleep_started(post, 1.0, tmp_path)
         with stalled_lock(spawn, shm_name):
             running.join(TIMEOUT)  # it ends during the stall: its session call end is owed
             assert result and result[0][0].status_code == 200
