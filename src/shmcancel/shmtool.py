@@ -438,25 +438,25 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
             os.close(fd)
 
 
-def _live_creator(name: str) -> int | None:
-    """The pid of ``name``'s creator if it is alive (``None``: no segment, no readable header,
-    not a regular file, or its creator is gone). Another user's segment counts too: root must
-    not remove a live server's registry by accident either."""
+def _creator(name: str) -> tuple[bool, tuple[int, int] | None]:
+    """``(headerless, creator)`` of ``name``'s segment, from one read of its header:
+    ``(True, None)`` for a segment without a shmcancel header (not a registry: another
+    program's file under our prefix, a bare table; no creator says whether it is in use; a
+    registry's segment appears complete, written aside then linked into place); ``(False,
+    None)`` when there is no segment or it is not a regular file; else the creator as
+    ``creator_of`` reads it, alive or not. Another user's segment counts too: root must not
+    remove a live server's registry by accident either."""
     try:
         owner = creator_of(name, any_owner=True)
     except (FileNotFoundError, ShmCancelError):
-        return None
+        return False, None
+    return owner is None, owner
+
+
+def _live_creator(name: str) -> int | None:
+    """The pid of ``name``'s creator if it is alive (see :func:`_creator`), else ``None``."""
+    _, owner = _creator(name)
     return owner[0] if owner is not None and procinfo.alive(*owner) else None
-
-
-def _headerless(name: str) -> bool:
-    """Whether ``name`` has a segment without a shmcancel header: not a registry (another
-    program's file under our prefix, a bare table), so no creator says whether it is in use.
-    A registry's segment appears complete (written aside, then linked into place)."""
-    try:
-        return creator_of(name, any_owner=True) is None
-    except (FileNotFoundError, ShmCancelError):
-        return False
 
 
 def _cleanup_stale(only: list[str]) -> int:
@@ -479,14 +479,14 @@ def _cleanup_stale(only: list[str]) -> int:
             for path in name_paths(name):  # only ever removes entries of ours
                 check_entry("entry", path)
             with _creation_lock(name, force=False):
-                pid = _live_creator(name)
-                if pid is not None:
+                headerless, owner = _creator(name)
+                if owner is not None and procinfo.alive(*owner):
                     if only:
-                        print(f"shmtool: kept {name}: its creator, pid {pid}, is alive",
+                        print(f"shmtool: kept {name}: its creator, pid {owner[0]}, is alive",
                               file=sys.stderr)
                         skipped += 1
                     continue
-                if _headerless(name):
+                if headerless:
                     print(f"shmtool: skipped {name}: its segment has no shmcancel header, so "
                           f"whether it is in use is unknown (shmtool unlink {name} removes it)",
                           file=sys.stderr)

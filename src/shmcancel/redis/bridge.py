@@ -92,6 +92,15 @@ def _minted_form(sid: str) -> bool:
     return 0 < len(sid) <= 128 and _SID_CHARS.issuperset(sid)
 
 
+def _put_newest(d: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """``d[key] = value`` as its newest entry; the oldest goes past :data:`HELD_MAX`. The
+    caller holds the lock guarding ``d``."""
+    d[key] = value
+    d.move_to_end(key)
+    if len(d) > HELD_MAX:
+        d.popitem(last=False)
+
+
 class _NoAnswer(Exception):
     """A Redis call got no answer: skipped, failed or timed out."""
 
@@ -320,14 +329,8 @@ class Bridge:
         """A session minted (or adopted) here: stored for other hosts, and this worker's box
         listed to hear of its deletion elsewhere. Owed when Redis gives no answer."""
         with self._owed_lock:
-            self._held[sid] = (version, client)
-            self._held.move_to_end(sid)
-            if len(self._held) > HELD_MAX:
-                self._held.popitem(last=False)
-            self._kept[sid] = time.monotonic()
-            self._kept.move_to_end(sid)
-            if len(self._kept) > HELD_MAX:
-                self._kept.popitem(last=False)
+            _put_newest(self._held, sid, (version, client))
+            _put_newest(self._kept, sid, time.monotonic())
         put = functools.partial(self._put, sid, version, client)
         try:
             self._ask("session", put)
@@ -351,10 +354,7 @@ class Bridge:
             last = self._kept.get(sid)
             if last is not None and now - last < min(KEEP_EVERY, self._session_ttl / 4):
                 return
-            self._kept[sid] = now
-            self._kept.move_to_end(sid)
-            if len(self._kept) > HELD_MAX:
-                self._kept.popitem(last=False)
+            _put_newest(self._kept, sid, now)
             held = self._held.get(sid)
         with contextlib.suppress(_NoAnswer):
             self._ask("session", self._keep, sid, held)
