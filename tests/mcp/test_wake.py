@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 from helpers.background import Background
@@ -111,3 +112,48 @@ def test_a_ring_to_the_owners_wakes_the_waiter_and_a_ring_elsewhere_does_not(reg
     finally:
         h.end()
     assert c.in_flight_pids(1, "s") == set()
+
+
+def test_a_wake_that_misses_its_wait_does_not_cut_the_next_one_short(registry) -> None:
+    """A wake can land after its wait timed out but before the wait unregistered (both take the
+    module's lock): the thread's next wait must still last its time, not return at once."""
+    c = Cancellation(registry())
+    h = c.begin(1, "s")  # never cancelled: only the direct wake below reaches its waits
+    conn = {HANDLE_KEY: h}
+    second = threading.Event()
+
+    def two_waits() -> float:
+        wake.wait_cancelled(conn, 0.1)
+        second.set()
+        t0 = time.monotonic()
+        assert wake.wait_cancelled(conn, 0.4) is False
+        return time.monotonic() - t0
+
+    try:
+        w = Background(two_waits)
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        with wake._lock:  # the first wait times out meanwhile, then blocks unregistering
+            # Not a synchronisation: the time for the wait's 0.1 s to run out while it cannot
+            # unregister. Should the waiter be slower, the wake below is an ordinary one.
+            time.sleep(0.3)
+            for _, lk in wake._waiters.values():  # what wake(h) does, under the same lock
+                lk.release()
+        assert second.wait(5)
+        assert w.result(timeout=10) >= 0.35
+    finally:
+        h.end()
+
+
+def test_an_endless_wait_is_woken_not_refused(registry) -> None:
+    c = Cancellation(registry())
+    h = c.begin(1, "s")
+    try:
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, float("inf")))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        h.cancel_local("client disconnected")
+        wake.wake(h)
+        assert w.result(timeout=BOUND + 1) is True
+    finally:
+        h.end()

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import socket
 import sys
 import threading
 import time
+from _thread import LockType
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -39,8 +42,10 @@ _DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the ne
 _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 
-_lock = threading.Lock()
-_waiters: dict[int, tuple[RequestHandle, threading.Event]] = {}  # id(event) -> (handle, event)
+_lock = threading.Lock()  # guards _waiters; a wait's lock is released only under it
+_waiters: dict[int, tuple[RequestHandle, LockType]] = {}  # wait -> (handle, its thread's lock)
+_keys = itertools.count()
+_tls = threading.local()
 _bells: dict[str, tuple[int, socket.socket]] = {}  # registry name -> (pid, this process's bell)
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 
@@ -52,10 +57,10 @@ def doorbell_address(registry_name: str, pid: int) -> bytes:
 
 
 def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
-    """Sleep up to ``seconds`` (at least 0), returning early once the call ``conn`` belongs to
-    is cancelled; whether it is cancelled. For a conn without a transport handle, a plain
-    ``cancelled`` / ``sleep`` / ``cancelled``."""
-    seconds = max(0.0, float(seconds))
+    """Sleep up to ``seconds`` (at least 0; at most ``threading.TIMEOUT_MAX``), returning early
+    once the call ``conn`` belongs to is cancelled; whether it is cancelled. For a conn without
+    a transport handle, a plain ``cancelled`` / ``sleep`` / ``cancelled``."""
+    seconds = min(max(0.0, float(seconds)), threading.TIMEOUT_MAX)
     h = conn.get(HANDLE_KEY) if isinstance(conn, Mapping) else None
     if not isinstance(h, RequestHandle) or not _LINUX:
         if cancelled(conn):
@@ -67,25 +72,34 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     registry = getattr(h._c, "registry", None)
     if registry is not None:
         _ensure_bell(registry.name)
-    ev = threading.Event()
-    key = id(ev)
+    # The thread's own lock, held while nobody wakes it: a wake releases it. A tool polls in a
+    # loop, so this is every poll's cost: one lock, no Event (a Condition, two locks) per wait.
+    lk = getattr(_tls, "lock", None)
+    if lk is None:
+        lk = _tls.lock = _allocate_lock()
+        lk.acquire()
+    key = next(_keys)
+    entry = (h, lk)
     with _lock:
-        _waiters[key] = (h, ev)
+        _waiters[key] = entry
     try:
         if not h.cancelled():  # a cancel before the registration found nobody to wake
-            ev.wait(seconds)
+            lk.acquire(True, seconds)
     finally:
         with _lock:
-            _waiters.pop(key, None)
+            del _waiters[key]
+        # Wakes release only registered waits (under _lock): one that came after the timeout
+        # is taken back here, so the next wait does not return at once.
+        lk.acquire(False)
     return h.cancelled()
 
 
 def wake(handle: RequestHandle) -> None:
     """Wake the waits of ``handle`` (after ``handle.cancel_local``)."""
     with _lock:
-        evs = [ev for h, ev in _waiters.values() if h is handle]
-    for ev in evs:
-        ev.set()
+        for h, lk in _waiters.values():
+            if h is handle:
+                _release(lk)
 
 
 def waiting() -> int:
@@ -163,16 +177,25 @@ def _rung(s: socket.socket) -> None:
         except OSError:  # BlockingIOError: drained
             break
     with _lock:
-        waiters = list(_waiters.values())
-    for h, ev in waiters:
-        if h.cancelled():
-            ev.set()
+        waiters = list(_waiters.items())
+    woken = [(key, entry) for key, entry in waiters if entry[0].cancelled()]
+    if woken:
+        with _lock:
+            for key, entry in woken:
+                if _waiters.get(key) is entry:  # still that wait: never a later one's lock
+                    _release(entry[1])
+
+
+def _release(lk: LockType) -> None:
+    with contextlib.suppress(RuntimeError):  # woken twice: released already
+        lk.release()
 
 
 def _after_fork_in_child() -> None:
     # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
-    global _lock
+    global _lock, _tls
     _lock = threading.Lock()
+    _tls = threading.local()
     _waiters.clear()
     for _, s in _bells.values():
         with contextlib.suppress(OSError):
