@@ -5,6 +5,8 @@ table's documented policy. Real shared memory throughout (``Rig``, ``Registry``)
 from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -17,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shmcancel import Cancellation, Config, Registry
 from shmcancel.cancel import tables as cancel_tables
+from shmcancel.cancel.reasons import SHORTENED
 from shmcancel.cancel.shm_storage import ShmBackend
 from shmcancel.exceptions import TableFull
 from shmcancel.mcp import session_tables
@@ -120,34 +123,80 @@ def test_a_full_large_class_still_updates_its_rows_and_takes_small_ones(shm_name
 REASON = "r" * 200  # a reason no small record holds
 
 
-def test_cancellations_evict_among_large_rows_when_the_large_class_is_full(shm_name: str) -> None:
+def _ticking() -> Callable[[], float]:
     now = [1000.0]
 
     def clock() -> float:
         now[0] += 1
         return now[0]
 
+    return clock
+
+
+def test_past_the_large_class_a_cancellation_keeps_its_row_with_its_reason_cut(
+        shm_name: str) -> None:
+    """Rows that need a large record only for their reason: once the large records are taken,
+    a new row, and an overwrite that grows a small row, keep their rows (nothing is evicted:
+    §4.3, §4.4) with the reason's longest prefix that fits a small record, ending in "…"."""
     with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
-        c = Cancellation(reg, clock=clock)
+        c = Cancellation(reg, clock=_ticking())
         t = reg.table("cancellations")
         L = t.large_count
         assert L == cancel_tables.LARGE_CANCELLATIONS and t.capacity == 1000
+        c.cancel("grows", "short", scope="s1")
+        for i in range(L):
+            c.cancel(f"big{i}", REASON, scope=f"s{i % 4}")
+        assert len(t.large_rows()) == L
+        for rid in ("new", "grows"):  # a new row; an existing small row overwritten in place
+            c.cancel(rid, REASON, scope="s1")
+            kept = c.reason(rid, "s1")
+            assert kept is not None and kept.endswith(SHORTENED)
+            assert 0 < len(kept) - 1 < len(REASON) and REASON.startswith(kept[:-1])
+        assert reg.evictions == 0 and t.count() == L + 2
+        assert all(c.reason(f"big{i}", f"s{i % 4}") == REASON for i in range(L))
+        assert ShmBackend(reg).scope_rows("s1") == sum(1 for k, _ in t.scan() if k[0] == "s1")
+        c.cancel("new", "short again", scope="s1")  # short again: stored whole
+        assert c.reason("new", "s1") == "short again"
+        reg.unlink()
+
+
+def test_a_reason_is_cut_on_a_character_boundary(shm_name: str) -> None:
+    """Multi-byte characters: the cut never splits one (the kept text is a prefix)."""
+    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
+        c = Cancellation(reg, clock=_ticking())
+        for i in range(reg.table("cancellations").large_count):
+            c.cancel(f"big{i}", REASON, scope="s")
+        wide = "é€😀" * 60  # 2-, 3- and 4-byte characters
+        c.cancel("wide", wide, scope="t")
+        kept = c.reason("wide", "t")
+        assert kept is not None and kept.endswith(SHORTENED) and wide.startswith(kept[:-1])
+        reg.unlink()
+
+
+def test_rows_whose_key_needs_a_large_record_evict_among_the_large_rows(shm_name: str) -> None:
+    """A key no small record holds (a long principal scope) cannot be helped by cutting the
+    reason: past the large class, the oldest large rows go in §4.4's order, a batch of
+    ``max(1, L // 20)``, and the new row is stored whole."""
+    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
+        c = Cancellation(reg, clock=_ticking())
+        t = reg.table("cancellations")
+        L = t.large_count
+        scopes = [f"principal:{n}" + "p" * 200 for n in range(4)]
         for i in range(20):
             c.cancel(f"small{i}", "short", scope=f"s{i % 4}")
         for i in range(L):
-            c.cancel(f"big{i}", REASON, scope=f"s{i % 4}")
+            c.cancel(f"big{i}", None, scope=scopes[i % 4])
         assert len(t.large_rows()) == L and reg.evictions == 0
-        c.cancel("big-new", REASON, scope="s0")  # never refused for its size
+        c.cancel("big-new", "a reason", scope=scopes[0])  # never refused for its size
         batch = max(1, L // 20)
-        assert c.cancelled("big-new", "s0") and reg.evictions == batch
-        gone = [i for i in range(L) if not c.cancelled(f"big{i}", f"s{i % 4}")]
+        assert c.reason("big-new", scopes[0]) == "a reason" and reg.evictions == batch
+        gone = [i for i in range(L) if not c.cancelled(f"big{i}", scopes[i % 4])]
         assert gone == list(range(batch))  # equal scopes: the oldest large rows, in §4.4 order
         assert all(c.cancelled(f"small{i}", f"s{i % 4}") for i in range(20))  # untouched
         assert t.count() == 20 + L - batch + 1 and len(t.large_rows()) == L - batch + 1
         store = ShmBackend(reg)
-        for s in range(4):  # the scope counts moved with the evicted rows
-            assert store.scope_rows(f"s{s}") == sum(
-                1 for k, _ in t.scan() if k[0] == f"s{s}")
+        for s in scopes:  # the scope counts moved with the evicted rows
+            assert store.scope_rows(s) == sum(1 for k, _ in t.scan() if k[0] == s)
         reg.unlink()
 
 
@@ -164,7 +213,7 @@ def test_in_flight_past_the_large_class_reaps_then_fails_like_a_full_table(shm_n
         c = Cancellation(reg)
         store = ShmBackend(reg)
         L = reg.table("in_flight").large_count
-        scope = "p" * 150  # a long principal: every row of it is large
+        scope = "p" * 200  # a long principal: every row of it is large
         dead = _dead_owner()
         for i in range(L):
             store.track(scope, f"dead{i}", dead)
@@ -176,6 +225,22 @@ def test_in_flight_past_the_large_class_reaps_then_fails_like_a_full_table(shm_n
             c.track("one-more", scope)
         c.track("small", "global")  # small rows are unaffected
         assert c.in_flight("small", "global") and not c.in_flight("one-more", scope)
+        reg.unlink()
+
+
+def test_in_flight_rows_of_a_long_principal_and_uuid_ids_take_small_records(
+        shm_name: str) -> None:
+    """A 79-character principal scope with UUID request ids (a common transport row) fits a
+    small record: far more than the large class's rows of it are tracked at once."""
+    with Registry.create(shm_name, Config(in_flight_capacity=1024)) as reg:
+        c = Cancellation(reg)
+        scope = "principal:" + "u" * 69
+        L = reg.table("in_flight").large_count
+        ids = [str(uuid.UUID(int=i)) for i in range(3 * L)]
+        for rid in ids:
+            c.track(rid, scope)
+        assert all(c.in_flight(rid, scope) for rid in ids)
+        assert not reg.table("in_flight").large_rows()
         reg.unlink()
 
 

@@ -18,8 +18,9 @@ from ..shm import procinfo
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
-from ..shm.table import LargeRowsFull, PreparedKey, Table, _unpack
+from ..shm.table import LargeRowsFull, PreparedKey, Table, _pack, _unpack
 from . import eviction
+from .reasons import SHORTENED
 from .storage import Owner, Poll, Storage
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 
@@ -197,8 +198,12 @@ class ShmBackend:
                         try:
                             self._put(ck, scope, reason, at, counted)
                             break
-                        except LargeRowsFull:  # the large records are taken: evict among them
-                            self.evict_large()
+                        except LargeRowsFull:  # the large records are taken
+                            short = self._fit_small(ck, reason, at)
+                            if short is None:  # the key alone needs one: evict among them
+                                self.evict_large()
+                            else:  # the row is kept; only its reason is cut to fit
+                                reason = short
                         except TableFull:  # the physical table filled below the cap
                             self.evict(batch)
                         counted = None  # the eviction may have taken rows of this scope
@@ -312,6 +317,25 @@ class ShmBackend:
             if not batch:
                 break
         return total
+
+    def _fit_small(self, key: PreparedKey, reason: str | None, at: float) -> str | None:
+        """``reason`` cut to the longest prefix that, followed by ``SHORTENED``, lets the row
+        ``key -> (reason, at)`` fit a small record; ``None`` when there is no reason to cut or
+        even ``SHORTENED`` alone does not fit (the key needs a large record)."""
+        if reason is None:
+            return None
+        room = self._c.small_payload - len(key.kbytes)
+        b = reason.encode("utf-8")
+        n = room - len(_pack((SHORTENED, at)))
+        for _ in range(4):  # a shorter text may take a shorter msgpack header: at most 3 steps
+            if n < 0:
+                return None
+            cut = b[:n].decode("utf-8", "ignore") + SHORTENED
+            over = len(_pack((cut, at))) - room
+            if over <= 0:
+                return cut
+            n -= over
+        return None
 
     def evict_large(self) -> int:
         """Under the lock: the table holds its ``large_count`` rows too large for a small record

@@ -16,8 +16,9 @@ Keys and values as msgpack packs them:
 
 Record sizes come from the worst-case packed sizes of those shapes (``KEY_*``/``VAL_*``; tests
 pack the worst cases). ``cancellations`` and ``in_flight`` keep small records for the common row
-(``SMALL_REQUEST``) and a bounded number of worst-case ones (``LARGE_*``); past those, a write
-meets ``LargeRowsFull`` and ``cancellations`` evicts among its large rows (contract §4.4), while
+(``SMALL_*``) and a bounded number of worst-case ones (``LARGE_*``); past those, a write meets
+``LargeRowsFull``: ``cancellations`` keeps the row with its reason cut to fit a small record
+(evicting among its large rows only when the key alone needs one, contract §4.4), while
 ``in_flight`` drops dead owners' rows and else serves the request uncancellable.
 """
 
@@ -54,10 +55,12 @@ VAL_SCOPE_COUNT = PACKED_NIL  # the count is the word
 
 
 # Small records (bytes, header included), sized for the common row measured from the transport:
-# ids of 1-36 characters (a UUID), scopes of a minted session id (32), a short principal or
-# "global", reasons None or a short text. The payload of 160 is 136 packed bytes: a [32-char
-# scope, 36-char id] key (71) with an in-flight owner (<= 37) or a reason of <= 53 bytes.
-SMALL_REQUEST = 160
+# ids of 1-36 characters (a UUID), scopes of a minted session id (32), a principal or "global",
+# reasons None or a short text. A cancellation's 192 hold 168 packed bytes: a [32-char scope,
+# 36-char id] key (71) with a reason of <= 85 bytes (<= 117 with an int id); an in-flight row's
+# 224 hold 200: a key of <= 163 bytes (a 125-character scope with a UUID) with its owner (<= 37).
+SMALL_CANCELLATION = 192
+SMALL_IN_FLIGHT = 224
 # Large rows each table holds (bounded by its capacity): the worst case, reserved separately.
 LARGE_CANCELLATIONS = 256
 LARGE_IN_FLIGHT = 128
@@ -79,9 +82,9 @@ def _counts_capacity(config: Any) -> int:
     return config.effective_max_rows + zero_counts_kept(config)
 
 TABLES = (
-    TableDecl(CANCELLATIONS, "set", _MAX_ROWS, KEY_REQUEST, VAL_CANCEL, SMALL_REQUEST,
+    TableDecl(CANCELLATIONS, "set", _MAX_ROWS, KEY_REQUEST, VAL_CANCEL, SMALL_CANCELLATION,
               LARGE_CANCELLATIONS),
-    TableDecl(IN_FLIGHT, "bag", _IN_FLIGHT, KEY_REQUEST, VAL_OWNER, SMALL_REQUEST,
+    TableDecl(IN_FLIGHT, "bag", _IN_FLIGHT, KEY_REQUEST, VAL_OWNER, SMALL_IN_FLIGHT,
               LARGE_IN_FLIGHT),
     TableDecl(SCOPE_COUNTS, "set", _counts_capacity, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
 )
