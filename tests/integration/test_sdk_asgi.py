@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import httpx
@@ -317,10 +318,15 @@ def test_worker_killed_with_its_sessions(server):
         async def start_call() -> None:
             async with httpx.AsyncClient(timeout=20) as ah, anyio.create_task_group() as tg:
                 async def call() -> None:
-                    with pytest.raises(httpx.HTTPError):  # the worker dies under it
-                        await ah.post(g.url, headers=victim, json={
+                    # The worker dies under it: the connection breaks (also when another
+                    # worker forwards it); a 503 when the owner died before its answer began.
+                    try:
+                        r = await ah.post(g.url, headers=victim, json={
                             "jsonrpc": "2.0", "id": 5, "method": "tools/call",
                             "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
+                    except httpx.HTTPError:
+                        return
+                    assert r.status_code == 503, r.text
 
                 tg.start_soon(call)
                 await until(lambda: any(r[0].startswith("session:") for r in rows(reg)), 10,
@@ -381,3 +387,98 @@ def test_stateless_namesake_from_another_address_untouched(server):
     anyio.run(main)
     assert rows(reg) == []
     assert cancellation_rows(reg) == []
+
+
+def _legacy_call(g: Gunicorn, headers: dict[str, str], rid: int, answers: dict[int, Any],
+                 h: httpx.AsyncClient) -> Any:
+    async def post() -> None:
+        body = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}}
+        r = await h.post(g.url, json=body, headers=headers)
+        text = r.text
+        answers[rid] = json.loads(text[text.index("{"):text.rindex("}") + 1])
+
+    return post
+
+
+def test_a_cancel_answered_by_shmcancel_passes_the_sdks_checks_first(server):
+    """A notification shmcancel answers itself (its call is in flight) meets the SDK's own
+    checks first: without the Accept the SDK asks for it is the SDK's 406 and cancels nothing.
+    And a method name spelled with JSON escapes (as PHP's json_encode writes ``/``) is the same
+    name: it cancels (on a stateless server the SDK would ignore it)."""
+    kind, g, reg = server
+    headers = dict(LEGACY_HEADERS)
+    scope = "ip:127.0.0.1"
+    if kind == "stateful":
+        with httpx.Client(timeout=10) as h0:
+            headers = _initialize(h0, g.url)
+        scope = "session:" + headers["mcp-session-id"].split("-", 1)[1]
+
+    async def main() -> None:
+        answers: dict[int, Any] = {}
+        async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
+            tg.start_soon(_legacy_call(g, headers, 501, answers, h))
+            await until(lambda: (scope, "501") in rows(reg), 10, "the call")
+            plain = ('{"jsonrpc": "2.0", "method": "notifications/cancelled", '
+                     '"params": {"requestId": 501}}')
+            escaped = plain.replace("/", "\\/")
+            async with httpx.AsyncClient(timeout=10) as h2:
+                r = await h2.post(g.url, content=plain,
+                                  headers=dict(headers, accept="text/html"))
+                assert r.status_code == 406, r.text
+                await anyio.sleep(0.2)  # a wrongly recorded cancel would end it meanwhile
+                assert (scope, "501") in rows(reg) and not answers
+                r = await h2.post(g.url, content=escaped, headers=headers)
+                assert r.status_code == 202, r.text
+            await until(lambda: 501 in answers, STOPPED_WITHIN, "the call's answer")
+        assert answers[501]["error"]["code"] == -32800, answers
+
+    anyio.run(main)
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_a_sessionless_cancel_never_reaches_another_clients_call(server):
+    """Stateful: a 2026-07-28 call runs in its client's address scope (that wire has no
+    session). A 2025-era ``notifications/cancelled`` without a session is the SDK's to refuse
+    (400), even when a call with its id runs in that address scope: it cancels nothing."""
+    _kind, g, reg = server
+
+    async def main() -> None:
+        async with Client(g.url, mode="2026-07-28") as c, anyio.create_task_group() as tg:
+            tg.start_soon(c.call_tool, "sleep", {"seconds": SLEEP})
+            await until(lambda: rows(reg), 10, "the call to be in flight")
+            (scope, rid), = rows(reg)
+            assert scope == "ip:127.0.0.1"
+            note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                    "params": {"requestId": int(rid) if rid.isdigit() else rid}}
+            async with httpx.AsyncClient(timeout=10) as h:
+                r = await h.post(g.url, json=note, headers=LEGACY_HEADERS)
+            assert r.status_code == 400, r.text
+            await anyio.sleep(0.2)  # a wrongly recorded cancel would end it meanwhile
+            assert rows(reg) == [(scope, rid)] and cancellation_rows(reg) == []
+            tg.cancel_scope.cancel()
+        await until(lambda: not rows(reg), 10, "the call to stop")
+        await anyio.sleep(0.3)  # the SDK client's exit race (see test_abandoned_call_stops)
+
+    anyio.run(main)
+    assert cancellation_rows(reg) == []
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_another_servers_session_is_unknown_here(server, shm_name):
+    """Two servers of one user on one host share the socket directory's parent, not their
+    workers: a session of server B sent to server A's port is A's 404, never served by B's
+    worker (nor can a cancel sent to A reach B's call)."""
+    _kind, a, _reg = server
+    with Gunicorn(None, registry_name=shm_name, config=CONF, workers=2,
+                  worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_STATELESS": "0"}) as b, httpx.Client(timeout=10) as h:
+        hdrs = _initialize(h, b.url)
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        assert h.post(b.url, headers=hdrs, json=ping).status_code == 200
+        for _ in range(6):  # any of A's workers
+            with httpx.Client(timeout=10) as fresh:
+                r = fresh.post(a.url, headers=hdrs, json=ping)
+            assert r.status_code == 404, r.text

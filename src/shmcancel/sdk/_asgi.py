@@ -8,8 +8,10 @@ only
 - a 2025-era ``notifications/cancelled`` whose request is in flight in the caller's scope on any
   worker: recorded with ``cancel_if_in_flight`` (one lock hold), answered 202 after the same
   Origin/Host/Content-Type checks the SDK's transport makes (its own ``TransportSecurityMiddleware``
-  with the server's settings). A notification for a request not in flight there goes on to the SDK,
-  which answers it as it always does (and, in the worker owning a stateful session, acts on it);
+  with the server's settings) and its Accept rule. A notification for a request not in flight
+  there, one that fails the Accept rule, or one without a session on a stateful server goes on to
+  the SDK, which answers it as it always does (and, in the worker owning a stateful session, acts
+  on it);
 - a quota refusal (429) or a stalled registry (503 with ``Retry-After``) of such a notification.
 
 On the 2026-07-28 wire, and on a stateless server, it also watches the connection: a client that
@@ -42,6 +44,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 CANCELLED_METHOD = "notifications/cancelled"
 RETRY_AFTER = "1"  # seconds, for a 503 on a stalled registry
+MAX_ESCAPED = 64 * 1024  # bytes: the largest body with JSON escapes read for a cancellation
 
 
 def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
@@ -141,12 +144,11 @@ class Layer:
         modern = modern_wire(scope)
         if owner is not None and router is not None:
             # a cancel is answered here from the registry (no hop); anything else goes to the owner
-            if (modern or CANCELLED_METHOD.encode() not in body
+            if (modern or not _may_cancel(body)
                     or not await self._cancel(router.with_sdk_id(scope), body, send)):
                 await router.forward(owner, scope, body, receive, send)
             return
-        if (not modern and CANCELLED_METHOD.encode() in body
-                and await self._cancel(scope, body, send)):
+        if not modern and _may_cancel(body) and await self._cancel(scope, body, send):
             return
         if modern or not self.stateful:  # an exchange nobody can resume: leaving abandons it
             await self._watched(scope, body, receive, send)
@@ -205,6 +207,10 @@ class Layer:
         c = process_cancellation()
         if c is None:
             return False
+        if self.stateful and not _has_header(scope, b"mcp-session-id"):
+            return False  # the SDK refuses it (400): no session, no scope to cancel in
+        if not self._accepts(scope):
+            return False  # the SDK refuses it (406)
         refused = await self._checks(scope)
         if refused is not None:
             status, rbody, headers = refused
@@ -228,6 +234,15 @@ class Layer:
             return False
         await _respond(send, 202)
         return True
+
+    def _accepts(self, scope: Scope) -> bool:
+        """The SDK transport's Accept rule for a POST: ``application/json``, and with SSE
+        responses ``text/event-stream`` too (wildcards as the SDK reads them)."""
+        from mcp.server.streamable_http import check_accept_headers
+        from starlette.requests import Request
+
+        has_json, has_sse = check_accept_headers(Request(scope))
+        return has_json and (has_sse or bool(getattr(self.manager, "json_response", False)))
 
     async def _checks(self, scope: Scope) -> tuple[int, bytes, list] | None:
         """The SDK transport's own Origin/Host and Content-Type checks, with the server's
@@ -280,6 +295,17 @@ class Layer:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+
+def _may_cancel(body: bytes) -> bool:
+    """Whether ``body`` may be a ``notifications/cancelled`` (then it is parsed): the method
+    name as written, or any JSON escape in a body small enough to parse twice (a name can be
+    spelled with escapes, ``notifications\\/cancelled``)."""
+    return CANCELLED_METHOD.encode() in body or (b"\\" in body and len(body) <= MAX_ESCAPED)
+
+
+def _has_header(scope: Scope, name: bytes) -> bool:
+    return any(k == name and v for k, v in scope.get("headers") or ())
 
 
 def _tagging(send: Send, router: Router) -> Send:

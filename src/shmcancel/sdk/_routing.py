@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import tempfile
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -48,16 +49,63 @@ MAX_CLIENTS = 64
 # The URL origin of a forwarded request (the socket decides where it goes; the client's own Host
 # header is forwarded as it came).
 FORWARD_ORIGIN = "http://shmcancel-worker"
-FORWARD_TIMEOUT = 10.0  # seconds to connect and to get the response head from the owner
+# Seconds to connect to the owner. No bound on its response head: a JSON response starts only
+# when the call ends.
+FORWARD_TIMEOUT = 10.0
 
 
 def socket_dir() -> str:
     """Where the workers' sockets live: ``SHMCANCEL_SDK_SOCKET_DIR``, else a directory per user
-    under the temporary directory (created 0700)."""
+    under the temporary directory (created 0700). Whoever can reach a worker's socket can send
+    it requests as any client (the forwarded client address is trusted), so the directory must
+    be a real directory of this user that no one else can enter: one of this user's with group
+    or other bits gets them cleared; a symlink, another user's directory or a file raises
+    :class:`SocketDirUnsafe` (another local user squatting the name under ``/tmp``). Checked
+    once per process and directory."""
     d = os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
         tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}")
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    if _checked.get(d) == os.getpid():
+        return d
+    with contextlib.suppress(FileExistsError):  # a file or a dangling symlink: said below
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = ("a symlink" if stat.S_ISLNK(st.st_mode) else
+                "not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by uid {st.st_uid}")
+        raise SocketDirUnsafe(
+            f"shmcancel.sdk: the socket directory {d} is {what}, not a directory of uid "
+            f"{os.getuid()}: remove it, or set SHMCANCEL_SDK_SOCKET_DIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)
+    _checked[d] = os.getpid()
     return d
+
+
+def server_dir() -> str:
+    """This server's part of :func:`socket_dir`: a subdirectory per registry (the workers of one
+    server share it; another server's sessions are unknown here, never served through this
+    server's port), or the directory itself when the worker has no registry."""
+    from ._calls import process_cancellation
+
+    c = process_cancellation()
+    reg = getattr(c, "registry", None)
+    base = socket_dir()
+    if reg is None:
+        return base
+    d = os.path.join(base, f"r-{reg.name}")  # registry names are [A-Za-z0-9_.-]: never "..".
+    if _checked.get(d) != os.getpid():
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)  # inside a private directory: nobody else made it
+        _checked[d] = os.getpid()
+    return d
+
+
+class SocketDirUnsafe(RuntimeError):
+    """The workers' socket directory is not a private directory of this user (see
+    :func:`socket_dir`)."""
+
+
+_checked: dict[str, int] = {}  # socket directory -> the pid that checked it
 
 
 def split(session_id: str) -> tuple[str, str] | None:
@@ -119,8 +167,12 @@ class Router:
         if h is None:
             if len(self._clients) >= MAX_CLIENTS:
                 self._clients.pop(next(iter(self._clients)))  # closed by the collector
+            # No pool bound of its own: each forward holds one of this worker's own client
+            # connections, so those bound it (httpx's default of 100 made the 101st concurrent
+            # stream wait FORWARD_TIMEOUT, then fail).
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
             h = self._clients[path] = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=path),
+                transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
                 timeout=httpx.Timeout(FORWARD_TIMEOUT, read=None))
         return h
 
@@ -135,7 +187,7 @@ class Router:
 
         self.pid = os.getpid()
         self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
-        self.path = os.path.join(socket_dir(), f"{self.token}.sock")
+        self.path = os.path.join(server_dir(), f"{self.token}.sock")
         self._started = started = asyncio.Event()
         config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
                                 interface="asgi3", proxy_headers=False,
@@ -230,7 +282,7 @@ class Router:
         """Serve the request by the worker ``token`` (see the module docstring)."""
         import httpx
 
-        path = os.path.join(socket_dir(), f"{token}.sock")
+        path = os.path.join(server_dir(), f"{token}.sock")
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in HOP_BY_HOP]
         client = scope.get("client")
         if client:
@@ -250,6 +302,12 @@ class Router:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             await _not_found(send)
+            return
+        except httpx.HTTPError as e:  # the owner broke the exchange before its answer began
+            # (it stopped), or the connection timed out. Once the answer began, such an error
+            # propagates: the server then drops the client's connection, as the owner's did.
+            log.warning("shmcancel.sdk: forwarding to worker %s failed: %r", token, e)
+            await _busy(send)
             return
         try:
             out = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -337,6 +395,15 @@ def _refused(path: str) -> bool:
     finally:
         s.close()
     return False
+
+
+async def _busy(send: Any) -> None:
+    body = (b'{"jsonrpc":"2.0","id":null,"error":{"code":-32000,'
+            b'"message":"Server busy: the worker holding the session did not answer"}}')
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _not_found(send: Any) -> None:

@@ -1,0 +1,129 @@
+"""Forwarding a session's request to the worker holding it (``shmcancel.sdk._routing.Router``),
+over real Unix sockets with real uvicorn servers in one process: a worker that forwards many
+long-lived streams still forwards the next request at once, and an owner that dies during a
+forward is a 503 with ``Retry-After`` (or the end of its stream), never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from shmcancel.sdk import _routing
+from shmcancel.sdk._routing import Router
+
+STREAMS = 120  # more than httpx's default pool of 100 connections per client
+
+
+def _scope(method: str) -> dict[str, Any]:
+    return {"type": "http", "method": method, "path": "/mcp", "raw_path": b"/mcp",
+            "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
+            "client": ("127.0.0.1", 1234)}
+
+
+class _Owner:
+    """An owner worker's app: a GET is a stream that stays open until released; a POST is
+    answered 200 at once, or held for as long as ``stall`` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.stall = asyncio.Event()
+        self.streams = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["method"] == "GET":
+            self.streams += 1
+            await send({"type": "http.response.body", "body": b": open\n\n", "more_body": True})
+            await self.release.wait()
+        elif self.stall.is_set():
+            await self.release.wait()
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+
+async def _forward(router: Router, token: str, method: str, gone: asyncio.Event) -> list[Any]:
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await router.forward(token, _scope(method), b"{}" if method == "POST" else None, receive,
+                         send)
+    return sent
+
+
+def test_a_forward_after_many_held_streams_is_served_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+
+    async def main() -> None:
+        app = _Owner()
+        owner, here = Router(app), Router(app)
+        await owner.ensure()
+        gone = asyncio.Event()
+        streams = [asyncio.create_task(_forward(here, owner.token, "GET", gone))
+                   for _ in range(STREAMS)]
+        try:
+            for _ in range(2000):
+                if app.streams >= STREAMS:
+                    break
+                await asyncio.sleep(0.01)
+            assert app.streams == STREAMS, (app.streams, [t for t in streams if t.done()][:2])
+            async with asyncio.timeout(5):  # httpx's default pool: 10 s, then PoolTimeout
+                sent = await _forward(here, owner.token, "POST", gone)
+            assert sent[0]["status"] == 200
+            assert b"".join(m.get("body", b"") for m in sent[1:]) == b"ok"
+        finally:
+            app.release.set()
+            gone.set()
+            await asyncio.gather(*streams, return_exceptions=True)
+            owner.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("dies", ["before its answer", "mid-stream"])
+def test_an_owner_that_dies_during_a_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            dies: str) -> None:
+    """The owner's socket closes as a killed worker's does. Before the response head the
+    forwarding worker answers 503 with ``Retry-After`` (nothing for the server to turn into a
+    500); after it, the forward raises, so the server drops the client's connection as the
+    owner dropped its own (a clean end would pass a broken stream off as complete)."""
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    token = "1x000000000000"
+
+    async def main() -> None:
+        async def owner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            if dies == "mid-stream":
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                             b"5\r\nhello\r\n")
+                await writer.drain()
+            writer.transport.abort()
+
+        path = os.path.join(_routing.server_dir(), f"{token}.sock")  # where forwards look
+        server = await asyncio.start_unix_server(owner, path=path)
+        gone = asyncio.Event()
+        try:
+            async with asyncio.timeout(15):
+                if dies == "mid-stream":
+                    with pytest.raises(httpx.HTTPError):
+                        await _forward(Router(_Owner()), token, "POST", gone)
+                    return
+                sent = await _forward(Router(_Owner()), token, "POST", gone)
+        finally:
+            gone.set()
+            server.close()
+        head = sent[0]
+        assert head["status"] == 503 and (b"retry-after", b"1") in head["headers"]
+        assert b"-32000" in sent[-1]["body"]
+
+    asyncio.run(main())

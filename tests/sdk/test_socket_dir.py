@@ -1,0 +1,64 @@
+"""The SDK workers' socket directory (``shmcancel.sdk._routing.socket_dir``): a worker's socket
+takes requests as any client (the forwarded client address is trusted), so the directory must be
+a private directory of this user; another local user's squat is refused, never used."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from shmcancel.sdk._routing import SocketDirUnsafe, socket_dir
+
+
+@pytest.fixture
+def use_dir(monkeypatch: pytest.MonkeyPatch):
+    def _use(d: Path) -> None:
+        monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(d))
+
+    return _use
+
+
+def test_a_new_directory_is_made_private(tmp_path: Path, use_dir) -> None:
+    d = tmp_path / "socks"
+    use_dir(d)
+    assert socket_dir() == str(d)
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+
+
+def test_an_open_directory_of_ours_is_closed(tmp_path: Path, use_dir) -> None:
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    use_dir(d)
+    assert socket_dir() == str(d)
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+
+
+def test_a_symlink_or_a_file_is_refused(tmp_path: Path, use_dir) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    use_dir(link)
+    with pytest.raises(SocketDirUnsafe, match="symlink"):
+        socket_dir()
+    f = tmp_path / "file"
+    f.write_text("")
+    use_dir(f)
+    with pytest.raises(SocketDirUnsafe, match="not a directory"):
+        socket_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
+def test_another_users_directory_is_refused_and_left_alone(tmp_path: Path, use_dir) -> None:
+    d = tmp_path / "squat"
+    d.mkdir()
+    d.chmod(0o777)
+    os.chown(d, 65534, 65534)  # nobody
+    use_dir(d)
+    with pytest.raises(SocketDirUnsafe, match="owned by uid 65534"):
+        socket_dir()
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o777 and os.listdir(d) == []
