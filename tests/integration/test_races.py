@@ -467,6 +467,40 @@ def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name
                    what="no traceback")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["tools/call", "DELETE"])
+def test_a_worker_that_never_saw_the_lock_stall_waits_one_lock_timeout_too(
+        shm_name: str, tmp_path, spawn, how: str) -> None:
+    """A worker's first request under a stopped holder, with its sweeps due: the sweep on its
+    way skips its turn (another process holds the lock now: a lock-free read), so the request
+    waits ``lock_timeout`` for its own write only (it waited twice: 2 s here)."""
+    lock_timeout = 1.0
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path),
+           "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout),
+           "SHMCANCEL_TEST_JANITOR_INTERVAL": "0.2"}  # sweeps due on every request
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", env=env, workers=1,
+                  worker_class="gthread", threads=4) as g:
+        headers = {"Accept": ACCEPT, "Content-Type": "application/json"}
+        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                "params": {"protocolVersion": LEGACY, "capabilities": {},
+                           "clientInfo": {"name": "t", "version": "1"}}}
+        r = httpx.post(g.url, json=init, headers=headers, timeout=15)
+        headers |= {"Mcp-Session-Id": r.headers["mcp-session-id"],
+                    "MCP-Protocol-Version": LEGACY}
+        with stalled_lock(spawn, shm_name):
+            t0 = time.monotonic()
+            if how == "DELETE":
+                r = httpx.delete(g.url, headers=headers, timeout=30)
+            else:
+                r = httpx.post(g.url, json=call(8, "echo", {"text": "x"}), headers=headers,
+                               timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 503, r.text
+            assert took < 1.8 * lock_timeout, (took, g.log_tail())
+
+
 def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, spawn) -> None:
     """Registry.close() frees this process's lane under the lock but waits about a second at
     most, not lock_timeout: a stalled holder leaves the lane claimed (whoever needs it takes it
