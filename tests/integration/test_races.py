@@ -425,15 +425,11 @@ def test_gunicorn_with_a_stopped_lock_holder(shm_name: str, tmp_path, spawn) -> 
             reg.close()
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name: str, tmp_path,
-                                                                        spawn) -> None:
-    """A request under a stalled lock waits ``lock_timeout`` for its own write, then 503. It
-    waited once more per piece of deferrable work on its way (the session sweep, the owed
-    call ends, the janitor's claim): 20-30 s at the default 10 s. Those skip their turn now
-    while this process has seen the lock time out within ``lock_timeout``."""
-    lock_timeout = 1.0
+@contextlib.contextmanager
+def _one_session_server(shm_name: str, tmp_path: Any,
+                        lock_timeout: float) -> Iterator[tuple[Gunicorn, dict[str, str]]]:
+    """The transport app on one gthread worker with ``lock_timeout`` and sweeps due on every
+    request; the headers of a session initialized on it."""
     env = {"SHMCANCEL_TEST_DIR": str(tmp_path),
            "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout),
            "SHMCANCEL_TEST_JANITOR_INTERVAL": "0.2"}  # sweeps due on every request
@@ -447,6 +443,19 @@ def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name
         r = httpx.post(g.url, json=init, headers=headers, timeout=15)
         headers |= {"Mcp-Session-Id": r.headers["mcp-session-id"],
                     "MCP-Protocol-Version": LEGACY}
+        yield g, headers
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name: str, tmp_path,
+                                                                        spawn) -> None:
+    """A request under a stalled lock waits ``lock_timeout`` for its own write, then 503. It
+    waited once more per piece of deferrable work on its way (the session sweep, the owed
+    call ends, the janitor's claim): 20-30 s at the default 10 s. Those skip their turn now
+    while this process has seen the lock time out within ``lock_timeout``."""
+    lock_timeout = 1.0
+    with _one_session_server(shm_name, tmp_path, lock_timeout) as (g, headers):
 
         def post(obj: Any) -> tuple[httpx.Response, float]:
             t0 = time.monotonic()
@@ -472,33 +481,21 @@ def test_a_stopped_lock_holder_makes_each_request_wait_one_lock_timeout(shm_name
 @pytest.mark.parametrize("how", ["tools/call", "DELETE"])
 def test_a_worker_that_never_saw_the_lock_stall_waits_one_lock_timeout_too(
         shm_name: str, tmp_path, spawn, how: str) -> None:
-    """A worker's first request under a stopped holder, with its sweeps due: the sweep on its
-    way skips its turn (another process holds the lock now: a lock-free read), so the request
-    waits ``lock_timeout`` for its own write only (it waited twice: 2 s here)."""
+    """A worker's first request under a stopped holder, with its sweeps due (the process has not
+    seen the lock time out yet, so nothing skips for that): it waits ``lock_timeout`` for its own
+    write only, as nothing deferrable waits before that write."""
     lock_timeout = 1.0
-    env = {"SHMCANCEL_TEST_DIR": str(tmp_path),
-           "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout),
-           "SHMCANCEL_TEST_JANITOR_INTERVAL": "0.2"}  # sweeps due on every request
-    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
-                  config="tests/apps/transport_conf.py", env=env, workers=1,
-                  worker_class="gthread", threads=4) as g:
-        headers = {"Accept": ACCEPT, "Content-Type": "application/json"}
-        init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-                "params": {"protocolVersion": LEGACY, "capabilities": {},
-                           "clientInfo": {"name": "t", "version": "1"}}}
-        r = httpx.post(g.url, json=init, headers=headers, timeout=15)
-        headers |= {"Mcp-Session-Id": r.headers["mcp-session-id"],
-                    "MCP-Protocol-Version": LEGACY}
-        with stalled_lock(spawn, shm_name):
-            t0 = time.monotonic()
-            if how == "DELETE":
-                r = httpx.delete(g.url, headers=headers, timeout=30)
-            else:
-                r = httpx.post(g.url, json=call(8, "echo", {"text": "x"}), headers=headers,
-                               timeout=30)
-            took = time.monotonic() - t0
-            assert r.status_code == 503, r.text
-            assert took < 1.8 * lock_timeout, (took, g.log_tail())
+    with _one_session_server(shm_name, tmp_path, lock_timeout) as (g, headers), \
+            stalled_lock(spawn, shm_name):
+        t0 = time.monotonic()
+        if how == "DELETE":
+            r = httpx.delete(g.url, headers=headers, timeout=30)
+        else:
+            r = httpx.post(g.url, json=call(8, "echo", {"text": "x"}), headers=headers,
+                           timeout=30)
+        took = time.monotonic() - t0
+        assert r.status_code == 503, r.text
+        assert took < 1.8 * lock_timeout, (took, g.log_tail())
 
 
 def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, spawn) -> None:

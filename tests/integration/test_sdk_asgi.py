@@ -181,12 +181,7 @@ def test_cancel_on_a_fresh_connection(server, tool):
     stateful session); nothing is left. A notification for an id nobody runs is the SDK's to
     answer (202) and writes no row."""
     kind, g, reg = server
-    headers = dict(LEGACY_HEADERS)
-    scope = "ip:127.0.0.1"
-    if kind == "stateful":
-        with httpx.Client(timeout=10) as h0:
-            headers = _initialize(h0, g.url)
-        scope = "session:" + headers["mcp-session-id"].split("-", 1)[1]
+    headers, scope = _legacy_client(kind, g)
 
     async def one(rid: int) -> float:
         call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
@@ -230,6 +225,16 @@ def test_cancel_on_a_fresh_connection(server, tool):
 
     assert anyio.run(stray) == 202
     assert cancellation_rows(reg) == []
+
+
+def _legacy_client(kind: str, g: Gunicorn) -> tuple[dict[str, str], str]:
+    """A 2025-era client's headers and the scope its calls run in: a fresh session's when the
+    server is stateful, else its address's."""
+    if kind != "stateful":
+        return dict(LEGACY_HEADERS), "ip:127.0.0.1"
+    with httpx.Client(timeout=10) as h0:
+        headers = _initialize(h0, g.url)
+    return headers, "session:" + headers["mcp-session-id"].split("-", 1)[1]
 
 
 def _initialize(h: httpx.Client, url: str) -> dict[str, str]:
@@ -407,12 +412,7 @@ def test_a_cancel_answered_by_shmcancel_passes_the_sdks_checks_first(server):
     And a method name spelled with JSON escapes (as PHP's json_encode writes ``/``) is the same
     name: it cancels (on a stateless server the SDK would ignore it)."""
     kind, g, reg = server
-    headers = dict(LEGACY_HEADERS)
-    scope = "ip:127.0.0.1"
-    if kind == "stateful":
-        with httpx.Client(timeout=10) as h0:
-            headers = _initialize(h0, g.url)
-        scope = "session:" + headers["mcp-session-id"].split("-", 1)[1]
+    headers, scope = _legacy_client(kind, g)
 
     async def main() -> None:
         answers: dict[int, Any] = {}
