@@ -326,6 +326,34 @@ def test_a_stalled_lock_holder_costs_a_503_and_loses_no_end(registry, spawn,
         forget_owed_ends()
 
 
+@pytest.mark.parametrize("poll", ["handle.cancelled", "c.cancelled", "c.in_flight", "c.reason"])
+def test_a_poll_never_waits_for_a_stopped_lock_holder(registry, spawn, poll: str) -> None:
+    """A poll is lock-free (contract §4.3), also when the janitor's turn rides on it: with the
+    sweep due and a live holder stopped, the poll answers at once (the sweep skips its turn)
+    instead of waiting ``lock_timeout`` to claim it."""
+    reg = registry(lock_timeout=2.0, janitor_interval=0.05)
+    c = Cancellation(reg)
+    h = c.begin(5, "s")
+    ask = {"handle.cancelled": h.cancelled, "c.cancelled": lambda: c.cancelled(5, "s"),
+           "c.in_flight": lambda: c.in_flight(5, "s"), "c.reason": lambda: c.reason(5, "s")}[poll]
+    try:
+        ask()
+        with stalled_lock(spawn, reg.name):
+            t0 = time.monotonic()
+            took = 0.0
+            while time.monotonic() - t0 < 0.5:  # well past janitor_interval: the sweep is due
+                took = max(took, _timed(ask))
+            assert took < 0.5, took
+    finally:
+        h.end()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
 def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
     """Without any janitor: the next write of the process that owes an end lands it."""
     reg = registry(lock_timeout=0.3)

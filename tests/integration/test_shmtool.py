@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 from helpers.background import lock_held
-from helpers.procs import first_message
+from helpers.procs import child, first_message, reap, recv
 from helpers.rows import in_flight_count
 
 from shmcancel import Config
@@ -358,3 +359,40 @@ def test_unlink_under_a_running_gunicorn_is_refused_and_the_server_survives(shm_
             time.sleep(0.02)
         g.wait_workers(1, deadline)
         Registry.attach(shm_name, readonly=True).close()
+
+
+def test_dump_and_stats_after_a_writer_died_mid_write(reg) -> None:
+    """A writer SIGKILLed mid-write leaves its lock taken and a bucket version odd until the
+    next writer recovers them. ``dump``/``stats`` never take the lock: they still answer (the
+    rows that validate) and change nothing, instead of failing until some writer comes."""
+    c = Cancellation(reg)
+    for i in range(20):
+        c.cancel(i, f"r{i}", "ip:x")
+
+    def writer(w: int) -> None:
+        t = reg.table("cancellations")
+        with reg.lock:
+            reg.lock.dirty = True
+            t._ver[0] += 1  # a write in progress: bucket 0 odd
+            os.write(w, b"mid")
+            select.select([], [], [], 60)
+
+    pid, r = child(writer)
+    try:
+        assert recv(r) == b"mid"
+        os.kill(pid, signal.SIGKILL)
+        reap(pid)
+        with open(f"/dev/shm/shmcancel.{reg.name}", "rb") as f:
+            before = f.read()
+        p = shmtool("dump", reg.name, "--json")
+        assert p.returncode == 0, p.stderr
+        rows = json.loads(p.stdout)["cancellations"]
+        assert {(x["request_id"], x["reason"]) for x in rows} == {
+            (str(i), f"r{i}") for i in range(20)}
+        s = shmtool("stats", reg.name, "--json")
+        assert s.returncode == 0, s.stderr
+        with open(f"/dev/shm/shmcancel.{reg.name}", "rb") as f:
+            assert f.read() == before
+    finally:
+        reap(pid)
+        os.close(r)

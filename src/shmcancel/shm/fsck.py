@@ -44,10 +44,13 @@ class Fsck(TableBase):
         return None
 
     def _index_words(self) -> list[int]:
-        """The index as a list of u64 words, consistent (optimistic, else under the lock)."""
+        """The index as a list of u64 words, consistent (optimistic, else under the lock; on a
+        read-only attachment, which has no lock, as it is then)."""
         words = self._optimistic(list)
         if words is not None:
             return words
+        if getattr(self._lock, "readonly", False):
+            return self._idx.tolist()
         with self._lock:
             return self._idx.tolist()
 

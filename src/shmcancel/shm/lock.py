@@ -318,10 +318,15 @@ class RegistryLock:
                 f"held the lock for more than {self._timeout:.1f}s")
 
     def stalled(self) -> bool:
-        """Whether a wait of this process for the lock timed out within the last
-        ``lock_timeout`` seconds: work that can wait (sweeps, settling owed ends on a
-        request's way) skips its turn rather than make a request wait a second time."""
-        return time.monotonic() < self._st.stalled_until
+        """Whether work that can wait (sweeps, settling owed ends on a request's or a poll's
+        way) should skip its turn: a wait of this process for the lock timed out within the
+        last ``lock_timeout`` seconds, or another process holds the lock right now (a lock-free
+        read of the owner word; a holder stopped mid-hold would make that work wait
+        ``lock_timeout`` first, and a poll must not wait at all). A busy moment only defers the
+        work to its next turn."""
+        st = self._st
+        owner = self._w[_OWNER]
+        return (owner != 0 and owner != st.me) or time.monotonic() < st.stalled_until
 
     def _stamp(self) -> None:
         w = self._w

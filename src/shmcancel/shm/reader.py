@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -193,8 +194,13 @@ class Reads(Fsck):
                 return got[0], tuple(got[1])
             if attempt >= _SPIN_BEFORE_YIELD:
                 os.sched_yield()  # let a preempted writer finish
+        f = 5 if words else 3  # in a _find entry (slot, record, kbytes, vbytes, stamp, word)
+        if getattr(self._lock, "readonly", False):  # no lock to fall back to: best effort
+            try:
+                return [e[f] for e in self._find(pk)], ()
+            except TableCorrupted:
+                return [], ()
         with self._lock:
-            f = 5 if words else 3  # in a _find entry (slot, record, kbytes, vbytes, stamp, word)
             try:
                 out = [e[f] for e in self._find(pk)]
             except TableCorrupted as err:
@@ -313,6 +319,12 @@ class Reads(Fsck):
         ents = self._optimistic(self._entries)
         if ents is not None and _sound(ents):
             return ents
+        if getattr(self._lock, "readonly", False):
+            # No lock to fall back to (a writer died mid-write and left a version odd, or
+            # keeps writing): the rows that validate, minus any record referenced twice.
+            ents = [e for e in self._entries(self._idx.tolist()) if e[4] >= 0]
+            twice = {r for r, n in Counter(e[1] for e in ents).items() if n > 1}
+            return [e for e in ents if e[1] not in twice]
         with self._lock:
             ents = self._entries(self._idx.tolist())
             if not _sound(ents):  # under the lock: corruption, not a race
@@ -393,7 +405,9 @@ class Reads(Fsck):
             if got is not None and [ver[b] for b in buckets] == v0:
                 break
             got = None
-        if got is None:
+        if got is None and getattr(self._lock, "readonly", False):
+            got = read(False) or []  # no lock to fall back to: the rows that validate
+        elif got is None:
             with self._lock:
                 got = read(False) or []
         nxt = ((b0 + n) % nb) * BUCKET_SLOTS

@@ -151,6 +151,7 @@ class _ReadOnlyLock:
     read-only attachment must never block on or change the segment)."""
 
     dirty = False
+    readonly = True  # readers fall back to a best-effort unlocked read, never to this lock
 
     def __init__(self, seg: Segment) -> None:
         self.name = seg.name
