@@ -14,6 +14,7 @@ session's requests are served by the worker holding the session whichever worker
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -482,3 +483,48 @@ def test_another_servers_session_is_unknown_here(server, shm_name):
             with httpx.Client(timeout=10) as fresh:
                 r = fresh.post(a.url, headers=hdrs, json=ping)
             assert r.status_code == 404, r.text
+
+
+def test_deeply_nested_json_naming_the_cancel_is_a_400(server):
+    """A body the SDK refuses as JSON (nesting past the parser's depth) is its 400 also when it
+    names ``notifications/cancelled`` or holds an escape (so shmcancel parses it first)."""
+    kind, g, _reg = server
+    headers, _scope = _legacy_client(kind, g)
+    deep = "[" * 100_000 + "]" * 100_000
+    bodies = ['{"method": "notifications/cancelled", "params": ' + deep + "}",
+              '{"method": "x\\/y", "params": ' + deep + "}"]
+    with httpx.Client(timeout=10) as h:
+        for body in bodies:
+            r = h.post(g.url, content=body, headers=headers)
+            assert r.status_code == 400, (r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_delete_stops_a_sync_tool_of_the_session(server):
+    """``DELETE`` ends the session and cancels its calls (contract §6.1): a sync tool, whose
+    thread the SDK's task cancellation cannot reach, sees ``raise_if_cancelled()`` fire and its
+    row goes well before its 30 s."""
+    kind, g, reg = server
+    headers, scope = _legacy_client(kind, g)
+
+    async def main() -> float:
+        async with httpx.AsyncClient(timeout=40) as h, anyio.create_task_group() as tg:
+            async def post_call() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    await h.post(g.url, headers=headers, json={
+                        "jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                        "params": {"name": "sleep_sync", "arguments": {"seconds": SLEEP}}})
+
+            tg.start_soon(post_call)
+            await until(lambda: (scope, "3") in rows(reg), 10, "the call")
+            async with httpx.AsyncClient(timeout=10) as h2:
+                t0 = time.monotonic()
+                r = await h2.delete(g.url, headers=headers)
+                assert r.status_code in (200, 204), r.text
+            gone = await until(lambda: (scope, "3") not in rows(reg), 10, "the tool to stop")
+            tg.cancel_scope.cancel()
+            return gone - t0
+
+    took = anyio.run(main)
+    assert took < STOPPED_WITHIN, took
+    assert rows(reg) == []

@@ -1,7 +1,7 @@
 """The ASGI half of :mod:`shmcancel.sdk`: :func:`asgi` and the layer inside the ``/mcp`` route.
 
-The layer sits where the SDK's route endpoint was, so the SDK's auth middleware (when the server
-has auth) has run before it. For every POST it reads the body itself, at most the SDK's
+The layer sits where the SDK's route endpoint was, inside the SDK's ``RequireAuthMiddleware``
+when the server has auth, so that check has run before it on every path. For every POST it reads the body itself, at most the SDK's
 ``max_request_body_size`` bytes (413 beyond), and hands it on unchanged; it answers on its own
 only
 
@@ -70,13 +70,26 @@ def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
     wrapped = False
     for route in app.routes:
         if getattr(route, "path", None) == path and hasattr(route, "app"):
-            route.app = Layer(route.app, manager, stateful, router)
+            holder = route
+            if _is_auth(route.app):  # inside the SDK's auth check: it runs first, on every path
+                holder = route.app
+            holder.app = Layer(holder.app, manager, stateful, router)
             wrapped = True
     if not wrapped:  # pragma: no cover - the SDK always makes that route
         raise RuntimeError(f"shmcancel.sdk.asgi: no route {path!r} in the SDK's app")
     if router is not None:
         _with_router(app, router)
     return app
+
+
+def _is_auth(endpoint: Any) -> bool:
+    """Whether ``endpoint`` is the SDK's ``RequireAuthMiddleware`` (the route of a server with
+    auth): the layer goes inside it, so that no request reaches the layer unauthenticated."""
+    try:
+        from mcp.server.auth.middleware.bearer_auth import RequireAuthMiddleware
+    except ImportError:  # pragma: no cover - every supported SDK has it
+        return False
+    return isinstance(endpoint, RequireAuthMiddleware)
 
 
 def _with_router(app: Any, router: Router) -> None:
@@ -135,6 +148,8 @@ class Layer:
         if scope.get("method") != "POST":
             if owner is not None and router is not None:
                 await router.forward(owner, scope, None, receive, send)
+            elif scope.get("method") == "DELETE" and self.stateful:
+                await self._delete(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
             return
@@ -145,10 +160,12 @@ class Layer:
         if owner is not None and router is not None:
             # a cancel is answered here from the registry (no hop); anything else goes to the owner
             if (modern or not _may_cancel(body)
-                    or not await self._cancel(router.with_sdk_id(scope), body, send)):
+                    or not await self._cancel(router.with_sdk_id(scope), body, send,
+                                              local=False)):
                 await router.forward(owner, scope, body, receive, send)
             return
-        if not modern and _may_cancel(body) and await self._cancel(scope, body, send):
+        if (not modern and _may_cancel(body)
+                and await self._cancel(scope, body, send, local=True)):
             return
         if modern or not self.stateful:  # an exchange nobody can resume: leaving abandons it
             await self._watched(scope, body, receive, send)
@@ -163,6 +180,28 @@ class Layer:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _delete(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The SDK ends the session; once it said so (2xx), every call still in flight in it is
+        cancelled in the registry too (contract §6.1). The SDK cancels the handlers' tasks, but
+        a sync tool's thread runs on: this is what its ``raise_if_cancelled()`` sees."""
+        status = 0
+
+        async def tx(message: Message) -> None:
+            nonlocal status
+            if message.get("type") == "http.response.start":
+                status = int(message.get("status", 0))
+            await send(message)
+
+        await self.app(scope, receive, tx)
+        c = process_cancellation()
+        conn = conn_of(scope, True)
+        if c is None or not 200 <= status < 300 or "shmcancel.session_id" not in conn:
+            return
+        try:
+            await asyncio.to_thread(c.cancel_scope, principal.scope(conn), "session deleted")
+        except ShmCancelError as e:  # a stalled lock: the calls end when their tools do
+            log.warning("shmcancel.sdk: the deleted session's calls were not cancelled: %s", e)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or ``None`` when it was refused (413, answered) or the client left."""
@@ -190,12 +229,12 @@ class Layer:
             if not msg.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _cancel(self, scope: Scope, body: bytes, send: Send) -> bool:
+    async def _cancel(self, scope: Scope, body: bytes, send: Send, *, local: bool) -> bool:
         """Answer a ``notifications/cancelled`` whose request is in flight in the caller's scope.
         Returns ``False`` (nothing sent) for anything else: the SDK answers it."""
         try:
             msg = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # the SDK answers it (400)
             return False
         if (not isinstance(msg, dict) or msg.get("method") != CANCELLED_METHOD or "id" in msg
                 or msg.get("jsonrpc") != "2.0" or not isinstance(msg.get("params"), dict)):
@@ -216,11 +255,16 @@ class Layer:
             status, rbody, headers = refused
             await _respond(send, status, rbody, headers)
             return True
+        if self.stateful and not self._creator_asks(scope, local):
+            return False  # the SDK answers it: 404, or (another worker's session) forwarded
         conn = conn_of(scope, self.stateful)
         reason = params.get("reason")
         try:
-            recorded = c.cancel_if_in_flight(rid, reason if isinstance(reason, str) else None,
-                                             principal.scope(conn))
+            # In a thread: a stopped lock holder makes this wait up to lock_timeout, which on
+            # the event loop would stall every request of the worker.
+            recorded = await asyncio.to_thread(
+                c.cancel_if_in_flight, rid, reason if isinstance(reason, str) else None,
+                principal.scope(conn))
         except CancellationLimitReached as e:
             await _respond(send, *_json_error(429, errors.SERVER_ERROR, str(e)))
             return True
@@ -234,6 +278,27 @@ class Layer:
             return False
         await _respond(send, 202)
         return True
+
+    def _creator_asks(self, scope: Scope, local: bool) -> bool:
+        """Whether the caller presents the credential that created the session, as the SDK's
+        session manager checks it (a session is used only with that credential: else 404).
+        Only the worker holding the session knows its creator: elsewhere an authenticated
+        caller's cancel is forwarded there (``False``); an anonymous caller's is answered here,
+        as the SDK would (anonymous sessions have no creator to compare)."""
+        user = scope.get("user")
+        authed = bool(getattr(user, "is_authenticated", False)) and hasattr(user, "access_token")
+        owners = getattr(self.manager, "_session_owners", None)
+        live = getattr(self.manager, "_server_instances", None)
+        if not local or not isinstance(owners, dict) or not isinstance(live, dict):
+            return not authed
+        sid = _header_text(scope, b"mcp-session-id")
+        if sid not in live:
+            return False
+        if not authed:
+            return owners.get(sid) is None
+        from mcp.server.auth.middleware.bearer_auth import authorization_context
+
+        return bool(authorization_context(user) == owners.get(sid))  # type: ignore[arg-type]
 
     def _accepts(self, scope: Scope) -> bool:
         """The SDK transport's Accept rule for a POST: ``application/json``, and with SSE
@@ -306,6 +371,13 @@ def _may_cancel(body: bytes) -> bool:
 
 def _has_header(scope: Scope, name: bytes) -> bool:
     return any(k == name and v for k, v in scope.get("headers") or ())
+
+
+def _header_text(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers") or ():
+        if k == name:
+            return bytes(v).decode("latin-1")
+    return None
 
 
 def _tagging(send: Send, router: Router) -> Send:

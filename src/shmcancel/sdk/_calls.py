@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import os
 import threading
@@ -129,13 +130,20 @@ def modern_wire(scope: Mapping[str, Any]) -> bool:
 
 
 def _principal_of(user: object) -> object:
-    """What identifies an authenticated Starlette user: the SDK's bearer user's subject, else its
-    client id; another user's ``identity``; ``None`` when not authenticated."""
+    """What identifies an authenticated Starlette user: for the SDK's bearer user, the SDK's
+    principal of its token (``principal_components``: client id, issuer, subject) as compact
+    JSON; another user's ``identity``; ``None`` when not authenticated."""
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     token = getattr(user, "access_token", None)
     if token is not None:
-        return getattr(token, "subject", None) or getattr(token, "client_id", None)
+        try:
+            from mcp.server.auth.provider import principal_components
+        except ImportError:  # pragma: no cover - an SDK without it: its subject, else client
+            return getattr(token, "subject", None) or getattr(token, "client_id", None)
+        # The SDK's own principal (client id, issuer, subject), as one unambiguous text: two
+        # clients, or two issuers, with a subject in common are two principals.
+        return json.dumps(list(principal_components(token)), separators=(",", ":"))
     try:
         return user.identity  # type: ignore[attr-defined]
     except Exception:

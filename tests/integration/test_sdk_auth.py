@@ -1,0 +1,95 @@
+"""``shmcancel.sdk`` on a server with the SDK's bearer auth (contract §9: "the SDK's own checks
+(Origin/Host, auth, session existence) still apply to every request"), under real gunicorn with
+uvicorn workers: a ``notifications/cancelled`` that shmcancel would answer itself is refused by
+the SDK's auth first, and principals are the SDK's (client id, issuer, subject), so two clients
+sharing a subject cannot cancel each other's calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from helpers.aio import until
+from helpers.gunicorn_harness import Gunicorn
+from helpers.rows import in_flight_rows
+
+from shmcancel import Registry
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CONF = "examples/sdk/gunicorn.conf.py"
+SLEEP = 30.0
+HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+           "mcp-protocol-version": "2025-11-25"}
+
+
+@pytest.fixture(scope="module", params=["stateful", "stateless"])
+def server(request, module_shm_name) -> Iterator[tuple[str, Gunicorn, Registry]]:
+    env = {"SHMCANCEL_TEST_SDK_STATELESS": "1" if request.param == "stateless" else "0"}
+    with Gunicorn("tests.apps.sdk_auth_app:app", registry_name=module_shm_name, config=CONF,
+                  workers=2, worker_class="uvicorn_worker.UvicornWorker", env=env) as g, \
+            Registry.attach(module_shm_name, readonly=True) as reg:
+        yield request.param, g, reg
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def _session(g: Gunicorn, token: str) -> dict[str, str]:
+    hdrs = dict(HEADERS, **_auth(token))
+    with httpx.Client(timeout=10) as h:
+        r = h.post(g.url, headers=hdrs, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "0"}}})
+        assert r.status_code == 200, r.text
+        hdrs["mcp-session-id"] = r.headers["mcp-session-id"]
+        r = h.post(g.url, headers=hdrs,
+                   json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+        assert r.status_code == 202, r.text
+    return hdrs
+
+
+def test_only_the_calls_principal_cancels_it(server):
+    """Alice's call (client ``a``): a cancel without a token is the SDK's 401, one with a token
+    lacking the scope its 403, one from client ``b`` with the same subject (another principal)
+    cancels nothing; only her own cancels it."""
+    kind, g, reg = server
+    mine = _session(g, "alice-at-a") if kind == "stateful" else dict(HEADERS, **_auth("alice-at-a"))
+    session = {k: v for k, v in mine.items() if k == "mcp-session-id"}
+
+    async def main() -> None:
+        answers: list[Any] = []
+        async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
+            async def post_call() -> None:
+                r = await h.post(g.url, headers=mine, json={
+                    "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                    "params": {"name": "sleep_sync", "arguments": {"seconds": SLEEP}}})
+                text = r.text
+                answers.append(json.loads(text[text.index("{"):text.rindex("}") + 1]))
+
+            tg.start_soon(post_call)
+            await until(lambda: in_flight_rows(reg), 10, "the call")
+            note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                    "params": {"requestId": 7}}
+            async with httpx.AsyncClient(timeout=10) as h2:
+                for token, want in ((None, 401), ("nobody", 401), ("bare", 403),
+                                    ("alice-at-b", None)):
+                    hdrs = dict(HEADERS, **session, **(_auth(token) if token else {}))
+                    r = await h2.post(g.url, headers=hdrs, json=note)
+                    if want is not None:
+                        assert r.status_code == want, (token, r.status_code, r.text)
+                await anyio.sleep(0.3)  # a wrongly recorded cancel would end it meanwhile
+                assert in_flight_rows(reg) and not answers
+                r = await h2.post(g.url, headers=mine, json=note)
+                assert r.status_code == 202, r.text
+            await until(lambda: answers, 2.0, "the call's answer")
+        assert answers[0]["error"]["code"] == -32800, answers
+
+    anyio.run(main)
+    assert in_flight_rows(reg) == []
