@@ -79,7 +79,9 @@ class Config:
             low_ok = name == "ttl" and v == 0
             if isinstance(v, bool) or not isinstance(v, int | float) or not (
                     0 < v < 1e9 or low_ok):
-                raise ValueError(f"Config.{name} must be a positive number of seconds, got {v!r}")
+                zero = "(or 0) " if name == "ttl" else ""
+                raise ValueError(f"Config.{name} must be a number of seconds above 0 {zero}and "
+                                 f"below 1e9 (31 years), got {v!r}")
             object.__setattr__(self, name, float(v))
 
     def pack(self) -> bytes:

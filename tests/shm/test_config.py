@@ -97,3 +97,12 @@ def test_pack_roundtrips_every_field() -> None:
 def test_unpack_refuses_anything_pack_did_not_make(blob: bytes) -> None:
     with pytest.raises(ValueError, match="Config"):
         Config.unpack(blob)
+
+
+@pytest.mark.parametrize("name", ["ttl", "janitor_interval", "stream_cancel_timeout",
+                                  "session_ttl", "lock_timeout"])
+def test_a_time_past_the_bound_is_refused_naming_the_bound(name: str) -> None:
+    """Times are bounded above (1e9 s) as well as below: the message says both bounds."""
+    with pytest.raises(ValueError, match=rf"Config\.{name} .*above 0 .*below 1e9"):
+        Config(**{name: 1e9})
+    assert getattr(Config(**{name: 1e9 - 1}), name) == 1e9 - 1

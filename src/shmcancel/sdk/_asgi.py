@@ -1,9 +1,9 @@
 """The ASGI half of :mod:`shmcancel.sdk`: :func:`asgi` and the layer inside the ``/mcp`` route.
 
 The layer sits where the SDK's route endpoint was, inside the SDK's ``RequireAuthMiddleware``
-when the server has auth, so that check has run before it on every path. For every POST it reads the body itself, at most the SDK's
-``max_request_body_size`` bytes (413 beyond), and hands it on unchanged; it answers on its own
-only
+when the server has auth, so that check has run before it on every path. For every POST it reads
+the body itself, at most the SDK's ``max_request_body_size`` bytes (413 beyond), and hands it on
+unchanged; it answers on its own only
 
 - a 2025-era ``notifications/cancelled`` whose request is in flight in the caller's scope on any
   worker: recorded with ``cancel_if_in_flight`` (one lock hold), answered 202 after the same
