@@ -14,6 +14,7 @@ import anyio
 import httpx
 import pytest
 from helpers.aio import until
+from helpers.background import lock_held
 from helpers.gunicorn_harness import Gunicorn
 from helpers.rows import in_flight_rows
 
@@ -93,3 +94,49 @@ def test_only_the_calls_principal_cancels_it(server):
 
     anyio.run(main)
     assert in_flight_rows(reg) == []
+
+
+def test_a_cancel_waiting_for_the_lock_does_not_stall_the_worker(module_shm_name, shm_name):
+    """One worker, the registry lock held elsewhere: a cancel for a call in flight waits
+    ``lock_timeout`` for it (then 503), off the event loop: another request of the same worker
+    is answered meanwhile, not after the cancel's wait."""
+    lock_timeout = 2.0
+    env = {"SHMCANCEL_TEST_SDK_STATELESS": "1", "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout)}
+    mine = dict(HEADERS, **_auth("alice-at-a"))
+    with Gunicorn("tests.apps.sdk_auth_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", workers=1,
+                  worker_class="uvicorn_worker.UvicornWorker", env=env) as g, \
+            Registry.attach(shm_name) as reg:
+
+        async def scenario() -> tuple[int, float, float]:
+            call = {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+                    "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}}
+            note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                    "params": {"requestId": 9}}
+            other = {"jsonrpc": "2.0", "id": 10, "method": "tools/call",
+                     "params": {"name": "sleep", "arguments": {"seconds": 0}}}
+            async with httpx.AsyncClient(timeout=30) as h, anyio.create_task_group() as tg:
+                tg.start_soon(lambda: h.post(g.url, headers=mine, json=call))
+                await until(lambda: in_flight_rows(reg), 10, "the call")
+                out: dict[str, Any] = {}
+
+                async def cancel() -> None:
+                    t0 = anyio.current_time()
+                    r = await h.post(g.url, headers=mine, json=note)
+                    out["cancel"] = (r.status_code, anyio.current_time() - t0)
+
+                with lock_held(reg):
+                    tg.start_soon(cancel)
+                    await anyio.sleep(0.3)  # the cancel is waiting for the lock by now
+                    t0 = anyio.current_time()
+                    r = await h.post(g.url, headers=mine, json=other)
+                    assert r.status_code == 200, r.text
+                    other_took = anyio.current_time() - t0
+                    await until(lambda: "cancel" in out, 10, "the cancel's answer")
+                tg.cancel_scope.cancel()
+            status, cancel_took = out["cancel"]
+            return status, cancel_took, other_took
+
+        status, cancel_took, other_took = anyio.run(scenario)
+        assert status == 503 and cancel_took >= 0.9 * lock_timeout, (status, cancel_took)
+        assert other_took < 0.5 * lock_timeout, other_took
