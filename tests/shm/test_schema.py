@@ -141,7 +141,7 @@ def _packed(**change: object) -> bytes:
     (_packed(colour="red"), None, r"Config fields missing \[\], unknown \['colour'\]"),
     (msgpack.packb({1: 2}), None, "invalid config in header: not a packed Config"),
     (_packed(capacity=-1), None, "invalid config in header: Config.capacity must be an int"),
-    (_packed(ttl="300"), None, "invalid config in header: Config.ttl must be a positive"),
+    (_packed(ttl="300"), None, "invalid config in header: Config.ttl must be a number of seconds"),
 ])
 def test_attach_refuses_a_corrupt_config(shm_name: str, blob: bytes, length: int | None,
                                          match: str) -> None:
