@@ -150,3 +150,12 @@ def test_a_tool_that_only_polls_still_drives_the_janitor(shm_name: str, monkeypa
     finally:
         reg.close()
         reg.unlink()
+
+
+def test_a_tick_on_a_closed_registry_returns_false(registry) -> None:
+    """The janitor's turn after the registry was closed (a late call): nothing to do, no
+    exception (its lock-free look at the lock's owner reads a mapping that is gone)."""
+    reg = registry()
+    c = Cancellation(reg)
+    reg.close()
+    assert c.tick() is False

@@ -396,3 +396,27 @@ def test_dump_and_stats_after_a_writer_died_mid_write(reg) -> None:
     finally:
         reap(pid)
         os.close(r)
+
+
+def test_dump_shows_each_row_once_after_a_writer_died_mid_shift(reg) -> None:
+    """A writer killed in the middle of a backward shift leaves one index entry copied to a
+    second slot and its bucket version odd. A read-only ``dump`` (no lock to repair under)
+    shows that row once: neither twice nor dropped."""
+    c = Cancellation(reg)
+    for i in range(5):
+        c.cancel(f"id{i}", "r", scope="s")
+    t = reg.table("cancellations")
+    with reg.lock:  # what the dead writer held; the copy it left, by hand
+        reg.lock.dirty = True
+        idx = t._idx
+        j = next(k for k in range(0, t._nwords, 2) if idx[k])
+        i = next(k for k in range(j + 2, t._nwords, 2) if not idx[k])
+        idx[i + 1], idx[i] = idx[j + 1], idx[j]
+        t._ver[j >> 5] += 1
+        p = shmtool("dump", reg.name, "--json")
+        t._ver[j >> 5] += 1
+        idx[i], idx[i + 1] = 0, 0
+        reg.lock.dirty = False
+    assert p.returncode == 0, p.stderr
+    assert sorted(x["request_id"] for x in json.loads(p.stdout)["cancellations"]) == [
+        f"id{n}" for n in range(5)]

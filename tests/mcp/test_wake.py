@@ -5,6 +5,7 @@ cancelled waiters, and a stray datagram wakes nobody early."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -157,3 +158,38 @@ def test_an_endless_wait_is_woken_not_refused(registry) -> None:
         assert w.result(timeout=BOUND + 1) is True
     finally:
         h.end()
+
+
+def test_a_wait_inside_a_wait_of_the_same_thread_keeps_the_outer_wake(registry) -> None:
+    """A signal handler that waits while its thread is in a wait: the inner wait has a lock of
+    its own, so the outer one's wake is not taken by it, and the outer wait returns once the
+    handler is done, not at its own timeout."""
+    c = Cancellation(registry())
+    outer, inner = c.begin(1, "s"), c.begin(2, "s")
+    took: dict[str, float] = {}
+
+    def handler(signum: int, frame: object) -> None:
+        t0 = time.monotonic()
+        wake.wait_cancelled({HANDLE_KEY: inner}, 0.3)
+        took["inner"] = time.monotonic() - t0
+
+    def later() -> None:
+        _waiting(1, time.monotonic() + 5)  # the outer wait
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _waiting(2, time.monotonic() + 5)  # and the handler's, inside it
+        outer.cancel_local("stop")
+        wake.wake(outer)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        t = threading.Thread(target=later)
+        t0 = time.monotonic()
+        t.start()
+        assert wake.wait_cancelled({HANDLE_KEY: outer}, 5.0) is True
+        assert time.monotonic() - t0 < 2.0
+        assert took["inner"] >= 0.25  # not cut short by the outer wait's wake
+        t.join(5)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        outer.end()
+        inner.end()

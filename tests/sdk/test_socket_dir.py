@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shmcancel.sdk._routing import SocketDirUnsafe, socket_dir
+from shmcancel.sdk._routing import SocketDirUnsafe, _checked, registry_dir, socket_dir
 
 
 @pytest.fixture
@@ -62,3 +62,34 @@ def test_another_users_directory_is_refused_and_left_alone(tmp_path: Path, use_d
     with pytest.raises(SocketDirUnsafe, match="owned by uid 65534"):
         socket_dir()
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o777 and os.listdir(d) == []
+
+
+def test_a_registrys_subdirectory_fits_a_socket_path_and_is_private(tmp_path: Path,
+                                                                     use_dir) -> None:
+    """The longest registry name still leaves a worker's socket path under the 107 bytes a unix
+    socket address holds (a path naming the registry did not: the worker failed to start), and
+    the subdirectory is made 0700."""
+    use_dir(tmp_path)
+    d = registry_dir(socket_dir(), "n" * 64)
+    longest_token = f"{2**32 - 1:x}x{'0' * 12}"
+    added = len(os.path.join(d, f"{longest_token}.sock")) - len(str(tmp_path))
+    default_base = f"/tmp/shmcancel-sdk-{2**32 - 1}"  # the longest default directory
+    assert len(default_base) + added < 108, added
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+
+
+def test_a_planted_subdirectory_is_refused(tmp_path: Path, use_dir) -> None:
+    """A registry's subdirectory planted by someone else (a symlink, while the base was open to
+    others) is refused, not bound into."""
+    base = tmp_path / "socks"
+    base.mkdir(mode=0o700)
+    use_dir(base)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    name = "planted"
+    real = Path(registry_dir(socket_dir(), name))
+    real.rmdir()
+    real.symlink_to(elsewhere)
+    _checked.clear()  # a new process: checked afresh
+    with pytest.raises(SocketDirUnsafe, match="symlink"):
+        registry_dir(socket_dir(), name)

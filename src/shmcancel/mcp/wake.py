@@ -42,7 +42,8 @@ _DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the ne
 _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 
-_lock = threading.Lock()  # guards _waiters; a wait's lock is released only under it
+_lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wait); a wait's lock
+# is released only under it
 _waiters: dict[int, tuple[RequestHandle, LockType]] = {}  # wait -> (handle, its thread's lock)
 _keys = itertools.count()
 _tls = threading.local()
@@ -74,23 +75,30 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
         _ensure_bell(registry.name)
     # The thread's own lock, held while nobody wakes it: a wake releases it. A tool polls in a
     # loop, so this is every poll's cost: one lock, no Event (a Condition, two locks) per wait.
+    # A wait inside a wait of the same thread (a signal handler's) gets a lock of its own.
     lk = getattr(_tls, "lock", None)
-    if lk is None:
-        lk = _tls.lock = _allocate_lock()
+    nested = getattr(_tls, "busy", False)
+    if lk is None or nested:
+        lk = _allocate_lock()
         lk.acquire()
+        if not nested:
+            _tls.lock = lk
     key = next(_keys)
-    entry = (h, lk)
-    with _lock:
-        _waiters[key] = entry
+    if not nested:
+        _tls.busy = True
     try:
+        with _lock:
+            _waiters[key] = (h, lk)
         if not h.cancelled():  # a cancel before the registration found nobody to wake
             lk.acquire(True, seconds)
     finally:
         with _lock:
-            del _waiters[key]
+            _waiters.pop(key, None)
         # Wakes release only registered waits (under _lock): one that came after the timeout
         # is taken back here, so the next wait does not return at once.
         lk.acquire(False)
+        if not nested:
+            _tls.busy = False
     return h.cancelled()
 
 
@@ -194,7 +202,7 @@ def _release(lk: LockType) -> None:
 def _after_fork_in_child() -> None:
     # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
     global _lock, _tls
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _tls = threading.local()
     _waiters.clear()
     for _, s in _bells.values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import json
 import logging
 import os
@@ -129,6 +130,9 @@ def modern_wire(scope: Mapping[str, Any]) -> bool:
     return pv is not None and pv not in HANDSHAKE_PROTOCOL_VERSIONS
 
 
+MAX_PRINCIPAL_TEXT = 64  # characters of an SDK principal kept as text; longer ones: a digest
+
+
 def _principal_of(user: object) -> object:
     """What identifies an authenticated Starlette user: for the SDK's bearer user, the SDK's
     principal of its token (``principal_components``: client id, issuer, subject) as compact
@@ -142,8 +146,13 @@ def _principal_of(user: object) -> object:
         except ImportError:  # pragma: no cover - an SDK without it: its subject, else client
             return getattr(token, "subject", None) or getattr(token, "client_id", None)
         # The SDK's own principal (client id, issuer, subject), as one unambiguous text: two
-        # clients, or two issuers, with a subject in common are two principals.
-        return json.dumps(list(principal_components(token)), separators=(",", ":"))
+        # clients, or two issuers, with a subject in common are two principals. A long one (an
+        # issuer URL, GUIDs) becomes a digest: the scope keys every call's in-flight row, and a
+        # key past a small record's room takes one of a few large records (tables.py).
+        text = json.dumps(list(principal_components(token)), separators=(",", ":"))
+        if len(text) <= MAX_PRINCIPAL_TEXT:
+            return text
+        return "sdk:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     try:
         return user.identity  # type: ignore[attr-defined]
     except Exception:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -68,6 +69,14 @@ def socket_dir() -> str:
         return d
     with contextlib.suppress(FileExistsError):  # a file or a dangling symlink: said below
         os.makedirs(d, mode=0o700, exist_ok=True)
+    _private(d)
+    _checked[d] = os.getpid()
+    return d
+
+
+def _private(d: str) -> None:
+    """Make sure ``d`` is a real directory of this user that nobody else can enter (group and
+    other bits are cleared); else :class:`SocketDirUnsafe`."""
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         what = ("a symlink" if stat.S_ISLNK(st.st_mode) else
@@ -77,8 +86,6 @@ def socket_dir() -> str:
             f"{os.getuid()}: remove it, or set SHMCANCEL_SDK_SOCKET_DIR to a private directory")
     if st.st_mode & 0o077:
         os.chmod(d, 0o700)
-    _checked[d] = os.getpid()
-    return d
 
 
 def server_dir() -> str:
@@ -89,13 +96,19 @@ def server_dir() -> str:
 
     c = process_cancellation()
     reg = getattr(c, "registry", None)
-    base = socket_dir()
-    if reg is None:
-        return base
-    d = os.path.join(base, f"r-{reg.name}")  # registry names are [A-Za-z0-9_.-]: never "..".
+    return registry_dir(socket_dir(), reg.name) if reg is not None else socket_dir()
+
+
+def registry_dir(base: str, registry_name: str) -> str:
+    """The subdirectory of the private ``base`` for the registry ``registry_name``, made 0700
+    (or checked as :func:`socket_dir` checks its directory). Named by a digest of the name, not
+    the name (up to 64 characters): a unix socket's path holds 107 bytes at most."""
+    digest = hashlib.blake2b(registry_name.encode(), digest_size=6).hexdigest()
+    d = os.path.join(base, f"r-{digest}")
     if _checked.get(d) != os.getpid():
         with contextlib.suppress(FileExistsError):
-            os.mkdir(d, 0o700)  # inside a private directory: nobody else made it
+            os.mkdir(d, 0o700)
+        _private(d)  # planted while the base directory was open to others: refused
         _checked[d] = os.getpid()
     return d
 

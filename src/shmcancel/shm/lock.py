@@ -323,10 +323,16 @@ class RegistryLock:
         last ``lock_timeout`` seconds, or another process holds the lock right now (a lock-free
         read of the owner word; a holder stopped mid-hold would make that work wait
         ``lock_timeout`` first, and a poll must not wait at all). A busy moment only defers the
-        work to its next turn."""
+        work to its next turn. A dead holder does not count: the work's own wait recovers the
+        lock from it. On a closed registry: ``True`` (there is nothing to do)."""
         st = self._st
-        owner = self._w[_OWNER]
-        return (owner != 0 and owner != st.me) or time.monotonic() < st.stalled_until
+        if time.monotonic() < st.stalled_until:
+            return True
+        try:
+            owner = self._w[_OWNER]
+        except (ValueError, IndexError, TypeError):  # the mapping is gone: registry closed
+            return True
+        return owner != 0 and owner != st.me and not self._owner_dead(owner)
 
     def _stamp(self) -> None:
         w = self._w

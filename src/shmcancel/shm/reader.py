@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -321,10 +320,15 @@ class Reads(Fsck):
             return ents
         if getattr(self._lock, "readonly", False):
             # No lock to fall back to (a writer died mid-write and left a version odd, or
-            # keeps writing): the rows that validate, minus any record referenced twice.
-            ents = [e for e in self._entries(self._idx.tolist()) if e[4] >= 0]
-            twice = {r for r, n in Counter(e[1] for e in ents).items() if n > 1}
-            return [e for e in ents if e[1] not in twice]
+            # keeps writing): the rows that validate, each record once (a writer killed mid
+            # backward shift leaves one entry twice).
+            seen: set[int] = set()
+            out = []
+            for e in self._entries(self._idx.tolist()):
+                if e[4] >= 0 and e[1] not in seen:
+                    seen.add(e[1])
+                    out.append(e)
+            return out
         with self._lock:
             ents = self._entries(self._idx.tolist())
             if not _sound(ents):  # under the lock: corruption, not a race
