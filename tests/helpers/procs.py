@@ -179,3 +179,18 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             _, self.status = os.waitpid(self.pid, 0)
+
+
+def stuck_mid_write(reg: Any) -> Callable[[int], None]:
+    """A :func:`child` body: takes ``reg``'s lock and leaves bucket 0 of ``cancellations`` odd
+    (a write in progress), says ``b"mid"``, then waits to be SIGKILLed there."""
+
+    def body(w: int) -> None:
+        t = reg.table("cancellations")
+        with reg.lock:
+            reg.lock.dirty = True
+            t._ver[0] += 1
+            os.write(w, b"mid")
+            select.select([], [], [], 60)
+
+    return body

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 from helpers.background import lock_held
-from helpers.procs import child, first_message, reap, recv
+from helpers.procs import child, first_message, reap, recv, stuck_mid_write
 from helpers.rows import in_flight_count
 
 from shmcancel import Config
@@ -369,15 +368,7 @@ def test_dump_and_stats_after_a_writer_died_mid_write(reg) -> None:
     for i in range(20):
         c.cancel(i, f"r{i}", "ip:x")
 
-    def writer(w: int) -> None:
-        t = reg.table("cancellations")
-        with reg.lock:
-            reg.lock.dirty = True
-            t._ver[0] += 1  # a write in progress: bucket 0 odd
-            os.write(w, b"mid")
-            select.select([], [], [], 60)
-
-    pid, r = child(writer)
+    pid, r = child(stuck_mid_write(reg))
     try:
         assert recv(r) == b"mid"
         os.kill(pid, signal.SIGKILL)

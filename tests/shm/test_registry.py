@@ -12,7 +12,7 @@ from collections.abc import Callable
 import msgpack
 import pytest
 from helpers.names import leftovers
-from helpers.procs import child, reap, recv
+from helpers.procs import child, reap, recv, stuck_mid_write
 
 import shmcancel
 from shmcancel.cancel import tables as ct
@@ -294,17 +294,9 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
     shmcancel.telemetry.attach("t-reg", ("shmcancel", "lock", "recovered"),
                                lambda e, m, md, c: events.append(dict(md)))
 
-    def writer(w: int) -> None:
-        for i in range(20):
-            reg.table("cancellations").insert(("global", str(i)), (None, float(i)))
-        t = reg.table("cancellations")
-        with reg.lock:
-            reg.lock.dirty = True
-            t._ver[0] += 1  # a write in progress: bucket 0 odd
-            os.write(w, b"mid")
-            select.select([], [], [], 60)
-
-    pid, r = child(writer)
+    for i in range(20):
+        reg.table("cancellations").insert(("global", str(i)), (None, float(i)))
+    pid, r = child(stuck_mid_write(reg))
     try:
         assert recv(r) == b"mid"
         os.kill(pid, signal.SIGKILL)
