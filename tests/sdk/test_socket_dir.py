@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shmcancel.sdk._routing import SocketDirUnsafe, _checked, registry_dir, socket_dir
+from shmcancel.sdk import SocketDirUnsafe
+from shmcancel.sdk._routing import _checked, registry_dir, socket_dir
 
 
 @pytest.fixture
@@ -93,3 +94,9 @@ def test_a_planted_subdirectory_is_refused(tmp_path: Path, use_dir) -> None:
     _checked.clear()  # a new process: checked afresh
     with pytest.raises(SocketDirUnsafe, match="symlink"):
         registry_dir(socket_dir(), name)
+
+
+def test_the_refusal_is_a_public_shmcancel_error() -> None:
+    from shmcancel import ShmCancelError
+
+    assert issubclass(SocketDirUnsafe, ShmCancelError)

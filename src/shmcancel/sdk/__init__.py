@@ -27,5 +27,7 @@ from __future__ import annotations
 
 from ._asgi import asgi
 from ._calls import RequestCancelled, cancelled, current_handle, raise_if_cancelled
+from ._routing import SocketDirUnsafe
 
-__all__ = ["RequestCancelled", "asgi", "cancelled", "current_handle", "raise_if_cancelled"]
+__all__ = ["RequestCancelled", "SocketDirUnsafe", "asgi", "cancelled", "current_handle",
+           "raise_if_cancelled"]

@@ -37,6 +37,8 @@ import tempfile
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+from ..exceptions import ShmCancelError
+
 log = logging.getLogger("shmcancel.sdk")
 
 INTERNAL_KEY = "shmcancel.sdk.internal"
@@ -113,7 +115,7 @@ def registry_dir(base: str, registry_name: str) -> str:
     return d
 
 
-class SocketDirUnsafe(RuntimeError):
+class SocketDirUnsafe(ShmCancelError, RuntimeError):
     """The workers' socket directory is not a private directory of this user (see
     :func:`socket_dir`)."""
 
