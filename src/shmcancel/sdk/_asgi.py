@@ -29,7 +29,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
-from ._calls import EXCHANGE_KEY, Exchange, Tracker, conn_of, modern_wire, process_cancellation
+from ._calls import (
+    EXCHANGE_KEY,
+    SESSION_HEADER,
+    Exchange,
+    Tracker,
+    _header,
+    conn_of,
+    modern_wire,
+    process_cancellation,
+)
 from ._routing import Router
 
 __all__ = ["asgi"]
@@ -246,7 +255,7 @@ class Layer:
         c = process_cancellation()
         if c is None:
             return False
-        if self.stateful and not _has_header(scope, b"mcp-session-id"):
+        if self.stateful and not _header(scope, SESSION_HEADER):
             return False  # the SDK refuses it (400): no session, no scope to cancel in
         if not self._accepts(scope):
             return False  # the SDK refuses it (406)
@@ -291,7 +300,7 @@ class Layer:
         live = getattr(self.manager, "_server_instances", None)
         if not local or not isinstance(owners, dict) or not isinstance(live, dict):
             return not authed
-        sid = _header_text(scope, b"mcp-session-id")
+        sid = _header(scope, SESSION_HEADER)
         if sid not in live:
             return False
         if not authed:
@@ -367,17 +376,6 @@ def _may_cancel(body: bytes) -> bool:
     name as written, or any JSON escape in a body small enough to parse twice (a name can be
     spelled with escapes, ``notifications\\/cancelled``)."""
     return CANCELLED_METHOD.encode() in body or (b"\\" in body and len(body) <= MAX_ESCAPED)
-
-
-def _has_header(scope: Scope, name: bytes) -> bool:
-    return any(k == name and v for k, v in scope.get("headers") or ())
-
-
-def _header_text(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers") or ():
-        if k == name:
-            return bytes(v).decode("latin-1")
-    return None
 
 
 def _tagging(send: Send, router: Router) -> Send:

@@ -67,18 +67,17 @@ def socket_dir() -> str:
     once per process and directory."""
     d = os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
         tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}")
+    return _private(d)
+
+
+def _private(d: str) -> str:
+    """``d``, made (0700) when missing, once a real directory of this user that nobody else can
+    enter (group and other bits are cleared); else :class:`SocketDirUnsafe`. Checked once per
+    process and directory."""
     if _checked.get(d) == os.getpid():
         return d
     with contextlib.suppress(FileExistsError):  # a file or a dangling symlink: said below
         os.makedirs(d, mode=0o700, exist_ok=True)
-    _private(d)
-    _checked[d] = os.getpid()
-    return d
-
-
-def _private(d: str) -> None:
-    """Make sure ``d`` is a real directory of this user that nobody else can enter (group and
-    other bits are cleared); else :class:`SocketDirUnsafe`."""
     st = os.lstat(d)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         what = ("a symlink" if stat.S_ISLNK(st.st_mode) else
@@ -88,6 +87,8 @@ def _private(d: str) -> None:
             f"{os.getuid()}: remove it, or set SHMCANCEL_SDK_SOCKET_DIR to a private directory")
     if st.st_mode & 0o077:
         os.chmod(d, 0o700)
+    _checked[d] = os.getpid()
+    return d
 
 
 def server_dir() -> str:
@@ -106,13 +107,8 @@ def registry_dir(base: str, registry_name: str) -> str:
     (or checked as :func:`socket_dir` checks its directory). Named by a digest of the name, not
     the name (up to 64 characters): a unix socket's path holds 107 bytes at most."""
     digest = hashlib.blake2b(registry_name.encode(), digest_size=6).hexdigest()
-    d = os.path.join(base, f"r-{digest}")
-    if _checked.get(d) != os.getpid():
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(d, 0o700)
-        _private(d)  # planted while the base directory was open to others: refused
-        _checked[d] = os.getpid()
-    return d
+    # checked too: one planted while the base directory was open to others is refused
+    return _private(os.path.join(base, f"r-{digest}"))
 
 
 class SocketDirUnsafe(ShmCancelError, RuntimeError):

@@ -132,6 +132,9 @@ class TableBase:
         self._hash_key = bytes(hash_key)
         self._h0 = _blake2b(key=self._hash_key, digest_size=8)
         self._lock = lock
+        # A read-only attachment's lock cannot be taken: readers fall back to a best-effort
+        # unlocked read where they would take it (reader.py, fsck.py).
+        self._lockless = bool(getattr(lock, "readonly", False))
         self._mask = nslots - 1
         self._wmask = 2 * nslots - 1  # over index words
         self._nwords = 2 * nslots

@@ -49,7 +49,7 @@ class Fsck(TableBase):
         words = self._optimistic(list)
         if words is not None:
             return words
-        if getattr(self._lock, "readonly", False):
+        if self._lockless:
             return self._idx.tolist()
         with self._lock:
             return self._idx.tolist()

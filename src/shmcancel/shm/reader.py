@@ -194,7 +194,7 @@ class Reads(Fsck):
             if attempt >= _SPIN_BEFORE_YIELD:
                 os.sched_yield()  # let a preempted writer finish
         f = 5 if words else 3  # in a _find entry (slot, record, kbytes, vbytes, stamp, word)
-        if getattr(self._lock, "readonly", False):  # no lock to fall back to: best effort
+        if self._lockless:  # no lock to fall back to: best effort
             try:
                 return [e[f] for e in self._find(pk)], ()
             except TableCorrupted:
@@ -318,7 +318,7 @@ class Reads(Fsck):
         ents = self._optimistic(self._entries)
         if ents is not None and _sound(ents):
             return ents
-        if getattr(self._lock, "readonly", False):
+        if self._lockless:
             # No lock to fall back to (a writer died mid-write and left a version odd, or
             # keeps writing): the rows that validate, each record once (a writer killed mid
             # backward shift leaves one entry twice).
@@ -409,7 +409,7 @@ class Reads(Fsck):
             if got is not None and [ver[b] for b in buckets] == v0:
                 break
             got = None
-        if got is None and getattr(self._lock, "readonly", False):
+        if got is None and self._lockless:
             got = read(False) or []  # no lock to fall back to: the rows that validate
         elif got is None:
             with self._lock:
