@@ -122,6 +122,28 @@ class TableMachine(RuleBasedStateMachine):
             self.keys[kb] = k
             self.words.pop(kb, None)  # a fresh row's word is 0
 
+    @rule(k=st.sampled_from(KEYS), v=VALUES)
+    def add_held(self, k: Any, v: Any) -> None:
+        """A cancel's write of a key it found without a row, inside its hold."""
+        kb, vb = packed(k), packed(v)
+        with self.rig.lock:
+            if self.t.member(k):
+                return
+            key = self.t.prepare(k)
+            if self._too_large(k, v):
+                before = self.region_bytes()
+                with pytest.raises(RowTooLarge):
+                    self.t.add_held(key, v)
+                assert self.region_bytes() == before
+            elif self.rows() >= self.capacity:
+                with pytest.raises(TableFull):
+                    self.t.add_held(key, v)
+            else:
+                self.t.add_held(key, v)
+                self.model[kb] = [vb]
+                self.keys[kb] = k
+                self.words.pop(kb, None)
+
     @rule(k=st.sampled_from(KEYS), v=SMALL_VALUES, w=st.sampled_from((0, 1, 7, 2**32 - 1)))
     def insert_new(self, k: Any, v: Any, w: int) -> None:
         kb = packed(k)

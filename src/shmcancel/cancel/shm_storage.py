@@ -277,7 +277,10 @@ class ShmBackend:
         if new:
             self._add(scope, +1, counted)  # count first: a crash here leaves it high (stricter)
         try:
-            self._c.insert_held(key, (reason, at))
+            if new:
+                self._c.add_held(key, (reason, at))
+            else:
+                self._c.insert_held(key, (reason, at))
         except BaseException:
             if new:
                 self._add(scope, -1)

@@ -1,4 +1,5 @@
-"""Writes to a table, under the registry lock: ``insert`` (``insert_held`` inside a hold),
+"""Writes to a table, under the registry lock: ``insert`` (``insert_held`` inside a hold,
+``add_held`` for a key found without a row in it),
 ``insert_new``, ``set_word`` (or ``word_ref`` then ``store_word``), ``delete``,
 ``delete_object``, a bag's ``add``/``remove`` by receipt; publishing a record, the
 backward-shift delete, the free stack.
@@ -179,6 +180,24 @@ class Writes(Fsck):
         except TableCorrupted as e:
             self._repair(str(e))
         return self._insert(key, vb)
+
+    def add_held(self, key: PreparedKey, value: Any) -> None:
+        """:meth:`insert_held` of a key the caller, holding the lock since, found without a
+        row (a set's new row, a bag's first): the same checks and repair, without probing for
+        the key's rows again. ``key`` must be prepared for this table."""
+        vb = _pack(value)
+        kb = key.kbytes
+        if len(kb) + len(vb) > self._payload:
+            self._check_size(kb, vb)
+        try:
+            if self._hq[_ROWS] >= self.capacity:
+                self._full()
+            self._publish(key, self._take(kb, vb))
+            self._lock.dirty = False
+            return
+        except TableCorrupted as e:
+            self._repair(str(e))
+        self._insert(key, vb)
 
     def _row(self, key: Any, value: Any) -> tuple[PreparedKey, bytes]:
         """``key`` prepared for this table and ``value`` packed; RowTooLarge (before the lock
