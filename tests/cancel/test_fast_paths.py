@@ -305,8 +305,9 @@ def test_a_stale_row_is_not_cached_as_cancelled_and_is_removed(c):
 
 @pytest.mark.parametrize("polls", [1, 3])
 def test_a_conn_without_a_handle_caches_its_poll_and_sees_another_process_cancel(c, polls):
-    """A dict conn keeps the poll it resolved (issue #9: the scope is read once per request);
-    the cached poll still answers from shared memory, so another process's cancel is seen."""
+    """A dict conn keeps the poll it resolved (issue #9: the scope is not read again while
+    what it is read from stays the same); the cached poll still answers from shared memory,
+    so another process's cancel is seen."""
     name = c.registry.name
     conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
     for _ in range(polls):
@@ -329,6 +330,49 @@ def test_a_conn_whose_request_id_changes_is_resolved_again(c):
     assert c.cancelled(conn) is False
     del conn["shmcancel.request_id"]
     assert c.cancelled(conn) is False
+
+
+def _set_session(conn, sid):
+    conn["shmcancel.session_id"] = sid
+
+
+def _mutate_principal(conn, pid):
+    conn["shmcancel.principal"]["id"] = pid
+
+
+def _readdress(conn, addr):
+    conn["REMOTE_ADDR"] = addr
+
+
+@pytest.mark.parametrize("change, new_scope", [
+    (lambda conn: principal.put(conn, "alice"), "principal:alice"),
+    (lambda conn: _set_session(conn, "s1"), "session:s1"),
+    (lambda conn: _readdress(conn, "198.51.100.4"), "ip:198.51.100.4"),
+], ids=["principal", "session", "address"])
+def test_a_conn_whose_scope_changes_is_resolved_again(c, change, new_scope):
+    """The kept poll is the old scope's: a conn given a principal or a session, or another
+    address, after its first poll answers from its new scope (contract §3, §4.3): neither the
+    old scope's row (invented) nor the new scope's missing (lost)."""
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}
+    c.cancel(9, "old scope", "ip:192.0.2.1")
+    assert c.cancelled(conn) is True
+    change(conn)
+    assert c.cancelled(conn) is False
+    c.cancel(9, "new scope", new_scope)
+    assert c.cancelled(conn) is True
+    c.clear(9, new_scope)
+    assert c.cancelled(conn) is False
+
+
+def test_a_principal_changed_in_place_is_seen(c):
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}
+    principal.put(conn, "alice")
+    c.cancel(9, None, "principal:alice")
+    assert c.cancelled(conn) is True
+    _mutate_principal(conn, "bob")
+    assert c.cancelled(conn) is False
+    c.cancel(9, None, "principal:bob")
+    assert c.cancelled(conn) is True
 
 
 @pytest.mark.parametrize("junk", [5, "x", None, (1, 2, 3), {"c": None}])

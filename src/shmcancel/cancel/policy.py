@@ -77,10 +77,14 @@ class ConnReader(Protocol):
 
     ``REQUEST_ID_KEY`` is the conn key of the request id; ``POLL_KEY`` the key under which
     :meth:`Cancellation.cancelled` keeps, in a ``dict`` conn without a handle, the poll it
-    resolved (valid while the conn's request id stays the same object)."""
+    resolved (valid while the conn's request id and the values under ``SCOPE_KEYS`` stay the
+    same objects); ``SCOPE_KEYS``: the keys of the session id, the principal (a dict whose
+    ``"id"`` is read) and the client address, from which :meth:`scope` reads a conn's
+    scope."""
 
     REQUEST_ID_KEY: str
     POLL_KEY: str
+    SCOPE_KEYS: tuple[str, str, str]
 
     def handle(self, conn: Mapping[str, Any]) -> Any: ...
     def request_id(self, conn: Mapping[str, Any]) -> Any: ...
@@ -91,6 +95,7 @@ class _NoConns:
     """Before a transport is installed a conn names no request, and every caller is global."""
 
     REQUEST_ID_KEY = POLL_KEY = ""
+    SCOPE_KEYS = ("", "", "")
 
     @staticmethod
     def handle(conn: Mapping[str, Any]) -> Any:
@@ -105,15 +110,17 @@ class _NoConns:
         return "global"
 
 _conns: ConnReader = _NoConns()
-_rid_key = _poll_key = ""  # the reader's keys, as globals for the hot path
+_rid_key = _poll_key = _sid_key = _pr_key = _addr_key = ""  # the reader's keys, as globals
+# for the hot path
 
 
 def read_conns_with(reader: ConnReader) -> None:
     """Read conns with ``reader`` in :meth:`Cancellation.scope` and :meth:`Cancellation.cancelled`
     (the scope lookup and the environ keys belong to the transport, above this layer)."""
-    global _conns, _rid_key, _poll_key
+    global _conns, _rid_key, _poll_key, _sid_key, _pr_key, _addr_key
     _conns = reader
     _rid_key, _poll_key = reader.REQUEST_ID_KEY, reader.POLL_KEY
+    _sid_key, _pr_key, _addr_key = reader.SCOPE_KEYS
 
 
 class _HotPoll(Protocol):
@@ -148,14 +155,21 @@ class _Cached:
 
 class _ConnPoll:
     """What :meth:`Cancellation.cancelled` keeps in a conn without a handle: the poll ``w`` of
-    request id ``rid`` (the conn's object, compared by identity) for Cancellation ``c``."""
+    request id ``rid`` for Cancellation ``c``, valid while the conn's request id and the values
+    its scope was read from (``sid``, ``pr``, ``addr`` under the reader's ``SCOPE_KEYS``, and
+    ``pid``, the principal's ``"id"``) are the same objects: the same request in the same
+    scope."""
 
-    __slots__ = ("c", "rid", "w")
+    __slots__ = ("addr", "c", "pid", "pr", "rid", "sid", "w")
 
-    def __init__(self, c: Cancellation, rid: object, w: _HotPoll) -> None:
+    def __init__(self, c: Cancellation, rid: object, w: _HotPoll, conn: dict[str, Any]) -> None:
         self.c = c
         self.rid = rid
         self.w = w
+        self.sid = conn.get(_sid_key)
+        self.pr = pr = conn.get(_pr_key)
+        self.pid = pr.get("id") if pr is not None else None
+        self.addr = conn.get(_addr_key)
 
 
 _T = TypeVar("_T")
@@ -291,9 +305,9 @@ class Cancellation:
         Otherwise the argument is the request id, looked up in ``scope``. Never raises.
 
         A ``dict`` conn without a handle keeps the poll its first call resolved, under
-        ``ConnReader.POLL_KEY``, for as long as its request id stays the same object: its scope
-        is read once per request (the transport and any middleware set the keys it is read from
-        before the tool runs)."""
+        ``ConnReader.POLL_KEY``, for as long as its request id and the values its scope is read
+        from stay the same objects: a conn given a principal or a session, or reused for
+        another request, is resolved again."""
         try:
             x = conn_or_request_id
             t = type(x)
@@ -314,8 +328,14 @@ class Cancellation:
                     return w._member
                 return w.member()
             if t is dict:
-                e = x.get(_poll_key)  # type: ignore[attr-defined]
-                if e.__class__ is _ConnPoll and e.c is self and x.get(_rid_key) is e.rid:  # type: ignore[attr-defined]
+                g = x.get  # type: ignore[attr-defined]
+                e = g(_poll_key)
+                # the same request (id) in the same scope (what the scope is read from): a
+                # conn reused for another request, or given a principal or a session since,
+                # is resolved again below
+                if (e.__class__ is _ConnPoll and e.c is self and g(_rid_key) is e.rid
+                        and g(_addr_key) is e.addr and g(_sid_key) is e.sid
+                        and g(_pr_key) is e.pr and (e.pr is None or e.pr.get("id") is e.pid)):
                     w = e.w
                     n = self._polls = self._polls - 1
                     if n < 0:
@@ -334,7 +354,9 @@ class Cancellation:
             if cw is None:
                 return False
             if t is dict and h is None and _poll_key:
-                x[_poll_key] = _ConnPoll(self, rid, cw)  # type: ignore[index]
+                pr = x.get(_pr_key)  # type: ignore[attr-defined]
+                if pr is None or type(pr) is dict:  # another mapping may change unseen
+                    x[_poll_key] = _ConnPoll(self, rid, cw, x)  # type: ignore[arg-type,index]
             return cw.member()
         except Exception:
             log.debug("cancelled() failed", exc_info=True)

@@ -15,13 +15,14 @@ from typing import Any
 from ..cancel.handle import RequestHandle
 from ..cancel.policy import Cancellation
 from ..shm import registry
-from .principal import scope
+from .principal import PRINCIPAL_KEY, REMOTE_ADDR_KEY, SESSION_KEY, scope
 
 __all__ = [
     "CANCELLATION_KEY",
     "HANDLE_KEY",
     "POLL_KEY",
     "REQUEST_ID_KEY",
+    "SCOPE_KEYS",
     "cancelled",
     "handle",
     "request_id",
@@ -33,6 +34,9 @@ REQUEST_ID_KEY = "shmcancel.request_id"
 CANCELLATION_KEY = "shmcancel.cancellation"
 #: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle.
 POLL_KEY = "shmcancel.poll"
+#: The keys ``scope(conn)`` reads (contract §3): a poll kept under ``POLL_KEY`` holds while
+#: their values stay the same objects.
+SCOPE_KEYS = (SESSION_KEY, PRINCIPAL_KEY, REMOTE_ADDR_KEY)
 
 _defaults: dict[int, tuple[Any, Cancellation]] = {}
 
