@@ -4,6 +4,7 @@ test_cancellation_procs.py). One rule per test, tables of cases where that reads
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -157,6 +158,27 @@ def test_valid_ids_are_stored(rc_any, rid):
     c.cancel(rid, None, "s")
     assert c.cancelled(rid, "s")
     assert rows(reg) == [(("s", str(rid)), (None, c.clock()))]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_clock_that_is_not_a_finite_time_is_refused(make_any, bad, events):
+    """A row stamped NaN never expires (``now - nan > ttl`` is false) and breaks eviction's
+    order, and ``shmtool dump --json`` would print it as non-JSON: ``cancel`` raises instead,
+    writing nothing, and so does ``cleanup`` with such a ``now``."""
+    clock = Clock()
+    _, c = make_any(clock=clock)
+    c.cancel(1, "kept", "global")
+    clock.t = bad
+    with pytest.raises(ValueError, match="finite"):
+        c.cancel(2, "r", "global")
+    with pytest.raises(ValueError, match="finite"):
+        c.cancel(1, "overwrite", "global")
+    with pytest.raises(ValueError, match="finite"):
+        c.cleanup(0)
+    clock.t = 1_000_001.0
+    assert not c.cancelled(2, "global") and c.reason(1, "global") == "kept"
+    assert [e for e, _, _ in events].count(CANCELLED_EVENT) == 1
+    assert c.cleanup(0) == 1
 
 
 @pytest.mark.parametrize(

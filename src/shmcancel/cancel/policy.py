@@ -48,7 +48,7 @@ from .handle import CANCELLED_EVENT, POLLS_PER_CLOCK, RequestHandle, valid_scope
 from .owed import owed_ends, settle_owed
 from .reasons import sanitize
 from .shm_storage import ShmBackend
-from .storage import Poll, Storage
+from .storage import Poll, Storage, bad_clock
 from .tables import SCOPE_MAX
 
 __all__ = [
@@ -521,7 +521,10 @@ class Cancellation:
             ttl = math.inf if ttl > 0 else -math.inf
         if self.registry is not None:  # header counters plausible, else recounted (fsck)
             self.registry.check()
-        removed = self._store.expire(self.clock(), float(ttl))
+        now = self.clock()
+        if now - now:  # NaN or an infinity: no row's age can be told
+            raise bad_clock(now)
+        removed = self._store.expire(now, float(ttl))
         in_flight_removed = self._store.reap() + self._reap_ended()
         telemetry.execute(
             CLEANUP_EVENT, {"removed": removed, "in_flight_removed": in_flight_removed}, {}

@@ -21,7 +21,7 @@ from ..shm.registry import Registry
 from ..shm.table import LargeRowsFull, PreparedKey, Table, _pack, _unpack
 from . import eviction
 from .reasons import SHORTENED
-from .storage import Owner, Poll, Storage
+from .storage import Owner, Poll, Storage, bad_clock
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
@@ -194,6 +194,8 @@ class ShmBackend:
                             counted = None  # the eviction may have taken rows of this scope
                 if not full:
                     at = clock()
+                    if at - at:  # NaN or an infinity: not a time a row can be sorted by
+                        raise bad_clock(at)
                     for _ in range(2):
                         try:
                             self._put(ck, scope, reason, at, counted)

@@ -25,7 +25,15 @@ from typing import Protocol, runtime_checkable
 
 from ..config import Config
 
-__all__ = ["Owner", "Poll", "Storage"]
+__all__ = ["Owner", "Poll", "Storage", "bad_clock"]
+
+
+def bad_clock(at: object) -> ValueError:
+    """The error for a ``clock()`` value a row cannot be stamped with: every row's time is a
+    finite number (eviction sorts by it, cleanup subtracts it). Stores check ``at - at``,
+    which is ``0`` only for a finite number."""
+    return ValueError(f"clock() returned {at!r:.80}: a cancellation is stamped with a finite "
+                      f"number of seconds")
 
 #: Who runs an in-flight request: ``(pid, start_time, thread_ident, token)``. ``token`` tells
 #: apart two requests of one thread (0 for plain ``track``; unique per ``RequestHandle``).
@@ -61,7 +69,9 @@ class Storage(Protocol):
         :class:`~shmcancel.CancellationLimitReached`, nothing written; the store holds ``cap``
         rows → evict ``batch`` rows in contract §4.4's order → insert. ``clock()`` is read
         once, after the in-flight check (so a row recorded for a running request is never
-        older than that request's begin). Returns ``True`` when a row was written."""
+        older than that request's begin); a value that is not a finite number raises
+        :func:`bad_clock`'s ``ValueError``, nothing written. Returns ``True`` when a row was
+        written."""
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
         """The row's ``(reason, cancelled_at)``, or ``None``."""
     def watch(self, scope: str, rid: str) -> Poll:

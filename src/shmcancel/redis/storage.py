@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Container
 
-from ..cancel.storage import Owner, Poll
+from ..cancel.storage import Owner, Poll, bad_clock
 from ..config import Config
 from ..exceptions import CancellationLimitReached, LockTimeout
 from .store import RedisStore
@@ -98,8 +98,11 @@ class RedisStorage:
     # --- cancellation rows
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
                quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+        at = clock()
+        if at - at:  # NaN or an infinity
+            raise bad_clock(at)
         status, evicted = self.store.cancel(
-            scope, rid, reason, clock(), gate=only_in_flight, now_ms=self._now_ms(),
+            scope, rid, reason, at, gate=only_in_flight, now_ms=self._now_ms(),
             box_lease_ms=int(self.lease * 1000),
             limits=(-1 if quota is None else quota, cap, batch))
         self.evictions += evicted
