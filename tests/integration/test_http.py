@@ -383,6 +383,28 @@ def test_chunked_body_over_the_limit_is_413(server: Gunicorn) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == errors.INVALID_REQUEST
 
 
+@pytest.mark.parametrize("method", ["ping", "tools/call"])
+def test_a_body_shorter_than_its_length_is_refused_not_run(server: Gunicorn,
+                                                           bad_input_client: Client,
+                                                           method: str) -> None:
+    """A client that declares more bytes than it sends, then half-closes: the message is
+    incomplete (RFC 9112 §6.3), so it is 400 and the tool does not run; it was answered 200
+    with the echo's result when it happened to be whole JSON."""
+    params = {"name": "echo", "arguments": {"text": "never-run"}} if method == "tools/call" \
+        else None
+    body = _rpc(id=5, method=method, **({"params": params} if params else {}))
+    head = "".join(f"{k}: {v}\r\n" for k, v in bad_input_client.headers().items())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST /mcp HTTP/1.1\r\nHost: x\r\n{head}Content-Length: {len(body) + 60}"
+                  f"\r\nConnection: close\r\n\r\n".encode() + body)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 400"), out[:300]
+    assert b"never-run" not in out and b'"code":-32600' in out
+
+
 def test_workers_survive_bad_input(server: Gunicorn, bad_input_client: Client) -> None:
     """After everything above (this test runs last in the module): same workers, serving."""
     pids = set(server.worker_pids())

@@ -304,6 +304,8 @@ class McpServer(LegacyWire, ModernWire):
                 break
             chunks.append(chunk)
             got += len(chunk)
+        if length is not None and got < length:  # EOF before Content-Length: not a request
+            return _error_reply(400, None, codes.INVALID_REQUEST, "Could not read the body")
         if got > limit:
             return _error_reply(413, None, codes.INVALID_REQUEST,
                                 f"Request body too large (limit {limit} bytes)")
