@@ -7,11 +7,12 @@ its pid in a ``finally``. Children attach the registry themselves, as gunicorn w
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
 import pytest
-from helpers.procs import TIMEOUT, Chan, Child, wait_zombie
+from helpers.procs import TIMEOUT, Chan, Child, fork, wait_exit, wait_zombie
 from helpers.rows import in_flight_count, in_flight_rows
 
 from shmcancel import CancellationLimitReached, TableFull, telemetry
@@ -321,3 +322,32 @@ def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
     assert reg.info()["last_sweeper_pid"] == child.pid
     child.send("exit")
     assert child.wait() == 0
+
+
+def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry):
+    """A cancel writes its scope's count first and its row second: a writer SIGKILLed in
+    between leaves the count one too high. The next caller under its quota is still served
+    (contract §4.4), without waiting for a sweep: the lock's recovery tells the quota check to
+    recount the scopes from the rows once."""
+    reg = registry(max_rows_per_scope=3, janitor_interval=3600.0)
+    c = Cancellation(reg)
+    for i in (1, 2, 3):
+        c.cancel(i, None, "s")
+    with pytest.raises(CancellationLimitReached):
+        c.cancel(4, None, "s")  # a true refusal: recounted, nothing to fix
+    c.clear(3, "s")
+    store = c._store
+
+    def killed_mid_cancel() -> None:
+        with store._lock:
+            store._add("s", +1)  # the count of a row never written
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pid = fork(killed_mid_cancel)
+    status = wait_exit(pid, TIMEOUT)
+    assert status is not None and os.WIFSIGNALED(status)
+    c.cancel(5, None, "s")  # two rows: under the quota of 3
+    assert c.cancelled(5, "s")
+    with pytest.raises(CancellationLimitReached):
+        c.cancel(6, None, "s")
+    assert c._store.scope_rows("s") == 3

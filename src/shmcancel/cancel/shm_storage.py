@@ -95,6 +95,9 @@ class ShmBackend:
         assert lanes is not None
         self._lanes = lanes  # a handle's in-flight row, when its process's lane has room
         self._lock = reg.lock
+        # the registry's lock recoveries when this process last recounted the scopes (see
+        # record): -1, none yet, so a death before it attached is covered too
+        self._recounted_at = -1
         self._hash_key = bytes(reg.hash_key)
         self._alive = alive
         self._ckeys: dict[tuple[str, str], PreparedKey] = {}
@@ -166,13 +169,21 @@ class ShmBackend:
         writers); in flight: checked again under it. At the cap the batch is evicted outside
         the lock (in short holds, see :meth:`evict`) and the checks run again; after three
         such rounds (other writers refilling the table meanwhile) it is evicted under the
-        held lock."""
+        held lock. At the quota, if a writer died holding the lock since this process last
+        recounted (the registry's lock recoveries moved), the counts are recounted from the rows
+        first and the checks run again: a count left one too high by a writer killed between
+        the count and its row must not refuse a caller under its quota (contract §4.4)."""
         if only_in_flight and not self.in_flight(scope, rid):
             return False
         ck = self._ck(scope, rid)
         fk = self._fk(scope, rid) if only_in_flight else None
         c = self._c
+        recount = -1
         for attempt in range(4):
+            if recount >= 0:  # outside the lock: the recount reads lock-free, fixes in a hold
+                self._recounted_at = recount
+                self._repair_counts()
+                recount = -1
             with self._lock:
                 # Reads of the tables under the held lock are exact (no writer can move a
                 # version meanwhile); a lane row can go without the lock (see _still_in_lane).
@@ -184,8 +195,12 @@ class ShmBackend:
                 if not c.member(ck):
                     counted = self._count(scope)
                     if quota is not None and counted[1] >= quota:
-                        raise CancellationLimitReached(
-                            f"scope {scope[:80]!r} already holds {quota} cancellation rows")
+                        recoveries = self._lock.recoveries
+                        if recoveries == self._recounted_at or attempt == 3:
+                            raise CancellationLimitReached(
+                                f"scope {scope[:80]!r} already holds {quota} cancellation rows")
+                        recount = recoveries
+                        continue  # recounted above, then checked again
                     if c.count() >= cap:
                         if attempt < 3:
                             full = True  # evicted below, outside the lock; then checked again
