@@ -173,6 +173,10 @@ class _ReadOnlyLock:
     def generation(self) -> int:
         return self._w[OFF_LOCK_GENERATION >> 3]
 
+    @property
+    def recoveries(self) -> int:
+        return self._w[OFF_RECOVERIES >> 3]
+
     def held_by_me(self) -> bool:
         return False
 
