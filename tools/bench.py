@@ -292,6 +292,8 @@ def section_footprint(backends: list[Backend], a: argparse.Namespace, rep: Repor
           f"  <= 8 MiB {v1}")
     print(f"  shmcancel segment, Config(max_rows=100):  {s:>12,} B ({s / 2**20:.2f} MiB)"
           f"  < default {v2}")
+    print("  (a worst-case record per cancellation and in-flight row: the contract's counts hold "
+          "for rows of any size, 15.7 MB of text for 10 000 of the worst; docs/design.md)")
     runs = a.rss_runs
     bare, _, _ = _import_rss("", runs)
     print(f"  RSS of a fresh process (median of {runs}): python bare {bare / 1024:.1f} MiB;"

@@ -1,6 +1,7 @@
 """Record size classes (shm/layout.py): a table keeps one small record per row and ``L`` large
-ones; every valid row fits while at most ``L`` rows are large, and what happens past that is each
-table's documented policy. Real shared memory throughout (``Rig``, ``Registry``)."""
+ones; every valid row fits while at most ``L`` rows are large. The cancellation layer's tables
+take ``L`` = every row (any valid row fits), the sessions' a bounded ``L`` with a documented
+policy past it. Real shared memory throughout (``Rig``, ``Registry``)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shmcancel import Cancellation, Config, Registry
-from shmcancel.cancel import tables as cancel_tables
-from shmcancel.cancel.reasons import SHORTENED
-from shmcancel.cancel.shm_storage import ShmBackend
 from shmcancel.exceptions import TableFull
 from shmcancel.mcp import session_tables
 from shmcancel.mcp.sessions import SessionsFull, SessionStore
@@ -118,9 +116,10 @@ def test_a_full_large_class_still_updates_its_rows_and_takes_small_ones(shm_name
         rig.close()
 
 
-# ------------------------------------------------------------------ per table, past the large class
+# ------------------------------------------------------------------ per table
 
-REASON = "r" * 200  # a reason no small record holds
+SCOPE = "principal:" + "\U0001f600" * 125  # 510 UTF-8 bytes: within the 512 of contract §3
+REASON = "\U0001f600" * 200  # 800 bytes, 200 characters: the longest reason §4.2 keeps
 
 
 def _ticking() -> Callable[[], float]:
@@ -133,110 +132,64 @@ def _ticking() -> Callable[[], float]:
     return clock
 
 
-def test_past_the_large_class_a_cancellation_keeps_its_row_with_its_reason_cut(
-        shm_name: str) -> None:
-    """Rows that need a large record only for their reason: once the large records are taken,
-    a new row, and an overwrite that grows a small row, keep their rows (nothing is evicted:
-    §4.3, §4.4) with the reason's longest prefix that fits a small record, ending in "…"."""
-    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
+def _worst_id(i: int) -> str:
+    return f"{i:06d}" + "i" * 250  # 256 bytes: the longest id §4.1 takes
+
+
+def test_max_rows_cancellations_of_the_worst_size_all_fit_whole(shm_name: str) -> None:
+    """Every row as large as the contract allows (scope, id and reason at their limits):
+    ``max_rows`` of them are kept with their whole reasons and nothing is evicted below the
+    cap (§2, §4.2, §4.4); the next one evicts exactly §4.4's batch, oldest first."""
+    with Registry.create(shm_name, Config(max_rows=600, max_rows_per_scope=None)) as reg:
         c = Cancellation(reg, clock=_ticking())
         t = reg.table("cancellations")
-        L = t.large_count
-        assert L == cancel_tables.LARGE_CANCELLATIONS and t.capacity == 1000
-        c.cancel("grows", "short", scope="s1")
-        for i in range(L):
-            c.cancel(f"big{i}", REASON, scope=f"s{i % 4}")
-        assert len(t.large_rows()) == L
-        for rid in ("new", "grows"):  # a new row; an existing small row overwritten in place
-            c.cancel(rid, REASON, scope="s1")
-            kept = c.reason(rid, "s1")
-            assert kept is not None and kept.endswith(SHORTENED)
-            assert 0 < len(kept) - 1 < len(REASON) and REASON.startswith(kept[:-1])
-        assert reg.evictions == 0 and t.count() == L + 2
-        assert all(c.reason(f"big{i}", f"s{i % 4}") == REASON for i in range(L))
-        assert ShmBackend(reg).scope_rows("s1") == sum(1 for k, _ in t.scan() if k[0] == "s1")
-        c.cancel("new", "short again", scope="s1")  # short again: stored whole
-        assert c.reason("new", "s1") == "short again"
+        assert t.large_count == t.capacity == 600
+        for i in range(600):
+            c.cancel(_worst_id(i), REASON, scope=SCOPE)
+        assert reg.evictions == 0 and t.count() == 600 and len(t.large_rows()) == 600
+        assert all(c.reason(_worst_id(i), SCOPE) == REASON for i in range(600))
+        c.cancel(_worst_id(600), REASON, scope=SCOPE)
+        assert reg.evictions == 30 and t.count() == 571
+        assert [i for i in range(601) if not c.cancelled(_worst_id(i), SCOPE)] == list(range(30))
         reg.unlink()
 
 
-def test_a_reason_is_cut_on_a_character_boundary(shm_name: str) -> None:
-    """Multi-byte characters: the cut never splits one (the kept text is a prefix)."""
-    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
+def test_an_overwrite_that_grows_a_row_keeps_every_row(shm_name: str) -> None:
+    """Small rows overwritten with the longest reason, the table full: each keeps its row,
+    its whole new reason, and no other row goes (§4.3)."""
+    with Registry.create(shm_name, Config(max_rows=300)) as reg:
         c = Cancellation(reg, clock=_ticking())
-        for i in range(reg.table("cancellations").large_count):
-            c.cancel(f"big{i}", REASON, scope="s")
-        wide = "é€😀" * 60  # 2-, 3- and 4-byte characters
-        c.cancel("wide", wide, scope="t")
-        kept = c.reason("wide", "t")
-        assert kept is not None and kept.endswith(SHORTENED) and wide.startswith(kept[:-1])
+        for i in range(300):
+            c.cancel(i, "short", scope=f"s{i % 3}")
+        for i in range(300):
+            c.cancel(i, REASON, scope=f"s{i % 3}")
+        assert reg.evictions == 0 and reg.table("cancellations").count() == 300
+        assert all(c.reason(i, f"s{i % 3}") == REASON for i in range(300))
         reg.unlink()
 
 
-def test_rows_whose_key_needs_a_large_record_evict_among_the_large_rows(shm_name: str) -> None:
-    """A key no small record holds (a long principal scope) cannot be helped by cutting the
-    reason: past the large class, the oldest large rows go in §4.4's order, a batch of
-    ``max(1, L // 20)``, and the new row is stored whole."""
-    with Registry.create(shm_name, Config(max_rows=1000, capacity=1000)) as reg:
-        c = Cancellation(reg, clock=_ticking())
-        t = reg.table("cancellations")
-        L = t.large_count
-        scopes = [f"principal:{n}" + "p" * 200 for n in range(4)]
-        for i in range(20):
-            c.cancel(f"small{i}", "short", scope=f"s{i % 4}")
-        for i in range(L):
-            c.cancel(f"big{i}", None, scope=scopes[i % 4])
-        assert len(t.large_rows()) == L and reg.evictions == 0
-        c.cancel("big-new", "a reason", scope=scopes[0])  # never refused for its size
-        batch = max(1, L // 20)
-        assert c.reason("big-new", scopes[0]) == "a reason" and reg.evictions == batch
-        gone = [i for i in range(L) if not c.cancelled(f"big{i}", scopes[i % 4])]
-        assert gone == list(range(batch))  # equal scopes: the oldest large rows, in §4.4 order
-        assert all(c.cancelled(f"small{i}", f"s{i % 4}") for i in range(20))  # untouched
-        assert t.count() == 20 + L - batch + 1 and len(t.large_rows()) == L - batch + 1
-        store = ShmBackend(reg)
-        for s in scopes:  # the scope counts moved with the evicted rows
-            assert store.scope_rows(s) == sum(1 for k, _ in t.scan() if k[0] == s)
-        reg.unlink()
-
-
-def _dead_owner() -> tuple[int, int, int, int]:
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return (pid, 1, 1, 1)
-
-
-def test_in_flight_past_the_large_class_reaps_then_fails_like_a_full_table(shm_name: str) -> None:
-    with Registry.create(shm_name, Config(in_flight_capacity=1024)) as reg:
+def test_in_flight_capacity_rows_of_the_worst_size_are_tracked(shm_name: str) -> None:
+    """``in_flight_capacity`` rows of the longest scope and id: each tracked (§4.5), and the
+    next one is ``TableFull`` for the row count, not for its size."""
+    with Registry.create(shm_name, Config(in_flight_capacity=300)) as reg:
         c = Cancellation(reg)
-        store = ShmBackend(reg)
-        L = reg.table("in_flight").large_count
-        scope = "p" * 200  # a long principal: every row of it is large
-        dead = _dead_owner()
-        for i in range(L):
-            store.track(scope, f"dead{i}", dead)
-        c.track("mine", scope)  # the dead owner's large rows are reaped to make room
-        assert c.in_flight("mine", scope) and len(reg.table("in_flight").large_rows()) == 1
-        for i in range(L - 1):
-            c.track(f"live{i}", scope)
-        with pytest.raises(TableFull, match="larger than"):
-            c.track("one-more", scope)
-        c.track("small", "global")  # small rows are unaffected
-        assert c.in_flight("small", "global") and not c.in_flight("one-more", scope)
+        for i in range(300):
+            c.track(_worst_id(i), SCOPE)
+        assert all(c.in_flight(_worst_id(i), SCOPE) for i in range(300))
+        with pytest.raises(TableFull) as e:
+            c.track(_worst_id(300), SCOPE)
+        assert type(e.value) is TableFull
         reg.unlink()
 
 
 def test_in_flight_rows_of_a_long_principal_and_uuid_ids_take_small_records(
         shm_name: str) -> None:
     """A 79-character principal scope with UUID request ids (a common transport row) fits a
-    small record: far more than the large class's rows of it are tracked at once."""
+    small record (the one a scan reads)."""
     with Registry.create(shm_name, Config(in_flight_capacity=1024)) as reg:
         c = Cancellation(reg)
         scope = "principal:" + "u" * 69
-        L = reg.table("in_flight").large_count
-        ids = [str(uuid.UUID(int=i)) for i in range(3 * L)]
+        ids = [str(uuid.UUID(int=i)) for i in range(500)]
         for rid in ids:
             c.track(rid, scope)
         assert all(c.in_flight(rid, scope) for rid in ids)
@@ -269,19 +222,24 @@ def test_session_clients_past_the_large_class_refuse_a_session(shm_name: str) ->
 MIB = 1 << 20
 
 
-def test_default_segment_is_at_most_8_mib_and_follows_max_rows(shm_name: str,
-                                                             shm_names: list[str]) -> None:
+def test_the_segment_reserves_the_worst_case_and_follows_max_rows(shm_name: str,
+                                                                shm_names: list[str]) -> None:
+    """A worst-case record for every cancellation and in-flight row (the contract's counts
+    hold whatever the rows' sizes), so the segment follows ``max_rows`` down: ~1.8 KB a row."""
     footprint = load_tool("footprint").footprint
     with Registry.create(shm_name) as reg:
         default = os.path.getsize(segment_path(shm_name))
-        assert default <= 8 * MIB and default == reg.info()["total_size"]
+        assert default == reg.info()["total_size"]
+        for name in ("cancellations", "in_flight"):
+            t = reg.table(name)
+            assert t.large_count == t.capacity
         assert footprint(Config())[1] == default  # what tools/footprint.py prints
         reg.unlink()
     small_name = shm_name + "s"
     shm_names.append(small_name)
     with Registry.create(small_name, Config(max_rows=100)) as reg:
         small = os.path.getsize(segment_path(small_name))
-        assert small < default - 2 * MIB and footprint(Config(max_rows=100))[1] == small
+        assert small < default - 16 * MIB and footprint(Config(max_rows=100))[1] == small
         assert reg.table("cancellations").capacity == 100
         assert reg.table("scope_counts").capacity == 100 + 25  # room for 25 counts at 0
         assert reg.config.capacity == 10_000  # the contract's meaning is unchanged

@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_REASON_BYTES", "MAX_REASON_CHARS", "SHORTENED", "STRIPPED", "sanitize"]
+__all__ = ["MAX_REASON_BYTES", "MAX_REASON_CHARS", "STRIPPED", "sanitize"]
 
 MAX_REASON_BYTES = 800
 MAX_REASON_CHARS = 200
-SHORTENED = "\u2026"
-"""Ends a reason stored shorter than sanitised: its row needed one of the table's bounded large
-records and none was free, so the row was kept with its reason's longest prefix that fits a
-small record (contract §4.4), rather than evicting another row."""
 
 _RANGES = (
     (0x00, 0x1F), (0x7F, 0x9F), (0x061C, 0x061C), (0x200B, 0x200F), (0x2028, 0x202E),

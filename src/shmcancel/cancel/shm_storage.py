@@ -18,9 +18,8 @@ from ..shm import procinfo
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
-from ..shm.table import LargeRowsFull, PreparedKey, Table, _pack, _unpack
+from ..shm.table import PreparedKey, Table, _unpack
 from . import eviction
-from .reasons import SHORTENED
 from .storage import Owner, Poll, Storage, bad_clock
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 
@@ -211,20 +210,10 @@ class ShmBackend:
                     at = clock()
                     if at - at:  # NaN or an infinity: not a time a row can be sorted by
                         raise bad_clock(at)
-                    for _ in range(2):
-                        try:
-                            self._put(ck, scope, reason, at, counted)
-                            break
-                        except LargeRowsFull:  # the large records are taken
-                            short = self._fit_small(ck, reason, at)
-                            if short is None:  # the key alone needs one: evict among them
-                                self.evict_large()
-                            else:  # the row is kept; only its reason is cut to fit
-                                reason = short
-                        except TableFull:  # the physical table filled below the cap
-                            self.evict(batch)
-                        counted = None  # the eviction may have taken rows of this scope
-                    else:
+                    try:
+                        self._put(ck, scope, reason, at, counted)
+                    except TableFull:  # the physical table filled below the cap
+                        self.evict(batch)
                         self._put(ck, scope, reason, at, None)
                     return fk is None or in_table or self._still_in_lane(scope, rid, fk)
             self.evict(batch)
@@ -337,41 +326,6 @@ class ShmBackend:
             if not batch:
                 break
         return total
-
-    def _fit_small(self, key: PreparedKey, reason: str | None, at: float) -> str | None:
-        """``reason`` cut to the longest prefix that, followed by ``SHORTENED``, lets the row
-        ``key -> (reason, at)`` fit a small record; ``None`` when there is no reason to cut or
-        even ``SHORTENED`` alone does not fit (the key needs a large record)."""
-        if reason is None:
-            return None
-        room = self._c.small_payload - len(key.kbytes)
-        b = reason.encode("utf-8")
-        n = room - len(_pack((SHORTENED, at)))
-        for _ in range(4):  # a shorter text may take a shorter msgpack header: at most 3 steps
-            if n < 0:
-                return None
-            cut = b[:n].decode("utf-8", "ignore") + SHORTENED
-            over = len(_pack((cut, at))) - room
-            if over <= 0:
-                return cut
-            n -= over
-        return None
-
-    def evict_large(self) -> int:
-        """Under the lock: the table holds its ``large_count`` rows too large for a small record
-        (layout.py) and another is to be written: remove ``max(1, large_count // 20)`` of them,
-        in contract §4.4's order among the large rows (scope sizes counted among them), as the
-        global cap does among all rows. Counted as evictions."""
-        with self._lock:
-            large = self._c.large_count
-            rows = (_cancel_row(k, v) for k, v in self._c.large_rows())
-            victims = eviction.choose(((r[0], r[1], r[3]) for r in rows if r is not None),
-                                      eviction.batch_size(large, large))
-            gone = [(k, v) for k in victims for v in self._c.lookup(k)]
-            for k, _ in gone:
-                self._c.delete(k)
-            self._evicted(gone)
-            return len(gone)
 
     def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
         """Count the chunk ``gone`` (rows deleted) as evicted and out of its scopes."""

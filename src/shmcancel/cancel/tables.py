@@ -16,10 +16,11 @@ Keys and values as msgpack packs them:
 
 Record sizes come from the worst-case packed sizes of those shapes (``KEY_*``/``VAL_*``; tests
 pack the worst cases). ``cancellations`` and ``in_flight`` keep small records for the common row
-(``SMALL_*``) and a bounded number of worst-case ones (``LARGE_*``); past those, a write meets
-``LargeRowsFull``: ``cancellations`` keeps the row with its reason cut to fit a small record
-(evicting among its large rows only when the key alone needs one, contract §4.4), while
-``in_flight`` drops dead owners' rows and else serves the request uncancellable.
+(``SMALL_*``), the ones a scan reads, and a worst-case record for every row besides
+(``LARGE_*``): the contract promises its row counts whatever the rows' sizes (§2 ``capacity``,
+§4.2's whole reason, §4.4's cap, §4.5's ``in_flight_capacity``), so no valid row is ever
+refused, cut or evicted for its size. That costs memory only where a bound lets it: a default
+registry reserves ~16 MB of worst-case records, ``max_rows`` brings it down in proportion.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from operator import attrgetter
 from typing import Any
 
 from ..shm.schema import (
+    EVERY_ROW,
     PACKED_FLOAT,
     PACKED_INT,
     PACKED_NIL,
@@ -61,9 +63,8 @@ VAL_SCOPE_COUNT = PACKED_NIL  # the count is the word
 # 224 hold 200: a key of <= 163 bytes (a 125-character scope with a UUID) with its owner (<= 37).
 SMALL_CANCELLATION = 192
 SMALL_IN_FLIGHT = 224
-# Large rows each table holds (bounded by its capacity): the worst case, reserved separately.
-LARGE_CANCELLATIONS = 256
-LARGE_IN_FLIGHT = 128
+# Large rows each table holds: every row (a count past the capacity is the capacity).
+LARGE_CANCELLATIONS = LARGE_IN_FLIGHT = EVERY_ROW
 
 
 

@@ -148,7 +148,7 @@ def _principal_of(user: object) -> object:
         # The SDK's own principal (client id, issuer, subject), as one unambiguous text: two
         # clients, or two issuers, with a subject in common are two principals. A long one (an
         # issuer URL, GUIDs) becomes a digest: the scope keys every call's in-flight row, and a
-        # key past a small record's room takes one of a few large records (tables.py).
+        # key past a small record's room takes a large record, slower to scan (tables.py).
         text = json.dumps(list(principal_components(token)), separators=(",", ":"))
         if len(text) <= MAX_PRINCIPAL_TEXT:
             return text

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ..config import Config
 
 __all__ = [
+    "EVERY_ROW",
     "KINDS",
     "NAME_MAX",
     "PACKED_FLOAT",
@@ -54,6 +55,10 @@ def packed_str(n: int) -> int:
 def packed_bin(n: int) -> int:
     """Most bytes msgpack packs ``n`` bytes (``bytes``) into."""
     return n + (2 if n <= 255 else 3 if n <= 65535 else 5)
+
+
+EVERY_ROW = 2**32 - 1
+"""A ``large_count`` past any capacity: every row of the table may be large."""
 
 
 @dataclass(frozen=True, slots=True)
