@@ -25,6 +25,7 @@ from shmcancel import (
     principal,
     telemetry,
 )
+from shmcancel.cancel import ids
 from shmcancel.cancellation import (
     CANCELLED_EVENT,
     CLEANUP_EVENT,
@@ -158,6 +159,23 @@ def test_valid_ids_are_stored(rc_any, rid):
     c.cancel(rid, None, "s")
     assert c.cancelled(rid, "s")
     assert rows(reg) == [(("s", str(rid)), (None, c.clock()))]
+
+
+def test_an_int_id_of_any_size_is_cancelled_tracked_and_cleared(rc_any, events):
+    """contract §4.1: any int but a bool, also past 256 digits (and past the 4 300 Python
+    prints); it is one request with itself only, never with a str id."""
+    _, c = rc_any
+    for n in (10**300, -(10**300), 2**20000):
+        c.cancel(n, "big", "s")
+        assert c.cancelled(n, "s") and c.reason(n, "s") == "big"
+        assert not c.cancelled(n + 1, "s") and not c.cancelled(ids.key(n)[:256], "s")
+        c.track(n, "s")
+        assert c.in_flight(n, "s")
+        c.untrack(n, "s")
+        c.clear(n, "s")
+        assert not c.cancelled(n, "s") and not c.in_flight(n, "s")
+    md = [m for e, _, m in events if e == CANCELLED_EVENT]
+    assert len(md) == 3 and all(256 < len(m["request_id"]) <= 320 for m in md)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -71,10 +71,10 @@ def test_int_and_str_forms_are_one_request_once_cached(c):
         assert c.in_flight(x, S) is False
 
 
-@pytest.mark.parametrize("bad", [True, False, 1.0, 42.0, 10**256, "x" * 257, "é" * 129,
+@pytest.mark.parametrize("bad", [True, False, 1.0, 42.0, "x" * 257, "é" * 129,
                                  "\ud800", b"42", None, [42]])
 def test_invalid_ids_never_hit_a_cached_valid_one(c, bad):
-    for good in (1, 0, 42, "x" * 256, "é" * 128, 10**256 - 1):
+    for good in (1, 0, 42, "x" * 256, "é" * 128, 10**256 - 1, 10**256):
         c.cancel(good, None, S)
         c.begin(good, S)
         assert c.cancelled(good, S) and c.in_flight(good, S)  # cached now

@@ -4,25 +4,42 @@ A valid request id is an ``int`` that is not a ``bool``, or a ``str`` of at most
 :data:`MAX_ID_BYTES` UTF-8 bytes. Rows are keyed by ``str(id)``, so ``42`` and ``"42"`` name the
 same request (JSON-RPC clients may send either). ``None`` means "no request" everywhere.
 
-Two extra refusals keep every key storable, and are documented rather than surprising:
+An ``int`` of more than :data:`MAX_ID_BYTES` characters (JSON can carry one; Python cannot even
+print one past 4 300 digits) is keyed by a text of its own, longer than any valid ``str`` id so
+never one's key: ``int:``, its sign and leading hex digits, its size in bits and a 256-bit digest
+of its value (:data:`MAX_KEY_BYTES` bytes at most).
 
-- an ``int`` whose decimal form is longer than :data:`MAX_ID_BYTES` digits (JSON can carry one,
-  no client uses one) is invalid like an over-long ``str``;
-- a ``str`` that is not encodable as UTF-8 (a lone surrogate, e.g. from ``"\\ud800"`` in JSON)
-  is invalid: it could not be written to the table.
+A ``str`` that is not encodable as UTF-8 (a lone surrogate, e.g. from ``"\\ud800"`` in JSON) is
+invalid: it could not be written to the table.
 
 Subclasses are reduced to the base type's text (an ``IntEnum`` member keys as its number).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 from ..exceptions import InvalidRequestId
 
-__all__ = ["MAX_ID_BYTES", "key", "require_key"]
+__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "key", "require_key"]
 
 MAX_ID_BYTES = 256
+MAX_KEY_BYTES = 320  # the longest key text of a valid id: a long int's (_long_int_key)
 _INT_LO = -(10 ** (MAX_ID_BYTES - 1))  # exclusive bounds of ints of at most 256 characters
 _INT_HI = 10**MAX_ID_BYTES
+_LEAD_HEX = 192  # leading hex digits a long int's key shows
+
+
+def _long_int_key(n: int) -> str:
+    """The key of an int of more than ``MAX_ID_BYTES`` characters: over ``MAX_ID_BYTES``
+    bytes (so no valid ``str`` id has it), at most ``MAX_KEY_BYTES``, the same for equal
+    values, and a 256-bit digest apart for different ones. Costs O(size of n)."""
+    m = -n if n < 0 else n
+    raw = m.to_bytes((m.bit_length() + 7) // 8, "big")
+    digest = hashlib.blake2b(raw, digest_size=32, person=b"shmcancel-int" if n >= 0
+                             else b"shmcancel-neg").hexdigest()
+    return (f"int:{'-' if n < 0 else ''}0x{raw[:_LEAD_HEX // 2].hex()}..."
+            f"({m.bit_length()} bits)#{digest}")
 
 
 def key(request_id: object) -> str | None:
@@ -31,7 +48,9 @@ def key(request_id: object) -> str | None:
     Never raises.
     """
     if type(request_id) is int:  # exact types first: the common case, no isinstance walks
-        return int.__repr__(request_id) if _INT_LO < request_id < _INT_HI else None
+        if _INT_LO < request_id < _INT_HI:
+            return int.__repr__(request_id)
+        return _long_int_key(request_id)
     if type(request_id) is str:
         s = request_id
         if s.isascii():  # one byte per character
@@ -41,7 +60,8 @@ def key(request_id: object) -> str | None:
     elif isinstance(request_id, bool):
         return None
     elif isinstance(request_id, int):
-        return int.__repr__(request_id) if _INT_LO < request_id < _INT_HI else None
+        n = int(request_id)
+        return int.__repr__(n) if _INT_LO < n < _INT_HI else _long_int_key(n)
     else:
         return None
     if len(s) > MAX_ID_BYTES:
@@ -71,6 +91,4 @@ def require_key(request_id: object) -> str:
 def _describe(v: object) -> str:
     if isinstance(v, str):
         return f"a str of {len(v.encode('utf-8', 'surrogatepass'))} bytes"
-    if isinstance(v, int) and not isinstance(v, bool):
-        return f"an int of {len(int.__repr__(int(v)))} digits"
     return type(v).__name__

@@ -38,7 +38,7 @@ from ..shm.schema import (
     packed_bin,
     packed_str,
 )
-from .ids import MAX_ID_BYTES
+from .ids import MAX_KEY_BYTES
 from .reasons import MAX_REASON_BYTES
 
 __all__ = ["CANCELLATIONS", "IN_FLIGHT", "SCOPE_COUNTS", "TABLES", "zero_counts_kept"]
@@ -49,7 +49,7 @@ SCOPE_COUNTS = "scope_counts"
 
 SCOPE_MAX = 512  # UTF-8 bytes (contract §3)
 SCOPE_DIGEST = 16  # bytes
-KEY_REQUEST = 1 + packed_str(SCOPE_MAX) + packed_str(MAX_ID_BYTES)  # [scope, id] = 775
+KEY_REQUEST = 1 + packed_str(SCOPE_MAX) + packed_str(MAX_KEY_BYTES)  # [scope, id] = 839
 VAL_CANCEL = 1 + packed_str(MAX_REASON_BYTES) + PACKED_FLOAT  # [reason, cancelled_at] = 813
 VAL_OWNER = 1 + 4 * PACKED_INT  # [pid, start, thread_ident, token] = 37
 KEY_SCOPE_COUNT = packed_bin(SCOPE_DIGEST)  # 18

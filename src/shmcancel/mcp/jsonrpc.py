@@ -4,7 +4,7 @@ replies. Pure: no I/O, no HTTP, no registry.
 What MCP narrows in JSON-RPC (and what this module therefore rejects):
 
 - an ``id`` is an integer or a string, never ``null``, a float or a ``bool``; shmcancel also
-  caps it at :data:`shmcancel.cancel.ids.MAX_ID_BYTES` (the request is tracked under ``str(id)``);
+  caps a string at :data:`shmcancel.cancel.ids.MAX_ID_BYTES` (contract §4.1);
 - ``params``, when present, is an object;
 - one message per POST: JSON-RPC batching was removed from MCP in 2025-06-18 (and never
   existed on the 2026-07-28 wire), so a JSON array is answered ``-32600``.
@@ -146,8 +146,6 @@ def _describe_bad_id(value: Any) -> str:
         return 'the request "id" must not be null'
     if isinstance(value, str):
         return f'the request "id" is longer than {ids.MAX_ID_BYTES} UTF-8 bytes (or not UTF-8)'
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f'the request "id" has more than {ids.MAX_ID_BYTES} digits'
     return f'the request "id" must be an integer or a string, got {_json_type(value)}'
 
 
