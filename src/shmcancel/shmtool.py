@@ -26,6 +26,9 @@ incompatible segment, a live creator's registry to unlink, ...) with one line on
 traceback, or for ``cleanup --stale`` when it skipped any registry (one line each); 2 for a usage
 error.
 
+Every ``--json`` output is strict JSON: a time or number that is not finite (a row written with a
+broken clock, a garbled header) is ``null``, never ``NaN`` or ``Infinity``.
+
 ``dump --json`` prints one object::
 
     {"name": ..., "now": <time.time()>,
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -109,7 +113,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _finite(v: Any) -> Any:
+    """``v`` with every float that is not finite (NaN, +-Infinity: a header or row written with a
+    broken clock, or garbage) replaced by ``None``, through dicts and lists."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _print_json(obj: Any) -> None:
+    """One object as strict JSON (non-finite floats as ``null``, never ``NaN``/``Infinity``)."""
+    print(json.dumps(_finite(obj), allow_nan=False))
+
+
 def _age(now: float, t: float) -> str:
+    if not math.isfinite(t):
+        return "-"
     d = now - t
     if d < 0:
         return f"in {-d:.1f}s"
@@ -237,7 +260,7 @@ def _registries() -> list[dict[str, Any]]:
 def cmd_list(args: argparse.Namespace) -> int:
     regs = _registries()
     if args.json:
-        print(json.dumps({"registries": regs}))
+        _print_json({"registries": regs})
         return 0
     if not regs:
         print(f"no registries in {SHM_DIR}")
@@ -254,6 +277,8 @@ def _dump(reg: Registry) -> dict[str, Any]:
     for k, v in reg.table(CANCELLATIONS).scan():
         scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
         reason, at = (v[0], v[1]) if isinstance(v, tuple) and len(v) == 2 else (repr(v), None)
+        if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
+            at = None  # not a time (a broken clock wrote it): null, sorted first
         cancels.append({"scope": scope, "request_id": rid, "reason": reason, "cancelled_at": at})
     cancels.sort(key=lambda r: (r["cancelled_at"] or 0.0, str(r["scope"]), str(r["request_id"])))
     flights = []
@@ -278,7 +303,7 @@ def _dump(reg: Registry) -> dict[str, Any]:
 def cmd_dump(args: argparse.Namespace) -> int:
     d = _read(args.name, _dump)
     if args.json:
-        print(json.dumps(d))
+        _print_json(d)
         return 0
     now = d["now"]
     print(f"registry {d['name']}: {len(d['cancellations'])} cancellations, "
@@ -354,7 +379,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
 def cmd_stats(args: argparse.Namespace) -> int:
     s = _read(args.name, _stats)
     if args.json:
-        print(json.dumps(s))
+        _print_json(s)
         return 0
     now = time.time()
     lock = s["lock"]
