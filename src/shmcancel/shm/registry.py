@@ -33,7 +33,15 @@ from .lanes import Lanes
 from .lanes import format_region as lanes_format
 from .lanes import region_size as lanes_size
 from .lock import RegistryLock
-from .names import check_name, lock_path, segment_path, sem_path, unlink_names, unlink_quiet
+from .names import (
+    check_entry,
+    check_name,
+    lock_path,
+    segment_path,
+    sem_path,
+    unlink_names,
+    unlink_quiet,
+)
 from .schema import TableDecl, declared
 from .segment import (
     LAYOUT_VERSION,
@@ -48,6 +56,7 @@ from .segment import (
     OFF_SWEEPS,
     Segment,
     TableSpec,
+    check_semaphore,
 )
 from .table import Table
 
@@ -477,6 +486,23 @@ class Registry:
         """Check and repair every table (the caller holds the lock): the lock's repair callback.
         Returns each table's repair counts (all zero when nothing was wrong)."""
         return {n: t.fsck() for n, t in self._tables.items()}
+
+    def attach_problems(self) -> dict[str, str]:
+        """Why a writable :meth:`attach` would refuse this registry's semaphore or lock file
+        now, by path (empty: it would not): the semaphore missing, replaced, a FIFO, a link or
+        another user's; the lock file a FIFO, a link or another user's (a missing one is
+        created). ``lstat`` only: never opens, follows or blocks on either (for a read-only
+        attachment: ``shmtool list``)."""
+        out = {}
+        try:
+            check_semaphore(self._name, self._sem_ino)
+        except RegistryIncompatible as e:
+            out[sem_path(self._name)] = str(e)
+        try:
+            check_entry("lock file", lock_path(self._name))
+        except RegistryIncompatible as e:
+            out[lock_path(self._name)] = str(e)
+        return out
 
     def info(self) -> dict[str, Any]:
         """The header, for ``shmtool stats``."""

@@ -83,6 +83,7 @@ __all__ = [
     "Segment",
     "TableDesc",
     "TableSpec",
+    "check_semaphore",
     "creator_of",
 ]
 
@@ -440,10 +441,12 @@ def _validate_header(name: str, mm: mmap.mmap, size: int) -> None:
         raise RegistryIncompatible(f"registry {name}: the lanes region is out of bounds")
 
 
-def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
+def check_semaphore(name: str, expected_ino: int) -> os.stat_result:
+    """The semaphore entry of registry ``name`` as an attach needs it (``lstat`` only: never
+    opened, followed or blocked on): present, a regular file of ours, mode 0600, large enough,
+    the inode ``expected_ino`` the segment header records. Else :class:`RegistryIncompatible`
+    naming the path. (``shmtool list`` asks this of a registry it reads.)"""
     path = sem_path(name)
-    # sem_open opens the file itself (O_NOFOLLOW, but blocking): check the entry first, and its
-    # inode afterwards (only its owner could have swapped a file of ours in between).
     st = check_entry("semaphore", path)
     if st is None:
         raise RegistryIncompatible(
@@ -452,6 +455,22 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     if st.st_size < SEM_MIN_SIZE:
         raise RegistryIncompatible(
             f"registry {name}: semaphore file {path} is {st.st_size} bytes (corrupt)")
+    if st.st_ino != expected_ino:
+        raise _replaced_semaphore(name, path)
+    return st
+
+
+def _replaced_semaphore(name: str, path: str) -> RegistryIncompatible:
+    return RegistryIncompatible(
+        f"registry {name}: semaphore {path} is not the one created with the segment "
+        "(replaced or recreated)")
+
+
+def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
+    path = sem_path(name)
+    # sem_open opens the file itself (O_NOFOLLOW, but blocking): check the entry first, and its
+    # inode afterwards (only its owner could have swapped a file of ours in between).
+    check_semaphore(name, expected_ino)
     try:
         sem = posix_ipc.Semaphore(shm_name(name))
     except posix_ipc.ExistentialError:
@@ -461,9 +480,7 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
         raise RegistryIncompatible(f"registry {name}: cannot open semaphore {path}: {e}") from None
     if os.lstat(path).st_ino != expected_ino:
         sem.close()
-        raise RegistryIncompatible(
-            f"registry {name}: semaphore {path} is not the one created with the segment "
-            "(replaced or recreated)")
+        raise _replaced_semaphore(name, path)
     return sem
 
 
