@@ -23,15 +23,16 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import posix_ipc
 
 from ..exceptions import InvalidRegistryName, RegistryIncompatible, ShmCancelError
 
-__all__ = ["MODE", "SHM_DIR", "check_entry", "check_name", "check_stat", "flock_bounded",
-           "lock_path", "name_paths", "not_ours", "open_entry", "open_lockfile", "segment_path",
-           "sem_path", "shm_name", "tmp_path", "unlink_names", "unlink_quiet"]
+__all__ = ["MODE", "SHM_DIR", "check_entry", "check_name", "check_stat", "describe",
+           "flock_bounded", "lock_path", "name_paths", "not_ours", "open_entry", "open_lockfile",
+           "registry_owner", "segment_path", "sem_path", "shm_name", "split_paths", "stat_problem",
+           "tmp_path", "unlink_names", "unlink_quiet"]
 
 SHM_DIR = "/dev/shm"
 MODE = 0o600
@@ -88,6 +89,23 @@ def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
     if st.st_uid != os.geteuid() and not any_owner:
         return f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()})"
     return None
+
+
+def stat_problem(st: os.stat_result) -> str | None:
+    """Why an entry with this ``lstat`` is not one shmcancel may use (a symbolic link, a FIFO,
+    not a regular file, another user's), or ``None``."""
+    return _problem(st)
+
+
+def describe(st: os.stat_result) -> str:
+    """What an entry with this ``lstat`` is, for a message: "a FIFO", "a regular file", ..."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(st.st_mode):
+        return "a FIFO"
+    if stat.S_ISREG(st.st_mode):
+        return "a regular file"
+    return "not a regular file"
 
 
 def not_ours(what: str, path: str, problem: str) -> RegistryIncompatible:
@@ -196,13 +214,47 @@ def name_paths(name: str) -> list[str]:
     return [p for p in paths if os.path.lexists(p)]
 
 
-def unlink_names(name: str) -> list[str]:
+def registry_owner(name: str) -> int:
+    """The uid whose registry ``name`` is: the owner of its segment if that is a regular file,
+    else the current user (no segment, or a squatter's link or FIFO in its place)."""
+    try:
+        st = os.lstat(segment_path(check_name(name)))
+    except OSError:
+        return os.geteuid()
+    return st.st_uid if stat.S_ISREG(st.st_mode) else os.geteuid()
+
+
+def split_paths(name: str) -> tuple[list[str], list[tuple[str, os.stat_result]]]:
+    """:func:`name_paths` split into the registry's own entries (its owner's, see
+    :func:`registry_owner`) and other users' entries, each with its ``lstat``. Those are not
+    part of the registry (another user's FIFO under ``shmcancel.NAME~x``, say): tools report
+    them and leave them alone, and they must not block removing the registry."""
+    owner = registry_owner(name)
+    own: list[str] = []
+    others: list[tuple[str, os.stat_result]] = []
+    for path in name_paths(name):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            own.append(path)  # whoever uses it gets the error naming it
+            continue
+        if st.st_uid == owner:
+            own.append(path)
+        else:
+            others.append((path, st))
+    return own, others
+
+
+def unlink_names(name: str, paths: Iterable[str] | None = None) -> list[str]:
     """Remove whatever exists of ``name``'s segment, semaphore, lock file and temporaries (the
-    entries themselves: a symbolic link is removed, never followed); the paths removed.
+    entries themselves: a symbolic link is removed, never followed), or only those of
+    ``paths`` (the own entries :func:`split_paths` gives); the paths removed.
     Raises one :class:`ShmCancelError` naming the first path that could not be removed, after
     trying them all."""
     removed, failed = [], []
-    for path in name_paths(name):
+    for path in name_paths(name) if paths is None else paths:
         try:
             os.unlink(path)
             removed.append(path)
