@@ -3,7 +3,10 @@
 ::
 
     shmtool list [--json]            registries in /dev/shm: name, size, creator pid, state
-                                     (alive, stale: creator gone, leftover: no segment)
+                                     (alive, stale: creator gone, leftover: no segment,
+                                     unusable: unreadable, or a worker could not attach it)
+                                     and a one-line note: what is wrong, which command removes
+                                     it, other users' entries under its names
     shmtool dump NAME [--json]       every cancellation and in-flight row (the shared table's
                                      and the processes' lanes')
     shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
@@ -20,6 +23,11 @@
 on it and never write. ``cleanup`` attaches read-write and takes the lock like any worker.
 No command follows, blocks on or uses an entry of /dev/shm that is not a regular file owned by the
 current user (a symbolic link, a FIFO, another user's file): it is reported in one line.
+Another user's entry under a registry's names (``shmcancel.NAME~x``, say) is not part of that
+registry: ``cleanup --stale`` and ``unlink`` report it in one line and leave it, and it neither
+blocks removing the rest nor changes their exit status. A link or FIFO of the current user's own
+is removed by ``unlink`` only (``cleanup --stale`` removes regular files), and ``list`` advises
+accordingly.
 
 Exit status: 0 on success; 1 for a shmcancel error (a missing registry, a bad name, an
 incompatible segment, a live creator's registry to unlink, ...) with one line on stderr and no
@@ -62,13 +70,15 @@ from .shm.names import (
     SHM_DIR,
     check_entry,
     check_name,
+    describe,
     flock_bounded,
     lock_path,
-    name_paths,
     segment_path,
+    split_paths,
+    stat_problem,
 )
+from .shm.names import unlink_names as _unlink_names
 from .shm.registry import Registry
-from .shm.registry import unlink as _unlink_names
 from .shm.segment import creator_of
 
 __all__ = ["main"]
@@ -210,29 +220,68 @@ def _entries() -> dict[str, list[str]]:
     return out
 
 
-def _short(e: BaseException) -> str:
+def _short(e: BaseException | str) -> str:
     msg = " ".join(str(e).split()) or type(e).__name__
     return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
-def _registry_row(name: str, files: list[str]) -> dict[str, Any]:
+def _left(path: str, st: os.stat_result) -> str:
+    """One line on another user's entry under a registry's names, which is left alone."""
+    return f"{path} belongs to uid {st.st_uid} ({describe(st)}): left alone"
+
+
+def _bad_own(own: list[str], skip: Sequence[str] = ()) -> dict[str, str]:
+    """Of the registry's own entries (but ``skip``), those ``cleanup --stale`` will not touch: a
+    symbolic link, a FIFO, not a regular file (``unlink`` removes them), by path."""
+    out = {}
+    for path in own:
+        if path in skip:
+            continue
+        try:
+            problem = stat_problem(os.lstat(path))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            problem = f"cannot be examined ({e.strerror})"
+        if problem is not None:
+            out[path] = f"{path} {problem}"
+    return out
+
+
+def _registry_row(name: str) -> dict[str, Any]:
     """One row of ``list``; ``state``: alive, stale (creator gone), leftover (no segment, only
-    a semaphore / lock file / temporary), or unusable (see ``error``)."""
+    a semaphore / lock file / temporary), or unusable (unreadable, or a worker could not attach
+    it: its semaphore or lock file missing, replaced, a link, a FIFO, another user's). ``error``
+    is one line: what is wrong, the command that removes the registry when one would, then
+    other users' entries under its names (which every command leaves alone)."""
     row: dict[str, Any] = {"name": name, "size": 0, "creator_pid": None,
                            "creator_alive": None, "state": "unusable", "error": None}
+    own, others = split_paths(name)
+    seg = segment_path(name)
+    said: set[str] = {seg}  # paths an earlier part of the note names already
+
+    def note(problems: Sequence[str], advice: str | None = None) -> None:
+        parts = "; ".join(problems) + (f": {advice}" if advice else "")
+        left = [_left(p, st) for p, st in others if p not in said]
+        row["error"] = "; ".join([x for x in (parts, *left) if x]) or None
+
     try:
-        st = check_entry("segment", segment_path(name))
+        st = check_entry("segment", seg)
         if st is None:
-            for path in name_paths(name):
-                check_entry("entry", path)
             row["state"] = "leftover"
-            row["error"] = (f"no segment, only {', '.join(files)}: shmtool cleanup --stale "
-                            "removes it")
+            if not own:
+                note(["no segment, nothing of ours"])
+                return row
+            bad = _bad_own(own)
+            files = ", ".join(os.path.basename(p) for p in own)
+            note([f"no segment, only {files}", *bad.values()],
+                 f"shmtool unlink {name} removes it" if bad else
+                 "shmtool cleanup --stale removes it")
             return row
         row["size"] = st.st_size
         reg = _attach_ro(name)
     except ShmCancelError as e:
-        row["error"] = _short(e)
+        note([_short(e)])
         with contextlib.suppress(ShmCancelError, OSError):
             owner = creator_of(name)  # a readable header of another layout still has one
             if owner is not None:
@@ -242,19 +291,37 @@ def _registry_row(name: str, files: list[str]) -> dict[str, Any]:
         return row
     try:
         info = reg.info()
+        cannot_attach = reg.attach_problems()
     finally:
         reg.close()
     row["creator_pid"] = info["creator_pid"]
     row["creator_alive"] = info["creator_alive"]
     row["created_at"] = info["created_at"]
-    row["state"] = "alive" if info["creator_alive"] else "stale"
-    if not info["creator_alive"]:
-        row["error"] = "creator gone: shmtool cleanup --stale removes it"
+    if info["creator_alive"]:
+        said.update(cannot_attach)
+        bad = _bad_own(own, skip=list(said))
+        if cannot_attach:
+            # Every worker's attach (and ``cleanup NAME``) refuses it: not "alive".
+            row["state"] = "unusable"
+            note(["a worker cannot attach it: " + "; ".join(
+                _short(m.removeprefix(f"registry {name}: ")) for m in cannot_attach.values()),
+                *bad.values()])
+        else:
+            row["state"] = "alive"
+            note(list(bad.values()))
+        return row
+    # Stale. ``cleanup --stale`` removes it unless an entry of ours is a link or a FIFO (it
+    # removes regular files only); ``unlink`` removes those too. Other users' entries are
+    # left alone by both and block neither.
+    row["state"] = "stale"
+    bad = _bad_own(own, skip=[seg])
+    note(["creator gone", *bad.values()],
+         f"shmtool unlink {name} removes it" if bad else "shmtool cleanup --stale removes it")
     return row
 
 
 def _registries() -> list[dict[str, Any]]:
-    return [_registry_row(name, files) for name, files in _entries().items()]
+    return [_registry_row(name) for name in _entries()]
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -501,7 +568,13 @@ def _cleanup_stale(only: list[str]) -> int:
         if only and name not in only:
             continue
         try:
-            for path in name_paths(name):  # only ever removes entries of ours
+            own, others = split_paths(name)
+            if not own:  # only other users' entries: nothing of ours to remove
+                if only:
+                    for path, st in others:
+                        print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
+                continue
+            for path in own:  # only ever removes entries of ours, regular files
                 check_entry("entry", path)
             with _creation_lock(name, force=False):
                 headerless, owner = _creator(name)
@@ -517,9 +590,12 @@ def _cleanup_stale(only: list[str]) -> int:
                           file=sys.stderr)
                     skipped += 1
                     continue
-                if not name_paths(name):  # gone meanwhile
+                own, others = split_paths(name)
+                if not own:  # gone meanwhile
                     continue
-                removed = _unlink_names(name)
+                for path in own:
+                    check_entry("entry", path)
+                removed = _unlink_names(name, own)
         except ShmCancelError as e:
             print(f"shmtool: skipped {name}: {_short(e)}", file=sys.stderr)
             skipped += 1
@@ -527,6 +603,8 @@ def _cleanup_stale(only: list[str]) -> int:
         done += 1
         print(f"removed stale registry {name} "
               f"({', '.join(os.path.basename(p) for p in removed)})")
+        for path, st in others:  # reported, not a failure: they are not part of the registry
+            print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
     if not done and not skipped:
         print("no stale registries")
     return 1 if skipped else 0
@@ -534,8 +612,13 @@ def _cleanup_stale(only: list[str]) -> int:
 
 def cmd_unlink(args: argparse.Namespace) -> int:
     name = check_name(args.name)
-    existing = name_paths(name)
+    existing, others = split_paths(name)
     if not existing:
+        if others:
+            path, st = others[0]
+            raise RegistryNotFound(
+                f"no registry named {name} of ours: only other users' entries "
+                f"({path} belongs to uid {st.st_uid}), which are left alone")
         raise RegistryNotFound(f"no registry named {name} (nothing of it in {SHM_DIR})")
     with _creation_lock(name, args.force):  # may create the lock file: not reported
         pid = _live_creator(name)
@@ -544,8 +627,11 @@ def cmd_unlink(args: argparse.Namespace) -> int:
                 f"registry {name} is in use: its creator, pid {pid}, is alive (unlinking it "
                 "would make the server's next worker fail to start); stop that server first, "
                 "or pass --force")
-        removed = [p for p in _unlink_names(name) if p in existing]
+        own, others = split_paths(name)  # other users' entries: never touched
+        removed = [p for p in _unlink_names(name, own) if p in existing]
     print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")
+    for path, st in others:  # reported, not a failure: they are not part of the registry
+        print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from helpers.gunicorn_harness import Gunicorn
+from helpers.procs import fork, wait_exit
 
 from shmcancel import Config, shmtool
 from shmcancel.exceptions import ShmCancelError
@@ -302,3 +303,130 @@ def test_unlink_refuses_another_users_live_registry(shm_name):
     p = shmtool_cli("unlink", shm_name)  # its creator is gone now
     assert p.returncode == 0, p
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
+
+
+# --- what `list` says about a registry's other entries, and whether the commands agree --------
+
+
+def list_row(name: str) -> tuple[dict, str]:
+    """``name``'s row of ``shmtool list --json`` and its one line of ``shmtool list``."""
+    p = shmtool_cli("list", "--json")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p
+    row = {r["name"]: r for r in json.loads(p.stdout)["registries"]}[name]
+    human = shmtool_cli("list")
+    assert human.returncode == 0, human
+    lines = [x for x in human.stdout.splitlines() if x.split()[:1] == [name]]
+    assert len(lines) == 1, human.stdout
+    return row, lines[0]
+
+
+def stale_registry(name: str) -> None:
+    """Registry ``name`` created by a child that then exits without unlinking it (reaped)."""
+    pid = fork(lambda: Registry.create(name, SMALL))
+    status = wait_exit(pid, DEADLINE)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0, status
+
+
+@pytest.mark.parametrize(("kind", "which"), [
+    ("missing", "semaphore"), ("fifo", "semaphore"), ("symlink", "semaphore"),
+    ("foreign", "semaphore"), ("fifo", "lock"), ("symlink", "lock"), ("foreign", "lock")])
+def test_list_does_not_call_a_registry_alive_that_workers_cannot_attach(shm_name, squat, kind,
+                                                                          which):
+    """Defect: a live registry whose semaphore was missing, a FIFO, a symbolic link or another
+    user's file (or whose lock file was one of those) was listed as ``alive`` without a note,
+    though every worker's attach and ``shmtool cleanup`` refuse it."""
+    reg = Registry.create(shm_name, SMALL)
+    try:
+        path = paths(shm_name)[which]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        if kind != "missing":
+            squat(kind, which)
+        row, line = list_row(shm_name)
+        assert row["state"] == "unusable" and row["creator_alive"] is True, row
+        assert path in row["error"], row
+        assert path in line and "unusable" in line.split(), line
+        attach = run_py(ATTACH, shm_name, "rw")  # what list says: a worker cannot attach
+        assert attach.returncode == 3 and path in attach.stdout, attach
+        p = shmtool_cli("cleanup", shm_name)
+        assert p.returncode == 1, p
+        one_line(p, path)
+    finally:
+        reg.close()
+
+
+def test_list_advice_for_a_stale_registry_with_a_fifo_of_ours_agrees_with_the_commands(
+        shm_name, squat):
+    """A stale registry with a FIFO of ours among its entries: ``cleanup --stale`` will not
+    touch it (exit 1), so ``list`` must not advise it; ``unlink`` (which it advises) removes it."""
+    stale_registry(shm_name)
+    fifo = squat("fifo", "temp")
+    row, line = list_row(shm_name)
+    assert row["state"] == "stale", row
+    assert fifo in row["error"] and "cleanup --stale" not in row["error"], row
+    assert f"shmtool unlink {shm_name}" in row["error"], row
+    assert fifo in line, line
+    p = shmtool_cli("cleanup", "--stale", shm_name)
+    assert p.returncode == 1, p
+    one_line(p, fifo)
+    p = shmtool_cli("unlink", shm_name)
+    assert p.returncode == 0 and p.stderr == "", p
+    assert not any(os.path.lexists(q) for q in paths(shm_name).values())
+
+
+@pytest.fixture
+def foreign_fifo(shm_name) -> Iterator[str]:
+    """A FIFO of uid 65534 at ``/dev/shm/shmcancel.NAME~zz``: another user squatting the
+    registry's temporary pattern. Removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's entry needs root")
+    path = f"{SHM}/shmcancel.{shm_name}~zz"
+    os.mkfifo(path, 0o600)
+    try:
+        os.lchown(path, NOBODY, NOBODY)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("command", ["cleanup --stale", "unlink"])
+def test_another_users_entry_neither_blocks_nor_fails_removing_our_stale_registry(
+        shm_name, foreign_fifo, command):
+    """Defect: another user's FIFO matching ``shmcancel.NAME~*`` was counted as part of our
+    registry NAME: ``cleanup --stale NAME`` skipped it forever (exit 1) while ``list`` advised
+    it, and ``unlink NAME`` exited 1. It is reported in one line and otherwise left alone."""
+    stale_registry(shm_name)
+    before = os.lstat(foreign_fifo)
+    row, line = list_row(shm_name)
+    assert row["state"] == "stale", row
+    assert "shmtool cleanup --stale removes it" in row["error"], row
+    assert foreign_fifo in row["error"] and foreign_fifo in line, row  # reported, one line
+    p = shmtool_cli(*command.split(), shm_name)
+    assert p.returncode == 0, p
+    one_line(p, foreign_fifo)
+    assert p.stdout.startswith((f"removed stale registry {shm_name} ", f"unlinked {shm_name} ")), p
+    ours = [q for w, q in paths(shm_name).items() if os.path.lexists(q)]
+    assert ours == [], f"left of ours: {ours}"
+    after = os.lstat(foreign_fifo)  # untouched: neither removed nor replaced
+    assert (after.st_ino, after.st_uid, after.st_mode) == \
+        (before.st_ino, before.st_uid, before.st_mode)
+    # Now only the other user's entry is left under the name: list advises nothing that fails.
+    row, line = list_row(shm_name)
+    assert foreign_fifo in row["error"] and "cleanup --stale" not in row["error"], row
+    p = shmtool_cli("cleanup", "--stale", shm_name)
+    assert p.returncode == 0, p
+    assert os.path.lexists(foreign_fifo)
+
+
+def test_another_users_entry_does_not_make_our_live_registry_unusable(shm_name, foreign_fifo):
+    """Another user's ``shmcancel.NAME~zz`` takes nothing from a live registry (workers attach):
+    ``list`` says so, alive, and reports the entry on the same line."""
+    reg = Registry.create(shm_name, SMALL)
+    try:
+        row, line = list_row(shm_name)
+        assert row["state"] == "alive", row
+        assert foreign_fifo in row["error"] and foreign_fifo in line, row
+        run_py(ATTACH, shm_name, "rw").check_returncode()
+    finally:
+        reg.close()
