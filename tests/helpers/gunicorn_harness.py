@@ -108,6 +108,16 @@ def _is_exec_master(pid: int, parent: int) -> bool:
     return f"GUNICORN_PID={parent}".encode() in env
 
 
+def booted(pid: int) -> bool:
+    """Whether worker ``pid`` has booted as far as gunicorn's ``init_signals`` (or is gone)."""
+    return _signals_reset(pid)
+
+
+def upgraded_masters(pid: int) -> list[int]:
+    """Live masters re-executed by master ``pid`` on ``USR2``."""
+    return [p for p in children(pid) if _is_exec_master(p, pid)]
+
+
 def wait_until(predicate, deadline: float, interval: float = 0.02, what: str = "condition"):
     """Poll ``predicate()`` until it returns something truthy (returned) or ``time.monotonic()``
     passes ``deadline`` (``AssertionError``)."""

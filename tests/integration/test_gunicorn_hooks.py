@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.gunicorn_harness import Gunicorn, alive, booted, upgraded_masters, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of
 from helpers.rows import in_flight_rows
 
@@ -447,3 +447,73 @@ def test_two_instances_side_by_side(shm_name, shm_names):
         assert f"Error: shmcancel: registry {names[0]} is in use by live pid {a.pid}" \
             in str(e.value), str(e.value)
         assert segment_exists(names[0]), "the refused instance left the live registry alone"
+
+
+# --- the registry unlinked under a live server, its name taken by another -------------------
+
+
+def _creator_words(name: str) -> tuple[int, int]:
+    """The (pid, start) recorded as creator of the segment now at ``name`` (read-only)."""
+    with Registry.attach(name, readonly=True) as ro:
+        return ro.creator
+
+
+def _booted_replacement(g: Gunicorn, before: set[int]) -> bool:
+    """A worker of ``g`` that is not in ``before`` has run gunicorn's init_signals: it booted."""
+    return any(p not in before and booted(p) for p in g.worker_pids())
+
+
+@pytest.mark.parametrize("trigger", ["worker-killed", "hup", "usr2"])
+def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
+    """§7: `shmtool unlink NAME --force` under a live server A makes its next worker fail to
+    boot. When a second server B has meanwhile created a registry of the same name, A's next
+    worker (a replacement, a HUP's new generation) or A's USR2 master attached to B's segment
+    instead: A split in two (its old workers on the unlinked segment, the new one on B's), its
+    sessions in B's table. Each must refuse with one line naming the registry, and leave B's
+    registry alone (not adopted, not unlinked by A's exit)."""
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as a:
+        out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "unlink", shm_name,
+                              "--force"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0 and not segment_exists(shm_name), out
+        with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1) as b:
+            b_creator = _creator_words(shm_name)
+            assert b_creator[0] == b.pid
+            b_ino = os.stat(os.path.join(SEGMENT_DIR, "shmcancel." + shm_name)).st_ino
+            before = set(a.worker_pids())
+            refused = f"registry {shm_name} was unlinked and created again by pid {b.pid}"
+            deadline = time.monotonic() + 20
+            if trigger == "usr2":
+                a.signal(signal.SIGUSR2)
+                # Refused: the new master logs the line and exits. Joined (the defect): it runs
+                # workers of its own.
+                joined = wait_until(
+                    lambda: (refused in a.log() and "refused")
+                    or [m for m in upgraded_masters(a.pid)
+                        if any(booted(w) for w in a.worker_pids(master=m))],
+                    deadline, what="A's USR2 master to refuse or to boot workers")
+                assert joined == "refused", f"A's USR2 master joined B's registry:\n{a.log_tail()}"
+                wait_until(lambda: not upgraded_masters(a.pid),
+                           deadline, what="A's USR2 master to exit")
+                # A goes on serving on its own (unlinked) registry, all its workers alike.
+                assert alive(a.pid) and set(a.worker_pids()) == before
+                assert get(base(a) + "/whoami")["registry"] == shm_name
+            else:
+                if trigger == "hup":
+                    a.signal(signal.SIGHUP)
+                else:
+                    os.kill(sorted(before)[0], signal.SIGKILL)
+                # Refused: A stops ("Worker failed to boot"). Joined (the defect): a new worker of
+                # A boots, attached to B's segment.
+                wait_until(lambda: not alive(a.pid) or _booted_replacement(a, before),
+                           deadline, what="A to stop or to boot a new worker")
+                assert not alive(a.pid), f"A booted a worker into B's registry:\n{a.log_tail()}"
+                assert refused in a.log(), a.log_tail()
+                assert "Worker failed to boot" in a.log(), a.log_tail()
+            # B's registry is untouched: still at the name, still B's, B serves on it.
+            assert os.stat(os.path.join(SEGMENT_DIR, "shmcancel." + shm_name)).st_ino == b_ino
+            assert _creator_words(shm_name) == b_creator, "adopted by A"
+            with Registry.attach(shm_name, readonly=True) as ro:
+                assert ro.info()["creator_alive"]
+            assert get(base(b) + "/whoami")["registry"] == shm_name
+            s = Session(b.url)
+            assert s.call("echo", {"text": "B"})["result"]["content"][0]["text"] == "B"
