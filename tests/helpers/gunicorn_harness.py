@@ -109,8 +109,15 @@ def _is_exec_master(pid: int, parent: int) -> bool:
 
 
 def booted(pid: int) -> bool:
-    """Whether worker ``pid`` has booted as far as gunicorn's ``init_signals`` (or is gone)."""
-    return _signals_reset(pid)
+    """Whether worker ``pid`` is alive and has booted as far as gunicorn's ``init_signals`` (see
+    :func:`_signals_reset`; a worker gone or exiting has not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        state, caught = fields["State"].split()[0], int(fields["SigCgt"].split()[0], 16)
+    except (OSError, KeyError, ValueError, IndexError):
+        return False
+    return state not in ("Z", "X") and not caught & _SIGCHLD_BIT
 
 
 def upgraded_masters(pid: int) -> list[int]:

@@ -458,9 +458,22 @@ def _creator_words(name: str) -> tuple[int, int]:
         return ro.creator
 
 
-def _booted_replacement(g: Gunicorn, before: set[int]) -> bool:
-    """A worker of ``g`` that is not in ``before`` has run gunicorn's init_signals: it booted."""
-    return any(p not in before and booted(p) for p in g.worker_pids())
+def _maps_segment_at_name(pid: int, name: str) -> bool:
+    """Process ``pid`` maps the segment now at registry ``name`` (not an unlinked one)."""
+    path = os.path.join(SEGMENT_DIR, "shmcancel." + name)
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(line.rstrip("\n").endswith(" " + path) for line in f)
+    except OSError:
+        return False
+
+
+def _joined(g: Gunicorn, before: set[int], name: str, master: int | None = None) -> list[int]:
+    """Workers of ``g`` (of ``master``, default the current one) not in ``before`` that booted
+    (gunicorn's init_signals ran) attached to the segment now at ``name``. Booted alone is not
+    enough: a worker exiting has its signal handlers reset by the interpreter's finalization."""
+    return [p for p in g.worker_pids(master)
+            if p not in before and booted(p) and _maps_segment_at_name(p, name)]
 
 
 @pytest.mark.parametrize("trigger", ["worker-killed", "hup", "usr2"])
@@ -488,8 +501,7 @@ def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
                 # workers of its own.
                 joined = wait_until(
                     lambda: (refused in a.log() and "refused")
-                    or [m for m in upgraded_masters(a.pid)
-                        if any(booted(w) for w in a.worker_pids(master=m))],
+                    or [m for m in upgraded_masters(a.pid) if _joined(a, set(), shm_name, m)],
                     deadline, what="A's USR2 master to refuse or to boot workers")
                 assert joined == "refused", f"A's USR2 master joined B's registry:\n{a.log_tail()}"
                 wait_until(lambda: not upgraded_masters(a.pid),
@@ -504,11 +516,14 @@ def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
                     os.kill(sorted(before)[0], signal.SIGKILL)
                 # Refused: A stops ("Worker failed to boot"). Joined (the defect): a new worker of
                 # A boots, attached to B's segment.
-                wait_until(lambda: not alive(a.pid) or _booted_replacement(a, before),
-                           deadline, what="A to stop or to boot a new worker")
-                assert not alive(a.pid), f"A booted a worker into B's registry:\n{a.log_tail()}"
+                joined = wait_until(lambda: (not alive(a.pid) and ["none"])
+                                    or _joined(a, before, shm_name),
+                                    deadline, what="A to stop or to boot a worker into B's")
+                assert joined == ["none"], \
+                    f"A booted worker(s) {joined} into B's registry:\n{a.log_tail()}"
                 assert refused in a.log(), a.log_tail()
                 assert "Worker failed to boot" in a.log(), a.log_tail()
+                assert f"registry '{shm_name}' was unlinked already" in a.log(), a.log_tail()
             # B's registry is untouched: still at the name, still B's, B serves on it.
             assert os.stat(os.path.join(SEGMENT_DIR, "shmcancel." + shm_name)).st_ino == b_ino
             assert _creator_words(shm_name) == b_creator, "adopted by A"
