@@ -44,7 +44,7 @@ import posix_ipc
 from .cancel.janitor import Janitor
 from .cancel.policy import Cancellation
 from .config import Config
-from .exceptions import LockTimeout, RegistryNotFound, ShmCancelError
+from .exceptions import LockTimeout, RegistryIncompatible, RegistryNotFound, ShmCancelError
 from .shm import procinfo
 from .shm.lock import RegistryLock
 from .shm.registry import Registry
@@ -67,6 +67,10 @@ class _State:
     name: str | None = None  # from configure()
     registry: Any = None  # the Registry this process uses (created, or attached)
     registry_name: str | None = None
+    # The master's registry's identity (Registry.identity), inherited by its workers over fork:
+    # a worker attaches by name and must find that very registry there, not one created again
+    # under the name by another process after the master's was unlinked.
+    identity: tuple[int, bytes] | None = None
     owner_pid: int = 0  # the process that set `registry` (a forked worker sees its master's)
     cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
     deferred: bool = False  # child_exit skipped a reap (lock busy): the next one reaps all
@@ -160,7 +164,7 @@ def when_ready(server: Any) -> None:
             parent = int(getattr(server, "master_pid", 0) or 0)
             if parent and _running(parent):
                 try:
-                    reg = Registry.attach(name)
+                    reg = _attach_parents(name, parent)
                     reg.adopt()  # so that the registry outlives the old master's record
                     log.info("shmcancel: attached to registry %r of master %s (USR2 upgrade)",
                              name, parent)
@@ -178,6 +182,25 @@ def when_ready(server: Any) -> None:
     if isinstance(reg.lock, RegistryLock):
         reg.lock.timeout = min(reg.lock.timeout, MASTER_LOCK_TIMEOUT)
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
+    _state.identity = reg.identity
+
+
+def _attach_parents(name: str, parent: int) -> Registry:
+    """A ``USR2`` master: attach to the registry of the old master ``parent``. The one now at the
+    name must be the one ``parent`` created or adopted: when that was unlinked and another
+    process created a registry of the name since, RegistryIncompatible (never adopt another
+    server's registry). The check reads the header read-only, before anything is written."""
+    start = procinfo.start_time(parent)
+    with Registry.attach(name, readonly=True) as ro:
+        if start is None or not ro.belongs_to(parent, start):
+            c = ro.creator
+            raise RegistryIncompatible(
+                f"registry {name} was unlinked and created again by pid {c[0]}: it is not the "
+                f"registry of master {parent} this USR2 upgrade comes from (unlinked under a "
+                "live server, e.g. `shmtool unlink --force`); refusing to join another "
+                "server's registry")
+        ident = ro.identity
+    return Registry.attach(name, expect=ident)
 
 
 def post_fork(server: Any, worker: Any) -> None:
@@ -190,7 +213,12 @@ def post_fork(server: Any, worker: Any) -> None:
     inherited, _state.registry, _state.cancellation = _state.registry, None, None
     if inherited is not None:
         inherited.close()  # the master's mapping, as copied by fork: this process's to drop
-    _state.registry = Registry.attach(name)
+    # The master's registry, not whatever is at the name now: when it was unlinked under the
+    # live master (`shmtool unlink --force`) this fails to boot, with RegistryNotFound if the
+    # name is free, with RegistryIncompatible if another process has created a registry of the
+    # name since (joining it would split the server in two, and its sessions would land in the
+    # other server's tables).
+    _state.registry = Registry.attach(name, expect=_state.identity)
     _state.owner_pid = os.getpid()
     # Sweeps go on while the server is idle; the master never gets a thread (it forks).
     _state.janitor = Janitor(Cancellation(_state.registry))
@@ -311,8 +339,15 @@ def on_exit(server: Any) -> None:
                 log.info("shmcancel: registry %r left to master %s", _state.registry_name,
                          peers[0])
             else:
+                # Only this registry's own inodes go: when it was unlinked under this master,
+                # a registry created again under the name since is another server's.
+                mine = reg.at_name()
                 reg.unlink()
-                log.info("shmcancel: registry %r unlinked", _state.registry_name)
+                if mine:
+                    log.info("shmcancel: registry %r unlinked", _state.registry_name)
+                else:
+                    log.info("shmcancel: registry %r was unlinked already; any registry of "
+                             "that name now is another's, left alone", _state.registry_name)
             reg.close()
     except Exception:
         log.exception("shmcancel: closing registry %r failed", _state.registry_name)

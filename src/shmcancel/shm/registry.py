@@ -155,6 +155,16 @@ def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
             from None
 
 
+def _replaced_message(name: str, seg: Segment) -> str:
+    """One line: the segment now at ``name`` is another registry than the one meant."""
+    c = seg.creator
+    by = f"pid {c[0]}" if c is not None else "another process"
+    return (f"registry {name} was unlinked and created again by {by}: "
+            f"{segment_path(name)} is not the registry this process was started on "
+            "(unlinked under a live server, e.g. `shmtool unlink --force`); refusing to join "
+            "another server's registry")
+
+
 class _ReadOnlyLock:
     """The lock of a read-only registry: entering it is an error (readers never need it, a
     read-only attachment must never block on or change the segment)."""
@@ -296,14 +306,23 @@ class Registry:
 
     @classmethod
     def attach(cls, name: str, *, readonly: bool = False,
-               tables: Iterable[TableDecl] | None = None) -> Registry:
+               tables: Iterable[TableDecl] | None = None,
+               expect: tuple[int, bytes] | None = None) -> Registry:
         """Attach to registry ``name``; its config is read from the segment header. It must
         hold exactly ``tables`` (default: every table declared in this process), else
         :class:`RegistryIncompatible`. ``readonly``: map it read-only, take no lock (for
         inspection). A writable attachment checks the tables' header counters first
-        (:meth:`check`)."""
+        (:meth:`check`). ``expect``: the :attr:`identity` of the registry the caller means
+        (a gunicorn worker: its master's); a registry created again at the name since (the
+        one meant was unlinked) is refused with :class:`RegistryIncompatible` before anything
+        in it is read beyond its header or written."""
         decls = _decls(tables)
-        reg = cls(Segment.attach(name, readonly=readonly), decls)
+        seg = Segment.attach(name, readonly=readonly)
+        if expect is not None and (seg.ino, seg.hash_key) != tuple(expect):
+            msg = _replaced_message(name, seg)
+            seg.close()
+            raise RegistryIncompatible(msg)
+        reg = cls(seg, decls)
         try:
             reg._check_on_attach()
         except BaseException:
@@ -398,6 +417,28 @@ class Registry:
         c = self._seg.creator
         assert c is not None
         return c
+
+    @property
+    def identity(self) -> tuple[int, bytes]:
+        """What tells this registry from another created later under the same name (after
+        this one was unlinked): its segment's inode and the random hash key of its header.
+        Pass it to :meth:`attach` as ``expect``."""
+        return self._ino, self._seg.hash_key
+
+    def at_name(self) -> bool:
+        """True while this registry's segment is the one at its name (not unlinked, nor
+        replaced by a registry created again under the name)."""
+        try:
+            return os.lstat(segment_path(self._name)).st_ino == self._ino
+        except OSError:
+            return False
+
+    def belongs_to(self, pid: int, start: int) -> bool:
+        """True when the header records process ``(pid, start)`` as this registry's creator,
+        or as the creator an adoption replaced (:meth:`adopt`): a registry that process made
+        or took over, not one created again under the name by another process."""
+        me = procinfo.pack_owner(pid, start)
+        return me in (self._seg.u64(OFF_CREATOR), self._seg.u64(OFF_PREV_CREATOR))
 
     def adopt(self) -> None:
         """Record the calling process as the registry's creator.
