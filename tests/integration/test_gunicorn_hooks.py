@@ -523,7 +523,10 @@ def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
                     f"A booted worker(s) {joined} into B's registry:\n{a.log_tail()}"
                 assert refused in a.log(), a.log_tail()
                 assert "Worker failed to boot" in a.log(), a.log_tail()
-                assert f"registry '{shm_name}' was unlinked already" in a.log(), a.log_tail()
+                if trigger == "worker-killed":
+                    # (After a HUP, two new workers fail to boot: gunicorn's halt then raises
+                    # HaltServer again while reaping the second and exits without on_exit.)
+                    assert f"registry '{shm_name}' was unlinked already" in a.log(), a.log_tail()
             # B's registry is untouched: still at the name, still B's, B serves on it.
             assert os.stat(os.path.join(SEGMENT_DIR, "shmcancel." + shm_name)).st_ino == b_ino
             assert _creator_words(shm_name) == b_creator, "adopted by A"
