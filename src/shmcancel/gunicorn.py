@@ -13,15 +13,19 @@ from a config file, hence :func:`configure`; the hooks keep their state in this 
 survives the re-reading of the file on ``HUP``.
 
 - ``when_ready`` (master): creates the registry (name: :func:`registry_name`), or under a ``USR2``
-  upgrade attaches to the old master's and adopts it. Any failure stops gunicorn with one line.
+  upgrade attaches to the old master's (only if its header records that master as creator or
+  adopter) and adopts it. Any failure stops gunicorn with one line.
   Starts no thread: the master forks.
 - ``post_fork`` (worker): keeps a stop signal that arrives while the worker boots
-  (:func:`_keep_stop_signals`), attaches, starts the worker's
-  :class:`~shmcancel.cancel.janitor.Janitor`.
+  (:func:`_keep_stop_signals`), attaches to its master's registry (the very one: by name, then
+  checked against the identity the master remembered; a registry unlinked under the master and
+  created again under the name by another process is refused, and the worker does not boot),
+  starts the worker's :class:`~shmcancel.cancel.janitor.Janitor`.
 - ``child_exit`` (master): recovers the lock from the dead worker, removes its in-flight rows,
   with SIGCHLD blocked (the hook runs inside the SIGCHLD handler on gunicorn ≤ 24); gives up after
   ``LOCK_BUSY_WAIT`` when a live worker holds the lock. Never raises into gunicorn.
-- ``on_exit`` (master): unlinks the registry unless another master (``USR2``) still uses it.
+- ``on_exit`` (master): unlinks the registry unless another master (``USR2``) still uses it;
+  only its own segment and semaphore (by inode), never a registry created again under the name.
 
 The traps behind each of these: docs/design.md, "gunicorn traps".
 """
