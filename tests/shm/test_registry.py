@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import msgpack
 import pytest
+from helpers import procs
 from helpers.names import leftovers
 from helpers.procs import child, reap, recv, stuck_mid_write
 
@@ -205,6 +206,40 @@ def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
     finally:
         successor.close()
         successor.unlink()
+
+
+def test_adoptions_that_died_never_forget_the_live_owner(shm_name: str) -> None:
+    """Two USR2 upgrades in a row that adopt and die (failed boots, rollbacks), the old master
+    serving throughout: the registry still belongs to it. A third upgrade may join it, and no
+    other process may replace it as stale (the second adoption used to keep the first, dead
+    successor beside it, and the old master was forgotten)."""
+    owner = Registry.create(shm_name, SMALL)
+    try:
+        for _ in range(2):
+            def successor() -> None:
+                with Registry.attach(shm_name) as reg:
+                    reg.adopt()
+            assert procs.wait_exit(procs.fork(successor), 10) == 0
+        with Registry.attach(shm_name, readonly=True) as ro:
+            assert ro.belongs_to(*procinfo.me())
+            assert ro.creator == procinfo.me()  # the effective owner: the live one
+
+        def rival(w: int) -> None:
+            try:
+                Registry.create(shm_name, SMALL)
+                os.write(w, b"replaced")
+            except RegistryIncompatible as e:
+                os.write(w, str(e).encode())
+
+        rpid, rr = child(rival)
+        try:
+            assert recv(rr).decode() == f"registry {shm_name} is in use by live pid {os.getpid()}"
+        finally:
+            reap(rpid)
+            os.close(rr)
+    finally:
+        owner.close()
+        owner.unlink()
 
 
 def test_incompatible_table_layout(shm_name: str) -> None:

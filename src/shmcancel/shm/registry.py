@@ -57,6 +57,7 @@ from .segment import (
     Segment,
     TableSpec,
     check_semaphore,
+    effective_creator,
 )
 from .table import Table
 
@@ -446,15 +447,19 @@ class Registry:
         ``create`` replaces a registry only when its creator is gone; a process that takes over
         a live registry from its creator (the new master of a gunicorn ``USR2`` upgrade, or the
         old one when the upgrade failed) adopts it so that the registry is not taken for stale
-        once the recorded creator has exited. The creator it replaces is kept beside it: the
-        registry stays in use while that one lives (a rolled-back upgrade: the new master gone,
-        the old one serving). Two aligned 8-byte stores: no lock, so a gunicorn master never
-        waits on a worker that holds it.
+        once the recorded creator has exited. The process the registry belongs to until now is
+        kept beside it: the registry stays in use while that one lives (a rolled-back upgrade:
+        the new master gone, the old one serving). That is the recorded creator while it lives,
+        else the one kept beside it if that one lives (after an upgrade that adopted and died,
+        the old master is still the owner: a second upgrade must not forget it). Two aligned
+        8-byte stores: no lock, so a gunicorn master never waits on a worker that holds it.
         """
         if self.readonly:
             raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
         me = procinfo.pack_owner(*procinfo.me())
-        replaced = self._seg.u64(OFF_CREATOR)
+        creator, previous = self._seg.u64(OFF_CREATOR), self._seg.u64(OFF_PREV_CREATOR)
+        owner = effective_creator(creator, previous)
+        replaced = creator if owner is None else procinfo.pack_owner(*owner)
         if replaced != me:
             # first: a crash between the two stores leaves the old creator recorded, still valid
             self._seg.set_u64(OFF_PREV_CREATOR, replaced)
