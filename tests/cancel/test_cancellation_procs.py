@@ -7,11 +7,13 @@ its pid in a ``finally``. Children attach the registry themselves, as gunicorn w
 from __future__ import annotations
 
 import os
+import select
 import signal
 import time
 from typing import Any
 
 import pytest
+from helpers import procs
 from helpers.procs import TIMEOUT, Chan, Child, fork, wait_exit, wait_zombie
 from helpers.rows import in_flight_count, in_flight_rows
 
@@ -324,12 +326,28 @@ def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
     assert child.wait() == 0
 
 
-def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry):
+def _busy_writer(name: str, stop: int) -> None:
+    """Cancel and clear in a scope of its own until ``stop`` (a pipe's read end) is readable:
+    the lock taken a few thousand times a second."""
+    c = Cancellation(Registry.attach(name))
+    i = 0
+    while not select.select([stop], [], [], 0)[0]:
+        c.cancel(i, None, "busy")  # one row at a time: under any quota
+        c.clear(i, "busy")
+        i += 1
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["quiet", "busy"])
+def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry, busy):
     """A cancel writes its scope's count first and its row second: a writer SIGKILLed in
     between leaves the count one too high. The next caller under its quota is still served
-    (contract §4.4), without waiting for a sweep: the lock's recovery tells the quota check to
-    recount the scopes from the rows once."""
+    (contract §4.4), without waiting for a sweep, also while another process writes all the
+    time (a lock-free recount never settles then): the lock's recovery tells the quota check
+    to recount the scope's rows under the lock, once."""
     reg = registry(max_rows_per_scope=3, janitor_interval=3600.0)
+    stop_r, stop_w = os.pipe()
+    writer = procs.fork(lambda: (os.close(stop_w), _busy_writer(reg.name, stop_r))) \
+        if busy else None
     c = Cancellation(reg)
     for i in (1, 2, 3):
         c.cancel(i, None, "s")
@@ -343,11 +361,17 @@ def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry):
             store._add("s", +1)  # the count of a row never written
             os.kill(os.getpid(), signal.SIGKILL)
 
-    pid = fork(killed_mid_cancel)
-    status = wait_exit(pid, TIMEOUT)
-    assert status is not None and os.WIFSIGNALED(status)
-    c.cancel(5, None, "s")  # two rows: under the quota of 3
-    assert c.cancelled(5, "s")
-    with pytest.raises(CancellationLimitReached):
-        c.cancel(6, None, "s")
-    assert c._store.scope_rows("s") == 3
+    try:
+        pid = fork(killed_mid_cancel)
+        status = wait_exit(pid, TIMEOUT)
+        assert status is not None and os.WIFSIGNALED(status)
+        c.cancel(5, None, "s")  # two rows: under the quota of 3
+        assert c.cancelled(5, "s")
+        with pytest.raises(CancellationLimitReached):
+            c.cancel(6, None, "s")
+        assert c._store.scope_rows("s") == 3
+    finally:
+        os.close(stop_w)  # the busy writer stops
+        if writer is not None:
+            assert wait_exit(writer, TIMEOUT) == 0
+        os.close(stop_r)

@@ -18,7 +18,7 @@ from ..shm import procinfo
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
-from ..shm.table import PreparedKey, Table, _unpack
+from ..shm.table import PreparedKey, Table, _pack, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage, bad_clock
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
@@ -169,9 +169,10 @@ class ShmBackend:
         the lock (in short holds, see :meth:`evict`) and the checks run again; after three
         such rounds (other writers refilling the table meanwhile) it is evicted under the
         held lock. At the quota, if a writer died holding the lock since this process last
-        recounted (the registry's lock recoveries moved), the counts are recounted from the rows
-        first and the checks run again: a count left one too high by a writer killed between
-        the count and its row must not refuse a caller under its quota (contract §4.4)."""
+        recounted (the registry's lock recoveries moved), the scope's count is recounted from
+        its rows first (:meth:`_recount_scope`) and the checks run again: a count left one too
+        high by a writer killed between the count and its row must not refuse a caller under
+        its quota (contract §4.4)."""
         if only_in_flight and not self.in_flight(scope, rid):
             return False
         ck = self._ck(scope, rid)
@@ -179,9 +180,9 @@ class ShmBackend:
         c = self._c
         recount = -1
         for attempt in range(4):
-            if recount >= 0:  # outside the lock: the recount reads lock-free, fixes in a hold
+            if recount >= 0:
+                self._recount_scope(scope)
                 self._recounted_at = recount
-                self._repair_counts()
                 recount = -1
             with self._lock:
                 # Reads of the tables under the held lock are exact (no writer can move a
@@ -218,6 +219,15 @@ class ShmBackend:
                     return fk is None or in_table or self._still_in_lane(scope, rid, fk)
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
+
+    def _recount_scope(self, scope: str) -> None:
+        """In one hold, the scope's count becomes the rows of the scope the table holds. Exact
+        (no writer moves a row meanwhile) at the price of reading every row's key under the
+        lock: :meth:`record` runs it at a quota refusal, once per lock recovery per process."""
+        prefix = b"\x92" + _pack(scope)  # a row's key packs as [scope, id]
+        with self._lock:
+            n = sum(1 for row in self._c.sweep_rows() if row[2].startswith(prefix))
+            self._set_count(self._nk(scope), n)
 
     def _still_in_lane(self, scope: str, rid: str, fk: PreparedKey) -> bool:
         """Under the lock, right after the gate's row was written for a request found only in
