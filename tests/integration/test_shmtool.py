@@ -147,7 +147,7 @@ def test_stats_json(reg):
                                    {"scope": "session:small", "rows": 2}]
     assert sum(s["tables"]["cancellations"]["probe_histogram"].values()) == 7
     t = s["tables"]["cancellations"]
-    assert (t["small_size"], t["record_size"], t["large_rows"]) == (SMALL_CANCELLATION, 1616, 1)
+    assert (t["small_size"], t["record_size"], t["large_rows"]) == (SMALL_CANCELLATION, 1680, 1)
     assert 0 < t["large_count"] <= t["capacity"] == 100
     assert s["lock"]["owner_pid"] is None
     assert s["evictions"] == 0 and s["recoveries"] == 0

@@ -17,6 +17,7 @@ from helpers.procs import child, reap, recv, stuck_mid_write
 
 import shmcancel
 from shmcancel.cancel import tables as ct
+from shmcancel.cancel.ids import MAX_KEY_BYTES
 from shmcancel.config import Config
 from shmcancel.exceptions import (
     InvalidRegistryName,
@@ -100,7 +101,7 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
         return len(msgpack.packb(x, use_bin_type=True))
 
     scope = "é" * 256  # 512 UTF-8 bytes
-    rid = "r" * 256
+    rid = "r" * MAX_KEY_BYTES  # the longest key text of an id (a long int's bound)
     reason = "é" * 400  # 800 UTF-8 bytes
     key = (scope, rid)
     cases = {
@@ -117,7 +118,7 @@ def test_worst_case_rows_fit(shm_name: str) -> None:
     }
     assert cases.keys() == {d.name for d in ct.TABLES + st.TABLES}
     sizes = record_sizes()
-    assert sizes == {"cancellations": 1616, "in_flight": 840, "sessions": 672,
+    assert sizes == {"cancellations": 1680, "in_flight": 904, "sessions": 672,
                      "scope_counts": 48, "session_clients": 1136, "session_calls": 192}
     assert SMALL.sessions_per_client == 32
     assert record_sizes(Config(session_capacity=8))["session_clients"] == 320  # 24+18+3+8x34
