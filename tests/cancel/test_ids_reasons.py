@@ -80,6 +80,19 @@ def test_an_int_of_any_size_is_a_valid_id_with_a_key_no_str_id_has(n):
     assert key(type("Big", (int,), {})(n)) == k
 
 
+def test_an_int_subclass_that_overrides_everything_keys_as_its_value():
+    class Hostile(int):
+        def __int__(self) -> int:
+            raise RuntimeError
+
+        def __lt__(self, other: object) -> bool:
+            raise RuntimeError
+
+        __gt__ = __le__ = __ge__ = __repr__ = __str__ = __lt__  # type: ignore[assignment]
+
+    assert key(Hostile(5)) == "5" and key(Hostile(10**300)) == key(10**300)
+
+
 def test_none_is_no_key():
     assert key(None) is None
 

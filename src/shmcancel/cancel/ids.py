@@ -60,7 +60,7 @@ def key(request_id: object) -> str | None:
     elif isinstance(request_id, bool):
         return None
     elif isinstance(request_id, int):
-        n = int(request_id)
+        n = int.__int__(request_id)  # the value, whatever the subclass overrides
         return int.__repr__(n) if _INT_LO < n < _INT_HI else _long_int_key(n)
     else:
         return None
