@@ -184,7 +184,10 @@ def test_a_clock_that_is_not_a_finite_time_is_refused(make_any, bad, events):
     order, and ``shmtool dump --json`` would print it as non-JSON: ``cancel`` raises instead,
     writing nothing, and so does ``cleanup`` with such a ``now``."""
     clock = Clock()
-    _, c = make_any(clock=clock)
+    view, c = make_any(clock=clock, max_rows=20)
+    for i in range(20):  # at the cap: a new row would evict a batch first
+        c.cancel(100 + i, None, "other")
+    c.clear(100, "other")
     c.cancel(1, "kept", "global")
     clock.t = bad
     with pytest.raises(ValueError, match="finite"):
@@ -193,10 +196,11 @@ def test_a_clock_that_is_not_a_finite_time_is_refused(make_any, bad, events):
         c.cancel(1, "overwrite", "global")
     with pytest.raises(ValueError, match="finite"):
         c.cleanup(0)
+    assert view.evictions == 0  # nothing evicted for a row never written
     clock.t = 1_000_001.0
     assert not c.cancelled(2, "global") and c.reason(1, "global") == "kept"
-    assert [e for e, _, _ in events].count(CANCELLED_EVENT) == 1
-    assert c.cleanup(0) == 1
+    assert [e for e, _, _ in events].count(CANCELLED_EVENT) == 21
+    assert c.cleanup(0) == 20
 
 
 @pytest.mark.parametrize(

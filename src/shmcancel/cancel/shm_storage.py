@@ -190,6 +190,9 @@ class ShmBackend:
                 in_table = fk is not None and self._f.member(fk)
                 if fk is not None and not in_table and not self._lanes.member(fk):
                     return False
+                at = clock()
+                if at - at:  # NaN or an infinity: not a time a row can be sorted by; checked
+                    raise bad_clock(at)  # before anything is evicted for the row
                 full = False
                 counted = None  # the scope's count (_count), read only for a new row
                 if not c.member(ck):
@@ -208,9 +211,6 @@ class ShmBackend:
                             self.evict(batch)
                             counted = None  # the eviction may have taken rows of this scope
                 if not full:
-                    at = clock()
-                    if at - at:  # NaN or an infinity: not a time a row can be sorted by
-                        raise bad_clock(at)
                     try:
                         self._put(ck, scope, reason, at, counted)
                     except TableFull:  # the physical table filled below the cap

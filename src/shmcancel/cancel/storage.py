@@ -68,10 +68,10 @@ class Storage(Protocol):
         place (reason and time) → a new row: the scope holds ``quota`` rows already →
         :class:`~shmcancel.CancellationLimitReached`, nothing written; the store holds ``cap``
         rows → evict ``batch`` rows in contract §4.4's order → insert. ``clock()`` is read
-        once, after the in-flight check (so a row recorded for a running request is never
-        older than that request's begin); a value that is not a finite number raises
-        :func:`bad_clock`'s ``ValueError``, nothing written. Returns ``True`` when a row was
-        written."""
+        after the in-flight check, in the step that writes (so a row recorded for a running
+        request is never older than that request's begin); a value that is not a finite number
+        raises :func:`bad_clock`'s ``ValueError`` before anything is written or evicted.
+        Returns ``True`` when a row was written."""
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
         """The row's ``(reason, cancelled_at)``, or ``None``."""
     def watch(self, scope: str, rid: str) -> Poll:
