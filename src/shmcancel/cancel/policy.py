@@ -158,9 +158,10 @@ class _ConnPoll:
     request id ``rid`` for Cancellation ``c``, valid while the conn's request id and the values
     its scope was read from (``sid``, ``pr``, ``addr`` under the reader's ``SCOPE_KEYS``, and
     ``pid``, the principal's ``"id"``) are the same objects: the same request in the same
-    scope."""
+    scope. ``plain``: the conn had neither a session nor a principal key (the scope is the
+    address's while it still has neither: two membership tests instead of three lookups)."""
 
-    __slots__ = ("addr", "c", "pid", "pr", "rid", "sid", "w")
+    __slots__ = ("addr", "c", "pid", "plain", "pr", "rid", "sid", "w")
 
     def __init__(self, c: Cancellation, rid: object, w: _HotPoll, conn: dict[str, Any]) -> None:
         self.c = c
@@ -170,6 +171,7 @@ class _ConnPoll:
         self.pr = pr = conn.get(_pr_key)
         self.pid = pr.get("id") if pr is not None else None
         self.addr = conn.get(_addr_key)
+        self.plain = _sid_key not in conn and _pr_key not in conn
 
 
 _T = TypeVar("_T")
@@ -309,7 +311,7 @@ class Cancellation:
         from stay the same objects: a conn given a principal or a session, or reused for
         another request, is resolved again."""
         try:
-            x = conn_or_request_id
+            x: Any = conn_or_request_id
             t = type(x)
             if t is int or t is str:
                 # Fast path: an id of an exact type polled before in this scope. The cache is
@@ -328,14 +330,15 @@ class Cancellation:
                     return w._member
                 return w.member()
             if t is dict:
-                g = x.get  # type: ignore[attr-defined]
-                e = g(_poll_key)
+                e = x.get(_poll_key)
                 # the same request (id) in the same scope (what the scope is read from): a
                 # conn reused for another request, or given a principal or a session since,
                 # is resolved again below
-                if (e.__class__ is _ConnPoll and e.c is self and g(_rid_key) is e.rid
-                        and g(_addr_key) is e.addr and g(_sid_key) is e.sid
-                        and g(_pr_key) is e.pr and (e.pr is None or e.pr.get("id") is e.pid)):
+                if (e.__class__ is _ConnPoll and e.c is self
+                        and x.get(_rid_key) is e.rid and x.get(_addr_key) is e.addr
+                        and ((_sid_key not in x and _pr_key not in x) if e.plain
+                             else (x.get(_sid_key) is e.sid and x.get(_pr_key) is e.pr
+                                   and (e.pr is None or e.pr.get("id") is e.pid)))):
                     w = e.w
                     n = self._polls = self._polls - 1
                     if n < 0:
@@ -345,18 +348,18 @@ class Cancellation:
                     return w.member()
             elif not isinstance(x, Mapping):
                 return self._cancelled(x, scope)
-            h = _conns.handle(x)  # type: ignore[arg-type]
+            h = _conns.handle(x)
             if h is not None and isinstance(h, RequestHandle) and h._c._store is self._store:
                 return h.cancelled()
             scope = _conns.scope(x)
-            rid = _conns.request_id(x)  # type: ignore[arg-type]
+            rid = _conns.request_id(x)
             cw = self._watch_of(rid, scope)
             if cw is None:
                 return False
             if t is dict and h is None and _poll_key:
-                pr = x.get(_pr_key)  # type: ignore[attr-defined]
+                pr = x.get(_pr_key)
                 if pr is None or type(pr) is dict:  # another mapping may change unseen
-                    x[_poll_key] = _ConnPoll(self, rid, cw, x)  # type: ignore[arg-type,index]
+                    x[_poll_key] = _ConnPoll(self, rid, cw, x)
             return cw.member()
         except Exception:
             log.debug("cancelled() failed", exc_info=True)
