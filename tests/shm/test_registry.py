@@ -171,6 +171,25 @@ def test_create_over_live_and_dead_creator(shm_name: str) -> None:
         old.close()
 
 
+def rival_create(name: str) -> str:
+    """What another process's ``Registry.create(name)`` says: its RegistryIncompatible's
+    message, or ``"replaced"`` when it replaced the registry."""
+
+    def rival(w: int) -> None:
+        try:
+            Registry.create(name, SMALL)
+            os.write(w, b"replaced")
+        except RegistryIncompatible as e:
+            os.write(w, str(e).encode())
+
+    rpid, rr = child(rival)
+    try:
+        return recv(rr).decode()
+    finally:
+        reap(rpid)
+        os.close(rr)
+
+
 def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
     # The USR2 case: the creator hands the registry to a successor and exits.
     pid, r = child(_creator(shm_name))
@@ -185,21 +204,7 @@ def test_adopt_keeps_a_live_registry_from_being_replaced(shm_name: str) -> None:
         os.close(r)
     try:
         successor.table("cancellations").insert(("global", "1"), (None, 1.0))
-
-        def rival(w: int) -> None:  # another process creating the same name
-            try:
-                Registry.create(shm_name, SMALL)
-                os.write(w, b"replaced")
-            except RegistryIncompatible as e:
-                os.write(w, str(e).encode())
-
-        rpid, rr = child(rival)
-        try:
-            assert recv(rr).decode() == (
-                f"registry {shm_name} is in use by live pid {os.getpid()}")
-        finally:
-            reap(rpid)
-            os.close(rr)
+        assert rival_create(shm_name) == f"registry {shm_name} is in use by live pid {os.getpid()}"
         assert successor.table("cancellations").get(("global", "1")) == (None, 1.0)
         with Registry.attach(shm_name, readonly=True) as ro, pytest.raises(
                 ShmCancelError, match="read-only"):
@@ -224,20 +229,7 @@ def test_adoptions_that_died_never_forget_the_live_owner(shm_name: str) -> None:
         with Registry.attach(shm_name, readonly=True) as ro:
             assert ro.belongs_to(*procinfo.me())
             assert ro.creator == procinfo.me()  # the effective owner: the live one
-
-        def rival(w: int) -> None:
-            try:
-                Registry.create(shm_name, SMALL)
-                os.write(w, b"replaced")
-            except RegistryIncompatible as e:
-                os.write(w, str(e).encode())
-
-        rpid, rr = child(rival)
-        try:
-            assert recv(rr).decode() == f"registry {shm_name} is in use by live pid {os.getpid()}"
-        finally:
-            reap(rpid)
-            os.close(rr)
+        assert rival_create(shm_name) == f"registry {shm_name} is in use by live pid {os.getpid()}"
     finally:
         owner.close()
         owner.unlink()
