@@ -342,8 +342,9 @@ def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry, 
     """A cancel writes its scope's count first and its row second: a writer SIGKILLed in
     between leaves the count one too high. The next caller under its quota is still served
     (contract §4.4), without waiting for a sweep, also while another process writes all the
-    time (a lock-free recount never settles then): the lock's recovery tells the quota check
-    to recount the scope's rows under the lock, once."""
+    time (a lock-free recount never settles then), in every scope the dead writer left off
+    (not only the first one refused): the lock's recovery tells the quota check to recount
+    the scopes under the lock, once."""
     reg = registry(max_rows_per_scope=3, janitor_interval=3600.0)
     stop_r, stop_w = os.pipe()
     writer = procs.fork(lambda: (os.close(stop_w), _busy_writer(reg.name, stop_r))) \
@@ -351,25 +352,29 @@ def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry, 
     c = Cancellation(reg)
     for i in (1, 2, 3):
         c.cancel(i, None, "s")
+        c.cancel(i, None, "t")
     with pytest.raises(CancellationLimitReached):
         c.cancel(4, None, "s")  # a true refusal: recounted, nothing to fix
     c.clear(3, "s")
+    c.clear(3, "t")
     store = c._store
 
     def killed_mid_cancel() -> None:
         with store._lock:
             store._add("s", +1)  # the count of a row never written
+            store._add("t", +1)  # (two writes' worth, as two writers killed in turn leave)
             os.kill(os.getpid(), signal.SIGKILL)
 
     try:
         pid = fork(killed_mid_cancel)
         status = wait_exit(pid, TIMEOUT)
         assert status is not None and os.WIFSIGNALED(status)
-        c.cancel(5, None, "s")  # two rows: under the quota of 3
-        assert c.cancelled(5, "s")
-        with pytest.raises(CancellationLimitReached):
-            c.cancel(6, None, "s")
-        assert c._store.scope_rows("s") == 3
+        for scope in ("s", "t"):
+            c.cancel(5, None, scope)  # two rows: under the quota of 3
+            assert c.cancelled(5, scope)
+            with pytest.raises(CancellationLimitReached):
+                c.cancel(6, None, scope)
+            assert c._store.scope_rows(scope) == 3
     finally:
         os.close(stop_w)  # the busy writer stops
         if writer is not None:

@@ -18,7 +18,7 @@ from ..shm import procinfo
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
-from ..shm.table import PreparedKey, Table, _pack, _unpack
+from ..shm.table import PreparedKey, Table, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage, bad_clock
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
@@ -169,8 +169,8 @@ class ShmBackend:
         the lock (in short holds, see :meth:`evict`) and the checks run again; after three
         such rounds (other writers refilling the table meanwhile) it is evicted under the
         held lock. At the quota, if a writer died holding the lock since this process last
-        recounted (the registry's lock recoveries moved), the scope's count is recounted from
-        its rows first (:meth:`_recount_scope`) and the checks run again: a count left one too
+        recounted (the registry's lock recoveries moved), every scope's count is recounted from
+        the rows first (:meth:`_recount`) and the checks run again: a count left one too
         high by a writer killed between the count and its row must not refuse a caller under
         its quota (contract §4.4)."""
         if only_in_flight and not self.in_flight(scope, rid):
@@ -181,7 +181,7 @@ class ShmBackend:
         recount = -1
         for attempt in range(4):
             if recount >= 0:
-                self._recount_scope(scope)
+                self._recount()
                 self._recounted_at = recount
                 recount = -1
             with self._lock:
@@ -220,14 +220,14 @@ class ShmBackend:
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
 
-    def _recount_scope(self, scope: str) -> None:
-        """In one hold, the scope's count becomes the rows of the scope the table holds. Exact
-        (no writer moves a row meanwhile) at the price of reading every row's key under the
-        lock: :meth:`record` runs it at a quota refusal, once per lock recovery per process."""
-        prefix = b"\x92" + _pack(scope)  # a row's key packs as [scope, id]
+    def _recount(self) -> None:
+        """In one hold, every scope's count becomes its rows (:meth:`_count_fixes`, exact: no
+        writer moves a row meanwhile) at the price of reading every row under the lock:
+        :meth:`record` runs it at a quota refusal, once per lock recovery per process (a
+        writer that died may have left any scope's count off, not only the refused one's)."""
         with self._lock:
-            n = sum(1 for row in self._c.sweep_rows() if row[2].startswith(prefix))
-            self._set_count(self._nk(scope), n)
+            for d, n in self._count_fixes():
+                self._set_count(d, n)
 
     def _still_in_lane(self, scope: str, rid: str, fk: PreparedKey) -> bool:
         """Under the lock, right after the gate's row was written for a request found only in
@@ -422,23 +422,7 @@ class ShmBackend:
             g0 = lock.idle_generation()
             if g0 is None:
                 continue
-            counts: Counter[bytes] = Counter()
-            for row in self._c.sweep_rows():
-                r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
-                if r is not None:
-                    counts[self._digest(r[0])] += 1
-            fixes: list[tuple[Any, int]] = []
-            zeros: list[tuple[Any, int]] = []  # rows at 0 of scopes without rows: removed last
-            for row in self._n.sweep_rows():
-                d = _unpack(row[2])
-                want = counts.pop(d, 0)
-                have = self._n.word(d)
-                if have != want:
-                    fixes.append((d, want))
-                elif want == 0:
-                    zeros.append((d, 0))
-            fixes.extend(counts.items())
-            fixes.extend(zeros)
+            fixes = self._count_fixes()
             if lock.idle_generation() != g0:
                 continue
             if not fixes:
@@ -449,6 +433,29 @@ class ShmBackend:
                 for d, n in fixes[:chunk]:
                     self._set_count(d, n)
             return
+
+    def _count_fixes(self) -> list[tuple[Any, int]]:
+        """``(count key, count)`` for every scope whose count differs from its rows, then every
+        count row at 0 of a scope without rows (removed last), from one read of both tables
+        (exact under the lock, else a snapshot that :meth:`_repair_counts` checks)."""
+        counts: Counter[bytes] = Counter()
+        for row in self._c.sweep_rows():
+            r = _cancel_row(_unpack(row[2]), _unpack(row[3]))
+            if r is not None:
+                counts[self._digest(r[0])] += 1
+        fixes: list[tuple[Any, int]] = []
+        zeros: list[tuple[Any, int]] = []
+        for row in self._n.sweep_rows():
+            d = _unpack(row[2])
+            want = counts.pop(d, 0)
+            have = self._n.word(d)
+            if have != want:
+                fixes.append((d, want))
+            elif want == 0:
+                zeros.append((d, 0))
+        fixes.extend(counts.items())
+        fixes.extend(zeros)
+        return fixes
 
     def _expire_locked(self, now: float, ttl: float) -> int:
         with self._lock:
