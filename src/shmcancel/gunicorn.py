@@ -166,14 +166,15 @@ def when_ready(server: Any) -> None:
         try:
             reg = None
             parent = int(getattr(server, "master_pid", 0) or 0)
-            if parent and _running(parent):
+            if parent:  # a USR2 upgrade: the old master may have exited already
                 try:
                     reg = _attach_parents(name, parent)
+                except RegistryNotFound:
+                    reg = None
+                if reg is not None:
                     reg.adopt()  # so that the registry outlives the old master's record
                     log.info("shmcancel: attached to registry %r of master %s (USR2 upgrade)",
                              name, parent)
-                except RegistryNotFound:
-                    reg = None
             if reg is None:
                 reg = Registry.create(name, config=_state.config)
                 log.info("shmcancel: created registry %r", name)
@@ -189,14 +190,19 @@ def when_ready(server: Any) -> None:
     _state.identity = reg.identity
 
 
-def _attach_parents(name: str, parent: int) -> Registry:
+def _attach_parents(name: str, parent: int) -> Registry | None:
     """A ``USR2`` master: attach to the registry of the old master ``parent``. The one now at the
     name must be the one ``parent`` created or adopted: when that was unlinked and another
     process created a registry of the name since, RegistryIncompatible (never adopt another
-    server's registry). The check reads the header read-only, before anything is written."""
-    start = procinfo.start_time(parent)
+    server's registry). The check reads the header read-only, before anything is written.
+    The old master may have exited already (stopped before this one was ready: it left the
+    registry to it): then the registry it recorded (by pid) is joined all the same, and
+    ``None`` means the name holds no registry of its, to create as a fresh start would."""
+    start = procinfo.start_time(parent)  # None: the old master has exited
     with Registry.attach(name, readonly=True) as ro:
-        if start is None or not ro.belongs_to(parent, start):
+        if not ro.belongs_to(parent, start):
+            if start is None:
+                return None
             c = ro.creator
             raise RegistryIncompatible(
                 f"registry {name} was unlinked and created again by pid {c[0]}: it is not the "

@@ -365,6 +365,52 @@ def test_a_rolled_back_upgrade_leaves_the_registry_in_use_at_once(shm_name):
         assert r.status_code == 200, r.text  # the old master serves on its registry
 
 
+_SLOW_UPGRADE_CONF = """
+import os, time
+exec(open({example!r}).read())
+
+
+def on_starting(server):
+    # A USR2 master slow to get ready (heavy imports, say): it reaches when_ready only once the
+    # old master has exited (bounded, in case the test is gone).
+    old = int(os.environ.get("GUNICORN_PID", "0") or 0)
+    deadline = time.monotonic() + 30
+    while old and time.monotonic() < deadline:
+        try:  # gone, or a zombie its parent (the test) has not reaped yet
+            with open(f"/proc/{{old}}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+"""
+
+
+def test_usr2_master_ready_after_the_old_one_exited_joins_its_registry(shm_name, tmp_path):
+    """USR2, then the old master stopped before the new one is ready: the old master leaves
+    the registry to the new one, which must join it (sessions minted before survive), not
+    take it for stale and create a new one (an audit: 404 for the old sessions)."""
+    conf = tmp_path / "slow_upgrade.conf.py"
+    conf.write_text(_SLOW_UPGRADE_CONF.format(example=os.path.abspath(CONF)))
+    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=2) as g:
+        s = Session(g.url)
+        old = g.pid
+        ino = os.stat(f"/dev/shm/shmcancel.{shm_name}").st_ino
+        g.signal(signal.SIGUSR2)
+        new = wait_until(lambda: (upgraded_masters(old) or [None])[0], time.monotonic() + 20,
+                         what="the USR2 master")
+        g.masters.append(new)
+        os.kill(old, signal.SIGTERM)
+        wait_until(lambda: not alive(old), time.monotonic() + 30, what="the old master to exit")
+        g.pid = new
+        wait_until(lambda: re.search(rf"Listening at: \S+ \({new}\)", g.log()),
+                   time.monotonic() + 30, what="the USR2 master to listen")
+        g.wait_workers(2, time.monotonic() + 30, master=new)
+        assert f"attached to registry {shm_name!r} of master {old}" in g.log(), g.log_tail()
+        assert os.stat(f"/dev/shm/shmcancel.{shm_name}").st_ino == ino, "the same registry"
+        assert s.call("echo", {"text": "kept"})["result"]["content"][0]["text"] == "kept"
+
+
 _PARKING_CONF = """
 import os, time
 import shmcancel.gunicorn

@@ -434,12 +434,16 @@ class Registry:
         except OSError:
             return False
 
-    def belongs_to(self, pid: int, start: int) -> bool:
+    def belongs_to(self, pid: int, start: int | None) -> bool:
         """True when the header records process ``(pid, start)`` as this registry's creator,
         or as the creator an adoption replaced (:meth:`adopt`): a registry that process made
-        or took over, not one created again under the name by another process."""
-        me = procinfo.pack_owner(pid, start)
-        return me in (self._seg.u64(OFF_CREATOR), self._seg.u64(OFF_PREV_CREATOR))
+        or took over, not one created again under the name by another process. ``start``
+        ``None``: a process that has exited (its start time can no longer be read), matched
+        by its pid alone."""
+        words = (self._seg.u64(OFF_CREATOR), self._seg.u64(OFF_PREV_CREATOR))
+        if start is not None:
+            return procinfo.pack_owner(pid, start) in words
+        return any((o := procinfo.unpack_owner(w)) is not None and o[0] == pid for w in words)
 
     def adopt(self) -> None:
         """Record the calling process as the registry's creator.
