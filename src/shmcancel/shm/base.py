@@ -140,7 +140,6 @@ class TableBase:
         self._nwords = 2 * nslots
         self._payload = record_size - RECORD_HEADER  # of a large record (the largest row)
         self._spayload = g.small_size - RECORD_HEADER  # of a small record
-        self.small_payload = self._spayload  # packed key + value bytes a small record holds
         self._rs = struct.Struct(f"<IIIIQ{self._payload}s")  # a whole record, zero padded
         self._rss = struct.Struct(f"<IIIIQ{self._spayload}s")  # a whole small record
         self._heap = g.heap_off

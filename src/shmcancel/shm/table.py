@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .base import Kind, LargeRowsFull, Lock, PreparedKey, TableCorrupted
 from .layout import _geometry as _geometry  # re-exported: the tests import it from here
-from .layout import _pack as _pack  # re-exported: cancel.shm_storage imports it from here
 from .layout import _unpack as _unpack  # re-exported: cancel.shm_storage imports it from here
 from .reader import Reads, Watch
 from .sweep import Sweeps

@@ -184,20 +184,13 @@ class Writes(Fsck):
     def add_held(self, key: PreparedKey, value: Any) -> None:
         """:meth:`insert_held` of a key the caller, holding the lock since, found without a
         row (a set's new row, a bag's first): the same checks and repair, without probing for
-        the key's rows again. ``key`` must be prepared for this table."""
-        vb = _pack(value)
-        kb = key.kbytes
-        if len(kb) + len(vb) > self._payload:
-            self._check_size(kb, vb)
+        the key's rows again."""
+        key, vb = self._row(key, value)
         try:
-            if self._hq[_ROWS] >= self.capacity:
-                self._full()
-            self._publish(key, self._take(kb, vb))
-            self._lock.dirty = False
-            return
+            return self._append(key, vb)
         except TableCorrupted as e:
             self._repair(str(e))
-        self._insert(key, vb)
+        return self._insert(key, vb)
 
     def _row(self, key: Any, value: Any) -> tuple[PreparedKey, bytes]:
         """``key`` prepared for this table and ``value`` packed; RowTooLarge (before the lock
@@ -238,10 +231,15 @@ class Writes(Fsck):
         for e in found:
             if e[3] == vb:
                 return
+        self._append(key, vb)
+
+    def _append(self, key: PreparedKey, vb: bytes, word: int = 0) -> None:
+        """Publish the new row ``key -> vb`` (its word ``word``); the caller holds the lock and
+        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``."""
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        self._publish(key, self._take(key.kbytes, vb))
-        lock.dirty = False
+        self._publish(key, self._take(key.kbytes, vb, -1, word))
+        self._lock.dirty = False
 
     def _full(self) -> None:
         """The row counter says full: raise TableFull, unless the counters are implausible
@@ -264,13 +262,9 @@ class Writes(Fsck):
         return self._write(self._insert_new, *self._row(key, value), word)
 
     def _insert_new(self, key: PreparedKey, vb: bytes, word: int = 0) -> bool:
-        lock = self._lock
         if self._find(key):
             return False
-        if self._hq[_ROWS] >= self.capacity:
-            self._full()
-        self._publish(key, self._take(key.kbytes, vb, -1, word))
-        lock.dirty = False
+        self._append(key, vb, word)
         return True
 
     def set_word(self, key: Any, word: int) -> bool:
