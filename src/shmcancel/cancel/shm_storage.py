@@ -170,20 +170,15 @@ class ShmBackend:
         such rounds (other writers refilling the table meanwhile) it is evicted under the
         held lock. At the quota, if a writer died holding the lock since this process last
         recounted (the registry's lock recoveries moved), every scope's count is recounted from
-        the rows first (:meth:`_recount`) and the checks run again: a count left one too
-        high by a writer killed between the count and its row must not refuse a caller under
-        its quota (contract §4.4)."""
+        the rows first (:meth:`_recount`, in the same hold) and the quota checked again: a
+        count left one too high by a writer killed between the count and its row must not
+        refuse a caller under its quota (contract §4.4)."""
         if only_in_flight and not self.in_flight(scope, rid):
             return False
         ck = self._ck(scope, rid)
         fk = self._fk(scope, rid) if only_in_flight else None
         c = self._c
-        recount = -1
         for attempt in range(4):
-            if recount >= 0:
-                self._recount()
-                self._recounted_at = recount
-                recount = -1
             with self._lock:
                 # Reads of the tables under the held lock are exact (no writer can move a
                 # version meanwhile); a lane row can go without the lock (see _still_in_lane).
@@ -199,11 +194,13 @@ class ShmBackend:
                     counted = self._count(scope)
                     if quota is not None and counted[1] >= quota:
                         recoveries = self._lock.recoveries
-                        if recoveries == self._recounted_at or attempt == 3:
+                        if recoveries != self._recounted_at:
+                            self._recount()  # in this hold: the count is read again after it
+                            self._recounted_at = recoveries
+                            counted = self._count(scope)
+                        if counted[1] >= quota:
                             raise CancellationLimitReached(
                                 f"scope {scope[:80]!r} already holds {quota} cancellation rows")
-                        recount = recoveries
-                        continue  # recounted above, then checked again
                     if c.count() >= cap:
                         if attempt < 3:
                             full = True  # evicted below, outside the lock; then checked again
@@ -221,8 +218,9 @@ class ShmBackend:
         raise AssertionError("unreachable: the last round evicts under the lock")
 
     def _recount(self) -> None:
-        """In one hold, every scope's count becomes its rows (:meth:`_count_fixes`, exact: no
-        writer moves a row meanwhile) at the price of reading every row under the lock:
+        """Under the lock (taken here if the caller does not hold it), every scope's count
+        becomes its rows (:meth:`_count_fixes`, exact: no writer moves a row meanwhile) at the
+        price of reading every row under the lock:
         :meth:`record` runs it at a quota refusal, once per lock recovery per process (a
         writer that died may have left any scope's count off, not only the refused one's)."""
         with self._lock:
