@@ -48,10 +48,10 @@ import posix_ipc
 from .cancel.janitor import Janitor
 from .cancel.policy import Cancellation
 from .config import Config
-from .exceptions import LockTimeout, RegistryIncompatible, RegistryNotFound, ShmCancelError
+from .exceptions import LockTimeout, RegistryNotFound, ShmCancelError
 from .shm import procinfo
 from .shm.lock import RegistryLock
-from .shm.registry import Registry
+from .shm.registry import Registry, replaced_error
 
 __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "registry_name",
            "when_ready"]
@@ -203,12 +203,8 @@ def _attach_parents(name: str, parent: int) -> Registry | None:
         if not ro.belongs_to(parent, start):
             if start is None:
                 return None
-            c = ro.creator
-            raise RegistryIncompatible(
-                f"registry {name} was unlinked and created again by pid {c[0]}: it is not the "
-                f"registry of master {parent} this USR2 upgrade comes from (unlinked under a "
-                "live server, e.g. `shmtool unlink --force`); refusing to join another "
-                "server's registry")
+            raise replaced_error(name, ro.creator,
+                                 f"the registry of master {parent} this USR2 upgrade comes from")
         ident = ro.identity
     return Registry.attach(name, expect=ident)
 

@@ -61,7 +61,7 @@ from .segment import (
 )
 from .table import Table
 
-__all__ = ["Registry", "current", "record_sizes", "table_specs", "unlink"]
+__all__ = ["Registry", "current", "record_sizes", "replaced_error", "table_specs", "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
 
@@ -156,14 +156,16 @@ def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
             from None
 
 
-def _replaced_message(name: str, seg: Segment) -> str:
-    """One line: the segment now at ``name`` is another registry than the one meant."""
-    c = seg.creator
-    by = f"pid {c[0]}" if c is not None else "another process"
-    return (f"registry {name} was unlinked and created again by {by}: "
-            f"{segment_path(name)} is not the registry this process was started on "
-            "(unlinked under a live server, e.g. `shmtool unlink --force`); refusing to join "
-            "another server's registry")
+def replaced_error(name: str, creator: tuple[int, int] | None,
+                   meant: str = "the registry this process was started on"
+                   ) -> RegistryIncompatible:
+    """One line: the segment now at ``name``, created by ``creator``, is another registry than
+    ``meant`` (that one was unlinked under its live server, the name created again since)."""
+    by = f"pid {creator[0]}" if creator is not None else "another process"
+    return RegistryIncompatible(
+        f"registry {name} was unlinked and created again by {by}: {segment_path(name)} is not "
+        f"{meant} (unlinked under a live server, e.g. `shmtool unlink --force`); refusing to "
+        "join another server's registry")
 
 
 class _ReadOnlyLock:
@@ -320,9 +322,9 @@ class Registry:
         decls = _decls(tables)
         seg = Segment.attach(name, readonly=readonly)
         if expect is not None and (seg.ino, seg.hash_key) != tuple(expect):
-            msg = _replaced_message(name, seg)
+            err = replaced_error(name, seg.creator)
             seg.close()
-            raise RegistryIncompatible(msg)
+            raise err
         reg = cls(seg, decls)
         try:
             reg._check_on_attach()
