@@ -230,6 +230,13 @@ def _left(path: str, st: os.stat_result) -> str:
     return f"{path} belongs to uid {st.st_uid} ({describe(st)}): left alone"
 
 
+def _report_left(name: str, others: list[tuple[str, os.stat_result]]) -> None:
+    """One line on stderr for each of ``others``: reported, not a failure (other users' entries
+    are not part of registry ``name``)."""
+    for path, st in others:
+        print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
+
+
 def _bad_own(own: list[str], skip: Sequence[str] = ()) -> dict[str, str]:
     """Of the registry's own entries (but ``skip``), those ``cleanup --stale`` will not touch: a
     symbolic link, a FIFO, not a regular file (``unlink`` removes them), by path."""
@@ -571,8 +578,7 @@ def _cleanup_stale(only: list[str]) -> int:
             own, others = split_paths(name)
             if not own:  # only other users' entries: nothing of ours to remove
                 if only:
-                    for path, st in others:
-                        print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
+                    _report_left(name, others)
                 continue
             for path in own:  # only ever removes entries of ours, regular files
                 check_entry("entry", path)
@@ -603,8 +609,7 @@ def _cleanup_stale(only: list[str]) -> int:
         done += 1
         print(f"removed stale registry {name} "
               f"({', '.join(os.path.basename(p) for p in removed)})")
-        for path, st in others:  # reported, not a failure: they are not part of the registry
-            print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
+        _report_left(name, others)
     if not done and not skipped:
         print("no stale registries")
     return 1 if skipped else 0
@@ -630,8 +635,7 @@ def cmd_unlink(args: argparse.Namespace) -> int:
         own, others = split_paths(name)  # other users' entries: never touched
         removed = [p for p in _unlink_names(name, own) if p in existing]
     print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")
-    for path, st in others:  # reported, not a failure: they are not part of the registry
-        print(f"shmtool: {name}: {_left(path, st)}", file=sys.stderr)
+    _report_left(name, others)
     return 0
 
 
