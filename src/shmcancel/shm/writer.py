@@ -42,9 +42,10 @@ class Writes(Fsck):
 
     def _write_record(self, kbytes: bytes, vbytes: bytes, replacing: int = -1,
                       word: int = 0) -> int:
-        """Fill the record on top of its class's free stack (it is unreferenced), then pop it.
-        A large row needs two free large records (one stays the spare) unless it replaces the
-        large record ``replacing``: else LargeRowsFull, raised before any store."""
+        """Fill the record on top of its class's free stack (it is unreferenced), then pop it;
+        ``lock.dirty`` is set right before the first store. A large row needs two free large
+        records (one stays the spare) unless it replaces the large record ``replacing``: else
+        LargeRowsFull, raised before any store (as TableFull and TableCorrupted are)."""
         hq = self._hq
         cap = self.capacity
         kl = len(kbytes)
@@ -59,7 +60,6 @@ class Writes(Fsck):
         r = self._free[base + top - 1] if 0 < top <= n else -1
         if not lo <= r < hi:  # the free stack is damaged: rebuild it and retry
             self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
-            self._lock.dirty = True  # the caller's write goes on
             top = hq[tw]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
@@ -71,6 +71,7 @@ class Writes(Fsck):
         stamp = hq[_STAMP] + 1
         if stamp >= _STAMP_MAX:  # checked before the first store
             raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")
+        self._lock.dirty = True  # from right before the first store
         hq[_STAMP] = stamp
         body = kbytes + vbytes
         crc = _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32)
@@ -82,17 +83,6 @@ class Writes(Fsck):
                                 crc, kl, vl, word, stamp, body)
         hq[tw] = top - 1
         return r
-
-    def _take(self, kbytes: bytes, vbytes: bytes, replacing: int = -1, word: int = 0) -> int:
-        """:meth:`_write_record` with ``lock.dirty`` set from before its first store; a
-        LargeRowsFull (raised before any store) leaves it clear."""
-        lock = self._lock
-        lock.dirty = True
-        try:
-            return self._write_record(kbytes, vbytes, replacing, word)
-        except LargeRowsFull:
-            lock.dirty = False
-            raise
 
     def _free_record(self, r: int) -> None:
         hq = self._hq
@@ -219,7 +209,7 @@ class Writes(Fsck):
             s, old, _, oldvb, _, word = found[0]
             if oldvb == vb:
                 return
-            new = self._take(key.kbytes, vb, old, word)  # the word stays the row's
+            new = self._write_record(key.kbytes, vb, old, word)  # the word stays the row's
             b = s >> 4
             ver = self._ver
             ver[b] += 1
@@ -238,7 +228,7 @@ class Writes(Fsck):
         found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``."""
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        self._publish(key, self._take(key.kbytes, vb, -1, word))
+        self._publish(key, self._write_record(key.kbytes, vb, -1, word))
         self._lock.dirty = False
 
     def _full(self) -> None:
@@ -371,7 +361,7 @@ class Writes(Fsck):
     def _add(self, key: PreparedKey, vb: bytes) -> tuple[int, int]:
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        r = self._take(key.kbytes, vb)
+        r = self._write_record(key.kbytes, vb)
         self._publish(key, r)
         self._lock.dirty = False
         return r, self._hq[_STAMP]  # the stamp _write_record gave r (the lock is held)
