@@ -149,9 +149,14 @@ class Layer:
             return
         owner: str | None = None
         router = self.router
+        modern = modern_wire(scope)
         if router is not None:
             await router.ensure()
-            owner = router.route(scope)
+            # The 2026-07-28 wire has no sessions: the SDK ignores an Mcp-Session-Id there, so
+            # it neither routes the request (a gone worker's id would be a 404; a forward would
+            # not see its client leave before a JSON answer) nor is rewritten.
+            if not modern:
+                owner = router.route(scope)
             if owner is None:  # served here: the session ids it hands out name this worker
                 send = _tagging(send, router)
         if scope.get("method") != "POST":
@@ -165,7 +170,6 @@ class Layer:
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
-        modern = modern_wire(scope)
         if owner is not None and router is not None:
             # a cancel is answered here from the registry (no hop); anything else goes to the owner
             if (modern or not _may_cancel(body)

@@ -8,10 +8,12 @@ Design (invariants):
   that dies, or a new worker that reuses its pid, never answers for the old one's sessions.
 - The session id a client sees is ``<token>-<the SDK's id>``: the owning worker is part of the
   id, so no map needs keeping (nor cleaning on idle timeout, ``DELETE`` or a worker's death). A
-  request whose session id carries another worker's token is forwarded to that worker's socket
-  unchanged (method, path, headers, body; the SSE response streamed back as it comes), with the
-  client's address in ``x-shmcancel-client`` (trusted only on the unix socket). The owner strips
-  its token before the SDK sees the id, and prefixes the id of a session it creates.
+  2025-era request whose session id carries another worker's token is forwarded to that worker's
+  socket unchanged (method, path, headers, body; the SSE response streamed back as it comes),
+  with the client's address in ``x-shmcancel-client`` (trusted only on the unix socket). The
+  owner strips its token before the SDK sees the id, and prefixes the id of a session it
+  creates. The 2026-07-28 wire has no sessions: the SDK ignores the header there, and so does
+  the routing.
 - A worker that is gone (no listener on its socket) answers 404 ``Session not found``, as the SDK
   does for a session it no longer has: never a hang, never a 5xx. A session dies with its worker
   (crash, ``max_requests``, ``HUP``): the client must open a new one.

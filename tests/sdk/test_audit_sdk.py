@@ -1,0 +1,135 @@
+"""Audit of ``shmcancel.sdk`` (contract §9) against the example server (examples/sdk, stateful,
+three uvicorn workers), through real HTTP on loopback.
+
+The 2026-07-28 wire has no sessions: the SDK routes such a request before any session lookup and
+ignores an ``Mcp-Session-Id`` it carries (contract §6.2: "an Mcp-Session-Id is ignored"). The
+session routing must do the same: a stale or foreign session id on that wire is neither a 404
+nor a reason to forward the request to another worker (where the forwarding worker, which sees
+no response head before a JSON answer is complete, would not notice its client leave, and the
+call would not be cancelled).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from helpers.gunicorn_harness import Gunicorn
+from helpers.names import unlink_registry_names
+from helpers.rows import in_flight_rows
+
+from shmcancel import Registry
+
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+CONF = "examples/sdk/gunicorn.conf.py"
+STOPPED_WITHIN = 2.0  # seconds from the client's leaving to the call's row going
+LEGACY = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+          "mcp-protocol-version": "2025-11-25"}
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "audit", "version": "1"},
+        "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def _modern_headers(tool: str) -> dict[str, str]:
+    return {"content-type": "application/json", "accept": "application/json, text/event-stream",
+            "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": tool}
+
+
+def _modern_call(rid: int, tool: str, args: dict) -> dict:
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+            "params": {"name": tool, "arguments": args, "_meta": META}}
+
+
+@pytest.fixture(scope="module")
+def stateful() -> Iterator[tuple[Gunicorn, Registry]]:
+    name = f"sdkaudit-{uuid.uuid4().hex[:10]}"
+    sockets = tempfile.mkdtemp(prefix="sdkaudit-")
+    try:
+        with Gunicorn(None, registry_name=name, config=CONF, workers=3,
+                      worker_class="uvicorn_worker.UvicornWorker",
+                      env={"SHMCANCEL_SDK_STATELESS": "0",
+                           "SHMCANCEL_SDK_SOCKET_DIR": sockets}) as g, \
+                Registry.attach(name, readonly=True) as reg:
+            yield g, reg
+    finally:
+        unlink_registry_names(name)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _rows(reg: Registry) -> list[tuple[str, str]]:
+    return [k for k, _ in in_flight_rows(reg)]
+
+
+def _wait(pred, within: float) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return bool(pred())
+
+
+def _worker_tokens(g: Gunicorn) -> set[str]:
+    """The tokens of the live workers, read from the session ids they mint (fresh connections,
+    until every worker has answered one)."""
+    tokens: set[str] = set()
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "audit", "version": "0"}}}
+    for _ in range(60):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=LEGACY, json=init)
+            assert r.status_code == 200, r.text
+            tokens.add(r.headers["mcp-session-id"].split("-", 1)[0])
+        if len(tokens) >= 3:
+            break
+    assert len(tokens) >= 2, tokens
+    return tokens
+
+
+def test_modern_wire_ignores_a_stale_session_id(stateful):
+    """A 2026-07-28 request whose ``Mcp-Session-Id`` names a worker that is gone is served (the
+    SDK ignores the header on that wire), never a 404."""
+    g, _reg = stateful
+    body = _modern_call(1, "echo", {"text": "hi"})
+    for sid in ("1x000000000000-abc", "garbage"):
+        for _ in range(3):  # any worker
+            with httpx.Client(timeout=10) as h:
+                r = h.post(g.url, headers=dict(_modern_headers("echo"), **{"mcp-session-id": sid}),
+                           json=body)
+            assert r.status_code == 200, (sid, r.status_code, r.text)
+            assert r.json()["result"]["content"][0]["text"] == "hi", r.text
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_modern_wire_disconnect_cancels_with_any_session_header(stateful, tool):
+    """A 2026-07-28 call whose client sends some worker's session id and then closes its
+    connection (before any response byte: JSON responses) is cancelled, whichever worker
+    accepted it (contract §9)."""
+    g, reg = stateful
+    tokens = sorted(_worker_tokens(g))
+    body = json.dumps(_modern_call(7, tool, {"seconds": 6})).encode()
+    slow: list[str] = []
+    for token in tokens:
+        for _ in range(2):
+            assert _wait(lambda: not _rows(reg), 10), _rows(reg)
+            hdrs = dict(_modern_headers(tool), **{"mcp-session-id": f"{token}-whatever"})
+            head = "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+            s = socket.create_connection(("127.0.0.1", g.port))
+            try:
+                s.sendall(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{g.port}\r\n"
+                          f"Content-Length: {len(body)}\r\n{head}\r\n".encode() + body)
+                assert _wait(lambda: _rows(reg), 10), "the call never started"
+            finally:
+                s.close()
+            if not _wait(lambda: not _rows(reg), STOPPED_WITHIN):
+                slow.append(token)
+    assert slow == [], f"calls not cancelled on disconnect (session tokens {slow})"
