@@ -133,3 +133,50 @@ def test_modern_wire_disconnect_cancels_with_any_session_header(stateful, tool):
             if not _wait(lambda: not _rows(reg), STOPPED_WITHIN):
                 slow.append(token)
     assert slow == [], f"calls not cancelled on disconnect (session tokens {slow})"
+
+
+def _session(g: Gunicorn) -> dict[str, str]:
+    with httpx.Client(timeout=10) as h:
+        r = h.post(g.url, headers=LEGACY, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "audit", "version": "0"}}})
+        assert r.status_code == 200, r.text
+        hdrs = dict(LEGACY, **{"mcp-session-id": r.headers["mcp-session-id"]})
+        r = h.post(g.url, headers=hdrs, json={"jsonrpc": "2.0",
+                                              "method": "notifications/initialized"})
+        assert r.status_code == 202, r.text
+    return hdrs
+
+
+def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
+    """A ``notifications/cancelled`` body that the SDK's JSON parser refuses (a lone surrogate
+    escape: 400 ``-32700`` from the SDK when no call of that id runs) is refused the same way
+    while a call of that id runs: shmcancel parses it with the SDK's parser, so it neither
+    answers 202 nor cancels the call (the SDK's own checks still apply, contract §9, §5)."""
+    import threading
+
+    g, reg = stateful
+    assert _wait(lambda: not _rows(reg), 10), _rows(reg)
+    hdrs = _session(g)
+    scope = "session:" + hdrs["mcp-session-id"].split("-", 1)[1]
+    answer: list[httpx.Response] = []
+
+    def call() -> None:
+        with httpx.Client(timeout=20) as h:
+            answer.append(h.post(g.url, headers=hdrs, json={
+                "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "params": {"name": "sleep", "arguments": {"seconds": 1.5}}}))
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert _wait(lambda: (scope, "7") in _rows(reg), 10), _rows(reg)
+        note = (b'{"jsonrpc":"2.0","method":"notifications/cancelled",'
+                b'"params":{"requestId":7,"reason":"a\\ud800b"}}')
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=hdrs, content=note)
+        assert r.status_code == 400 and "-32700" in r.text, (r.status_code, r.text)
+    finally:
+        t.join(20)
+    assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text

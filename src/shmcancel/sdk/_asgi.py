@@ -28,6 +28,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
+import pydantic_core
+
 from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
 from ._calls import (
     EXCHANGE_KEY,
@@ -246,7 +248,9 @@ class Layer:
         """Answer a ``notifications/cancelled`` whose request is in flight in the caller's scope.
         Returns ``False`` (nothing sent) for anything else: the SDK answers it."""
         try:
-            msg = json.loads(body)
+            # The SDK's own parser: a body it refuses (a lone surrogate escape, say, which
+            # json.loads takes) is its 400, never a cancel answered here.
+            msg = pydantic_core.from_json(body)
         except (ValueError, UnicodeDecodeError, RecursionError):  # the SDK answers it (400)
             return False
         if (not isinstance(msg, dict) or msg.get("method") != CANCELLED_METHOD or "id" in msg
