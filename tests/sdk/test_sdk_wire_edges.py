@@ -1,5 +1,5 @@
-"""Audit of ``shmcancel.sdk`` (contract §9) against the example server (examples/sdk, stateful,
-three uvicorn workers), through real HTTP on loopback.
+"""``shmcancel.sdk`` (contract §9) at the edges of the two wires, against the example server
+(examples/sdk, stateful, three uvicorn workers), through real HTTP on loopback.
 
 The 2026-07-28 wire has no sessions: the SDK routes such a request before any session lookup and
 ignores an ``Mcp-Session-Id`` it carries (contract §6.2: "an Mcp-Session-Id is ignored"). The
@@ -50,8 +50,8 @@ def _modern_call(rid: int, tool: str, args: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def stateful() -> Iterator[tuple[Gunicorn, Registry]]:
-    name = f"sdkaudit-{uuid.uuid4().hex[:10]}"
-    sockets = tempfile.mkdtemp(prefix="sdkaudit-")
+    name = f"sdkwire-{uuid.uuid4().hex[:10]}"
+    sockets = tempfile.mkdtemp(prefix="sdkwire-")
     try:
         with Gunicorn(None, registry_name=name, config=CONF, workers=3,
                       worker_class="uvicorn_worker.UvicornWorker",
