@@ -1,0 +1,39 @@
+"""Audit of the Redis backend against contract §4 and README's "Several hosts: Redis": what the
+other Redis tests left open. A real ``redis-server`` (``redis_server``), keys under a per-test
+prefix (``redis_prefix``)."""
+
+from __future__ import annotations
+
+import time
+
+from shmcancel import Config
+from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
+
+
+def _storage(url, prefix, *, lease=10.0, host="h1", timeout=2.0):
+    store = RedisStore(connect(url, timeout=timeout), Config(), prefix=prefix)
+    return RedisStorage(store, lease=lease, host=host)
+
+
+def test_running_ids_of_dead_owners_do_not_pile_up_in_a_busy_scope(redis_server,
+                                                                  redis_prefix):
+    """README: a dead host's in-flight rows expire within a lease. The scope's set of running
+    ids (``:ifs``) kept every id whose untrack never landed (a worker killed, a host died)
+    for as long as anything else in the scope was tracked (each track extends that set's
+    life): an unbounded set in a long-lived scope, walked by every ``cancel_scope``."""
+    dead = RedisCancellation(RedisStore(connect(redis_server.url, timeout=2.0), Config(),
+                                        prefix=redis_prefix), lease=0.3, host="dead")
+    live = RedisCancellation(dead.store, lease=0.3, host="live")
+    live.track("long", "ip:10.0.0.1")  # the scope stays busy throughout
+    for i in range(200):
+        dead.track(f"d{i}", "ip:10.0.0.1")  # the owner dies: never untracked nor renewed
+    end = time.monotonic() + 1.0  # their lease ends meanwhile
+    i = 0
+    while time.monotonic() < end or i < 300:
+        live.renew()
+        live.track(f"x{i}", "ip:10.0.0.1")
+        live.untrack(f"x{i}", "ip:10.0.0.1")
+        i += 1
+    assert not live.in_flight("d0", "ip:10.0.0.1") and live.in_flight("long", "ip:10.0.0.1")
+    assert live.store.client.scard(live.store.ifs_key("ip:10.0.0.1")) <= 10
+    assert len(live.storage.in_flight_ids("ip:10.0.0.1")) <= 10
