@@ -6,13 +6,27 @@ from __future__ import annotations
 
 import time
 
-from shmcancel import Config
+from helpers.redis_server import free_port
+
+from shmcancel import Cancellation, Config
 from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
 
 
 def _storage(url, prefix, *, lease=10.0, host="h1", timeout=2.0):
     store = RedisStore(connect(url, timeout=timeout), Config(), prefix=prefix)
     return RedisStorage(store, lease=lease, host=host)
+
+
+def test_begin_never_raises_when_redis_is_unreachable(redis_prefix, caplog):
+    """``Cancellation.begin`` never raises (the transport serves the request uncancellable):
+    over RedisStorage a refused connection escaped from it as ``redis.ConnectionError``."""
+    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5)
+    c = Cancellation(None, backend=st)
+    h = c.begin(1, "s")
+    assert not h.tracked and h.error is not None
+    h.cancel_local("gone")
+    assert h.cancelled()
+    h.end()  # never raises either
 
 
 def test_running_ids_of_dead_owners_do_not_pile_up_in_a_busy_scope(redis_server,

@@ -40,11 +40,12 @@ _tokens = itertools.count(1)
 POLLS_PER_CLOCK = 16
 _NO_VERSIONS: Sequence[int] = (0,)  # a handle's versions before its first poll: never == -1
 _full_logged = False
+_failed_logged = False
 
 
 def _reset_after_fork() -> None:
-    global _full_logged
-    _full_logged = False
+    global _full_logged, _failed_logged
+    _full_logged = _failed_logged = False
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -101,7 +102,7 @@ class RequestHandle:
         self._n = POLLS_PER_CLOCK  # polls left before the janitor check
         self._token = 0
         self._stale_at: float | None = None
-        self.error: ShmCancelError | None = None
+        self.error: Exception | None = None
         self.began = c.clock()
         rid = self._rid = ids.key(request_id) if valid_scope(scope) else None
         if rid is None:
@@ -122,6 +123,14 @@ class RequestHandle:
         except ShmCancelError as e:
             self.error = e
             _log_untracked(e)
+        except Exception as e:  # a backend's own error (Redis unreachable): never the caller's
+            self.error = e
+            global _failed_logged
+            log.log(logging.DEBUG if _failed_logged else logging.WARNING,
+                    "a request could not be tracked (%s: %s); it runs uncancellable by "
+                    "notifications (logged once per process, then at debug level)",
+                    type(e).__name__, e)
+            _failed_logged = True
         else:
             if owed.queue:
                 settle_owed()  # the lock answered: land what this process owes
