@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from helpers.redis_server import free_port
+from helpers.redis_server import RedisServer, free_port
 
 from shmcancel import Cancellation, Config
 from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
@@ -15,6 +15,28 @@ from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
 def _storage(url, prefix, *, lease=10.0, host="h1", timeout=2.0):
     store = RedisStore(connect(url, timeout=timeout), Config(), prefix=prefix)
     return RedisStorage(store, lease=lease, host=host)
+
+
+def test_a_request_of_redis_storage_alone_stays_in_flight_past_its_lease(redis_server,
+                                                                        redis_prefix):
+    """README: ``Cancellation(None, backend=RedisStorage(store))`` is contract §4 over Redis
+    alone; §4.5: a request is in flight while its (live) owner runs it. Nobody but the bridge
+    renewed leases, so a request running longer than the lease (10 s by default) silently
+    stopped being in flight and a gated cancellation of it was dropped."""
+    st = _storage(redis_server.url, redis_prefix, lease=0.3)
+    c = Cancellation(None, backend=st)
+    try:
+        with c.begin(7, "s") as h:
+            c.track(8, "s")
+            time.sleep(1.0)  # more than three leases
+            assert c.in_flight(7, "s") and c.in_flight(8, "s")
+            assert c.cancel_if_in_flight(7, "late", "s")
+            assert h.cancelled()
+            c.untrack(8, "s")
+        assert not c.in_flight(7, "s") and not c.in_flight(8, "s")
+    finally:
+        for k in st.store.client.scan_iter(redis_prefix + "*"):
+            st.store.client.delete(k)
 
 
 def test_begin_never_raises_when_redis_is_unreachable(redis_prefix, caplog):
@@ -51,3 +73,28 @@ def test_running_ids_of_dead_owners_do_not_pile_up_in_a_busy_scope(redis_server,
     assert not live.in_flight("d0", "ip:10.0.0.1") and live.in_flight("long", "ip:10.0.0.1")
     assert live.store.client.scard(live.store.ifs_key("ip:10.0.0.1")) <= 10
     assert len(live.storage.in_flight_ids("ip:10.0.0.1")) <= 10
+
+
+def test_a_request_that_ended_while_redis_was_down_is_not_renewed_back(redis_prefix):
+    """§4.3: a request's end is never lost. It ended while Redis was down (its untrack got no
+    answer); Redis came back empty: the row must not be added back as in flight by the lease
+    renewal of the process (only the rows of requests it still runs)."""
+    srv = RedisServer().start()
+    try:
+        st = _storage(srv.url, redis_prefix, lease=0.3, timeout=0.5)
+        c = Cancellation(None, backend=st)
+        h = c.begin(1, "s")
+        running = c.begin(2, "s")
+        assert h.tracked and running.tracked
+        srv.kill()
+        h.end()  # its untrack gets no answer: logged, swallowed
+        srv.start()  # back, empty
+        deadline = time.monotonic() + 5
+        while not c.in_flight(2, "s") and time.monotonic() < deadline:
+            time.sleep(0.05)  # the renewal adds back the request still running
+        time.sleep(0.5)
+        assert c.in_flight(2, "s")
+        assert not c.in_flight(1, "s")
+        running.end()
+    finally:
+        srv.stop()

@@ -6,7 +6,9 @@ on the local registry: :mod:`shmcancel.redis.bridge`).
 
 In-flight rows are owned by ``<host>:<pid>`` (the worker's box, where gated cancellations are
 pushed) with a lease: a row lives ``lease`` seconds past its last :meth:`RedisStorage.renew`,
-so whoever runs requests renews every ``lease / 3`` (the bridge does), and the rows of a host
+so whoever runs requests renews every ``lease / 3``: by default a daemon thread of this
+storage does, started when the process first holds a row and ending when it holds none (the
+bridge, which renews from its own thread, turns it off: ``auto_renew=False``). The rows of a host
 that died vanish within ``lease``. ``reap`` therefore removes nothing: leases do it.
 
 Differences from shared memory, by design: an owed :meth:`~RedisStorage.end` keeps the key's row
@@ -16,18 +18,23 @@ hosts' clocks must agree to well under the gap between a request's begin and its
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Container
 
+from ..cancel import owed
 from ..cancel.storage import Owner, Poll, bad_clock
 from ..config import Config
 from ..exceptions import CancellationLimitReached, LockTimeout
+from ..shm import procinfo
 from .store import RedisStore
 
 __all__ = ["RedisStorage", "default_host_id"]
+
+log = logging.getLogger("shmcancel.redis")
 
 
 def default_host_id() -> str:
@@ -50,11 +57,13 @@ class _Exists:
 class RedisStorage:
     """:class:`Storage` over a :class:`RedisStore`. ``clock``: float seconds (a request's start,
     to tell a stale row from its own); ``lease``: seconds an in-flight row lives without
-    :meth:`renew`; ``host``: this host's identity. Thread-safe."""
+    :meth:`renew`; ``host``: this host's identity; ``auto_renew``: renew from a daemon
+    thread of this storage while the process holds rows (else the caller calls
+    :meth:`renew` every ``lease / 3``). Thread-safe."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
                  lease: float = 10.0, host: str | None = None,
-                 io_wait: float = 10.0) -> None:
+                 io_wait: float = 10.0, auto_renew: bool = True) -> None:
         if not 0 < lease <= 3600:
             raise ValueError(f"lease must be in (0, 3600] seconds, got {lease!r}")
         self.store = store
@@ -72,6 +81,8 @@ class RedisStorage:
         #: back a row an ``untrack`` is ending); waited for at most ``io_wait`` seconds.
         self._io = threading.Lock()
         self.io_wait = float(io_wait)
+        self.auto_renew = bool(auto_renew)
+        self._renewer: threading.Thread | None = None  # guarded by _lock
 
     def _io_held(self, what: str) -> None:
         """Take ``_io`` within ``io_wait`` seconds, else raise ``LockTimeout`` (the caller skips
@@ -145,6 +156,7 @@ class RedisStorage:
         raw = self._owner(owner)
         with self._lock:
             self._mine[scope, rid, owner] = raw
+            self._want_renewer()
         self._io_held("track")
         try:
             now = self._now_ms()
@@ -157,6 +169,7 @@ class RedisStorage:
         """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""
         with self._lock:
             self._mine[scope, rid, owner] = self._owner(owner)
+            self._want_renewer()
 
     def forget(self, scope: str, rid: str, owner: Owner) -> None:
         """Drop a row locally only (Redis is down; its lease ends it there)."""
@@ -245,6 +258,38 @@ class RedisStorage:
         finally:
             self._io.release()
         return len(missing)
+
+    def _want_renewer(self) -> None:
+        """With ``auto_renew``, make sure a thread renews the rows held (caller holds
+        ``_lock``). One per process: a copy inherited across fork is not running."""
+        if not self.auto_renew:
+            return
+        t = self._renewer
+        if t is not None and t.is_alive():
+            return
+        t = self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                             name="shmcancel-redis-renew")
+        t.start()
+
+    def _renew_loop(self) -> None:
+        """Renew every ``lease / 3`` while rows are held; end (leaving ``_renewer`` to the
+        next :meth:`track`) once none is. Rows of requests this process no longer runs (their
+        end got no answer) are ended first, never renewed: renew would add them back."""
+        me = threading.current_thread()
+        while True:
+            time.sleep(self.lease / 3)
+            with self._lock:
+                if self._renewer is not me:
+                    return
+                if not self._mine:
+                    self._renewer = None
+                    return
+            try:
+                pid, start = procinfo.me()
+                self.reap_ended(pid, start, owed.running)
+                self.renew()
+            except Exception as e:  # Redis down or slow: the next period tries again
+                log.debug("renewing in-flight leases failed: %s", e)
 
     def held(self) -> int:
         """In-flight rows this process holds."""
