@@ -1,6 +1,6 @@
-"""Audit of the Redis backend against contract §4 and README's "Several hosts: Redis": what the
-other Redis tests left open. A real ``redis-server`` (``redis_server``), keys under a per-test
-prefix (``redis_prefix``)."""
+"""The Redis backend's leases, running-ids sets and outages against contract §4 and README's
+"Several hosts: Redis" (what the other Redis tests leave open). A real ``redis-server``
+(``redis_server``), keys under a per-test prefix (``redis_prefix``)."""
 
 from __future__ import annotations
 
