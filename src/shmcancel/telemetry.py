@@ -15,6 +15,7 @@ Events emitted by shmcancel:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +30,17 @@ log = logging.getLogger("shmcancel.telemetry")
 _lock = threading.Lock()
 # handler_id -> (event, handler, config). A dict keeps attach order; readers copy a snapshot.
 _handlers: dict[str, tuple[Event, Handler, Any]] = {}
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent (a janitor emitting its cleanup event) may have held the lock at
+    # the fork: it does not exist in the child, which would wait for it forever. The
+    # handlers stay attached (documented: attach per process; a handler is plain code).
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def attach(handler_id: str, event: Event, handler: Handler, config: Any = None) -> None:

@@ -73,3 +73,39 @@ def test_raising_handler_is_detached_and_logged(caplog):
 def test_attach_rejects_non_callable():
     with pytest.raises(TypeError):
         telemetry.attach("x", EV, "not callable")  # type: ignore[arg-type]
+
+
+def test_a_fork_child_emits_when_a_parent_thread_held_the_lock_at_the_fork(registry, spawn):
+    """A thread of the parent (a worker's janitor emitting its cleanup event) inside
+    ``execute`` when the process forks must not leave the child's telemetry lock taken: the
+    child's first cancel with a handler attached would wait for it forever."""
+    import threading
+
+    from shmcancel import Cancellation
+    from shmcancel.shm.registry import Registry
+
+    reg = registry()
+    telemetry.attach("fork-child", ("shmcancel", "request", "cancelled"), lambda *a: None)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with telemetry._lock:  # what execute/attach/detach hold, for an instant each
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+
+        def child(chan) -> None:
+            c = Cancellation(Registry.attach(reg.name))
+            c.cancel(1, "in the child", "s")
+            chan.send("cancelled")
+
+        kid = spawn(child)
+    finally:
+        release.set()
+        t.join(10)
+    assert kid.recv(5) == "cancelled"
+    assert kid.wait() == 0
