@@ -542,3 +542,88 @@ def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, 
             assert len(reg.lanes.lane_owners()) == 1  # left claimed
     finally:
         mine.close()
+
+
+# ------------------------------------------------------------------------------ audit: stale rows
+
+
+def clearer(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """On "clear" clear ``(scope, rid)`` and say "cleared"."""
+    c = Cancellation(Registry.attach(name))
+    chan.send("ready")
+    while (msg := chan.recv()) != "exit":
+        assert msg == "clear"
+        c.clear(rid, scope)
+        chan.send("cleared")
+
+
+def test_a_leftover_row_removed_during_a_poll_does_not_cancel_the_request(registry,
+                                                                          spawn) -> None:
+    """contract §4.3: a call reusing an id never starts out cancelled by a row older than it.
+    The poll sees the row (a leftover), then reads it to compare its age; when another process
+    removes it in between (a namesake's stale-row removal, its end, the janitor), the request
+    must not latch a cancellation nobody recorded for it."""
+    reg = registry()
+    scope = "ip:203.0.113.9"
+    Cancellation(reg, clock=lambda: 1.0).cancel(5, "long ago", scope)  # a leftover
+    other = spawn(clearer, reg.name, 5, scope)
+    assert other.recv() == "ready"
+    c = Cancellation(reg)
+    st_ = c._store
+    real_get = st_.get
+    removed: list[bool] = []
+
+    def get(*a: Any) -> Any:
+        if not removed:  # between the poll's sight of the row and its read of the row
+            removed.append(True)
+            other.send("clear")
+            assert other.recv() == "cleared"
+        return real_get(*a)
+
+    st_.get = get  # type: ignore[method-assign]
+    with c.begin(5, scope) as h:
+        assert h.cancelled() is False
+        assert removed, "the poll never read the row"
+        assert h.cancelled() is False and h.reason() is None
+    other.send("exit")
+    assert other.wait() == 0
+    assert reg.table("cancellations").scan() == []
+
+
+def flickering_leftover(chan: Chan, name: str, page: Any, rid: Any, scope: str) -> None:
+    """Until told to stop: record an old row for ``rid`` (clock 1.0) and clear it again."""
+    old = Cancellation(Registry.attach(name), clock=lambda: 1.0)
+    chan.send("ready")
+    while not page[0]:
+        old.cancel(rid, "long ago", scope)
+        old.clear(rid, scope)
+    chan.send("stopped")
+    assert chan.recv() == "exit"
+
+
+def test_requests_polling_beside_a_flickering_leftover_row_are_never_cancelled(registry,
+                                                                               spawn) -> None:
+    """The same without a hook: another process keeps recording and clearing a row stamped
+    long before any of these requests; not one of them may read as cancelled."""
+    import mmap
+
+    reg = registry()
+    scope = "ip:203.0.113.9"
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    other = spawn(flickering_leftover, reg.name, page, 6, scope)
+    assert other.recv() == "ready"
+    c = Cancellation(reg)
+    cancelled = n = 0
+    try:
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            with c.begin(6, scope) as h:
+                cancelled += any(h.cancelled() for _ in range(10))
+            n += 1
+    finally:
+        page[0] = 1
+    assert other.recv() == "stopped"
+    other.send("exit")
+    assert other.wait() == 0
+    page.close()
+    assert n > 100 and cancelled == 0, f"{cancelled} of {n} requests read as cancelled"

@@ -197,13 +197,19 @@ class RequestHandle:
 
     def _latch(self) -> bool:
         """The shared row was seen: latch it unless it is older than this request (then
-        remove that old row, once, and return ``False``)."""
+        remove that old row, once, and return ``False``), or gone by the time it is read (a
+        leftover another process removed between the poll's two reads: nothing says it was
+        this request's, and latching it would cancel a request nobody cancelled). A store
+        that fails to answer latches: a cancellation is never ignored for that."""
         row = None
         if self._rid is not None:
             try:
                 row = self._c._store.get(self.scope, self._rid)
             except Exception:
                 row = None
+            else:
+                if row is None:
+                    return False
         if row is not None and row[1] < self.began:
             if row[1] != self._stale_at:  # try each old row once: the poll must not block
                 self._stale_at = row[1]
