@@ -544,6 +544,65 @@ def test_closing_a_registry_under_a_stalled_lock_does_not_wait_it_out(registry, 
         mine.close()
 
 
+# ------------------------------------------------------------------------------ audit: namesakes
+
+
+def ending_namesake(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """Begin a request; on "end" remove its in-flight row, say "untracked" and wait for "go"
+    before the rest of its end (the clear); on "poll" answer whether it is cancelled."""
+    reg = Registry.attach(name)
+    c = Cancellation(reg)
+    h = c.begin(rid, scope)
+    real_untrack = c._store.untrack
+
+    def untrack(*a: Any, **kw: Any) -> Any:
+        out = real_untrack(*a, **kw)
+        chan.send("untracked")
+        assert chan.recv() == "go"
+        return out
+
+    c._store.untrack = untrack  # type: ignore[method-assign]
+    chan.send("began")
+    while (msg := chan.recv()) != "exit":
+        if msg == "end":
+            h.end()
+            chan.send("ended")
+        elif msg == "poll":
+            chan.send(h.cancelled())
+
+
+def test_a_namesakes_end_keeps_a_cancel_recorded_for_the_request_still_running(registry,
+                                                                               spawn) -> None:
+    """Two clients behind one address run request 1 at once (one ``ip:`` scope, contract §6.3).
+    A ``notifications/cancelled`` for 1 recorded while the first of them is ending (its row
+    already gone, the other still in flight) is the running one's: the ending request's clear
+    must not take it (as an owed end's ``Storage.end`` already decides), else the running
+    request never sees a cancellation ``cancel_if_in_flight`` reported recorded."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = "ip:203.0.113.9"
+    ending = spawn(ending_namesake, reg.name, 1, scope)
+    running = spawn(ending_namesake, reg.name, 1, scope)
+    assert ending.recv() == "began" and running.recv() == "began"
+    ending.send("end")
+    assert ending.recv() == "untracked"
+    assert c.in_flight(1, scope)  # the namesake runs on
+    assert c.cancel_if_in_flight(1, "the running one", scope) is True
+    ending.send("go")
+    assert ending.recv() == "ended"
+    running.send("poll")
+    assert running.recv() is True, "a cancellation recorded for a running request was lost"
+    running.send("end")
+    assert running.recv() == "untracked"
+    running.send("go")
+    assert running.recv() == "ended"
+    assert reg.table("cancellations").scan() == [] and scope_counts(reg) == {}  # none left
+    assert sorted(_rows(reg)) == []
+    for k in (ending, running):
+        k.send("exit")
+        assert k.wait() == 0
+
+
 # ------------------------------------------------------------------------------ audit: stale rows
 
 

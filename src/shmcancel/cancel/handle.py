@@ -275,7 +275,13 @@ class RequestHandle:
             # left by a wrong count is a leftover the next namesake's first poll removes).
             w = self._watch
             if w.member() if w is not None else st.scope_has_rows(self.scope):
-                st.clear(self.scope, rid)
+                # A namesake still in flight (same scope and id, another request): a row
+                # recorded since this end began is the namesake's, as an owed end decides
+                # (Storage.end). Read after the untrack's barrier, like the row itself.
+                if st.in_flight(self.scope, rid):
+                    st.clear_before(self.scope, rid, ended_at)
+                else:
+                    st.clear(self.scope, rid)
         except LockTimeout as e:
             owed.owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
