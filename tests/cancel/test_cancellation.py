@@ -823,6 +823,23 @@ def test_janitor_runs_by_itself_after_the_interval(make, events):
     h.end()
 
 
+def test_janitor_runs_on_cancels_that_find_nothing_in_flight(make, events):
+    """A process whose only calls are notifications for requests not in flight (a flood of
+    stale ids) still drives the janitor: those calls write nothing, but they are use."""
+    reg, c = make(clock=Clock(time.time()), janitor_interval=0.3, ttl=0.05)
+    c.clock = time.time
+    other = Cancellation(reg)
+    other.cancel(1, None, "s")  # a row for the sweep to expire, written by someone else
+    deadline = time.monotonic() + 10
+    i = 0
+    while not any(e[0] == CLEANUP_EVENT for e in events) and time.monotonic() < deadline:
+        assert c.cancel_if_in_flight(1000 + i, None, "s") is False
+        i += 1
+        time.sleep(0.005)
+    assert any(e[0] == CLEANUP_EVENT for e in events), "the janitor never swept"
+    assert reg.info()["sweeps"] >= 1 and not c.cancelled(1, "s")
+
+
 def test_janitor_sweeps_once_per_interval_across_instances(make, events):
     reg, c1 = make(janitor_interval=0.2)
     c2 = Cancellation(reg)

@@ -294,6 +294,7 @@ class Cancellation:
         text = sanitize(reason)
         if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
+            self._tick()  # a call that wrote nothing is use of the registry too (§4.6)
             return False
         if telemetry.listening():
             telemetry.execute(CANCELLED_EVENT, {"count": 1},
