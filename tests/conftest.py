@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,9 +48,23 @@ def shm_names() -> Iterator[list[str]]:
             unlink_registry_names(name)
 
 
+_SDK_SOCKETS: list[str] = []  # the socket directory this run made for SDK servers
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SDK servers the tests start put their workers' sockets (one subdirectory per registry)
+    in a directory of this run's, removed at its end, not in the user's shared default."""
+    if "SHMCANCEL_SDK_SOCKET_DIR" not in os.environ:
+        d = tempfile.mkdtemp(prefix="shmcancel-sdk-tests-")
+        _SDK_SOCKETS.append(d)
+        os.environ["SHMCANCEL_SDK_SOCKET_DIR"] = d
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail loudly if this run left anything of its own in /dev/shm, or a gunicorn's
-    temporary directory in /tmp."""
+    temporary directory in /tmp; remove this run's SDK socket directory."""
+    for d in _SDK_SOCKETS:
+        shutil.rmtree(d, ignore_errors=True)
     dirs = sorted(d for d in gunicorn_harness.MADE_DIRS if os.path.exists(d))
     if dirs:
         for d in dirs:
