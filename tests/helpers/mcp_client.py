@@ -1,7 +1,7 @@
 """What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, sending a
 request as a real client does (a 503 with ``Retry-After`` is retried), reading the JSON-RPC reply
-out of a JSON or SSE response, waiting for a file a test tool writes, unique tags, and
-``shmtool dump --json`` of a registry."""
+out of a JSON or SSE response, opening a session, waiting for a file a test tool writes, unique
+tags, and ``shmtool dump --json`` of a registry."""
 
 from __future__ import annotations
 
@@ -64,6 +64,22 @@ def reply_of(r: httpx.Response) -> dict[str, Any]:
                     return msg
         raise AssertionError(f"no reply in the event stream: {r.text!r}")
     return r.json()
+
+
+def open_session(url: str, headers: dict[str, str], client: str = "t") -> dict[str, str]:
+    """``initialize`` (2025-11-25) then ``notifications/initialized`` at ``url`` with
+    ``headers``; returns them with the session's ``mcp-session-id`` added."""
+    with httpx.Client(timeout=10) as h:
+        r = h.post(url, headers=headers, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": LEGACY, "capabilities": {},
+                       "clientInfo": {"name": client, "version": "0"}}})
+        assert r.status_code == 200, r.text
+        hdrs = dict(headers, **{"mcp-session-id": r.headers["mcp-session-id"]})
+        r = h.post(url, headers=hdrs,
+                   json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+        assert r.status_code == 202, r.text
+    return hdrs
 
 
 def wait_file(path: str, deadline: float) -> str:

@@ -16,6 +16,7 @@ import pytest
 from helpers.aio import until
 from helpers.background import lock_held
 from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import open_session
 from helpers.rows import in_flight_rows
 
 from shmcancel import Registry
@@ -42,18 +43,7 @@ def _auth(token: str) -> dict[str, str]:
 
 
 def _session(g: Gunicorn, token: str) -> dict[str, str]:
-    hdrs = dict(HEADERS, **_auth(token))
-    with httpx.Client(timeout=10) as h:
-        r = h.post(g.url, headers=hdrs, json={
-            "jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                       "clientInfo": {"name": "t", "version": "0"}}})
-        assert r.status_code == 200, r.text
-        hdrs["mcp-session-id"] = r.headers["mcp-session-id"]
-        r = h.post(g.url, headers=hdrs,
-                   json={"jsonrpc": "2.0", "method": "notifications/initialized"})
-        assert r.status_code == 202, r.text
-    return hdrs
+    return open_session(g.url, dict(HEADERS, **_auth(token)))
 
 
 def test_only_the_calls_principal_cancels_it(server):

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import open_session
 from helpers.names import unlink_registry_names
 from helpers.rows import in_flight_rows
 
@@ -136,17 +137,7 @@ def test_modern_wire_disconnect_cancels_with_any_session_header(stateful, tool):
 
 
 def _session(g: Gunicorn) -> dict[str, str]:
-    with httpx.Client(timeout=10) as h:
-        r = h.post(g.url, headers=LEGACY, json={
-            "jsonrpc": "2.0", "id": 0, "method": "initialize",
-            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                       "clientInfo": {"name": "audit", "version": "0"}}})
-        assert r.status_code == 200, r.text
-        hdrs = dict(LEGACY, **{"mcp-session-id": r.headers["mcp-session-id"]})
-        r = h.post(g.url, headers=hdrs, json={"jsonrpc": "2.0",
-                                              "method": "notifications/initialized"})
-        assert r.status_code == 202, r.text
-    return hdrs
+    return open_session(g.url, LEGACY)
 
 
 def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
