@@ -600,3 +600,38 @@ def test_the_transport_holds_sessions_through_the_storage_interface(reg: Registr
     assert call is not None and st.sessions.get(s.id) is not None
     st.sessions.end_call(call)
     assert st.sessions.delete(s.id) and st.sessions.get(s.id) is None
+
+
+def test_a_mint_planned_during_another_mints_commit_does_not_unlist_its_session(
+        reg: Registry, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers minting for one client at once (contract §6.1, sessions bounded per client).
+    A commits its mint under the lock: the client row listing its new id first, then the
+    session row. B plans lock-free in between: at the bound it sees A's id listed with no
+    session yet (what an interrupted mint leaves) and drops it as a phantom. Re-checked under the
+    lock only against the client row, which A wrote before B read it, B's plan passed and it
+    rewrote the row without A's id: A's live session was counted against nobody, and a client
+    minting from several workers at once grew the table past ``sessions_per_client`` (8
+    concurrent initializes from one address against the example server left 17 such sessions
+    beyond its 32 in 9 000 mints)."""
+    a = SessionStore(reg, clock=clock)
+    b = SessionStore(reg, clock=clock)
+    client = "ip:192.0.2.7"
+    mint(a, clock, client, PER_CLIENT - 1)
+    planned: list[Any] = []
+    insert_new = a._table.insert_new
+
+    def between_client_row_and_session_row(sid: str, value: Any) -> bool:
+        planned.append(b._plan(b.client_digest(client), clock()))  # B's lock-free plan
+        return insert_new(sid, value)
+
+    monkeypatch.setattr(a._table, "insert_new", between_client_row_and_session_row)
+    sa = a.create(LEGACY, client).id
+    monkeypatch.undo()
+    plan_b = b._plan
+    monkeypatch.setattr(b, "_plan", lambda digest, now: planned.pop() if planned
+                        else plan_b(digest, now))
+    clock.t += 1
+    sb = b.create(LEGACY, client).id
+    listed = a.client_sessions(client)
+    assert sa in listed and sb in listed, (sa, sb, listed)
+    assert a.count() == len(listed) <= PER_CLIENT  # every session counted, none beyond the bound

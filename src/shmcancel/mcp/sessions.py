@@ -134,6 +134,7 @@ class _Plan:
     keep: tuple[str, ...]  # listed ids that stay (live sessions of this client), oldest first
     victim: str | None  # the session given up, or None
     victim_value: Any
+    dropped: frozenset[str] = frozenset()  # listed ids taken for phantoms (no session row)
 
 
 class SessionStore:
@@ -225,10 +226,12 @@ class SessionStore:
             if r[1] < best and not self._busy(sid):
                 victim, victim_value, best = sid, v, r[1]
         keep = tuple(s for s in ids if s not in dropped)
+        gone = frozenset(dropped)
         if len(keep) < self.per_client and self._table.count() < self.capacity:
-            return _Plan(listed, keep, None, None)
+            return _Plan(listed, keep, None, None, gone)
         if victim is not None:
-            return _Plan(listed, tuple(s for s in keep if s != victim), victim, victim_value)
+            return _Plan(listed, tuple(s for s in keep if s != victim), victim, victim_value,
+                         gone)
         if len(keep) < self.per_client:
             raise SessionsFull(
                 f"sessions table is full ({self.capacity} sessions of other clients); "
@@ -241,6 +244,13 @@ class SessionStore:
         """Under the lock: is ``plan`` still what it would decide?"""
         if self._clients.get(digest) != plan.listed:
             return False
+        # A phantom seen lock-free may be the id of a mint that was committing then (its client
+        # row is written before its session row): dropping it would leave that live session
+        # counted against nobody, past the client's bound.
+        for sid in plan.dropped:
+            r = _row(self._table.get(sid))
+            if r is not None and r[3] == digest:
+                return False
         if plan.victim is None:
             return self._table.count() < self.capacity
         return self._table.get(plan.victim) == plan.victim_value and not self._busy(plan.victim)
