@@ -340,6 +340,37 @@ def test_delete_ends_the_session_and_cancels_its_requests(app: McpServer, reg: R
     assert tables_empty(reg)
 
 
+
+def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_it(
+        app: McpServer, reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    """contract §6.1: a DELETE cancels every request still in flight in its session. A
+    ``tools/call`` checks its session (``begin_call``) and only then is tracked
+    (``Cancellation.begin``); a DELETE landing in between (another worker) found nothing in
+    flight to cancel, and the call then ran its whole course in a session that no longer
+    existed (up to 60 s for the example's ``sleep``)."""
+    sid = session(app)
+    h = legacy_headers(sid)
+    c = app._process_state().cancellation
+    begin = c.begin
+
+    def delete_first(request_id: object, scope: str) -> Any:
+        if scope == "session:" + sid:
+            r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+            assert r.status == 204
+        return begin(request_id, scope)
+
+    monkeypatch.setattr(c, "begin", delete_first)
+    call = start_call(app, 1, "wait", {"tag": "late"}, h)
+    wait_ev(signals.ev(signals.started, "late"))
+    signals.ev(signals.saw_cancel, "late").wait(2.0)
+    signals.ev(signals.release, "late").set()
+    reply = call.result()
+    assert reply.status == 200
+    assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED, reply.json
+    assert post(app, rpc(3, "ping"), headers=h).status == 404
+    assert tables_empty(reg)
+
+
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
     sid = session(app)
     r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))

@@ -94,6 +94,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
         try:
             try:
                 try:
+                    self._call_tracked(environ, handle)
                     outcome = ("ok", tool.fn(environ, arguments))
                 except ToolError as e:
                     outcome = ("error", e)
@@ -139,6 +140,9 @@ class CallLifecycle(ToolRegistry, ServerBase):
         shaped = shape_result(wire, "tools/call", result, server_info=self.server_info(),
                               ttl_ms=self.cache_ttl_ms, cache_scope=self.cache_scope)
         return self._finish(ex, wire, 200, jsonrpc.result_body(msg.id, shaped))
+
+    def _call_tracked(self, environ: dict[str, Any], handle: Any) -> None:
+        """A wire's hook, run once a ``tools/call`` is tracked and before its tool runs."""
 
     def _finish(self, ex: _Exchange, wire: Wire, status: int,
                 body: dict[str, Any]) -> _Reply | None:
