@@ -417,3 +417,34 @@ def test_workers_survive_bad_input(server: Gunicorn, bad_input_client: Client) -
     assert seen <= pids
     assert set(server.worker_pids()) == pids
     assert "Traceback" not in server.log()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_a_body_that_stalls_is_a_4xx_before_the_worker_timeout(shm_name: str,
+                                                              worker_class: str) -> None:
+    """A client that sends its headers and part of its body, then nothing, keeping the
+    connection open (slowloris): the body read had no deadline, so a ``sync`` worker stayed
+    blocked until gunicorn's worker ``timeout`` killed it, and gunicorn answered that client
+    500 with a traceback in the log (contract §5: no bad input yields a 5xx); a ``gthread``
+    worker's thread stayed blocked for good. The example server, with a worker timeout of 14 s
+    (the transport reads a body for at most ``body_timeout``, 10 s by default)."""
+    with Gunicorn(None, registry_name=shm_name, config="examples/gunicorn/gunicorn.conf.py",
+                  workers=1, worker_class=worker_class, threads=2,
+                  extra_args=["--timeout", "14"]) as g:
+        pid = g.worker_pids()
+        with socket.create_connection(("127.0.0.1", g.port), timeout=30) as s:
+            s.sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Accept: application/json\r\nContent-Length: 100\r\n\r\n"
+                      b'{"jsonrpc":"2.0",')
+            t0 = time.monotonic()
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            took = time.monotonic() - t0
+        status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/1.1 ") else None
+        assert status is not None and 400 <= status < 500, (out[:300], took)
+        assert b'"code":-32600' in out
+        assert took < 13, took
+        assert g.worker_pids() == pid  # the worker was not killed
+        assert "Traceback" not in g.log() and "WORKER TIMEOUT" not in g.log()

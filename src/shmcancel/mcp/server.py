@@ -77,8 +77,11 @@ client left: the request is cancelled like a disconnect.
 Bounds
 ------
 Bodies over ``max_body_bytes`` are refused with 413 (from ``Content-Length`` before reading;
-reading is capped when it is absent or chunked). Header values read are capped
-(:data:`shmcancel.mcp.wire.MAX_HEADER_VALUE`). No malformed input yields a 5xx.
+reading is capped when it is absent or chunked). A body not received within ``body_timeout``
+seconds is refused with 408 (a client that stalls mid-body would otherwise hold a ``sync``
+worker until gunicorn's ``timeout`` kills it, and a ``gthread`` thread for good). Header
+values read are capped (:data:`shmcancel.mcp.wire.MAX_HEADER_VALUE`). No malformed input yields
+a 5xx.
 
 Statuses (contract §5): a message read as a JSON-RPC request is answered with HTTP 200 carrying its
 response, error or not (SDK clients turn a 4xx into a transport failure); 4xx only for what
@@ -89,8 +92,10 @@ each with a JSON-RPC error body (:func:`shmcancel.mcp.wire.dispatch_status`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -135,6 +140,9 @@ class McpServer(LegacyWire, ModernWire):
     is then not met: for measuring its cost, as ``tools/bench_watch.py`` does).
     ``cache_ttl_ms`` / ``cache_scope``: the 2026-07-28 caching hints of ``tools/list`` and
     ``server/discover`` (the tool list is the same for every caller, hence ``"public"``).
+    ``body_timeout``: seconds a POST body may take to arrive in full (read through
+    ``environ["gunicorn.socket"]`` with a deadline; ``None``: no deadline); keep it below
+    gunicorn's worker ``timeout``.
     ``allowed_origins`` (contract §6.0, the transport's DNS-rebinding defence): a request whose
     ``Origin`` header is present and not allowed is refused with 403 and a JSON-RPC error, on
     both wires and every HTTP method; a request without ``Origin`` (not a browser) passes.
@@ -153,7 +161,7 @@ class McpServer(LegacyWire, ModernWire):
                  title: str | None = None, cache_ttl_ms: int = 60_000,
                  cache_scope: str = "public",
                  allowed_origins: Iterable[str] | str | None = None,
-                 watch_disconnects: bool = True) -> None:
+                 watch_disconnects: bool = True, body_timeout: float | None = 10.0) -> None:
         if not isinstance(name, str) or not isinstance(version, str):
             raise TypeError("name and version must be strings")
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
@@ -164,6 +172,11 @@ class McpServer(LegacyWire, ModernWire):
             raise ValueError(f"poll_interval must be in (0, 1] seconds, got {poll_interval!r}")
         if isinstance(cache_ttl_ms, bool) or not isinstance(cache_ttl_ms, int) or cache_ttl_ms < 0:
             raise ValueError(f"cache_ttl_ms must be an int >= 0, got {cache_ttl_ms!r}")
+        if body_timeout is not None and (isinstance(body_timeout, bool)
+                                         or not isinstance(body_timeout, int | float)
+                                         or not 0 < body_timeout < float("inf")):
+            raise ValueError(f"body_timeout must be a positive number of seconds or None, "
+                             f"got {body_timeout!r}")
         if cache_scope not in ("public", "private"):
             raise ValueError(f'cache_scope must be "public" or "private", got {cache_scope!r}')
         self.name = name
@@ -174,6 +187,7 @@ class McpServer(LegacyWire, ModernWire):
         self.max_body_bytes = max_body_bytes
         self.poll_interval = float(poll_interval)
         self.watch_disconnects = bool(watch_disconnects)
+        self.body_timeout = None if body_timeout is None else float(body_timeout)
         self.path = path
         self.cache_ttl_ms = cache_ttl_ms
         self.cache_scope = cache_scope
@@ -295,18 +309,42 @@ class McpServer(LegacyWire, ModernWire):
             want = length
         chunks: list[bytes] = []
         got = 0
-        while got < want:
-            try:
-                chunk = stream.read(min(_READ_CHUNK, want - got))
-            except Exception:  # the client went away mid-body, or a malformed chunk
-                return _error_reply(400, None, codes.INVALID_REQUEST, "Could not read the body")
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
+        timeout = self.body_timeout
+        sock = environ.get("gunicorn.socket") if timeout is not None else None
+        if sock is not None and not (hasattr(sock, "gettimeout") and hasattr(sock, "settimeout")):
+            sock = None
+        prior = sock.gettimeout() if sock is not None else None
+        deadline = time.monotonic() + timeout if timeout is not None else 0.0
+        try:
+            while got < want:
+                if sock is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return _body_timed_out(self.body_timeout)
+                    sock.settimeout(left)
+                try:
+                    chunk = stream.read(min(_READ_CHUNK, want - got))
+                except TimeoutError:  # the client stalled mid-body (gunicorn then closes it)
+                    return _body_timed_out(self.body_timeout)
+                except Exception:  # the client went away mid-body, or a malformed chunk
+                    return _error_reply(400, None, codes.INVALID_REQUEST,
+                                        "Could not read the body")
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        finally:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.settimeout(prior)
         if length is not None and got < length:  # EOF before Content-Length: not a request
             return _error_reply(400, None, codes.INVALID_REQUEST, "Could not read the body")
         if got > limit:
             return _error_reply(413, None, codes.INVALID_REQUEST,
                                 f"Request body too large (limit {limit} bytes)")
         return b"".join(chunks)
+
+
+def _body_timed_out(seconds: float | None) -> _Reply:
+    return _error_reply(408, None, codes.INVALID_REQUEST,
+                        f"Request Timeout: the body did not arrive within {seconds:g} s")
