@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from helpers.redis_server import RedisServer, free_port
@@ -98,3 +99,38 @@ def test_a_request_that_ended_while_redis_was_down_is_not_renewed_back(redis_pre
         running.end()
     finally:
         srv.stop()
+
+
+def test_a_fork_childs_renewal_thread_does_not_bring_back_the_parents_ended_request(
+        redis_server, redis_prefix):
+    """RedisStorage renews its rows from a thread of its own. A fork child (a tool's
+    multiprocessing worker, say) inherits the parent's held rows; once it tracks a request of
+    its own, its renewal thread renewed the parent's rows too: a request the parent had ended
+    meanwhile was tracked back in Redis (in flight for good, while the child lives)."""
+    st = _storage(redis_server.url, redis_prefix, lease=0.3)
+    c = Cancellation(None, backend=st)
+    try:
+        h = c.begin(1, "s")
+        assert h.tracked
+        pid = os.fork()
+        if pid == 0:  # the child: a request of its own, running past a few renewals
+            code = 1
+            try:
+                with c.begin(2, "s"):
+                    time.sleep(1.5)
+                code = 0
+            finally:
+                os._exit(code)
+        try:
+            time.sleep(0.2)  # the child tracks its request
+            h.end()
+            assert not c.in_flight(1, "s")
+            time.sleep(0.6)  # the child's renewal thread runs several times
+            assert not c.in_flight(1, "s")
+        finally:
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not c.in_flight(1, "s") and not c.in_flight(2, "s")
+    finally:
+        for k in st.store.client.scan_iter(redis_prefix + "*"):
+            st.store.client.delete(k)

@@ -7,7 +7,8 @@ on the local registry: :mod:`shmcancel.redis.bridge`).
 In-flight rows are owned by ``<host>:<pid>`` (the worker's box, where gated cancellations are
 pushed) with a lease: a row lives ``lease`` seconds past its last :meth:`RedisStorage.renew`,
 so whoever runs requests renews every ``lease / 3``: by default a daemon thread of this
-storage does, started when the process first holds a row and ending when it holds none (the
+storage does, started when the process first holds a row and ending when it holds none (a
+fork child starts with none of its parent's rows, locks or thread; the
 bridge, which renews from its own thread, turns it off: ``auto_renew=False``). The rows of a host
 that died vanish within ``lease``. ``reap`` therefore removes nothing: leases do it.
 
@@ -23,6 +24,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Container
 
 from ..cancel import owed
@@ -35,6 +37,20 @@ from .store import RedisStore
 __all__ = ["RedisStorage", "default_host_id"]
 
 log = logging.getLogger("shmcancel.redis")
+
+_instances: weakref.WeakSet[RedisStorage] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A fork child holds none of its parent's rows (the parent runs those requests and ends
+    # them): renewing them, as the child's own renewal thread would once the child tracks a
+    # request, would track back in Redis a request the parent ended. The parent's threads
+    # (its renewer, mid-call with _io held) do not exist here: fresh locks, no renewer.
+    for st in list(_instances):
+        st._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_host_id() -> str:
@@ -83,6 +99,14 @@ class RedisStorage:
         self.io_wait = float(io_wait)
         self.auto_renew = bool(auto_renew)
         self._renewer: threading.Thread | None = None  # guarded by _lock
+        _instances.add(self)
+
+    def _after_fork(self) -> None:
+        """In a fork child: the parent's rows and threads are the parent's."""
+        self._lock = threading.Lock()
+        self._io = threading.Lock()
+        self._mine.clear()
+        self._renewer = None
 
     def _io_held(self, what: str) -> None:
         """Take ``_io`` within ``io_wait`` seconds, else raise ``LockTimeout`` (the caller skips
