@@ -95,7 +95,8 @@ class CallLifecycle(ToolRegistry, ServerBase):
             try:
                 try:
                     self._call_tracked(environ, handle)
-                    outcome = ("ok", tool.fn(environ, arguments))
+                    if not handle.cancelled():  # else (its session deleted meanwhile) it never runs
+                        outcome = ("ok", tool.fn(environ, arguments))
                 except ToolError as e:
                     outcome = ("error", e)
                 except Exception as e:
