@@ -162,6 +162,32 @@ def test_stubborn_tool_is_stopped_and_the_worker_replaced(server: Gunicorn, outd
     print("\n" + server.log_tail(15))
 
 
+@pytest.mark.parametrize("modern", [False, True], ids=["legacy", "modern"])
+def test_a_stopped_sync_tool_is_answered_minus_32800_not_500(server: Gunicorn, outdir: str,
+                                                             modern: bool) -> None:
+    """A ``sync`` worker stops a tool that ignores its client leaving by quitting (SIGQUIT:
+    ``SystemExit`` in the tool). The call was cancelled, so whoever still reads the socket (a
+    client that only half-closed, which the watcher counts as gone) gets HTTP 200 with
+    ``-32800`` as in ``gthread`` (contract §5: a cancelled call is -32800 with 200, never a 5xx),
+    not gunicorn's HTML 500 for an exception escaping the app."""
+    t = tag()
+    s = send_call(server.port, "stubborn", {"seconds": 20, "tag": t}, modern=modern,
+                  path="/mcp" if modern else "/stateless")
+    try:
+        pid = int(wait_file(f"{outdir}/{t}.started", time.monotonic() + 10))
+        s.shutdown(socket.SHUT_WR)  # gone for the server; still reading
+        wait_file(f"{outdir}/{t}.cancelled", time.monotonic() + 2)
+        reply = read_reply(s)  # asserts HTTP 200
+        assert reply["error"]["code"] == -32800, reply
+        wait_until(lambda: not alive(pid), time.monotonic() + GRACE + 3,
+                   what="the stopped worker to exit")
+        assert in_flight(server.registry_name) == []
+        server.wait_workers(3, time.monotonic() + 15)
+        assert not Path(f"{outdir}/{t}.finished").exists()
+    finally:
+        s.close()
+
+
 def test_disconnect_cancels_only_that_anonymous_client(server: Gunicorn, outdir: str) -> None:
     """Two anonymous clients behind one address share the ``ip:`` scope and both run id 1: one
     leaves, the other's call completes normally."""

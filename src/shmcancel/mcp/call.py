@@ -86,7 +86,8 @@ class CallLifecycle(ToolRegistry, ServerBase):
         ex.on_gone = lambda: _cancel_local(handle)
         rb = remote.current()
         remote_call = rb.track(msg.id, handle.scope) if rb is not None else None
-        watcher = self._watch(environ, handle, st)
+        stopping: list[bool] = []  # the watcher's timeout is stopping the tool (see below)
+        watcher = self._watch(environ, handle, st, stopping)
         stopped = False
         cancelled = False
         reason: str | None = None
@@ -111,6 +112,17 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 handle.end()
         except RequestStopped:
             stopped = True
+            handle.end()
+        except SystemExit:
+            if not stopping:
+                raise
+            # A sync worker stops the tool by quitting (SIGQUIT: gunicorn's handler raises
+            # SystemExit here and has set the worker not alive, so it exits once this request
+            # is answered). Escaping, it would be answered with gunicorn's HTML 500; the call
+            # was cancelled, so -32800 like any other (contract §5), for whoever still reads.
+            stopped = True
+            if watcher is not None:
+                watcher.stop()  # no-op unless the quit cut the finally's stop short
             handle.end()
         finally:
             if rb is not None:
@@ -163,7 +175,8 @@ class CallLifecycle(ToolRegistry, ServerBase):
 
     # ------------------------------------------------------------------ disconnects
 
-    def _watch(self, environ: dict[str, Any], handle: Any, st: _ProcessState) -> Watcher | None:
+    def _watch(self, environ: dict[str, Any], handle: Any, st: _ProcessState,
+               stopping: list[bool]) -> Watcher | None:
         sock = environ.get("gunicorn.socket")
         if sock is None or not self.watch_disconnects:
             return None
@@ -176,6 +189,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
             _cancel_local(handle)
 
         def on_timeout() -> None:
+            stopping.append(True)
             _stop_request(holder[0], handle, tool_thread, multithread, grace)
 
         w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
