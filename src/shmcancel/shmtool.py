@@ -73,6 +73,7 @@ from .shm.names import (
     describe,
     flock_bounded,
     lock_path,
+    registry_owner,
     segment_path,
     split_paths,
     stat_problem,
@@ -518,13 +519,17 @@ class _UsageError(Exception):
 def _creation_lock(name: str, force: bool) -> Iterator[None]:
     """Hold ``name``'s creation flock, so that no creation or lock recovery is under way while
     its entries are removed. A lock file that is not ours cannot be what a creator of ours
-    holds: nothing is locked then. ``force``: go on even if the flock stays held."""
+    holds: nothing is locked then. Nor is anything for another user's registry (root removing
+    it): its creators refuse a lock file of ours, and one made here would be left behind, not
+    part of their registry. ``force``: go on even if the flock stays held."""
     fd = None
-    try:
-        check_entry("lock file", lock_path(name))
-    except RegistryIncompatible:
-        pass
-    else:
+    lockable = registry_owner(name) == os.geteuid()
+    if lockable:
+        try:
+            check_entry("lock file", lock_path(name))
+        except RegistryIncompatible:
+            lockable = False
+    if lockable:
         try:
             fd = flock_bounded(name, LOCK_WAIT)
         except RegistryIncompatible:

@@ -430,3 +430,29 @@ def test_another_users_entry_does_not_make_our_live_registry_unusable(shm_name, 
         run_py(ATTACH, shm_name, "rw").check_returncode()
     finally:
         reg.close()
+
+
+@pytest.mark.parametrize("whose", ["squatter", "stale registry"])
+def test_unlink_of_another_users_registry_leaves_no_lock_file_of_its_own(shm_name, squat, whose):
+    """Defect: root's ``shmtool unlink NAME`` on another user's registry without a lock file (a
+    stale one whose lock file is gone, or another user's file squatting the segment name, which
+    ``list`` says to remove as root) created a lock file of its own to serialise with creators,
+    then reported that fresh file as another user's entry ("belongs to uid 0 ... left alone")
+    and left it behind: ``list`` showed a leftover registry afterwards. A creator of another
+    user would refuse a lock file of ours anyway: nothing is locked, nothing is made."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's entry needs root")
+    if whose == "squatter":
+        squat("foreign", "segment")
+    else:
+        pid = fork(lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY),
+                            Registry.create(shm_name, SMALL)))
+        status = wait_exit(pid, DEADLINE)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0, status
+        assert os.stat(paths(shm_name)["segment"]).st_uid == NOBODY
+        os.unlink(paths(shm_name)["lock"])
+    p = shmtool_cli("unlink", shm_name)
+    assert p.returncode == 0, p
+    assert p.stderr == "", p
+    left = [q for q in paths(shm_name).values() if os.path.lexists(q)]
+    assert left == [], f"left behind: {left}"
