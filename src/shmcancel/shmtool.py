@@ -648,11 +648,34 @@ COMMANDS = {"list": cmd_list, "dump": cmd_dump, "stats": cmd_stats, "cleanup": c
             "unlink": cmd_unlink}
 
 
+@contextlib.contextmanager
+def _escaping_stdout() -> Iterator[None]:
+    """Scopes, request ids and reasons are client text: what the terminal's encoding cannot show
+    (a Latin-1 or ASCII locale) is printed backslash-escaped, never a UnicodeEncodeError."""
+    out = sys.stdout
+    errors = getattr(out, "errors", None)
+    reconfigure = getattr(out, "reconfigure", None)
+    if reconfigure is None or errors in (None, "backslashreplace"):
+        yield
+        return
+    try:
+        reconfigure(errors="backslashreplace")
+    except Exception:  # pragma: no cover - a stream that cannot be reconfigured
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            out.reconfigure(errors=errors)  # type: ignore[attr-defined]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.cmd](args)
+        with _escaping_stdout():
+            return COMMANDS[args.cmd](args)
     except _UsageError as e:
         parser.error(str(e))
         return 2  # pragma: no cover - error() exits

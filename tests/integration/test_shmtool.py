@@ -440,3 +440,24 @@ def test_json_output_is_strict_json_with_a_non_finite_timestamp(reg, bad):
     assert text.returncode == 0, text.stderr
     row = next(line for line in text.stdout.splitlines() if "odd clock" in line)
     assert "nan" not in row.lower() and "inf" not in row.lower(), row
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+@pytest.mark.parametrize("command", ["dump", "stats"])
+def test_text_output_survives_a_terminal_that_cannot_show_client_text(reg, encoding, command):
+    """Defect: request ids, principal ids and reasons are client text; in a terminal whose
+    encoding cannot show them (a Latin-1 or ASCII locale), ``dump`` and ``stats`` died with a
+    UnicodeEncodeError traceback, so one client's request id made the tool unusable there.
+    What cannot be shown is escaped; the row is still there."""
+    c = Cancellation(reg)
+    c.cancel("日本", "理由 €", "principal:ユーザー")
+    c.cancel(1, "fine", "ip:192.0.2.1")
+    env = dict(os.environ, PYTHONIOENCODING=encoding)
+    p = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", command, reg.name],
+                       capture_output=True, env=env, timeout=30)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    assert p.stderr == b""
+    out = p.stdout.decode(encoding)
+    assert "\\u30e6\\u30fc\\u30b6\\u30fc" in out, out  # principal:ユーザー, escaped
+    if command == "dump":
+        assert "\\u65e5\\u672c" in out and "ip:192.0.2.1" in out, out
