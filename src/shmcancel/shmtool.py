@@ -667,7 +667,7 @@ def _escaping_stdout() -> Iterator[None]:
         yield
     finally:
         with contextlib.suppress(Exception):
-            out.reconfigure(errors=errors)  # type: ignore[attr-defined]
+            reconfigure(errors=errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
