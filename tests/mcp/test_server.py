@@ -22,6 +22,7 @@ from shmcancel import errors
 from shmcancel.config import Config
 from shmcancel.mcp import disconnect
 from shmcancel.mcp.sessions import SessionStore
+from shmcancel.mcp.stop import RequestStopped
 from shmcancel.mcp.wire import (
     CLIENT_CAPABILITIES_META_KEY,
     CLIENT_INFO_META_KEY,
@@ -891,6 +892,33 @@ def test_a_watched_call_leaves_no_cyclic_garbage(stateless: McpServer,
         gc.enable()
         server_side.close()
         client_side.close()
+
+
+def test_a_stop_landing_in_the_watchers_own_stop_still_stops_it(
+        stateless: McpServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RequestStopped`` is raised in a ``gthread`` tool's thread asynchronously: it can land
+    after the tool returned, inside the ``Watcher.stop`` of the call's ``finally``, before that
+    marked the watcher stopped. The call must still stop its watcher: else its socket stays
+    watched and the stopper, seeing no stop, asks the worker to exit."""
+    real_stop = disconnect.Watcher.stop
+    landed: list[disconnect.Watcher] = []
+
+    def stop_hit_once(self: disconnect.Watcher) -> None:
+        if not landed:
+            landed.append(self)
+            raise RequestStopped
+        real_stop(self)
+
+    monkeypatch.setattr(disconnect.Watcher, "stop", stop_hit_once)
+    c, s, k = socket_call(stateless, 1, "echo", {"text": "x"}, multithread=True)
+    try:
+        reply = c.result()
+        assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED  # it was being stopped
+        assert landed and landed[0].wait_stopped(0)
+        assert disconnect.watched_count() == 0
+    finally:
+        s.close()
+        k.close()
 
 
 def test_no_watcher_without_a_gunicorn_socket(stateless: McpServer, signals: Signals) -> None:

@@ -112,6 +112,8 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 handle.end()
         except RequestStopped:
             stopped = True
+            if watcher is not None:
+                watcher.stop()  # the stop may have landed inside the finally's, cutting it short
             handle.end()
         except SystemExit:
             if not stopping:
