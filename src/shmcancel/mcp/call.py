@@ -95,8 +95,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
         try:
             try:
                 try:
-                    self._call_tracked(environ, handle)
-                    if not handle.cancelled():  # else (its session deleted meanwhile) it never runs
+                    if not self._call_tracked(environ, handle):  # else it never runs
                         outcome = ("ok", tool.fn(environ, arguments))
                 except ToolError as e:
                     outcome = ("error", e)
@@ -156,8 +155,11 @@ class CallLifecycle(ToolRegistry, ServerBase):
                               ttl_ms=self.cache_ttl_ms, cache_scope=self.cache_scope)
         return self._finish(ex, wire, 200, jsonrpc.result_body(msg.id, shaped))
 
-    def _call_tracked(self, environ: dict[str, Any], handle: Any) -> None:
-        """A wire's hook, run once a ``tools/call`` is tracked and before its tool runs."""
+    def _call_tracked(self, environ: dict[str, Any], handle: Any) -> bool:
+        """A wire's hook, run once a ``tools/call`` is tracked and before its tool runs;
+        ``True`` when it cancelled the call (the tool is then not run). No poll of the handle
+        here: its first poll is its cheap one, kept for the call's end."""
+        return False
 
     def _finish(self, ex: _Exchange, wire: Wire, status: int,
                 body: dict[str, Any]) -> _Reply | None:

@@ -114,19 +114,21 @@ class LegacyWire(CallLifecycle):
         finally:
             st.sessions.end_call(call)
 
-    def _call_tracked(self, environ: dict[str, Any], handle: Any) -> None:
+    def _call_tracked(self, environ: dict[str, Any], handle: Any) -> bool:
         """A call's session was checked before it was tracked: a DELETE landing in between
         (another worker) found nothing in flight to cancel. Once tracked, a DELETE sees the
-        call; one that came before left no session row, so look again (lock-free)."""
+        call; one that came before left no session row, so look again (lock-free): gone, the
+        call is cancelled and ``True`` returned (its tool is not run)."""
         sid = environ.get(SESSION_KEY)
         if not self.sessions or not isinstance(sid, str):
-            return
+            return False
         try:
             gone = self._process_state().sessions.get(sid) is None
         except ShmCancelError:  # the store could not tell (a lock timeout): run the call
-            return
+            return False
         if gone:
             handle.cancel_local("session deleted")
+        return gone
 
     def _initialize(self, environ: dict[str, Any], msg: Request, json_ok: bool) -> _Reply:
         params = msg.params or {}
