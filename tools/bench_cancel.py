@@ -38,7 +38,8 @@ Then the writes (issue #9's "Writes" targets), each batch again right after a fl
   round by round [4-thread throughput >= 0.8x one thread's].
 
 Every target prints ``met`` or ``MISSED``; ``--check`` exits 1 when one is missed (the poll
-targets: alone).
+targets: alone). A writer that wrote nothing in a measurement, had writes fail or exited makes
+the run print ``writers: INVALID`` and exit 1, with or without ``--check``.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ _PAUSE = 16 * 64  # byte offset of the pause word in the writers' counters (up t
 
 def _writer(name: str, w: int, counters: mmap.mmap) -> None:
     """Child ``w``: cancel and clear requests of its own scope until killed, keeping at most
-    ``_WINDOW`` rows there; its count of write pairs (and of failed ones) goes to
-    ``counters[16 w:16 w + 16]`` every 16 pairs. While the pause word is non-zero it only
+    ``_WINDOW`` rows there; its count of write pairs that succeeded (and of failed ones) goes
+    to ``counters[16 w:16 w + 16]`` every 16 pairs. While the pause word is non-zero it only
     sleeps (0.2 ms steps)."""
     c = Cancellation(Registry.attach(name))
     scope = f"ip:writer{w}"
-    i = errors = 0
+    i = done = errors = 0
     words = memoryview(counters).cast("Q")
     pause = _PAUSE // 8
     while True:
@@ -96,25 +97,25 @@ def _writer(name: str, w: int, counters: mmap.mmap) -> None:
         try:
             c.cancel(i % (2 * _WINDOW), "bench", scope)
             c.clear((i + _WINDOW) % (2 * _WINDOW), scope)
+            done += 1
         except ShmCancelError:
             errors += 1
         i += 1
         if not i & 15:
-            struct.pack_into("<QQ", counters, 16 * w, i, errors)
+            struct.pack_into("<QQ", counters, 16 * w, done, errors)
 
 
 @contextmanager
-def _writers(name: str, n: int) -> Iterator[mmap.mmap]:
-    """``n`` writer processes on registry ``name`` for the block; yields their counters once
-    every one of them has written."""
+def _writers(name: str, n: int) -> Iterator[tuple[mmap.mmap, list[int]]]:
+    """``n`` writer processes on registry ``name`` for the block; yields their counters and
+    pids once every one of them has written."""
     if not 0 <= n <= 64:
         raise SystemExit("--writers must be 0..64")
     counters = mmap.mmap(-1, _PAUSE + 8)  # anonymous and shared: inherited by the forks
     with ExitStack() as st:
-        for w in range(n):
-            st.enter_context(running(_writer, name, w, counters))
+        pids = [st.enter_context(running(_writer, name, w, counters)) for w in range(n)]
         _wait_all_wrote(counters, n, [0] * n)
-        yield counters
+        yield counters, pids
 
 
 def _wait_all_wrote(counters: mmap.mmap, n: int, since: list[int]) -> None:
@@ -243,13 +244,25 @@ def _thread_scaling(c: Cancellation, rounds: int, window: float, nthreads: int =
     return statistics.median(rate(nthreads) / rate(1) for _ in range(rounds))
 
 
-def _pairs(counters: mmap.mmap, n: int) -> tuple[int, int]:
-    tot = err = 0
-    for w in range(n):
-        i, e = struct.unpack_from("<QQ", counters, 16 * w)
-        tot += i
-        err += e
-    return tot, err
+def _pairs(counters: mmap.mmap, n: int) -> list[tuple[int, int]]:
+    """Each writer's (pairs written, pairs failed) so far."""
+    return [struct.unpack_from("<QQ", counters, 16 * w) for w in range(n)]
+
+
+def _writers_wrote(before: list[tuple[int, int]], after: list[tuple[int, int]],
+                   pids: list[int]) -> list[str]:
+    """What went wrong with the writers between ``before`` and ``after``: one line per writer
+    that wrote nothing, had writes fail, or is no longer running (none: every one wrote)."""
+    bad = []
+    for w, ((i0, e0), (i1, e1)) in enumerate(zip(before, after, strict=True)):
+        if i1 <= i0:
+            bad.append(f"writer {w} wrote nothing")
+        if e1 > e0:
+            bad.append(f"writer {w}: {e1 - e0} pairs failed")
+    for w, pid in enumerate(pids):
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            bad.append(f"writer {w} (pid {pid}) exited")
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch
 
     name = f"bench-cancel-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    reg = Registry.create(name, Config(janitor_interval=3600.0))
     with _segment(1 << 16) as (_, mm):
         floor = _floor_measures(mm, batch)["raw read (struct)"]
+        reg = Registry.create(name, Config(janitor_interval=3600.0))
         try:
             c = Cancellation(reg)
             cap = reg.config.capacity
@@ -346,15 +359,20 @@ def main(argv: list[str] | None = None) -> int:
             }
             alone, ralone, falone = ratio_medians(ms, floor, args.batches)
 
-            with _writers(name, args.writers) as counters:
-                p0, e0 = _pairs(counters, args.writers)
+            with _writers(name, args.writers) as (counters, pids):
+                c0 = _pairs(counters, args.writers)
                 t0 = time.monotonic()
                 busy, rbusy, fbusy = ratio_medians(ms, floor, max(20, args.batches // 2))
-                p1, e1 = _pairs(counters, args.writers)
-                rate = (p1 - p0) / (time.monotonic() - t0)
+                c1 = _pairs(counters, args.writers)
+                rate = sum(i1 - i0 for (i0, _), (i1, _) in zip(c0, c1, strict=True)) / (
+                    time.monotonic() - t0)
+                failed = sum(e1 - e0 for (_, e0), (_, e1) in zip(c0, c1, strict=True))
+                writer_trouble = _writers_wrote(c0, c1, pids)
                 wrounds = max(10, args.batches // 4)
                 w_alone, w_busy, w_ratio, w_rfloor = _busy_pairs(
                     c, counters, args.writers, floor, wrounds, max(50, batch // 4))
+                writer_trouble += [f"{x} (begin + end rounds)" for x in
+                                   _writers_wrote(c1, _pairs(counters, args.writers), pids)]
             with reg.lock:  # a writer may have died holding it: recovered here
                 pass
 
@@ -369,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw-shm floor (struct.unpack_from): {falone:.1f} ns alone, {fbusy:.1f} ns with "
           f"writers (ratios: medians of per-batch ratios, floor and measure interleaved)")
     print(f"writers: {args.writers} processes, {rate / 1000:.1f}k cancel+clear pairs/s in all "
-          f"for the whole measurement ({e1 - e0} failed)")
+          f"for the whole measurement ({failed} failed)")
+    if writer_trouble:  # the "with writers" figures were not measured with writers writing
+        print("writers: INVALID: " + "; ".join(writer_trouble))
     print(f"{'poll of an in-flight, uncancelled request':40} {'alone':>16} "
           f"{'with writers':>18}  target")
     missed = []
@@ -404,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         missed.append("threads")
     print(f"  {'begin + end, 4 threads vs 1 thread':38} throughput {scaling:.2f}x, "
           f">= 0.8x {_verdict(ok)}")
-    return 1 if args.check and missed else 0
+    return 1 if writer_trouble or (args.check and missed) else 0
 
 
 if __name__ == "__main__":
