@@ -496,27 +496,31 @@ def _stop_procs(procs: list[Any], deadline: float = 10.0) -> None:
 
 def _writer_main(b: Backend, w: int, counters: Any, stop: Any, max_seconds: float) -> None:
     """Writer ``w``: mark + unmark, cancel, clear in its own scope until ``stop`` is set (or
-    ``max_seconds``); its rounds and failures go to ``counters[2w]``, ``counters[2w + 1]``."""
+    ``max_seconds``); its rounds that succeeded and those that failed go to ``counters[2w]``,
+    ``counters[2w + 1]``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops it by pid
     cl = b.client()
-    i = errors = 0
+    i = done = errors = 0
     end = time.monotonic() + max_seconds
     while not stop.value and (i & 63 or time.monotonic() < end):
         try:
             b.mark_unmark(cl, w, i % 100)
             b.cancel(cl, w, i % 100)
             b.clear(cl, w, i % 100)
+            done += 1
         except Exception:
             errors += 1
         i += 1
-        counters[2 * w], counters[2 * w + 1] = i, errors
+        counters[2 * w], counters[2 * w + 1] = done, errors
     b.close_client(cl)
 
 
 @contextlib.contextmanager
-def other_writers(b: Backend, n: int) -> Iterator[Callable[[], tuple[float, int]]]:
+def other_writers(b: Backend, n: int) -> Iterator[Callable[[], tuple[float, int, list[str]]]]:
     """``n`` writer processes on ``b`` for the block, each writing before the block starts;
-    yields a function giving (their write rounds/s so far, their failures)."""
+    yields a function giving (their successful write rounds/s so far, their failures, what
+    went wrong: a writer that wrote nothing since the block started or is no longer
+    running)."""
     counters = _CTX.RawArray("d", 2 * (n + 1))
     stop = _CTX.RawValue("b", 0)
     procs = [_CTX.Process(target=_writer_main, args=(b, w, counters, stop, 900.0), daemon=True)
@@ -528,12 +532,18 @@ def other_writers(b: Backend, n: int) -> Iterator[Callable[[], tuple[float, int]
         while (any(counters[2 * w] == 0 for w in range(1, n + 1))
                and time.monotonic() < deadline):
             time.sleep(0.005)
-        t0, c0 = time.monotonic(), sum(counters[2 * w] for w in range(1, n + 1))
+        t0 = time.monotonic()
+        c0 = [counters[2 * w] for w in range(1, n + 1)]
+        e0 = [counters[2 * w + 1] for w in range(1, n + 1)]
 
-        def rate() -> tuple[float, int]:
-            done = sum(counters[2 * w] for w in range(1, n + 1)) - c0
-            return done / max(1e-9, time.monotonic() - t0), int(
-                sum(counters[2 * w + 1] for w in range(1, n + 1)))
+        def rate() -> tuple[float, int, list[str]]:
+            now = [counters[2 * w] for w in range(1, n + 1)]
+            err = [counters[2 * w + 1] for w in range(1, n + 1)]
+            trouble = [f"writer {w + 1} wrote nothing" for w in range(n) if now[w] <= c0[w]]
+            trouble += [f"writer {w + 1} exited" for w, p in enumerate(procs)
+                        if not p.is_alive()]
+            return (sum(now) - sum(c0)) / max(1e-9, time.monotonic() - t0), int(
+                sum(err) - sum(e0)), trouble
 
         yield rate
     finally:
