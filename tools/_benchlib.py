@@ -59,15 +59,18 @@ class GunicornServer:
                  "--pythonpath", f"{pythonpath},{ROOT / 'examples/gunicorn'}", app],
                 env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise SystemExit(f"gunicorn did not start; see {self.log}") from None
-                time.sleep(0.05)
+        try:
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise SystemExit(f"gunicorn did not start; see {self.log}") from None
+                    time.sleep(0.05)
+        except BaseException:  # also Ctrl-C while it starts: the caller never gets self
+            self.close()
+            raise
 
     def worker_pids(self) -> list[str]:
         """The master's children now (``/proc``), as text; none once it is gone."""

@@ -322,12 +322,15 @@ def run(a: argparse.Namespace) -> bool:
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
         write_wrapper(tmp)
-        server = Server(tmp, "gthread", True, a.src, threads=a.threads, workers=a.workers)
         Path(tmp, "bench_burst_bare.py").write_text(_BARE_APP)
-        bare = GunicornServer(tmp, "gthread", "bench_burst_bare:app", {}, "bare", a.src,
-                              workers=a.workers, threads=a.threads,
-                              registry_prefix="bench-burst-bare")
-        try:
+        servers: list[GunicornServer] = []
+        try:  # the first one stopped too when the second does not start
+            servers.append(Server(tmp, "gthread", True, a.src, threads=a.threads,
+                                  workers=a.workers))
+            servers.append(GunicornServer(tmp, "gthread", "bench_burst_bare:app", {}, "bare",
+                                          a.src, workers=a.workers, threads=a.threads,
+                                          registry_prefix="bench-burst-bare"))
+            server, bare = servers
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
                 b = Bench(server, wire)
                 try:
@@ -388,8 +391,8 @@ def run(a: argparse.Namespace) -> bool:
                 finally:
                     b.close()
         finally:
-            server.close()
-            bare.close()
+            for s in servers:
+                s.close()
     return ok
 
 

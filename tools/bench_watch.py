@@ -202,9 +202,11 @@ def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires
     with tempfile.TemporaryDirectory(prefix="bench-watch-") as tmp:
         write_wrapper(tmp)
         for kind in ("sync", "gthread"):
-            on = Server(tmp, kind, True, src)
-            off = Server(tmp, kind, False, src, untracked=untracked)
-            try:
+            servers: list[Server] = []
+            try:  # the first one stopped too when the second does not start
+                servers.append(Server(tmp, kind, True, src))
+                servers.append(Server(tmp, kind, False, src, untracked=untracked))
+                on, off = servers
                 for wire in wires:
                     reqs = {s: echo_request(s.port, wire) for s in (on, off)}
                     for s in (on, off):  # warm up every worker
@@ -237,8 +239,8 @@ def bench_http(seconds: float, rounds: int, conns: int, max_requests: int, wires
                           f" us ratio {med(cpu_ratio):.2f} [{min(cpu_ratio):.2f}.."
                           f"{max(cpu_ratio):.2f}] | other outcomes {bad}")
             finally:
-                on.close()
-                off.close()
+                for s in servers:
+                    s.close()
     return medians
 
 
