@@ -83,7 +83,7 @@ _PAUSE = 16 * 64  # byte offset of the pause word in the writers' counters (up t
 def _writer(name: str, w: int, counters: mmap.mmap) -> None:
     """Child ``w``: cancel and clear requests of its own scope until killed, keeping at most
     ``_WINDOW`` rows there; its count of write pairs that succeeded (and of failed ones) goes
-    to ``counters[16 w:16 w + 16]`` every 16 pairs. While the pause word is non-zero it only
+    to ``counters[16 w:16 w + 16]`` after every pair. While the pause word is non-zero it only
     sleeps (0.2 ms steps)."""
     c = Cancellation(Registry.attach(name))
     scope = f"ip:writer{w}"
@@ -101,8 +101,7 @@ def _writer(name: str, w: int, counters: mmap.mmap) -> None:
         except ShmCancelError:
             errors += 1
         i += 1
-        if not i & 15:
-            struct.pack_into("<QQ", counters, 16 * w, done, errors)
+        struct.pack_into("<QQ", counters, 16 * w, done, errors)  # ~0.1 us of a ~15 us pair
 
 
 @contextmanager

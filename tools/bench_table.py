@@ -196,7 +196,7 @@ def measure_raw_floor(batches: int = 200, batch: int = 500) -> dict[str, float]:
 
 def _writer(table: Table, counters: mmap.mmap) -> None:
     """Child: insert and delete other keys of the table as fast as it can, until killed; the
-    pairs it completed and those that failed go to ``counters[0:16]`` every 16 pairs."""
+    pairs it completed and those that failed go to ``counters[0:16]`` after every pair."""
     keys = [table.prepare(("writer", str(i))) for i in range(2000)]
     i = done = errors = 0
     while True:
@@ -207,8 +207,7 @@ def _writer(table: Table, counters: mmap.mmap) -> None:
         except Exception:
             errors += 1
         i += 1
-        if not i & 15:
-            struct.pack_into("<QQ", counters, 0, done, errors)
+        struct.pack_into("<QQ", counters, 0, done, errors)  # ~0.1 us of a ~3 us pair
 
 
 def _table_measures(t: Table, nfill: int, batch: int, tag: str = ""
