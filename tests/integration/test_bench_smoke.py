@@ -171,3 +171,30 @@ def test_the_load_generator_reconnects_every_per_conn_requests(per_conn: int | N
     ok, bad, _ = asyncio.run(main())
     assert (ok, bad) == (10, 0)
     assert len(conns) == connections  # with per_conn=3: 3 + 3 + 3 + 1 requests
+
+
+def test_cancel_and_table_benches_have_their_writers_write() -> None:
+    """tools/bench_cancel.py's and tools/bench_table.py's "with writers" columns are measured
+    with every writer writing (each checks its writers' own counts and exits 1 with
+    ``INVALID`` otherwise: bench_cancel's writer once failed on its scope's quota within 0.1 s
+    and its column had no writer); every target gets a verdict."""
+    rc, out, pid = run_bench("--batches", "10", "--batch", "200", "--writers", "2",
+                             script=REPO_ROOT / "tools" / "bench_cancel.py")
+    assert rc == 0 and "INVALID" not in out, out[-3000:]
+    assert re.search(r"^writers: 2 processes, [\d.]+k .*\(0 failed\)$", out, re.M), out
+    assert "begin + end, 4 threads vs 1 thread" in out and leftovers(pid) == []
+    rc, out, pid = run_bench("--batches", "3",
+                             script=REPO_ROOT / "tools" / "bench_table.py")
+    assert rc == 0 and "INVALID" not in out, out[-3000:]
+    assert re.search(r"writer: ~\d+k insert\+delete pairs/s", out), out
+    assert re.search(r"^overall: ", out, re.M) and leftovers(pid) == []
+
+
+def test_sweeps_bench_gives_each_target_a_verdict() -> None:
+    rc, out, pid = run_bench("--rows", "400", "--reps", "1", "--seconds", "0.2",
+                             script=REPO_ROOT / "tools" / "bench_sweeps.py")
+    assert rc == 0, out[-3000:]
+    verdicts = re.findall(r"^  target .*<= 1 ms (met|MISSED), .*<= 10 ms (met|MISSED)$", out,
+                          re.M)
+    assert len(verdicts) == 3, out
+    assert leftovers(pid) == []
