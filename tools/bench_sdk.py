@@ -2,6 +2,7 @@
 """Figures of ``shmcancel.sdk`` on a real gunicorn with three uvicorn workers (stateless, JSON).
 
     .venv/bin/python tools/bench_sdk.py [--cancels 100] [--seconds 5] [--concurrency 8] [--rounds 3]
+                                        [--hop-calls 200]
 
 - cancel latency: a ``sleep`` (async) and a ``sleep_sync`` call are started on one connection, a
   ``notifications/cancelled`` is posted on a fresh connection (any worker); measured from just

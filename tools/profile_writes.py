@@ -6,9 +6,10 @@
 Times, interleaved batch by batch (medians of ns/op), the whole pair for new ids (each request a
 new key, as JSON-RPC ids usually are) and for a repeated id, and the parts it is made of: the
 registry lock's enter+exit, preparing a key (msgpack + keyed hash), a ``Watch``, the in-flight
-table's insert + delete of one row (a plain ``track`` row, found by value) and add + remove (a
-handle's row, found by its receipt), ``clear`` of a key without a row. ``--cprofile`` adds the
-cProfile listing of 5000 pairs (relative weights only: profiling inflates small calls).
+table's insert + delete of one row (a plain ``track`` row, found by value), add + remove of a
+handle's row by its receipt (the row ``begin`` makes: in this process's lane while the shared
+table has room, so not the in-flight table), ``clear`` of a key without a row. ``--cprofile``
+adds the cProfile listing of 5000 pairs (relative weights only: profiling inflates small calls).
 """
 
 from __future__ import annotations
