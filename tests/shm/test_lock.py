@@ -486,6 +486,51 @@ def test_signal_handler_exception_during_wait_propagates(seg: Segment) -> None:
         lock.close()
 
 
+def test_signal_handler_raising_right_after_the_spin_took_the_unit_strands_nothing(
+        seg: Segment) -> None:
+    """The eval loop runs a pending handler right after a call returns, so one landing during
+    the spin can raise just after a ``sem_trywait`` that took the unit, before the lock records
+    it: the exception must release it, not leave it taken by nobody (the other processes then
+    wait for the unrecorded-holder rule, 0.3 s at best, longer beside a busy process)."""
+    lock = RegistryLock(seg, timeout=5)
+
+    class Shutdown(BaseException):
+        pass
+
+    def on_usr1(signum: int, frame: object) -> None:
+        raise Shutdown()
+
+    real = lock._trywait
+    calls = [0]
+
+    def trywait(block: bool = False) -> bool:
+        calls[0] += 1
+        if calls[0] == 1:
+            return False  # the fast path misses: into the spin
+        got = real(block)
+        if got:  # the signal lands right after the successful try, as in a busy spin
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return got
+
+    old = signal.signal(signal.SIGUSR1, on_usr1)
+    try:
+        lock._trywait = trywait
+        with pytest.raises(Shutdown), lock:
+            pass
+        lock._trywait = real
+        assert calls[0] >= 2
+        assert not lock.held_by_me() and lock.owner() is None
+        assert seg.sem.value == 1  # released, not stranded
+        t0 = time.monotonic()
+        with lock:
+            pass
+        assert time.monotonic() - t0 < 0.05
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        lock._trywait = real
+        lock.close()
+
+
 # --- recovery -----------------------------------------------------------------------------------
 
 def test_dead_holder_recovered_once(seg: Segment, events: list[tuple[Any, ...]]) -> None:

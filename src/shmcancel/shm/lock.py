@@ -385,7 +385,20 @@ class RegistryLock:
 
     def _acquire_slow(self, tid: int, t0: float) -> None:
         sem, w = self._sem, self._w
-        if self._spin():
+        fast = self._fast
+        taken = fast._count() if fast is not None else 0
+        try:
+            got = self._spin()
+        except BaseException:
+            # A signal handler raised right after a sem_trywait that took the unit (the eval
+            # loop runs pending handlers as a call returns; in the busy spin a signal landing
+            # there is common): the unit is ours though unrecorded. SemLock counts its own
+            # acquires, so this is known exactly: mark it held, and __enter__ releases it.
+            if fast is not None and fast._count() != taken:
+                self._st.holder = tid
+                self._st.depth = 1
+            raise
+        if got:
             self._st.holder = tid
             self._st.depth = 1
             self._stamp()
