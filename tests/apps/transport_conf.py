@@ -19,4 +19,5 @@ shmcancel.gunicorn.configure(config=shmcancel.Config(
     janitor_interval=float(os.environ.get("SHMCANCEL_TEST_JANITOR_INTERVAL", "60")),
     lock_timeout=float(os.environ.get("SHMCANCEL_TEST_LOCK_TIMEOUT", "10")),
     session_ttl=float(os.environ.get("SHMCANCEL_TEST_SESSION_TTL", "3600")),
+    sessions_per_client=int(os.environ.get("SHMCANCEL_TEST_SESSIONS_PER_CLIENT", "32")),
 ))
