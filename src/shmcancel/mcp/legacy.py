@@ -216,8 +216,11 @@ def _unsupported_header(requested: str) -> RpcError:
 def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
     """A session another host minted (found through the remote), stored here under the same id
     and counted against the same client; None when there is none. Raises ``RemoteUnavailable``
-    when the remote gave no answer and ``LockTimeout`` when the registry lock was held too long:
-    the session may well exist, so the front end answers 503 with ``Retry-After``, not 404."""
+    when the remote gave no answer, ``LockTimeout`` when the registry lock was held too long and
+    ``SessionsFull`` when this host cannot take it for its client now (every session of the
+    client here has a call in flight, or the table is full of other clients'): the session may
+    well exist (for ``SessionsFull`` it does), so the front end answers 503 with
+    ``Retry-After``, not 404."""
     rb = remote.current()
     if rb is None or sid is None or not valid_session_id(sid):
         return None
@@ -226,7 +229,7 @@ def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
         return None
     try:
         return st.sessions.create(got[0], got[1], session_id=sid)
-    except LockTimeout:
-        raise
-    except ShmCancelError:  # this host's client bound: not adopted
+    except (LockTimeout, SessionsFull):
+        raise  # not adopted *now*: a 404 would tell the client its session is gone for good
+    except ShmCancelError:
         return None

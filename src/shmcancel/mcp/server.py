@@ -108,6 +108,7 @@ from .modern import ModernWire
 from .origin import OriginPolicy
 from .reply import _STATUS, StartResponse, _error_reply, _Reply, progress
 from .reply import PROGRESS_KEY as PROGRESS_KEY
+from .sessions import SessionsFull
 from .stop import RequestStopped
 from .tools import Tool, ToolError
 from .wire import (
@@ -215,6 +216,13 @@ class McpServer(LegacyWire, ModernWire):
             reply = _error_reply(503, None, codes.SERVER_ERROR,
                                  "Service unavailable: the registry is busy; retry later",
                                  headers=[("Retry-After", _RETRY_AFTER)])
+        except SessionsFull as e:
+            # A session another host minted that this host cannot take for its client now (every
+            # session of the client here has a call in flight): it exists, so not 404. Retry.
+            log.info("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
+            reply = _error_reply(503, None, codes.SERVER_ERROR,
+                                 f"Server busy: the session cannot be taken up here now ({e})",
+                                 headers=[("Retry-After", str(e.retry_after))])
         except RemoteUnavailable as e:
             # The cross-host layer gave no answer about a session minted elsewhere: it may well
             # exist, so not 404 (a client takes that as its session gone for good). Retry.
