@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -193,20 +193,29 @@ def two_hosts(url: str, outdir: str, shm_name: str, shm_names: list[str],
         yield a, b, prefix
 
 
+def sleeping_on(a: Gunicorn, r: redis.Redis, prefix: str, outdir: str
+                ) -> tuple[Client, Background, int, Callable[[], list[bytes]]]:
+    """A 20 s ``sleep`` call (id 1) started on ``a`` and in flight in Redis: its client, the
+    call, the pid of the worker running it, and a function listing the in-flight rows under
+    ``prefix``."""
+    c = Client(a.url)
+    t = tag()
+    call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+    call.start()
+    pid = int(wait_file(f"{outdir}/{t}.started", time.monotonic() + 10))
+
+    def rows() -> list[bytes]:
+        return list(r.scan_iter(match=prefix + "*:if:*"))
+    wait_until(lambda: rows() or None, time.monotonic() + 5, what="the in-flight row")
+    return c, call, pid, rows
+
+
 def test_a_killed_host_loses_its_rows_within_two_leases(redis_server: Any, outdir: str,
                                                         shm_name: str,
                                                         shm_names: list[str]) -> None:
     r = redis.Redis.from_url(redis_server.url)
     with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
-        c = Client(a.url)
-        t = tag()
-        call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
-        call.start()
-        wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
-
-        def rows() -> list[bytes]:
-            return list(r.scan_iter(match=prefix + "*:if:*"))
-        wait_until(lambda: rows() or None, time.monotonic() + 5, what="A's in-flight row")
+        c, call, _pid, rows = sleeping_on(a, r, prefix, outdir)
         tree = a._tree()
         for pid in tree:  # the whole host at once: master and workers
             os.kill(pid, signal.SIGKILL)

@@ -17,7 +17,15 @@ from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import ACCEPT, MODERN, meta, tag, wait_file
 from helpers.redis_server import running
-from test_redis_hosts import LEASE, PING, Client, assert_retry_later, outdir, two_hosts
+from test_redis_hosts import (
+    LEASE,
+    PING,
+    Client,
+    assert_retry_later,
+    outdir,
+    sleeping_on,
+    two_hosts,
+)
 
 from shmcancel import errors
 
@@ -108,15 +116,7 @@ def test_a_killed_workers_redis_rows_expire_within_a_lease(
     """README: a worker dies -> its Redis rows and box expire within one lease."""
     r = redis.Redis.from_url(redis_server.url)
     with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
-        c = Client(a.url)
-        t = tag()
-        call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
-        call.start()
-        pid = int(wait_file(f"{outdir}/{t}.started", time.monotonic() + 10))
-
-        def rows() -> list[bytes]:
-            return list(r.scan_iter(match=prefix + "*:if:*"))
-        wait_until(lambda: rows() or None, time.monotonic() + 5, what="the in-flight row")
+        c, _call, pid, rows = sleeping_on(a, r, prefix, outdir)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: not rows() or None, killed + 2 * LEASE + 2, what="its rows to go")
