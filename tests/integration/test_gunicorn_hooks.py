@@ -537,7 +537,14 @@ def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
     instead: A split in two (its old workers on the unlinked segment, the new one on B's), its
     sessions in B's table. Each must refuse with one line naming the registry, and leave B's
     registry alone (not adopted, not unlinked by A's exit)."""
-    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as a:
+    # A's graceful timeout bounds gunicorn's own halt, not ours: gunicorn 23 raises HaltServer
+    # from reap_workers at the first worker that failed to boot, before it reaps the others.
+    # After a HUP both new workers refuse; when both are dead before the master's SIGCHLD
+    # handler runs (a busy CPU), their signals merge into one, the second stays an unreaped
+    # zombie in WORKERS, and Arbiter.stop waits the whole graceful_timeout (30 s by default,
+    # past this test's 20 s deadline) for it to leave.
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2,
+                  extra_args=["--graceful-timeout", "5"]) as a:
         out = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "unlink", shm_name,
                               "--force"], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and not segment_exists(shm_name), out
