@@ -50,6 +50,10 @@ local function evict(P, all, scopes, batch)
   for _, v in ipairs(victims) do remove(P, all, scopes, v[2], v[3]) end
   return #victims
 end
+-- Whether some owner's lease on (scope, rid) still runs at now_ms (read only: nothing dropped).
+local function running(P, scope, rid, now_ms)
+  return redis.call('ZCOUNT', skey(P, scope, 'if:' .. redis.sha1hex(rid)), now_ms, '+inf') > 0
+end
 -- Drop owners whose lease ran out; the owners left.
 local function live(ifk, now_ms)
   redis.call('ZREMRANGEBYSCORE', ifk, '-inf', '(' .. now_ms)

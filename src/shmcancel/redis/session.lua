@@ -7,10 +7,7 @@
 local function busy(sid)
   local scope = 'session:' .. sid
   for _, rid in ipairs(redis.call('SMEMBERS', skey(ARGV[1], scope, 'ifs'))) do
-    if redis.call('ZCOUNT', skey(ARGV[1], scope, 'if:' .. redis.sha1hex(rid)),
-                  ARGV[6], '+inf') > 0 then
-      return true
-    end
+    if running(ARGV[1], scope, rid, ARGV[6]) then return true end
   end
   return false
 end

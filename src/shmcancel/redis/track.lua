@@ -11,8 +11,7 @@ end
 -- never falls idle (each track extends its life). SRANDMEMBER with a count returns the whole set
 -- when it is that small.
 for _, old in ipairs(redis.call('SRANDMEMBER', KEYS[6], 3)) do
-  if old ~= ARGV[3] and redis.call('ZCOUNT', skey(ARGV[1], ARGV[2], 'if:' .. redis.sha1hex(old)),
-                                   ARGV[6], '+inf') == 0 then
+  if old ~= ARGV[3] and not running(ARGV[1], ARGV[2], old, ARGV[6]) then
     redis.call('SREM', KEYS[6], old)
   end
 end
