@@ -22,7 +22,7 @@ from ..shm.reader import Watch as _Watch
 from . import ids, owed
 from .owed import settle_owed
 from .reasons import sanitize
-from .storage import Owner, Poll
+from .storage import Owner, Poll, clear_ended
 from .tables import SCOPE_MAX
 
 if TYPE_CHECKING:
@@ -275,13 +275,8 @@ class RequestHandle:
             # left by a wrong count is a leftover the next namesake's first poll removes).
             w = self._watch
             if w.member() if w is not None else st.scope_has_rows(self.scope):
-                # A namesake still in flight (same scope and id, another request): a row
-                # recorded since this end began is the namesake's, as an owed end decides
-                # (Storage.end). Read after the untrack's barrier, like the row itself.
-                if st.in_flight(self.scope, rid):
-                    st.clear_before(self.scope, rid, ended_at)
-                else:
-                    st.clear(self.scope, rid)
+                # a namesake's in-flight row is read after the untrack's barrier, like the row
+                clear_ended(st, self.scope, rid, ended_at)
         except LockTimeout as e:
             owed.owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)

@@ -20,7 +20,7 @@ from ..shm.reader import Watch
 from ..shm.registry import Registry
 from ..shm.table import PreparedKey, Table, _unpack
 from . import eviction
-from .storage import Owner, Poll, Storage, bad_clock
+from .storage import Owner, Poll, Storage, bad_clock, clear_ended
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
@@ -482,10 +482,7 @@ class ShmBackend:
         with self._lock:
             if owner is not None:
                 self.untrack(scope, rid, owner)
-            if self.in_flight(scope, rid):
-                self.clear_before(scope, rid, ended_at)
-            else:
-                self.clear(scope, rid)
+            clear_ended(self, scope, rid, ended_at)
 
     def track(self, scope: str, rid: str, owner: Owner) -> object:
         """Returns the row's receipt for a handle's row (token non-zero): its way (an ``int``)

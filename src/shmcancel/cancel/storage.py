@@ -119,3 +119,14 @@ class Storage(Protocol):
     # --- janitor
     def claim_sweep(self, now: float, interval: float) -> bool:
         """True for one caller per ``interval`` seconds across every process of the store."""
+
+
+def clear_ended(st: Storage, scope: str, rid: str, ended_at: float) -> None:
+    """The clear of a request's end, after its untrack: the key's row goes, unless a namesake
+    (same scope and id, another request) is still in flight, whose row is then one recorded
+    since this end began (``ended_at``, the store's clock) and stays. What every end runs: a
+    handle's, an owed one's (:meth:`Storage.end`)."""
+    if st.in_flight(scope, rid):
+        st.clear_before(scope, rid, ended_at)
+    else:
+        st.clear(scope, rid)

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Container
 
 from ..cancel import owed
-from ..cancel.storage import Owner, Poll, bad_clock
+from ..cancel.storage import Owner, Poll, bad_clock, clear_ended
 from ..config import Config
 from ..exceptions import CancellationLimitReached, LockTimeout
 from ..shm import procinfo
@@ -243,10 +243,7 @@ class RedisStorage:
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
         if owner is not None and self.untrack(scope, rid, owner):
             return  # untrack.lua cleared the row when no namesake runs on
-        if not self.in_flight(scope, rid):
-            self.clear(scope, rid)
-        else:
-            self.clear_before(scope, rid, ended_at)
+        clear_ended(self, scope, rid, ended_at)
 
     def in_flight(self, scope: str, rid: str) -> bool:
         return self.store.in_flight(scope, rid, now_ms=self._now_ms())
