@@ -109,21 +109,17 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 if cancelled:
                     reason = handle.reason()
                 handle.end()
-        except RequestStopped:
+        except (RequestStopped, SystemExit) as e:
+            # The watcher's timeout stops the tool: RequestStopped in a gthread tool's thread;
+            # in a sync worker gunicorn's own quit (SIGQUIT: its handler raises SystemExit here
+            # and has set the worker not alive, so it exits once this request is answered;
+            # escaping, it would be gunicorn's HTML 500). Either way the call was cancelled:
+            # -32800 like any other (contract §5). Any other SystemExit is not ours.
+            if isinstance(e, SystemExit) and not stopping:
+                raise
             stopped = True
             if watcher is not None:
                 watcher.stop()  # the stop may have landed inside the finally's, cutting it short
-            handle.end()
-        except SystemExit:
-            if not stopping:
-                raise
-            # A sync worker stops the tool by quitting (SIGQUIT: gunicorn's handler raises
-            # SystemExit here and has set the worker not alive, so it exits once this request
-            # is answered). Escaping, it would be answered with gunicorn's HTML 500; the call
-            # was cancelled, so -32800 like any other (contract §5), for whoever still reads.
-            stopped = True
-            if watcher is not None:
-                watcher.stop()  # no-op unless the quit cut the finally's stop short
             handle.end()
         finally:
             if rb is not None:
