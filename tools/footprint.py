@@ -23,7 +23,8 @@ MIB = 1 << 20
 def footprint(config: Config) -> tuple[list[TableSpec], int]:
     """Each table's spec and the segment's total bytes (header and page alignment included)."""
     specs = registry.table_specs(config)
-    total = HEADER_SIZE + sum(_pages(s.region_size) for s in specs) + _pages(lanes.region_size())
+    total = (HEADER_SIZE + sum(_pages(s.region_size) for s in specs)
+             + _pages(lanes.region_size() * len(registry.lane_tables())))
     return specs, total
 
 
@@ -34,13 +35,15 @@ def _pages(n: int) -> int:
 def report(config: Config, title: str) -> None:
     specs, total = footprint(config)
     print(f"{title}: {total:,} bytes ({total / MIB:.2f} MiB)")
-    print(f"  {'table':16} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12}")
+    print(f"  {'table':20} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12}")
     for s in specs:
         rec = f"{s.small_size}/{s.record_size}" if s.large_count else str(s.record_size)
-        print(f"  {s.name:16} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
+        print(f"  {s.name:20} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
               f"{s.region_size:12,}")
-    print(f"  {'lanes':16} {lanes.LANES * lanes.BUCKETS * lanes.WAYS:7} {lanes.BODY + 8:>10} "
-          f"{'-':>6} {lanes.region_size():12,}  ({lanes.LANES} processes' own in-flight rows)")
+    for t in registry.lane_tables():
+        print(f"  {t + ' lanes':20} {lanes.LANES * lanes.BUCKETS * lanes.WAYS:7} "
+              f"{lanes.BODY + 8:>10} {'-':>6} {lanes.region_size():12,}  ({lanes.LANES} "
+              f"processes' own rows)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -404,14 +404,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _lanes(reg: Registry) -> list[dict[str, Any]]:
-    """The claimed lanes: each one's owner and in-flight rows (handles' rows, written without
-    the lock; docs/design.md, "Lanes")."""
-    lanes = reg.lanes
-    if lanes is None:
-        return []
-    rows = Counter((o[0], o[1]) for _, o in lanes.rows())
-    return [{"lane": i, "pid": o[0], "alive": procinfo.alive(*o), "rows": rows[o]}
-            for i, o in lanes.lane_owners()]
+    """The claimed lanes of each table that has them: owner and rows (written without the lock;
+    docs/design.md, "Lanes")."""
+    out = []
+    for table, lanes in sorted(reg.lanes.items()):
+        rows = Counter((o[0], o[1]) for _, o in lanes.rows())
+        out += [{"table": table, "lane": i, "pid": o[0], "alive": procinfo.alive(*o),
+                 "rows": rows[o]} for i, o in lanes.lane_owners()]
+    return out
 
 
 def _stats(reg: Registry) -> dict[str, Any]:
@@ -468,9 +468,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"lock: {holder}, generation {lock['generation']}, recoveries {s['recoveries']}")
     last = "never" if s["sweeps"] == 0 else _age(now, s["last_sweep"])
     print(f"evictions {s['evictions']}, sweeps {s['sweeps']} (last {last})")
-    lanes = ", ".join(f"pid {x['pid']}{'' if x['alive'] else ' (DEAD)'}: {x['rows']}"
-                      for x in s["lanes"]) or "none"
-    print(f"lanes claimed (in-flight rows written without the lock): {lanes}")
+    lanes = ", ".join(f"{x['table']} pid {x['pid']}{'' if x['alive'] else ' (DEAD)'}: "
+                      f"{x['rows']}" for x in s["lanes"]) or "none"
+    print(f"lanes claimed (rows written without the lock): {lanes}")
     print()
     print(_table(("TABLE", "KIND", "ROWS", "CAPACITY", "LOAD", "MAX_PROBE", "RECORD",
                   "LARGE"), [

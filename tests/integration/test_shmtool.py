@@ -135,11 +135,12 @@ def test_stats_json(reg):
     p = shmtool("stats", reg.name, "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
-    assert [(x["pid"], x["alive"], x["rows"]) for x in s["lanes"]] == [(os.getpid(), True, 1)]
+    assert [(x["table"], x["pid"], x["alive"], x["rows"]) for x in s["lanes"]] \
+        == [("in_flight", os.getpid(), True, 1)]
     d = json.loads(shmtool("dump", reg.name, "--json").stdout)
     assert sorted(r["request_id"] for r in d["in_flight"]) == ["1", "9"]
     text = shmtool("stats", reg.name).stdout
-    assert f"lanes claimed (in-flight rows written without the lock): pid {os.getpid()}: 1" in text
+    assert f"lanes claimed (rows written without the lock): in_flight pid {os.getpid()}: 1" in text
     h.end()
     assert s["capacity"] == 200 and s["max_rows"] == 100 and s["max_rows_per_scope"] == 50
     assert s["rows"]["cancellations"] == 7 and s["rows"]["in_flight"] == 1

@@ -69,8 +69,7 @@ def same_bucket(c: Cancellation, n: int, scope: str = SCOPE, avoid: int | None =
 
 def owner_pids(reg: Registry) -> dict[int, int]:
     """lane -> pid of every claimed lane."""
-    assert reg.lanes is not None
-    return {lane: owner[0] for lane, owner in reg.lanes.lane_owners()}
+    return {lane: owner[0] for lane, owner in reg.lanes["in_flight"].lane_owners()}
 
 
 def lane_row_pids(c: Cancellation) -> list[int]:
@@ -738,8 +737,7 @@ def test_threads_of_one_process_never_share_a_way_and_give_every_way_back(regist
 
     reg = registry(janitor_interval=3600.0)
     c = Cancellation(reg)
-    ln = reg.lanes
-    assert ln is not None
+    ln = reg.lanes["in_flight"]
     guard = threading.Lock()
     open_ways: set[int] = set()
     errors: list[str] = []
@@ -800,8 +798,6 @@ def test_a_row_gone_and_back_in_the_same_way_during_a_poll_is_seen(registry, mon
     the same way, the words equal the snapshot again: the poll must not trust it."""
     reg = registry()
     c = Cancellation(reg)
-    ln = reg.lanes
-    assert ln is not None
     h = c.begin(5, SCOPE)
     way = h._receipt
     assert kind(way) == "lane"

@@ -90,9 +90,7 @@ class ShmBackend:
         self._f = reg.table(IN_FLIGHT)
         self._n = reg.table(SCOPE_COUNTS)
         self._zeros_kept = zero_counts_kept(reg.config)
-        lanes = reg.lanes
-        assert lanes is not None
-        self._lanes = lanes  # a handle's in-flight row, when its process's lane has room
+        self._lanes = reg.lanes[IN_FLIGHT]  # a handle's row, when its process's lane has room
         self._lock = reg.lock
         # the registry's lock recoveries when this process last recounted the scopes (see
         # record): -1, none yet, so a death before it attached is covered too

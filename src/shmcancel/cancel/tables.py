@@ -86,7 +86,7 @@ TABLES = (
     TableDecl(CANCELLATIONS, "set", _MAX_ROWS, KEY_REQUEST, VAL_CANCEL, SMALL_CANCELLATION,
               LARGE_CANCELLATIONS),
     TableDecl(IN_FLIGHT, "bag", _IN_FLIGHT, KEY_REQUEST, VAL_OWNER, SMALL_IN_FLIGHT,
-              LARGE_IN_FLIGHT),
+              LARGE_IN_FLIGHT, lanes=True),
     TableDecl(SCOPE_COUNTS, "set", _counts_capacity, KEY_SCOPE_COUNT, VAL_SCOPE_COUNT),
 )
 declare(*TABLES)

@@ -133,6 +133,7 @@ class Lanes:
 
     def close(self) -> None:
         self._q.release()
+        self._buf.release()
 
     # ------------------------------------------------------------------ reads (lock-free)
     def _ways(self, b: int) -> tuple[int, int]:

@@ -61,7 +61,8 @@ from .segment import (
 )
 from .table import Table
 
-__all__ = ["Registry", "current", "record_sizes", "replaced_error", "table_specs", "unlink"]
+__all__ = ["Registry", "current", "lane_tables", "record_sizes", "replaced_error", "table_specs",
+           "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
 
@@ -75,6 +76,17 @@ def _decls(tables: Iterable[TableDecl] | None) -> tuple[TableDecl, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"a table name repeats in {names}")
     return decls
+
+
+def _lane_tables(decls: Sequence[TableDecl]) -> list[str]:
+    """The tables with lanes, in the order of their lane sets in the lanes region (by name)."""
+    return sorted(d.name for d in decls if d.lanes)
+
+
+def lane_tables(tables: Iterable[TableDecl] | None = None) -> list[str]:
+    """The tables (``tables``, default the declared ones) that have a lane set each, in the
+    order of their sets in the segment's lanes region."""
+    return _lane_tables(_decls(tables))
 
 
 def record_sizes(config: Config | None = None,
@@ -227,7 +239,8 @@ class Registry:
         self._sem_ino = seg.sem_ino
         self._closed = False
         self._tables: dict[str, Table] = {}
-        self.lanes: Lanes | None = None
+        # the lanes of each table declared with them (TableDecl.lanes), by table name
+        self.lanes: dict[str, Lanes] = {}
         try:
             try:
                 self._config = Config.unpack(seg.config)
@@ -246,10 +259,17 @@ class Registry:
                     capacity=desc.capacity, record_size=desc.record_size,
                     hash_key=seg.hash_key, lock=self.lock,
                     small_size=sp.small_size, large_count=sp.large_count)
+            names = _lane_tables(decls)
             region = seg.lanes_region
-            if region is None:
-                raise RegistryIncompatible(f"registry {self._name}: the segment has no lanes")
-            self.lanes = Lanes(*region, self.lock)
+            size = lanes_size()
+            if (0 if region is None else len(region[2])) != size * len(names):
+                raise RegistryIncompatible(
+                    f"registry {self._name}: the segment's lanes region is not one lane set "
+                    f"for each of {', '.join(names) or 'no tables'}")
+            for i, t in enumerate(names):
+                mm, off, view = region  # type: ignore[misc]
+                self.lanes[t] = Lanes(mm, off + i * size, view[i * size:(i + 1) * size],
+                                      self.lock)
         except BaseException:
             self._close_parts()
             raise
@@ -295,11 +315,14 @@ class Registry:
                 region = seg.region(i)
                 Table.format(region, s.capacity, s.record_size, s.small_size, s.large_count)
             lanes = seg.lanes_region
-            assert lanes is not None
-            lanes_format(lanes[2])
+            size = lanes_size()
+            for i in range(len(_lane_tables(decls))):
+                assert lanes is not None
+                with lanes[2][i * size:(i + 1) * size] as v:
+                    lanes_format(v)
 
         seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout,
-                             lanes_size=lanes_size())
+                             lanes_size=lanes_size() * len(_lane_tables(decls)))
         try:
             return cls(seg, decls)
         except BaseException:
@@ -358,8 +381,8 @@ class Registry:
     def _close_parts(self) -> None:
         for t in self._tables.values():
             t.close()
-        if self.lanes is not None:
-            self.lanes.close()
+        for lanes in self.lanes.values():
+            lanes.close()
         lock = getattr(self, "lock", None)
         if lock is not None:
             lock.close()
@@ -371,9 +394,9 @@ class Registry:
             return
         self._closed = True
         _forget(self)
-        if self.lanes is not None:
+        for lanes in self.lanes.values():
             # Briefly: a lane left claimed is freed by whoever needs it once this process exits.
-            self._briefly(self.lanes.release, "releasing this process's lane")
+            self._briefly(lanes.release, "releasing this process's lane")
         self._close_parts()
 
     def unlink(self) -> None:

@@ -68,7 +68,9 @@ class TableDecl:
     packed key and value a row holds, in bytes (a larger row is ``RowTooLarge``). Each size is
     an int or a function of the registry's Config. ``small_size`` (bytes per record, header
     included; 0: one class) and ``large_count`` (rows larger than a small record the table
-    holds, at most ``capacity``): records in two size classes (``shm/layout.py``)."""
+    holds, at most ``capacity``): records in two size classes (``shm/layout.py``).
+    ``lanes`` (bags only): the table also has per-process lanes, rows a process writes without
+    the lock (``shm/lanes.py``; ``Registry.lanes[name]``), which its layer reads beside it."""
 
     name: str
     kind: str
@@ -77,6 +79,7 @@ class TableDecl:
     max_value: Size
     small_size: int = 0
     large_count: int = 0
+    lanes: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
@@ -87,6 +90,8 @@ class TableDecl:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"table {self.name}: {f} must be an int >= 0, got {v!r}")
+        if self.lanes is not False and (self.lanes is not True or self.kind != "bag"):
+            raise ValueError(f"table {self.name}: lanes must be a bool, True for a bag only")
 
     def size(self, field: str, config: Config) -> int:
         """``capacity``, ``max_key`` or ``max_value`` resolved for ``config`` (a positive int,

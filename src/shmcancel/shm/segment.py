@@ -28,7 +28,8 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     2048    u64     config length m (at most CONFIG_MAX)
     2056    m       config: opaque bytes of the layer above (the registry's Config.pack())
     4096            table regions, each at a 4096-aligned offset, in descriptor order, then
-                    the lanes region (4096-aligned)
+                    the lanes region (4096-aligned): one lane set per table declared with lanes,
+                    in the order of their names
 
 Unlisted bytes are zero. Which tables a segment holds is declared above this layer
 (``shm/schema.py``); the header records each one's name, so an attacher matches them by name.
@@ -88,12 +89,13 @@ __all__ = [
 ]
 
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 6  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 7  # 2: sessions_per_client in the config; session_clients, session_calls
 # 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
 #    two record size classes (their geometry in each table's own region header)
 # 4: the lanes region (per-process rows written without the lock)
 # 5: a record's reserved u32 is its row's word, stored in place (scope counts live there)
 # 6: a scope count may stay at 0 in its row; scope_counts holds a quarter more rows for them
+# 7: a lane set per table declared with lanes (in_flight's only, so far)
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
