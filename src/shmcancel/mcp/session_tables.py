@@ -8,8 +8,9 @@ Keys and values as msgpack packs them:
 - ``session_clients`` (set, ``config.session_capacity``): 16-byte client digest -> the ids of
   that client's sessions (at most ``config.sessions_per_client`` minted ids: the record grows
   with it);
-- ``session_calls`` (bag, ``config.in_flight_capacity``): ``session_id`` -> ``(pid, start,
-  thread_ident, token)`` of each ``tools/call`` running in that session.
+- ``session_calls`` (bag, ``config.in_flight_capacity``, with lanes): ``session_id`` -> ``(pid,
+  start, thread_ident, token)`` of each ``tools/call`` running in that session; in the writing
+  process's lane when it has room (no lock), else in the table.
 
 ``sessions`` and ``session_clients`` keep small records for the common row and a bounded number
 of worst-case ones; past those a new session is refused (``SessionsFull``, HTTP 503).
@@ -60,6 +61,7 @@ TABLES = (
               LARGE_SESSIONS),
     TableDecl(SESSION_CLIENTS, "set", _SESSIONS, KEY_CLIENT, val_session_clients,
               SMALL_CLIENT, LARGE_CLIENTS),
-    TableDecl(SESSION_CALLS, "bag", attrgetter("in_flight_capacity"), KEY_SESSION, VAL_CALL),
+    TableDecl(SESSION_CALLS, "bag", attrgetter("in_flight_capacity"), KEY_SESSION, VAL_CALL,
+              lanes=True),
 )
 declare(*TABLES)

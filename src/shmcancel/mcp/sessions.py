@@ -9,7 +9,8 @@ Tables (declared in :mod:`shmcancel.mcp.session_tables`):
 - ``session_clients``: ``client -> (session_id, ...)``, the client's sessions in minting order,
   at most ``config.sessions_per_client``;
 - ``session_calls`` (bag): ``session_id -> (pid, start, thread_ident, token)``, one row per
-  ``tools/call`` running in the session (:meth:`SessionStore.begin_call` / ``end_call``).
+  ``tools/call`` running in the session (:meth:`SessionStore.begin_call` / ``end_call``), in the
+  process's lane when it has room (written without the lock), else in the table.
 
 Policy (contract §6.1):
 
@@ -31,8 +32,11 @@ Policy (contract §6.1):
   :data:`SWEEP_EVERY` seconds per process.
 - ``last_seen`` is refreshed at most once per :data:`TOUCH_INTERVAL` (or ``ttl / 10`` when
   shorter), also at the start and end of a call: a busy session costs a shared write per
-  interval, plus two per ``tools/call`` (its ``session_calls`` row). A session therefore expires
-  between ``ttl - interval`` and ``ttl`` idle seconds after it was last seen.
+  interval. A ``tools/call``'s row takes no lock while its process's lane has room. A session
+  therefore expires between ``ttl - interval`` and ``ttl`` idle seconds after it was last seen.
+- A session is given up (a mint's victim) or expired only under the lock inside the call lanes'
+  seal, after a check that no call of a live process runs in it; a call publishes its row, then
+  checks the seal and the session (``shm/lanes.py``): it never runs in a session so removed.
 
 Crash safety: every step writes the row that only makes things stricter first. A mint deletes
 its victim, then rewrites the client row (listing the new id), then inserts the session; a delete
@@ -57,6 +61,7 @@ from typing import Any
 from ..exceptions import LockTimeout, ShmCancelError, TableFull
 from ..shm import procinfo
 from ..shm.base import PreparedKey
+from ..shm.lanes import fence
 from ..shm.reader import Watch
 from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
 from .wire import valid_session_id
@@ -105,6 +110,7 @@ class Call:
     owner: tuple[int, int, int, int] | None  # None: not recorded (session_calls was full)
     seen: float = -math.inf  # the session's last_seen at the call's begin, as it left it
     receipt: tuple[int, int] | None = None  # its row's (Table.add), to remove it without a read
+    way: int = -1  # its row's way in this process's lane (Lanes.add), -1: none
 
 
 _Row = tuple[float, float, str, bytes]
@@ -149,6 +155,7 @@ class SessionStore:
         self._table = reg.table(SESSIONS)
         self._clients = reg.table(SESSION_CLIENTS)
         self._calls = reg.table(SESSION_CALLS)
+        self._lanes = reg.lanes[SESSION_CALLS]
         self._hash_key = bytes(reg.hash_key)
         self._clock = clock
         self._alive = alive
@@ -190,7 +197,7 @@ class SessionStore:
         for attempt in range(_PLAN_TRIES + 1):
             last = attempt == _PLAN_TRIES
             plan = None if last else self._plan(digest, now)
-            with self._lock:
+            with self._lock, self._lanes.seal():  # a victim is given up only while idle
                 if plan is None:
                     plan = self._plan(digest, now)  # under the lock: exact
                 elif not self._current(plan, digest):
@@ -289,44 +296,75 @@ class SessionStore:
 
     def _busy(self, session_id: str) -> bool:
         """True while a call of a live process runs in the session (lock-free; a miss costs
-        one probe, a hit a /proc read per owner)."""
-        if not self._calls.member(session_id):
-            return False
-        return any(o is not None and self._alive(o[0], o[1])
-                   for o in map(_owner, self._calls.lookup(session_id)))
+        one probe of the table and of the lanes, a hit a /proc read per owner). Under the lock
+        inside the lanes' seal: exact."""
+        ck = self._calls.prepare(session_id)
+        owners: list[Any] = self._lanes.owners(ck)
+        if self._calls.member(ck):
+            owners += map(_owner, self._calls.lookup(ck))
+        return any(o is not None and self._alive(o[0], o[1]) for o in owners)
 
     def begin_call(self, session: Session) -> Call | None:
-        """Record a ``tools/call`` running in ``session`` (so it is never evicted meanwhile) and
-        touch it, in one step under the lock. ``None`` when the session is gone (evicted or
-        deleted since it was read): the caller answers 404. A full ``session_calls`` table
-        (dead owners removed first) leaves the call unrecorded, logged once."""
+        """Record a ``tools/call`` running in ``session`` (so it is never given up or expired
+        meanwhile) and touch it. ``None`` when the session is gone (evicted, expired or deleted
+        since it was read): the caller answers 404. In the common case (a lane with room, no
+        touch due) no lock is taken. A full ``session_calls`` table (dead owners removed first)
+        leaves the call unrecorded, logged once."""
         self._settle()
         me = procinfo.me()
-        owner: tuple[int, int, int, int] | None = (me[0], me[1], threading.get_ident(),
-                                                    next(_tokens))
+        owner = (me[0], me[1], threading.get_ident(), next(_tokens))
+        _, ck, watch = self._keys_of(session.id)
+        lanes = self._lanes
+        way = lanes.add(ck, owner[2], owner[3])
+        if way is None:
+            return self._begin_locked(session, owner, -1)
+        try:
+            fence()  # the row is visible before the seal and the session are read (lanes.py)
+            if not lanes.sealed():
+                r = _row(self._session_row(watch))
+                if r is None:  # removed before the seal was read: really gone
+                    lanes.remove(way, owner[3])
+                    return None
+                if self._clock() - r[1] < self._touch_every:
+                    return Call(session.id, owner, r[1], None, way)
+            return self._begin_locked(session, owner, way)
+        except BaseException:
+            lanes.remove(way, owner[3])
+            raise
+
+    def _begin_locked(self, session: Session, owner: tuple[int, int, int, int],
+                      way: int) -> Call | None:
+        """:meth:`begin_call` under the lock: the call's row in the table (``way`` -1) or
+        already in the lane, the session read again, touched when due."""
         now = self._clock()
-        receipt = None
         pk, ck, watch = self._keys_of(session.id)
+        rec: tuple[int, int, int, int] | None = owner
+        receipt = None
         with self._lock:
+            if self._lanes.sealed():
+                self._lanes.unseal()  # its sealer died inside: this process holds the lock
             r = _row(self._session_row(watch))
             if r is None:
+                if way >= 0:
+                    self._lanes.remove(way, owner[3])
                 return None
-            try:  # the token makes the row unlike any other: add() reads no rows first
-                receipt = self._calls.add(ck, owner)
-            except TableFull:
-                if self._reap_calls():
+            if way < 0:
+                try:  # the token makes the row unlike any other: add() reads no rows first
                     receipt = self._calls.add(ck, owner)
-                else:
-                    owner = None
-                    if not self._full_logged:
-                        self._full_logged = True
-                        log.warning("session_calls table is full: calls run unrecorded "
-                                    "(their sessions may be displaced by their client)")
+                except TableFull:
+                    if self._reap_calls():
+                        receipt = self._calls.add(ck, owner)
+                    else:
+                        rec = None
+                        if not self._full_logged:
+                            self._full_logged = True
+                            log.warning("session_calls table is full: calls run unrecorded "
+                                        "(their sessions may be displaced by their client)")
             seen = r[1]
             if now - seen >= self._touch_every:
                 self._table.insert(pk, (r[0], now, r[2], r[3]))
                 seen = now
-        return Call(session.id, owner, seen, receipt)
+        return Call(session.id, rec, seen, receipt, way)
 
     def end_call(self, call: Call) -> None:
         """The call ended: drop its row and touch the session. Never raises: when the lock
@@ -351,9 +389,14 @@ class SessionStore:
         # ``call.seen`` is a lower bound of last_seen (only ever raised), so a call shorter than
         # the interval does not even read the session row.
         now = self._clock()
+        if call.way >= 0:
+            self._lanes.remove(call.way, call.owner[3])  # type: ignore[index]  # (again: no-op)
+            if now - call.seen < self._touch_every:
+                return
         pk, ck, watch = self._keys_of(call.session_id)
         with self._lock:
-            self._calls.remove(ck, call.receipt, call.owner)
+            if call.way < 0:
+                self._calls.remove(ck, call.receipt, call.owner)
             if now - call.seen < self._touch_every:
                 return
             r = _row(self._session_row(watch))
@@ -445,8 +488,11 @@ class SessionStore:
             self._clients.delete(digest)
 
     def _expire(self, session_id: Any, value: Any, r: _Row | None) -> int:
-        """Remove the row ``(session_id, value)`` if unchanged (a touch meanwhile keeps it)."""
-        with self._lock:
+        """Remove the row ``(session_id, value)`` if unchanged (a touch meanwhile keeps it) and
+        no call runs in it."""
+        with self._lock, self._lanes.seal():
+            if r is not None and self._busy(session_id):
+                return 0
             if not self._table.delete_object(session_id, value):
                 return 0
             if r is not None:

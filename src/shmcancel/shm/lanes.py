@@ -14,6 +14,7 @@ Binary layout of the region (little-endian u64s unless noted; sizes in bytes)::
     offset  size             content
     0       32               LANES, BUCKETS, WAYS, BODY (the geometry; checked on attach)
     32      8                high water: lanes [0, hw) were ever claimed (readers scan those)
+    40      8                seal: nonzero while a writer under the lock decides from the lanes
     64      8 x LANES        owners: procinfo.pack_owner of the lane's process, 0 = free
     H       8 x B x LANES x W  hashes [bucket][lane][way]: the row's keyed hash, 0 = empty way
     D       BODY x same      bodies, same order: u64 thread, u64 token, u16 klen, key bytes
@@ -27,6 +28,14 @@ scan, are unchanged: a key is present exactly while one of them holds its hash (
 that held it is not cached: the row the scan missed could come back in the same way).
 
 A lane is claimed, and a dead owner's lane cleared and freed, under the registry lock.
+
+A writer that removes shared state only while no row of some key is in a lane (a session given
+up only while no call runs in it) does so under the lock inside :meth:`Lanes.seal`: seal word
+set, full barrier, lanes read, state removed, seal cleared. A row's writer publishes it, then
+:func:`fence`, then reads the seal, then the state. Seal clear: either the sealer's lane read
+comes after the publication (it sees the row and keeps the state) or its removal is already
+visible (stores in order). Seal set: the writer takes the lock and reads the state again. A
+sealer that died inside leaves the seal set: the next holder of the lock clears it.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..exceptions import RegistryIncompatible
@@ -62,6 +72,7 @@ _BUCKET_WORDS = LANES * WAYS  # hash words of one bucket, all lanes
 _HQ = _H >> 3  # the hash words' first index in the region's u64s
 _OQ = _OWNERS >> 3
 _HWQ = _HW >> 3
+_SQ = 40 >> 3  # the seal word
 _CLAIM_RETRY = 1.0  # seconds between claims after none was free
 _fences = [threading.Lock() for _ in range(4)]
 
@@ -198,6 +209,26 @@ class Lanes:
         q = self._q
         return [(i, o) for i in range(min(q[_HWQ], LANES))
                 if (o := procinfo.unpack_owner(q[_OQ + i])) is not None]
+
+    def sealed(self) -> bool:
+        """True while a writer under the registry lock decides from the lanes (see the module
+        docstring): a row's writer then takes the lock before trusting what it read."""
+        return self._q[_SQ] != 0
+
+    @contextmanager
+    def seal(self) -> Iterator[None]:
+        """Under the registry lock: decide from the lanes, and write the decision, sealed."""
+        q = self._q
+        q[_SQ] = 1
+        fence()  # the seal is visible before any lane is read
+        try:
+            yield
+        finally:
+            q[_SQ] = 0
+
+    def unseal(self) -> None:
+        """Under the registry lock: clear a seal its writer left (it died inside :meth:`seal`)."""
+        self._q[_SQ] = 0
 
     # ------------------------------------------------------------------ this process's lane
     def add(self, pk: PreparedKey, tid: int, token: int) -> int | None:
