@@ -128,6 +128,15 @@ _READ_CHUNK = 65536
 _RETRY_AFTER = "1"  # seconds, the Retry-After of a 503 for a registry lock held past its timeout
 
 
+def _retry_later(environ: dict[str, Any], e: Exception, message: str, retry_after: object,
+                 level: int = logging.INFO) -> _Reply:
+    """503 with ``Retry-After``: the request was not served (nothing half-done), a retry is
+    safe. ``e`` is logged at ``level`` with the request's method and path."""
+    log.log(level, "%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
+    return _error_reply(503, None, codes.SERVER_ERROR, message,
+                        headers=[("Retry-After", str(retry_after))])
+
+
 class McpServer(LegacyWire, ModernWire):
     """A WSGI application serving MCP tools at ``path`` (default ``/mcp``).
 
@@ -212,25 +221,18 @@ class McpServer(LegacyWire, ModernWire):
         except LockTimeout as e:
             # A live process holds the registry lock (stopped, stalled): not this request's
             # fault and not a server bug; nothing was half-written. Ask the client to retry.
-            log.warning("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
-            reply = _error_reply(503, None, codes.SERVER_ERROR,
-                                 "Service unavailable: the registry is busy; retry later",
-                                 headers=[("Retry-After", _RETRY_AFTER)])
+            reply = _retry_later(environ, e, "Service unavailable: the registry is busy; retry "
+                                 "later", _RETRY_AFTER, logging.WARNING)
         except SessionsFull as e:
             # A session another host minted that this host cannot take for its client now (every
             # session of the client here has a call in flight): it exists, so not 404. Retry.
-            log.info("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
-            reply = _error_reply(503, None, codes.SERVER_ERROR,
-                                 f"Server busy: the session cannot be taken up here now ({e})",
-                                 headers=[("Retry-After", str(e.retry_after))])
+            reply = _retry_later(environ, e, "Server busy: the session cannot be taken up here "
+                                 f"now ({e})", e.retry_after)
         except RemoteUnavailable as e:
             # The cross-host layer gave no answer about a session minted elsewhere: it may well
             # exist, so not 404 (a client takes that as its session gone for good). Retry.
-            log.info("%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
-            reply = _error_reply(503, None, codes.SERVER_ERROR,
-                                 "Service unavailable: the session store of other hosts did "
-                                 "not answer; retry later",
-                                 headers=[("Retry-After", str(e.retry_after))])
+            reply = _retry_later(environ, e, "Service unavailable: the session store of other "
+                                 "hosts did not answer; retry later", e.retry_after)
         except Exception:
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
