@@ -325,10 +325,15 @@ def _readopt(reg: Any) -> bool:
 
 def _reap(reg: Any, pid: int | None) -> int:
     """Remove the in-flight rows of ``pid`` (every dead owner's when ``None``) if its process is
-    gone (a live reuse of the pid keeps its rows)."""
+    gone (a live reuse of the pid keeps its rows), and free its lanes of every table (a 2025-wire
+    call's session row too: else its lane stays claimed until another process needs one).
+    Returns the in-flight rows removed."""
     if _state.cancellation is None or _state.cancellation.registry is not reg:
         _state.cancellation = Cancellation(reg)
-    return _state.cancellation.reap(pid)
+    removed = _state.cancellation.reap(pid)
+    for lanes in reg.lanes.values():
+        lanes.reap(pid)
+    return removed
 
 
 def on_exit(server: Any) -> None:

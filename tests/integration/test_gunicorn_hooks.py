@@ -151,7 +151,13 @@ def test_master_creates_workers_attach(sync_server):
     assert set(seen.values()) == {reg.name}, "every worker is attached to the master's registry"
 
 
+def lane_pids(reg: Registry) -> set[int]:
+    """Pids owning a lane of any table (in_flight, session_calls)."""
+    return {o[0] for lanes in reg.lanes.values() for _, o in lanes.lane_owners()}
+
+
 def test_killed_worker_leaves_no_in_flight_row(sync_server):
+    """Nor a lane: its session-call row (the 2025 wire) is freed with its in-flight row."""
     g, reg = sync_server
     s = Session(g.url)
     with background(s.call, "sleep", {"seconds": 30}, 7, 30):
@@ -159,10 +165,13 @@ def test_killed_worker_leaves_no_in_flight_row(sync_server):
                           time.monotonic() + 5, what="the sleep call to be in flight")
         victim = rows[0][2]
         assert victim in g.worker_pids()
+        assert {"in_flight", "session_calls"} <= {
+            t for t, lanes in reg.lanes.items() for _, o in lanes.lane_owners() if o[0] == victim}
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()
-        wait_until(lambda: not any(r[2] == victim for r in in_flight(reg)),
-                   time.monotonic() + 5, what="the dead worker's row to go")
+        wait_until(lambda: not any(r[2] == victim for r in in_flight(reg))
+                   and victim not in lane_pids(reg),
+                   time.monotonic() + 5, what="the dead worker's rows and lanes to go")
         took = time.monotonic() - t0
     # The janitor sweeps once a minute: only the master's child_exit can have been this quick.
     assert took < 2.0, took
