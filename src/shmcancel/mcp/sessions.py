@@ -367,17 +367,21 @@ class SessionStore:
         return Call(session.id, rec, seen, receipt, way)
 
     def end_call(self, call: Call) -> None:
-        """The call ended: drop its row and touch the session. Never raises: when the lock
-        cannot be had in time, the row is removed later by this process (the next call of any
-        method here)."""
+        """The call ended: touch the session, then drop its row. Never raises: when the lock
+        cannot be had in time, the end is owed and run later by this process (the next call of
+        any method here), the row kept until then (its session still counts as in use); past
+        ``_OWED_MAX`` owed ends a lane row goes at once, untouched."""
         if call.owner is None:
             return
         try:
             self._end(call)
         except LockTimeout:
             with self._owed_lock:
-                if len(self._owed) < _OWED_MAX:
+                owed = len(self._owed) < _OWED_MAX
+                if owed:
                     self._owed.append(call)
+            if not owed and call.way >= 0:  # no room to owe it: the row goes, untouched
+                self._lanes.remove(call.way, call.owner[3])
             log.warning("session call end deferred: registry lock timeout")
         except ShmCancelError:
             log.warning("session call end failed", exc_info=True)
@@ -388,20 +392,30 @@ class SessionStore:
         # one interval early, never late); a longer call refreshes it.
         # ``call.seen`` is a lower bound of last_seen (only ever raised), so a call shorter than
         # the interval does not even read the session row.
+        # Invariant: the row goes only once the touch is done (in the same lock hold). A call
+        # can outlast the ttl, leaving last_seen stale: from its row's removal until the touch,
+        # a sweep or a get would find the session idle and long unseen and expire it, right
+        # after a call in it succeeded. So a lane row due a touch is removed under the lock,
+        # after the touch; a lock timeout leaves it in the lane (the end is owed, and the
+        # session counts as in use until it runs), as a table row stays in the table.
         now = self._clock()
-        if call.way >= 0:
+        lane = call.way >= 0
+        if lane and now - call.seen < self._touch_every:  # last_seen is fresh: no touch due
             self._lanes.remove(call.way, call.owner[3])  # type: ignore[index]  # (again: no-op)
-            if now - call.seen < self._touch_every:
-                return
+            return
         pk, ck, watch = self._keys_of(call.session_id)
         with self._lock:
-            if call.way < 0:
-                self._calls.remove(ck, call.receipt, call.owner)
-            if now - call.seen < self._touch_every:
-                return
-            r = _row(self._session_row(watch))
-            if r is not None and now - r[1] >= self._touch_every:
-                self._table.insert(pk, (r[0], now, r[2], r[3]))
+            try:
+                if not lane:
+                    self._calls.remove(ck, call.receipt, call.owner)
+                if now - call.seen < self._touch_every:
+                    return
+                r = _row(self._session_row(watch))
+                if r is not None and now - r[1] >= self._touch_every:
+                    self._table.insert(pk, (r[0], now, r[2], r[3]))
+            finally:
+                if lane:  # after the touch, even a failed one: never a row left behind
+                    self._lanes.remove(call.way, call.owner[3])  # type: ignore[index]
 
     def _settle(self) -> None:
         """Retry the call ends a lock timeout deferred (bounded; stops at the next timeout;
