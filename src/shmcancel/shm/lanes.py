@@ -15,6 +15,8 @@ Binary layout of the region (little-endian u64s unless noted; sizes in bytes)::
     0       32               LANES, BUCKETS, WAYS, BODY (the geometry; checked on attach)
     32      8                high water: lanes [0, hw) were ever claimed (readers scan those)
     40      8                seal: nonzero while a writer under the lock decides from the lanes
+    48      8                table: 1 + the index of the segment's table descriptor whose lane
+                             set this is (written once at creation; 0: none, refused on attach)
     64      8 x LANES        owners: procinfo.pack_owner of the lane's process, 0 = free
     H       8 x B x LANES x W  hashes [bucket][lane][way]: the row's keyed hash, 0 = empty way
     D       BODY x same      bodies, same order: u64 thread, u64 token, u16 klen, key bytes
@@ -64,6 +66,7 @@ KEY_MAX = BODY - _BODY_HEAD.size  # 94 packed bytes: a [40-char scope, 36-char i
 _BODY = struct.Struct(f"<QQH{KEY_MAX}s")  # the whole body in one store call (zero-padded)
 _GEOMETRY = struct.Struct("<QQQQ")
 _HW = 32
+_TABLE = 48
 _OWNERS = 64
 _H = _OWNERS + 8 * LANES
 _D = _H + 8 * BUCKETS * LANES * WAYS
@@ -95,9 +98,17 @@ def region_size() -> int:
     return _END
 
 
-def format_region(buf: memoryview) -> None:
-    """Write the geometry of an all-zero region (no lane claimed)."""
+def format_region(buf: memoryview, table: int) -> None:
+    """Write the geometry of an all-zero region (no lane claimed), the lane set of the table
+    whose descriptor is ``table`` (its index in the segment header)."""
     _GEOMETRY.pack_into(buf, 0, LANES, BUCKETS, WAYS, BODY)
+    struct.pack_into("<Q", buf, _TABLE, table + 1)
+
+
+def region_table(buf: memoryview) -> int:
+    """The index of the table descriptor whose lane set the region ``buf`` is; -1 when it
+    names none (a region formatted before lane sets were bound to their tables)."""
+    return int(struct.unpack_from("<Q", buf, _TABLE)[0]) - 1
 
 
 def _bucket(h: int) -> int:

@@ -32,6 +32,7 @@ from . import procinfo
 from .lanes import Lanes
 from .lanes import format_region as lanes_format
 from .lanes import region_size as lanes_size
+from .lanes import region_table as lanes_table
 from .lock import RegistryLock
 from .names import (
     check_entry,
@@ -266,8 +267,18 @@ class Registry:
                 raise RegistryIncompatible(
                     f"registry {self._name}: the segment's lanes region is not one lane set "
                     f"for each of {', '.join(names) or 'no tables'}")
+            # Each set names the descriptor of its table: declarations giving the lanes to
+            # other tables (as many of them) must not read one table's rows as another's.
+            index = {d.name: i for i, d in enumerate(seg.tables)}
             for i, t in enumerate(names):
                 mm, off, view = region  # type: ignore[misc]
+                with view[i * size:(i + 1) * size] as v:
+                    bound = lanes_table(v)
+                if bound != index[t]:
+                    owner = seg.tables[bound].name if 0 <= bound < len(seg.tables) else "none"
+                    raise RegistryIncompatible(
+                        f"registry {self._name}: lane set {i} is table {owner}'s, expected "
+                        f"{t}'s (created by another version of the code?)")
                 self.lanes[t] = Lanes(mm, off + i * size, view[i * size:(i + 1) * size],
                                       self.lock)
         except BaseException:
@@ -316,10 +327,11 @@ class Registry:
                 Table.format(region, s.capacity, s.record_size, s.small_size, s.large_count)
             lanes = seg.lanes_region
             size = lanes_size()
-            for i in range(len(_lane_tables(decls))):
+            index = {s.name: i for i, s in enumerate(specs)}  # descriptors are in spec order
+            for i, t in enumerate(_lane_tables(decls)):
                 assert lanes is not None
                 with lanes[2][i * size:(i + 1) * size] as v:
-                    lanes_format(v)
+                    lanes_format(v, index[t])
 
         seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout,
                              lanes_size=lanes_size() * len(_lane_tables(decls)))

@@ -95,7 +95,8 @@ LAYOUT_VERSION = 7  # 2: sessions_per_client in the config; session_clients, ses
 # 4: the lanes region (per-process rows written without the lock)
 # 5: a record's reserved u32 is its row's word, stored in place (scope counts live there)
 # 6: a scope count may stay at 0 in its row; scope_counts holds a quarter more rows for them
-# 7: a lane set per table declared with lanes (session_calls too), each with a seal word
+# 7: a lane set per table declared with lanes (session_calls too), each with a seal word and
+#    the index of its table's descriptor
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
