@@ -168,6 +168,35 @@ def test_a_session_used_only_by_short_calls_still_expires(store: SessionStore,
     assert store.get(sid) is None
 
 
+def test_a_lookup_racing_a_long_calls_end_finds_the_session(store: SessionStore,
+                                                            reg: Registry,
+                                                            clock: Clock) -> None:
+    """A call longer than the ttl ends (its session touched, its row gone) just after another
+    worker's lookup read the session row, still older than the ttl: the lookup then finds no
+    call, and its expiry is refused under the lock (the row changed). The session is there,
+    fresh: the lookup must return it, not ``None`` (a 404, which tells the client its session
+    is gone for good)."""
+    sid = mint(store, clock, "ip:192.0.2.12")[0]
+    c = store.begin_call(store.get(sid))  # type: ignore[arg-type]
+    assert c is not None
+    clock.t += 3 * TTL
+    armed: list[bool] = []
+
+    def other_clock() -> float:
+        if armed:  # the lookup has read the row: the call ends now, in its own worker
+            armed.clear()
+            store.end_call(c)
+        return clock.t
+
+    other = SessionStore(reg, clock=other_clock)
+    assert other.get(sid) is not None  # the call runs (this lookup also ran its sweep piece)
+    armed.append(True)
+    found = other.get(sid)
+    assert not armed  # the call ended inside that lookup
+    assert store.get(sid) is not None  # kept: touched by its call's end
+    assert found is not None
+
+
 def test_a_dead_callers_row_does_not_pin_its_session(store: SessionStore, reg: Registry,
                                                      clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 4)

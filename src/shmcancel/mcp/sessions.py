@@ -462,8 +462,13 @@ class SessionStore:
         if r is None:
             return None
         if self._clock() - r[1] > self.ttl and not self._busy(session_id):  # type: ignore[arg-type]
-            self._expire(session_id, v, r)
-            return None
+            if self._expire(session_id, v, r):
+                return None
+            # Refused under the lock: a call runs in it now, or it was touched (a call's end)
+            # or replaced meanwhile. What is there now is the answer.
+            r = _row(self._session_row(self._keys_of(session_id)[2]))  # type: ignore[arg-type]
+            if r is None:
+                return None
         return Session(session_id, r[0], r[1], r[2], r[3])  # type: ignore[arg-type]
 
     def touch(self, session: Session) -> None:
