@@ -15,6 +15,7 @@ from ..exceptions import (
     LockTimeout,
     ShmCancelError,
 )
+from ..shm.lanes import fence
 from . import codes, principal, remote, wake
 from .base import _ProcessState
 from .call import CallLifecycle
@@ -122,6 +123,10 @@ class LegacyWire(CallLifecycle):
         sid = environ.get(SESSION_KEY)
         if not self.sessions or not isinstance(sid, str):
             return False
+        # The call's in-flight row (a lane store, no lock) must be visible before the session
+        # is read: a DELETE removes the session, then (past its lock's barrier) reads the rows
+        # in flight. With a barrier on both sides one of them sees the other.
+        fence()
         try:
             gone = self._process_state().sessions.get(sid) is None
         except ShmCancelError:  # the store could not tell (a lock timeout): run the call
