@@ -15,41 +15,27 @@ from collections.abc import Iterator
 
 import pytest
 from helpers.procs import child, reap, recv
+from helpers.session_calls import lane_row, small_registry
 
 from shmcancel import Config
 from shmcancel.mcp.sessions import SessionStore
+from shmcancel.shm.lanes import Lanes
 from shmcancel.shm.registry import Registry
 
 CLIENT = "ip:192.0.2.41"
 T0 = 1000.0
 
 
-def make(shm_name: str, lock_timeout: float) -> Registry:
-    return Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                            session_capacity=64, sessions_per_client=2,
-                                            lock_timeout=lock_timeout))
-
-
 @pytest.fixture
 def reg(shm_name: str) -> Iterator[Registry]:
-    r = make(shm_name, 10.0)
-    try:
+    with small_registry(shm_name) as r:
         yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture
 def reg_short(shm_name: str) -> Iterator[Registry]:
-    r = make(shm_name, 0.3)
-    try:
+    with small_registry(shm_name, lock_timeout=0.3) as r:
         yield r
-    finally:
-        r.close()
-
-
-def lane_row(reg: Registry, sid: str) -> bool:
-    return reg.lanes["session_calls"].member(reg.table("session_calls").prepare(sid))
 
 
 def long_call(reg: Registry) -> tuple[SessionStore, str, object, float]:
@@ -65,24 +51,37 @@ def long_call(reg: Registry) -> tuple[SessionStore, str, object, float]:
     return store, s.id, c, now[0]
 
 
-def test_a_long_calls_end_touches_its_session_before_its_row_goes(reg: Registry,
-                                                                  shm_name: str) -> None:
-    """Another worker holds the lock while the call ends; it looks at the session (``get``,
-    which expires an idle, long-unseen one) once the ending thread waits for the lock."""
-    store, sid, call, later = long_call(reg)
+def other_worker(shm_name: str, sid: str, later: float, *, look_holding_the_lock: bool
+                 ) -> tuple[int, int, int]:
+    """Another worker, at the store's clock ``later``: takes the registry lock, writes
+    ``held``, waits for ``go`` on the pipe, then looks at the session (``get``, which expires an
+    idle, long-unseen one) holding the lock or just after releasing it, and writes ``kept`` or
+    ``expired``. ``(pid, its messages' read end, the go pipe's write end)``."""
     go_r, go_w = os.pipe()
 
-    def other_worker(w: int) -> None:
+    def run(w: int) -> None:
         os.close(go_w)
         r = Registry.attach(shm_name)
         st = SessionStore(r, clock=lambda: later)
         with r.lock:
             os.write(w, b"held")
             recv(go_r, 30)
+            if look_holding_the_lock:
+                os.write(w, b"kept" if st.get(sid) is not None else b"expired")
+        if not look_holding_the_lock:
             os.write(w, b"kept" if st.get(sid) is not None else b"expired")
 
-    pid, r = child(other_worker)
+    pid, r = child(run)
     os.close(go_r)
+    return pid, r, go_w
+
+
+def test_a_long_calls_end_touches_its_session_before_its_row_goes(reg: Registry,
+                                                                  shm_name: str) -> None:
+    """Another worker holds the lock while the call ends; it looks at the session (``get``,
+    which expires an idle, long-unseen one) once the ending thread waits for the lock."""
+    store, sid, call, later = long_call(reg)
+    pid, r, go_w = other_worker(shm_name, sid, later, look_holding_the_lock=True)
     t = threading.Thread(target=store.end_call, args=(call,))
     try:
         assert recv(r, 30) == b"held"
@@ -109,19 +108,7 @@ def test_an_owed_end_keeps_its_session(reg_short: Registry, shm_name: str) -> No
     did when the row was in the table (removed with the touch, in one lock hold)."""
     reg = reg_short
     store, sid, call, later = long_call(reg)
-    go_r, go_w = os.pipe()
-
-    def other_worker(w: int) -> None:
-        os.close(go_w)
-        r = Registry.attach(shm_name)
-        st = SessionStore(r, clock=lambda: later)
-        with r.lock:
-            os.write(w, b"held")
-            recv(go_r, 30)
-        os.write(w, b"kept" if st.get(sid) is not None else b"expired")
-
-    pid, r = child(other_worker)
-    os.close(go_r)
+    pid, r, go_w = other_worker(shm_name, sid, later, look_holding_the_lock=False)
     try:
         assert recv(r, 30) == b"held"
         store.end_call(call)  # type: ignore[arg-type]  # times out: owed
@@ -163,3 +150,80 @@ def test_an_end_that_cannot_be_owed_still_removes_its_row(reg_short: Registry, s
         os.close(r)
         reap(pid)
     assert not store._owed and not lane_row(reg, sid)
+
+
+def test_a_long_calls_end_never_lets_its_session_expire(reg: Registry) -> None:
+    """A call longer than ``session_ttl`` ends: its row goes and the session is touched. Another
+    worker's request landing at the instant the row goes must find the session (it was in use a
+    moment ago, and its end refreshes it): the row went first, without the lock, and the touch
+    came after, so that request expired the session (and got 404); so did every later one."""
+    now = [1000.0]
+    store = SessionStore(reg, clock=lambda: now[0])
+    other = SessionStore(reg, clock=lambda: now[0])  # another worker's store
+    s = store.create("2025-06-18", CLIENT)
+    c = store.begin_call(s)
+    assert c is not None and c.way >= 0
+    now[0] += 3 * store.ttl  # the call runs longer than the session's ttl
+    assert other.get(s.id) is not None  # kept meanwhile: a call runs in it
+    lanes = reg.lanes["session_calls"]
+    seen: list[bool] = []
+
+    def remove(w: int, token: int) -> bool:
+        gone = Lanes.remove(lanes, w, token)
+        seen.append(other.get(s.id) is not None)  # a request of another worker, right then
+        return gone
+
+    lanes.remove = remove  # type: ignore[method-assign]
+    try:
+        store.end_call(c)
+    finally:
+        del lanes.remove
+    assert seen == [True]
+    assert store.get(s.id) is not None and other.get(s.id) is not None
+
+
+def test_no_request_misses_a_session_as_its_long_calls_end(shm_name: str) -> None:
+    """Two processes for 3 s, session_ttl 200 ms: one runs calls longer than the ttl back to back
+    in session S (each end refreshes S, so S is never idle past its ttl); the other reads S
+    without pause, as requests of other workers do. No read may miss S, and S is never lost."""
+    ttl = 0.2
+    r0 = Registry.create(shm_name, Config(session_capacity=64, sessions_per_client=2,
+                                                session_ttl=ttl))
+    try:
+        store = SessionStore(r0)
+        sid = store.create("2025-06-18", CLIENT).id
+        stop_at = time.monotonic() + 3.0
+
+        def reader(w: int) -> None:
+            st = SessionStore(Registry.attach(shm_name))
+            reads = missed = 0
+            while time.monotonic() < stop_at:
+                reads += 1
+                missed += st.get(sid) is None
+            os.write(w, f"{reads} {missed}".encode())
+
+        pid, r = child(reader)
+        calls = lost = 0
+        try:
+            while time.monotonic() < stop_at:
+                s = store.get(sid)
+                if s is None:  # lost: adopt it again, to go on racing
+                    store.create("2025-06-18", CLIENT, session_id=sid)
+                    continue
+                c = store.begin_call(s)
+                assert c is not None
+                calls += 1
+                busy_until = time.time() + 1.2 * ttl
+                while time.time() < busy_until:
+                    pass
+                store.end_call(c)
+                lost += store.get(sid) is None
+            reads, missed = map(int, recv(r, 30).split())
+        finally:
+            os.close(r)
+            reap(pid)
+        assert (lost, missed) == (0, 0), f"{calls} calls: S lost at {lost} ends, " \
+                                         f"missed by {missed} of {reads} reads"
+        assert calls > 5 and reads > 1000, (calls, reads)
+    finally:
+        r0.close()
