@@ -131,8 +131,10 @@ _RETRY_AFTER = "1"  # seconds, the Retry-After of a 503 for a registry lock held
 def _retry_later(environ: dict[str, Any], e: Exception, message: str, retry_after: object,
                  level: int = logging.INFO) -> _Reply:
     """503 with ``Retry-After``: the request was not served (nothing half-done), a retry is
-    safe. ``e`` is logged at ``level`` with the request's method and path."""
-    log.log(level, "%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e)
+    safe. ``e`` is logged at ``level`` with the request's method and path, as from the caller
+    (``stacklevel=2``: a format's ``funcName``/``lineno`` name the handler, as before)."""
+    log.log(level, "%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e,
+            stacklevel=2)
     return _error_reply(503, None, codes.SERVER_ERROR, message,
                         headers=[("Retry-After", str(retry_after))])
 

@@ -1,0 +1,50 @@
+"""The three 503 + ``Retry-After`` answers of ``McpServer.__call__`` (a registry lock timeout,
+a session not taken up here, other hosts silent), pinned as they were before they became one
+helper (``server._retry_later``): status, message, header, log level, and the log record's
+origin (``funcName``/``lineno`` a handler's format may print: the request handler's, not the
+helper's)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from helpers.wsgi import environ_for, run
+
+from shmcancel.exceptions import LockTimeout, RemoteUnavailable
+from shmcancel.mcp.server import McpServer
+from shmcancel.mcp.sessions import SessionsFull
+
+CASES = [
+    (LockTimeout("lock held"), logging.WARNING, "1",
+     "Service unavailable: the registry is busy; retry later"),
+    (SessionsFull("all busy"), logging.INFO, "2",
+     "Server busy: the session cannot be taken up here now (all busy)"),
+    (RemoteUnavailable("redis silent"), logging.INFO, "1",
+     "Service unavailable: the session store of other hosts did not answer; retry later"),
+]
+
+
+@pytest.mark.parametrize(("exc", "level", "retry_after", "message"), CASES,
+                         ids=["lock-timeout", "sessions-full", "remote-unavailable"])
+def test_a_retry_later_answer_is_what_it_was(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture, exc: Exception,
+                                             level: int, retry_after: str, message: str) -> None:
+    def handle(self: Any, environ: Any, start_response: Any) -> Any:
+        raise exc
+
+    monkeypatch.setattr(McpServer, "_handle", handle)
+    monkeypatch.setattr(type(exc), "retry_after", int(retry_after), raising=False)
+    with caplog.at_level(logging.DEBUG, logger="shmcancel"):
+        reply = run(McpServer("t", "1"), environ_for("POST", b"{}"))
+    assert reply.status == 503
+    assert reply.headers["retry-after"] == retry_after
+    assert reply.json["error"]["message"] == message
+    recs = [r for r in caplog.records if r.name.startswith("shmcancel.") and str(exc) in
+            r.getMessage()]
+    assert len(recs) == 1, caplog.records
+    rec = recs[0]
+    assert rec.levelno == level
+    assert rec.getMessage() == f"POST /mcp: {exc}"
+    assert rec.funcName == "__call__", (rec.funcName, rec.lineno)  # where it was logged before
