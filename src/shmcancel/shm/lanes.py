@@ -37,7 +37,9 @@ set, full barrier, lanes read, state removed, seal cleared. A row's writer publi
 :func:`fence`, then reads the seal, then the state. Seal clear: either the sealer's lane read
 comes after the publication (it sees the row and keeps the state) or its removal is already
 visible (stores in order). Seal set: the writer takes the lock and reads the state again. A
-sealer that died inside leaves the seal set: the next holder of the lock clears it.
+sealer that died inside leaves the seal set: the next row writer to find it set clears it
+under the lock (:meth:`Lanes.unseal`), and the next sealer's own seal ends it; other holders of
+the lock leave it.
 """
 
 from __future__ import annotations
