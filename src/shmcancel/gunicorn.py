@@ -260,7 +260,8 @@ def _keep_stop_signals(worker: Any) -> None:
 
 
 def child_exit(server: Any, worker: Any) -> None:
-    """Master: a worker is gone; take over the lock if it held it, drop its in-flight rows."""
+    """Master: a worker is gone; take over the lock if it held it, drop its in-flight rows and
+    free its lanes (of every table: ``_reap``)."""
     reg = registry()
     if reg is None:
         return
