@@ -18,6 +18,7 @@ from helpers.clock import Clock
 from helpers.gunicorn_harness import Gunicorn
 from helpers.mcp_client import ACCEPT, LEGACY, dump, reply_of
 from helpers.procs import child, first_message, reap, recv
+from helpers.session_calls import lane_row
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -57,8 +58,7 @@ def store(reg: Registry, clock: Clock) -> SessionStore:
 
 def has_call_row(reg: Registry, sid: str) -> bool:
     """A ``session_calls`` row of ``sid`` in a lane or in the table."""
-    t = reg.table("session_calls")
-    return reg.lanes["session_calls"].member(t.prepare(sid)) or t.member(sid)
+    return lane_row(reg, sid) or reg.table("session_calls").member(sid)
 
 
 def mint(store: SessionStore, clock: Clock, client: str, n: int = 1) -> list[str]:

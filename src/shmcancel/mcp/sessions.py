@@ -313,11 +313,12 @@ class SessionStore:
         self._settle()
         me = procinfo.me()
         owner = (me[0], me[1], threading.get_ident(), next(_tokens))
-        _, ck, watch = self._keys_of(session.id)
+        keys = self._keys_of(session.id)
+        _, ck, watch = keys
         lanes = self._lanes
         way = lanes.add(ck, owner[2], owner[3])
         if way is None:
-            return self._begin_locked(session, owner, -1)
+            return self._begin_locked(session, keys, owner, -1)
         try:
             fence()  # the row is visible before the seal and the session are read (lanes.py)
             if not lanes.sealed():
@@ -327,17 +328,18 @@ class SessionStore:
                     return None
                 if self._clock() - r[1] < self._touch_every:
                     return Call(session.id, owner, r[1], None, way)
-            return self._begin_locked(session, owner, way)
+            return self._begin_locked(session, keys, owner, way)
         except BaseException:
             lanes.remove(way, owner[3])
             raise
 
-    def _begin_locked(self, session: Session, owner: tuple[int, int, int, int],
-                      way: int) -> Call | None:
-        """:meth:`begin_call` under the lock: the call's row in the table (``way`` -1) or
-        already in the lane, the session read again, touched when due."""
+    def _begin_locked(self, session: Session, keys: tuple[PreparedKey, PreparedKey, Watch],
+                      owner: tuple[int, int, int, int], way: int) -> Call | None:
+        """:meth:`begin_call` under the lock (``keys``: the session's, from :meth:`_keys_of`):
+        the call's row in the table (``way`` -1) or already in the lane, the session read
+        again, touched when due."""
         now = self._clock()
-        pk, ck, watch = self._keys_of(session.id)
+        pk, ck, watch = keys
         rec: tuple[int, int, int, int] | None = owner
         receipt = None
         with self._lock:

@@ -68,6 +68,7 @@ KEY_MAX = BODY - _BODY_HEAD.size  # 94 packed bytes: a [40-char scope, 36-char i
 _BODY = struct.Struct(f"<QQH{KEY_MAX}s")  # the whole body in one store call (zero-padded)
 _GEOMETRY = struct.Struct("<QQQQ")
 _HW = 32
+_SEAL = 40
 _TABLE = 48
 _OWNERS = 64
 _H = _OWNERS + 8 * LANES
@@ -77,7 +78,7 @@ _BUCKET_WORDS = LANES * WAYS  # hash words of one bucket, all lanes
 _HQ = _H >> 3  # the hash words' first index in the region's u64s
 _OQ = _OWNERS >> 3
 _HWQ = _HW >> 3
-_SQ = 40 >> 3  # the seal word
+_SQ = _SEAL >> 3
 _CLAIM_RETRY = 1.0  # seconds between claims after none was free
 _fences = [threading.Lock() for _ in range(4)]
 

@@ -272,15 +272,14 @@ class Registry:
             index = {d.name: i for i, d in enumerate(seg.tables)}
             for i, t in enumerate(names):
                 mm, off, view = region  # type: ignore[misc]
-                with view[i * size:(i + 1) * size] as v:
-                    bound = lanes_table(v)
+                v = view[i * size:(i + 1) * size]
+                self.lanes[t] = Lanes(mm, off + i * size, v, self.lock)  # closed on a raise
+                bound = lanes_table(v)
                 if bound != index[t]:
                     owner = seg.tables[bound].name if 0 <= bound < len(seg.tables) else "none"
                     raise RegistryIncompatible(
                         f"registry {self._name}: lane set {i} is table {owner}'s, expected "
                         f"{t}'s (created by another version of the code?)")
-                self.lanes[t] = Lanes(mm, off + i * size, view[i * size:(i + 1) * size],
-                                      self.lock)
         except BaseException:
             self._close_parts()
             raise
@@ -328,13 +327,14 @@ class Registry:
             lanes = seg.lanes_region
             size = lanes_size()
             index = {s.name: i for i, s in enumerate(specs)}  # descriptors are in spec order
-            for i, t in enumerate(_lane_tables(decls)):
+            for i, t in enumerate(lane_names):
                 assert lanes is not None
                 with lanes[2][i * size:(i + 1) * size] as v:
                     lanes_format(v, index[t])
 
+        lane_names = _lane_tables(decls)
         seg = Segment.create(name, config.pack(), specs, init=init, timeout=config.lock_timeout,
-                             lanes_size=lanes_size() * len(_lane_tables(decls)))
+                             lanes_size=lanes_size() * len(lane_names))
         try:
             return cls(seg, decls)
         except BaseException:
