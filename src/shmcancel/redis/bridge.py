@@ -46,7 +46,10 @@ by the thread, oldest first, before its next renew, stopping at the first that g
 Deleting a session drops a publish of it still owed; a session deleted here is never adopted
 again. A row whose end is owed is released here first, so renew never adds it back. A timed-out
 write may have landed anyway: each is idempotent. What is still owed when the worker exits is
-lost: its rows end with their lease, its sessions with their TTL.
+lost: its rows end with their lease, its sessions with their TTL. An owed cancellation applied
+before the host running its call has added back the row Redis lost (a restart) finds nothing in
+flight: it waits in Redis for that row (:class:`~shmcancel.redis.storage.RedisStorage`'s
+``pending``), which :meth:`RedisCancellation.renew` adds back with its request's start.
 """
 
 from __future__ import annotations

@@ -30,13 +30,13 @@ class RedisCancellation(Cancellation):
     ``clock``: float seconds (``cancelled_at``); ``lease``: seconds an in-flight row lives
     without :meth:`renew`; ``host``: this host's identity (rows are owned by ``host:pid``);
     ``auto_renew``: :class:`RedisStorage`'s renewal thread (off: the bridge calls
-    :meth:`renew` from its own thread)."""
+    :meth:`renew` from its own thread); ``pending``: :class:`RedisStorage`'s."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
                  lease: float = 10.0, host: str | None = None, io_wait: float = 10.0,
-                 auto_renew: bool = False) -> None:
+                 auto_renew: bool = False, pending: float = 10.0) -> None:
         self.storage = RedisStorage(store, clock=clock, lease=lease, host=host, io_wait=io_wait,
-                                    auto_renew=auto_renew)
+                                    auto_renew=auto_renew, pending=pending)
         super().__init__(None, clock, backend=self.storage)
         self.store = store
         self.lease = self.storage.lease

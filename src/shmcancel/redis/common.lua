@@ -2,6 +2,9 @@
 --   P{<sha1(scope)>}:c          hash   rid -> reason ("" = None, "=" .. text)
 --   P{<sha1(scope)>}:t          zset   rid -> cancelled_at (float seconds)
 --   P{<sha1(scope)>}:if:<sha1(rid)>  zset   owner -> lease deadline (ms); one member per running request
+--   P{<sha1(scope)>}:ifs        set    ids in flight in the scope (pruned as their owners go)
+--   P{<sha1(scope)>}:pc         hash   rid -> {reason, at}: gated cancellations that found nothing
+--                                      in flight, for a row added back later (track.lua)
 --   P{g}:all                    zset   <#scope>:<scope><rid> -> cancelled_at (global count, TTL, cap)
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
 --   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
@@ -49,6 +52,30 @@ local function evict(P, all, scopes, batch)
   end
   for _, v in ipairs(victims) do remove(P, all, scopes, v[2], v[3]) end
   return #victims
+end
+-- Record a cancellation (contract 4.3: quota, then cap eviction, then insert; an existing row
+-- is overwritten in place). Returns {-1} quota refused, {1, evicted} inserted, {2, 0} overwritten.
+local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, batch)
+  if redis.call('HEXISTS', c, rid) == 1 then
+    redis.call('HSET', c, rid, reason)
+    redis.call('ZADD', t, at, rid)
+    redis.call('ZADD', all, at, member(scope, rid))
+    return {2, 0}
+  end
+  if quota >= 0 and redis.call('HLEN', c) >= quota then return {-1} end
+  local evicted = 0
+  if redis.call('ZCARD', all) >= cap then evicted = evict(P, all, scopes, batch) end
+  redis.call('HSET', c, rid, reason)
+  redis.call('ZADD', t, at, rid)
+  redis.call('ZADD', all, at, member(scope, rid))
+  redis.call('ZINCRBY', scopes, 1, scope)
+  return {1, evicted}
+end
+-- Tell the worker owning an in-flight member (its box, before the newline) of a cancellation.
+local function deliver(P, owner, scope, rid, reason, box_lease_ms)
+  local box = P .. 'box:' .. string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1)
+  redis.call('LPUSH', box, cmsgpack.pack({scope, rid, reason}))
+  redis.call('PEXPIRE', box, box_lease_ms)
 end
 -- Whether some owner's lease on (scope, rid) still runs at now_ms (read only: nothing dropped).
 local function running(P, scope, rid, now_ms)

@@ -75,20 +75,27 @@ class RedisStorage:
     to tell a stale row from its own); ``lease``: seconds an in-flight row lives without
     :meth:`renew`; ``host``: this host's identity; ``auto_renew``: renew from a daemon
     thread of this storage while the process holds rows (else the caller calls
-    :meth:`renew` every ``lease / 3``). Thread-safe."""
+    :meth:`renew` every ``lease / 3``); ``pending``: seconds a gated cancellation that finds
+    nothing in flight waits in Redis for the row of a request started by then to be added back
+    (Redis lost it: a restart, a lease that ran out while Redis was unreachable), which it then
+    cancels; 0: it is dropped at once. Thread-safe."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
                  lease: float = 10.0, host: str | None = None,
-                 io_wait: float = 10.0, auto_renew: bool = True) -> None:
+                 io_wait: float = 10.0, auto_renew: bool = True, pending: float = 10.0) -> None:
         if not 0 < lease <= 3600:
             raise ValueError(f"lease must be in (0, 3600] seconds, got {lease!r}")
+        if not 0 <= pending <= 3600:
+            raise ValueError(f"pending must be in [0, 3600] seconds, got {pending!r}")
         self.store = store
         self.config: Config = store.config
         self.capacity: int = store.cap
         self.clock = clock
         self.lease = float(lease)
         self.host = host or default_host_id()
-        self._mine: dict[tuple[str, str, Owner], bytes] = {}  # rows this process holds
+        self.pending = float(pending)
+        # rows this process holds: (scope, rid, owner) -> (owner in Redis, request's start)
+        self._mine: dict[tuple[str, str, Owner], tuple[bytes, float]] = {}
         #: Rows this instance's records evicted (the registry counts every process's).
         self.evictions = 0
         #: Guards ``_mine``; never held across a Redis call.
@@ -139,7 +146,8 @@ class RedisStorage:
         status, evicted = self.store.cancel(
             scope, rid, reason, at, gate=only_in_flight, now_ms=self._now_ms(),
             box_lease_ms=int(self.lease * 1000),
-            limits=(-1 if quota is None else quota, cap, batch))
+            limits=(-1 if quota is None else quota, cap, batch),
+            pending_ms=int(self.pending * 1000) if only_in_flight else 0)
         self.evictions += evicted
         if status == -1:
             raise CancellationLimitReached(
@@ -175,24 +183,26 @@ class RedisStorage:
 
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> None:
-        """Hold the row here and in Redis. Raises Redis errors or ``LockTimeout`` with the row
-        held here only (:meth:`renew` adds it)."""
-        raw = self._owner(owner)
+        """Hold the row here and in Redis (started now, or when :meth:`hold` held it). Raises
+        Redis errors or ``LockTimeout`` with the row held here only (:meth:`renew` adds it)."""
         with self._lock:
-            self._mine[scope, rid, owner] = raw
+            held = self._mine.get((scope, rid, owner))
+            if held is None:
+                held = self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
             self._want_renewer()
         self._io_held("track")
         try:
             now = self._now_ms()
-            self.store.track(scope, rid, raw, deadline_ms=now + int(self.lease * 1000),
-                             now_ms=now, started_at=self.clock())
+            self.store.track(scope, rid, held[0], deadline_ms=now + int(self.lease * 1000),
+                             now_ms=now, started_at=held[1])
         finally:
             self._io.release()
 
     def hold(self, scope: str, rid: str, owner: Owner) -> None:
-        """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""
+        """Hold a row only locally (Redis is down), its request started now: :meth:`renew` adds
+        it when Redis returns."""
         with self._lock:
-            self._mine[scope, rid, owner] = self._owner(owner)
+            self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
             self._want_renewer()
 
     def forget(self, scope: str, rid: str, owner: Owner) -> None:
@@ -205,12 +215,12 @@ class RedisStorage:
         runs on, the key's cancellation row goes too (one script). Raises Redis errors or
         ``LockTimeout``, leaving the row held for :meth:`forget`."""
         with self._lock:
-            raw = self._mine.get((scope, rid, owner))
-        if raw is None:
+            held = self._mine.get((scope, rid, owner))
+        if held is None:
             return False
         self._io_held("untrack")
         try:
-            gone = self.store.untrack(scope, rid, raw, now_ms=self._now_ms())
+            gone = self.store.untrack(scope, rid, held[0], now_ms=self._now_ms())
             with self._lock:
                 self._mine.pop((scope, rid, owner), None)
         finally:
@@ -221,7 +231,8 @@ class RedisStorage:
         """Stop holding a row here (so :meth:`renew` never adds it back) and return what names
         its owner in Redis, for :meth:`untrack_released`; None when it was not held."""
         with self._lock:
-            return self._mine.pop((scope, rid, owner), None)
+            held = self._mine.pop((scope, rid, owner), None)
+        return None if held is None else held[0]
 
     def untrack_released(self, scope: str, rid: str, raw: bytes) -> bool:
         """:meth:`untrack` of a row :meth:`release` let go of (owed: it could not be ended
@@ -263,19 +274,20 @@ class RedisStorage:
 
     def renew(self) -> int:
         """Extend the lease of every row this process holds, adding back any Redis lost (a
-        restart). Returns how many were added back."""
+        restart, a lease run out) with its request's start, so that a cancellation sent since
+        that found nothing in flight meanwhile lands (``track.lua``). Returns how many were
+        added back."""
         now = self._now_ms()
         deadline = now + int(self.lease * 1000)
         self._io_held("renew")
         try:
             with self._lock:
                 items = list(self._mine.items())
-            missing = self.store.renew([(self.store.if_key(s, r), o) for (s, r, _), o in items],
-                                       deadline)
+            missing = self.store.renew([(self.store.if_key(s, r), o)
+                                        for (s, r, _), (o, _) in items], deadline)
             for i in missing:
-                (s, r, _), o = items[i]
-                self.store.track(s, r, o, deadline_ms=deadline, now_ms=now,
-                                 started_at=self.clock())
+                (s, r, _), (o, started) = items[i]
+                self.store.track(s, r, o, deadline_ms=deadline, now_ms=now, started_at=started)
         finally:
             self._io.release()
         return len(missing)

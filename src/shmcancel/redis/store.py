@@ -73,6 +73,8 @@ class RedisStore:
         self.cap = int(cap or 10_000)
         self.batch = max(1, self.cap // 20)
         self.quota = -1 if config.max_rows_per_scope is None else int(config.max_rows_per_scope)
+        #: Pending cancellations a scope keeps, at most (``cancel``).
+        self.pending_max = self.quota if self.quota >= 0 else 256
 
     # ------------------------------------------------------------------ plumbing
 
@@ -93,6 +95,10 @@ class RedisStore:
         """The set of request ids in flight in ``scope`` (on any host; pruned as they end)."""
         return _b(f"{self.prefix}{{{_sha(scope)}}}:ifs")
 
+    def pc_key(self, scope: str) -> bytes:
+        """The scope's pending cancellations (``cancel.lua``, ``track.lua``)."""
+        return _b(f"{self.prefix}{{{_sha(scope)}}}:pc")
+
     def if_key(self, scope: str, rid: str) -> bytes:
         return _b(f"{self.prefix}{{{_sha(scope)}}}:if:{_sha(rid)}")
 
@@ -103,17 +109,21 @@ class RedisStore:
     # ------------------------------------------------------------------ cancellation rows
 
     def cancel(self, scope: str, rid: str, reason: str | None, at: float, *, gate: bool,
-               now_ms: int, box_lease_ms: int, limits: tuple[int, int, int] | None = None
-               ) -> tuple[int, int]:
+               now_ms: int, box_lease_ms: int, limits: tuple[int, int, int] | None = None,
+               pending_ms: int = 0) -> tuple[int, int]:
         """Record a cancellation (contract §4.3 order: quota, then cap eviction, then insert).
         Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
-        inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box.
-        ``limits``: ``(quota (-1: none), cap, batch)``, default this store's."""
+        inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box; with
+        ``pending_ms``, one that finds nothing in flight waits that long (milliseconds; at most
+        :attr:`pending_max` per scope) for a row of a request started by ``at`` that its host
+        adds back (:meth:`track`). ``limits``: ``(quota (-1: none), cap, batch)``, default this
+        store's."""
         quota, cap, batch = limits if limits is not None else (self.quota, self.cap, self.batch)
-        keys = [*self._row_keys(scope), self.if_key(scope, rid)]
+        keys = [*self._row_keys(scope), self.if_key(scope, rid), self.pc_key(scope)]
         r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
                                        repr(float(at)), quota, cap, batch,
-                                       "1" if gate else "0", now_ms, box_lease_ms])
+                                       "1" if gate else "0", now_ms, box_lease_ms,
+                                       max(0, int(pending_ms)), self.pending_max])
         return int(r[0]), int(r[1]) if len(r) > 1 else 0
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
@@ -173,10 +183,15 @@ class RedisStore:
     # ------------------------------------------------------------------ in-flight owners
 
     def track(self, scope: str, rid: str, owner: bytes, *, deadline_ms: int, now_ms: int,
-              started_at: float) -> None:
-        self.call("track", [self.if_key(scope, rid), *self._row_keys(scope), self.ifs_key(scope)],
-                  [self.prefix, _b(scope), _b(rid), owner, deadline_ms, now_ms,
-                   repr(float(started_at))])
+              started_at: float) -> bool:
+        """Add ``owner``'s row of a request started at ``started_at`` (the policy clock's
+        seconds; a row added back keeps its request's start). True when a pending cancellation
+        sent since then was recorded and delivered to the owner's box."""
+        return int(self.call("track", [self.if_key(scope, rid), *self._row_keys(scope),
+                                       self.ifs_key(scope), self.pc_key(scope)],
+                             [self.prefix, _b(scope), _b(rid), owner, deadline_ms, now_ms,
+                              repr(float(started_at)), self.quota, self.cap,
+                              self.batch])) == 2
 
     def untrack(self, scope: str, rid: str, owner: bytes, *, now_ms: int) -> bool:
         return bool(self.call("untrack", [self.if_key(scope, rid), *self._row_keys(scope),

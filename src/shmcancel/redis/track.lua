@@ -1,23 +1,41 @@
--- KEYS: ifk, c, t, all, scopes, ifs (the scope's running ids). ARGV: P, scope, rid, owner, deadline_ms, now_ms, started_at
--- Adds a running request. A cancellation row older than the request, with no other request of
--- that key running, is not this request's: it goes (contract 4.3).
+-- KEYS: ifk, c, t, all, scopes, ifs (the scope's running ids), pc (its pending cancellations)
+-- ARGV: P, scope, rid, owner, deadline_ms, now_ms, started_at, quota (-1: none), cap, batch
+-- Adds a running request (a new one, or one Redis lost, added back). A cancellation row older
+-- than the request, with no other request of that key running, is not this request's: it goes
+-- (contract 4.3). A pending cancellation (cancel.lua found nothing in flight) sent at or after
+-- the request's start was meant for it: it is recorded and delivered to this owner's box.
+-- Returns 1, or 2 when a pending cancellation was delivered.
 local ifk = KEYS[1]
+local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
 if #live(ifk, ARGV[6]) == 0 then
-  local at = redis.call('ZSCORE', KEYS[3], ARGV[3])
-  if at and tonumber(at) < tonumber(ARGV[7]) then remove(ARGV[1], KEYS[4], KEYS[5], ARGV[2], ARGV[3]) end
+  local at = redis.call('ZSCORE', KEYS[3], rid)
+  if at and tonumber(at) < started then remove(P, KEYS[4], KEYS[5], scope, rid) end
 end
 -- The scope's running ids lose ids whose every owner's lease ran out (a worker killed, a host
 -- died: their untrack never came) a few at a time, so that set stays bounded in a scope that
 -- never falls idle (each track extends its life). SRANDMEMBER with a count returns the whole set
 -- when it is that small.
 for _, old in ipairs(redis.call('SRANDMEMBER', KEYS[6], 3)) do
-  if old ~= ARGV[3] and not running(ARGV[1], ARGV[2], old, ARGV[6]) then
+  if old ~= rid and not running(P, scope, old, ARGV[6]) then
     redis.call('SREM', KEYS[6], old)
   end
 end
-redis.call('ZADD', ifk, ARGV[5], ARGV[4])
-redis.call('SADD', KEYS[6], ARGV[3])
+redis.call('ZADD', ifk, ARGV[5], owner)
+redis.call('SADD', KEYS[6], rid)
 for _, k in ipairs({ifk, KEYS[6]}) do
   if redis.call('PEXPIRETIME', k) < tonumber(ARGV[5]) then redis.call('PEXPIREAT', k, ARGV[5]) end
+end
+local raw = redis.call('HGET', KEYS[7], rid)
+if raw then
+  local ok, p = pcall(cmsgpack.unpack, raw)
+  if ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
+      and tonumber(p[2]) >= started then
+    local r = record(P, KEYS[2], KEYS[3], KEYS[4], KEYS[5], scope, rid, p[1], p[2],
+                     tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))
+    if r[1] ~= -1 then
+      deliver(P, owner, scope, rid, p[1], tonumber(ARGV[5]) - tonumber(ARGV[6]))
+      return 2
+    end
+  end
 end
 return 1
