@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import redis
 from helpers.background import Background
 from helpers.clock import Clock
@@ -20,7 +21,7 @@ from test_redis_bridge import bridge
 from test_redis_hosts import Client, outdir, two_hosts
 
 from shmcancel import Cancellation, Config, errors
-from shmcancel.redis import RedisCancellation, RedisStore, connect
+from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
 from shmcancel.shm.registry import Registry
 
 __all__ = ["outdir"]  # the module fixture, shared
@@ -201,3 +202,28 @@ def test_a_call_cancelled_through_b_while_redis_restarts_is_cancelled(
             assert c.cancel(b.url, f"r{i}").status_code == 202
             srv.start()
             assert call.result(25)["error"]["code"] == errors.REQUEST_CANCELLED
+
+
+def test_a_thread_tracking_an_id_again_starts_a_new_request(redis_prefix: str) -> None:
+    """``Cancellation.track`` over RedisStorage: a thread whose untrack got no answer still holds
+    the old row here; tracking the id again is a new request, started now. It kept the old
+    request's start, so a pending cancellation sent after the old request began but before
+    the new one did made the new request start out cancelled (contract 4.3)."""
+    clock = Clock()
+    with running() as srv:
+        st = RedisStorage(RedisStore(connect(srv.url, timeout=2.0), Config(), prefix=redis_prefix),
+                          clock=clock, host="A", auto_renew=False)
+        c = Cancellation(None, clock, backend=st)
+        b = make(srv.url, redis_prefix, clock, "B")
+        c.track("1", S)
+        clock.tick(1.0)
+        srv.kill()
+        with pytest.raises(redis.ConnectionError):
+            c.untrack("1", S)  # the request ended; its end got no answer
+        srv.start()  # empty
+        clock.tick(1.0)
+        assert b.cancel_if_in_flight("1", "for the old one", S) is False
+        clock.tick(1.0)
+        c.track("1", S)  # a new request reusing the id, on the same thread
+        assert not c.cancelled("1", S)
+        assert st.store.client.llen(st.store.box_key(st.box)) == 0

@@ -65,7 +65,7 @@ class RedisCancellation(Cancellation):
     def track_held(self, scope: str, rid: str, token: int) -> None:
         """Add to Redis the row :meth:`track_offline` holds for ``token``. Raises Redis errors
         or ``LockTimeout``, the row staying held here (:meth:`renew` adds it later)."""
-        self.storage.track(scope, rid, self._owner(token))
+        self.storage.track_held(scope, rid, self._owner(token))
 
     def track_offline(self, scope: str, rid: str) -> int:
         """Hold a row only locally (Redis is down): :meth:`renew` adds it when Redis returns."""

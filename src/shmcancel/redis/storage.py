@@ -183,13 +183,25 @@ class RedisStorage:
 
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> None:
-        """Hold the row here and in Redis (started now, or when :meth:`hold` held it). Raises
-        Redis errors or ``LockTimeout`` with the row held here only (:meth:`renew` adds it)."""
+        """Hold the row of a request started now here and in Redis (a row this owner still
+        holds, its end having got no answer, was an earlier request's: replaced). Raises Redis
+        errors or ``LockTimeout`` with the row held here only (:meth:`renew` adds it)."""
+        with self._lock:
+            held = self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
+            self._want_renewer()
+        self._add(scope, rid, held)
+
+    def track_held(self, scope: str, rid: str, owner: Owner) -> None:
+        """Add to Redis the row :meth:`hold` holds, with the start it held (held now when it
+        is not). Raises as :meth:`track` does."""
         with self._lock:
             held = self._mine.get((scope, rid, owner))
             if held is None:
                 held = self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
             self._want_renewer()
+        self._add(scope, rid, held)
+
+    def _add(self, scope: str, rid: str, held: tuple[bytes, float]) -> None:
         self._io_held("track")
         try:
             now = self._now_ms()
