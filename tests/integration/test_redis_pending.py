@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 from helpers.background import Background
@@ -227,3 +228,26 @@ def test_a_thread_tracking_an_id_again_starts_a_new_request(redis_prefix: str) -
         c.track("1", S)  # a new request reusing the id, on the same thread
         assert not c.cancelled("1", S)
         assert st.store.client.llen(st.store.box_key(st.box)) == 0
+
+
+def test_a_malformed_pending_entry_fails_neither_track_nor_renew(redis_server: Any,
+                                                                 redis_prefix: str) -> None:
+    """A pc entry written by someone else whose time cmsgpack/tonumber accept but ZADD refuses
+    (or that is not finite) made track.lua fail after adding the row: track raised, and renew
+    stopped at that row, so rows after it were never added back."""
+    clock = Clock()
+    a = make(redis_server.url, redis_prefix, clock, "A")
+    r = a.store.client
+    for rid in ("1", "2", "3", "4"):
+        a.track_token(rid, S)
+        lose_row(a, rid)
+    for rid, at in (("1", b"1e400"), ("2", b" 2000000"), ("3", b"inf")):
+        r.hset(a.store.pc_key(S), rid, msgpack.packb([b"=x", at], use_bin_type=False))
+    clock.tick(1.0)
+    assert a.renew() == 4
+    assert all(a.in_flight(rid, S) for rid in ("1", "2", "3", "4"))
+    for rid in ("1", "3"):  # not a finite time: no row
+        assert a.cancelled_at(rid, S) is None
+    r.hset(a.store.pc_key(S), "5", msgpack.packb([b"=x", b"1e400"], use_bin_type=False))
+    a.track_token("5", S)
+    assert a.in_flight("5", S) and not a.cancelled("5", S)

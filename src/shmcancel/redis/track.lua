@@ -28,10 +28,13 @@ end
 local raw = redis.call('HGET', KEYS[7], rid)
 if raw then
   local ok, p = pcall(cmsgpack.unpack, raw)
-  if ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
-      and tonumber(p[2]) >= started then
-    local r = record(P, KEYS[2], KEYS[3], KEYS[4], KEYS[5], scope, rid, p[1], p[2],
-                     tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))
+  local at = ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
+  -- the entry may be another client's: only a finite time, written as ZADD reads it (tonumber
+  -- takes ' 5', '1e400' that ZADD refuses, failing the script after the row was added)
+  if at and at == at and at > -math.huge and at < math.huge and at >= started then
+    local r = record(P, KEYS[2], KEYS[3], KEYS[4], KEYS[5], scope, rid, p[1],
+                     string.format('%.17g', at), tonumber(ARGV[8]), tonumber(ARGV[9]),
+                     tonumber(ARGV[10]))
     if r[1] ~= -1 then
       deliver(P, owner, scope, rid, p[1], tonumber(ARGV[5]) - tonumber(ARGV[6]))
       return 2
