@@ -42,6 +42,15 @@ def lose_row(c: RedisCancellation, rid: str, scope: str = S) -> None:
     assert not c.in_flight(rid, scope)
 
 
+def put_pending(c: RedisCancellation, rid: str, raw: bytes, scope: str = S) -> None:
+    """Write a pending cancellation as another client could (common.lua's key layout),
+    waiting a minute."""
+    r = c.store.client
+    r.hset(c.store.pc_key(scope), rid, raw)
+    r.zadd(c.store.prefix + "{g}:pend", {f"{len(scope.encode())}:{scope}{rid}":
+                                         int(time.time() * 1000) + 60_000})
+
+
 def box(c: RedisCancellation) -> list[Any]:
     """What waits in ``c``'s box, oldest first (taken)."""
     out = []
@@ -237,17 +246,37 @@ def test_a_malformed_pending_entry_fails_neither_track_nor_renew(redis_server: A
     stopped at that row, so rows after it were never added back."""
     clock = Clock()
     a = make(redis_server.url, redis_prefix, clock, "A")
-    r = a.store.client
     for rid in ("1", "2", "3", "4"):
         a.track_token(rid, S)
         lose_row(a, rid)
     for rid, at in (("1", b"1e400"), ("2", b" 2000000"), ("3", b"inf")):
-        r.hset(a.store.pc_key(S), rid, msgpack.packb([b"=x", at], use_bin_type=False))
+        put_pending(a, rid, msgpack.packb([b"=x", at], use_bin_type=False))
     clock.tick(1.0)
     assert a.renew() == 4
     assert all(a.in_flight(rid, S) for rid in ("1", "2", "3", "4"))
     for rid in ("1", "3"):  # not a finite time: no row
         assert a.cancelled_at(rid, S) is None
-    r.hset(a.store.pc_key(S), "5", msgpack.packb([b"=x", b"1e400"], use_bin_type=False))
+    put_pending(a, "5", msgpack.packb([b"=x", b"1e400"], use_bin_type=False))
     a.track_token("5", S)
     assert a.in_flight("5", S) and not a.cancelled("5", S)
+
+
+def test_a_pending_cancellation_waits_pending_seconds_however_busy_its_scope(
+        redis_server: Any, redis_prefix: str) -> None:
+    """``pending`` is how long one cancellation waits: the scope's hash had one TTL, renewed by
+    every newer pending cancellation, so in a scope that kept getting some, an old one waited
+    on for ever and cancelled a row added back long after."""
+    clock = Clock()
+    a = make(redis_server.url, redis_prefix, clock, "A")
+    b = make(redis_server.url, redis_prefix, clock, "B", pending=0.3)
+    a.track_token("7", S)
+    lose_row(a, "7")
+    clock.tick(1.0)
+    assert b.cancel_if_in_flight("7", "stop", S) is False
+    end = time.monotonic() + 0.9  # three times `pending`, with other notifications meanwhile
+    n = iter(range(10**6))
+    wait_until(lambda: b.cancel_if_in_flight(f"x{next(n)}", None, S) or time.monotonic() > end,
+               end + 5, interval=0.05, what="0.9 s of notifications")
+    assert b.store.client.exists(b.store.pc_key(S))  # the scope's other ones still wait
+    assert a.renew() == 1
+    assert box(a) == [] and not a.cancelled("7", S)

@@ -1,20 +1,28 @@
--- KEYS: c, t, all, scopes, ifk, pc
+-- KEYS: c, t, all, scopes, ifk, pc, pend
 -- ARGV: P, scope, rid, reason_enc, at, quota (-1: none), cap, batch, gate ("1": only in flight),
 --       now_ms, box_lease_ms, pending_ms (0: none), pending_max
 -- Returns {0} not in flight, {-1} quota refused, {1, evicted} inserted, {2, 0} overwritten.
 -- When gated, the cancellation is pushed to the box of every worker running the request; one
--- that finds none is kept pending_ms in pc (at most pending_max per scope) for a row of a request
--- started by `at` that its host adds back later (Redis lost it: a restart, a lease run out).
-local c, t, all, scopes, ifk, pc = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+-- that finds none waits pending_ms in pc (at most pending_max per scope; until when, in pend)
+-- for a row of a request started by `at` that its host adds back later (Redis lost it: a
+-- restart, a lease run out).
+local c, t, all, scopes, ifk, pc, pend = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6],
+                                         KEYS[7]
 local P, scope, rid, reason, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local owners = {}
 if ARGV[9] == '1' then
   owners = live(ifk, ARGV[10])
   if #owners == 0 then
-    local ms = tonumber(ARGV[12])
-    if ms > 0 and (redis.call('HEXISTS', pc, rid) == 1 or redis.call('HLEN', pc) < tonumber(ARGV[13])) then
-      redis.call('HSET', pc, rid, cmsgpack.pack({reason, at}))
-      redis.call('PEXPIRE', pc, ms)
+    local ms, now = tonumber(ARGV[12]), tonumber(ARGV[10])
+    if ms > 0 then
+      prune_pending(P, pend, now, 32)
+      local m = member(scope, rid)
+      if redis.call('ZSCORE', pend, m) or redis.call('HLEN', pc) < tonumber(ARGV[13]) then
+        redis.call('HSET', pc, rid, cmsgpack.pack({reason, at}))
+        redis.call('ZADD', pend, now + ms, m)
+        outlive(pc, ms)
+        outlive(pend, ms)
+      end
     end
     return {0}
   end

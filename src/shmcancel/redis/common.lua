@@ -6,6 +6,7 @@
 --   P{<sha1(scope)>}:pc         hash   rid -> {reason, at}: gated cancellations that found nothing
 --                                      in flight, for a row added back later (track.lua)
 --   P{g}:all                    zset   <#scope>:<scope><rid> -> cancelled_at (global count, TTL, cap)
+--   P{g}:pend                   zset   <#scope>:<scope><rid> -> until when (ms) its pc entry waits
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
 --   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
@@ -76,6 +77,19 @@ local function deliver(P, owner, scope, rid, reason, box_lease_ms)
   local box = P .. 'box:' .. string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1)
   redis.call('LPUSH', box, cmsgpack.pack({scope, rid, reason}))
   redis.call('PEXPIRE', box, box_lease_ms)
+end
+-- Give key k at least ms more milliseconds to live.
+local function outlive(k, ms)
+  if redis.call('PTTL', k) < ms then redis.call('PEXPIRE', k, ms) end
+end
+-- Drop up to n pending cancellations whose wait ended before now_ms (the oldest first): from
+-- pend, and from their scope's pc.
+local function prune_pending(P, pend, now_ms, n)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', pend, '-inf', '(' .. now_ms, 'LIMIT', 0, n)) do
+    local scope, rid = unmember(m)
+    if scope ~= nil then redis.call('HDEL', skey(P, scope, 'pc'), rid) end
+    redis.call('ZREM', pend, m)
+  end
 end
 -- Whether some owner's lease on (scope, rid) still runs at now_ms (read only: nothing dropped).
 local function running(P, scope, rid, now_ms)

@@ -65,6 +65,7 @@ class RedisStore:
         self.prefix = prefix
         self._all = _b(prefix + "{g}:all")
         self._scopes = _b(prefix + "{g}:scopes")
+        self._pend = _b(prefix + "{g}:pend")
         common = resources.files(__package__).joinpath("common.lua").read_text()
         self._src = {n: common + resources.files(__package__).joinpath(f"{n}.lua").read_text()
                      for n in _SCRIPTS}
@@ -119,7 +120,7 @@ class RedisStore:
         adds back (:meth:`track`). ``limits``: ``(quota (-1: none), cap, batch)``, default this
         store's."""
         quota, cap, batch = limits if limits is not None else (self.quota, self.cap, self.batch)
-        keys = [*self._row_keys(scope), self.if_key(scope, rid), self.pc_key(scope)]
+        keys = [*self._row_keys(scope), self.if_key(scope, rid), self.pc_key(scope), self._pend]
         r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
                                        repr(float(at)), quota, cap, batch,
                                        "1" if gate else "0", now_ms, box_lease_ms,
@@ -188,7 +189,7 @@ class RedisStore:
         seconds; a row added back keeps its request's start). True when a pending cancellation
         sent since then was recorded and delivered to the owner's box."""
         return int(self.call("track", [self.if_key(scope, rid), *self._row_keys(scope),
-                                       self.ifs_key(scope), self.pc_key(scope)],
+                                       self.ifs_key(scope), self.pc_key(scope), self._pend],
                              [self.prefix, _b(scope), _b(rid), owner, deadline_ms, now_ms,
                               repr(float(started_at)), self.quota, self.cap,
                               self.batch])) == 2

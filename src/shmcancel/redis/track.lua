@@ -1,9 +1,11 @@
--- KEYS: ifk, c, t, all, scopes, ifs (the scope's running ids), pc (its pending cancellations)
+-- KEYS: ifk, c, t, all, scopes, ifs (the scope's running ids), pc (its pending cancellations),
+--       pend (until when each waits)
 -- ARGV: P, scope, rid, owner, deadline_ms, now_ms, started_at, quota (-1: none), cap, batch
 -- Adds a running request (a new one, or one Redis lost, added back). A cancellation row older
 -- than the request, with no other request of that key running, is not this request's: it goes
 -- (contract 4.3). A pending cancellation (cancel.lua found nothing in flight) sent at or after
--- the request's start was meant for it: it is recorded and delivered to this owner's box.
+-- the request's start, and still waiting, was meant for it: it is recorded and delivered to this
+-- owner's box.
 -- Returns 1, or 2 when a pending cancellation was delivered.
 local ifk = KEYS[1]
 local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
@@ -26,7 +28,11 @@ for _, k in ipairs({ifk, KEYS[6]}) do
   if redis.call('PEXPIRETIME', k) < tonumber(ARGV[5]) then redis.call('PEXPIREAT', k, ARGV[5]) end
 end
 local raw = redis.call('HGET', KEYS[7], rid)
-if raw then
+local waits = raw and redis.call('ZSCORE', KEYS[8], member(scope, rid))
+if raw and not (waits and tonumber(waits) >= tonumber(ARGV[6])) then
+  redis.call('HDEL', KEYS[7], rid)  -- its wait is over
+  redis.call('ZREM', KEYS[8], member(scope, rid))
+elseif raw then
   local ok, p = pcall(cmsgpack.unpack, raw)
   local at = ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
   -- the entry may be another client's: only a finite time, written as ZADD reads it (tonumber
