@@ -280,3 +280,16 @@ def test_a_pending_cancellation_waits_pending_seconds_however_busy_its_scope(
     assert b.store.client.exists(b.store.pc_key(S))  # the scope's other ones still wait
     assert a.renew() == 1
     assert box(a) == [] and not a.cancelled("7", S)
+
+
+def test_pending_cancellations_are_bounded_across_scopes(redis_server: Any,
+                                                         redis_prefix: str) -> None:
+    """Each scope keeps at most pending_max, but scopes are many (a client opens sessions): the
+    pending cancellations of every scope together are at most the row cap, as rows are."""
+    clock = Clock()
+    b = make(redis_server.url, redis_prefix, clock, "B", config=Config(max_rows=20))
+    for s in range(10):
+        for i in range(5):
+            assert b.cancel_if_in_flight(str(i), None, f"session:{s}") is False
+    total = sum(b.store.client.hlen(b.store.pc_key(f"session:{s}")) for s in range(10))
+    assert total == 20

@@ -1,9 +1,10 @@
 -- KEYS: c, t, all, scopes, ifk, pc, pend
 -- ARGV: P, scope, rid, reason_enc, at, quota (-1: none), cap, batch, gate ("1": only in flight),
---       now_ms, box_lease_ms, pending_ms (0: none), pending_max
+--       now_ms, box_lease_ms, pending_ms (0: none), pending_max (per scope), pending_cap (all)
 -- Returns {0} not in flight, {-1} quota refused, {1, evicted} inserted, {2, 0} overwritten.
 -- When gated, the cancellation is pushed to the box of every worker running the request; one
--- that finds none waits pending_ms in pc (at most pending_max per scope; until when, in pend)
+-- that finds none waits pending_ms in pc (at most pending_max per scope and pending_cap in all;
+-- until when, in pend)
 -- for a row of a request started by `at` that its host adds back later (Redis lost it: a
 -- restart, a lease run out).
 local c, t, all, scopes, ifk, pc, pend = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6],
@@ -17,7 +18,8 @@ if ARGV[9] == '1' then
     if ms > 0 then
       prune_pending(P, pend, now, 32)
       local m = member(scope, rid)
-      if redis.call('ZSCORE', pend, m) or redis.call('HLEN', pc) < tonumber(ARGV[13]) then
+      if redis.call('ZSCORE', pend, m) or (redis.call('HLEN', pc) < tonumber(ARGV[13])
+          and redis.call('ZCARD', pend) < tonumber(ARGV[14])) then
         redis.call('HSET', pc, rid, cmsgpack.pack({reason, at}))
         redis.call('ZADD', pend, now + ms, m)
         outlive(pc, ms)

@@ -78,7 +78,8 @@ class RedisStorage:
     :meth:`renew` every ``lease / 3``); ``pending``: seconds a gated cancellation that finds
     nothing in flight waits in Redis for the row of a request started by then to be added back
     (Redis lost it: a restart, a lease that ran out while Redis was unreachable), which it then
-    cancels; 0: it is dropped at once. Thread-safe."""
+    cancels (at most :attr:`RedisStore.pending_max` wait per scope and ``pending_cap`` in all:
+    more are dropped); 0: it is dropped at once. Thread-safe."""
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
                  lease: float = 10.0, host: str | None = None,

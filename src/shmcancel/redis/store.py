@@ -76,6 +76,8 @@ class RedisStore:
         self.quota = -1 if config.max_rows_per_scope is None else int(config.max_rows_per_scope)
         #: Pending cancellations a scope keeps, at most (``cancel``).
         self.pending_max = self.quota if self.quota >= 0 else 256
+        #: Pending cancellations all scopes keep, at most: the row cap (a client opens scopes).
+        self.pending_cap = self.cap
 
     # ------------------------------------------------------------------ plumbing
 
@@ -116,15 +118,16 @@ class RedisStore:
         Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
         inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box; with
         ``pending_ms``, one that finds nothing in flight waits that long (milliseconds; at most
-        :attr:`pending_max` per scope) for a row of a request started by ``at`` that its host
-        adds back (:meth:`track`). ``limits``: ``(quota (-1: none), cap, batch)``, default this
-        store's."""
+        :attr:`pending_max` per scope and :attr:`pending_cap` in all) for a row of a request
+        started by ``at`` that its host adds back (:meth:`track`). ``limits``: ``(quota (-1:
+        none), cap, batch)``, default this store's."""
         quota, cap, batch = limits if limits is not None else (self.quota, self.cap, self.batch)
         keys = [*self._row_keys(scope), self.if_key(scope, rid), self.pc_key(scope), self._pend]
         r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
                                        repr(float(at)), quota, cap, batch,
                                        "1" if gate else "0", now_ms, box_lease_ms,
-                                       max(0, int(pending_ms)), self.pending_max])
+                                       max(0, int(pending_ms)), self.pending_max,
+                                       self.pending_cap])
         return int(r[0]), int(r[1]) if len(r) > 1 else 0
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
