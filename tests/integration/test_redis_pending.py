@@ -293,3 +293,22 @@ def test_pending_cancellations_are_bounded_across_scopes(redis_server: Any,
             assert b.cancel_if_in_flight(str(i), None, f"session:{s}") is False
     total = sum(b.store.client.hlen(b.store.pc_key(f"session:{s}")) for s in range(10))
     assert total == 20
+
+
+def test_a_pending_cancellation_lands_once(redis_server: Any, redis_prefix: str) -> None:
+    """Once it landed, a row lost and added back again within ``pending`` keeps the newer
+    cancellation recorded since: the older one does not land over it."""
+    clock = Clock()
+    a, b = (make(redis_server.url, redis_prefix, clock, h) for h in "AB")
+    a.track_token("13", S)
+    lose_row(a, "13")
+    clock.tick(1.0)
+    assert b.cancel_if_in_flight("13", "first", S) is False
+    assert a.renew() == 1 and box(a) == [(S, "13", "first")]
+    clock.tick(1.0)
+    assert b.cancel_if_in_flight("13", "second", S) is True
+    assert box(a) == [(S, "13", "second")]
+    lose_row(a, "13")
+    assert a.renew() == 1
+    assert box(a) == [] and a.reason("13", S) == "second"
+    assert a.cancelled_at("13", S) == clock.t

@@ -4,8 +4,8 @@
 -- Adds a running request (a new one, or one Redis lost, added back). A cancellation row older
 -- than the request, with no other request of that key running, is not this request's: it goes
 -- (contract 4.3). A pending cancellation (cancel.lua found nothing in flight) sent at or after
--- the request's start, and still waiting, was meant for it: it is recorded and delivered to this
--- owner's box.
+-- the request's start, and still waiting, was meant for it: it is recorded, delivered to this
+-- owner's box and stops waiting.
 -- Returns 1, or 2 when a pending cancellation was delivered.
 local ifk = KEYS[1]
 local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
@@ -43,6 +43,8 @@ elseif raw then
                      tonumber(ARGV[10]))
     if r[1] ~= -1 then
       deliver(P, owner, scope, rid, p[1], tonumber(ARGV[5]) - tonumber(ARGV[6]))
+      redis.call('HDEL', KEYS[7], rid)  -- landed once: a later add back must not land it again
+      redis.call('ZREM', KEYS[8], member(scope, rid))  -- over a newer cancellation's row
       return 2
     end
   end
