@@ -313,6 +313,30 @@ def test_errors_exit_1_with_one_line(shm_name, args):
     assert p.stderr.startswith("shmtool: ") and "Traceback" not in p.stderr
 
 
+def test_a_garbled_table_descriptor_is_one_line_never_a_traceback(shm_name):
+    """A registry whose header names a record size no table can have (not a multiple of 8):
+    dump, stats and cleanup exit 1 with one line, list shows it unusable, and none of them
+    prints a traceback (the table geometry's ValueError escaped before)."""
+    import struct
+
+    Registry.create(shm_name, SMALL).close()
+    with open(f"/dev/shm/shmcancel.{shm_name}", "r+b") as f:
+        f.seek(520 + 52)  # table descriptor 0's record size (u32)
+        (size,) = struct.unpack("<I", f.read(4))
+        f.seek(520 + 52)
+        f.write(struct.pack("<I", size + 3))
+    for args in (("dump", shm_name), ("dump", shm_name, "--json"), ("stats", shm_name),
+                 ("stats", shm_name, "--json"), ("cleanup", shm_name)):
+        p = shmtool(*args)
+        assert p.returncode == 1, (args, p)
+        assert p.stdout == "" and len(p.stderr.splitlines()) == 1, (args, p.stderr)
+        assert "Traceback" not in p.stderr and "cancellations" in p.stderr, (args, p.stderr)
+    p = shmtool("list", "--json")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p
+    row = {r["name"]: r for r in json.loads(p.stdout)["registries"]}[shm_name]
+    assert row["state"] != "alive" and "cancellations" in row["error"], row
+
+
 def test_missing_registry_message_names_it(shm_name):
     p = shmtool("dump", shm_name)
     assert shm_name in p.stderr

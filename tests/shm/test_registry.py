@@ -246,6 +246,23 @@ def test_incompatible_table_layout(shm_name: str) -> None:
         Registry.attach(shm_name)
 
 
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_garbled_record_size_is_refused_as_incompatible(shm_name: str, readonly: bool) -> None:
+    """contract §2: a segment whose table descriptor names a record size no table can have (not
+    a multiple of 8: a garbled header) is ``RegistryIncompatible``, not a ``ValueError`` from
+    the table geometry (shmtool printed that one's traceback)."""
+    import struct
+
+    Registry.create(shm_name, SMALL).close()
+    with open(segment_path(shm_name), "r+b") as f:
+        f.seek(520 + 52)  # descriptor 0's record size (u32)
+        (size,) = struct.unpack("<I", f.read(4))
+        f.seek(520 + 52)
+        f.write(struct.pack("<I", size + 3))
+    with pytest.raises(RegistryIncompatible, match="table cancellations"):
+        Registry.attach(shm_name, readonly=readonly)
+
+
 def test_readonly(shm_name: str) -> None:
     with Registry.create(shm_name, SMALL) as reg:
         reg.table("cancellations").insert(("global", "7"), (None, 2.0))

@@ -299,9 +299,13 @@ class Registry:
                 f"{', '.join(want) or 'none'} (created by another version of the code?)")
         for d in seg.tables:
             s = want[d.name]
+            try:
+                size: int | None = Table.region_size(d.capacity, d.record_size, s.small_size,
+                                                     s.large_count)
+            except ValueError:  # a record size no table can have (a garbled descriptor)
+                size = None
             if (d.kind != s.kind or d.capacity != s.capacity or d.record_size < s.record_size
-                    or d.region_size != Table.region_size(d.capacity, d.record_size, s.small_size,
-                                                         s.large_count)):
+                    or d.region_size != size):
                 raise RegistryIncompatible(
                     f"registry {self._name}: table {d.name} is {d.kind}/{d.capacity} rows/"
                     f"{d.record_size}-byte records/{d.region_size} bytes; expected {s.kind}/"
