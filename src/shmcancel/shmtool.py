@@ -620,6 +620,16 @@ def _cleanup_stale(only: list[str]) -> int:
     return 1 if skipped else 0
 
 
+def _refuse_live_creator(name: str) -> None:
+    """``ShmCancelError`` naming the creator of registry ``name`` when it is alive."""
+    pid = _live_creator(name)
+    if pid is not None:
+        raise ShmCancelError(
+            f"registry {name} is in use: its creator, pid {pid}, is alive (unlinking it "
+            "would make the server's next worker fail to start); stop that server first, "
+            "or pass --force")
+
+
 def cmd_unlink(args: argparse.Namespace) -> int:
     name = check_name(args.name)
     existing, others = split_paths(name)
@@ -630,13 +640,14 @@ def cmd_unlink(args: argparse.Namespace) -> int:
                 f"no registry named {name} of ours: only other users' entries "
                 f"({path} belongs to uid {st.st_uid}), which are left alone")
         raise RegistryNotFound(f"no registry named {name} (nothing of it in {SHM_DIR})")
+    if not args.force:
+        # Refused at once while the creator lives, naming it, even while a lock recovery or a
+        # creation holds the flock below (waiting for it would end with a message naming no
+        # process); checked again under the flock.
+        _refuse_live_creator(name)
     with _creation_lock(name, args.force):  # may create the lock file: not reported
-        pid = _live_creator(name)
-        if pid is not None and not args.force:
-            raise ShmCancelError(
-                f"registry {name} is in use: its creator, pid {pid}, is alive (unlinking it "
-                "would make the server's next worker fail to start); stop that server first, "
-                "or pass --force")
+        if not args.force:
+            _refuse_live_creator(name)
         own, others = split_paths(name)  # other users' entries: never touched
         removed = [p for p in _unlink_names(name, own) if p in existing]
     print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")

@@ -238,6 +238,23 @@ def test_unlink_refuses_while_the_creator_lives(reg):
     assert _entries(reg.name) == []
 
 
+def test_unlink_names_the_live_creator_while_the_creation_lock_is_held(reg):
+    """contract §7: the refusal names the live process also while the registry's lock file is
+    flock-ed (a lock recovery or a creation under way): it used to wait for that lock and then
+    exit 1 with a message about the lock file, naming no process."""
+    import fcntl
+
+    fd = os.open(f"/dev/shm/shmcancel-lock.{reg.name}", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        p = shmtool("unlink", reg.name)
+    finally:
+        os.close(fd)
+    assert p.returncode == 1, p
+    assert p.stderr.count("\n") == 1 and f"pid {os.getpid()}" in p.stderr, p.stderr
+    Registry.attach(reg.name).close()  # still there
+
+
 def test_unlink_removes_a_failed_creates_leftovers(shm_name):
     """A create that failed left a lock file (and a temporary) but no segment: unlink removes
     whatever of the name exists; and a failing create no longer leaves its lock file."""
