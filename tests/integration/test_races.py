@@ -392,6 +392,59 @@ def test_the_janitor_thread_lands_an_owed_end(registry, spawn) -> None:
         forget_owed_ends()
 
 
+@pytest.mark.parametrize("landed_by", ["cleanup", "the next write"])
+def test_a_plain_untrack_and_clear_meeting_a_stalled_lock_are_owed_not_lost(
+        registry, spawn, landed_by: str) -> None:
+    """contract §4.3 through the public API: the end of a request (``untrack``, then ``clear``)
+    that meets a live lock holder stopped past ``lock_timeout`` is never lost. It used to raise
+    ``LockTimeout`` and leave the row in flight for as long as the process lived (``cleanup``
+    never removed it: its owner is alive). Now neither call raises; once the holder lets go the
+    process finishes both (its ``cleanup``, or its next write), and nothing is left in flight
+    or cancelled."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    c.track(5, "s")
+    c.cancel(5, "r", "s")
+    try:
+        with stalled_lock(spawn, reg.name):
+            c.untrack(5, "s")
+            c.clear(5, "s")
+            assert c.in_flight(5, "s") and c.cancelled(5, "s")  # not yet: owed
+            assert owed_mod.owed_ends() == 2
+        if landed_by == "cleanup":
+            assert c.cleanup() == 0  # no row expired: the owed clear removed it
+        else:
+            c.track(6, "s")
+            c.untrack(6, "s")
+        assert owed_mod.owed_ends() == 0
+        assert not c.in_flight(5, "s") and not c.cancelled(5, "s")
+        assert sorted(_rows(reg)) == [] and reg.table("cancellations").scan() == []
+        assert scope_counts(reg) == {}
+    finally:
+        forget_owed_ends()
+
+
+def test_an_owed_untrack_and_a_new_track_of_the_id_leave_one_row(registry, spawn) -> None:
+    """The thread tracks the id again before its owed untrack lands: the row it would remove is
+    the new request's too (a thread's rows of one key are one), so the owed untrack is dropped
+    and the new request stays in flight until its own untrack."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    c.track(7, "s")
+    try:
+        with stalled_lock(spawn, reg.name):
+            c.untrack(7, "s")
+            assert owed_mod.owed_ends() == 1
+        c.track(7, "s")
+        assert owed_mod.owed_ends() == 0
+        assert [k for k, _ in _rows(reg)] == [("s", "7")]
+        assert c.in_flight(7, "s")
+        c.untrack(7, "s")
+        assert not c.in_flight(7, "s") and sorted(_rows(reg)) == []
+    finally:
+        forget_owed_ends()
+
+
 def _sleep_started(post: Callable[[Any], Any], seconds: float,
                    tmp_path: Any) -> tuple[threading.Thread, list[Any]]:
     """A ``sleep`` call (id 7) posted on a thread of its own, once its tool has started: the

@@ -21,13 +21,16 @@ from collections.abc import Callable
 from ..exceptions import LockTimeout
 from .storage import Owner, Storage
 
-__all__ = ["listeners", "owe", "owed_ends", "queue", "running", "settle_owed"]
+__all__ = ["forgo_untrack", "listeners", "owe", "owed_ends", "queue", "running",
+           "settle_owed"]
 
 log = logging.getLogger("shmcancel.cancellation")
 
 _OWED_MAX = 1024
-#: Owed ends, oldest first: (store, scope, rid, owner, ended_at).
-queue: collections.deque[tuple[Storage, str, str, Owner | None, float]] = collections.deque()
+#: Owed ends, oldest first: (store, scope, rid, owner, ended_at); ``ended_at`` ``None``: only
+#: the untrack of ``owner``'s row (a plain ``Cancellation.untrack``), no clear.
+queue: collections.deque[tuple[Storage, str, str, Owner | None, float | None]] = \
+    collections.deque()
 _owed_lock = threading.Lock()  # one thread lands owed ends at a time
 _dropped_logged = False
 #: Tokens of the requests this process runs (see the module docstring).
@@ -48,9 +51,11 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-    """Queue an end that could not land. At ``_OWED_MAX`` the oldest is dropped (logged once
-    per process): its in-flight row is still removed by :meth:`Cancellation.settle`."""
+def owe(st: Storage, scope: str, rid: str, owner: Owner | None,
+        ended_at: float | None) -> None:
+    """Queue an end that could not land (``ended_at`` ``None``: only the untrack of ``owner``'s
+    row). At ``_OWED_MAX`` the oldest is dropped (logged once per process): a handle's in-flight
+    row is still removed by :meth:`Cancellation.settle`."""
     global _dropped_logged
     if len(queue) >= _OWED_MAX:
         with contextlib.suppress(IndexError):
@@ -68,13 +73,34 @@ def owe(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float)
             log.debug("an owed-end listener failed", exc_info=True)
 
 
+def forgo_untrack(st: Storage, scope: str, rid: str, owner: Owner) -> bool:
+    """Drop an owed untrack (no clear) of ``owner``'s row of ``(scope, rid)``: that thread
+    tracks the id again, and the row the untrack would remove stands for the new request (a
+    thread's ``track`` rows of one key are one row). Waits for an owed end landing meanwhile,
+    so it cannot land after this returns. Returns whether one was dropped."""
+    with _owed_lock:
+        for entry in list(queue):
+            if (entry[0] is st and entry[4] is None and entry[3] == owner
+                    and entry[1] == scope and entry[2] == rid):
+                with contextlib.suppress(ValueError):
+                    queue.remove(entry)
+                return True
+    return False
+
+
 def owed_ends() -> int:
     """How many request ends this process still owes to a registry (see the module docstring)."""
     return len(queue)
 
 
-def _land(st: Storage, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-    """An owed end, as one store operation (:meth:`Storage.end`)."""
+def _land(st: Storage, scope: str, rid: str, owner: Owner | None,
+          ended_at: float | None) -> None:
+    """An owed end, as one store operation (:meth:`Storage.end`; an owed plain untrack:
+    :meth:`Storage.untrack` of its owner's row)."""
+    if ended_at is None:
+        if owner is not None:
+            st.untrack(scope, rid, owner)
+        return
     st.end(scope, rid, owner, ended_at)
 
 

@@ -296,6 +296,8 @@ class Cancellation:
                                   batch=self._batch, only_in_flight=only_in_flight):
             self._tick()  # a call that wrote nothing is use of the registry too (§4.6)
             return False
+        if owed.queue:
+            settle_owed()  # the lock answered: land what this process owes
         if telemetry.listening():
             telemetry.execute(CANCELLED_EVENT, {"count": 1},
                               {"request_id": rid, "scope": scope, "reason": text})
@@ -410,12 +412,24 @@ class Cancellation:
 
     def clear(self, request_id: object, scope: str = "global") -> None:
         """Remove the ``(scope, id)`` cancellation row. Reads first: when there is no row (the
-        common case) no lock is taken. Invalid ids are ignored."""
+        common case) no lock is taken. Invalid ids are ignored.
+
+        Never lost (contract §4.3): when the lock cannot be had in time
+        (:class:`~shmcancel.LockTimeout`) the clear is owed, not raised, and this process lands
+        it later (its next write, ``cleanup``, its janitor). While a namesake is in flight then,
+        only a row older than this call goes."""
         rid = ids.key(request_id)
         if rid is None or not valid_scope(scope):
             return
         self._tick()
-        self._store.clear(scope, rid)
+        try:
+            self._store.clear(scope, rid)
+        except LockTimeout as e:
+            owed.owe(self._store, scope, rid, None, self.clock())
+            log.warning("clearing request %r in %r: %s; retried later", rid, scope[:80], e)
+        else:
+            if owed.queue:
+                settle_owed()
 
     def cancel_scope(self, scope: str, reason: object = None) -> int:
         """Cancel every request in flight in ``scope`` (a session's ``DELETE``). Returns how many
@@ -443,17 +457,37 @@ class Cancellation:
         if rid is None or not valid_scope(scope):
             return
         pid, start = procinfo.me()
-        self._store.track(scope, rid, (pid, start, threading.get_ident(), 0))
+        owner = (pid, start, threading.get_ident(), 0)
+        if owed.queue:
+            # an untrack of this thread's row of the key, owed to a stalled lock, must not land
+            # after this track: it would end the new request (the row is the same)
+            owed.forgo_untrack(self._store, scope, rid, owner)
+        self._store.track(scope, rid, owner)
+        if owed.queue:
+            settle_owed()  # the lock answered: land what this process owes
         self._tick()
 
     def untrack(self, request_id: object, scope: str = "global") -> None:
         """Remove the calling thread's own in-flight row for the key (one of them), leaving
-        namesakes run by other threads or processes in flight."""
+        namesakes run by other threads or processes in flight.
+
+        Never lost (contract §4.3): when the lock cannot be had in time
+        (:class:`~shmcancel.LockTimeout`) the untrack of this thread's ``track`` row is owed,
+        not raised, and this process lands it later (its next write, ``cleanup``, its
+        janitor)."""
         rid = ids.key(request_id)
         if rid is None or not valid_scope(scope):
             return
         pid, start = procinfo.me()
-        self._store.untrack_thread(scope, rid, pid, start, threading.get_ident())
+        tid = threading.get_ident()
+        try:
+            self._store.untrack_thread(scope, rid, pid, start, tid)
+        except LockTimeout as e:
+            owed.owe(self._store, scope, rid, (pid, start, tid, 0), None)
+            log.warning("untracking request %r in %r: %s; retried later", rid, scope[:80], e)
+        else:
+            if owed.queue:
+                settle_owed()
         self._tick()
 
     def in_flight(self, request_id: object, scope: str = "global") -> bool:
@@ -528,6 +562,7 @@ class Cancellation:
         now = self.clock()
         if now - now:  # NaN or an infinity: no row's age can be told
             raise bad_clock(now)
+        settle_owed()  # this process's request ends owed to a stalled lock land first (§4.3)
         removed = self._store.expire(now, float(ttl))
         in_flight_removed = self._store.reap() + self._reap_ended()
         telemetry.execute(
