@@ -357,6 +357,31 @@ def test_invalid_arguments_are_a_tool_execution_error(server: Gunicorn,
     assert text.startswith(f"Invalid arguments for tool {name}: ") and problem in text, text
 
 
+@pytest.mark.parametrize("version, body, code", [
+    (LEGACY, _call({"name": "nope", "arguments": {}}), errors.INVALID_PARAMS),
+    (LEGACY, _rpc(id=1, method="nope/nope"), errors.METHOD_NOT_FOUND),
+    (LEGACY, _call({"name": "echo", "arguments": {}, "_meta": {"progressToken": [1]}}),
+     errors.INVALID_PARAMS),
+    (MODERN, _call({"name": "nope", "arguments": {}, "_meta": META}), errors.INVALID_PARAMS),
+], ids=["unknown tool", "unknown method", "bad progress token", "modern unknown tool"])
+def test_an_error_read_as_a_request_follows_accept(server: Gunicorn, bad_input_client: Client,
+                                                   version: str, body: bytes,
+                                                   code: int) -> None:
+    """contract §5/§6.1: a request that was read is answered with HTTP 200, as
+    ``application/json`` or as a ``text/event-stream``; a client that accepts only the event
+    stream (not refused: 406 is for accepting neither) gets its error reply as an event, as it
+    gets results, not as a JSON body it said it does not take."""
+    h = {**bad_input_client.headers(version), "Accept": "text/event-stream"}
+    if version == MODERN:
+        h.pop("Mcp-Session-Id", None)
+        h["Mcp-Method"], h["Mcp-Name"] = "tools/call", "nope"
+    r = httpx.post(server.url, content=body, headers=h, timeout=15)
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+    msg = reply_of(r)
+    assert (msg["id"], msg["error"]["code"]) == (1, code), msg
+
+
 def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
     """contract §6.0: a page on loopback (any port) passes the default Origin check."""
     for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):

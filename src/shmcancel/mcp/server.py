@@ -106,7 +106,7 @@ from .jsonrpc import RpcError
 from .legacy import LegacyWire
 from .modern import ModernWire
 from .origin import OriginPolicy
-from .reply import _STATUS, StartResponse, _error_reply, _Reply, progress
+from .reply import _STATUS, StartResponse, _body_reply, _error_reply, _Reply, progress
 from .reply import PROGRESS_KEY as PROGRESS_KEY
 from .sessions import SessionsFull
 from .stop import RequestStopped
@@ -286,6 +286,8 @@ class McpServer(LegacyWire, ModernWire):
                 return self._modern(environ, start_response, headers, msg, json_ok, sse_ok)
             return self._legacy(environ, start_response, headers, msg, json_ok, sse_ok)
         except RpcError as e:
+            if e.status == 200:  # a request that was read: its reply as the client accepts
+                return _body_reply(200, e.body(), json_ok)  # (an SSE event when no JSON)
             return _error_reply(e.status, e.id, e.code, e.message, e.data)
 
     def _read_body(self, environ: dict[str, Any], headers: RequestHeaders,
