@@ -26,7 +26,9 @@ import anyio
 import httpx
 import pytest
 from helpers.aio import until
-from helpers.gunicorn_harness import Gunicorn
+from helpers.background import Background
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.procs import Chan, proc_state
 from helpers.rows import in_flight_rows
 from mcp import Client
 
@@ -528,3 +530,63 @@ def test_delete_stops_a_sync_tool_of_the_session(server):
     took = anyio.run(main)
     assert took < STOPPED_WITHIN, took
     assert rows(reg) == []
+
+
+def _lock_holder(chan: Chan, name: str) -> None:
+    """Take the registry lock, say so, and stop (SIGSTOP) holding it; once continued, release
+    it and exit."""
+    reg = Registry.attach(name)
+    with reg.lock:
+        chan.send("held")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    chan.send("released")
+    assert chan.recv() == "exit"
+
+
+@pytest.mark.slow
+def test_a_stalled_registry_lock_never_stalls_a_workers_event_loop(shm_name, spawn):
+    """A live process holding the registry lock (stopped: contract §4.3) makes a write wait
+    ``lock_timeout``. A ``tools/call`` whose key goes to the shared table (an id too long for
+    the worker's lane) must not wait on the worker's event loop: every other request of that
+    worker (here ``tools/list``, which needs no lock) was held up to ``lock_timeout`` behind it,
+    and so was every cancellation poll (contract §9: within the poll interval)."""
+    lock_timeout = 2.0
+    env = {"SHMCANCEL_SDK_STATELESS": "1", "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout)}
+    headers = {"Accept": "application/json, text/event-stream",
+               "Content-Type": "application/json", "MCP-Protocol-Version": "2025-11-25"}
+    with Gunicorn("app:app", registry_name=shm_name, config="tests/apps/transport_conf.py",
+                  workers=1, worker_class="uvicorn_worker.UvicornWorker", env=env,
+                  extra_args=["--pythonpath", "examples/sdk"]) as g:
+
+        def post(body: dict[str, Any]) -> tuple[httpx.Response, float]:
+            t0 = time.monotonic()
+            r = httpx.post(g.url, json=body, headers=headers, timeout=30)
+            return r, time.monotonic() - t0
+
+        def echo(rid: Any) -> dict[str, Any]:
+            return {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                    "params": {"name": "echo", "arguments": {"text": "x"}}}
+
+        assert post(echo(1))[0].status_code == 200  # the worker has claimed its lane
+        holder = spawn(_lock_holder, shm_name)
+        try:
+            assert holder.recv() == "held"
+            wait_until(lambda: proc_state(holder.pid) == "T", time.monotonic() + 10,
+                       what="the lock holder to stop")
+            long_call = Background(lambda: post(echo("L" * 120)))
+            long_call.start()
+            waits = []
+            deadline = time.monotonic() + 4 * lock_timeout
+            while long_call.done_at is None and time.monotonic() < deadline:
+                r, took = post({"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
+                assert r.status_code == 200, r.text
+                waits.append(took)
+            r, _ = long_call.result(timeout=10)
+            assert r.status_code == 200, r.text
+            assert max(waits) < lock_timeout / 2, (waits, g.log_tail())
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(holder.pid, signal.SIGCONT)
+        assert holder.recv() == "released"
+        holder.send("exit")
+        assert holder.wait() == 0

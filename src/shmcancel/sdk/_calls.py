@@ -20,8 +20,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
 import anyio
 from mcp.shared.exceptions import MCPError
@@ -37,6 +37,8 @@ log = logging.getLogger("shmcancel.sdk")
 POLL_INTERVAL = 0.002
 SESSION_HEADER = b"mcp-session-id"
 VERSION_HEADER = b"mcp-protocol-version"
+
+_T = TypeVar("_T")
 
 _current: contextvars.ContextVar[RequestHandle | None] = contextvars.ContextVar(
     "shmcancel_sdk_handle", default=None)
@@ -256,6 +258,21 @@ class Exchange:
             call.stop("client disconnected")
 
 
+async def _registry_write(c: Cancellation, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, a handle's begin or end: a registry write that may wait for the lock. On
+    the event loop while no other process holds the lock (a wait of microseconds); in a thread
+    while it is stalled (a holder stopped: a wait of up to ``lock_timeout``, which on the loop
+    would hold up every request and every cancellation poll of the worker). Shielded: a begin
+    must be matched by its end, and an end must run."""
+    lock = getattr(getattr(c, "registry", None), "lock", None)
+    stalled = getattr(lock, "stalled", None)
+    if stalled is None or not stalled():
+        return fn(*args)
+    with anyio.CancelScope(shield=True):
+        done = await anyio.to_thread.run_sync(fn, *args)
+    return done
+
+
 class Tracker:
     """The server middleware (``MCPServer.middleware``): see the module docstring."""
 
@@ -270,7 +287,7 @@ class Tracker:
             return await call_next(ctx)
         scope = getattr(ctx.request, "scope", None)
         conn = conn_of(scope, self.stateful)
-        handle = c.begin(ctx.request_id, principal.scope(conn))
+        handle = await _registry_write(c, c.begin, ctx.request_id, principal.scope(conn))
         call = Call(handle)
         exchange = scope.get(EXCHANGE_KEY) if isinstance(scope, MutableMapping) else None
         poller = _poller()
@@ -296,4 +313,4 @@ class Tracker:
             if isinstance(exchange, Exchange):
                 exchange.calls.discard(call)
             _current.reset(token)
-            handle.end()
+            await _registry_write(c, handle.end)
