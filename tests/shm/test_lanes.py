@@ -225,29 +225,49 @@ def test_a_fork_child_claims_its_own_lane_and_its_copy_of_a_handle_ends_nothing(
 
 
 # ------------------------------------------------------------------------------ 3. dead owners
-def _dead_holder(registry: Any, spawn: Any, n: int) -> tuple[Registry, Cancellation, Any, int]:
+def lane_ids(reg: Registry, n: int, start: int = 0) -> list[int]:
+    """``n`` ids from ``start`` on whose rows all fit one lane: at most ``WAYS`` in a bucket (the
+    bucket is the keyed hash's, random per registry: 12 consecutive ids put 5 in one bucket
+    about once in 1300 registries, and the 5th row then goes to the shared table)."""
+    f = reg.table("in_flight")
+    per: Counter[int] = Counter()
+    out = []
+    rid = start
+    while len(out) < n:
+        b = lanes._bucket(f.prepare((SCOPE, str(rid))).hash)
+        if per[b] < lanes.WAYS:
+            per[b] += 1
+            out.append(rid)
+        rid += 1
+    return out
+
+
+def _dead_holder(registry: Any, spawn: Any, n: int
+                 ) -> tuple[Registry, Cancellation, Any, int, list[int]]:
+    """A child that began ``n`` requests (ids returned), all in its lane, SIGKILLed."""
     reg = registry()
     c = Cancellation(reg)
-    child = spawn(holder, reg.name, list(range(n)), SCOPE)
+    rids = lane_ids(reg, n)
+    child = spawn(holder, reg.name, rids, SCOPE)
     got = child.recv()
     assert got["kinds"] == ["lane"] * n and len(got["lanes"]) == 1
     lane = got["lanes"][0]
     assert owner_pids(reg) == {lane: got["pid"]}
     os.kill(child.pid, signal.SIGKILL)
     wait_zombie(child.pid)  # dead, not yet reaped: its pid still exists
-    for rid in range(n):  # a dead owner's rows stay until reaped
+    for rid in rids:  # a dead owner's rows stay until reaped
         assert c.in_flight(rid, SCOPE) and c.in_flight_pids(rid, SCOPE) == {got["pid"]}
     assert owner_pids(reg) == {lane: got["pid"]}
-    return reg, c, child, lane
+    return reg, c, child, lane, rids
 
 
 def test_reap_removes_a_dead_owners_lane_rows_and_frees_its_lane(registry, spawn):
     n = 12
-    reg, c, child, lane = _dead_holder(registry, spawn, n)
+    reg, c, child, lane, rids = _dead_holder(registry, spawn, n)
     assert c.reap(os.getpid()) == 0  # another pid's rows only: nothing
     assert c.reap() == n
     assert owner_pids(reg) == {}
-    for rid in range(n):
+    for rid in rids:
         assert not c.in_flight(rid, SCOPE) and c.in_flight_pids(rid, SCOPE) == set()
     assert c._store.in_flight_rows() == []  # type: ignore[attr-defined]
     assert c.reap() == 0
@@ -264,32 +284,33 @@ def test_reap_removes_a_dead_owners_lane_rows_and_frees_its_lane(registry, spawn
 
 def test_reap_by_pid_and_cleanup_remove_a_dead_owners_lane_rows(registry, spawn):
     n = 7
-    reg, c, child, lane = _dead_holder(registry, spawn, n)
+    reg, c, child, lane, rids = _dead_holder(registry, spawn, n)
     assert c.reap(child.pid) == n
     assert owner_pids(reg) == {}
-    assert not any(c.in_flight(rid, SCOPE) for rid in range(n))
+    assert not any(c.in_flight(rid, SCOPE) for rid in rids)
     # and through cleanup() (sweep(): its in-flight count is the dead lane's rows)
-    other = spawn(holder, reg.name, list(range(50, 50 + n)), SCOPE)
+    more = lane_ids(reg, n, 50)
+    other = spawn(holder, reg.name, more, SCOPE)
     got = other.recv()
-    assert got["lanes"] == [lane]
+    assert got["kinds"] == ["lane"] * n and got["lanes"] == [lane]
     os.kill(other.pid, signal.SIGKILL)
     wait_zombie(other.pid)
-    assert all(c.in_flight(rid, SCOPE) for rid in range(50, 50 + n))
+    assert all(c.in_flight(rid, SCOPE) for rid in more)
     assert c.sweep() == (0, n)
     assert owner_pids(reg) == {}
-    assert not any(c.in_flight(rid, SCOPE) for rid in range(50, 50 + n))
+    assert not any(c.in_flight(rid, SCOPE) for rid in more)
     assert c.cleanup() == 0 and c.sweep() == (0, 0)
     assert c._store.in_flight_rows() == []  # type: ignore[attr-defined]
 
 
 def test_a_new_process_claims_a_dead_owners_lane_clearing_its_rows(registry, spawn):
     n = 5
-    reg, c, _, lane = _dead_holder(registry, spawn, n)
+    reg, c, _, lane, rids = _dead_holder(registry, spawn, n)
     fresh = spawn(holder, reg.name, [200], SCOPE)
     got = fresh.recv()
     assert got["kinds"] == ["lane"] and got["lanes"] == [lane]  # the first lane: the dead one's
     assert owner_pids(reg) == {lane: got["pid"]}
-    assert not any(c.in_flight(rid, SCOPE) for rid in range(n))  # cleared by the claim
+    assert not any(c.in_flight(rid, SCOPE) for rid in rids)  # cleared by the claim
     assert c.in_flight(200, SCOPE) and lane_row_pids(c) == [got["pid"]]
     assert c.reap() == 0  # nothing dead left
     fresh.send("exit")
