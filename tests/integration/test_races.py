@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,9 +24,10 @@ import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of, tag, wait_file
-from helpers.procs import Chan, Child, proc_state
+from helpers.procs import Chan
 from helpers.rows import in_flight_count, scope_counts
 from helpers.rows import in_flight_rows as _rows
+from helpers.stalled_lock import stalled_lock
 from helpers.wsgi import environ_for, run
 
 import shmcancel.cancel.owed as owed_mod
@@ -80,35 +80,6 @@ def requester(chan: Chan, name: str, rid: Any, scope: str) -> None:
     h.end()
     chan.send("ended")
     assert chan.recv() == "exit"
-
-
-def lock_holder(chan: Chan, name: str) -> None:
-    """Take the registry lock, say so, and stop (SIGSTOP) holding it; once continued, release
-    it and exit."""
-    reg = Registry.attach(name)
-    with reg.lock:
-        chan.send("held")
-        os.kill(os.getpid(), signal.SIGSTOP)
-    chan.send("released")
-    assert chan.recv() == "exit"
-
-
-@contextlib.contextmanager
-def stalled_lock(spawn: Callable[..., Child], name: str) -> Iterator[Child]:
-    """A live process holding the registry lock, stopped; continued (and so releasing the lock)
-    when the block ends, and in any case continued and killed by the spawn fixture."""
-    holder = spawn(lock_holder, name)
-    try:
-        assert holder.recv() == "held"
-        wait_until(lambda: proc_state(holder.pid) == "T", time.monotonic() + TIMEOUT,
-                   what="the lock holder to stop")
-        yield holder
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(holder.pid, signal.SIGCONT)
-    assert holder.recv() == "released"
-    holder.send("exit")
-    assert holder.wait() == 0
 
 
 # ------------------------------------------------------------------------------ defect 1

@@ -27,9 +27,9 @@ import httpx
 import pytest
 from helpers.aio import until
 from helpers.background import Background
-from helpers.gunicorn_harness import Gunicorn, wait_until
-from helpers.procs import Chan, proc_state
+from helpers.gunicorn_harness import Gunicorn
 from helpers.rows import in_flight_rows
+from helpers.stalled_lock import stalled_lock
 from mcp import Client
 
 from shmcancel import Registry
@@ -532,17 +532,6 @@ def test_delete_stops_a_sync_tool_of_the_session(server):
     assert rows(reg) == []
 
 
-def _lock_holder(chan: Chan, name: str) -> None:
-    """Take the registry lock, say so, and stop (SIGSTOP) holding it; once continued, release
-    it and exit."""
-    reg = Registry.attach(name)
-    with reg.lock:
-        chan.send("held")
-        os.kill(os.getpid(), signal.SIGSTOP)
-    chan.send("released")
-    assert chan.recv() == "exit"
-
-
 @pytest.mark.slow
 def test_a_stalled_registry_lock_never_stalls_a_workers_event_loop(shm_name, spawn):
     """A live process holding the registry lock (stopped: contract §4.3) makes a write wait
@@ -568,11 +557,7 @@ def test_a_stalled_registry_lock_never_stalls_a_workers_event_loop(shm_name, spa
                     "params": {"name": "echo", "arguments": {"text": "x"}}}
 
         assert post(echo(1))[0].status_code == 200  # the worker has claimed its lane
-        holder = spawn(_lock_holder, shm_name)
-        try:
-            assert holder.recv() == "held"
-            wait_until(lambda: proc_state(holder.pid) == "T", time.monotonic() + 10,
-                       what="the lock holder to stop")
+        with stalled_lock(spawn, shm_name):
             long_call = Background(lambda: post(echo("L" * 120)))
             long_call.start()
             waits = []
@@ -584,9 +569,3 @@ def test_a_stalled_registry_lock_never_stalls_a_workers_event_loop(shm_name, spa
             r, _ = long_call.result(timeout=10)
             assert r.status_code == 200, r.text
             assert max(waits) < lock_timeout / 2, (waits, g.log_tail())
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(holder.pid, signal.SIGCONT)
-        assert holder.recv() == "released"
-        holder.send("exit")
-        assert holder.wait() == 0
