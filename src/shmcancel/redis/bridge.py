@@ -70,7 +70,7 @@ from shmcancel.config import Config
 from shmcancel.exceptions import CancellationLimitReached, LockTimeout, RemoteUnavailable
 
 from ..cancel import ids
-from ..mcp import remote
+from ..mcp import remote, wake
 from ..mcp.sessions import SessionStore
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
@@ -502,6 +502,8 @@ class Bridge:
         try:
             if self.local.cancel_if_in_flight(rid, reason, scope):
                 self.delivered += 1
+                # its tool may be waiting (wait_cancelled): wake it, as the transport does
+                wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))
         except Exception as e:  # quota on this host, a lock timeout: logged, never fatal
             log.warning("could not apply a cross-host cancellation: %s", e)
 
