@@ -5,14 +5,22 @@ where an interleaving must be forced."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import redis
 from helpers.background import Background
 from helpers.mcp_client import tag, wait_file
+from helpers.redis_server import unique_prefix
+from test_redis_bridge import bridge
 from test_redis_hosts import Client, outdir, two_hosts
 
-from shmcancel import errors
+from shmcancel import Cancellation, Config, errors
+from shmcancel.mcp.sessions import SessionStore
+from shmcancel.redis.bridge import Bridge
+from shmcancel.shm.registry import Registry
 
 __all__ = ["outdir"]  # the module fixture, shared
 
@@ -39,3 +47,65 @@ def test_a_waiting_tool_is_woken_by_a_cancellation_sent_to_another_host(
             reply = call.result(25)
             assert reply["error"]["code"] == errors.REQUEST_CANCELLED, (how, reply)
             assert call.done_at - sent < 5.0, how  # not the tool's 20 s
+
+
+@contextlib.contextmanager
+def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
+                     config: Config | None = None
+                     ) -> Iterator[tuple[tuple[Registry, Bridge], tuple[Registry, Bridge]]]:
+    """Hosts A and B as two registries, each with a thread-less bridge (only the calls a test
+    makes reach Redis), of one deployment (one key prefix)."""
+    cfg = config or Config(capacity=400, max_rows=200, in_flight_capacity=64,
+                           session_capacity=16)
+    other = shm_name + "b"
+    shm_names.append(other)
+    prefix = unique_prefix()
+    ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
+    try:
+        with bridge(ra, srv, prefix=prefix, host="A") as a, \
+                bridge(rb, srv, prefix=prefix, host="B") as b:
+            yield (ra, a), (rb, b)
+    finally:
+        for r in (ra, rb):
+            r.close()
+            r.unlink()
+
+
+def take_box(srv: Any, br: Bridge) -> list[bytes]:
+    """What waits in ``br``'s box, oldest first (taken)."""
+    r = redis.Redis.from_url(srv.url)
+    out = []
+    while (raw := r.rpop(br.store.box_key(br.remote.box))) is not None:
+        out.append(raw)
+    r.close()
+    return out
+
+
+def test_a_call_that_begins_on_a_while_b_deletes_its_session_is_cancelled(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: DELETE cancels every request still in flight in the session. A DELETE on
+    B cancels the calls Redis lists in flight, then tells A (its box) to end its copy. A call
+    beginning on A in between passes its session check (A's copy is still there) and is not
+    among them: ending A's copy must cancel it, as a local DELETE would (the same Dekker pair
+    as the transport's: the call re-reads its session after it is tracked). It ran on."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        s = sa.create("2025-11-25", "ip:203.0.113.9")
+        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+        got = b.lookup_session(s.id)  # B adopts it (legacy._adopt_session)
+        assert got is not None and sb.create(*got, session_id=s.id) is not None
+        scope = f"session:{s.id}"
+        # B's DELETE (legacy.LegacyWire._delete), up to its cancel_scope through Redis
+        assert sb.delete(s.id)
+        assert Cancellation(rb).cancel_scope(scope, "session deleted") == 0
+        assert b.cancel_scope(scope, "session deleted") == 0
+        # A call begins on A now: tracked here and in Redis, its session still found here
+        handle = Cancellation(ra).begin(7, scope)
+        assert handle.tracked and a.track(7, scope) is not None
+        assert sa.get(s.id) is not None  # the call's re-check passes: its tool runs
+        b.delete_session(s.id)  # the rest of B's DELETE: A is told through its box
+        for raw in take_box(redis_server, a):
+            a._apply(raw)  # A's bridge thread
+        assert sa.get(s.id) is None
+        assert handle.cancelled() and handle.reason() == "session deleted"
+        handle.end()

@@ -71,6 +71,7 @@ from shmcancel.exceptions import CancellationLimitReached, LockTimeout, RemoteUn
 
 from ..cancel import ids
 from ..mcp import remote, wake
+from ..mcp.principal import SESSION_KEY
 from ..mcp.sessions import SessionStore
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore
@@ -493,10 +494,7 @@ class Bridge:
         if got is None:
             return
         if isinstance(got, str):  # a session deleted on another host
-            try:
-                self._session_store().delete(got)
-            except Exception as e:
-                log.warning("could not end a session deleted on another host: %s", e)
+            self._end_session(got)
             return
         scope, rid, reason = got
         try:
@@ -506,6 +504,20 @@ class Bridge:
                 wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))
         except Exception as e:  # quota on this host, a lock timeout: logged, never fatal
             log.warning("could not apply a cross-host cancellation: %s", e)
+
+    def _end_session(self, sid: str) -> None:
+        """Session ``sid`` was deleted on another host: end this host's copy and cancel its
+        calls in flight here, as a local ``DELETE`` does. That DELETE cancelled the calls Redis
+        listed in flight; a call that began here since passed its session check on this copy,
+        and is cancelled now (it re-reads its session once tracked: one of the two sees the
+        other)."""
+        try:
+            self._session_store().delete(sid)
+            scope = self.local.scope({SESSION_KEY: sid})
+            if self.local.cancel_scope(scope, "session deleted"):
+                wake.ring(self.registry.name)
+        except Exception as e:
+            log.warning("could not end a session deleted on another host: %s", e)
 
 
 def current() -> Bridge | None:
