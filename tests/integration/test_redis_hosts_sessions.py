@@ -12,10 +12,11 @@ from typing import Any
 
 import redis
 from helpers.background import Background
+from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import tag, wait_file
 from helpers.redis_server import unique_prefix
 from test_redis_bridge import bridge
-from test_redis_hosts import Client, outdir, two_hosts
+from test_redis_hosts import PING, Client, outdir, two_hosts
 
 from shmcancel import Cancellation, Config, errors
 from shmcancel.mcp.sessions import SessionStore
@@ -109,3 +110,30 @@ def test_a_call_that_begins_on_a_while_b_deletes_its_session_is_cancelled(
         assert sa.get(s.id) is None
         assert handle.cancelled() and handle.reason() == "session deleted"
         handle.end()
+
+
+def test_a_delete_ends_the_copies_of_a_session_used_past_its_ttl(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """``session_ttl`` is an idle lifetime: a session in use lives on, in Redis too (each
+    holder renews its copy). The set of its holders' boxes, which a DELETE tells, must live as
+    long: it was given the TTL once, at the store, and renewals left it to expire, so a DELETE
+    on A after two TTLs of use told nobody; B served the session on (and stored it again in
+    Redis at its next renewal)."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names,
+                   env_extra={"SHMCANCEL_TEST_SESSION_TTL": "2"}) as (a, b, prefix):
+        r = redis.Redis.from_url(redis_server.url)
+        c = Client(a.url)
+        assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
+        boxes = f"{prefix}sess:{c.sid}:boxes"
+        end = time.monotonic() + 5.0  # two and a half TTLs, in use on both hosts
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            assert c.post((a.url, b.url)[i % 2], PING, retry_for=0).status_code == 200
+            time.sleep(0.1)  # the client's pace, not a synchronisation
+        assert r.exists(f"{prefix}sess:{c.sid}") and r.exists(boxes)
+        assert c.delete(a.url).status_code == 204
+        wait_until(lambda: c.post(b.url, PING, retry_for=0).status_code == 404 or None,
+                   time.monotonic() + 10, interval=0.1, what="B to end its copy")
+        assert not r.exists(f"{prefix}sess:{c.sid}")
+        r.close()

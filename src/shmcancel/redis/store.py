@@ -268,8 +268,14 @@ class RedisStore:
         return version, client
 
     def touch_session(self, sid: str) -> bool:
-        """Renew the session's lifetime; False when Redis holds no copy of it."""
-        return bool(self.client.pexpire(self._sess_key(sid), int(self.config.session_ttl * 1000)))
+        """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
+        them: the set must live as long as the session); False when Redis holds no copy of
+        it."""
+        ttl = int(self.config.session_ttl * 1000)
+        p = self.client.pipeline(transaction=False)
+        p.pexpire(self._sess_key(sid), ttl)
+        p.pexpire(self._sess_key(sid) + b":boxes", ttl)
+        return bool(p.execute()[0])
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
