@@ -14,7 +14,7 @@ import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import tag, wait_file
-from helpers.redis_server import unique_prefix
+from helpers.redis_server import running, unique_prefix
 from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
@@ -137,3 +137,62 @@ def test_a_delete_ends_the_copies_of_a_session_used_past_its_ttl(
                    time.monotonic() + 10, interval=0.1, what="B to end its copy")
         assert not r.exists(f"{prefix}sess:{c.sid}")
         r.close()
+
+
+def adopted(a: Bridge, sa: SessionStore, b: Bridge, sb: SessionStore) -> tuple[str, str]:
+    """A session minted on A and adopted on B: its id and scope."""
+    s = sa.create("2025-11-25", "ip:203.0.113.9")
+    a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+    got = b.lookup_session(s.id)
+    assert got is not None and sb.create(*got, session_id=s.id) is not None
+    return s.id, f"session:{s.id}"
+
+
+def test_a_delete_made_before_the_holders_store_their_sessions_again_is_not_undone(
+        shm_name: str, shm_names: list[str]) -> None:
+    """Redis restarts empty while A runs a call in a session B adopted; the client's DELETE
+    reaches B before A's bridge has stored its sessions again (its probe comes every 0.5 s).
+    Redis lists no call in flight and no holder to tell, so only A's recovery can learn of the
+    DELETE: it stored the session again (alive everywhere, for any host to adopt) and its call
+    ran on."""
+    with running() as srv, hosts_in_process(srv, shm_name, shm_names) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        sid, scope = adopted(a, sa, b, sb)
+        handle = Cancellation(ra).begin(7, scope)
+        assert handle.tracked and a.track(7, scope) is not None
+        srv.kill()
+        srv.start()  # empty
+        assert sb.delete(sid)  # B's DELETE, answered by the Redis that lost everything
+        assert b.cancel_scope(scope, "session deleted") == 0
+        b.delete_session(sid)
+        assert b.owed() == 0
+        assert a.remote.renew() == 1  # A's recovery, as its thread runs it after an outage
+        assert a._republish() == 1
+        a._settle()
+        assert a.owed() == 0
+        r = redis.Redis.from_url(srv.url)
+        assert not r.exists(a.store._sess_key(sid))
+        r.close()
+        assert sa.get(sid) is None
+        assert handle.cancelled() and handle.reason() == "session deleted"
+        handle.end()
+
+
+def test_a_holders_renewal_racing_a_delete_does_not_store_the_session_again(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A DELETE on A tells B through its box; B, serving the session before its bridge thread
+    read the box, renewed its copy in Redis, found it gone and stored it again: once B had
+    applied the DELETE no host held the session, yet it lived on in Redis, for a third host
+    to adopt."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        sid, _ = adopted(a, sa, b, sb)
+        assert sa.delete(sid)
+        a.delete_session(sid)
+        b._kept.pop(sid)  # B's renewal of its copy is due (a minute has passed)
+        b.keep_session(sid)  # a request on B, before B's thread reads its box
+        for raw in take_box(redis_server, b):
+            b._apply(raw)
+        assert sb.get(sid) is None
+        with bridge(ra, redis_server, prefix=a.store.prefix, host="C") as c:
+            assert c.lookup_session(sid) is None

@@ -44,7 +44,9 @@ older one; when full the oldest is dropped, with one warning per overflow), each
 past which it no longer matters (a row's lease; the session TTL; :data:`CANCEL_TTL`), and applied
 by the thread, oldest first, before its next renew, stopping at the first that gets no answer.
 Deleting a session drops a publish of it still owed; a session deleted here is never adopted
-again. A row whose end is owed is released here first, so renew never adds it back. A timed-out
+again, and Redis refuses for a while (``store.GONE_TTL``) to store one deleted anywhere: a
+holder whose store is refused (it had not heard of the DELETE) ends its copy and its calls. A
+row whose end is owed is released here first, so renew never adds it back. A timed-out
 write may have landed anyway: each is idempotent. What is still owed when the worker exits is
 lost: its rows end with their lease, its sessions with their TTL. An owed cancellation applied
 before the host running its call has added back the row Redis lost (a restart) finds nothing in
@@ -262,11 +264,11 @@ class Bridge:
                 self.owed_expired += 1
                 self._unowe(entry.key, entry)
                 continue
-            entry.fn()
+            stored = entry.fn()
             self._answered()
             self._unowe(entry.key, entry)
             self.owed_applied += 1
-            if entry.key[0] == "publish" and entry.key[1] in self._deleted:
+            if entry.key[0] == "publish" and stored and entry.key[1] in self._deleted:
                 self._owe_delete(entry.key[1])  # deleted while its publish was on the way
 
     def _owe_delete(self, sid: str) -> None:
@@ -341,9 +343,32 @@ class Bridge:
         except _NoAnswer:
             self._owe(("publish", sid), self._session_ttl, put)
 
-    def _put(self, sid: str, version: str, client: str) -> None:
-        self.store.put_session(sid, version, client, now_ms=int(time.time() * 1000),
-                               box=self.remote.box)
+    def _put(self, sid: str, version: str, client: str) -> bool:
+        """Store the session in Redis; False when Redis refused it, deleted lately on another
+        host (then it is ended here too: :meth:`_gone`)."""
+        stored = self.store.put_session(sid, version, client, now_ms=int(time.time() * 1000),
+                                        box=self.remote.box)
+        if not stored:
+            self._gone(sid)
+        return stored
+
+    def _gone(self, sid: str) -> None:
+        """Session ``sid`` was deleted on another host, and this process had not heard of it
+        (its store raced the DELETE, or Redis had lost the boxes to tell): never published or
+        adopted again here, and this host's copy and calls end."""
+        self._forget(sid)
+        self._end_session(sid)
+
+    def _forget(self, sid: str) -> None:
+        """Session ``sid`` ended: remembered as deleted here, no longer published (nor its
+        publish owed) or renewed."""
+        with self._owed_lock:
+            self._deleted[sid] = None
+            if len(self._deleted) > OWED_MAX:
+                self._deleted.popitem(last=False)
+            self._held.pop(sid, None)
+            self._kept.pop(sid, None)
+        self._unowe(("publish", sid))
 
     def keep_session(self, sid: str) -> None:
         """A request used session ``sid`` here: at most every :data:`KEEP_EVERY` seconds (or a
@@ -380,19 +405,15 @@ class Bridge:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
         if isinstance(got, tuple):
             self.publish_session(sid, got[0], got[1])
+            if sid in self._deleted:  # deleted since the lookup: Redis refused to store it
+                return None
             return got
         return None
 
     def delete_session(self, sid: str) -> None:
         """A session ended here: forgotten in Redis, and every other host holding it deletes
         its copy (through the boxes). Owed when Redis gives no answer."""
-        with self._owed_lock:
-            self._deleted[sid] = None
-            if len(self._deleted) > OWED_MAX:
-                self._deleted.popitem(last=False)
-            self._held.pop(sid, None)
-            self._kept.pop(sid, None)
-        self._unowe(("publish", sid))
+        self._forget(sid)
         try:
             self._ask("session", self._delete, sid)
         except _NoAnswer:

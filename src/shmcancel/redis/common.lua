@@ -9,6 +9,10 @@
 --   P{g}:pend                   zset   <#scope>:<scope><rid> -> until when (ms) its pc entry waits
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
 --   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
+--   Psess:<sid>                 string a session for other hosts to adopt (msgpack [version, client])
+--   Psess:<sid>:boxes           set    the boxes of the workers holding it (told of its DELETE)
+--   Psess:<sid>:gone            string it was deleted lately: never stored again meanwhile
+--   P{cl:<sha1(client)>}:s      zset   a client's sessions (per_client bound)
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
 local function unmember(m)  -- nil for a member not of that form (written by another client)
   local colon = string.find(m, ':', 1, true)

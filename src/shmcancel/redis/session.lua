@@ -1,5 +1,7 @@
--- KEYS: sess, client_set, boxes. ARGV: P, sid, value, ttl_ms, per_client, now_ms, box
--- Stores a session for other hosts to adopt; a client keeps at most per_client sessions here
+-- KEYS: sess, client_set, boxes, gone. ARGV: P, sid, value, ttl_ms, per_client, now_ms, box
+-- Stores a session for other hosts to adopt (returns 1), unless it was deleted lately (`gone`,
+-- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
+-- sessions here
 -- (its oldest go first; hosts that adopted one keep their local copy under contract 6.1's rules).
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
@@ -11,6 +13,7 @@ local function busy(sid)
   end
   return false
 end
+if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 redis.call('SADD', KEYS[3], ARGV[7])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])

@@ -1,6 +1,9 @@
--- KEYS: sess, boxes. ARGV: P, payload, box_lease_ms, own box
+-- KEYS: sess, boxes, gone. ARGV: P, payload, box_lease_ms, own box, gone_ms
 -- Ends a session everywhere: tells every other worker box that minted or adopted it (they delete
--- their host's copy), then forgets it. Returns how many boxes were told.
+-- their host's copy), then forgets it, leaving `gone` for gone_ms: a holder that stores it
+-- again meanwhile (its renewal racing this, an adoption between its lookup and its store, its
+-- recovery after Redis lost the session and so the boxes to tell) is refused and ends its copy.
+-- Returns how many boxes were told.
 local n = 0
 for _, box in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if box ~= ARGV[4] then
@@ -10,4 +13,5 @@ for _, box in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   end
 end
 redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
 return n

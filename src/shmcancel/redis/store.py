@@ -29,11 +29,15 @@ import msgpack
 
 from ..config import Config
 
-__all__ = ["RedisStore"]
+__all__ = ["GONE_TTL", "RedisStore"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
             "session_delete", "claim")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
+#: Seconds a deleted session is remembered (at most its TTL): a holder that had not heard of the
+#: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
+#: holder stores it again after the outage) is refused its store and ends its copy.
+GONE_TTL = 300.0
 
 
 def _b(s: str) -> bytes:
@@ -246,14 +250,17 @@ class RedisStore:
         return _b(f"{self.prefix}sess:{sid}")
 
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
-                    box: str) -> None:
+                    box: str) -> bool:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
-        another host deletes it)."""
+        another host deletes it). False when it was deleted within :data:`GONE_TTL` seconds
+        (not stored: the caller's copy is of a session ended elsewhere)."""
         cl = _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
         value = msgpack.packb([version, client])
-        self.call("session", [self._sess_key(sid), cl, self._sess_key(sid) + b":boxes"],
-                  [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
-                   int(self.config.sessions_per_client or 32), now_ms, _b(box)])
+        key = self._sess_key(sid)
+        return int(self.call("session", [key, cl, key + b":boxes", key + b":gone"],
+                             [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
+                              int(self.config.sessions_per_client or 32), now_ms,
+                              _b(box)])) == 1
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
         raw = self.client.get(self._sess_key(sid))
@@ -279,7 +286,8 @@ class RedisStore:
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
-        return int(self.call("session_delete", [self._sess_key(sid),
-                                                self._sess_key(sid) + b":boxes"],
+        key = self._sess_key(sid)
+        gone_ms = int(min(self.config.session_ttl, GONE_TTL) * 1000)
+        return int(self.call("session_delete", [key, key + b":boxes", key + b":gone"],
                              [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
-                              _b(own_box)]))
+                              _b(own_box), gone_ms]))
