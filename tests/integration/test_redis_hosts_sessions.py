@@ -196,3 +196,38 @@ def test_a_holders_renewal_racing_a_delete_does_not_store_the_session_again(
         assert sb.get(sid) is None
         with bridge(ra, redis_server, prefix=a.store.prefix, host="C") as c:
             assert c.lookup_session(sid) is None
+
+
+def test_a_cancellation_in_the_box_of_a_host_stalled_past_its_lease_still_lands(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Host A is cut off from Redis (a partition: its bridge reads neither its box nor renews)
+    while its call runs; a cancellation sent to B in time finds the call in flight and waits in
+    A's box. The cut outlasts the lease: the box expires with what it held. When A is back, its
+    renewal finds its row's lease run out and must add the row back with the cancellation
+    recorded for it: the row was only extended and the cancellation was lost (its row sat in
+    Redis, never delivered)."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16)
+    prefix = unique_prefix()
+    other = shm_name + "b"
+    shm_names.append(other)
+    ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
+    try:
+        with bridge(ra, redis_server, prefix=prefix, host="A", lease=0.5) as a, \
+                bridge(rb, redis_server, prefix=prefix, host="B", lease=0.5) as b:
+            handle = Cancellation(ra).begin(7, "session:s")
+            assert handle.tracked and a.track(7, "session:s") is not None
+            assert b.cancel(7, "stop", "session:s") is True  # in A's box now
+            r = redis.Redis.from_url(redis_server.url)
+            box = a.store.box_key(a.remote.box)
+            wait_until(lambda: not r.exists(box) or None, time.monotonic() + 10,
+                       what="A's box to expire while A is cut off")
+            r.close()
+            a.remote.renew()  # A is back: its thread renews, then reads its box
+            for raw in take_box(redis_server, a):
+                a._apply(raw)
+            assert handle.cancelled() and handle.reason() == "stop"
+            handle.end()
+    finally:
+        for reg in (ra, rb):
+            reg.close()
+            reg.unlink()

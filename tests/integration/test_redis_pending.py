@@ -310,5 +310,6 @@ def test_a_pending_cancellation_lands_once(redis_server: Any, redis_prefix: str)
     assert box(a) == [(S, "13", "second")]
     lose_row(a, "13")
     assert a.renew() == 1
-    assert box(a) == [] and a.reason("13", S) == "second"
+    # the row recorded for it is handed to it again (its box may have been lost), not "first"
+    assert box(a) == [(S, "13", "second")] and a.reason("13", S) == "second"
     assert a.cancelled_at("13", S) == clock.t

@@ -297,7 +297,8 @@ class RedisStorage:
             with self._lock:
                 items = list(self._mine.items())
             missing = self.store.renew([(self.store.if_key(s, r), o)
-                                        for (s, r, _), (o, _) in items], deadline)
+                                        for (s, r, _), (o, _) in items], deadline,
+                                       now_ms=now)
             for i in missing:
                 (s, r, _), (o, started) = items[i]
                 self.store.track(s, r, o, deadline_ms=deadline, now_ms=now, started_at=started)

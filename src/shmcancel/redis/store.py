@@ -215,11 +215,14 @@ class RedisStore:
     def in_flight(self, scope: str, rid: str, *, now_ms: int) -> bool:
         return bool(self.client.zcount(self.if_key(scope, rid), now_ms, "+inf"))
 
-    def renew(self, entries: list[tuple[bytes, bytes]], deadline_ms: int) -> list[int]:
-        """Extend the leases of ``(if_key, owner)`` entries; the 0-based indexes missing."""
+    def renew(self, entries: list[tuple[bytes, bytes]], deadline_ms: int, *,
+              now_ms: int) -> list[int]:
+        """Extend the leases of ``(if_key, owner)`` entries; the 0-based indexes missing, or
+        whose lease ran out before ``now_ms`` (to add again with :meth:`track`)."""
         if not entries:
             return []
-        r = self.call("renew", [k for k, _ in entries], [deadline_ms, *(o for _, o in entries)])
+        r = self.call("renew", [k for k, _ in entries],
+                      [deadline_ms, now_ms, *(o for _, o in entries)])
         return [int(i) - 1 for i in r]
 
     # ------------------------------------------------------------------ boxes

@@ -3,7 +3,8 @@
 -- ARGV: P, scope, rid, owner, deadline_ms, now_ms, started_at, quota (-1: none), cap, batch
 -- Adds a running request (a new one, or one Redis lost, added back). A cancellation row older
 -- than the request, with no other request of that key running, is not this request's: it goes
--- (contract 4.3). A pending cancellation (cancel.lua found nothing in flight) sent at or after
+-- (contract 4.3); one recorded at or after its start is, and is delivered to this owner's box.
+-- A pending cancellation (cancel.lua found nothing in flight) sent at or after
 -- the request's start, and still waiting, was meant for it: it is recorded, delivered to this
 -- owner's box and stops waiting.
 -- Returns 1, or 2 when a pending cancellation was delivered.
@@ -11,7 +12,14 @@ local ifk = KEYS[1]
 local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
 if #live(ifk, ARGV[6]) == 0 then
   local at = redis.call('ZSCORE', KEYS[3], rid)
-  if at and tonumber(at) < started then remove(P, KEYS[4], KEYS[5], scope, rid) end
+  if at and tonumber(at) < started then
+    remove(P, KEYS[4], KEYS[5], scope, rid)
+  elseif at then
+    -- recorded for this request while it ran (its row added back now: the box that held the
+    -- cancellation may have expired while the host stalled past its lease): delivered again
+    local reason = redis.call('HGET', KEYS[2], rid)
+    if reason then deliver(P, owner, scope, rid, reason, tonumber(ARGV[5]) - tonumber(ARGV[6])) end
+  end
 end
 -- The scope's running ids lose ids whose every owner's lease ran out (a worker killed, a host
 -- died: their untrack never came) a few at a time, so that set stays bounded in a scope that
