@@ -6,6 +6,8 @@ where an interleaving must be forced."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -231,3 +233,33 @@ def test_a_cancellation_in_the_box_of_a_host_stalled_past_its_lease_still_lands(
         for reg in (ra, rb):
             reg.close()
             reg.unlink()
+
+
+def test_a_call_on_a_host_stopped_past_its_lease_is_cancelled_when_it_resumes(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """End to end: host A SIGSTOPped (master and workers) right after its call started, and
+    kept stopped until its worker's box has expired. The cancellation sent to B meanwhile is
+    not lost: Redis hands it to the BLPOP the stopped bridge thread had under way (it waits in
+    the socket), or, had the lease run out first, it waits in Redis as a pending one. On
+    SIGCONT the call ends with -32800."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
+        r = redis.Redis.from_url(redis_server.url)
+        c = Client(a.url)
+        assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
+        t = tag()
+        call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+        call.start()
+        pid = int(wait_file(f"{outdir}/{t}.started", time.monotonic() + 10))
+        tree = a._tree()
+        for p in tree:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            assert c.cancel(b.url, 1).status_code == 202
+            wait_until(lambda: not r.exists(f"{prefix}box:A:{pid}") or None,
+                       time.monotonic() + 10, interval=0.05, what="A's box to expire")
+        finally:
+            for p in tree:
+                os.kill(p, signal.SIGCONT)
+        reply = call.result(25)
+        assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
+        r.close()
