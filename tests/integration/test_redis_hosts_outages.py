@@ -121,7 +121,7 @@ def test_a_killed_workers_redis_rows_expire_within_a_lease(
         killed = time.monotonic()
         wait_until(lambda: not rows() or None, killed + 2 * LEASE + 2, what="its rows to go")
         assert time.monotonic() - killed <= 2 * LEASE + 1.0
-        wait_until(lambda: not r.exists(f"{prefix}box:A:{pid}") or None,
+        wait_until(lambda: not list(r.scan_iter(match=f"{prefix}box:A:{pid}:*")) or None,
                    killed + 2 * LEASE + 2, what="its box to go")
         assert c.cancel(b.url, 1).status_code == 202
         assert list(r.scan_iter(match=prefix + "*:c")) == []

@@ -255,7 +255,7 @@ def test_a_call_on_a_host_stopped_past_its_lease_is_cancelled_when_it_resumes(
             os.kill(p, signal.SIGSTOP)
         try:
             assert c.cancel(b.url, 1).status_code == 202
-            wait_until(lambda: not r.exists(f"{prefix}box:A:{pid}") or None,
+            wait_until(lambda: not list(r.scan_iter(match=f"{prefix}box:A:{pid}:*")) or None,
                        time.monotonic() + 10, interval=0.05, what="A's box to expire")
         finally:
             for p in tree:
@@ -263,3 +263,22 @@ def test_a_call_on_a_host_stopped_past_its_lease_is_cancelled_when_it_resumes(
         reply = call.result(25)
         assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
         r.close()
+
+
+def test_workers_of_two_hosts_named_alike_with_the_same_pid_keep_apart(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Two containers on one machine with host networking share its host name (the default
+    ``SHMCANCEL_HOST_ID``) and, each in its own pid namespace, number their workers alike: two
+    bridges of one process with one host id are those two workers. Their box was one list, so
+    a cancellation for a call on one went to whichever read first, and the other dropped it."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, _)), \
+            bridge(ra, redis_server, prefix=a.store.prefix, host="A") as twin, \
+            bridge(rb, redis_server, prefix=a.store.prefix, host="C") as c:
+        handle = Cancellation(ra).begin(7, "session:s")
+        assert handle.tracked and a.track(7, "session:s") is not None
+        assert c.cancel(7, "stop", "session:s") is True
+        assert take_box(redis_server, twin) == []  # the twin's thread reads nothing of a's
+        for raw in take_box(redis_server, a):
+            a._apply(raw)
+        assert handle.cancelled() and handle.reason() == "stop"
+        handle.end()

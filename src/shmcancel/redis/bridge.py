@@ -5,7 +5,7 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
 
 - the transport tells it when a ``tools/call`` starts and ends (:meth:`track` / :meth:`untrack`:
   one Redis script each, bounded by the client timeout), so Redis holds a cross-host in-flight
-  index owned by ``<host>:<pid>`` with a lease;
+  index owned by ``<host>:<pid>:<tag>`` (a random tag) with a lease;
 - a ``notifications/cancelled`` that finds nothing in flight on this host asks Redis
   (:meth:`cancel`): one script gates on that index, applies the quota / cap / eviction rules and
   pushes the cancellation into the box (a list) of each worker running the request;

@@ -28,7 +28,7 @@ _tokens = itertools.count(1)
 class RedisCancellation(Cancellation):
     """``Cancellation(None, clock, backend=RedisStorage(store, ...))`` with the bridge's extras.
     ``clock``: float seconds (``cancelled_at``); ``lease``: seconds an in-flight row lives
-    without :meth:`renew`; ``host``: this host's identity (rows are owned by ``host:pid``);
+    without :meth:`renew`; ``host``: this host's identity (rows are owned by ``host:pid:tag``);
     ``auto_renew``: :class:`RedisStorage`'s renewal thread (off: the bridge calls
     :meth:`renew` from its own thread); ``pending``: :class:`RedisStorage`'s."""
 

@@ -8,7 +8,7 @@
 --   P{g}:all                    zset   <#scope>:<scope><rid> -> cancelled_at (global count, TTL, cap)
 --   P{g}:pend                   zset   <#scope>:<scope><rid> -> until when (ms) its pc entry waits
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
---   Pbox:<host>:<pid>           list   cancellations for one worker to apply to its host's segment
+--   Pbox:<host>:<pid>:<tag>     list   cancellations for one worker to apply to its host's segment
 --   Psess:<sid>                 string a session for other hosts to adopt (msgpack [version, client])
 --   Psess:<sid>:boxes           set    the boxes of the workers holding it (told of its DELETE)
 --   Psess:<sid>:gone            string it was deleted lately: never stored again meanwhile

@@ -4,9 +4,11 @@ Redis. Each operation is one Lua script of :class:`~shmcancel.redis.store.RedisS
 read), hence atomic by itself; a poll costs a round trip (the gunicorn integration keeps its polls
 on the local registry: :mod:`shmcancel.redis.bridge`).
 
-In-flight rows are owned by ``<host>:<pid>`` (the worker's box, where gated cancellations are
-pushed) with a lease: a row lives ``lease`` seconds past its last :meth:`RedisStorage.renew`,
-so whoever runs requests renews every ``lease / 3``: by default a daemon thread of this
+In-flight rows are owned by ``<host>:<pid>:<tag>`` (the worker's box, where gated cancellations
+are pushed; ``tag`` is random, so workers of two hosts that share a host name and number their
+processes alike, containers with host networking, keep apart) with a lease: a row lives
+``lease`` seconds past its last :meth:`RedisStorage.renew`, so whoever runs requests renews
+every ``lease / 3``: by default a daemon thread of this
 storage does, started when the process first holds a row and ending when it holds none (a
 fork child starts with none of its parent's rows, locks or thread; the
 bridge, which renews from its own thread, turns it off: ``auto_renew=False``). The rows of a host
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -107,10 +110,12 @@ class RedisStorage:
         self.io_wait = float(io_wait)
         self.auto_renew = bool(auto_renew)
         self._renewer: threading.Thread | None = None  # guarded by _lock
+        self._tag = secrets.token_hex(4)  # this process's box, told apart from a namesake's
         _instances.add(self)
 
     def _after_fork(self) -> None:
         """In a fork child: the parent's rows and threads are the parent's."""
+        self._tag = secrets.token_hex(4)
         self._lock = threading.Lock()
         self._io = threading.Lock()
         self._mine.clear()
@@ -128,8 +133,11 @@ class RedisStorage:
 
     @property
     def box(self) -> str:
-        """This process's box: where cancellations of its requests are pushed."""
-        return f"{self.host}:{os.getpid()}"
+        """This process's box: where cancellations of its requests are pushed. Its random tag
+        keeps it apart from the box of a process of the same pid on a host of the same name
+        (containers on one machine with host networking share its host name, and each pid
+        namespace numbers its workers alike)."""
+        return f"{self.host}:{os.getpid()}:{self._tag}"
 
     def _owner(self, owner: Owner) -> bytes:
         return f"{self.box}\n{owner[1]}:{owner[2]}:{owner[3]}".encode()
