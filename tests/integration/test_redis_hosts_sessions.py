@@ -22,6 +22,7 @@ from test_redis_hosts import PING, Client, outdir, two_hosts
 
 from shmcancel import Cancellation, Config, errors
 from shmcancel.mcp.sessions import SessionStore
+from shmcancel.redis import RedisCancellation, RedisStore, connect
 from shmcancel.redis.bridge import Bridge
 from shmcancel.shm.registry import Registry
 
@@ -282,3 +283,33 @@ def test_workers_of_two_hosts_named_alike_with_the_same_pid_keep_apart(
             a._apply(raw)
         assert handle.cancelled() and handle.reason() == "stop"
         handle.end()
+
+
+def test_a_box_overwritten_by_another_client_is_given_back(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Someone with Redis access writes a string over a worker's box. Every cancellation for
+    that worker's calls then failed with WRONGTYPE on every host (each failure counting
+    towards marking the canceller's Redis down), and the worker's thread, failing its reads,
+    kept the key alive with its renewals: it never recovered. Its thread drops the key."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), _):
+        a.start()  # A's thread reads its box
+        handle = Cancellation(ra).begin(7, "session:s")
+        assert handle.tracked and a.track(7, "session:s") is not None
+        r = redis.Redis.from_url(redis_server.url)
+        r.set(a.store.box_key(a.remote.box), b"garbage")
+        other = RedisCancellation(RedisStore(connect(redis_server.url, timeout=2.0), cfg,
+                                             prefix=a.store.prefix), host="B")
+
+        def cancelled_through_b() -> bool | None:
+            try:
+                return other.cancel_if_in_flight(7, "stop", "session:s") or None
+            except redis.ResponseError:
+                return None
+        wait_until(cancelled_through_b, time.monotonic() + 10, interval=0.05,
+                   what="a cancellation to reach A's box")
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10,
+                   what="A's thread to deliver it")
+        assert handle.reason() == "stop"
+        handle.end()
+        r.close()

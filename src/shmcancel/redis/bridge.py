@@ -444,7 +444,7 @@ class Bridge:
             t.join(timeout + self.block + self.timeout)
 
     def _run(self) -> None:
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisError, ResponseError
         box = self.store.box_key(self.remote.box)
         next_renew = 0.0
         while not self._stop.is_set():
@@ -470,7 +470,17 @@ class Bridge:
                 if now >= self._next_sweep:
                     self._next_sweep = now + self._janitor_interval
                     self.remote.cleanup()
-                item = self._blocking.client.blpop([box], timeout=self.block)
+                try:
+                    item = self._blocking.client.blpop([box], timeout=self.block)
+                except ResponseError as e:
+                    if not str(e).startswith("WRONGTYPE"):
+                        raise
+                    # another client wrote over this worker's box: every cancellation for its
+                    # calls would fail (on every host) and its renewals keep the key alive
+                    log.warning("this worker's Redis box was not a list (written by another "
+                                "client): dropped")
+                    self.store.client.delete(box)
+                    continue
                 if item is not None:
                     self._apply(item[1])
                     # drain what else waits, without blocking
