@@ -18,7 +18,7 @@ from .conn import CANCELLATION_KEY, HANDLE_KEY, REQUEST_ID_KEY
 from .disconnect import Watcher
 from .jsonrpc import Request, RpcError
 from .reply import PROGRESS_KEY, StartResponse, _body_reply, _Exchange, _Reply
-from .stop import RequestStopped, _stop_request
+from .stop import RequestStopped, _stop_request, gunicorn_quits
 from .tools import _MAX_TEXT, ToolError, ToolRegistry, _invalid_arguments, _tool_result
 from .wire import (
     Wire,
@@ -89,6 +89,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
         stopping: list[bool] = []  # the watcher's timeout is stopping the tool (see below)
         watcher = self._watch(environ, handle, st, stopping)
         stopped = False
+        aborted = False  # gunicorn stopped the worker under the tool (timeout, shutdown)
         cancelled = False
         reason: str | None = None
         outcome: tuple[str, Any] = ("crash", None)
@@ -114,9 +115,16 @@ class CallLifecycle(ToolRegistry, ServerBase):
             # in a sync worker gunicorn's own quit (SIGQUIT: its handler raises SystemExit here
             # and has set the worker not alive, so it exits once this request is answered;
             # escaping, it would be gunicorn's HTML 500). Either way the call was cancelled:
-            # -32800 like any other (contract §5). Any other SystemExit is not ours.
+            # -32800 like any other (contract §5). gunicorn raises the same SystemExit in a
+            # sync worker it stops itself (the worker timeout's SIGABRT, a quick shutdown's
+            # SIGQUIT): the call was read, so HTTP 200 with a JSON-RPC error, not that 500.
+            # Any other SystemExit is not ours.
             if isinstance(e, SystemExit) and not stopping:
-                raise
+                if not gunicorn_quits(environ):
+                    raise
+                aborted = True
+                log.warning("tool %r stopped: gunicorn is stopping its worker (worker timeout "
+                            "or shutdown)", name)
             stopped = True
             if watcher is not None:
                 watcher.stop()  # the stop may have landed inside the finally's, cutting it short
@@ -125,6 +133,11 @@ class CallLifecycle(ToolRegistry, ServerBase):
             if rb is not None:
                 rb.untrack(remote_call)
 
+        if aborted and not (cancelled or ex.gone):
+            body = jsonrpc.error_body(msg.id, codes.INTERNAL_ERROR, "Internal error: the "
+                                      "server stopped the call (its worker is exiting: the "
+                                      "worker timeout, or a shutdown)")
+            return self._finish(ex, wire, 200, body)
         if stopped or cancelled or ex.gone:
             data = {"reason": reason} if reason else None
             body = jsonrpc.error_body(msg.id, codes.REQUEST_CANCELLED, "Request cancelled", data)

@@ -109,7 +109,7 @@ from .origin import OriginPolicy
 from .reply import _STATUS, StartResponse, _body_reply, _error_reply, _Reply, progress
 from .reply import PROGRESS_KEY as PROGRESS_KEY
 from .sessions import SessionsFull
-from .stop import RequestStopped
+from .stop import RequestStopped, gunicorn_quits
 from .tools import Tool, ToolError
 from .wire import (
     RequestHeaders,
@@ -235,6 +235,17 @@ class McpServer(LegacyWire, ModernWire):
             # exist, so not 404 (a client takes that as its session gone for good). Retry.
             reply = _retry_later(environ, e, "Service unavailable: the session store of other "
                                  "hosts did not answer; retry later", e.retry_after)
+        except SystemExit as e:
+            # gunicorn stops this sync worker (worker timeout, shutdown) while the request waits
+            # (for the registry lock, say): not served, nothing half-done, so a retry is safe;
+            # escaping, this was gunicorn's HTML 500. (A tools/call answers its own, §5.)
+            if not gunicorn_quits(environ):
+                raise
+            log.warning("%s %s: the worker is exiting (SystemExit %s); answered 503",
+                        environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e.code)
+            reply = _error_reply(503, None, codes.SERVER_ERROR, "Service unavailable: the "
+                                 "worker serving this request is exiting; retry",
+                                 headers=[("Retry-After", _RETRY_AFTER)])
         except Exception:
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))

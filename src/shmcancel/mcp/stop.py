@@ -10,6 +10,8 @@ import contextlib
 import logging
 import os
 import signal
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 from .disconnect import Watcher
@@ -23,6 +25,17 @@ class RequestStopped(BaseException):
     """Raised inside a ``gthread`` tool's thread when its client left and it did not return
     within ``stream_cancel_timeout``. A ``BaseException`` so ``except Exception`` in tool code
     does not swallow it."""
+
+
+def gunicorn_quits(environ: Mapping[str, Any]) -> bool:
+    """Whether a ``SystemExit`` raised while serving ``environ`` is one gunicorn would catch
+    itself, answering its HTML 500: a request of a gunicorn worker (``gunicorn.socket``) served
+    in the main thread, as a ``sync`` worker serves it. There gunicorn's signal handlers raise
+    it after marking the worker not alive: its quit (``SIGQUIT``, a quick shutdown's
+    ``SIGINT``; and :func:`_stop_request`'s) and its abort (``SIGABRT``, the worker timeout),
+    so the worker exits once the request is answered, whoever answers it. (A ``gthread`` tool
+    runs in a thread of the pool, where no handler raises.)"""
+    return "gunicorn.socket" in environ and threading.current_thread() is threading.main_thread()
 
 
 def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: bool,
