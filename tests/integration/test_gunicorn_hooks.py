@@ -607,3 +607,47 @@ def test_a_server_never_joins_another_servers_registry(shm_name, trigger):
             assert get(base(b) + "/whoami")["registry"] == shm_name
             s = Session(b.url)
             assert s.call("echo", {"text": "B"})["result"]["content"][0]["text"] == "B"
+
+
+# --- the janitor's schedule and the wall clock ------------------------------------------------
+
+_FAST_JANITOR_CONF = """
+import shmcancel
+exec(open({example!r}).read())
+pythonpath = {pythonpath!r}
+shmcancel.gunicorn.configure(config=shmcancel.Config(janitor_interval={interval!r}))
+"""
+
+
+def test_the_janitor_sweeps_on_after_the_clock_steps_back(shm_name, tmp_path):
+    """§4.6: a janitor sweeps every janitor_interval while the registry is in use. Its schedule
+    is on the wall clock (the header's last sweep, time.time(), shared by every process): after
+    the clock steps back (NTP, a VM restored), the last sweep lies ahead, and no claim succeeded
+    until the clock had caught up with it: an hour's step, no sweep for an hour (expired rows,
+    dead owners' rows left). The header is given the last sweep such a step leaves."""
+    from shmcancel.shm.segment import OFF_LAST_SWEEP
+
+    interval = 0.3
+    conf = tmp_path / "fast_janitor.conf.py"
+    conf.write_text(_FAST_JANITOR_CONF.format(
+        example=os.path.abspath(CONF), interval=interval,
+        pythonpath=os.path.abspath(os.path.dirname(CONF))))
+    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=2) as g, \
+            Registry.attach(shm_name) as reg:
+
+        def sweeps() -> int:
+            return reg.info()["sweeps"]
+
+        wait_until(lambda: sweeps() >= 1, time.monotonic() + 10,
+                   what="the janitors' first sweep")
+        reg._seg.set_f64(OFF_LAST_SWEEP, time.time() + 3600)  # the clock stepped back 1 h
+        before = sweeps()
+        wait_until(lambda: sweeps() > before, time.monotonic() + 10,
+                   what="a sweep after the clock stepped back")
+        assert reg.last_sweep <= time.time(), "the schedule is back on the clock"
+        # Still one sweep per interval across the workers, not one per look.
+        after, t0 = sweeps(), time.monotonic()
+        wait_until(lambda: sweeps() >= after + 5, time.monotonic() + 10,
+                   what="five more sweeps")
+        assert time.monotonic() - t0 >= 4 * interval
+        assert alive(g.pid)

@@ -73,7 +73,7 @@ class Janitor:
         while True:
             try:
                 due = reg.last_sweep + interval - time.time()
-                if due <= 0:
+                if due <= 0 or due > 2 * interval:  # (or the clock stepped back: sweep_due)
                     c.tick()  # settles too
                     settled = time.monotonic()
                     due = reg.last_sweep + interval - time.time()

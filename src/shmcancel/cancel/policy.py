@@ -628,6 +628,7 @@ class Cancellation:
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
         registry, contract §4.6): one clock read and a comparison until this process's next
-        check."""
-        if _now() >= self._next_check:
+        check (or when that lies more than an interval ahead: the clock stepped back)."""
+        now = _now()
+        if now >= self._next_check or self._next_check - now > self._interval:
             self.tick()

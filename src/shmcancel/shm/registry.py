@@ -62,12 +62,20 @@ from .segment import (
 )
 from .table import Table
 
-__all__ = ["Registry", "current", "lane_tables", "record_sizes", "replaced_error", "table_specs",
-           "unlink"]
+__all__ = ["Registry", "current", "lane_tables", "record_sizes", "replaced_error", "sweep_due",
+           "table_specs", "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
 
 ATTACH_CHECK_LOCK_TIMEOUT = 1.0  # seconds the attach-time check waits for the lock, at most
+
+
+def sweep_due(last: float, now: float, interval: float) -> bool:
+    """Whether a sweep is due at ``now`` after one at ``last`` (both ``time.time()``): an
+    ``interval`` has passed, or the last sweep lies more than an interval ahead (the clock
+    stepped back since; a smaller step delays the next sweep by less than an interval, and a
+    claim whose ``now`` was read just before another's store is not taken for one)."""
+    return now - last >= interval or last - now > interval
 
 
 def _decls(tables: Iterable[TableDecl] | None) -> tuple[TableDecl, ...]:
@@ -544,12 +552,14 @@ class Registry:
     def claim_sweep(self, now: float, interval: float) -> bool:
         """True for exactly one caller per ``interval`` seconds (``now`` on ``time.time()``'s
         scale): that caller sweeps. The first claim succeeds one interval after creation.
-        Costs one load when it is not time yet."""
+        Costs one load when it is not time yet. A last sweep more than an interval ahead of
+        ``now`` is due too: the clock stepped back (NTP, a restored VM), and waiting for it to
+        catch up would stop the sweeps for as long as the step (:func:`sweep_due`)."""
         seg = self._seg
-        if seg.readonly or now - seg.f64(OFF_LAST_SWEEP) < interval:
+        if seg.readonly or not sweep_due(seg.f64(OFF_LAST_SWEEP), now, interval):
             return False
         with self.lock:
-            if now - seg.f64(OFF_LAST_SWEEP) < interval:
+            if not sweep_due(seg.f64(OFF_LAST_SWEEP), now, interval):
                 return False
             seg.set_f64(OFF_LAST_SWEEP, now)
             seg.set_u64(OFF_SWEEPS, seg.u64(OFF_SWEEPS) + 1)
