@@ -142,6 +142,18 @@ def test_the_sweep_claim_key_expires_when_no_host_claims(redis_server, redis_pre
     assert 19_000 < c.store.client.pttl(key) <= 20_000  # ten intervals
 
 
+def test_the_sweep_claim_goes_on_after_the_clock_steps_back(redis_server, redis_prefix):
+    """A claim recorded at 1000.0 by a host whose clock then stepped back an hour: waiting
+    for the clock to catch up stopped every host's sweeps for that hour (up to the key's ten
+    intervals). A last claim more than an interval ahead is due, as in shared memory."""
+    c = make(redis_server, redis_prefix)
+    assert not c.store.claim_sweep(1000.0, 2.0)
+    assert c.store.claim_sweep(1002.0, 2.0)
+    assert c.store.claim_sweep(1002.0 - 3600, 2.0)  # the clock stepped back an hour
+    assert not c.store.claim_sweep(1002.0 - 3600 + 0.5, 2.0)  # one per interval again
+    assert c.store.claim_sweep(1002.0 - 3600 + 2.0, 2.0)
+
+
 def test_rows_of_a_dead_host_expire_with_its_lease(redis_server, redis_prefix):
     dead = make(redis_server, redis_prefix, lease=0.3, host="dead")
     live = make(redis_server, redis_prefix, lease=0.3, host="live")
