@@ -34,10 +34,10 @@ local result = record(P, c, t, all, scopes, scope, rid, reason, at, tonumber(ARG
 if result[1] == -1 then return result end
 local seen = {}
 for _, owner in ipairs(owners) do
-  local box = string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1)
+  local box = box_of(owner)
   if not seen[box] then
     seen[box] = true
-    deliver(P, owner, scope, rid, reason, ARGV[11])
+    deliver(P, box, scope, rid, reason, ARGV[11])
   end
 end
 return result

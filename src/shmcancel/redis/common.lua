@@ -76,11 +76,17 @@ local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, 
   redis.call('ZINCRBY', scopes, 1, scope)
   return {1, evicted}
 end
--- Tell the worker owning an in-flight member (its box, before the newline) of a cancellation.
-local function deliver(P, owner, scope, rid, reason, box_lease_ms)
-  local box = P .. 'box:' .. string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1)
-  redis.call('LPUSH', box, cmsgpack.pack({scope, rid, reason}))
-  redis.call('PEXPIRE', box, box_lease_ms)
+-- The box of the worker owning an in-flight member: the member before its newline.
+local function box_of(owner) return string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1) end
+-- Tell a worker (its box) of a cancellation.
+local function deliver(P, box, scope, rid, reason, box_lease_ms)
+  redis.call('LPUSH', P .. 'box:' .. box, cmsgpack.pack({scope, rid, reason}))
+  redis.call('PEXPIRE', P .. 'box:' .. box, box_lease_ms)
+end
+-- A pending cancellation stops waiting: its entry in the scope's pc, and member m in pend.
+local function unpend(pc, pend, rid, m)
+  redis.call('HDEL', pc, rid)
+  redis.call('ZREM', pend, m)
 end
 -- Give key k at least ms more milliseconds to live.
 local function outlive(k, ms)

@@ -10,6 +10,7 @@
 -- Returns 1, or 2 when a pending cancellation was delivered.
 local ifk = KEYS[1]
 local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
+local box, box_lease_ms = box_of(owner), tonumber(ARGV[5]) - tonumber(ARGV[6])
 if #live(ifk, ARGV[6]) == 0 then
   local at = redis.call('ZSCORE', KEYS[3], rid)
   if at and tonumber(at) < started then
@@ -18,7 +19,7 @@ if #live(ifk, ARGV[6]) == 0 then
     -- recorded for this request while it ran (its row added back now: the box that held the
     -- cancellation may have expired while the host stalled past its lease): delivered again
     local reason = redis.call('HGET', KEYS[2], rid)
-    if reason then deliver(P, owner, scope, rid, reason, tonumber(ARGV[5]) - tonumber(ARGV[6])) end
+    if reason then deliver(P, box, scope, rid, reason, box_lease_ms) end
   end
 end
 -- The scope's running ids lose ids whose every owner's lease ran out (a worker killed, a host
@@ -36,10 +37,10 @@ for _, k in ipairs({ifk, KEYS[6]}) do
   if redis.call('PEXPIRETIME', k) < tonumber(ARGV[5]) then redis.call('PEXPIREAT', k, ARGV[5]) end
 end
 local raw = redis.call('HGET', KEYS[7], rid)
-local waits = raw and redis.call('ZSCORE', KEYS[8], member(scope, rid))
+local m = member(scope, rid)
+local waits = raw and redis.call('ZSCORE', KEYS[8], m)
 if raw and not (waits and tonumber(waits) >= tonumber(ARGV[6])) then
-  redis.call('HDEL', KEYS[7], rid)  -- its wait is over
-  redis.call('ZREM', KEYS[8], member(scope, rid))
+  unpend(KEYS[7], KEYS[8], rid, m)  -- its wait is over
 elseif raw then
   local ok, p = pcall(cmsgpack.unpack, raw)
   local at = ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
@@ -50,9 +51,9 @@ elseif raw then
                      string.format('%.17g', at), tonumber(ARGV[8]), tonumber(ARGV[9]),
                      tonumber(ARGV[10]))
     if r[1] ~= -1 then
-      deliver(P, owner, scope, rid, p[1], tonumber(ARGV[5]) - tonumber(ARGV[6]))
-      redis.call('HDEL', KEYS[7], rid)  -- landed once: a later add back must not land it again
-      redis.call('ZREM', KEYS[8], member(scope, rid))  -- over a newer cancellation's row
+      deliver(P, box, scope, rid, p[1], box_lease_ms)
+      -- landed once: a later add back must not land it again over a newer cancellation's row
+      unpend(KEYS[7], KEYS[8], rid, m)
       return 2
     end
   end
