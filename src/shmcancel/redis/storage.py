@@ -195,20 +195,14 @@ class RedisStorage:
         """Hold the row of a request started now here and in Redis (a row this owner still
         holds, its end having got no answer, was an earlier request's: replaced). Raises Redis
         errors or ``LockTimeout`` with the row held here only (:meth:`renew` adds it)."""
-        with self._lock:
-            held = self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
-            self._want_renewer()
-        self._add(scope, rid, held)
+        self._add(scope, rid, self.hold(scope, rid, owner))
 
     def track_held(self, scope: str, rid: str, owner: Owner) -> None:
         """Add to Redis the row :meth:`hold` holds, with the start it held (held now when it
         is not). Raises as :meth:`track` does."""
         with self._lock:
             held = self._mine.get((scope, rid, owner))
-            if held is None:
-                held = self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
-            self._want_renewer()
-        self._add(scope, rid, held)
+        self._add(scope, rid, held if held is not None else self.hold(scope, rid, owner))
 
     def _add(self, scope: str, rid: str, held: tuple[bytes, float]) -> None:
         self._io_held("track")
@@ -219,12 +213,14 @@ class RedisStorage:
         finally:
             self._io.release()
 
-    def hold(self, scope: str, rid: str, owner: Owner) -> None:
+    def hold(self, scope: str, rid: str, owner: Owner) -> tuple[bytes, float]:
         """Hold a row only locally (Redis is down), its request started now: :meth:`renew` adds
-        it when Redis returns."""
+        it when Redis returns. Returns what is held: the owner in Redis, the start."""
+        held = (self._owner(owner), self.clock())
         with self._lock:
-            self._mine[scope, rid, owner] = (self._owner(owner), self.clock())
+            self._mine[scope, rid, owner] = held
             self._want_renewer()
+        return held
 
     def forget(self, scope: str, rid: str, owner: Owner) -> None:
         """Drop a row locally only (Redis is down; its lease ends it there)."""
