@@ -16,6 +16,7 @@ import threading
 import time
 
 from ..exceptions import LockTimeout
+from ..shm.registry import sweep_due
 from . import owed
 from .owed import owed_ends
 from .policy import Cancellation
@@ -72,8 +73,9 @@ class Janitor:
         settled = time.monotonic()
         while True:
             try:
-                due = reg.last_sweep + interval - time.time()
-                if due <= 0 or due > 2 * interval:  # (or the clock stepped back: sweep_due)
+                last, now = reg.last_sweep, time.time()
+                due = last + interval - now
+                if sweep_due(last, now, interval):
                     c.tick()  # settles too
                     settled = time.monotonic()
                     due = reg.last_sweep + interval - time.time()
