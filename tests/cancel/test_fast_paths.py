@@ -312,7 +312,8 @@ def test_a_conn_without_a_handle_caches_its_poll_and_sees_another_process_cancel
     conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
     for _ in range(polls):
         assert c.cancelled(conn) is False
-    assert conn["shmcancel.poll"].c is c  # the poll is kept in the conn
+    (kept,) = _kept_polls(conn)  # the poll is kept in the conn, under c's own key
+    assert kept.rid is conn["shmcancel.request_id"]
     pid = procs.fork(lambda: Cancellation(Registry.attach(name)).cancel(7, "x", S))
     assert procs.wait_exit(pid, 10) == 0
     assert c.cancelled(conn) is True
@@ -364,6 +365,26 @@ def test_a_conn_whose_scope_changes_is_resolved_again(c, change, new_scope):
     assert c.cancelled(conn) is False
 
 
+@pytest.mark.parametrize("had_address", [True, False])
+def test_a_conn_whose_address_comes_or_goes_is_resolved_again(c, had_address):
+    """The kept poll checks the address too: a conn that loses its address (or had none and
+    gets one) after its first poll answers from its new scope."""
+    conn = {"shmcancel.request_id": 9}
+    if had_address:
+        conn["REMOTE_ADDR"] = "192.0.2.1"
+    before, after = ("ip:192.0.2.1", "ip:unknown") if had_address else ("ip:unknown",
+                                                                        "ip:192.0.2.1")
+    c.cancel(9, None, before)
+    assert c.cancelled(conn) is True
+    if had_address:
+        del conn["REMOTE_ADDR"]
+    else:
+        conn["REMOTE_ADDR"] = "192.0.2.1"
+    assert c.cancelled(conn) is False
+    c.cancel(9, None, after)
+    assert c.cancelled(conn) is True
+
+
 def test_a_principal_changed_in_place_is_seen(c):
     conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 9}
     principal.put(conn, "alice")
@@ -375,12 +396,21 @@ def test_a_principal_changed_in_place_is_seen(c):
     assert c.cancelled(conn) is True
 
 
+def _kept_polls(conn):
+    return [v for k, v in conn.items() if k.startswith("shmcancel.poll#")]
+
+
 @pytest.mark.parametrize("junk", [5, "x", None, (1, 2, 3), {"c": None}])
 def test_junk_under_the_poll_key_is_ignored_and_replaced(c, junk):
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
+    assert c.cancelled(conn) is False
+    (key,) = (k for k in conn if k.startswith("shmcancel.poll#"))
+    conn[key] = junk
     c.cancel(7, None, S)
-    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7, "shmcancel.poll": junk}
     assert c.cancelled(conn) is True
-    assert conn["shmcancel.poll"].c is c
+    assert type(conn[key]).__name__ == "_ConnPoll"
+    c.clear(7, S)
+    assert c.cancelled(conn) is False
 
 
 def test_a_poll_cached_by_another_cancellation_is_not_trusted(c, shm_names):
@@ -394,6 +424,7 @@ def test_a_poll_cached_by_another_cancellation_is_not_trusted(c, shm_names):
         c.cancel(7, None, S)
         assert c.cancelled(conn) is True  # c's registry, not other's cached poll
         assert other.cancelled(conn) is False
+        assert len(_kept_polls(conn)) == 2  # one key each
     finally:
         other_reg.close()
         other_reg.unlink()

@@ -30,6 +30,7 @@ Why, at length: docs/design.md ("Hardening edges", "The janitor").
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import threading
@@ -110,6 +111,7 @@ class _NoConns:
         return "global"
 
 _conns: ConnReader = _NoConns()
+_instances = itertools.count(1)  # numbers the conn keys of Cancellation instances
 _rid_key = _poll_key = _sid_key = _pr_key = _addr_key = ""  # the reader's keys, as globals
 # for the hot path
 
@@ -154,24 +156,25 @@ class _Cached:
 
 
 class _ConnPoll:
-    """What :meth:`Cancellation.cancelled` keeps in a conn without a handle: the poll ``w`` of
-    request id ``rid`` for Cancellation ``c``, valid while the conn's request id and the values
-    its scope was read from (``sid``, ``pr``, ``addr`` under the reader's ``SCOPE_KEYS``, and
+    """What :meth:`Cancellation.cancelled` keeps in a conn without a handle, under a key of its
+    Cancellation's own (``POLL_KEY#n``, so no other instance's poll is ever taken for it): the
+    poll ``w`` of request id ``rid``, valid while the conn's request id and the values its
+    scope was read from (``sid``, ``pr``, ``addr`` under the reader's ``SCOPE_KEYS``, and
     ``pid``, the principal's ``"id"``) are the same objects: the same request in the same
-    scope. ``plain``: the conn had neither a session nor a principal key (the scope is the
-    address's while it still has neither: two membership tests instead of three lookups)."""
+    scope. ``plain``: the conn had an address but neither a session nor a principal key (the
+    scope is the address's while it still has neither: two membership tests instead of three
+    lookups)."""
 
-    __slots__ = ("addr", "c", "pid", "plain", "pr", "rid", "sid", "w")
+    __slots__ = ("addr", "pid", "plain", "pr", "rid", "sid", "w")
 
-    def __init__(self, c: Cancellation, rid: object, w: _HotPoll, conn: dict[str, Any]) -> None:
-        self.c = c
+    def __init__(self, rid: object, w: _HotPoll, conn: dict[str, Any]) -> None:
         self.rid = rid
         self.w = w
         self.sid = conn.get(_sid_key)
         self.pr = pr = conn.get(_pr_key)
         self.pid = pr.get("id") if pr is not None else None
         self.addr = conn.get(_addr_key)
-        self.plain = _sid_key not in conn and _pr_key not in conn
+        self.plain = _sid_key not in conn and _pr_key not in conn and _addr_key in conn
 
 
 _T = TypeVar("_T")
@@ -247,6 +250,9 @@ class Cancellation:
         self._in_flight_polls: _Polls[Callable[[], bool]] = _Polls()
         self._watch_map = self._watches.m  # the hot path's plain dicts (see _Polls)
         self._in_flight_map = self._in_flight_polls.m
+        # where this instance keeps a conn's poll: POLL_KEY + "#" + a number unique in the
+        # process (a key no conn has until the first store, see cancelled)
+        self._conn_key: Any = object()
 
     def __repr__(self) -> str:
         return f"<Cancellation over {self.registry!r}>"
@@ -310,13 +316,34 @@ class Cancellation:
         Otherwise the argument is the request id, looked up in ``scope``. Never raises.
 
         A ``dict`` conn without a handle keeps the poll its first call resolved, under
-        ``ConnReader.POLL_KEY``, for as long as its request id and the values its scope is read
-        from stay the same objects: a conn given a principal or a session, or reused for
-        another request, is resolved again."""
+        ``ConnReader.POLL_KEY + "#n"`` (``n`` numbers this instance), for as long as its
+        request id and the values its scope is read from stay the same objects: a conn given a
+        principal or a session, or reused for another request, is resolved again."""
         try:
             x: Any = conn_or_request_id
             t = type(x)
-            if t is int or t is str:
+            if t is dict:
+                try:
+                    e = x[self._conn_key]
+                    # The same request (id) in the same scope (what the scope is read from): a
+                    # conn reused for another request, or given a principal or a session since,
+                    # is resolved again below.
+                    if (x[_rid_key] is e.rid
+                            and ((x[_addr_key] is e.addr and _sid_key not in x
+                                  and _pr_key not in x) if e.plain
+                                 else (x.get(_addr_key) is e.addr and x.get(_sid_key) is e.sid
+                                       and x.get(_pr_key) is e.pr
+                                       and (e.pr is None or e.pr.get("id") is e.pid)))):
+                        w = e.w
+                        n = self._polls = self._polls - 1
+                        if n < 0:
+                            self._poll_tick()
+                        if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
+                            return w._member
+                        return w.member()
+                except (KeyError, AttributeError):  # no poll kept, or the id or address gone
+                    pass
+            elif t is int or t is str:
                 # Fast path: an id of an exact type polled before in this scope. The cache is
                 # keyed by the id as given (42 and "42" are two entries watching the one row);
                 # only valid ids of exact types and scopes of exact type str enter it, so a
@@ -332,23 +359,6 @@ class Cancellation:
                 if w._ver[w._b] == w._v:  # Watch.member()'s own first line (see _Cached)
                     return w._member
                 return w.member()
-            if t is dict:
-                e = x.get(_poll_key)
-                # the same request (id) in the same scope (what the scope is read from): a
-                # conn reused for another request, or given a principal or a session since,
-                # is resolved again below
-                if (e.__class__ is _ConnPoll and e.c is self
-                        and x.get(_rid_key) is e.rid and x.get(_addr_key) is e.addr
-                        and ((_sid_key not in x and _pr_key not in x) if e.plain
-                             else (x.get(_sid_key) is e.sid and x.get(_pr_key) is e.pr
-                                   and (e.pr is None or e.pr.get("id") is e.pid)))):
-                    w = e.w
-                    n = self._polls = self._polls - 1
-                    if n < 0:
-                        self._poll_tick()
-                    if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
-                        return w._member
-                    return w.member()
             elif not isinstance(x, Mapping):
                 return self._cancelled(x, scope)
             h = _conns.handle(x)
@@ -362,7 +372,10 @@ class Cancellation:
             if t is dict and h is None and _poll_key:
                 pr = x.get(_pr_key)
                 if pr is None or type(pr) is dict:  # another mapping may change unseen
-                    x[_poll_key] = _ConnPoll(self, rid, cw, x)
+                    k = self._conn_key
+                    if type(k) is not str:
+                        k = self._conn_key = f"{_poll_key}#{next(_instances)}"
+                    x[k] = _ConnPoll(rid, cw, x)
             return cw.member()
         except Exception:
             log.debug("cancelled() failed", exc_info=True)

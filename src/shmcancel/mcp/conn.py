@@ -32,7 +32,8 @@ __all__ = [
 HANDLE_KEY = "shmcancel.handle"
 REQUEST_ID_KEY = "shmcancel.request_id"
 CANCELLATION_KEY = "shmcancel.cancellation"
-#: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle.
+#: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle
+#: (``POLL_KEY + "#n"``, a key per ``Cancellation`` instance).
 POLL_KEY = "shmcancel.poll"
 #: The keys ``scope(conn)`` reads (contract §3): a poll kept under ``POLL_KEY`` holds while
 #: their values stay the same objects.
