@@ -107,16 +107,20 @@ class Floor:
 
 
 def interleaved(measures: list[Measure], floor: Measure, rounds: int,
-                per_op: int) -> dict[str, Result]:
+                per_op: int, min_seconds: float = 0.0) -> dict[str, Result]:
     """Each round, for each measure: a floor batch, the measure's batch (their ratio), then
-    ``per_op`` single operations of the measure timed one by one. The floor is also reported
-    (label of ``floor``), its ratio 1 by construction."""
+    ``per_op`` single operations of the measure timed one by one; at least ``rounds`` rounds,
+    and more until ``min_seconds`` have passed (at most ``20 * rounds``). The floor is also
+    reported (label of ``floor``), its ratio 1 by construction."""
     ns: dict[str, list[float]] = {m.label: [] for m in [floor, *measures]}
     ratio: dict[str, list[float]] = {m.label: [] for m in measures}
     ones: dict[str, list[float]] = {m.label: [] for m in [floor, *measures]}
     for m in [floor, *measures]:  # warm up
         m.batch(min(m.n, 20))
-    for r in range(rounds):
+    until = time.monotonic() + min_seconds
+    for r in range(20 * rounds):
+        if r >= rounds and time.monotonic() >= until:
+            break
         order = measures if r % 2 == 0 else measures[::-1]
         for m in order:
             f = floor.batch(floor.n) / floor.n

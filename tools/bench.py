@@ -133,6 +133,7 @@ def fmt_ns(ns: float) -> str:
     return f"{ns / 1e6:.1f} ms"
 
 
+BUSY_SECONDS = 1.0  # the least time measured while the other writers write
 POLL_TARGETS = {"shmcancel.cancelled(conn), handle": 2.5, "c.cancelled(conn), no handle": 4.0,
                 "c.cancelled(id, scope)": 3.0, "c.in_flight(id, scope)": 5.0}
 
@@ -145,7 +146,10 @@ def _alone_and_busy(b: Backend, ms: list[Measure], floor: Floor, a: argparse.Nam
     dropped (NaN), so their targets are MISSED)."""
     alone = interleaved(ms, floor.measure, a.rounds, a.per_op)
     with other_writers(b, OTHER_WRITERS) as rate:
-        busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op)
+        # long enough for every writer to be scheduled (5 processes on 2 cores: a phase of a
+        # few ms could end before one of them ran, and read as a writer that wrote nothing)
+        busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op,
+                           min_seconds=BUSY_SECONDS)
         wrate, werr, trouble = rate()
     if werr:
         trouble.append(f"{werr} write rounds failed")

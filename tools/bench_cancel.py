@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             with _writers(name, args.writers) as (counters, pids):
                 c0 = _pairs(counters, args.writers)
                 t0 = time.monotonic()
-                busy, rbusy, fbusy = ratio_medians(ms, floor, max(20, args.batches // 2))
+                # at least a second: every writer is scheduled (see bench.py's BUSY_SECONDS)
+                busy, rbusy, fbusy = ratio_medians(ms, floor, max(20, args.batches // 2),
+                                                   min_seconds=1.0)
                 c1 = _pairs(counters, args.writers)
                 rate = sum(i1 - i0 for (i0, _), (i1, _) in zip(c0, c1, strict=True)) / (
                     time.monotonic() - t0)

@@ -123,8 +123,10 @@ def medians(measures: dict[str, tuple[Measure, int]], batches: int) -> dict[str,
 
 
 def ratio_medians(measures: dict[str, tuple[Measure, int]], floor: tuple[Measure, int],
-                  batches: int) -> tuple[dict[str, float], dict[str, float], float]:
-    """``(ns/op, ratio to the floor, floor ns/op)``, each a median over ``batches`` rounds. In a
+                  batches: int, min_seconds: float = 0.0
+                  ) -> tuple[dict[str, float], dict[str, float], float]:
+    """``(ns/op, ratio to the floor, floor ns/op)``, each a median over ``batches`` rounds (more
+    until ``min_seconds`` have passed, at most ``20 * batches``). In a
     round every measure's batch runs right after a batch of ``floor`` and its ratio is taken to
     that floor batch (floor and measure alternate), so a slow stretch of the machine inflates
     both and the ratio stays put. The floor's ns/op is the median over all its batches."""
@@ -132,7 +134,10 @@ def ratio_medians(measures: dict[str, tuple[Measure, int]], floor: tuple[Measure
     ns: dict[str, list[float]] = {k: [] for k in measures}
     ratio: dict[str, list[float]] = {k: [] for k in measures}
     floors: list[float] = []
-    for _ in range(batches):
+    until = time.monotonic() + min_seconds
+    for r in range(20 * batches):
+        if r >= batches and time.monotonic() >= until:
+            break
         for k, (fn, n) in measures.items():
             f = ffn() / fn_ops
             m = fn() / n
