@@ -7,13 +7,16 @@ import dataclasses
 import os
 import select
 import signal
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest
 from helpers import procs
 from helpers.names import leftovers
 from helpers.procs import child, reap, recv, stuck_mid_write
+from helpers.table_rig import healthy
 
 import shmcancel
 from shmcancel.cancel import tables as ct
@@ -356,5 +359,69 @@ def test_dead_writer_recovered_and_tables_repaired(shm_name: str) -> None:
         shmcancel.telemetry.detach("t-reg")
         reap(pid)
         os.close(r)
+        reg.close()
+        reg.unlink()
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("op", ["insert", "delete"])
+def test_a_registry_write_interrupted_mid_mutation_is_repaired_before_the_lock_goes(
+        shm_name: str, op: str) -> None:
+    """The tables mark a mutation in progress on the registry lock's own ``dirty`` (through
+    ``lock.flags``): an exception raised at any bytecode between a write's first and last
+    store is repaired (fsck) before the lock is released, so the next reader finds the row
+    wholly there or wholly gone and a clean table."""
+    reg = Registry.create(shm_name, Config(max_rows=100, in_flight_capacity=64))
+    try:
+        t = reg.table(ct.CANCELLATIONS)
+        lock = reg.lock
+        files = {sys.modules[c.__module__].__file__ for c in type(t).__mro__ if c is not object}
+
+        def run(k: int) -> int:
+            """The write, raising at the k-th opcode run while dirty (0: count them)."""
+            seen = [0]
+
+            def local(frame: object, event: str, arg: object) -> object:
+                if event == "opcode" and lock.dirty:
+                    seen[0] += 1
+                    if seen[0] == k:
+                        raise _Interrupt
+
+                return local
+
+            def glob(frame: Any, event: str, arg: object) -> object:
+                if frame.f_code.co_filename in files:
+                    frame.f_trace_opcodes = True
+                    return local
+                return None
+
+            key = ("ip:x", "7")
+            if op == "delete":
+                t.insert(key, ("r", 1.0))
+            sys.settrace(glob)
+            try:
+                if op == "insert":
+                    t.insert(key, ("r", 1.0))
+                else:
+                    t.delete(key)
+            finally:
+                sys.settrace(None)
+            return seen[0]
+
+        n = run(0)
+        assert n > 5, "the write never set the lock's dirty: a crash in it would go unrepaired"
+        t.delete(("ip:x", "7"))
+        for k in sorted({1, 2, n // 2, n - 1, n}):
+            with pytest.raises(_Interrupt):
+                run(k)
+            assert not lock.held_by_me() and lock.owner() is None  # released
+            healthy(t)
+            assert t.get(("ip:x", "7")) in (None, ("r", 1.0))  # wholly there or wholly gone
+            t.delete(("ip:x", "7"))
+            healthy(t)
+    finally:
         reg.close()
         reg.unlink()

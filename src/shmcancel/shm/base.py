@@ -58,7 +58,9 @@ class LargeRowsFull(TableFull):
 class Lock(Protocol):
     """What a table needs of the registry lock (see ``lock.RegistryLock``): a reentrant
     inter-process lock whose ``__exit__`` repairs the tables (``fsck``) if ``dirty`` is still
-    True, i.e. the holder was interrupted between its first and last store."""
+    True, i.e. the holder was interrupted between its first and last store. A lock may also
+    have ``flags``, an object whose plain attribute ``dirty`` is the lock's own (the writers
+    set it there: an attribute store, where ``dirty`` itself may be a property)."""
 
     dirty: bool
 
@@ -132,6 +134,7 @@ class TableBase:
         self._hash_key = bytes(hash_key)
         self._h0 = _blake2b(key=self._hash_key, digest_size=8)
         self._lock = lock
+        self._flags: Any = getattr(lock, "flags", lock)  # where writers set ``dirty``
         # A read-only attachment's lock cannot be taken: readers fall back to a best-effort
         # unlocked read where they would take it (reader.py, fsck.py).
         self._lockless = bool(getattr(lock, "readonly", False))

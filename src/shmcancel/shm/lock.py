@@ -168,6 +168,12 @@ class RegistryLock:
         _locks.add(self)
 
     @property
+    def flags(self) -> _ProcState:
+        """The object holding this process's ``dirty`` (the same object for the lock's life,
+        a fork child's included: it is reset in place), for writers that set it directly."""
+        return self._st
+
+    @property
     def dirty(self) -> bool:
         return self._st.dirty
 

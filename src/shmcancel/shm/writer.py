@@ -71,7 +71,7 @@ class Writes(Fsck):
         stamp = hq[_STAMP] + 1
         if stamp >= _STAMP_MAX:  # checked before the first store
             raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")
-        self._lock.dirty = True  # from right before the first store
+        self._flags.dirty = True  # from right before the first store
         hq[_STAMP] = stamp
         body = kbytes + vbytes
         crc = _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32)
@@ -110,10 +110,11 @@ class Writes(Fsck):
         else:  # before any store: fsck returns the popped record to the free stack
             raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         b = j >> 5
-        ver[b] += 1
+        v = ver[b]  # read once: versions move only under the lock, which this writer holds
+        ver[b] = v + 1
         idx[j + 1] = r
         idx[j] = pk.hash
-        ver[b] += 1
+        ver[b] = v + 2
         self._hq[_ROWS] += 1
 
     def _delete_slot(self, s: int) -> None:
@@ -203,7 +204,7 @@ class Writes(Fsck):
             return op(*args)
 
     def _insert(self, key: PreparedKey, vb: bytes) -> None:
-        lock = self._lock
+        lock = self._flags
         found = self._find(key)
         if found and self._set:
             s, old, _, oldvb, _, word = found[0]
@@ -229,7 +230,7 @@ class Writes(Fsck):
         if self._hq[_ROWS] >= self.capacity:
             self._full()
         self._publish(key, self._write_record(key.kbytes, vb, -1, word))
-        self._lock.dirty = False
+        self._flags.dirty = False
 
     def _full(self) -> None:
         """The row counter says full: raise TableFull, unless the counters are implausible
@@ -321,7 +322,7 @@ class Writes(Fsck):
         return self._write(self._delete, key)
 
     def _delete(self, key: PreparedKey) -> int:
-        lock = self._lock
+        lock = self._flags
         found = self._find(key)
         if found:
             lock.dirty = True
@@ -340,7 +341,7 @@ class Writes(Fsck):
         return self._write(self._delete_object, key, vb)
 
     def _delete_object(self, key: PreparedKey, vb: bytes) -> bool:
-        lock = self._lock
+        lock = self._flags
         for s, _, _, v, _, _ in self._find(key):
             if v == vb:
                 lock.dirty = True
@@ -363,7 +364,7 @@ class Writes(Fsck):
             self._full()
         r = self._write_record(key.kbytes, vb)
         self._publish(key, r)
-        self._lock.dirty = False
+        self._flags.dirty = False
         return r, self._hq[_STAMP]  # the stamp _write_record gave r (the lock is held)
 
     def remove(self, key: Any, receipt: tuple[int, int] | None, value: Any = _BY_RECEIPT) -> bool:
@@ -383,7 +384,7 @@ class Writes(Fsck):
             s = self._locate(key.hash, r)
             off = self._offset(r)
             if s >= 0 and off >= 0 and _REC.unpack_from(self._buf, off)[4] == stamp:
-                lock = self._lock
+                lock = self._flags
                 lock.dirty = True
                 self._delete_slot(s)
                 lock.dirty = False
