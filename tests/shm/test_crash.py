@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from helpers.opcodes import at_bytecode
 from helpers.table_rig import Rig, healthy, same_home_keys
 from helpers.tools import load_tool
 
@@ -58,37 +59,14 @@ def test_interrupted_writers_always_recover(shm_name, mode: str, rounds: int) ->
 
 # ------------------------------------------------------------------ kill at every bytecode
 
-# The table's code is split over several modules (one per concern): trace all of them.
-TABLE_FILES = frozenset(
-    sys.modules[c.__module__].__file__ for c in Table.__mro__ if c is not object)
-
-
 def rows(t: Table) -> list[tuple[bytes, bytes, int | None]]:
     """Every row, with its key's word (bag rows keep word 0)."""
     return sorted((msgpack.packb(k), msgpack.packb(v), t.word(k)) for k, v in t.scan())
 
 
 def kill_at_bytecode(lock: Any, k: int, every: bool = False) -> list[int]:
-    """Trace the table modules' opcodes run while ``lock.dirty`` (``every``: all of those run
-    under the lock); SIGKILL this process at the k-th (k = 0: only count them). Returns the
-    counter."""
-    seen = [0]
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode" and (lock.dirty or (every and lock.held_by_me())):
-            seen[0] += 1
-            if seen[0] == k:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return local
-
-    def glob(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename in TABLE_FILES:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    sys.settrace(glob)
-    return seen
+    """SIGKILL this process at the k-th opcode of a table write (:func:`at_bytecode`)."""
+    return at_bytecode(lock, k, lambda: os.kill(os.getpid(), signal.SIGKILL), every)
 
 
 def _a_stale_record_of_k(t: Table) -> None:

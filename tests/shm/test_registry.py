@@ -9,12 +9,12 @@ import select
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 import pytest
 from helpers import procs
 from helpers.names import leftovers
+from helpers.opcodes import at_bytecode
 from helpers.procs import child, reap, recv, stuck_mid_write
 from helpers.table_rig import healthy
 
@@ -378,30 +378,17 @@ def test_a_registry_write_interrupted_mid_mutation_is_repaired_before_the_lock_g
     try:
         t = reg.table(ct.CANCELLATIONS)
         lock = reg.lock
-        files = {sys.modules[c.__module__].__file__ for c in type(t).__mro__ if c is not object}
 
         def run(k: int) -> int:
             """The write, raising at the k-th opcode run while dirty (0: count them)."""
-            seen = [0]
 
-            def local(frame: object, event: str, arg: object) -> object:
-                if event == "opcode" and lock.dirty:
-                    seen[0] += 1
-                    if seen[0] == k:
-                        raise _Interrupt
-
-                return local
-
-            def glob(frame: Any, event: str, arg: object) -> object:
-                if frame.f_code.co_filename in files:
-                    frame.f_trace_opcodes = True
-                    return local
-                return None
+            def interrupt() -> None:
+                raise _Interrupt
 
             key = ("ip:x", "7")
             if op == "delete":
                 t.insert(key, ("r", 1.0))
-            sys.settrace(glob)
+            seen = at_bytecode(lock, k, interrupt)
             try:
                 if op == "insert":
                     t.insert(key, ("r", 1.0))
