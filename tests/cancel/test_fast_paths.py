@@ -400,12 +400,14 @@ def _kept_polls(conn):
     return [v for k, v in conn.items() if k.startswith("shmcancel.poll#")]
 
 
-@pytest.mark.parametrize("junk", [5, "x", None, (1, 2, 3), {"c": None}])
-def test_junk_under_the_poll_key_is_ignored_and_replaced(c, junk):
+@pytest.mark.parametrize("where", ["instance key", "poll key"])
+@pytest.mark.parametrize("junk", [5, "x", None, (1, 2, 3), {"c": None}, "shmcancel.poll#0"])
+def test_junk_under_the_poll_keys_is_ignored_and_replaced(c, junk, where):
     conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
     assert c.cancelled(conn) is False
     (key,) = (k for k in conn if k.startswith("shmcancel.poll#"))
-    conn[key] = junk
+    assert conn["shmcancel.poll"] == key  # names the instance key
+    conn[key if where == "instance key" else "shmcancel.poll"] = junk
     c.cancel(7, None, S)
     assert c.cancelled(conn) is True
     assert type(conn[key]).__name__ == "_ConnPoll"
@@ -424,7 +426,7 @@ def test_a_poll_cached_by_another_cancellation_is_not_trusted(c, shm_names):
         c.cancel(7, None, S)
         assert c.cancelled(conn) is True  # c's registry, not other's cached poll
         assert other.cancelled(conn) is False
-        assert len(_kept_polls(conn)) == 2  # one key each
+        assert len(_kept_polls(conn)) == 1  # one instance's poll replaces the other's
     finally:
         other_reg.close()
         other_reg.unlink()
@@ -575,3 +577,16 @@ def test_a_cancel_local_landing_inside_another_threads_poll_is_not_lost(c, monke
         assert all(h.cancelled() for _ in range(100))
     finally:
         h.end()
+
+
+def test_a_conn_polled_by_a_new_cancellation_each_time_keeps_two_poll_keys(c):
+    """A caller that makes a Cancellation per poll (each instance keeps its poll under a key
+    of its own) does not grow the conn by a key per instance: bounded memory per conn."""
+    conn = {"REMOTE_ADDR": "192.0.2.1", "shmcancel.request_id": 7}
+    n0 = len(conn)
+    for i in range(200):
+        if i == 100:
+            c.cancel(7, None, S)
+        assert Cancellation(c.registry).cancelled(conn) is (i >= 100)
+    assert len(conn) == n0 + 2  # "shmcancel.poll" and the last instance's key
+    assert len(_kept_polls(conn)) == 1

@@ -157,7 +157,8 @@ class _Cached:
 
 class _ConnPoll:
     """What :meth:`Cancellation.cancelled` keeps in a conn without a handle, under a key of its
-    Cancellation's own (``POLL_KEY#n``, so no other instance's poll is ever taken for it): the
+    Cancellation's own (``POLL_KEY#n``, so no other instance's poll is ever taken for it; the
+    conn's ``POLL_KEY`` names that key, and one instance's poll replaces another's): the
     poll ``w`` of request id ``rid``, valid while the conn's request id and the values its
     scope was read from (``sid``, ``pr``, ``addr`` under the reader's ``SCOPE_KEYS``, and
     ``pid``, the principal's ``"id"``) are the same objects: the same request in the same
@@ -375,6 +376,14 @@ class Cancellation:
                     k = self._conn_key
                     if type(k) is not str:
                         k = self._conn_key = f"{_poll_key}#{next(_instances)}"
+                    # POLL_KEY names the one instance key a conn holds: another instance's
+                    # poll goes when this one's comes (a conn polled by a new Cancellation
+                    # each time keeps two keys, not one per instance)
+                    old = x.get(_poll_key)
+                    if type(old) is not str or old != k:  # (no __eq__ of a stranger's runs)
+                        if type(old) is str and old.startswith(_poll_key + "#"):
+                            x.pop(old, None)
+                        x[_poll_key] = k
                     x[k] = _ConnPoll(rid, cw, x)
             return cw.member()
         except Exception:

@@ -32,8 +32,9 @@ __all__ = [
 HANDLE_KEY = "shmcancel.handle"
 REQUEST_ID_KEY = "shmcancel.request_id"
 CANCELLATION_KEY = "shmcancel.cancellation"
-#: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle
-#: (``POLL_KEY + "#n"``, a key per ``Cancellation`` instance).
+#: Where ``Cancellation.cancelled(conn)`` keeps the poll it resolved for a conn without a handle:
+#: under ``POLL_KEY + "#n"``, a key per ``Cancellation`` instance, which ``POLL_KEY`` names (one
+#: instance's poll replaces another's).
 POLL_KEY = "shmcancel.poll"
 #: The keys ``scope(conn)`` reads (contract §3): a poll kept under ``POLL_KEY`` holds while
 #: their values stay the same objects.
