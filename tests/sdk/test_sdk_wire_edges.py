@@ -171,3 +171,39 @@ def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
     finally:
         t.join(20)
     assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text
+
+
+@pytest.mark.parametrize("content_type", ["application/jsonx", "Application/JSON"])
+def test_a_cancel_with_a_content_type_the_sdk_refuses_is_its_415(stateful, content_type):
+    """The SDK's transport takes a POST only with the media type ``application/json`` itself
+    (its Content-Type check after the Origin/Host one, which looks at the prefix only): any
+    other is its 415. A ``notifications/cancelled`` with such a type is refused the same way
+    while a call of that id runs: it neither answers 202 nor cancels the call (the SDK's own
+    checks still apply, contract §9, §5)."""
+    import threading
+
+    g, reg = stateful
+    assert _wait(lambda: not _rows(reg), 10), _rows(reg)
+    hdrs = _session(g)
+    scope = "session:" + hdrs["mcp-session-id"].split("-", 1)[1]
+    answer: list[httpx.Response] = []
+
+    def call() -> None:
+        with httpx.Client(timeout=20) as h:
+            answer.append(h.post(g.url, headers=hdrs, json={
+                "jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                "params": {"name": "sleep", "arguments": {"seconds": 1.5}}}))
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert _wait(lambda: (scope, "8") in _rows(reg), 10), _rows(reg)
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 8}}
+        with httpx.Client(timeout=10) as h:
+            r = h.post(g.url, headers=dict(hdrs, **{"content-type": content_type}),
+                       content=json.dumps(note))
+        assert r.status_code == 415, (r.status_code, r.text)
+    finally:
+        t.join(20)
+    assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text

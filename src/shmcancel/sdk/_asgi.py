@@ -267,6 +267,8 @@ class Layer:
             return False  # the SDK refuses it (400): no session, no scope to cancel in
         if not self._accepts(scope):
             return False  # the SDK refuses it (406)
+        if not _json_media_type(scope):
+            return False  # the SDK refuses it (415)
         refused = await self._checks(scope)
         if refused is not None:
             status, rbody, headers = refused
@@ -377,6 +379,15 @@ class Layer:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+
+def _json_media_type(scope: Scope) -> bool:
+    """The SDK transport's Content-Type rule for a POST (after its Origin/Host check, which
+    looks at the prefix only): the media type is ``application/json`` itself, as written."""
+    from mcp.server.streamable_http import CONTENT_TYPE_JSON
+
+    ct = _header(scope, b"content-type") or ""
+    return any(p.strip() == CONTENT_TYPE_JSON for p in ct.split(";")[0].split(","))
 
 
 def _may_cancel(body: bytes) -> bool:
