@@ -79,6 +79,8 @@ def require_key(request_id: object) -> str:
 
     ``None`` is not handled here: callers treat it as a no-op before asking.
     """
+    if type(request_id) is int and _INT_LO < request_id < _INT_HI:  # key()'s first case
+        return int.__repr__(request_id)
     k = key(request_id)
     if k is None:
         raise InvalidRequestId(

@@ -67,8 +67,11 @@ def _prepared(cache: dict[tuple[str, str], PreparedKey],
         scope = str.__str__(scope)
     k = (scope, rid)
     pk = cache.get(k)
-    if pk is None:
-        pk = _remember(cache, k, table.prepare(other.get(k) or k))
+    if pk is None:  # _remember, inlined: every new request id comes here
+        pk = table.prepare(other.get(k) or k)
+        if len(cache) >= _KEY_CACHE:
+            cache.clear()
+        cache[k] = pk
     return pk
 
 

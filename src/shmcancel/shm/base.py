@@ -181,7 +181,9 @@ class TableBase:
                 return PreparedKey(self, key.key, key.kbytes, key.hash, key.hash & self._mask)
             key = key.key
         kbytes = _pack(key)
-        h = self._hash(kbytes)
+        b = self._h0.copy()  # _hash, inlined: every new request id comes here
+        b.update(kbytes)
+        h = _from_bytes(b.digest(), "little") or 1
         return PreparedKey(self, key, kbytes, h, h & self._mask)
 
     # ---------------------------------------------------------------- records

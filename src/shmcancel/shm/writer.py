@@ -176,7 +176,11 @@ class Writes(Fsck):
         """:meth:`insert_held` of a key the caller, holding the lock since, found without a
         row (a set's new row, a bag's first): the same checks and repair, without probing for
         the key's rows again."""
-        key, vb = self._row(key, value)
+        if key.__class__ is not PreparedKey or key.t is not self:  # _row, inlined: the hot path
+            key = self.prepare(key)
+        vb = _pack(value)
+        if len(key.kbytes) + len(vb) > self._payload:
+            self._check_size(key.kbytes, vb)
         try:
             return self._append(key, vb)
         except TableCorrupted as e:
