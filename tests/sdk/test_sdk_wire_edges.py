@@ -140,11 +140,11 @@ def _session(g: Gunicorn) -> dict[str, str]:
     return open_session(g.url, LEGACY)
 
 
-def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
-    """A ``notifications/cancelled`` body that the SDK's JSON parser refuses (a lone surrogate
-    escape: 400 ``-32700`` from the SDK when no call of that id runs) is refused the same way
-    while a call of that id runs: shmcancel parses it with the SDK's parser, so it neither
-    answers 202 nor cancels the call (the SDK's own checks still apply, contract §9, §5)."""
+def _refused_while_a_call_runs(stateful, rid: int, note: bytes,
+                               content_type: str | None = None) -> httpx.Response:
+    """Run ``sleep`` (1.5 s) as call ``rid`` of a new session; once it is in flight, POST the
+    cancel ``note`` in that session (with ``content_type`` when given). Returns the cancel's
+    reply, having checked that the call was not cancelled (it slept its 1.5 s)."""
     import threading
 
     g, reg = stateful
@@ -156,21 +156,31 @@ def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
     def call() -> None:
         with httpx.Client(timeout=20) as h:
             answer.append(h.post(g.url, headers=hdrs, json={
-                "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "jsonrpc": "2.0", "id": rid, "method": "tools/call",
                 "params": {"name": "sleep", "arguments": {"seconds": 1.5}}}))
 
     t = threading.Thread(target=call)
     t.start()
     try:
-        assert _wait(lambda: (scope, "7") in _rows(reg), 10), _rows(reg)
-        note = (b'{"jsonrpc":"2.0","method":"notifications/cancelled",'
-                b'"params":{"requestId":7,"reason":"a\\ud800b"}}')
+        assert _wait(lambda: (scope, str(rid)) in _rows(reg), 10), _rows(reg)
         with httpx.Client(timeout=10) as h:
-            r = h.post(g.url, headers=hdrs, content=note)
-        assert r.status_code == 400 and "-32700" in r.text, (r.status_code, r.text)
+            r = h.post(g.url, content=note, headers=dict(hdrs) if content_type is None
+                       else dict(hdrs, **{"content-type": content_type}))
     finally:
         t.join(20)
     assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text
+    return r
+
+
+def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
+    """A ``notifications/cancelled`` body that the SDK's JSON parser refuses (a lone surrogate
+    escape: 400 ``-32700`` from the SDK when no call of that id runs) is refused the same way
+    while a call of that id runs: shmcancel parses it with the SDK's parser, so it neither
+    answers 202 nor cancels the call (the SDK's own checks still apply, contract §9, §5)."""
+    r = _refused_while_a_call_runs(stateful, 7, (
+        b'{"jsonrpc":"2.0","method":"notifications/cancelled",'
+        b'"params":{"requestId":7,"reason":"a\\ud800b"}}'))
+    assert r.status_code == 400 and "-32700" in r.text, (r.status_code, r.text)
 
 
 @pytest.mark.parametrize("content_type", ["application/jsonx", "Application/JSON"])
@@ -180,30 +190,6 @@ def test_a_cancel_with_a_content_type_the_sdk_refuses_is_its_415(stateful, conte
     other is its 415. A ``notifications/cancelled`` with such a type is refused the same way
     while a call of that id runs: it neither answers 202 nor cancels the call (the SDK's own
     checks still apply, contract §9, §5)."""
-    import threading
-
-    g, reg = stateful
-    assert _wait(lambda: not _rows(reg), 10), _rows(reg)
-    hdrs = _session(g)
-    scope = "session:" + hdrs["mcp-session-id"].split("-", 1)[1]
-    answer: list[httpx.Response] = []
-
-    def call() -> None:
-        with httpx.Client(timeout=20) as h:
-            answer.append(h.post(g.url, headers=hdrs, json={
-                "jsonrpc": "2.0", "id": 8, "method": "tools/call",
-                "params": {"name": "sleep", "arguments": {"seconds": 1.5}}}))
-
-    t = threading.Thread(target=call)
-    t.start()
-    try:
-        assert _wait(lambda: (scope, "8") in _rows(reg), 10), _rows(reg)
-        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                "params": {"requestId": 8}}
-        with httpx.Client(timeout=10) as h:
-            r = h.post(g.url, headers=dict(hdrs, **{"content-type": content_type}),
-                       content=json.dumps(note))
-        assert r.status_code == 415, (r.status_code, r.text)
-    finally:
-        t.join(20)
-    assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text
+    note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 8}}
+    r = _refused_while_a_call_runs(stateful, 8, json.dumps(note).encode(), content_type)
+    assert r.status_code == 415, (r.status_code, r.text)
