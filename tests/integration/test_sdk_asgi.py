@@ -27,7 +27,8 @@ import httpx
 import pytest
 from helpers.aio import until
 from helpers.background import Background
-from helpers.gunicorn_harness import Gunicorn
+from helpers.gunicorn_harness import Gunicorn, wait_until
+from helpers.mcp_client import open_session
 from helpers.rows import in_flight_rows
 from helpers.stalled_lock import stalled_lock
 from mcp import Client
@@ -569,3 +570,37 @@ def test_a_stalled_registry_lock_never_stalls_a_workers_event_loop(shm_name, spa
             r, _ = long_call.result(timeout=10)
             assert r.status_code == 200, r.text
             assert max(waits) < lock_timeout / 2, (waits, g.log_tail())
+
+
+@pytest.mark.slow
+def test_a_session_deleted_while_the_registry_lock_is_stalled_stops_its_sync_calls(
+        shm_name, spawn):
+    """A ``DELETE`` ends the session (the SDK answers first), then its calls are cancelled in
+    the registry (contract §6.1, §9). When a live process holds the lock past ``lock_timeout``
+    (contract §4.3), no row can be written: the worker that owns the session, which runs all
+    of its calls, stops them itself. A sync tool (which the SDK cannot interrupt) ends at its
+    next ``raise_if_cancelled()`` instead of sleeping on; its row goes once the lock is free."""
+    lock_timeout = 1.0
+    env = {"SHMCANCEL_SDK_STATELESS": "0", "SHMCANCEL_TEST_LOCK_TIMEOUT": str(lock_timeout)}
+    legacy = {"content-type": "application/json",
+              "accept": "application/json, text/event-stream",
+              "mcp-protocol-version": "2025-11-25"}
+    with Gunicorn("app:app", registry_name=shm_name, config="tests/apps/transport_conf.py",
+                  workers=1, worker_class="uvicorn_worker.UvicornWorker", env=env,
+                  extra_args=["--pythonpath", "examples/sdk"]) as g, \
+            Registry.attach(shm_name, readonly=True) as reg:
+        hdrs = open_session(g.url, legacy)
+        call = Background(lambda: httpx.post(g.url, headers=hdrs, timeout=60, json={
+            "jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "sleep_sync", "arguments": {"seconds": SLEEP}}}))
+        call.start()
+        wait_until(lambda: rows(reg), time.monotonic() + 10, what="the call to start")
+        with stalled_lock(spawn, shm_name):
+            r = httpx.delete(g.url, headers=hdrs, timeout=10)
+            assert r.status_code == 200, r.text
+            wait_until(lambda: "the deleted session's" in g.log(),
+                       time.monotonic() + 10 * lock_timeout,
+                       what="the deleted session's cancellation to meet the stalled lock")
+        # the lock is free again: the stopped call's end lands (a sleeping one would not end)
+        wait_until(lambda: not rows(reg), time.monotonic() + 5, what="the call's row to go")
+        call.join(10)

@@ -40,6 +40,7 @@ from ._calls import (
     conn_of,
     modern_wire,
     process_cancellation,
+    stop_calls_in_scope,
 )
 from ._routing import Router
 
@@ -213,10 +214,13 @@ class Layer:
         conn = conn_of(scope, True)
         if c is None or not 200 <= status < 300 or "shmcancel.session_id" not in conn:
             return
+        sc = principal.scope(conn)
         try:
-            await asyncio.to_thread(c.cancel_scope, principal.scope(conn), "session deleted")
-        except ShmCancelError as e:  # a stalled lock: the calls end when their tools do
-            log.warning("shmcancel.sdk: the deleted session's calls were not cancelled: %s", e)
+            await asyncio.to_thread(c.cancel_scope, sc, "session deleted")
+        except ShmCancelError as e:  # a stalled lock: no rows; its calls run here (the owner)
+            n = stop_calls_in_scope(sc, "session deleted")
+            log.warning("shmcancel.sdk: the deleted session's cancellations could not be "
+                        "recorded (%s); its %d call(s) in this worker were stopped here", e, n)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or ``None`` when it was refused (413, answered) or the client left."""

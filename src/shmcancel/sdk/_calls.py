@@ -231,6 +231,21 @@ class _Poller:
 _pollers: dict[int, _Poller] = {}
 
 
+def stop_calls_in_scope(scope: str, reason: str) -> int:
+    """Stop, in this process only, every call of ``scope`` running on the current event loop
+    (:meth:`Call.stop`: its handle latches, its cancel scope is cancelled): what a deleted
+    session's calls get when the registry could not record their cancellations (a stalled
+    lock). A stateful session's calls all run in the worker that owns it, which serves its
+    ``DELETE``. Call from the event loop's thread. Returns how many were stopped."""
+    p = _pollers.get(id(asyncio.get_running_loop()))
+    if p is None:
+        return 0
+    stopped = [call for call in list(p.calls) if call.handle.scope == scope]
+    for call in stopped:
+        call.stop(reason)
+    return len(stopped)
+
+
 def _poller() -> _Poller:
     loop = asyncio.get_running_loop()
     p = _pollers.get(id(loop))
