@@ -99,6 +99,16 @@ def test_burst_bench_cancels_every_call_and_prints_what_the_burst_cost() -> None
     assert leftovers(pid) == []
 
 
+def test_burst_bench_check_fails_a_missed_target() -> None:
+    """``--check`` turns a missed target into exit 1 (a target no burst can meet here)."""
+    rc, out, pid = run_bench("--calls", "2", "--rounds", "1", "--seq", "1", "--workers", "2",
+                             "--threads", "4", "--wire", "legacy", "--target-ms", "0.0001",
+                             "--check", script=BURST)
+    assert rc == 1, out[-3000:]
+    assert "target burst p99 <= 0.0001 ms: MISSED" in out, out[-3000:]
+    assert leftovers(pid) == []
+
+
 def _readme_tools() -> list[str]:
     """Every ``tools/<script>.py`` a README in the repository tells a newcomer to run."""
     found: set[str] = set()
