@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import pydantic_core
+from mcp.server.streamable_http import CONTENT_TYPE_JSON
 
 from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
 from ._calls import (
@@ -388,8 +389,6 @@ class Layer:
 def _json_media_type(scope: Scope) -> bool:
     """The SDK transport's Content-Type rule for a POST (after its Origin/Host check, which
     looks at the prefix only): the media type is ``application/json`` itself, as written."""
-    from mcp.server.streamable_http import CONTENT_TYPE_JSON
-
     ct = _header(scope, b"content-type") or ""
     return any(p.strip() == CONTENT_TYPE_JSON for p in ct.split(";")[0].split(","))
 
