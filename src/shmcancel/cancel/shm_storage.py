@@ -48,7 +48,7 @@ def _owner(value: Any) -> Owner | None:
 
 def _remember(cache: dict[Any, PreparedKey], k: Any, pk: PreparedKey) -> PreparedKey:
     """Store ``pk`` under ``k`` in a key cache of at most ``_KEY_CACHE`` entries (emptied when
-    full); returns ``pk``."""
+    full); returns ``pk``. :func:`_prepared` has these lines inlined (every new request id)."""
     if len(cache) >= _KEY_CACHE:
         cache.clear()
     cache[k] = pk

@@ -168,7 +168,9 @@ class TableBase:
 
     # ---------------------------------------------------------------- keys
     def _hash(self, kbytes: bytes) -> int:
-        h = self._h0.copy()  # keyed blake2b: copying the keyed state skips the key block
+        # keyed blake2b: copying the keyed state skips the key block. prepare() has these lines
+        # inlined (every new request id): the two must give the same hash, or fsck rejects rows
+        h = self._h0.copy()
         h.update(kbytes)
         return _from_bytes(h.digest(), "little") or 1
 

@@ -189,7 +189,8 @@ class Writes(Fsck):
 
     def _row(self, key: Any, value: Any) -> tuple[PreparedKey, bytes]:
         """``key`` prepared for this table and ``value`` packed; RowTooLarge (before the lock
-        is taken or anything written) when the two do not fit a record."""
+        is taken or anything written) when the two do not fit a record. :meth:`add_held` has
+        these lines inlined (the hot path): a change here goes there too."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         vb = _pack(value)
