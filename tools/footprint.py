@@ -4,9 +4,12 @@
     python tools/footprint.py [--max-rows N|none] [--capacity N] [--in-flight-capacity N]
                               [--session-capacity N] [--sessions-per-client N]
 
-Per table: rows held, record sizes (small/large, see ``shm/layout.py``), large rows held (L) and
-region bytes; the total is the file size of ``/dev/shm/shmcancel.NAME`` (computed, nothing is
-created). Without options: the default ``Config()`` and ``Config(max_rows=100)``.
+Per table: rows held, record sizes (small/large, see ``shm/layout.py``), large rows held (L),
+region bytes, and the bytes of its large records, whose pages are backed on demand (as large
+rows are written, ``layout.py``). The totals: the file size of ``/dev/shm/shmcancel.NAME``, and
+the bytes allocated when it is created (what /dev/shm holds until large rows are written; it
+grows to the file size at most). Computed, nothing is created. Without options: the default
+``Config()`` and ``Config(max_rows=100)``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import argparse
 
 from shmcancel import Config
 from shmcancel.shm import lanes, registry
-from shmcancel.shm.segment import HEADER_SIZE, PAGE, TableSpec
+from shmcancel.shm.segment import HEADER_SIZE, PAGE, TableSpec, backed_spans
 
 MIB = 1 << 20
 
@@ -28,18 +31,32 @@ def footprint(config: Config) -> tuple[list[TableSpec], int]:
     return specs, total
 
 
+def allocated_at_create(config: Config) -> int:
+    """Bytes of the segment ``Registry.create`` allocates: all but the whole pages of the large
+    records (``backed_spans``, the regions laid out as ``Segment.create`` lays them)."""
+    specs, total = footprint(config)
+    lazy, off = [], HEADER_SIZE
+    for s in specs:
+        lazy.append((off + s.lazy[0], s.lazy[1]))
+        off += _pages(s.region_size)
+    return sum(n for _, n in backed_spans(total, lazy))
+
+
 def _pages(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
 def report(config: Config, title: str) -> None:
     specs, total = footprint(config)
-    print(f"{title}: {total:,} bytes ({total / MIB:.2f} MiB)")
-    print(f"  {'table':20} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12}")
+    at_create = allocated_at_create(config)
+    print(f"{title}: {at_create:,} bytes ({at_create / MIB:.2f} MiB) allocated at create, up to "
+          f"{total:,} ({total / MIB:.2f} MiB, the file size) as large rows are written")
+    print(f"  {'table':20} {'rows':>7} {'record':>10} {'large':>6} {'bytes':>12} "
+          f"{'on demand':>12}")
     for s in specs:
         rec = f"{s.small_size}/{s.record_size}" if s.large_count else str(s.record_size)
         print(f"  {s.name:20} {s.capacity:7} {rec:>10} {s.large_count or '-':>6} "
-              f"{s.region_size:12,}")
+              f"{s.region_size:12,} {f'{s.lazy[1]:,}' if s.lazy[1] else '-':>12}")
     for t in registry.lane_tables():
         print(f"  {t + ' lanes':20} {lanes.LANES * lanes.BUCKETS * lanes.WAYS:7} "
               f"{lanes.BODY + 8:>10} {'-':>6} {lanes.region_size():12,}  ({lanes.LANES} "

@@ -18,7 +18,7 @@ from ..shm import procinfo
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
-from ..shm.table import PreparedKey, Table, _unpack
+from ..shm.table import PreparedKey, ShmFull, Table, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage, bad_clock, clear_ended
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
@@ -211,6 +211,8 @@ class ShmBackend:
                 if not full:
                     try:
                         self._put(ck, scope, reason, at, counted)
+                    except ShmFull:  # /dev/shm is full: evicting others' rows would not help
+                        raise
                     except TableFull:  # the physical table filled below the cap
                         self.evict(batch)
                         self._put(ck, scope, reason, at, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
@@ -36,6 +37,7 @@ from .layout import (
 Kind = Literal["set", "bag"]
 
 READ_RETRIES = 64  # optimistic attempts before a reader falls back to the lock
+BACK_CHUNK = 1 << 16  # bytes of large records backed at once (layout.py: backing on demand)
 _SPIN_BEFORE_YIELD = 4
 
 _blake2b = hashlib.blake2b
@@ -53,6 +55,13 @@ class LargeRowsFull(TableFull):
     """The table holds its ``large_count`` rows larger than a small record already (see
     ``layout.py``): a new large row (or a row growing past a small record) is refused, nothing
     written. The table's other rows and updates of its large rows are unaffected."""
+
+
+class ShmFull(LargeRowsFull):
+    """/dev/shm has no room left for the pages of the large record a write needs (filled since
+    the registry was created, whose check saw room for every page): nothing written; the same
+    write succeeds once room is made. Its table's other rows, and rows that fit a small or an
+    already backed record, are unaffected."""
 
 
 class Lock(Protocol):
@@ -106,7 +115,8 @@ class TableBase:
 
     def __init__(self, name: str, buf: memoryview, *, kind: Kind, capacity: int,
                  record_size: int, hash_key: bytes, lock: Lock, small_size: int = 0,
-                 large_count: int = 0) -> None:
+                 large_count: int = 0,
+                 back: Callable[[int, int], None] | None = None) -> None:
         if kind not in ("set", "bag"):
             raise ValueError(f"table kind must be 'set' or 'bag', got {kind!r}")
         if not isinstance(hash_key, bytes | bytearray) or not 1 <= len(hash_key) <= 64:
@@ -154,6 +164,12 @@ class TableBase:
         self._idx = self._buf[g.idx_off:g.heap_off].cast("Q")
         self._free = self._buf[g.free_off:g.free_off + 4 * self._nrec].cast("I")
         self._u32 = self._buf.cast("I")  # the region as u32 words: a record's word in place
+        # back(offset, bytes) allocates the region's pages in that span (layout.py: "Backing on
+        # demand"), raising OSError when it cannot; None: the whole region is backed already.
+        # Every large record numbered <= _backed is known backed (in this process: a record
+        # another process backed is backed again here, a no-op).
+        self._back = back
+        self._backed = capacity if back is not None else self._nrec
         self._logged_pid = 0  # the process that logged this table's corruption (log once)
 
     def close(self) -> None:
@@ -217,6 +233,22 @@ class TableBase:
         if _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32) != crc:
             return None
         return body[:kl], body[kl:], stamp, w
+
+    def _back_to(self, r: int) -> None:
+        """Back the large records after ``_backed`` up to ``r`` and at least a chunk of
+        ``BACK_CHUNK`` bytes beyond it; under the lock, before any store. LargeRowsFull when
+        /dev/shm cannot hold them (nothing written)."""
+        lo = self._backed + 1
+        hi = min(self._nrec - 1, max(r, lo + BACK_CHUNK // self.record_size))
+        off = self._lbase + lo * self.record_size
+        assert self._back is not None
+        try:
+            self._back(off, (hi + 1 - lo) * self.record_size)
+        except OSError as e:
+            raise ShmFull(
+                f"table {self.name!r}: /dev/shm has no room left to back its large records "
+                f"{lo}..{hi} ({e.strerror or e}): the row was not written") from None
+        self._backed = hi
 
     def _check_size(self, kbytes: bytes, vbytes: bytes) -> None:
         if len(kbytes) + len(vbytes) > self._payload:

@@ -47,6 +47,13 @@ would make an (L+1)-th large row (a new row, or a small row growing) finds the l
 exhausted: ``LargeRowsFull`` (a ``TableFull``), nothing written; what the caller does then is
 its table's policy (see ``registry.py``). A table of one class (``small_size == record_size``,
 ``L == 0``, ``nlarge == 0``) has one heap and one free stack; its class fields say so.
+
+Backing on demand: the large records' pages (``lazy_span``) are not allocated when the segment
+is created. A writer backs them (``posix_fallocate`` on the segment, ``TableBase._back_to``) in
+chunks, before its first store into a large record it popped, so a /dev/shm filled since is
+``LargeRowsFull`` there, nothing written, never SIGBUS. The free stacks pop low numbers first
+(here and in fsck's rebuild), so the large records ever used are the lowest: what is backed
+follows the peak of large rows held. Only referenced records are read, and those were backed.
 """
 
 from __future__ import annotations
@@ -157,18 +164,29 @@ def record_size_for(max_key: int, max_value: int) -> int:
     return _round8(RECORD_HEADER + max_key + max_value)
 
 
+def lazy_span(capacity: int, record_size: int, small_size: int = 0,
+              large_count: int = 0) -> tuple[int, int]:
+    """(offset, bytes) of the large class's records in the region: the span whose pages are
+    backed on demand (``TableBase._back_to``), (0, 0) for a table of one class."""
+    g = _geometry(capacity, record_size, small_size, large_count)
+    return (g.large_off, g.free_off - g.large_off) if g.nlarge else (0, 0)
+
+
 def format_region(buf: memoryview, capacity: int, record_size: int, small_size: int = 0,
                   large_count: int = 0) -> None:
     """Write an empty table into ``buf`` (at least ``region_size`` bytes; zero-filled here,
-    which also touches every page)."""
+    which also touches every page) except the large records (``lazy_span``): a record is read
+    only once written, and a hole of a fresh tmpfs file reads as zeros anyway."""
     g = _geometry(capacity, record_size, small_size, large_count)
     size = g.size
     if len(buf) < size:
         raise ValueError(f"region of {len(buf)} bytes is smaller than the table's {size}")
     chunk = bytes(min(size, 1 << 20))
-    for off in range(0, size, len(chunk)):
-        n = min(len(chunk), size - off)
-        buf[off:off + n] = chunk[:n]
+    lazy_off, lazy_n = lazy_span(capacity, record_size, small_size, large_count)
+    for lo, hi in ((0, lazy_off or size), (lazy_off + lazy_n, size) if lazy_n else (0, 0)):
+        for off in range(lo, hi, len(chunk)):
+            n = min(len(chunk), hi - off)
+            buf[off:off + n] = chunk[:n]
     _HDR.pack_into(buf, 0, MAGIC, capacity, record_size, g.nslots, g.nbuckets)
     _CLS.pack_into(buf, _CLS_OFF, g.small_size, g.large_count)
     nrec = capacity + 1 + g.nlarge

@@ -33,6 +33,7 @@ from .lanes import Lanes
 from .lanes import format_region as lanes_format
 from .lanes import region_size as lanes_size
 from .lanes import region_table as lanes_table
+from .layout import lazy_span
 from .lock import RegistryLock
 from .names import (
     check_entry,
@@ -118,8 +119,15 @@ def _specs(config: Config, decls: Sequence[TableDecl]) -> list[TableSpec]:
         rs = sizes[d.name]
         small, large = (d.small_size, min(d.large_count, cap)) if 0 < d.small_size < rs else (0, 0)
         out.append(TableSpec(d.name, d.kind, cap, rs, Table.region_size(cap, rs, small, large),
-                             small, large))
+                             small, large, lazy_span(cap, rs, small, large)))
     return out
+
+
+def _backer(seg: Segment, base: int) -> Callable[[int, int], None]:
+    """``Table``'s ``back``: allocate ``n`` bytes at ``off`` in the region at ``base``."""
+    def back(off: int, n: int) -> None:
+        seg.back(base + off, n)
+    return back
 
 
 def table_specs(config: Config | None = None,
@@ -267,7 +275,8 @@ class Registry:
                     desc.name, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
                     capacity=desc.capacity, record_size=desc.record_size,
                     hash_key=seg.hash_key, lock=self.lock,
-                    small_size=sp.small_size, large_count=sp.large_count)
+                    small_size=sp.small_size, large_count=sp.large_count,
+                    back=None if seg.readonly else _backer(seg, desc.offset))
             names = _lane_tables(decls)
             region = seg.lanes_region
             size = lanes_size()
@@ -605,6 +614,15 @@ class Registry:
             out[lock_path(self._name)] = str(e)
         return out
 
+    def _allocated(self) -> int | None:
+        """Bytes of the segment /dev/shm has allocated (its large records' pages come as rows
+        need them, ``shm/layout.py``); None when its name no longer holds this segment."""
+        try:
+            st = os.stat(segment_path(self._name))
+        except OSError:
+            return None
+        return st.st_blocks * 512 if st.st_ino == self._seg.ino else None
+
     def info(self) -> dict[str, Any]:
         """The header, for ``shmtool stats``."""
         seg = self._seg
@@ -622,6 +640,7 @@ class Registry:
             "path": segment_path(self._name),
             "layout_version": LAYOUT_VERSION,
             "total_size": seg.total_size,
+            "allocated": self._allocated(),
             "created_at": seg.created_at,
             "creator_pid": creator[0] if creator else None,
             "creator_alive": bool(creator and procinfo.alive(*creator)),

@@ -140,6 +140,7 @@ class TableSpec(NamedTuple):
     region_size: int
     small_size: int = 0  # bytes per small record; 0: one class of record_size (shm/layout.py)
     large_count: int = 0  # rows larger than a small record the table holds (0: one class)
+    lazy: tuple[int, int] = (0, 0)  # (offset, bytes) in the region backed on demand, not at create
 
 
 class TableDesc(NamedTuple):
@@ -167,8 +168,9 @@ class Segment:
     """
 
     def __init__(self, name: str, mm: mmap.mmap, *, readonly: bool, ino: int,
-                 sem: posix_ipc.Semaphore | None) -> None:
+                 sem: posix_ipc.Semaphore | None, fd: int = -1) -> None:
         self.name = name
+        self._fd = fd  # kept open (unless read-only) for back(); closed by close()
         self.readonly = readonly
         self.ino = ino
         self.sem = sem
@@ -229,6 +231,14 @@ class Segment:
         self._views.append(v)
         return self._mm, off, v
 
+    def back(self, offset: int, size: int) -> None:
+        """Allocate the segment's pages in ``offset .. offset + size`` (bytes) if they are not
+        yet: a span created unbacked (``TableSpec.lazy``) is backed here before it is written.
+        A no-op where backed already. OSError (ENOSPC) when /dev/shm cannot hold them."""
+        if self._fd < 0:
+            raise OSError(errno.EBADF, "segment mapped without a file to back (read-only)")
+        os.posix_fallocate(self._fd, offset, size)
+
     @property
     def closed(self) -> bool:
         return self._mm is None
@@ -248,6 +258,9 @@ class Segment:
             mm.close()
         if self.sem is not None:
             self.sem.close()
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     # --- create ---
     @classmethod
@@ -270,6 +283,7 @@ class Segment:
             raise ValueError(f"config of {len(config)} bytes: at most {CONFIG_MAX}")
         # Layout first: nothing is touched for an impossible request.
         descs: list[TableDesc] = []
+        lazy: list[tuple[int, int]] = []  # absolute spans backed on demand
         off = HEADER_SIZE
         for t in tables:
             if t.kind not in KINDS:
@@ -280,6 +294,10 @@ class Segment:
                 raise ValueError(f"table {t.name} twice")
             descs.append(TableDesc(t.name, t.kind, t.capacity, t.record_size, off,
                                    t.region_size))
+            lo, n = t.lazy
+            if n and not (lo >= 0 and lo + n <= t.region_size):
+                raise ValueError(f"table {t.name}: lazy span {t.lazy} outside its region")
+            lazy.append((off + lo, n))
             off = _align(off + t.region_size)
         lanes_off = off if lanes_size else 0
         total = _align(off + lanes_size)
@@ -314,16 +332,21 @@ class Segment:
                 os.fchmod(fd, MODE)
                 os.ftruncate(fd, total)
                 try:
-                    # Back every page now: a full /dev/shm fails here, never as SIGBUS later.
-                    os.posix_fallocate(fd, 0, total)
+                    # Back every page now but the lazy spans' (backed by their writers, see
+                    # back()): a full /dev/shm fails here or there, never as SIGBUS later.
+                    for lo, n in backed_spans(total, lazy):
+                        os.posix_fallocate(fd, lo, n)
                 except OSError as e:
                     if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                         raise _too_large(name, total) from e
                     raise
                 ino = os.fstat(fd).st_ino
                 mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            made.append(mm.close)
+            made.append(lambda: os.close(fd))  # until the segment owns it (popped below)
             created_at = time.time()
             struct.pack_into("<Q", mm, OFF_CONFIG, len(config))
             mm[OFF_CONFIG + 8:OFF_CONFIG + 8 + len(config)] = config
@@ -338,8 +361,8 @@ class Segment:
                             procinfo.pack_owner(*procinfo.me()), created_at, os.urandom(16),
                             sem_ino)
             mm[0:8] = MAGIC  # complete: magic last
-            seg = cls(name, mm, readonly=False, ino=ino, sem=sem)
-            made.append(seg.close)
+            seg = cls(name, mm, readonly=False, ino=ino, sem=sem, fd=fd)
+            made[-2:] = [seg.close]  # closes fd and mapping
             if init is not None:
                 init(seg)
             try:
@@ -400,14 +423,20 @@ class Segment:
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
             else:
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        if readonly:  # never writes, so never backs a page: no file kept
+            os.close(fd)
+            fd = -1
         sem = None
         try:
             _validate_header(name, mm, size)
-            seg = cls(name, mm, readonly=readonly, ino=st.st_ino, sem=None)
+            seg = cls(name, mm, readonly=readonly, ino=st.st_ino, sem=None, fd=fd)
         except BaseException:
             mm.close()
+            if fd >= 0:
+                os.close(fd)
             raise
         if readonly:
             return seg
@@ -418,6 +447,21 @@ class Segment:
             raise
         seg.sem = sem
         return seg
+
+
+def backed_spans(total: int, lazy: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, bytes) spans of a segment of ``total`` bytes backed at create: all of it but
+    the whole pages inside each of the ``lazy`` (offset, bytes) spans (sorted, disjoint)."""
+    out, at = [], 0
+    for lo, n in sorted(lazy):
+        a, b = _align(lo), (lo + n) // PAGE * PAGE
+        if b > a:
+            if a > at:
+                out.append((at, a - at))
+            at = b
+    if total > at:
+        out.append((at, total - at))
+    return out
 
 
 def _validate_header(name: str, mm: mmap.mmap, size: int) -> None:

@@ -68,6 +68,8 @@ class Writes(Fsck):
             raise LargeRowsFull(
                 f"table {self.name!r} holds {self.large_count} rows larger than "
                 f"{self._spayload} packed bytes already (its large records)")
+        if r > self._backed:  # a large record whose pages may be unallocated yet
+            self._back_to(r)
         stamp = hq[_STAMP] + 1
         if stamp >= _STAMP_MAX:  # checked before the first store
             raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")

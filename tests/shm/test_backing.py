@@ -1,0 +1,88 @@
+"""Large records backed on demand (``shm/layout.py``): a registry created while /dev/shm had room
+for all of it, then filled by someone else. A large row that needs a page no longer to be had is
+refused with ``ShmFull`` (a ``TableFull``) before any store: no SIGBUS, no row lost or half
+written, and the same write succeeds once room is made. Real tmpfs, really full: each scenario
+runs with a small /dev/shm of its own (``helpers.small_shm``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import small_shm
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIO = r'''
+import json, os, sys
+from shmcancel import Cancellation, Config, Registry
+from shmcancel.exceptions import TableFull
+from shmcancel.shm.table import ShmFull
+from helpers import small_shm
+
+SCOPE = "principal:" + "\U0001f600" * 125
+REASON = "\U0001f600" * 200
+worst = lambda i: f"{i:06d}" + "i" * 250
+out = {}
+reg = Registry.create(sys.argv[1], Config(max_rows=2000, max_rows_per_scope=None))
+c = Cancellation(reg)
+t = reg.table("cancellations")
+for i in range(5):
+    c.cancel(worst(i), REASON, scope=SCOPE)
+c.cancel("small", "short", scope="s")
+fd = small_shm.fill("/dev/shm")  # someone fills /dev/shm
+i, refused = 5, None
+while i < 2000 and refused is None:
+    try:
+        c.cancel(worst(i), REASON, scope=SCOPE)
+        i += 1
+    except ShmFull as e:
+        refused = str(e)
+out["written"], out["refused"] = i, refused
+out["rows"] = t.count()
+out["refused_row"] = c.reason(worst(i), SCOPE)
+out["earlier_intact"] = all(c.reason(worst(k), SCOPE) == REASON for k in range(i))
+c.cancel("small2", "short", scope="s")  # a small row still fits
+out["small_after"] = c.reason("small2", "s")
+try:
+    c.cancel("small", REASON, scope="s")  # a small row growing large
+    out["grown"] = "written"
+except ShmFull:
+    out["grown"] = c.reason("small", "s")
+try:
+    c.track(worst(9999), SCOPE)
+    out["track"] = "tracked"
+except TableFull as e:
+    out["track"] = type(e).__name__
+out["in_flight"] = c.in_flight(worst(9999), SCOPE)
+out["fsck"] = sum(n for rep in reg.fsck().values() for n in rep.values())
+os.ftruncate(fd, 0)  # room again
+c.cancel(worst(i), REASON, scope=SCOPE)
+c.cancel("small", REASON, scope="s")
+out["after_room"] = [c.reason(worst(i), SCOPE) == REASON, c.reason("small", "s") == REASON]
+out["rows_after"] = t.count()
+reg.unlink()
+print(json.dumps(out))
+'''
+
+
+def test_a_large_row_refused_for_want_of_room_in_dev_shm_loses_nothing(shm_name: str) -> None:
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", SCENARIO, shm_name]),
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": TESTS})
+    assert proc.returncode == 0, proc.stderr[-3000:]  # -7 would be SIGBUS
+    out = json.loads(proc.stdout)
+    assert 5 < out["written"] < 2000  # the chunk backed before /dev/shm filled, then a refusal
+    assert "/dev/shm has no room left" in out["refused"]
+    assert out["rows"] == out["written"] + 1  # + "small": the refused row is not there
+    assert out["refused_row"] is None and out["earlier_intact"]
+    assert out["small_after"] == "short"
+    assert out["grown"] == "short"  # refused, and the row kept as it was
+    assert out["track"] == "ShmFull" and out["in_flight"] is False
+    assert out["fsck"] == 0
+    assert out["after_room"] == [True, True]
+    assert out["rows_after"] == out["written"] + 3
