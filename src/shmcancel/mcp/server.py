@@ -99,7 +99,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..exceptions import LockTimeout, RemoteUnavailable
+from ..exceptions import LockTimeout, RemoteUnavailable, TableFull
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .jsonrpc import RpcError
@@ -230,6 +230,11 @@ class McpServer(LegacyWire, ModernWire):
             # session of the client here has a call in flight): it exists, so not 404. Retry.
             reply = _retry_later(environ, e, "Server busy: the session cannot be taken up here "
                                  f"now ({e})", e.retry_after)
+        except TableFull as e:
+            # A write the request needs found no room (/dev/shm filled since the registry was
+            # created: ShmFull); nothing was written. Not the client's fault: retry later.
+            reply = _retry_later(environ, e, "Service unavailable: the registry has no room "
+                                 "left; retry later", _RETRY_AFTER, logging.ERROR)
         except RemoteUnavailable as e:
             # The cross-host layer gave no answer about a session minted elsewhere: it may well
             # exist, so not 404 (a client takes that as its session gone for good). Retry.
