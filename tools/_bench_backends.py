@@ -303,7 +303,8 @@ class ShmBackend(Backend):
                 Measure("c.in_flight(id, scope)", m_infl, one(infl, RID, SCOPE), n)]
 
     def storage_bytes(self) -> int | None:
-        return os.stat(f"/dev/shm/shmcancel.{self.reg_name}").st_size
+        """Bytes of the segment allocated in /dev/shm (its file is larger: shm/layout.py)."""
+        return os.stat(f"/dev/shm/shmcancel.{self.reg_name}").st_blocks * 512
 
     def close(self) -> None:
         try:

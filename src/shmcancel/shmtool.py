@@ -2,8 +2,9 @@
 
 ::
 
-    shmtool list [--json]            registries in /dev/shm: name, size, creator pid, state
-                                     (alive, stale: creator gone, leftover: no segment,
+    shmtool list [--json]            registries in /dev/shm: name, size, bytes allocated,
+                                     creator pid, state (alive, stale: creator gone,
+                                     leftover: no segment,
                                      unusable: unreadable, or a worker could not attach it)
                                      and a one-line note: what is wrong, which command removes
                                      it, other users' entries under its names
@@ -262,7 +263,7 @@ def _registry_row(name: str) -> dict[str, Any]:
     it: its semaphore or lock file missing, replaced, a link, a FIFO, another user's). ``error``
     is one line: what is wrong, the command that removes the registry when one would, then
     other users' entries under its names (which every command leaves alone)."""
-    row: dict[str, Any] = {"name": name, "size": 0, "creator_pid": None,
+    row: dict[str, Any] = {"name": name, "size": 0, "allocated": 0, "creator_pid": None,
                            "creator_alive": None, "state": "unusable", "error": None}
     own, others = split_paths(name)
     seg = segment_path(name)
@@ -286,7 +287,7 @@ def _registry_row(name: str) -> dict[str, Any]:
                  f"shmtool unlink {name} removes it" if bad else
                  "shmtool cleanup --stale removes it")
             return row
-        row["size"] = st.st_size
+        row["size"], row["allocated"] = st.st_size, st.st_blocks * 512
         reg = _attach_ro(name)
     except ShmCancelError as e:
         note([_short(e)])
@@ -340,9 +341,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not regs:
         print(f"no registries in {SHM_DIR}")
         return 0
-    rows = [(r["name"], _size(r["size"]), r["creator_pid"], r["state"], r["error"] or "")
-            for r in regs]
-    print(_table(("NAME", "SIZE", "CREATOR", "STATE", "NOTE"), rows))
+    rows = [(r["name"], _size(r["size"]), _size(r["allocated"]), r["creator_pid"], r["state"],
+             r["error"] or "") for r in regs]
+    print(_table(("NAME", "SIZE", "ALLOCATED", "CREATOR", "STATE", "NOTE"), rows))
     return 0
 
 
@@ -428,6 +429,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
     return {
         "name": reg.name,
         "size": info["total_size"],
+        "allocated": info["allocated"],
         "created_at": info["created_at"],
         "creator_pid": info["creator_pid"],
         "creator_alive": info["creator_alive"],
@@ -460,7 +462,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     lock = s["lock"]
     holder = ("free" if lock["owner_pid"] is None else
               f"held by pid {lock['owner_pid']} ({'alive' if lock['owner_alive'] else 'DEAD'})")
-    print(f"registry {s['name']}: {_size(s['size'])}, created {_age(now, s['created_at'])} "
+    alloc = "" if s["allocated"] is None else f" ({_size(s['allocated'])} allocated)"
+    print(f"registry {s['name']}: {_size(s['size'])}{alloc}, created "
+          f"{_age(now, s['created_at'])} "
           f"by pid {s['creator_pid']} ({'alive' if s['creator_alive'] else 'gone'})")
     print(f"limits: max_rows={s['max_rows']} capacity={s['capacity']} "
           f"max_rows_per_scope={s['max_rows_per_scope']} ttl={s['config']['ttl']}s "

@@ -153,6 +153,9 @@ def test_stats_json(reg):
     assert s["lock"]["owner_pid"] is None
     assert s["evictions"] == 0 and s["recoveries"] == 0
     assert s["creator_pid"] == os.getpid() and s["creator_alive"] is True
+    st = os.stat(f"/dev/shm/shmcancel.{reg.name}")  # one large row: its pages were allocated
+    assert s["size"] == st.st_size and s["allocated"] == st.st_blocks * 512 < st.st_size
+    assert f"({s['allocated'] / 2**20:.1f} MiB allocated)" in text
 
 
 def test_stats_counts_evictions(shm_name):
@@ -179,7 +182,9 @@ def test_list_shows_the_registry(reg):
     regs = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
     mine = regs[reg.name]
     assert mine["creator_pid"] == os.getpid() and mine["creator_alive"] is True
-    assert mine["size"] == os.stat(f"/dev/shm/shmcancel.{reg.name}").st_size
+    st = os.stat(f"/dev/shm/shmcancel.{reg.name}")
+    assert (mine["size"], mine["allocated"]) == (st.st_size, st.st_blocks * 512)
+    assert 0 < mine["allocated"] < mine["size"]  # the large records' pages come on demand
     assert not any(n.startswith(("lock.", "-lock")) for n in regs)
     human = shmtool("list")
     line = next(line for line in human.stdout.splitlines() if line.startswith(reg.name))
