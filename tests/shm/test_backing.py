@@ -10,9 +10,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import small_shm
+
+from shmcancel import Cancellation, Config, Registry
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = r'''
@@ -86,3 +89,30 @@ def test_a_large_row_refused_for_want_of_room_in_dev_shm_loses_nothing(shm_name:
     assert out["fsck"] == 0
     assert out["after_room"] == [True, True]
     assert out["rows_after"] == out["written"] + 3
+
+
+SCOPE = "principal:" + "\U0001f600" * 125
+REASON = "\U0001f600" * 200
+
+
+def test_a_closed_segment_fd_whose_number_was_reused_is_never_written(shm_name: str,
+                                                                    tmp_path: Path) -> None:
+    """A process that closed every fd (a daemonizing child's ``closerange``) and opened a file
+    that took the kept fd's number: backing large records reopens the segment by its name
+    rather than fallocate that file, and closing the registry leaves the file's fd open."""
+    with Registry.create(shm_name, Config(max_rows_per_scope=None)) as reg:
+        c = Cancellation(reg)
+        kept = reg._seg._fd
+        os.close(kept)
+        other = os.open(tmp_path / "log", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            assert other == kept  # the lowest free number
+            for i in range(100):  # more than a backing chunk
+                c.cancel(f"{i:06d}" + "i" * 250, REASON, scope=SCOPE)
+            assert reg.table("cancellations").count() == 100
+            assert os.fstat(other).st_size == 0 and os.fstat(other).st_blocks == 0
+            reg.close()
+            assert os.fstat(other).st_size == 0  # still open: not closed as the segment's
+        finally:
+            os.close(other)
+        reg.unlink()

@@ -13,6 +13,7 @@ record failing validation is corruption, never a race: :class:`TableCorrupted`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import struct
 import zlib
@@ -245,9 +246,11 @@ class TableBase:
         try:
             self._back(off, (hi + 1 - lo) * self.record_size)
         except OSError as e:
+            why = ("/dev/shm has no room left" if e.errno in (errno.ENOSPC, errno.ENOMEM)
+                   else "cannot allocate the pages")
             raise ShmFull(
-                f"table {self.name!r}: /dev/shm has no room left to back its large records "
-                f"{lo}..{hi} ({e.strerror or e}): the row was not written") from None
+                f"table {self.name!r}: {why} to back its large records {lo}..{hi} "
+                f"({e.strerror or e}): the row was not written") from None
         self._backed = hi
 
     def _check_size(self, kbytes: bytes, vbytes: bytes) -> None:

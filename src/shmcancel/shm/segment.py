@@ -235,9 +235,29 @@ class Segment:
         """Allocate the segment's pages in ``offset .. offset + size`` (bytes) if they are not
         yet: a span created unbacked (``TableSpec.lazy``) is backed here before it is written.
         A no-op where backed already. OSError (ENOSPC) when /dev/shm cannot hold them."""
-        if self._fd < 0:
-            raise OSError(errno.EBADF, "segment mapped without a file to back (read-only)")
-        os.posix_fallocate(self._fd, offset, size)
+        os.posix_fallocate(self._file(), offset, size)
+
+    def _file(self) -> int:
+        """The kept fd, checked to still be this segment's file (a process may have closed
+        every fd, ``closerange`` in a daemonizing child, and the number now be another file's,
+        which a fallocate would grow); else the segment's path opened again if it still names
+        this segment. OSError (EBADF) when neither holds."""
+        fd = self._fd
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino == self.ino:
+                    return fd
+        if self.readonly:
+            raise OSError(errno.EBADF, "a read-only attachment backs no page")
+        try:
+            fd = open_entry("segment", segment_path(self.name), os.O_RDWR)
+        except (OSError, ShmCancelError) as e:
+            raise OSError(errno.EBADF, f"the segment's file is gone ({e})") from None
+        if os.fstat(fd).st_ino != self.ino:  # the name holds a newer registry now
+            os.close(fd)
+            raise OSError(errno.EBADF, "the segment's file was closed, and its name unlinked")
+        self._fd = fd  # the old number is not ours any more: never closed
+        return fd
 
     @property
     def closed(self) -> bool:
@@ -259,8 +279,9 @@ class Segment:
         if self.sem is not None:
             self.sem.close()
         fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        with contextlib.suppress(OSError):
+            if fd >= 0 and os.fstat(fd).st_ino == self.ino:  # else the number is not ours now
+                os.close(fd)
 
     # --- create ---
     @classmethod
