@@ -20,7 +20,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shmcancel import Cancellation, Config, Registry
 from shmcancel.exceptions import TableFull
-from shmcancel.mcp import session_tables
 from shmcancel.mcp.sessions import SessionsFull, SessionStore
 from shmcancel.shm.names import segment_path
 from shmcancel.shm.table import LargeRowsFull, Table
@@ -198,23 +197,22 @@ def test_in_flight_rows_of_a_long_principal_and_uuid_ids_take_small_records(
         reg.unlink()
 
 
-def test_session_clients_past_the_large_class_refuse_a_session(shm_name: str) -> None:
-    """A client with more than 8 sessions has a large client row; when L clients have one, a
-    ninth session of another client is refused like a full table (SessionsFull), and its first
-    eight, or a session of a client whose row is large already, are not."""
-    cfg = Config(session_capacity=session_tables.LARGE_CLIENTS * 9 + 32, sessions_per_client=32)
+def test_every_session_client_row_may_be_large(shm_name: str) -> None:
+    """A client with more than 8 sessions has a large client row. Every client row may be
+    large (their pages come as they are written): 300 clients of 9 sessions each, more large
+    rows than the 256 a bounded class held, are all served; only a full sessions table refuses
+    a new client's session (SessionsFull)."""
+    cfg = Config(session_capacity=300 * 9, sessions_per_client=32)
     with Registry.create(shm_name, cfg) as reg:
         store = SessionStore(reg)
-        L = reg.table("session_clients").large_count
-        for i in range(L):
+        t = reg.table("session_clients")
+        assert t.large_count == t.capacity == reg.table("sessions").large_count
+        for i in range(300):
             for _ in range(9):
                 store.create("2025-06-18", client=f"c{i}")
-        for _ in range(8):
+        assert len(t.large_rows()) == 300 and reg.table("sessions").count() == 300 * 9
+        with pytest.raises(SessionsFull, match="table is full"):
             store.create("2025-06-18", client="late")
-        with pytest.raises(SessionsFull):
-            store.create("2025-06-18", client="late")
-        store.create("2025-06-18", client="c0")  # a large row grows: the spare serves it
-        assert len(reg.table("session_clients").large_rows()) == L
         reg.unlink()
 
 

@@ -12,8 +12,9 @@ Keys and values as msgpack packs them:
   start, thread_ident, token)`` of each ``tools/call`` running in that session; in the writing
   process's lane when it has room (no lock), else in the table.
 
-``sessions`` and ``session_clients`` keep small records for the common row and a bounded number
-of worst-case ones; past those a new session is refused (``SessionsFull``, HTTP 503).
+``sessions`` and ``session_clients`` keep a small record for the common row and a worst-case one
+for every row, whose memory is allocated only when a row needs it (``shm/layout.py``): every
+row may be large, so only a full table refuses a session (``SessionsFull``, HTTP 503).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from ..config import Config
-from ..shm.schema import PACKED_INT, TableDecl, declare, packed_bin, packed_str
+from ..shm.schema import EVERY_ROW, PACKED_INT, TableDecl, declare, packed_bin, packed_str
 
 __all__ = ["SESSIONS", "SESSION_CALLS", "SESSION_CLIENTS", "TABLES"]
 
@@ -37,12 +38,11 @@ KEY_SESSION = packed_str(SESSION_ID_MAX)  # str8 = 130
 KEY_CLIENT = packed_bin(CLIENT_DIGEST)  # bin8 = 18
 VAL_CALL = 1 + 4 * PACKED_INT  # [pid, start, thread_ident, token] = 37
 # Small records (bytes, header included): a session's value is ~50 packed bytes; a client's
-# list holds up to 8 minted ids in 320 (24 + 18 + fixarray 1 + 8 x 34). Large rows each table
-# holds (bounded by its capacity): the worst case, reserved separately.
+# list holds up to 8 minted ids in 320 (24 + 18 + fixarray 1 + 8 x 34). Large rows: any row
+# (their pages are allocated as they come, so this costs no memory until then).
 SMALL_SESSION = 160
 SMALL_CLIENT = 320
-LARGE_SESSIONS = 256
-LARGE_CLIENTS = 256
+LARGE_SESSIONS = LARGE_CLIENTS = EVERY_ROW
 
 
 def val_session_clients(config: Config) -> int:
