@@ -15,9 +15,14 @@ from pathlib import Path
 import pytest
 from helpers import small_shm
 
+import shmcancel
 from shmcancel import Cancellation, Config, Registry
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The scenarios run the shmcancel under test (a worktree's src on PYTHONPATH), not whichever
+# one the interpreter has installed: PYTHONPATH is not replaced by the tests' directory alone.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [os.path.dirname(os.path.dirname(os.path.abspath(shmcancel.__file__))), TESTS])}
 SCENARIO = r'''
 import json, os, sys
 from shmcancel import Cancellation, Config, Registry
@@ -76,7 +81,7 @@ def test_a_large_row_refused_for_want_of_room_in_dev_shm_loses_nothing(shm_name:
         pytest.skip(why)
     proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", SCENARIO, shm_name]),
                           capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": TESTS})
+                          env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]  # -7 would be SIGBUS
     out = json.loads(proc.stdout)
     assert 5 < out["written"] < 2000  # the chunk backed before /dev/shm filled, then a refusal
