@@ -59,12 +59,15 @@ try:
     out["grown"] = "written"
 except ShmFull:
     out["grown"] = c.reason("small", "s")
-try:
-    c.track(worst(9999), SCOPE)
-    out["track"] = "tracked"
-except TableFull as e:
-    out["track"] = type(e).__name__
-out["in_flight"] = c.in_flight(worst(9999), SCOPE)
+tracked, out["track"] = 0, "tracked"
+while out["track"] == "tracked" and tracked < 200:  # those that fit pages backed already
+    try:
+        c.track(worst(10000 + tracked), SCOPE)
+        tracked += 1
+    except TableFull as e:
+        out["track"] = type(e).__name__
+out["in_flight"] = c.in_flight(worst(10000 + tracked), SCOPE)
+out["tracked_in_flight"] = all(c.in_flight(worst(10000 + k), SCOPE) for k in range(tracked))
 out["fsck"] = sum(n for rep in reg.fsck().values() for n in rep.values())
 os.ftruncate(fd, 0)  # room again
 c.cancel(worst(i), REASON, scope=SCOPE)
@@ -91,6 +94,7 @@ def test_a_large_row_refused_for_want_of_room_in_dev_shm_loses_nothing(shm_name:
     assert out["small_after"] == "short"
     assert out["grown"] == "short"  # refused, and the row kept as it was
     assert out["track"] == "ShmFull" and out["in_flight"] is False
+    assert out["tracked_in_flight"]
     assert out["fsck"] == 0
     assert out["after_room"] == [True, True]
     assert out["rows_after"] == out["written"] + 3
@@ -121,3 +125,53 @@ def test_a_closed_segment_fd_whose_number_was_reused_is_never_written(shm_name: 
         finally:
             os.close(other)
         reg.unlink()
+
+
+OTHERS_BACKED = r'''
+import json, sys
+from shmcancel import Config, Registry
+from shmcancel.shm.base import BACK_CHUNK
+from shmcancel.shm.table import ShmFull
+from helpers import small_shm
+
+name = sys.argv[1]
+big = "x" * 700  # a large record's row
+out = {}
+first = Registry.create(name, Config(max_rows=2000, max_rows_per_scope=None))
+t1 = first.table("cancellations")
+chunk = BACK_CHUNK // t1.record_size
+n = chunk + 10
+for i in range(n):  # this attachment backs two chunks of large records
+    t1.insert(("a", i), big)
+backed = t1._backed - t1.capacity  # large records backed, all of them by `first`
+fd = small_shm.fill("/dev/shm")  # someone fills /dev/shm
+second = Registry.attach(name)  # a worker started since: it has backed nothing itself
+t2 = second.table("cancellations")
+written, refused = 0, None
+while refused is None and written < backed:
+    try:
+        t2.insert(("b", written), big)
+        written += 1
+    except ShmFull as e:
+        refused = str(e)
+out["backed_free"], out["written"], out["refused"] = backed - n, written, refused
+second.close()
+first.close()
+first.unlink()
+print(json.dumps(out))
+'''
+
+
+def test_a_record_another_process_backed_is_written_with_dev_shm_full(shm_name: str) -> None:
+    """A worker that has backed nothing itself writes into large records another one backed:
+    /dev/shm being full since does not refuse those (only rows needing new pages are)."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", OTHERS_BACKED,
+                                                    shm_name]),
+                          capture_output=True, text=True, timeout=120,
+                          env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["backed_free"] > 1
+    assert out["written"] >= out["backed_free"], out  # every record backed already was written

@@ -237,14 +237,23 @@ class TableBase:
 
     def _back_to(self, r: int) -> None:
         """Back the large records after ``_backed`` up to ``r`` and at least a chunk of
-        ``BACK_CHUNK`` bytes beyond it; under the lock, before any store. LargeRowsFull when
-        /dev/shm cannot hold them (nothing written)."""
+        ``BACK_CHUNK`` bytes beyond it (up to ``r`` only when the chunk does not fit); under the
+        lock, before any store. ShmFull when /dev/shm cannot hold them (nothing written)."""
         lo = self._backed + 1
         hi = min(self._nrec - 1, max(r, lo + BACK_CHUNK // self.record_size))
         off = self._lbase + lo * self.record_size
-        assert self._back is not None
+        back = self._back
+        assert back is not None
         try:
-            self._back(off, (hi + 1 - lo) * self.record_size)
+            try:
+                back(off, (hi + 1 - lo) * self.record_size)
+            except OSError:
+                if hi == r:
+                    raise
+                # The chunk past r may need pages /dev/shm no longer has where r does not
+                # (another process backed it): back up to r only.
+                hi = r
+                back(off, (hi + 1 - lo) * self.record_size)
         except OSError as e:
             why = ("/dev/shm has no room left" if e.errno in (errno.ENOSPC, errno.ENOMEM)
                    else "cannot allocate the pages")
