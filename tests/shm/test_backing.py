@@ -175,3 +175,63 @@ def test_a_record_another_process_backed_is_written_with_dev_shm_full(shm_name: 
     out = json.loads(proc.stdout)
     assert out["backed_free"] > 1
     assert out["written"] >= out["backed_free"], out  # every record backed already was written
+
+
+SAME_INODE = r'''
+import json, os, subprocess, sys, tempfile
+from shmcancel import Cancellation, Config, Registry
+
+SCOPE = "principal:" + "\U0001f600" * 125
+REASON = "\U0001f600" * 200
+out = {}
+reg = Registry.create(sys.argv[1], Config(max_rows=2000, max_rows_per_scope=None))
+c = Cancellation(reg)
+ino = os.fstat(reg._seg._fd).st_ino
+d = tempfile.mkdtemp(prefix="shmcancel-other-fs-")
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "shmcancel-test-other", d], check=True,
+               timeout=30)
+try:
+    other = -1
+    for i in range(1000):  # another file system's inode numbers count from 1 as well
+        fd = os.open(f"{d}/f{i}", os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_ino == ino:
+            other = fd
+            break
+        os.close(fd)
+    out["found"] = other >= 0
+    kept = reg._seg._fd
+    os.dup2(other, kept)  # the kept number closed, now another file's (closerange, then open)
+    os.close(other)
+    for i in range(100):  # more than a backing chunk
+        c.cancel(f"{i:06d}" + "i" * 250, REASON, scope=SCOPE)
+    out["rows"] = reg.table("cancellations").count()
+    out["other_size"] = os.fstat(kept).st_size
+    reg.close()
+    try:
+        os.fstat(kept)
+        out["other_open"] = True
+        os.close(kept)
+    except OSError:
+        out["other_open"] = False
+finally:
+    subprocess.run(["umount", d], timeout=30)
+    os.rmdir(d)
+reg.unlink()
+print(json.dumps(out))
+'''
+
+
+def test_a_reused_fd_number_with_the_segments_inode_number_on_another_fs_is_not_written(
+        shm_name: str) -> None:
+    """An inode number is unique within its file system only: the file that took the kept fd's
+    number may be another tmpfs's (/run, another /dev/shm) with the segment's inode number.
+    Backing reopens the segment rather than fallocate that file; closing leaves it open."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", SAME_INODE, shm_name]),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["found"] and out["rows"] == 100
+    assert out["other_size"] == 0, out  # not grown by a fallocate meant for the segment
+    assert out["other_open"], out  # not closed as the segment's

@@ -171,6 +171,9 @@ class Segment:
                  sem: posix_ipc.Semaphore | None, fd: int = -1) -> None:
         self.name = name
         self._fd = fd  # kept open (unless read-only) for back(); closed by close()
+        # An inode number is unique within its file system only: the fd's file is this
+        # segment's when both its device and inode are (see _ours).
+        self._dev = os.fstat(fd).st_dev if fd >= 0 else None
         self.readonly = readonly
         self.ino = ino
         self.sem = sem
@@ -245,7 +248,7 @@ class Segment:
         fd = self._fd
         if fd >= 0:
             with contextlib.suppress(OSError):
-                if os.fstat(fd).st_ino == self.ino:
+                if self._ours(fd):
                     return fd
         if self.readonly:
             raise OSError(errno.EBADF, "a read-only attachment backs no page")
@@ -253,11 +256,17 @@ class Segment:
             fd = open_entry("segment", segment_path(self.name), os.O_RDWR)
         except (OSError, ShmCancelError) as e:
             raise OSError(errno.EBADF, f"the segment's file is gone ({e})") from None
-        if os.fstat(fd).st_ino != self.ino:  # the name holds a newer registry now
+        if not self._ours(fd):  # the name holds a newer registry now
             os.close(fd)
             raise OSError(errno.EBADF, "the segment's file was closed, and its name unlinked")
         self._fd = fd  # the old number is not ours any more: never closed
         return fd
+
+    def _ours(self, fd: int) -> bool:
+        """Whether ``fd`` is open on this segment's file (same device and inode; OSError when
+        it is not open)."""
+        st = os.fstat(fd)
+        return st.st_ino == self.ino and st.st_dev == self._dev
 
     @property
     def closed(self) -> bool:
@@ -280,7 +289,7 @@ class Segment:
             self.sem.close()
         fd, self._fd = self._fd, -1
         with contextlib.suppress(OSError):
-            if fd >= 0 and os.fstat(fd).st_ino == self.ino:  # else the number is not ours now
+            if fd >= 0 and self._ours(fd):  # else the number is not ours now
                 os.close(fd)
 
     # --- create ---
