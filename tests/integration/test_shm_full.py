@@ -89,3 +89,41 @@ def test_a_cancel_that_finds_dev_shm_full_is_503_and_lands_once_room_is_made(
         wait_until(lambda: "/dev/shm has no room left" in g.log(), time.monotonic() + 5,
                    what="the refusal logged")
         assert set(g.worker_pids()) == workers  # none died (a write into a hole: SIGBUS)
+
+
+SDK_CONF = "examples/sdk/gunicorn.conf.py"
+SDK_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+               "mcp-protocol-version": "2025-11-25"}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_an_sdk_cancel_that_finds_dev_shm_full_is_503_not_a_202_that_records_nothing(
+        shm_name: str) -> None:
+    """The same on the SDK front end (``shmcancel.sdk``, stateless, three uvicorn workers): a
+    ``notifications/cancelled`` whose row cannot be written is 503 with ``Retry-After``, never
+    handed to the SDK, which answers a notification 202 and cannot stop a sync tool running in
+    a thread (or in another worker): the client would take its cancel as delivered."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    with SmallShmGunicorn(None, registry_name=shm_name, config=SDK_CONF, workers=3,
+                          worker_class="uvicorn_worker.UvicornWorker",
+                          env={"SHMCANCEL_SDK_STATELESS": "1"}) as g:
+        def post(obj: object) -> httpx.Response:
+            return httpx.post(g.url, json=obj, headers=SDK_HEADERS, timeout=40)
+
+        call = Background(lambda: post(
+            {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+             "params": {"name": "sleep_sync", "arguments": {"seconds": 20}}}).json())
+        call.start()
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 7, "reason": LONG_REASON}}
+        with filled(g.pid):
+            # 202 until the call is in flight (a cancel of no call is the SDK's), then 503
+            deadline = time.monotonic() + 10
+            while (r := post(note)).status_code == 202 and time.monotonic() < deadline:
+                assert call.is_alive(), call.result()
+                time.sleep(0.1)
+            assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
+            assert call.is_alive()
+        assert post(note).status_code == 202
+        assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED

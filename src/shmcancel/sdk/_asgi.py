@@ -31,7 +31,14 @@ from typing import Any
 import pydantic_core
 from mcp.server.streamable_http import CONTENT_TYPE_JSON
 
-from .. import CancellationLimitReached, LockTimeout, ShmCancelError, errors, principal
+from .. import (
+    CancellationLimitReached,
+    LockTimeout,
+    ShmCancelError,
+    TableFull,
+    errors,
+    principal,
+)
 from ._calls import (
     EXCHANGE_KEY,
     SESSION_HEADER,
@@ -294,6 +301,14 @@ class Layer:
             return True
         except LockTimeout:
             await _respond(send, *_json_error(503, errors.SERVER_ERROR, "registry busy",
+                                              [(b"retry-after", RETRY_AFTER.encode())]))
+            return True
+        except TableFull as e:  # no room for the row (/dev/shm filled since: ShmFull): the
+            # SDK would answer 202 and record nothing, a cancel lost; nothing was written
+            log.error("shmcancel.sdk: a cancellation could not be recorded: %s", e)
+            await _respond(send, *_json_error(503, errors.SERVER_ERROR,
+                                              "Service unavailable: the registry has no room "
+                                              "left; retry later",
                                               [(b"retry-after", RETRY_AFTER.encode())]))
             return True
         except ShmCancelError:  # an id the registry refuses (too long): the SDK answers it
