@@ -9,14 +9,16 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import tag, wait_file
+from helpers.procs import Child
 from helpers.redis_server import running, unique_prefix
+from helpers.stalled_lock import stalled_lock
 from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
@@ -313,3 +315,26 @@ def test_a_box_overwritten_by_another_client_is_given_back(
         assert handle.reason() == "stop"
         handle.end()
         r.close()
+
+
+def test_a_cancellation_taken_from_the_box_while_the_lock_is_stalled_still_lands(
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        spawn: Callable[..., Child]) -> None:
+    """A's bridge takes a cancellation out of its box while a live process holds A's registry
+    lock past ``lock_timeout`` (or /dev/shm is full: the same path, ``TableFull``). It is out of
+    Redis, so it must be kept and recorded once the registry takes it (within CANCEL_TTL): it
+    was logged and dropped, and the call ran on."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 lock_timeout=0.3)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
+        handle = Cancellation(ra).begin(7, "session:s")
+        assert handle.tracked and a.track(7, "session:s") is not None
+        assert b.cancel(7, "stop", "session:s") is True  # in A's box now
+        with stalled_lock(spawn, shm_name):
+            raws = take_box(redis_server, a)
+            assert len(raws) == 1
+            a._apply(raws[0])  # waits lock_timeout, then keeps it owed
+            assert not handle.cancelled() and a.owed() == 1
+        a._settle()  # the bridge thread's next turn
+        assert handle.cancelled() and handle.reason() == "stop" and a.owed() == 0
+        handle.end()

@@ -69,7 +69,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmcancel.config import Config
-from shmcancel.exceptions import CancellationLimitReached, LockTimeout, RemoteUnavailable
+from shmcancel.exceptions import (
+    CancellationLimitReached,
+    LockTimeout,
+    RemoteUnavailable,
+    TableFull,
+)
 
 from ..cancel import ids
 from ..mcp import remote, wake
@@ -528,12 +533,26 @@ class Bridge:
             self._end_session(got)
             return
         scope, rid, reason = got
+        self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL)
+
+    def _deliver(self, rid: str, reason: object, scope: str, deadline: float) -> None:
+        """Record a cancellation taken from this worker's box, gated on its call being in
+        flight here. One the registry cannot take now (its lock held past ``lock_timeout``,
+        /dev/shm full) is owed and tried again until ``deadline`` (``time.monotonic()``): it
+        was taken out of Redis, so dropping it would lose it. A quota refusal is final."""
         try:
             if self.local.cancel_if_in_flight(rid, reason, scope):
                 self.delivered += 1
                 # its tool may be waiting (wait_cancelled): wake it, as the transport does
                 wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))
-        except Exception as e:  # quota on this host, a lock timeout: logged, never fatal
+        except (LockTimeout, TableFull) as e:
+            left = deadline - time.monotonic()
+            if left > 0:
+                self._owe(("deliver", scope, rid), left,
+                          functools.partial(self._deliver, rid, reason, scope, deadline))
+            log.warning("could not apply a cross-host cancellation now: %s (%s)", e,
+                        f"tried again for {left:.1f} s" if left > 0 else "given up")
+        except Exception as e:  # quota on this host: logged, never fatal
             log.warning("could not apply a cross-host cancellation: %s", e)
 
     def _end_session(self, sid: str) -> None:
