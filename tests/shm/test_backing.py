@@ -6,14 +6,17 @@ runs with a small /dev/shm of its own (``helpers.small_shm``)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from helpers import small_shm
+from helpers.names import TEST_PREFIX
 
 import shmcancel
 from shmcancel import Cancellation, Config, Registry
@@ -235,3 +238,21 @@ def test_a_reused_fd_number_with_the_segments_inode_number_on_another_fs_is_not_
     assert out["found"] and out["rows"] == 100
     assert out["other_size"] == 0, out  # not grown by a fallocate meant for the segment
     assert out["other_open"], out  # not closed as the segment's
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_registry_dropped_without_close_leaves_no_fd_open(shm_names: list[str]) -> None:
+    """The segment fd each attachment keeps (to back pages) and its lock file's are closed when
+    a registry is collected unclosed, as a file object's is: 30 registries created and dropped
+    leave at most the last one's (kept as ``current()``) open."""
+    gc.collect()
+    before = _fds()
+    for i in range(30):
+        name = f"{TEST_PREFIX}{os.getpid()}-drop{i}-{uuid.uuid4().hex[:6]}"
+        shm_names.append(name)
+        Registry.create(name, Config(max_rows=100))  # dropped at once, never closed
+    gc.collect()
+    assert _fds() - before <= 3

@@ -34,6 +34,7 @@ Why this recovers exactly once: docs/design.md, "The lock and its recovery".
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -55,7 +56,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, ShmCancelError
 from . import procinfo
-from .names import SHM_DIR, lock_path, open_lockfile, sem_path
+from .names import SHM_DIR, close_with, lock_path, open_lockfile, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
 if TYPE_CHECKING:
@@ -154,7 +155,9 @@ class RegistryLock:
         self._timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         self._step = float(step)
         self._repair = repair
-        self._fd: int | None = open_lockfile(self.name)
+        self._fd: int | None = None
+        self._fd_closer: Any = None  # closes _fd should the lock be collected unclosed
+        self._set_fd(open_lockfile(self.name))
         self._fast: Any = None  # see _trywait
         self._trywait = self._trywait_posix
         self._open_fast(segment)
@@ -212,13 +215,19 @@ class RegistryLock:
     def _after_fork_child(self) -> None:
         # The inherited fd shares its open file description (and any flock) with the parent:
         # take a fresh one on the same inode, even if the path was unlinked meanwhile.
-        old, self._fd = self._fd, None
+        old = self._fd
+        self._set_fd(None)
         if old is not None:
-            try:
-                self._fd = os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                self._fd = None
+            with contextlib.suppress(OSError):
+                self._set_fd(os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC))
             os.close(old)
+
+    def _set_fd(self, fd: int | None) -> None:
+        """Keep ``fd`` as the lock file's (None: none), letting go of the one kept before
+        without closing it (the caller does, or it is not ours any more)."""
+        if self._fd_closer is not None:
+            self._fd_closer.detach()
+        self._fd, self._fd_closer = fd, None if fd is None else close_with(self, fd)
 
     # --- introspection ---
     @property
@@ -485,7 +494,8 @@ class RegistryLock:
 
     def _lockfd(self) -> int:
         if self._fd is None:
-            self._fd = open_lockfile(self.name)
+            self._set_fd(open_lockfile(self.name))
+        assert self._fd is not None
         return self._fd
 
     def _take_over(self, owner: int, gen: int) -> bool:
@@ -555,9 +565,9 @@ class RegistryLock:
 
     def close(self) -> None:
         """Close the lock file descriptor (the segment owns the semaphore and the header)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        closer, self._fd_closer, self._fd = self._fd_closer, None, None
+        if closer is not None:
+            closer()  # the fd, unless its number is another file's by now
         self._trywait = self._trywait_posix
         self._fast = None  # sem_close of the second opening
         _locks.discard(self)

@@ -23,7 +23,9 @@ import os
 import re
 import stat
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import posix_ipc
 
@@ -158,6 +160,22 @@ def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
         os.close(fd)
         raise not_ours(what, path, problem)
     return fd
+
+
+def close_if_same(fd: int, dev: int, ino: int) -> None:
+    """Close ``fd`` if it is still open on the file (``dev``, ``ino``) it was opened on: a number
+    the process reused since (after a ``closerange``) is another file's, never closed here."""
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if st.st_ino == ino and st.st_dev == dev:
+            os.close(fd)
+
+
+def close_with(owner: object, fd: int) -> weakref.finalize[Any, Any]:
+    """Close ``fd`` (see :func:`close_if_same`) when ``owner`` is garbage collected unclosed;
+    the owner's own close calls the returned finalizer (or ``detach()``-es it)."""
+    st = os.fstat(fd)
+    return weakref.finalize(owner, close_if_same, fd, st.st_dev, st.st_ino)
 
 
 def open_lockfile(name: str) -> int:

@@ -66,6 +66,7 @@ from .names import (
     check_entry,
     check_name,
     check_stat,
+    close_with,
     flock_bounded,
     lock_path,
     not_ours,
@@ -174,6 +175,7 @@ class Segment:
         # An inode number is unique within its file system only: the fd's file is this
         # segment's when both its device and inode are (see _ours).
         self._dev = os.fstat(fd).st_dev if fd >= 0 else None
+        self._fd_closer = close_with(self, fd) if fd >= 0 else None  # also when collected
         self.readonly = readonly
         self.ino = ino
         self.sem = sem
@@ -259,7 +261,9 @@ class Segment:
         if not self._ours(fd):  # the name holds a newer registry now
             os.close(fd)
             raise OSError(errno.EBADF, "the segment's file was closed, and its name unlinked")
-        self._fd = fd  # the old number is not ours any more: never closed
+        if self._fd_closer is not None:
+            self._fd_closer.detach()  # the old number is not ours any more: never closed
+        self._fd, self._fd_closer = fd, close_with(self, fd)
         return fd
 
     def _ours(self, fd: int) -> bool:
@@ -287,10 +291,9 @@ class Segment:
             mm.close()
         if self.sem is not None:
             self.sem.close()
-        fd, self._fd = self._fd, -1
-        with contextlib.suppress(OSError):
-            if fd >= 0 and self._ours(fd):  # else the number is not ours now
-                os.close(fd)
+        self._fd = -1
+        if self._fd_closer is not None:
+            self._fd_closer()  # closes the fd if the number is still the segment's file
 
     # --- create ---
     @classmethod
