@@ -256,3 +256,45 @@ def test_a_registry_dropped_without_close_leaves_no_fd_open(shm_names: list[str]
         Registry.create(name, Config(max_rows=100))  # dropped at once, never closed
     gc.collect()
     assert _fds() - before <= 3
+
+
+SESSIONS_FULL = r'''
+import json, sys
+from shmcancel import Config, Registry
+from shmcancel.mcp.sessions import SessionsFull, SessionStore
+from helpers import small_shm
+
+reg = Registry.create(sys.argv[1], Config(max_rows=2000))
+store = SessionStore(reg)
+made = [store.create("2025-11-25", client=f"c{k}").id for k in range(100) for _ in range(8)]
+fd = small_shm.fill("/dev/shm")
+out = {"ninth": "made"}
+for k in range(100):  # a ninth session makes a client's list large (some fit pages backed)
+    try:
+        store.create("2025-11-25", client=f"c{k}")
+    except SessionsFull as e:
+        out["ninth"] = str(e)
+        break
+out["kept"] = all(store.get(s) is not None for s in made)
+out["other_client"] = store.create("2025-11-25", client="d") is not None  # a small row: served
+reg.close()
+reg.unlink()
+print(json.dumps(out))
+'''
+
+
+def test_a_session_that_needs_a_large_row_with_dev_shm_full_is_refused_saying_why(
+        shm_name: str) -> None:
+    """A client's ninth session makes its session list large: with /dev/shm full (once the
+    pages backed already are used) that is ``SessionsFull`` (503 with Retry-After at the
+    transport) naming /dev/shm, not "table full"; the clients' sessions stay, and another
+    client's first session is served."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command("40m", [sys.executable, "-c", SESSIONS_FULL,
+                                                    shm_name]),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert "/dev/shm has no room left" in out["ninth"], out
+    assert out["kept"] and out["other_client"]

@@ -60,7 +60,7 @@ from typing import Any
 
 from ..exceptions import LockTimeout, ShmCancelError, TableFull
 from ..shm import procinfo
-from ..shm.base import PreparedKey
+from ..shm.base import PreparedKey, ShmFull
 from ..shm.lanes import fence
 from ..shm.reader import Watch
 from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
@@ -270,6 +270,8 @@ class SessionStore:
             self._calls.delete(plan.victim)  # rows of dead owners only (it was not busy)
         try:
             self._clients.insert(digest, (*plan.keep, sid))
+        except ShmFull as e:  # /dev/shm filled since the registry was created
+            raise SessionsFull(f"{e}; retry in {RETRY_AFTER}s") from None
         except TableFull:  # a new client, and every client row is taken (by phantoms)
             raise SessionsFull(
                 f"session_clients table is full; retry in {RETRY_AFTER}s") from None
