@@ -258,6 +258,45 @@ def test_a_registry_dropped_without_close_leaves_no_fd_open(shm_names: list[str]
     assert _fds() - before <= 3
 
 
+AT_EXIT = r'''
+import atexit, json, os, sys
+from shmcancel import Config, Registry
+
+out = {}
+
+def at_exit():  # registered before the registry: runs after weakref's own exit hook
+    try:
+        with reg.lock:  # its holder died holding it: taken over (under the lock file's flock)
+            out["taken"] = True
+    except Exception as e:
+        out["taken"] = repr(e)
+    print(json.dumps(out), flush=True)
+    reg.close()
+    reg.unlink()
+
+atexit.register(at_exit)
+reg = Registry.create(sys.argv[1], Config(lock_timeout=5.0))
+pid = os.fork()
+if pid == 0:
+    Registry.attach(sys.argv[1]).lock.__enter__()
+    os._exit(0)  # dies holding the lock
+os.waitpid(pid, 0)
+'''
+
+
+def test_a_registry_still_in_use_at_interpreter_exit_keeps_its_fds(shm_name: str) -> None:
+    """Cleanup that runs at exit (an ``atexit`` handler registered before the registry, a daemon
+    thread such as the janitor or the Redis bridge) still uses the registry. The fd finalizers
+    ran as ``atexit`` hooks and closed the lock file's fd under the live lock object, so taking
+    over the lock from a dead holder then failed with EBADF (or flocked whatever file took the
+    number). The OS closes a process's fds at exit: the finalizers are for registries
+    collected unclosed, not for exit."""
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT, shm_name], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"taken": True}, proc.stderr[-3000:]
+
+
 SESSIONS_FULL = r'''
 import json, sys
 from shmcancel import Config, Registry

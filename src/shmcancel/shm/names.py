@@ -173,9 +173,13 @@ def close_if_same(fd: int, dev: int, ino: int) -> None:
 
 def close_with(owner: object, fd: int) -> weakref.finalize[Any, Any]:
     """Close ``fd`` (see :func:`close_if_same`) when ``owner`` is garbage collected unclosed;
-    the owner's own close calls the returned finalizer (or ``detach()``-es it)."""
+    the owner's own close calls the returned finalizer (or ``detach()``-es it). Not at
+    interpreter exit: the owner may still be in use then (an ``atexit`` handler, a daemon
+    thread), and the OS closes the process's fds anyway."""
     st = os.fstat(fd)
-    return weakref.finalize(owner, close_if_same, fd, st.st_dev, st.st_ino)
+    fin = weakref.finalize(owner, close_if_same, fd, st.st_dev, st.st_ino)
+    fin.atexit = False
+    return fin
 
 
 def open_lockfile(name: str) -> int:
