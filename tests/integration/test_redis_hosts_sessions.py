@@ -6,12 +6,14 @@ where an interleaving must be forced."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
@@ -22,7 +24,7 @@ from helpers.stalled_lock import stalled_lock
 from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
-from shmcancel import Cancellation, Config, errors
+from shmcancel import Cancellation, Config, RemoteUnavailable, errors
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import RedisCancellation, RedisStore, connect
 from shmcancel.redis.bridge import Bridge
@@ -334,7 +336,66 @@ def test_a_cancellation_taken_from_the_box_while_the_lock_is_stalled_still_lands
             raws = take_box(redis_server, a)
             assert len(raws) == 1
             a._apply(raws[0])  # waits lock_timeout, then keeps it owed
-            assert not handle.cancelled() and a.owed() == 1
-        a._settle()  # the bridge thread's next turn
-        assert handle.cancelled() and handle.reason() == "stop" and a.owed() == 0
+            assert not handle.cancelled() and a.undelivered() == 1 and a.owed() == 0
+        a._redeliver()  # the bridge thread's next turn
+        assert handle.cancelled() and handle.reason() == "stop" and a.undelivered() == 0
+        handle.end()
+
+
+RETRYING = "could not apply a cross-host cancellation"
+
+
+def test_a_cancellation_kept_for_a_stalled_lock_is_retried_quietly_not_as_a_redis_write(
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        spawn: Callable[..., Child], caplog: pytest.LogCaptureFixture) -> None:
+    """The bridge thread keeps retrying, turn after turn, a cancellation the registry could not
+    take (its lock stalled). Retrying it is local work: it was counted as an owed Redis write
+    applied (``owed_applied``) at every turn, reset the count of failed Redis calls
+    (``_answered``), and logged a warning at every turn: once, and once more if given up, is
+    the log a worker needs."""
+    caplog.set_level(logging.DEBUG, logger="shmcancel.redis")
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 lock_timeout=0.3)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
+        handle = Cancellation(ra).begin(7, "session:s")
+        assert handle.tracked and a.track(7, "session:s") is not None
+        with stalled_lock(spawn, shm_name):
+            a.start()  # takes it from its box, finds the lock stalled, and retries
+            assert b.cancel(7, "stop", "session:s") is True
+            wait_until(lambda: sum(RETRYING in r.getMessage() for r in caplog.records) >= 3,
+                       time.monotonic() + 15, what="two retries")
+            assert not handle.cancelled()
+        wait_until(handle.cancelled, time.monotonic() + 5, what="the cancellation to land")
+        assert handle.reason() == "stop"
+        assert a.owed_applied == 0 and a.owed() == 0  # no Redis write was ever owed
+        warned = [r for r in caplog.records
+                  if RETRYING in r.getMessage() and r.levelno >= logging.WARNING]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+        handle.end()
+
+
+def test_a_cancellation_kept_for_a_stalled_lock_lands_while_redis_is_down(
+        shm_name: str, shm_names: list[str], spawn: Callable[..., Child]) -> None:
+    """A cancellation taken out of the box that the registry could not take then is kept for
+    ``CANCEL_TTL``; applying it needs the registry only. Redis going down meanwhile stopped it:
+    the thread only probed Redis while it was down, and the cancellation expired unapplied (the
+    call ran on)."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 lock_timeout=0.3)
+    with running() as srv, hosts_in_process(srv, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
+        handle = Cancellation(ra).begin(7, "session:s")
+        assert handle.tracked and a.track(7, "session:s") is not None
+        assert b.cancel(7, "stop", "session:s") is True  # in A's box now
+        with stalled_lock(spawn, shm_name):
+            raws = take_box(srv, a)
+            assert len(raws) == 1
+            a._apply(raws[0])  # waits lock_timeout, then keeps it
+            assert not handle.cancelled()
+        srv.kill()
+        with pytest.raises(RemoteUnavailable):
+            a.lookup_session("s" * 32)  # connection refused: the bridge is down
+        assert a.down
+        a.start()
+        wait_until(handle.cancelled, time.monotonic() + 5, what="the cancellation to land")
+        assert handle.reason() == "stop" and a.down
         handle.end()

@@ -168,6 +168,10 @@ class Bridge:
         self._owed: OrderedDict[tuple[Any, ...], _Owed] = OrderedDict()
         self._owed_lock = threading.Lock()
         self._overflowing = False
+        # cancellations taken from the box that the registry could not take yet, retried by the
+        # thread every turn, Redis down or not (local work, not a Redis write owed):
+        # (scope, rid) -> (reason, deadline), oldest first, at most OWED_MAX
+        self._undelivered: OrderedDict[tuple[str, str], tuple[object, float]] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
         # sessions published by this process: sid -> (version, client), newest last; and when
         # this process last renewed a session's copy (keep_session)
@@ -255,6 +259,10 @@ class Bridge:
     def owed(self) -> int:
         """Writes owed to Redis now."""
         return len(self._owed)
+
+    def undelivered(self) -> int:
+        """Cancellations taken from the box that the registry has not taken yet (retried)."""
+        return len(self._undelivered)
 
     def _settle(self) -> None:
         """The thread: apply owed writes, oldest first, at most :data:`SETTLE_BATCH` per turn.
@@ -454,6 +462,8 @@ class Bridge:
         next_renew = 0.0
         while not self._stop.is_set():
             try:
+                if self._undelivered:  # the registry only: Redis down or not
+                    self._redeliver()
                 if self.down:
                     self.store.client.ping()
                     self._answered()
@@ -535,11 +545,14 @@ class Bridge:
         scope, rid, reason = got
         self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL)
 
-    def _deliver(self, rid: str, reason: object, scope: str, deadline: float) -> None:
+    def _deliver(self, rid: str, reason: object, scope: str, deadline: float,
+                 retry: bool = False) -> bool:
         """Record a cancellation taken from this worker's box, gated on its call being in
         flight here. One the registry cannot take now (its lock held past ``lock_timeout``,
-        /dev/shm full) is owed and tried again until ``deadline`` (``time.monotonic()``): it
-        was taken out of Redis, so dropping it would lose it. A quota refusal is final."""
+        /dev/shm full) is kept and tried again by the thread every turn (:meth:`_redeliver`,
+        Redis down or not) until ``deadline`` (``time.monotonic()``): it was taken out of
+        Redis, so dropping it would lose it. A quota refusal is final. Logged as a warning the
+        first time and when given up, retries at debug. False when the lock timed out."""
         try:
             if self.local.cancel_if_in_flight(rid, reason, scope):
                 self.delivered += 1
@@ -548,12 +561,34 @@ class Bridge:
         except (LockTimeout, TableFull) as e:
             left = deadline - time.monotonic()
             if left > 0:
-                self._owe(("deliver", scope, rid), left,
-                          functools.partial(self._deliver, rid, reason, scope, deadline))
-            log.warning("could not apply a cross-host cancellation now: %s (%s)", e,
-                        f"tried again for {left:.1f} s" if left > 0 else "given up")
+                with self._owed_lock:
+                    self._undelivered.pop((scope, rid), None)
+                    if len(self._undelivered) >= OWED_MAX:
+                        self._undelivered.popitem(last=False)
+                    self._undelivered[(scope, rid)] = (reason, deadline)
+            log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
+                    "could not apply a cross-host cancellation now: %s (%s)", e,
+                    f"tried again for {left:.1f} s" if left > 0 else "given up")
+            return not isinstance(e, LockTimeout)
         except Exception as e:  # quota on this host: logged, never fatal
             log.warning("could not apply a cross-host cancellation: %s", e)
+        return True
+
+    def _redeliver(self) -> None:
+        """The thread: try again the cancellations the registry could not take
+        (:meth:`_deliver`), oldest first; stops at a lock timeout (the others would wait it
+        too), leaving the rest for the next turn."""
+        with self._owed_lock:
+            due = list(self._undelivered.items())
+        for (scope, rid), (reason, deadline) in due:
+            if self._stop.is_set():
+                return
+            with self._owed_lock:
+                if self._undelivered.get((scope, rid)) != (reason, deadline):
+                    continue  # replaced meanwhile
+                del self._undelivered[(scope, rid)]
+            if not self._deliver(rid, reason, scope, deadline, retry=True):
+                return
 
     def _end_session(self, sid: str) -> None:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
