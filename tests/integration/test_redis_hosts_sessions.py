@@ -319,6 +319,29 @@ def test_a_box_overwritten_by_another_client_is_given_back(
         r.close()
 
 
+# Hosts whose registry lock a stopped holder stalls past a short lock_timeout.
+STALLS = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                lock_timeout=0.3)
+
+
+def _tracked_on_a(ra: Registry, a: Bridge) -> Any:
+    """Request 7 of scope ``session:s`` in flight on host A, here and in Redis: its handle."""
+    handle = Cancellation(ra).begin(7, "session:s")
+    assert handle.tracked and a.track(7, "session:s") is not None
+    return handle
+
+
+def _taken_while_stalled(srv: Any, a: Bridge, spawn: Callable[..., Child], name: str,
+                         handle: Any) -> None:
+    """A's bridge takes the one cancellation in its box while a stopped process holds the
+    lock of registry ``name``: kept for retry (waiting ``lock_timeout`` first), not recorded."""
+    with stalled_lock(spawn, name):
+        raws = take_box(srv, a)
+        assert len(raws) == 1
+        a._apply(raws[0])
+        assert not handle.cancelled() and a.undelivered() == 1 and a.owed() == 0
+
+
 def test_a_cancellation_taken_from_the_box_while_the_lock_is_stalled_still_lands(
         redis_server: Any, shm_name: str, shm_names: list[str],
         spawn: Callable[..., Child]) -> None:
@@ -326,17 +349,10 @@ def test_a_cancellation_taken_from_the_box_while_the_lock_is_stalled_still_lands
     lock past ``lock_timeout`` (or /dev/shm is full: the same path, ``TableFull``). It is out of
     Redis, so it must be kept and recorded once the registry takes it (within CANCEL_TTL): it
     was logged and dropped, and the call ran on."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 lock_timeout=0.3)
-    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
-        handle = Cancellation(ra).begin(7, "session:s")
-        assert handle.tracked and a.track(7, "session:s") is not None
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (_, b)):
+        handle = _tracked_on_a(ra, a)
         assert b.cancel(7, "stop", "session:s") is True  # in A's box now
-        with stalled_lock(spawn, shm_name):
-            raws = take_box(redis_server, a)
-            assert len(raws) == 1
-            a._apply(raws[0])  # waits lock_timeout, then keeps it owed
-            assert not handle.cancelled() and a.undelivered() == 1 and a.owed() == 0
+        _taken_while_stalled(redis_server, a, spawn, shm_name, handle)
         a._redeliver()  # the bridge thread's next turn
         assert handle.cancelled() and handle.reason() == "stop" and a.undelivered() == 0
         handle.end()
@@ -354,11 +370,8 @@ def test_a_cancellation_kept_for_a_stalled_lock_is_retried_quietly_not_as_a_redi
     (``_answered``), and logged a warning at every turn: once, and once more if given up, is
     the log a worker needs."""
     caplog.set_level(logging.DEBUG, logger="shmcancel.redis")
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 lock_timeout=0.3)
-    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
-        handle = Cancellation(ra).begin(7, "session:s")
-        assert handle.tracked and a.track(7, "session:s") is not None
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (_, b)):
+        handle = _tracked_on_a(ra, a)
         with stalled_lock(spawn, shm_name):
             a.start()  # takes it from its box, finds the lock stalled, and retries
             assert b.cancel(7, "stop", "session:s") is True
@@ -380,17 +393,11 @@ def test_a_cancellation_kept_for_a_stalled_lock_lands_while_redis_is_down(
     ``CANCEL_TTL``; applying it needs the registry only. Redis going down meanwhile stopped it:
     the thread only probed Redis while it was down, and the cancellation expired unapplied (the
     call ran on)."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 lock_timeout=0.3)
-    with running() as srv, hosts_in_process(srv, shm_name, shm_names, cfg) as ((ra, a), (_, b)):
-        handle = Cancellation(ra).begin(7, "session:s")
-        assert handle.tracked and a.track(7, "session:s") is not None
+    with running() as srv, \
+            hosts_in_process(srv, shm_name, shm_names, STALLS) as ((ra, a), (_, b)):
+        handle = _tracked_on_a(ra, a)
         assert b.cancel(7, "stop", "session:s") is True  # in A's box now
-        with stalled_lock(spawn, shm_name):
-            raws = take_box(srv, a)
-            assert len(raws) == 1
-            a._apply(raws[0])  # waits lock_timeout, then keeps it
-            assert not handle.cancelled()
+        _taken_while_stalled(srv, a, spawn, shm_name, handle)
         srv.kill()
         with pytest.raises(RemoteUnavailable):
             a.lookup_session("s" * 32)  # connection refused: the bridge is down
