@@ -2,7 +2,7 @@
 """Bytes of each table of a registry's segment for a Config, and the segment's total.
 
     python tools/footprint.py [--max-rows N|none] [--capacity N] [--in-flight-capacity N]
-                              [--session-capacity N] [--sessions-per-client N]
+                              [--session-capacity N] [--sessions-per-client N] [--preallocate]
 
 Per table: rows held, record sizes (small/large, see ``shm/layout.py``), large rows held (L),
 region bytes, and the bytes of its large records, whose pages are backed on demand (as large
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight-capacity", type=int)
     ap.add_argument("--session-capacity", type=int)
     ap.add_argument("--sessions-per-client", type=int)
+    ap.add_argument("--preallocate", action="store_true",
+                    help="Config(preallocate=True): every page allocated at create")
     args = ap.parse_args(argv)
     kw: dict[str, object] = {}
     if args.max_rows is not None:
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("capacity", "in_flight_capacity", "session_capacity", "sessions_per_client"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
+    if args.preallocate:
+        kw["preallocate"] = True
     if kw:
         report(Config(**kw), f"Config({', '.join(f'{k}={v!r}' for k, v in kw.items())})")
     else:

@@ -34,6 +34,10 @@ class Config:
     ``sessions_per_client``: sessions one client (principal, else address; IPv6 by /64) holds at
     once; minting one more replaces that client's own least recently seen idle session.
     ``None`` means ``min(32, session_capacity)``; at most 1024 and ``session_capacity``.
+    ``preallocate``: allocate every page of the segment at ``create``, the worst-case records
+    too, rather than those as rows need them: a /dev/shm filled by others since can then never
+    refuse a row (no ``ShmFull``), at the price of the whole file in memory from the start
+    (31.2 MiB with the defaults against 7.2; ``tools/footprint.py``).
     """
 
     max_rows: int | None = 10_000
@@ -47,8 +51,12 @@ class Config:
     session_ttl: float = 3600.0
     lock_timeout: float = 10.0
     sessions_per_client: int | None = None
+    preallocate: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.preallocate) is not bool:
+            raise ValueError(f"Config.preallocate must be True or False, got "
+                             f"{self.preallocate!r}")
         for name in ("max_rows", "max_rows_per_scope"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):

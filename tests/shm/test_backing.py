@@ -337,3 +337,35 @@ def test_a_session_that_needs_a_large_row_with_dev_shm_full_is_refused_saying_wh
     out = json.loads(proc.stdout)
     assert "/dev/shm has no room left" in out["ninth"], out
     assert out["kept"] and out["other_client"]
+
+
+PREALLOCATED = r'''
+import json, sys
+from shmcancel import Cancellation, Config, Registry
+from helpers import small_shm
+
+SCOPE = "principal:" + "\U0001f600" * 125
+REASON = "\U0001f600" * 200
+reg = Registry.create(sys.argv[1], Config(max_rows=2000, max_rows_per_scope=None,
+                                          preallocate=True))
+c = Cancellation(reg)
+fd = small_shm.fill("/dev/shm")  # someone fills /dev/shm
+for i in range(2000):  # every row of the worst size: their pages were allocated at create
+    c.cancel(f"{i:06d}" + "i" * 250, REASON, scope=SCOPE)
+print(json.dumps({"rows": reg.table("cancellations").count(), "evictions": reg.evictions}))
+reg.close()
+reg.unlink()
+'''
+
+
+def test_a_preallocated_registry_stores_every_worst_size_row_with_dev_shm_full(
+        shm_name: str) -> None:
+    """``Config(preallocate=True)``: every page at create, so a /dev/shm filled since refuses
+    nothing: max_rows rows of the worst size all stored."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command("40m", [sys.executable, "-c", PREALLOCATED,
+                                                    shm_name]),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"rows": 2000, "evictions": 0}

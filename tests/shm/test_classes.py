@@ -252,6 +252,12 @@ def test_the_segment_allocates_large_records_on_demand_and_follows_max_rows(
         assert reg.table("scope_counts").capacity == 100 + 25  # room for 25 counts at 0
         assert reg.config.capacity == 10_000  # the contract's meaning is unchanged
         reg.unlink()
+    whole_name = shm_name + "p"
+    shm_names.append(whole_name)
+    with Registry.create(whole_name, Config(preallocate=True)) as reg:  # every page at create
+        assert allocated(whole_name) == default == fp.allocated_at_create(
+            Config(preallocate=True))
+        reg.unlink()
 
 
 def test_large_records_backed_follow_the_peak_of_large_rows(shm_name: str) -> None:

@@ -54,6 +54,8 @@ def test_capacity_follows_max_rows(kwargs: dict, capacity: int, effective: int) 
         {"janitor_interval": True},
         {"stream_cancel_timeout": float("inf")},
         {"lock_timeout": 0},
+        {"preallocate": 1},
+        {"preallocate": None},
     ],
 )
 def test_rejects_bad_values_with_a_clear_error(kwargs: dict) -> None:
@@ -73,7 +75,7 @@ def test_times_are_floats_and_config_is_frozen() -> None:
 EVERY_FIELD = {"max_rows": 1234, "capacity": 4321, "max_rows_per_scope": 7, "ttl": 0.1 + 0.2,
                "janitor_interval": 12.5, "in_flight_capacity": 999, "stream_cancel_timeout": 2.25,
                "session_capacity": 77, "session_ttl": 1e-3, "lock_timeout": 3.0,
-               "sessions_per_client": 5}
+               "sessions_per_client": 5, "preallocate": True}
 
 
 def test_pack_roundtrips_every_field() -> None:

@@ -118,8 +118,9 @@ def _specs(config: Config, decls: Sequence[TableDecl]) -> list[TableSpec]:
         cap = d.size("capacity", config)
         rs = sizes[d.name]
         small, large = (d.small_size, min(d.large_count, cap)) if 0 < d.small_size < rs else (0, 0)
+        lazy = (0, 0) if config.preallocate else lazy_span(cap, rs, small, large)
         out.append(TableSpec(d.name, d.kind, cap, rs, Table.region_size(cap, rs, small, large),
-                             small, large, lazy_span(cap, rs, small, large)))
+                             small, large, lazy))
     return out
 
 
@@ -276,7 +277,8 @@ class Registry:
                     capacity=desc.capacity, record_size=desc.record_size,
                     hash_key=seg.hash_key, lock=self.lock,
                     small_size=sp.small_size, large_count=sp.large_count,
-                    back=None if seg.readonly else _backer(seg, desc.offset))
+                    back=(None if seg.readonly or self._config.preallocate
+                          else _backer(seg, desc.offset)))
             names = _lane_tables(decls)
             region = seg.lanes_region
             size = lanes_size()
