@@ -13,6 +13,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import small_shm
@@ -26,6 +27,18 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one the interpreter has installed: PYTHONPATH is not replaced by the tests' directory alone.
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     [os.path.dirname(os.path.dirname(os.path.abspath(shmcancel.__file__))), TESTS])}
+def run_small(script: str, size: str, name: str) -> Any:
+    """What ``script`` (Python, given the registry name ``name``) prints as JSON, run with a
+    /dev/shm of ``size`` of its own; skips where that cannot run. A non-zero exit fails the
+    test with its stderr (-7: SIGBUS)."""
+    if (why := small_shm.unavailable()) is not None:
+        pytest.skip(why)
+    proc = subprocess.run(small_shm.command(size, [sys.executable, "-c", script, name]),
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 SCENARIO = r'''
 import json, os, sys
 from shmcancel import Cancellation, Config, Registry
@@ -83,13 +96,7 @@ print(json.dumps(out))
 
 
 def test_a_large_row_refused_for_want_of_room_in_dev_shm_loses_nothing(shm_name: str) -> None:
-    if (why := small_shm.unavailable()) is not None:
-        pytest.skip(why)
-    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", SCENARIO, shm_name]),
-                          capture_output=True, text=True, timeout=120,
-                          env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # -7 would be SIGBUS
-    out = json.loads(proc.stdout)
+    out = run_small(SCENARIO, "16m", shm_name)
     assert 5 < out["written"] < 2000  # the chunk backed before /dev/shm filled, then a refusal
     assert "/dev/shm has no room left" in out["refused"]
     assert out["rows"] == out["written"] + 1  # + "small": the refused row is not there
@@ -168,14 +175,7 @@ print(json.dumps(out))
 def test_a_record_another_process_backed_is_written_with_dev_shm_full(shm_name: str) -> None:
     """A worker that has backed nothing itself writes into large records another one backed:
     /dev/shm being full since does not refuse those (only rows needing new pages are)."""
-    if (why := small_shm.unavailable()) is not None:
-        pytest.skip(why)
-    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", OTHERS_BACKED,
-                                                    shm_name]),
-                          capture_output=True, text=True, timeout=120,
-                          env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_small(OTHERS_BACKED, "16m", shm_name)
     assert out["backed_free"] > 1
     assert out["written"] >= out["backed_free"], out  # every record backed already was written
 
@@ -229,12 +229,7 @@ def test_a_reused_fd_number_with_the_segments_inode_number_on_another_fs_is_not_
     """An inode number is unique within its file system only: the file that took the kept fd's
     number may be another tmpfs's (/run, another /dev/shm) with the segment's inode number.
     Backing reopens the segment rather than fallocate that file; closing leaves it open."""
-    if (why := small_shm.unavailable()) is not None:
-        pytest.skip(why)
-    proc = subprocess.run(small_shm.command("16m", [sys.executable, "-c", SAME_INODE, shm_name]),
-                          capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_small(SAME_INODE, "16m", shm_name)
     assert out["found"] and out["rows"] == 100
     assert out["other_size"] == 0, out  # not grown by a fallocate meant for the segment
     assert out["other_open"], out  # not closed as the segment's
@@ -328,13 +323,7 @@ def test_a_session_that_needs_a_large_row_with_dev_shm_full_is_refused_saying_wh
     pages backed already are used) that is ``SessionsFull`` (503 with Retry-After at the
     transport) naming /dev/shm, not "table full"; the clients' sessions stay, and another
     client's first session is served."""
-    if (why := small_shm.unavailable()) is not None:
-        pytest.skip(why)
-    proc = subprocess.run(small_shm.command("40m", [sys.executable, "-c", SESSIONS_FULL,
-                                                    shm_name]),
-                          capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_small(SESSIONS_FULL, "40m", shm_name)
     assert "/dev/shm has no room left" in out["ninth"], out
     assert out["kept"] and out["other_client"]
 
@@ -362,10 +351,4 @@ def test_a_preallocated_registry_stores_every_worst_size_row_with_dev_shm_full(
         shm_name: str) -> None:
     """``Config(preallocate=True)``: every page at create, so a /dev/shm filled since refuses
     nothing: max_rows rows of the worst size all stored."""
-    if (why := small_shm.unavailable()) is not None:
-        pytest.skip(why)
-    proc = subprocess.run(small_shm.command("40m", [sys.executable, "-c", PREALLOCATED,
-                                                    shm_name]),
-                          capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout) == {"rows": 2000, "evictions": 0}
+    assert run_small(PREALLOCATED, "40m", shm_name) == {"rows": 2000, "evictions": 0}
