@@ -51,9 +51,10 @@ its table's policy (see ``registry.py``). A table of one class (``small_size == 
 Backing on demand: the large records' pages (``lazy_span``) are not allocated when the segment
 is created. A writer backs them (``posix_fallocate`` on the segment, ``TableBase._back_to``) in
 chunks, before its first store into a large record it popped, so a /dev/shm filled since is
-``LargeRowsFull`` there, nothing written, never SIGBUS. The free stacks pop low numbers first
-(here and in fsck's rebuild), so the large records ever used are the lowest: what is backed
-follows the peak of large rows held. Only referenced records are read, and those were backed.
+``ShmFull`` (a ``LargeRowsFull``) there, nothing written, never SIGBUS. The free stacks pop low
+numbers first (here and in fsck's rebuild), so the large records ever used are the lowest:
+what is backed follows the peak of large rows held. Only referenced records are read, and
+those were backed.
 """
 
 from __future__ import annotations

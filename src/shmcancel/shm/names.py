@@ -162,12 +162,19 @@ def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
     return fd
 
 
+def open_on(fd: int, dev: int, ino: int) -> bool:
+    """Whether ``fd`` is open on the file (``dev``, ``ino``): an inode number is unique within
+    its file system only, and a number the process reused (after a ``closerange``) may be
+    another file's. OSError when ``fd`` is not open."""
+    st = os.fstat(fd)
+    return st.st_ino == ino and st.st_dev == dev
+
+
 def close_if_same(fd: int, dev: int, ino: int) -> None:
-    """Close ``fd`` if it is still open on the file (``dev``, ``ino``) it was opened on: a number
-    the process reused since (after a ``closerange``) is another file's, never closed here."""
+    """Close ``fd`` if it is still open on the file (``dev``, ``ino``) it was opened on
+    (:func:`open_on`): another file's number is never closed here."""
     with contextlib.suppress(OSError):
-        st = os.fstat(fd)
-        if st.st_ino == ino and st.st_dev == dev:
+        if open_on(fd, dev, ino):
             os.close(fd)
 
 

@@ -71,6 +71,7 @@ from .names import (
     lock_path,
     not_ours,
     open_entry,
+    open_on,
     segment_path,
     sem_path,
     shm_name,
@@ -174,7 +175,7 @@ class Segment:
         self._fd = fd  # kept open (unless read-only) for back(); closed by close()
         # An inode number is unique within its file system only: the fd's file is this
         # segment's when both its device and inode are (see _ours).
-        self._dev = os.fstat(fd).st_dev if fd >= 0 else None
+        self._dev = os.fstat(fd).st_dev if fd >= 0 else -1
         self._fd_closer = close_with(self, fd) if fd >= 0 else None  # also when collected
         self.readonly = readonly
         self.ino = ino
@@ -267,10 +268,8 @@ class Segment:
         return fd
 
     def _ours(self, fd: int) -> bool:
-        """Whether ``fd`` is open on this segment's file (same device and inode; OSError when
-        it is not open)."""
-        st = os.fstat(fd)
-        return st.st_ino == self.ino and st.st_dev == self._dev
+        """Whether ``fd`` is open on this segment's file (OSError when it is not open)."""
+        return open_on(fd, self._dev, self.ino)
 
     @property
     def closed(self) -> bool:
