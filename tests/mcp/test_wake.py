@@ -181,3 +181,54 @@ def test_a_wait_inside_a_wait_of_the_same_thread_keeps_the_outer_wake(registry) 
         signal.signal(signal.SIGUSR1, old)
         outer.end()
         inner.end()
+
+
+def _open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def test_rings_keep_one_socket_and_a_fork_child_rings_with_its_own(registry) -> None:
+    """A process rings on one socket it keeps (a burst of cancellations opens no descriptor
+    per ring); a fork child closes the one it inherited and rings with its own, which wakes
+    this process's waiter."""
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    try:
+        wake.ring(reg.name, {os.getppid()})  # no bell there: refused, the socket kept anyway
+        before = _open_fds()
+        for _ in range(200):
+            wake.ring(reg.name, {os.getppid()})
+        assert _open_fds() == before
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        owner = os.getpid()
+        inherited = wake._sender[1].fileno()  # type: ignore[index]
+        r, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, ring its parent, and leave without pytest's exit
+            code = 1
+            try:
+                kept = inherited in _open_fds()
+                wake.ring(reg.name, {owner})
+                after_one = _open_fds()
+                for _ in range(50):
+                    wake.ring(reg.name, {owner})
+                steady = _open_fds() == after_one
+                os.write(wr, f"{int(kept)} {int(steady)}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wr)
+        try:
+            with os.fdopen(r, "rb") as f:
+                got = f.read().split()
+        finally:
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert got == [b"0", b"1"], got  # the inherited socket closed; no descriptor per ring
+        assert w.result(timeout=BOUND + 1) is True  # the child's ring woke the waiter here
+    finally:
+        h.end()

@@ -41,6 +41,7 @@ _LINUX = sys.platform.startswith("linux")
 _DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the next turn)
 _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
+_MAX_ADDRESSES = 1024  # doorbell addresses kept (then the cache starts over)
 
 _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wait); a wait's lock
 # is released only under it
@@ -49,6 +50,8 @@ _keys = itertools.count()
 _tls = threading.local()
 _bells: dict[str, tuple[int, socket.socket]] = {}  # registry name -> (pid, this process's bell)
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
+_sender: tuple[int, socket.socket] | None = None  # (pid, the socket this process rings with)
+_addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 
 
 def doorbell_address(registry_name: str, pid: int) -> bytes:
@@ -118,18 +121,38 @@ def waiting() -> int:
 def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
     """Ring the doorbells for ``registry_name`` of ``pids`` (the processes running the call
     just cancelled), or when ``None`` of this process and its siblings. Never raises; costs a
-    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process."""
+    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process, on a socket
+    the process keeps (a cancellation is a burst's unit of work: no socket made per ring)."""
     if not _LINUX:
         return
     try:
         pids = _sibling_pids() if pids is None else sorted(pids)[:_MAX_SIBLINGS]
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.setblocking(False)
-            for pid in pids:
-                with contextlib.suppress(OSError):  # no bell there, or its queue is full
-                    s.sendto(b"", doorbell_address(registry_name, pid))
+        s = _sending_socket()
+        for pid in pids:
+            addr = _addresses.get((registry_name, pid))
+            if addr is None:
+                if len(_addresses) >= _MAX_ADDRESSES:
+                    _addresses.clear()
+                addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+            with contextlib.suppress(OSError):  # no bell there, or its queue is full
+                s.sendto(b"", addr)
     except OSError:
         pass
+
+
+def _sending_socket() -> socket.socket:
+    """This process's unbound, non-blocking datagram socket for rings (a ``sendto`` from
+    several threads at once is safe: each datagram is one system call)."""
+    global _sender
+    got = _sender
+    if got is not None and got[0] == os.getpid():
+        return got[1]
+    with _lock:
+        if _sender is None or _sender[0] != os.getpid():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.setblocking(False)
+            _sender = (os.getpid(), s)
+        return _sender[1]
 
 
 def _sibling_pids() -> list[int]:
@@ -200,8 +223,9 @@ def _release(lk: LockType) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
-    global _lock, _tls
+    # The child runs none of the parent's waits; its doorbells are the parent's (by pid), and
+    # so is the socket it rang with.
+    global _lock, _tls, _sender
     _lock = threading.RLock()
     _tls = threading.local()
     _waiters.clear()
@@ -209,6 +233,10 @@ def _after_fork_in_child() -> None:
         with contextlib.suppress(OSError):
             s.close()
     _bells.clear()
+    if _sender is not None:
+        with contextlib.suppress(OSError):
+            _sender[1].close()
+        _sender = None
 
 
 if hasattr(os, "register_at_fork"):
