@@ -22,13 +22,19 @@ cancelled as fast as one thread can:
 the same way (latency: connect -> 202): what serving a burst of small requests costs on this
 machine now. ``bare``: the same requests to a second gunicorn of the same shape serving a WSGI
 app that only answers 202 (no shmcancel in the request path): what gunicorn alone costs.
+``bare burst`` (legacy): the burst's shape against that second gunicorn, whose app holds each
+call (a thread blocked on a datagram socket of its own) until a request of its own, on a new
+connection, sends it one datagram: what a burst costs gunicorn and this machine with the
+cheapest cross-worker cancellation there is, no MCP and no registry.
 ``sequential``: the same as the burst, one call at a time (``--seq`` per round).
 Prints p50/p99/max of the latencies over all rounds (ms), the range of the rounds' p99, and
 whether the burst p99 meets ``--target-ms`` (``--check``: exit 1 when it does not). A run that
 measured no burst, or in which a cancelled call was not answered ``-32800`` (legacy) or did not
 end (modern), exits 1 with or without ``--check``. The calls start one after the other, each
-in flight before the next; a round in which some call does not get in flight within 0.5 s (a
-worker accepted more calls than it has threads) is skipped and run again (at most 10 tries).
+in flight before the next; a round is skipped and run again (at most 10 tries) when some call
+does not get in flight within 0.5 s (a worker accepted more calls than it has threads), or
+when some worker runs as many calls as it has threads (the cancellations it accepts would wait
+for one of its calls to end: that measures the round's luck, not the cancellation).
 """
 
 from __future__ import annotations
@@ -59,12 +65,41 @@ SLEEP = 30.0  # seconds each call would sleep uncancelled
 IN_FLIGHT_WAIT = 10.0  # seconds a round waits for its calls to be in flight
 ANSWER_WAIT = 10.0  # seconds a round waits for its cancellations to land
 _now = time.perf_counter
-_BARE_APP = """def app(environ, start_response):  # reads the body, answers 202: gunicorn alone
-    environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
-    start_response("202 Accepted", [("Content-Length", "0")])
+_BARE_APP = """import json
+import socket
+
+
+def _hold_address(port, rid):  # abstract Unix datagram socket of held call rid of this server
+    return f"\\0bench-burst-hold-{port}-{rid}".encode()
+
+
+def app(environ, start_response):
+    body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+    path = environ.get("PATH_INFO")
+    if path == "/hold":  # held until released: a burst's call without MCP or shmcancel
+        rid = int(json.loads(body)["id"])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.bind(_hold_address(environ["SERVER_PORT"], rid))
+            s.settimeout(30)
+            try:
+                s.recv(1)
+            except TimeoutError:
+                pass
+        out = json.dumps({"jsonrpc": "2.0", "id": rid,
+                          "error": {"code": -32800, "message": "released"}}).encode()
+        start_response("200 OK", [("Content-Type", "application/json"),
+                                  ("Content-Length", str(len(out)))])
+        return [out]
+    if path == "/release":  # the cheapest cross-worker cancellation: one datagram
+        rid = int(json.loads(body)["id"])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            try:
+                s.sendto(b"", _hold_address(environ["SERVER_PORT"], rid))
+            except OSError:
+                pass
+    start_response("202 Accepted", [("Content-Length", "0")])  # else: gunicorn alone
     return [b""]
 """
-
 
 def _parse(data: bytes) -> bytes | None:
     """The body of the one HTTP response in ``data`` once it is complete, else ``None``."""
@@ -77,6 +112,53 @@ def _parse(data: bytes) -> bytes | None:
         if k.strip().lower() == b"content-length":
             length = int(v)
     return body[:length] if len(body) >= length else None
+
+
+def _bare_post(port: int, path: str, rid: int) -> bytes:
+    """A ``POST path`` of ``{"id": rid}`` to the bare app (``/hold`` or ``/release``)."""
+    return post_request(port, {"id": rid}, {}).replace(b"POST /mcp ", f"POST {path} ".encode(), 1)
+
+
+def _hold_address(port: int, rid: int) -> bytes:
+    """The abstract socket the bare app's held call ``rid`` waits on (as ``_BARE_APP``)."""
+    return f"\0bench-burst-hold-{port}-{rid}".encode()
+
+
+def _held(port: int, rid: int) -> Callable[[], bool]:
+    """Whether the bare app holds call ``rid`` now: its socket is bound (a datagram socket's
+    connect sends nothing)."""
+    addr = _hold_address(port, rid)
+
+    def poll() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(addr)
+            except OSError:
+                return False
+            return True
+    return poll
+
+
+
+def _busiest_bare_worker(server: GunicornServer) -> int:
+    """The most calls one worker of the bare app holds now (its sockets bound to a hold
+    address, found through ``/proc/net/unix`` and the workers' descriptors)."""
+    prefix = f"@bench-burst-hold-{server.port}-"
+    inodes = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 8 and parts[7].startswith(prefix):
+                inodes.add(f"socket:[{parts[6]}]")
+    most = 0
+    for pid in server.worker_pids():
+        n = 0
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    n += os.readlink(f"/proc/{pid}/fd/{fd}") in inodes
+        most = max(most, n)
+    return most
 
 
 class _Call:
@@ -173,8 +255,9 @@ def _wait_all(polls: list[Callable[[], bool]], want: bool, deadline: float,
 
 
 class Bench:
-    def __init__(self, server: Server, wire: str) -> None:
+    def __init__(self, server: Server, wire: str, threads: int) -> None:
         self.server = server
+        self.threads = threads
         self.wire = wire
         self.port = server.port
         deadline = time.monotonic() + IN_FLIGHT_WAIT
@@ -201,6 +284,16 @@ class Bench:
     def close(self) -> None:
         self.reader.close()
         self.reg.close()
+
+    def _no_thread_left(self, ids: list[int]) -> bool:
+        """Whether some worker runs as many of the calls ``ids`` as it has threads: the
+        cancellations it accepts would wait for one of its calls to end (gthread accepts past
+        its threads), which measures the round's luck, not the cancellation."""
+        per_pid: dict[int, int] = {}
+        for rid in ids:
+            for pid in self.store.in_flight_pids(self.scope, str(rid)):
+                per_pid[pid] = per_pid.get(pid, 0) + 1
+        return max(per_pid.values(), default=0) >= self.threads
 
     def _cpu0(self, server: GunicornServer | None = None) -> tuple[int, float, float]:
         return (server or self.server).worker_run_ns(), time.process_time(), _now()
@@ -266,6 +359,8 @@ class Bench:
                                    self.reader))
                 if not _wait_all(polls[i:i + 1], True, time.monotonic() + IN_FLIGHT_WAIT / 20):
                     return None
+            if mode is not None and self._no_thread_left(ids):
+                return None
             sent: list[float] = []
             gone: list[float | None] = [None] * n
             t0 = self._cpu0() if mode is not None else None  # the warm-up reads no /proc
@@ -298,6 +393,51 @@ class Bench:
             for c in calls + notes:
                 c.close()
 
+    def bare_round(self, n: int, bare: GunicornServer) -> list[float] | None:
+        """:meth:`round` on the legacy wire's shape against the bare app: ``n`` calls held,
+        each in flight before the next, then released at once, each by a POST of its own on a
+        new connection that sends one datagram to the held call's thread. What a burst costs
+        gunicorn and this machine with the cheapest cross-worker cancellation there is (no
+        MCP, no registry). Latencies in seconds, ``None`` when some call never got a thread."""
+        ids = list(range(self.next_id, self.next_id + n))
+        self.next_id += n
+        calls: list[_Call] = []
+        releases: list[_Call] = []
+        try:
+            for rid in ids:
+                calls.append(_Call(bare.port, _bare_post(bare.port, "/hold", rid), self.reader))
+                if not _wait_all([_held(bare.port, rid)], True,
+                                 time.monotonic() + IN_FLIGHT_WAIT / 20):
+                    return None
+            if _busiest_bare_worker(bare) >= self.threads:
+                return None
+            sent: list[float] = []
+            t0 = self._cpu0(bare)
+            for rid in ids:
+                sent.append(_now())
+                releases.append(_Call(bare.port, _bare_post(bare.port, "/release", rid),
+                                      self.reader))
+            for c in calls + releases:
+                c.done.wait(ANSWER_WAIT)
+            self._cpu1("bare burst", t0, [c.answered_at for c in calls], bare)
+            self.lost += sum(c.code != -32800 for c in calls)
+            return [c.answered_at - t for c, t in zip(calls, sent, strict=True)
+                    if c.answered_at is not None and c.code == -32800]
+        finally:
+            # a round cut short leaves no thread held: calls queued behind a worker's busy
+            # threads bind their socket only once they run, so until each is answered
+            deadline = time.monotonic() + ANSWER_WAIT
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                # calls: those started (a round cut short started fewer than ids)
+                while (left := [rid for rid, c in zip(ids, calls, strict=False)
+                                if not c.done.is_set()]) and time.monotonic() < deadline:
+                    for rid in left:
+                        with contextlib.suppress(OSError):
+                            s.sendto(b"", _hold_address(bare.port, rid))
+                    time.sleep(0.001)
+            for c in calls + releases:
+                c.close()
+
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
@@ -310,7 +450,7 @@ def _print_cpu(cpu: dict[str, list[tuple[float, float, float]]]) -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"  CPU per burst (from the first send to the last answer; medians, ms), {cores} "
           "cores:")
-    for mode in ("sequential", "burst", "floor", "bare"):
+    for mode in ("sequential", "burst", "floor", "bare", "bare burst"):
         spans = cpu.get(mode)
         if not spans:
             continue
@@ -337,7 +477,7 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                                           registry_prefix="bench-burst-bare"))
             server, bare = servers
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
-                b = Bench(server, wire)
+                b = Bench(server, wire, a.threads)
                 try:
                     # warm every worker up, never with all of one worker's threads: its
                     # notifications would queue behind the calls they cancel (gthread accepts
@@ -345,6 +485,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                     b.round(max(1, min(a.calls, 8, a.threads - 1)), None)
                     got: dict[str, list[list[float]]] = {"sequential": [], "burst": [],
                                                          "floor": [], "bare": []}
+                    if wire == "legacy":
+                        got["bare burst"] = []
                     skipped = 0
                     for _ in range(a.rounds):
                         seq: list[float] = []
@@ -359,10 +501,20 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                                 got["bare"].append(b.floor(a.calls, bare))
                                 break
                             skipped += 1
+                        if wire == "legacy":
+                            for _ in range(10):
+                                lat = b.bare_round(a.calls, bare)
+                                if lat is not None:
+                                    got["bare burst"].append(lat)
+                                    break
+                                skipped += 1
                     what = ("notification -> -32800" if wire == "legacy"
                             else "close -> row gone")
                     print(f"{wire} ({what}; floor: as many notifications, nothing in flight, "
-                          "-> 202; bare: the same to an app that only answers 202), gthread "
+                          "-> 202; bare: the same to an app that only answers 202"
+                          + ("; bare burst: the burst to an app that holds calls and releases "
+                             "each by a datagram" if wire == "legacy" else "")
+                          + "), gthread "
                           f"{a.workers}x{a.threads}, {a.rounds} rounds:")
                     for mode, rounds in got.items():
                         flat = [x for r in rounds for x in r]
@@ -392,10 +544,13 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                         ok = ok and met
                         fl = _pct([x for r in got["floor"] for x in r], 0.99) * 1e3
                         bp = _pct([x for r in got["bare"] for x in r], 0.99) * 1e3
+                        held = [x for r in got.get("bare burst", []) for x in r]
+                        bb = (f", {p99 / (_pct(held, 0.99) * 1e3):.1f}x the bare burst's "
+                              f"{_pct(held, 0.99) * 1e3:.2f} ms" if held else "")
                         print(f"  target burst p99 <= {a.target_ms:g} ms: "
                               f"{'met' if met else 'MISSED'} ({p99:.2f} ms; {p99 / fl:.1f}x the "
                               f"floor's p99 {fl:.2f} ms, {p99 / bp:.1f}x the bare app's "
-                              f"{bp:.2f} ms)"
+                              f"{bp:.2f} ms{bb})"
                               + (f"; {skipped} round(s) skipped" if skipped else "")
                               + (f"; {b.lost} call(s) lost (not answered -32800 / not ended)"
                                  if b.lost else ""))
