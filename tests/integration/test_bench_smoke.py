@@ -111,6 +111,17 @@ def test_burst_bench_check_fails_a_missed_target() -> None:
     assert leftovers(pid) == []
 
 
+def test_saturated_worker_runs_its_trials_and_leaves_nothing() -> None:
+    """tools/saturated_worker.py (README, Limits): a short run ends every trial (each cancel
+    answered, the other call ended by its closed connection) and prints its summary."""
+    rc, out, pid = run_bench("--trials", "3", "--sleep", "1", "--worker-connections", "2",
+                             script=REPO_ROOT / "tools" / "saturated_worker.py")
+    assert rc == 0, out[-3000:]
+    assert re.search(r"^gthread 2x2, worker_connections 2, 3 trials of two 1 s calls: both on "
+                     r"one worker \d times; cancel latency p50 [\d.]+ ms", out, re.M), out
+    assert leftovers(pid) == []
+
+
 def _readme_tools() -> list[str]:
     """Every ``tools/<script>.py`` a README in the repository tells a newcomer to run."""
     found: set[str] = set()
