@@ -31,7 +31,7 @@ Prints p50/p99/max of the latencies over all rounds (ms), the range of the round
 whether the burst p99 meets ``--target-ms`` (``--check``: exit 1 when it does not). A run that
 measured no burst, or in which a cancelled call was not answered ``-32800`` (legacy) or did not
 end (modern), exits 1 with or without ``--check``. The calls start one after the other, each
-in flight before the next; a round is skipped and run again (at most 10 tries) when some call
+in flight before the next; a round is skipped and run again (at most 30 tries) when some call
 does not get in flight within 0.5 s (a worker accepted more calls than it has threads), or
 when some worker runs as many calls as it has threads (the cancellations it accepts would wait
 for one of its calls to end: that measures the round's luck, not the cancellation).
@@ -64,6 +64,7 @@ from shmcancel.shm.registry import Registry
 SLEEP = 30.0  # seconds each call would sleep uncancelled
 IN_FLIGHT_WAIT = 10.0  # seconds a round waits for its calls to be in flight
 ANSWER_WAIT = 10.0  # seconds a round waits for its cancellations to land
+TRIES = 30  # tries at a round before it is given up (gthread spreads connections unevenly)
 _now = time.perf_counter
 _BARE_APP = """import json
 import socket
@@ -493,7 +494,7 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                         for _ in range(a.seq):
                             seq += b.round(1, "sequential") or []
                         got["sequential"].append(seq)
-                        for _ in range(10):  # a round some call of which never got a thread
+                        for _ in range(TRIES):  # a round some call of which never got a thread
                             lat = b.round(a.calls)
                             if lat is not None:
                                 got["burst"].append(lat)
@@ -502,7 +503,7 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                                 break
                             skipped += 1
                         if wire == "legacy":
-                            for _ in range(10):
+                            for _ in range(TRIES):
                                 lat = b.bare_round(a.calls, bare)
                                 if lat is not None:
                                     got["bare burst"].append(lat)
