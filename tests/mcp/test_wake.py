@@ -12,6 +12,7 @@ import time
 
 import pytest
 from helpers.background import Background
+from helpers.procs import child, reap, recv, wait_exit
 
 from shmcancel.cancel.policy import Cancellation
 from shmcancel.mcp import wake
@@ -206,28 +207,22 @@ def test_rings_keep_one_socket_and_a_fork_child_rings_with_its_own(registry) -> 
         assert c.cancel_if_in_flight(1, "stop", "s")
         owner = os.getpid()
         inherited = wake._sender[1].fileno()  # type: ignore[index]
-        r, wr = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, ring its parent, and leave without pytest's exit
-            code = 1
-            try:
-                kept = inherited in _open_fds()
+
+        def in_child(wr: int) -> None:
+            kept = inherited in _open_fds()
+            wake.ring(reg.name, {owner})
+            after_one = _open_fds()
+            for _ in range(50):
                 wake.ring(reg.name, {owner})
-                after_one = _open_fds()
-                for _ in range(50):
-                    wake.ring(reg.name, {owner})
-                steady = _open_fds() == after_one
-                os.write(wr, f"{int(kept)} {int(steady)}".encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(wr)
+            os.write(wr, f"{int(kept)} {int(_open_fds() == after_one)}".encode())
+
+        pid, r = child(in_child)
         try:
-            with os.fdopen(r, "rb") as f:
-                got = f.read().split()
+            got = recv(r).split()
+            assert os.waitstatus_to_exitcode(wait_exit(pid, 10)) == 0  # type: ignore[arg-type]
         finally:
-            _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+            os.close(r)
+            reap(pid)
         assert got == [b"0", b"1"], got  # the inherited socket closed; no descriptor per ring
         assert w.result(timeout=BOUND + 1) is True  # the child's ring woke the waiter here
     finally:
