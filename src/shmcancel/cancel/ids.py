@@ -17,9 +17,8 @@ Subclasses are reduced to the base type's text (an ``IntEnum`` member keys as it
 
 from __future__ import annotations
 
-import hashlib
-
 from ..exceptions import InvalidRequestId
+from ..shm.hashing import blake2b
 
 __all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "key", "require_key"]
 
@@ -36,8 +35,8 @@ def _long_int_key(n: int) -> str:
     values, and a 256-bit digest apart for different ones. Costs O(size of n)."""
     m = -n if n < 0 else n
     raw = m.to_bytes((m.bit_length() + 7) // 8, "big")
-    digest = hashlib.blake2b(raw, digest_size=32, person=b"shmcancel-int" if n >= 0
-                             else b"shmcancel-neg").hexdigest()
+    digest = blake2b(raw, digest_size=32, person=b"shmcancel-int" if n >= 0
+                     else b"shmcancel-neg").hexdigest()
     return (f"int:{'-' if n < 0 else ''}0x{raw[:_LEAD_HEX // 2].hex()}..."
             f"({m.bit_length()} bits)#{digest}")
 

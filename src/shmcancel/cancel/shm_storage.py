@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections import Counter
 from collections.abc import Callable, Container
@@ -15,6 +14,7 @@ from typing import Any
 from ..config import Config
 from ..exceptions import CancellationLimitReached, TableFull
 from ..shm import procinfo
+from ..shm.hashing import blake2b
 from ..shm.lanes import LaneWatch, fence
 from ..shm.reader import Watch
 from ..shm.registry import Registry
@@ -112,7 +112,7 @@ class ShmBackend:
 
     # --- helpers
     def _digest(self, scope: str) -> bytes:
-        return hashlib.blake2b(scope.encode("utf-8"), key=self._hash_key, digest_size=16).digest()
+        return blake2b(scope.encode("utf-8"), key=self._hash_key, digest_size=16).digest()
 
     def _nk(self, scope: str) -> PreparedKey:
         if type(scope) is not str:

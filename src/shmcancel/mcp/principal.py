@@ -59,7 +59,6 @@ rewrite ``REMOTE_ADDR``.) A value the middleware writes that is not an address b
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -202,6 +201,8 @@ def _prefixed(prefix: str, ident: str) -> str:
         raw = ident.encode("utf-8")
     except UnicodeEncodeError:
         raw = ident.encode("utf-8", "surrogatepass")
+    import hashlib  # here: hashlib loads OpenSSL's libcrypto, and only a long name needs it
+
     return prefix + "~sha256:" + hashlib.sha256(raw).hexdigest()
 
 

@@ -14,7 +14,6 @@ record failing validation is corruption, never a race: :class:`TableCorrupted`.
 from __future__ import annotations
 
 import errno
-import hashlib
 import struct
 import zlib
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
 from . import layout
+from .hashing import blake2b
 from .layout import (
     _CLS,
     _CLS_OFF,
@@ -41,7 +41,7 @@ READ_RETRIES = 64  # optimistic attempts before a reader falls back to the lock
 BACK_CHUNK = 1 << 16  # bytes of large records backed at once (layout.py: backing on demand)
 _SPIN_BEFORE_YIELD = 4
 
-_blake2b = hashlib.blake2b
+_blake2b = blake2b
 _crc32 = zlib.crc32
 _from_bytes = int.from_bytes
 
