@@ -244,7 +244,9 @@ class Cancellation:
         self._batch = batch_size(cfg.max_rows, cfg.effective_max_rows)
         self._interval: float = cfg.janitor_interval
         self._next_check = -math.inf
-        self._polls = 0  # cached polls left before the next clock read (see the module doc)
+        # the cached polls' janitor check, once per POLLS_PER_CLOCK of them, the first at once
+        # (next() on a C iterator: half the cost of a countdown kept in an attribute)
+        self._ticks = itertools.cycle((True,) + (False,) * (POLLS_PER_CLOCK - 1))
         # scope -> id as given -> cached poll, so repeated polls skip validating, packing and
         # hashing; only ids and scopes of the exact types int/str and str enter (see cancelled)
         self._watches: _Polls[_HotPoll] = _Polls()
@@ -336,9 +338,8 @@ class Cancellation:
                                        and x.get(_pr_key) is e.pr
                                        and (e.pr is None or e.pr.get("id") is e.pid)))):
                         w = e.w
-                        n = self._polls = self._polls - 1
-                        if n < 0:
-                            self._poll_tick()
+                        if next(self._ticks):
+                            self._tick()
                         if w._ver[w._b] == w._v:  # Watch.member()'s first line (see _Cached)
                             return w._member
                         return w.member()
@@ -354,9 +355,8 @@ class Cancellation:
                     w = self._watch_map[scope][x]
                 except KeyError:
                     return self._cancelled(x, scope)
-                n = self._polls = self._polls - 1
-                if n < 0:
-                    self._poll_tick()
+                if next(self._ticks):
+                    self._tick()
                 if w._ver[w._b] == w._v:  # Watch.member()'s own first line (see _Cached)
                     return w._member
                 return w.member()
@@ -523,9 +523,8 @@ class Cancellation:
                 except KeyError:
                     pass
                 else:
-                    n = self._polls = self._polls - 1
-                    if n < 0:
-                        self._poll_tick()
+                    if next(self._ticks):
+                        self._tick()
                     return p()
             rid = ids.key(request_id)
             if rid is None or not valid_scope(scope):
@@ -641,11 +640,6 @@ class Cancellation:
     def _reap_ended(self) -> int:
         pid, start = procinfo.me()
         return self._store.reap_ended(pid, start, owed.running)
-
-    def _poll_tick(self) -> None:
-        """The janitor check of a cached poll, once per ``POLLS_PER_CLOCK`` of them."""
-        self._polls = POLLS_PER_CLOCK - 1
-        self._tick()
 
     def _tick(self) -> None:
         """The janitor's piggy-back on every call, reads included (they count as use of the
