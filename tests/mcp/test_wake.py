@@ -4,6 +4,7 @@ cancelled waiters, and a stray datagram wakes nobody early."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -227,3 +228,56 @@ def test_rings_keep_one_socket_and_a_fork_child_rings_with_its_own(registry) -> 
         assert w.result(timeout=BOUND + 1) is True  # the child's ring woke the waiter here
     finally:
         h.end()
+
+
+def _reuse_number(fd: int, path: str) -> int:
+    """Close ``fd`` behind its owner's back (a ``closerange``) and open ``path`` on that number."""
+    os.close(fd)
+    got = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    if got != fd:
+        os.dup2(got, fd)
+        os.close(got)
+    return fd
+
+
+def test_a_ring_socket_closed_under_the_process_is_replaced_and_its_number_left_alone(
+        registry, tmp_path) -> None:
+    """After a ``closerange`` the kept ring socket's number may be another file's: a ring must
+    neither write to nor close it (nor, in a fork child, the at-fork hook), and still wake."""
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    other = tmp_path / "other"
+    fd = -1
+    try:
+        wake.ring(reg.name, {os.getppid()})
+        fd = _reuse_number(wake._sender[1].fileno(), str(other))  # type: ignore[index]
+        st = os.fstat(fd)
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        wake.ring(reg.name, {os.getpid()})
+        assert w.result(timeout=BOUND + 1) is True  # rang on a new socket
+        assert os.fstat(fd).st_ino == st.st_ino and other.read_bytes() == b""
+
+        wake.ring(reg.name, {os.getppid()})  # the new socket's number, reused the same way
+        fd2 = _reuse_number(wake._sender[1].fileno(), str(tmp_path / "other2"))  # type: ignore[index]
+        st2 = os.fstat(fd2)
+
+        def in_child(wr: int) -> None:  # the at-fork hook ran: fd2 is still the file's
+            os.write(wr, b"1" if os.fstat(fd2).st_ino == st2.st_ino else b"0")
+
+        pid, r = child(in_child)
+        try:
+            assert recv(r) == b"1"
+            assert os.waitstatus_to_exitcode(wait_exit(pid, 10)) == 0  # type: ignore[arg-type]
+        finally:
+            os.close(r)
+            reap(pid)
+        os.close(fd2)
+    finally:
+        h.end()
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)

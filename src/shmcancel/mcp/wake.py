@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cancel.handle import RequestHandle
+from ..shm.names import close_if_same, open_on
 from .conn import HANDLE_KEY, cancelled
 from .disconnect import process_loop
 
@@ -48,9 +49,12 @@ _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wa
 _waiters: dict[int, tuple[RequestHandle, LockType]] = {}  # wait -> (handle, its thread's lock)
 _keys = itertools.count()
 _tls = threading.local()
-_bells: dict[str, tuple[int, socket.socket]] = {}  # registry name -> (pid, this process's bell)
+# A socket this process keeps: (pid, socket, st_dev, st_ino). The file's identity is checked
+# before the number is used or closed again: after a closerange() it may be another file's.
+_Kept = tuple[int, socket.socket, int, int]
+_bells: dict[str, _Kept] = {}  # registry name -> this process's bell
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
-_sender: tuple[int, socket.socket] | None = None  # (pid, the socket this process rings with)
+_sender: _Kept | None = None  # the socket this process rings with
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 
 
@@ -145,14 +149,36 @@ def _sending_socket() -> socket.socket:
     several threads at once is safe: each datagram is one system call)."""
     global _sender
     got = _sender
-    if got is not None and got[0] == os.getpid():
+    if got is not None and got[0] == os.getpid() and _still_ours(got):
         return got[1]
     with _lock:
-        if _sender is None or _sender[0] != os.getpid():
+        got = _sender
+        if got is None or got[0] != os.getpid() or not _still_ours(got):
+            if got is not None and got[0] == os.getpid():
+                got[1].detach()  # closed under us, perhaps reused: that number is not ours
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             s.setblocking(False)
-            _sender = (os.getpid(), s)
-        return _sender[1]
+            got = _sender = _kept(s)
+        return got[1]
+
+
+def _kept(s: socket.socket) -> _Kept:
+    st = os.fstat(s.fileno())
+    return (os.getpid(), s, st.st_dev, st.st_ino)
+
+
+def _still_ours(k: _Kept) -> bool:
+    """Whether ``k``'s number is still open on its socket (one ``fstat``)."""
+    try:
+        return open_on(k[1].fileno(), k[2], k[3])
+    except (OSError, ValueError):  # closed (EBADF), or the socket object was closed
+        return False
+
+
+def _let_go(k: _Kept) -> None:
+    """Close ``k``'s socket unless its number is another file's now; never close it twice."""
+    with contextlib.suppress(OSError, ValueError):
+        close_if_same(k[1].detach(), k[2], k[3])
 
 
 def _sibling_pids() -> list[int]:
@@ -181,8 +207,7 @@ def _ensure_bell(registry_name: str) -> None:
         if got is not None and got[0] == os.getpid():
             return
         if got is not None:  # inherited across fork: the parent's
-            with contextlib.suppress(OSError):
-                got[1].close()
+            _let_go(got)
             del _bells[registry_name]
         loop = process_loop()
         if loop is None:
@@ -197,7 +222,7 @@ def _ensure_bell(registry_name: str) -> None:
         if not loop.add_reader(s.fileno(), lambda: _rung(s)):
             s.close()
             return
-        _bells[registry_name] = (os.getpid(), s)
+        _bells[registry_name] = _kept(s)
 
 
 def _rung(s: socket.socket) -> None:
@@ -229,13 +254,11 @@ def _after_fork_in_child() -> None:
     _lock = threading.RLock()
     _tls = threading.local()
     _waiters.clear()
-    for _, s in _bells.values():
-        with contextlib.suppress(OSError):
-            s.close()
+    for k in _bells.values():
+        _let_go(k)
     _bells.clear()
     if _sender is not None:
-        with contextlib.suppress(OSError):
-            _sender[1].close()
+        _let_go(_sender)
         _sender = None
 
 
