@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cancel.handle import RequestHandle
-from ..shm.names import close_if_same, open_on
+from ..shm.names import close_if_same
 from .conn import HANDLE_KEY, cancelled
 from .disconnect import process_loop
 
@@ -49,12 +49,11 @@ _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wa
 _waiters: dict[int, tuple[RequestHandle, LockType]] = {}  # wait -> (handle, its thread's lock)
 _keys = itertools.count()
 _tls = threading.local()
-# A socket this process keeps: (pid, socket, st_dev, st_ino). The file's identity is checked
-# before the number is used or closed again: after a closerange() it may be another file's.
-_Kept = tuple[int, socket.socket, int, int]
-_bells: dict[str, _Kept] = {}  # registry name -> this process's bell
+# A bell: (pid, its socket, st_dev, st_ino). The file's identity is checked before a fork
+# child closes the number: after a closerange() it may be another file's.
+_Bell = tuple[int, socket.socket, int, int]
+_bells: dict[str, _Bell] = {}  # registry name -> this process's bell
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
-_sender: _Kept | None = None  # the socket this process rings with
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 
 
@@ -125,60 +124,38 @@ def waiting() -> int:
 def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
     """Ring the doorbells for ``registry_name`` of ``pids`` (the processes running the call
     just cancelled), or when ``None`` of this process and its siblings. Never raises; costs a
-    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process, on a socket
-    the process keeps (a cancellation is a burst's unit of work: no socket made per ring)."""
+    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process.
+
+    The socket is made per ring: a datagram a bell has not read yet counts against the socket
+    that sent it, so one kept socket would fill up on bells nobody reads (a stopped worker's)
+    and then fail every ring of the process."""
     if not _LINUX:
         return
     try:
         pids = _sibling_pids() if pids is None else sorted(pids)[:_MAX_SIBLINGS]
-        s = _sending_socket()
-        for pid in pids:
-            addr = _addresses.get((registry_name, pid))
-            if addr is None:
-                if len(_addresses) >= _MAX_ADDRESSES:
-                    _addresses.clear()
-                addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
-            with contextlib.suppress(OSError):  # no bell there, or its queue is full
-                s.sendto(b"", addr)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            for pid in pids:
+                addr = _addresses.get((registry_name, pid))
+                if addr is None:
+                    if len(_addresses) >= _MAX_ADDRESSES:
+                        _addresses.clear()
+                    addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+                with contextlib.suppress(OSError):  # no bell there, or its queue is full
+                    s.sendto(b"", addr)
     except OSError:
         pass
 
 
-def _sending_socket() -> socket.socket:
-    """This process's unbound, non-blocking datagram socket for rings (a ``sendto`` from
-    several threads at once is safe: each datagram is one system call)."""
-    global _sender
-    got = _sender
-    if got is not None and got[0] == os.getpid() and _still_ours(got):
-        return got[1]
-    with _lock:
-        got = _sender
-        if got is None or got[0] != os.getpid() or not _still_ours(got):
-            if got is not None and got[0] == os.getpid():
-                got[1].detach()  # closed under us, perhaps reused: that number is not ours
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            s.setblocking(False)
-            got = _sender = _kept(s)
-        return got[1]
-
-
-def _kept(s: socket.socket) -> _Kept:
+def _bell(s: socket.socket) -> _Bell:
     st = os.fstat(s.fileno())
     return (os.getpid(), s, st.st_dev, st.st_ino)
 
 
-def _still_ours(k: _Kept) -> bool:
-    """Whether ``k``'s number is still open on its socket (one ``fstat``)."""
-    try:
-        return open_on(k[1].fileno(), k[2], k[3])
-    except (OSError, ValueError):  # closed (EBADF), or the socket object was closed
-        return False
-
-
-def _let_go(k: _Kept) -> None:
-    """Close ``k``'s socket unless its number is another file's now; never close it twice."""
+def _let_go(b: _Bell) -> None:
+    """Close ``b``'s socket unless its number is another file's now; never close it twice."""
     with contextlib.suppress(OSError, ValueError):
-        close_if_same(k[1].detach(), k[2], k[3])
+        close_if_same(b[1].detach(), b[2], b[3])
 
 
 def _sibling_pids() -> list[int]:
@@ -222,7 +199,7 @@ def _ensure_bell(registry_name: str) -> None:
         if not loop.add_reader(s.fileno(), lambda: _rung(s)):
             s.close()
             return
-        _bells[registry_name] = _kept(s)
+        _bells[registry_name] = _bell(s)
 
 
 def _rung(s: socket.socket) -> None:
@@ -248,18 +225,14 @@ def _release(lk: LockType) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The child runs none of the parent's waits; its doorbells are the parent's (by pid), and
-    # so is the socket it rang with.
-    global _lock, _tls, _sender
+    # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
+    global _lock, _tls
     _lock = threading.RLock()
     _tls = threading.local()
     _waiters.clear()
-    for k in _bells.values():
-        _let_go(k)
+    for b in _bells.values():
+        _let_go(b)
     _bells.clear()
-    if _sender is not None:
-        _let_go(_sender)
-        _sender = None
 
 
 if hasattr(os, "register_at_fork"):
