@@ -32,9 +32,10 @@ whether the burst p99 meets ``--target-ms`` (``--check``: exit 1 when it does no
 measured no burst, or in which a cancelled call was not answered ``-32800`` (legacy) or did not
 end (modern), exits 1 with or without ``--check``. The calls start one after the other, each
 in flight before the next; a round is skipped and run again (at most 30 tries) when some call
-does not get in flight within 0.5 s (a worker accepted more calls than it has threads), or
-when some worker runs as many calls as it has threads (the cancellations it accepts would wait
-for one of its calls to end: that measures the round's luck, not the cancellation).
+does not get in flight within 0.5 s (a worker accepted more calls than it has threads), or,
+on the legacy wire and in the bare burst, when some worker runs as many calls as it has threads
+(the cancellations it accepts would wait for one of its calls to end: that measures the round's
+luck, not the cancellation; a close needs no thread).
 """
 
 from __future__ import annotations
@@ -287,9 +288,13 @@ class Bench:
         self.reg.close()
 
     def _no_thread_left(self, ids: list[int]) -> bool:
-        """Whether some worker runs as many of the calls ``ids`` as it has threads: the
-        cancellations it accepts would wait for one of its calls to end (gthread accepts past
-        its threads), which measures the round's luck, not the cancellation."""
+        """Whether some worker runs as many of the calls ``ids`` as it has threads, on the
+        legacy wire: the cancellations it accepts would wait for one of its calls to end
+        (gthread accepts past its threads), which measures the round's luck, not the
+        cancellation. Never on the modern wire: a close is seen by the worker's watcher
+        thread, which needs no free thread."""
+        if self.wire != "legacy":
+            return False
         per_pid: dict[int, int] = {}
         for rid in ids:
             for pid in self.store.in_flight_pids(self.scope, str(rid)):

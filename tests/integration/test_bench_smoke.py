@@ -101,6 +101,18 @@ def test_burst_bench_cancels_every_call_and_prints_what_the_burst_cost() -> None
     assert leftovers(pid) == []
 
 
+def test_burst_bench_measures_the_modern_wire_with_every_thread_taken() -> None:
+    """On the 2026-07-28 wire a close cancels, seen by the worker's watcher thread: a worker
+    whose threads all run calls still cancels them, so such a round is measured, not skipped
+    as on the legacy wire (there a notification would wait for a thread). With one thread a
+    worker, every round has such a worker: skipping them measured nothing (exit 1)."""
+    rc, out, pid = run_bench("--calls", "1", "--rounds", "1", "--seq", "2", "--workers", "2",
+                             "--threads", "1", "--wire", "modern", script=BURST)
+    assert rc == 0, out[-3000:]
+    assert re.search(r"^  burst +n= +1 +p50", out, re.M), out
+    assert leftovers(pid) == []
+
+
 def test_burst_bench_check_fails_a_missed_target() -> None:
     """``--check`` turns a missed target into exit 1 (a target no burst can meet here)."""
     rc, out, pid = run_bench("--calls", "2", "--rounds", "1", "--seq", "1", "--workers", "2",
