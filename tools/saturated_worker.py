@@ -58,10 +58,10 @@ def _recv_response(sock: socket.socket) -> bytes:
         data += chunk
 
 
-def _until(poll: Callable[[], bool], deadline: float) -> None:
+def _until(poll: Callable[[], bool], deadline: float, what: str) -> None:
     while not poll():
         if time.monotonic() > deadline:
-            raise SystemExit("saturated_worker: a call did not get in flight")
+            raise SystemExit(f"saturated_worker: {what}")
         time.sleep(0.001)
 
 
@@ -104,7 +104,7 @@ def run(a: argparse.Namespace) -> list[float]:
                     s.sendall(call_request(port, "legacy", "sleep", {"seconds": a.sleep}, rid,
                                            sid))
                     _until(lambda rid=rid: store.in_flight(scope, str(rid)),
-                           time.monotonic() + WAIT)
+                           time.monotonic() + WAIT, f"call {rid} did not get in flight")
                 owners = [store.in_flight_pids(scope, str(rid)) for rid in ids]
                 shared += owners[0] == owners[1]
                 t0 = time.monotonic()
@@ -123,7 +123,7 @@ def run(a: argparse.Namespace) -> list[float]:
                     s.close()
             # the second call sees its client gone and ends: wait for it before the next trial
             _until(lambda rid=str(ids[1]): not store.in_flight(scope, rid),
-                   time.monotonic() + WAIT)
+                   time.monotonic() + WAIT, f"call {ids[1]} did not end with its connection")
         wc = a.worker_connections if a.worker_connections is not None else "default (1000)"
         print(f"gthread 2x2, worker_connections {wc}, {a.trials} trials of two {a.sleep:g} s "
               f"calls: both on one worker {shared} times; cancel latency p50 "
