@@ -12,7 +12,7 @@ import time
 
 import pytest
 from helpers.background import Background
-from helpers.procs import child, reap, recv, wait_exit
+from helpers.procs import first_message
 
 from shmcancel.cancel.policy import Cancellation
 from shmcancel.mcp import wake
@@ -205,13 +205,8 @@ def test_rings_open_no_descriptor_and_a_fork_child_rings_its_parent(registry) ->
         _waiting(1, time.monotonic() + 5)
         assert c.cancel_if_in_flight(1, "stop", "s")
         owner = os.getpid()
-        pid, r = child(lambda wr: (wake.ring(reg.name, {owner}), os.write(wr, b"rang")))
-        try:
-            assert recv(r) == b"rang"
-            assert os.waitstatus_to_exitcode(wait_exit(pid, 10)) == 0  # type: ignore[arg-type]
-        finally:
-            os.close(r)
-            reap(pid)
+        _, got = first_message(lambda wr: (wake.ring(reg.name, {owner}), os.write(wr, b"rang")))
+        assert got == b"rang"
         assert w.result(timeout=BOUND + 1) is True  # the child's ring woke the waiter here
     finally:
         h.end()
@@ -243,13 +238,7 @@ def test_a_fork_child_never_closes_a_bell_number_another_file_took(registry, tmp
         def in_child(wr: int) -> None:  # the at-fork hook ran: fd is still the file's
             os.write(wr, b"1" if os.fstat(fd).st_ino == st.st_ino else b"0")
 
-        pid, r = child(in_child)
-        try:
-            assert recv(r) == b"1"
-            assert os.waitstatus_to_exitcode(wait_exit(pid, 10)) == 0  # type: ignore[arg-type]
-        finally:
-            os.close(r)
-            reap(pid)
+        assert first_message(in_child)[1] == b"1"
     finally:
         h.end()
         if fd >= 0:
