@@ -85,10 +85,10 @@ def app(environ, start_response):
             s.settimeout(30)
             try:
                 s.recv(1)
-            except TimeoutError:
-                pass
-        out = json.dumps({"jsonrpc": "2.0", "id": rid,
-                          "error": {"code": -32800, "message": "released"}}).encode()
+                answer = {"error": {"code": -32800, "message": "released"}}
+            except TimeoutError:  # never released: the bench counts it lost
+                answer = {"result": "not released"}
+        out = json.dumps({"jsonrpc": "2.0", "id": rid, **answer}).encode()
         start_response("200 OK", [("Content-Type", "application/json"),
                                   ("Content-Length", str(len(out)))])
         return [out]
@@ -102,6 +102,7 @@ def app(environ, start_response):
     start_response("202 Accepted", [("Content-Length", "0")])  # else: gunicorn alone
     return [b""]
 """
+
 
 def _parse(data: bytes) -> bytes | None:
     """The body of the one HTTP response in ``data`` once it is complete, else ``None``."""
@@ -139,7 +140,6 @@ def _held(port: int, rid: int) -> Callable[[], bool]:
                 return False
             return True
     return poll
-
 
 
 def _busiest_bare_worker(server: GunicornServer) -> int:
