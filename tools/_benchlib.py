@@ -128,6 +128,19 @@ def post_request(port: int, body: dict[str, Any], headers: dict[str, str]) -> by
     return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
 
 
+def response_body(data: bytes) -> bytes | None:
+    """The body of the one HTTP response in ``data`` once it is complete, else ``None``."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            length = int(v)
+    return body[:length] if len(body) >= length else None
+
+
 def session(port: int) -> str:
     """A new session's id (``initialize`` on the 2025-era wire)."""
     init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",

@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _benchlib import GunicornServer, call_request, post_request, session
+from _benchlib import GunicornServer, call_request, post_request, response_body, session
 from bench_watch import Server, write_wrapper
 
 from shmcancel.cancel.shm_storage import ShmBackend
@@ -102,19 +102,6 @@ def app(environ, start_response):
     start_response("202 Accepted", [("Content-Length", "0")])  # else: gunicorn alone
     return [b""]
 """
-
-
-def _parse(data: bytes) -> bytes | None:
-    """The body of the one HTTP response in ``data`` once it is complete, else ``None``."""
-    head, sep, body = data.partition(b"\r\n\r\n")
-    if not sep:
-        return None
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        k, _, v = line.partition(b":")
-        if k.strip().lower() == b"content-length":
-            length = int(v)
-    return body[:length] if len(body) >= length else None
 
 
 def _bare_post(port: int, path: str, rid: int) -> bytes:
@@ -190,7 +177,7 @@ class _Call:
         except OSError:  # reset
             chunk = b""
         self.buf += chunk
-        body = _parse(self.buf) if chunk else b""
+        body = response_body(self.buf) if chunk else b""
         if body is None:
             return False
         self.answered_at = _now()

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from _benchlib import ROOT, call_request, free_port, post_request, session
+from _benchlib import ROOT, call_request, free_port, post_request, response_body, session
 
 from shmcancel import Registry, ShmCancelError
 from shmcancel.cancel.shm_storage import ShmBackend
@@ -39,23 +39,15 @@ WAIT = 10.0  # seconds any one step may take
 
 
 def _recv_response(sock: socket.socket) -> bytes:
-    """The body of the one HTTP response ``sock`` receives (Content-Length framed)."""
+    """The body of the one HTTP response ``sock`` receives (``b""`` if it closes first)."""
     sock.settimeout(WAIT + 60)
     data = b""
-    while True:
-        head, sep, body = data.partition(b"\r\n\r\n")
-        if sep:
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                k, _, v = line.partition(b":")
-                if k.strip().lower() == b"content-length":
-                    length = int(v)
-            if len(body) >= length:
-                return body[:length]
+    while (body := response_body(data)) is None:
         chunk = sock.recv(65536)
         if not chunk:
-            return body if sep else b""
+            return b""
         data += chunk
+    return body
 
 
 def _until(poll: Callable[[], bool], deadline: float, what: str) -> None:
