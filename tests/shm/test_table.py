@@ -168,18 +168,23 @@ class TableMachine(RuleBasedStateMachine):
         if kb in self.model:
             self.words[kb] = w
 
-    @rule(k=st.sampled_from(KEYS[:4]), w=st.integers(0, 2**32 - 1), kept=st.booleans())
-    def store_word_at_ref(self, k: Any, w: int, kept: bool) -> None:
+    @rule(k=st.sampled_from(KEYS[:4]), w=st.integers(0, 2**32 - 1), kept=st.booleans(),
+          at=st.booleans())
+    def store_word_at_ref(self, k: Any, w: int, kept: bool, at: bool) -> None:
         """The one-probe path (read, then change, under one hold): the ref reads the word
         set_word would change, and a store through it is that change. ``kept``: through a
         prepared key kept across rules, whose cached ref must follow every insert, delete and
-        move of the rows around it."""
+        move of the rows around it. ``at``: the ref and the word read by ``word_at``."""
         if self.kind != "set":
             return
         kb = packed(k)
         key = self.kept.setdefault(kb, self.t.prepare(k)) if kept else k
         with self.rig.lock:
-            ref = self.t.word_ref(key)
+            if at:
+                ref, word = self.t.word_at(key)
+                assert (ref, word) == ((-1, 0) if ref < 0 else (ref, self.t.load_word(ref)))
+            else:
+                ref = self.t.word_ref(key)
             assert (ref >= 0) is (kb in self.model)
             if ref >= 0:
                 assert self.t.load_word(ref) == self.words.get(kb, 0)
@@ -680,6 +685,7 @@ def test_words_change_in_place_and_survive_updates_and_fsck(rig_factory) -> None
     with rig.lock:  # by reference: one probe, then loads and stores of that word alone
         ref = t.word_ref("k")
         assert t.word_ref("absent") == -1 and t.load_word(ref) == 2**32 - 1
+        assert t.word_at("k") == (ref, 2**32 - 1) and t.word_at("absent") == (-1, 0)
         versions = t._ver.tolist()
         t.store_word(ref, 5)
         assert t._ver.tolist() == versions and t.load_word(ref) == 5

@@ -47,29 +47,27 @@ class Writes(Fsck):
         records (one stays the spare) unless it replaces the large record ``replacing``: else
         LargeRowsFull, raised before any store (as TableFull and TableCorrupted are)."""
         hq = self._hq
-        cap = self.capacity
         kl = len(kbytes)
         vl = len(vbytes)
-        if kl + vl <= self._spayload:
-            tw, base, lo, hi, need = _TOP, 0, 0, cap + 1, 1
-        else:
-            tw, base, lo, hi = _LTOP, cap + 1, cap + 1, self._nrec
-            need = 1 if replacing > cap else 2
-        n = hi - lo  # records of the class (tw: the header word of its free-stack top)
+        if kl + vl <= self._spayload:  # small: records 0..capacity, stack at _free[0:]
+            tw, base, n = _TOP, 0, self.capacity + 1
+        else:  # large: records capacity+1 .., stack at _free[capacity+1:]
+            tw, base, n = _LTOP, self.capacity + 1, self._nlarge
         top = hq[tw]
         r = self._free[base + top - 1] if 0 < top <= n else -1
-        if not lo <= r < hi:  # the free stack is damaged: rebuild it and retry
+        if not 0 <= r - base < n:  # the free stack is damaged: rebuild it and retry
             self._repair(f"table {self.name!r}: free-stack top {top} or record {r} out of range")
             top = hq[tw]
             if top == 0:
                 raise TableFull(f"table {self.name!r} has no free record")
             r = self._free[base + top - 1]
-        if top < need:  # only the large class can get here: its spare is for updates
-            raise LargeRowsFull(
-                f"table {self.name!r} holds {self.large_count} rows larger than "
-                f"{self._spayload} packed bytes already (its large records)")
-        if r > self._backed:  # a large record whose pages may be unallocated yet
-            self._back_to(r)
+        if base:  # a large record: the spare is for updates; its pages may be unallocated yet
+            if top < (1 if replacing > self.capacity else 2):
+                raise LargeRowsFull(
+                    f"table {self.name!r} holds {self.large_count} rows larger than "
+                    f"{self._spayload} packed bytes already (its large records)")
+            if r > self._backed:
+                self._back_to(r)
         stamp = hq[_STAMP] + 1
         if stamp >= _STAMP_MAX:  # checked before the first store
             raise TableCorrupted(f"table {self.name!r}: stamp counter {stamp - 1} is garbage")
@@ -105,12 +103,13 @@ class Writes(Fsck):
         idx = self._idx
         ver = self._ver
         j = pk.j
-        for _ in range(self.nslots):
-            if not idx[j]:
-                break
-            j = (j + 2) & self._wmask
-        else:  # before any store: fsck returns the popped record to the free stack
-            raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
+        if idx[j]:  # the home slot is taken: the first empty one after it
+            for _ in range(self.nslots):
+                j = (j + 2) & self._wmask
+                if not idx[j]:
+                    break
+            else:  # before any store: fsck returns the popped record to the free stack
+                raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         b = j >> 5
         v = ver[b]  # read once: versions move only under the lock, which this writer holds
         ver[b] = v + 1
@@ -183,8 +182,12 @@ class Writes(Fsck):
         vb = _pack(value)
         if len(key.kbytes) + len(vb) > self._payload:
             self._check_size(key.kbytes, vb)
-        try:
-            return self._append(key, vb)
+        try:  # _append, inlined: every new cancellation comes here
+            if self._hq[_ROWS] >= self.capacity:
+                self._full()
+            self._publish(key, self._write_record(key.kbytes, vb))
+            self._flags.dirty = False
+            return
         except TableCorrupted as e:
             self._repair(str(e))
         return self._insert(key, vb)
@@ -233,7 +236,8 @@ class Writes(Fsck):
 
     def _append(self, key: PreparedKey, vb: bytes, word: int = 0) -> None:
         """Publish the new row ``key -> vb`` (its word ``word``); the caller holds the lock and
-        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``."""
+        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``.
+        :meth:`add_held` has these lines inlined: a change here goes there too."""
         if self._hq[_ROWS] >= self.capacity:
             self._full()
         self._publish(key, self._write_record(key.kbytes, vb, -1, word))
@@ -311,6 +315,21 @@ class Writes(Fsck):
             key.wref = (b, self._ver[b], ref)  # even: the caller holds the lock
         return ref
 
+    def word_at(self, key: Any) -> tuple[int, int]:
+        """:meth:`word_ref` and :meth:`load_word` in one call: ``(ref, word)``, or ``(-1, 0)``
+        when ``key`` has no row (the same conditions: under the lock, valid while this hold
+        writes no row of this table)."""
+        if key.__class__ is not PreparedKey or key.t is not self:
+            key = self.prepare(key)
+        w = key.wref
+        if w is not None and self._ver[w[0]] == w[1]:
+            ref = w[2]
+        else:
+            ref = self._write(self._word_ref, key)
+            if ref < 0:
+                return -1, 0
+        return ref, self._u32[ref]
+
     def load_word(self, ref: int) -> int:
         """The word at ``ref`` (from :meth:`word_ref`, under the same lock hold)."""
         return self._u32[ref]
@@ -318,9 +337,12 @@ class Writes(Fsck):
     def store_word(self, ref: int, word: int) -> None:
         """:meth:`set_word` at ``ref`` (from :meth:`word_ref`, under the same lock hold): one
         aligned u32 store, no probe."""
-        if word.__class__ is not int or not 0 <= word <= _M32:
+        if word.__class__ is not int:
             raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
-        self._u32[ref] = word
+        try:
+            self._u32[ref] = word  # the view refuses a value out of 0..2**32-1, storing nothing
+        except ValueError:
+            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}") from None
 
     def delete(self, key: Any) -> int:
         """Remove every row of ``key``; returns how many."""
