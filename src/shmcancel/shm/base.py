@@ -43,6 +43,7 @@ _SPIN_BEFORE_YIELD = 4
 
 _blake2b = blake2b
 _crc32 = zlib.crc32
+_new = object.__new__
 _from_bytes = int.from_bytes
 
 
@@ -88,17 +89,20 @@ class PreparedKey:
     ``Writes.word_ref``, ``Reads.word``; a set's only), or None.
     """
 
-    __slots__ = ("b", "hash", "home", "j", "kbytes", "key", "t", "wref")
+    __slots__ = ("b", "hash", "j", "kbytes", "key", "t", "wref")
 
     def __init__(self, t: TableBase, key: Any, kbytes: bytes, h: int, home: int) -> None:
         self.t = t
         self.key = key
         self.kbytes = kbytes
         self.hash = h
-        self.home = home
         self.j = 2 * home
         self.b = home >> 4
         self.wref: tuple[int, int, int] | None = None
+
+    @property
+    def home(self) -> int:
+        return self.j >> 1
 
     def __repr__(self) -> str:
         return f"PreparedKey({self.key!r}, home={self.home})"
@@ -203,7 +207,16 @@ class TableBase:
         b = self._h0.copy()  # _hash, inlined: every new request id comes here
         b.update(kbytes)
         h = _from_bytes(b.digest(), "little") or 1
-        return PreparedKey(self, key, kbytes, h, h & self._mask)
+        # PreparedKey(self, key, kbytes, h, h & self._mask), without a Python __init__ frame
+        pk = _new(PreparedKey)
+        pk.t = self
+        pk.key = key
+        pk.kbytes = kbytes
+        pk.hash = h
+        pk.j = 2 * (h & self._mask)
+        pk.b = (h & self._mask) >> 4
+        pk.wref = None
+        return pk
 
     # ---------------------------------------------------------------- records
     def _offset(self, r: int) -> int:
