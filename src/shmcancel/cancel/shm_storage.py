@@ -125,9 +125,7 @@ class ShmBackend:
         """Under the lock: ``(ref, n)``, the scope's count ``n`` and where its word lies (-1:
         no count row, ``n`` is 0), found with one probe; ``ref`` holds while this hold writes
         no count."""
-        t = self._n
-        ref = t.word_ref(self._nk(scope))
-        return ref, (t.load_word(ref) if ref >= 0 else 0)
+        return self._n.word_at(self._nk(scope))
 
     def _add(self, scope: str, delta: int, counted: tuple[int, int] | None = None) -> None:
         """Change a scope's count (``counted``: :meth:`_count`'s answer when the caller just
@@ -178,47 +176,67 @@ class ShmBackend:
             return False
         ck = self._ck(scope, rid)
         fk = self._fk(scope, rid) if only_in_flight else None
-        c = self._c
+        lock = self._lock
         for attempt in range(4):
-            with self._lock:
-                # Reads of the tables under the held lock are exact (no writer can move a
-                # version meanwhile); a lane row can go without the lock (see _still_in_lane).
-                in_table = fk is not None and self._f.member(fk)
-                if fk is not None and not in_table and not self._lanes.member(fk):
-                    return False
-                at = clock()
-                if at - at:  # NaN or an infinity: not a time a row can be sorted by; checked
-                    raise bad_clock(at)  # before anything is evicted for the row
-                full = False
-                counted = None  # the scope's count (_count), read only for a new row
-                if not c.member(ck):
-                    counted = self._count(scope)
-                    if quota is not None and counted[1] >= quota:
-                        recoveries = self._lock.recoveries
-                        if recoveries != self._recounted_at:
-                            self._recount()  # in this hold: the count is read again after it
-                            self._recounted_at = recoveries
-                            counted = self._count(scope)
-                        if counted[1] >= quota:
-                            raise CancellationLimitReached(
-                                f"scope {scope[:80]!r} already holds {quota} cancellation rows")
-                    if c.count() >= cap:
-                        if attempt < 3:
-                            full = True  # evicted below, outside the lock; then checked again
-                        else:
-                            self.evict(batch)
-                            counted = None  # the eviction may have taken rows of this scope
-                if not full:
-                    try:
-                        self._put(ck, scope, reason, at, counted)
-                    except ShmFull:  # /dev/shm is full: evicting others' rows would not help
-                        raise
-                    except TableFull:  # the physical table filled below the cap
-                        self.evict(batch)
-                        self._put(ck, scope, reason, at, None)
-                    return fk is None or in_table or self._still_in_lane(scope, rid, fk)
+            lock.__enter__()  # not a with: its two calls from C cost a tenth of a cancel's lock
+            try:
+                got = self._record_held(scope, rid, ck, fk, reason, clock, quota, cap, batch,
+                                        attempt)
+            except BaseException as e:
+                lock.__exit__(type(e), e, e.__traceback__)
+                raise
+            lock.__exit__(None, None, None)
+            if got is not None:
+                return got
             self.evict(batch)
         raise AssertionError("unreachable: the last round evicts under the lock")
+
+    def _record_held(self, scope: str, rid: str, ck: PreparedKey, fk: PreparedKey | None,
+                     reason: str | None, clock: Callable[[], float], quota: int | None,
+                     cap: int, batch: int, attempt: int) -> bool | None:
+        """One round of :meth:`record` under the held lock: its answer, or None when the table
+        is at the cap (the caller evicts outside the lock and tries again)."""
+        c = self._c
+        # Reads of the tables under the held lock are exact (no writer can move a
+        # version meanwhile); a lane row can go without the lock (see _still_in_lane).
+        in_table = fk is not None and self._f.member(fk)
+        if fk is not None and not in_table and not self._lanes.member(fk):
+            return False
+        at = clock()
+        if at - at:  # NaN or an infinity: not a time a row can be sorted by; checked
+            raise bad_clock(at)  # before anything is evicted for the row
+        full = False
+        counted = None  # the scope's count (_count), read only for a new row
+        if not c.member(ck):
+            counted = self._count(scope)
+            if quota is not None and counted[1] >= quota:
+                recoveries = self._lock.recoveries
+                if recoveries != self._recounted_at:
+                    self._recount()  # in this hold: the count is read again after it
+                    self._recounted_at = recoveries
+                    counted = self._count(scope)
+                if counted[1] >= quota:
+                    raise CancellationLimitReached(
+                        f"scope {scope[:80]!r} already holds {quota} cancellation rows")
+            if c.count() >= cap:
+                if attempt < 3:
+                    full = True  # evicted below, outside the lock; then checked again
+                else:
+                    self.evict(batch)
+                    counted = None  # the eviction may have taken rows of this scope
+        if not full:
+            try:
+                if counted is None:
+                    self._put(ck, scope, reason, at, None)
+                else:
+                    self._add_row(ck, scope, reason, at, counted)
+            except ShmFull:  # /dev/shm is full: evicting others' rows would not help
+                raise
+            except TableFull:  # the physical table filled below the cap
+                self.evict(batch)
+                self._put(ck, scope, reason, at, None)
+            return fk is None or in_table or self._still_in_lane(scope, rid, fk)
+        return None
 
     def _recount(self) -> None:
         """Under the lock (taken here if the caller does not hold it), every scope's count
@@ -286,23 +304,29 @@ class ShmBackend:
         when the caller just read it for a key without a row, else ``None`` (then membership
         is read here)."""
         if counted is None:
-            new = not self._c.member(key)
-            if new:
-                counted = self._count(scope)
-        else:
-            new = True
-        if new:
-            self._add(scope, +1, counted)  # count first: a crash here leaves it high (stricter)
-        try:
-            if new:
-                self._c.add_held(key, (reason, at))
-            else:
+            if self._c.member(key):
                 self._c.insert_held(key, (reason, at))
+                return False
+            counted = self._count(scope)
+        return self._add_row(key, scope, reason, at, counted)
+
+    def _add_row(self, key: PreparedKey, scope: str, reason: str | None, at: float,
+                 counted: tuple[int, int]) -> bool:
+        """Under the lock: the new row ``key -> (reason, at)`` of ``scope``, whose count
+        ``counted`` (:meth:`_count`) was read in this hold with no row of ``key`` found since.
+        The count goes up first (a writer killed before the row leaves it high: stricter) and
+        back down if the row cannot be written. True (the row is new)."""
+        ref, n = counted
+        if ref >= 0:
+            self._n.store_word(ref, n + 1)  # _add, inlined: the count row stays, one store
+        else:
+            self._add(scope, +1, counted)
+        try:
+            self._c.add_held(key, (reason, at))
         except BaseException:
-            if new:
-                self._add(scope, -1)
+            self._add(scope, -1)
             raise
-        return new
+        return True
 
     def evict(self, batch: int) -> int:
         """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the
