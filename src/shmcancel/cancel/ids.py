@@ -48,7 +48,7 @@ def key(request_id: object) -> str | None:
     """
     if type(request_id) is int:  # exact types first: the common case, no isinstance walks
         if _INT_LO < request_id < _INT_HI:
-            return int.__repr__(request_id)
+            return repr(request_id)  # an exact int: its own repr, no slot lookup
         return _long_int_key(request_id)
     if type(request_id) is str:
         s = request_id
@@ -79,7 +79,7 @@ def require_key(request_id: object) -> str:
     ``None`` is not handled here: callers treat it as a no-op before asking.
     """
     if type(request_id) is int and _INT_LO < request_id < _INT_HI:  # key()'s first case
-        return int.__repr__(request_id)
+        return repr(request_id)
     k = key(request_id)
     if k is None:
         raise InvalidRequestId(

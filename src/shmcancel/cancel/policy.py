@@ -299,7 +299,8 @@ class Cancellation:
             raise ValueError(f"scope must be at most {SCOPE_MAX} UTF-8 bytes (and encodable: "
                              f"no lone surrogate), got {scope[:40]!r}"
                              + ("..." if len(scope) > 40 else ""))
-        scope = str.__str__(scope)
+        if type(scope) is not str:
+            scope = str.__str__(scope)
         text = sanitize(reason)
         if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
