@@ -801,3 +801,21 @@ def test_a_bad_word_is_refused_before_any_store(rig_factory, word: Any) -> None:
     with rig.lock, pytest.raises(ValueError, match="word"):
         t.store_word(t.word_ref("k"), word)
     assert rig.region(0).tobytes() == before
+
+
+def test_store_word_blames_the_word_only_when_the_word_is_wrong(rig_factory) -> None:
+    """store_word lets the u32 view refuse an out-of-range word; the view also refuses when it
+    is released (a closed table), and that ValueError is not about the word: a valid word
+    must not be reported as out of range (the store itself fails as every write of a closed
+    table does, with the view's own message)."""
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    t.insert_new("k", None, 3)
+    with rig.lock:
+        ref = t.word_ref("k")
+    t.close()
+    with pytest.raises(ValueError) as exc:
+        t.store_word(ref, 5)
+    assert "released" in str(exc.value) and "got 5" not in str(exc.value)
+    with pytest.raises(ValueError, match="word"):
+        t.store_word(ref, 2**32)  # an out-of-range word is still named as such

@@ -342,6 +342,8 @@ class Writes(Fsck):
         try:
             self._u32[ref] = word  # the view refuses a value out of 0..2**32-1, storing nothing
         except ValueError:
+            if 0 <= word <= _M32:  # not the word: the view is released (the table is closed)
+                raise
             raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}") from None
 
     def delete(self, key: Any) -> int:
