@@ -6,13 +6,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 
 import pytest
 from helpers.background import lock_held
 from helpers.clock import Clock
+from helpers.opcodes import at_bytecode
 from helpers.rows import in_flight_count, in_flight_rows
+from helpers.table_rig import healthy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1024,3 +1027,61 @@ def test_shm_backend_implements_the_storage_protocol(rc):
     reg, c = rc
     assert isinstance(c._store, ShmBackend)
     assert isinstance(ShmBackend(reg), Storage)
+
+
+class _Interrupt(BaseException):
+    """What a signal handler raises in the middle of a write (gunicorn's SystemExit)."""
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["new-count-row", "count-row-kept"])
+def test_a_cancel_interrupted_at_any_bytecode_of_its_row_keeps_its_count_and_is_repaired(
+        registry, counted):
+    """A new row's count goes up first and comes back down if the row cannot be written
+    (``_add_row``). An exception raised at any bytecode of the row's write (a signal
+    handler's SystemExit, design.md "The lock and its recovery") must leave the scope's count
+    at least its rows, one above at most (stricter, never laxer: contract §4.4), and the
+    tables repaired before the lock goes. So the count comes back down only when the row is
+    not in (the exception may come after the row's publishing store), and undoing it, which
+    deletes a count row fallen to 0 (more count rows than ``zero_counts_kept``), must not
+    end the interrupted row write's dirty mark: the lock would then be released over a
+    half-written table without fsck."""
+    reg = registry(max_rows=8, janitor_interval=3600.0)
+    c = Cancellation(reg)
+    store = c._store
+    for scope in ("p", "q", "u"):  # 3 count rows > zero_counts_kept (2): a count at 0 goes
+        c.cancel("a", None, scope)
+    if counted:
+        c.cancel("a", None, "s")
+    lock = reg.lock
+
+    def cancel_interrupted_at(k: int) -> int:
+        """cancel "b" in "s", raising at the k-th table opcode run while a table is mid-write
+        (0: count them)."""
+
+        def interrupt() -> None:
+            raise _Interrupt
+
+        seen = at_bytecode(lock, k, interrupt)
+        try:
+            c.cancel("b", None, "s")
+        finally:
+            sys.settrace(None)
+        return seen[0]
+
+    n = cancel_interrupted_at(0)
+    assert n > 20
+    for k in range(1, n + 1):
+        c.clear("b", "s")
+        with lock:
+            store._recount()  # the count of "s" is its rows again
+        with pytest.raises(_Interrupt):
+            cancel_interrupted_at(k)
+        assert not lock.held_by_me() and lock.owner() is None
+        with lock:  # nothing left for a repair to do: the lock's exit ran it
+            for t in (store._c, store._n):
+                try:
+                    healthy(t)
+                except AssertionError as e:
+                    raise AssertionError(f"interrupted at {k}/{n}: {t.name} left unrepaired") from e
+        rows = sum(1 for s, *_ in store.cancellations() if s == "s")
+        assert rows <= store.scope_rows("s") <= rows + 1, (k, n, rows, store.scope_rows("s"))

@@ -324,9 +324,24 @@ class ShmBackend:
         try:
             self._c.add_held(key, (reason, at))
         except BaseException:
-            self._add(scope, -1)
+            self._unadd(key, scope)
             raise
         return True
+
+    def _unadd(self, key: PreparedKey, scope: str) -> None:
+        """Under the lock, after the write of :meth:`_add_row`'s row raised: its count comes
+        back down unless the row is in (an exception, a signal handler's SystemExit, can come
+        after the row's publishing store; a count below its rows would let the scope past its
+        quota). The row write's dirty mark stays set for the lock's exit to repair the table:
+        the count's own writes (a count row at 0 deleted) end with ``dirty`` cleared."""
+        lock = self._lock
+        dirty = lock.dirty
+        try:
+            if not self._c.member(key):  # exact under the lock (a half-published row: not in)
+                self._add(scope, -1)
+        finally:
+            if dirty:
+                lock.dirty = True
 
     def evict(self, batch: int) -> int:
         """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the
