@@ -276,9 +276,8 @@ class Cancellation:
         rows already, writing nothing in either case. Emits ``("shmcancel", "request",
         "cancelled")``.
         """
-        if request_id is None:
-            return
-        self._record(request_id, reason, scope, only_in_flight=False)
+        if request_id is not None:
+            self._record(request_id, reason, scope, False)
 
     def cancel_if_in_flight(self, request_id: object, reason: object = None,
                             scope: str = "global") -> bool:
@@ -288,9 +287,9 @@ class Cancellation:
         not in flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
         if request_id is None:
             return False
-        return self._record(request_id, reason, scope, only_in_flight=True)
+        return self._record(request_id, reason, scope, True)
 
-    def _record(self, request_id: object, reason: object, scope: str, *,
+    def _record(self, request_id: object, reason: object, scope: str,
                 only_in_flight: bool) -> bool:
         rid = ids.require_key(request_id)
         if not valid_scope(scope):
@@ -311,7 +310,9 @@ class Cancellation:
         if telemetry.listening():
             telemetry.execute(CANCELLED_EVENT, {"count": 1},
                               {"request_id": rid, "scope": scope, "reason": text})
-        self._tick()
+        now = _now()  # _tick, inlined: every cancellation comes here
+        if now >= self._next_check or self._next_check - now > self._interval:
+            self.tick()
         return True
 
     def cancelled(self, conn_or_request_id: object, scope: str = "global") -> bool:
