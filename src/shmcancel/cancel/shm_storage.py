@@ -26,6 +26,7 @@ from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
 _KEY_CACHE = 1024
+_ROUNDS = (0, 1, 2, 3)  # record's rounds: the last evicts under the lock
 
 
 def _cancel_row(key: Any, value: Any) -> tuple[str, str, str | None, float] | None:
@@ -177,7 +178,7 @@ class ShmBackend:
         ck = self._ck(scope, rid)
         fk = self._fk(scope, rid) if only_in_flight else None
         lock = self._lock
-        for attempt in range(4):
+        for attempt in _ROUNDS:
             lock.__enter__()  # not a with: its two calls from C cost a tenth of a cancel's lock
             try:
                 got = self._record_held(scope, rid, ck, fk, reason, clock, quota, cap, batch,
@@ -199,9 +200,11 @@ class ShmBackend:
         c = self._c
         # Reads of the tables under the held lock are exact (no writer can move a
         # version meanwhile); a lane row can go without the lock (see _still_in_lane).
-        in_table = fk is not None and self._f.member(fk)
-        if fk is not None and not in_table and not self._lanes.member(fk):
-            return False
+        in_table = True  # (no gate: as if in flight)
+        if fk is not None:
+            in_table = self._f.member(fk)
+            if not in_table and not self._lanes.member(fk):
+                return False
         at = clock()
         if at - at:  # NaN or an infinity: not a time a row can be sorted by; checked
             raise bad_clock(at)  # before anything is evicted for the row
@@ -235,7 +238,7 @@ class ShmBackend:
             except TableFull:  # the physical table filled below the cap
                 self.evict(batch)
                 self._put(ck, scope, reason, at, None)
-            return fk is None or in_table or self._still_in_lane(scope, rid, fk)
+            return in_table or (fk is not None and self._still_in_lane(scope, rid, fk))
         return None
 
     def _recount(self) -> None:
