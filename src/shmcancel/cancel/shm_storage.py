@@ -222,7 +222,7 @@ class ShmBackend:
                     raise CancellationLimitReached(
                         f"scope {scope[:80]!r} already holds {quota} cancellation rows")
             if c.count() >= cap:
-                if attempt < 3:
+                if attempt < _ROUNDS[-1]:
                     full = True  # evicted below, outside the lock; then checked again
                 else:
                     self.evict(batch)
