@@ -37,6 +37,10 @@ _T = TypeVar("_T")
 _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
 
 
+def _bad_word(word: object) -> ValueError:
+    return ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+
+
 class Writes(Fsck):
     """The locked writes of :class:`~shmcancel.shm.table.Table`."""
 
@@ -260,7 +264,7 @@ class Writes(Fsck):
         """Insert only if ``key`` has no row, its word ``word`` (0 .. 2**32 - 1); False
         (nothing written) if it has one."""
         if word.__class__ is not int or not 0 <= word <= _M32:
-            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+            raise _bad_word(word)
         return self._write(self._insert_new, *self._row(key, value), word)
 
     def _insert_new(self, key: PreparedKey, vb: bytes, word: int = 0) -> bool:
@@ -275,7 +279,7 @@ class Writes(Fsck):
         crc, so a reader sees the old word or the new one, and a writer killed around it leaves
         either. No version moves (the record stays the row's). False when ``key`` has no row."""
         if word.__class__ is not int or not 0 <= word <= _M32:
-            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+            raise _bad_word(word)
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         return self._write(self._set_word, key, word)
@@ -298,12 +302,7 @@ class Writes(Fsck):
         slot moves its bucket's version, and a referenced record is never rewritten but for its
         word), so the reference is returned without a probe. (A bag's is not kept: a row of
         the key published earlier in the probe would come first.)"""
-        if key.__class__ is not PreparedKey or key.t is not self:
-            key = self.prepare(key)
-        w = key.wref
-        if w is not None and self._ver[w[0]] == w[1]:
-            return w[2]
-        return self._write(self._word_ref, key)
+        return self.word_at(key)[0]
 
     def _word_ref(self, key: PreparedKey) -> int:
         found = self._find(key)
@@ -318,7 +317,8 @@ class Writes(Fsck):
     def word_at(self, key: Any) -> tuple[int, int]:
         """:meth:`word_ref` and :meth:`load_word` in one call: ``(ref, word)``, or ``(-1, 0)``
         when ``key`` has no row (the same conditions: under the lock, valid while this hold
-        writes no row of this table)."""
+        writes no row of this table; a set's key keeps its reference as :meth:`word_ref`
+        says)."""
         if key.__class__ is not PreparedKey or key.t is not self:
             key = self.prepare(key)
         w = key.wref
@@ -338,13 +338,13 @@ class Writes(Fsck):
         """:meth:`set_word` at ``ref`` (from :meth:`word_ref`, under the same lock hold): one
         aligned u32 store, no probe."""
         if word.__class__ is not int:
-            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}")
+            raise _bad_word(word)
         try:
             self._u32[ref] = word  # the view refuses a value out of 0..2**32-1, storing nothing
         except ValueError:
             if 0 <= word <= _M32:  # not the word: the view is released (the table is closed)
                 raise
-            raise ValueError(f"a row's word is an int in 0..2**32-1, got {word!r}") from None
+            raise _bad_word(word) from None
 
     def delete(self, key: Any) -> int:
         """Remove every row of ``key``; returns how many."""
