@@ -465,6 +465,17 @@ class ManagerBackend(Backend):
         self.manager.shutdown()
 
 
+_SQL_MARK = "INSERT OR REPLACE INTO in_flight VALUES (?, ?, ?)"
+_SQL_UNMARK = "DELETE FROM in_flight WHERE scope = ? AND id = ? AND owner = ?"
+_SQL_CANCEL = "INSERT OR REPLACE INTO cancelled VALUES (?, ?, 'bench', ?)"
+_SQL_CLEAR = "DELETE FROM cancelled WHERE scope = ? AND id = ?"
+
+
+def _sql_owner() -> str:
+    """The in-flight owner of the calling thread: its process and thread."""
+    return f"{os.getpid()}:{threading.get_ident()}"
+
+
 class SqliteBackend(Backend):
     name = "sqlite WAL"
 
@@ -495,42 +506,36 @@ class SqliteBackend(Backend):
                             [(f"ip:{tag}{i % 50}", str(i), time.time()) for i in range(n)])
 
     def mark_in_flight(self, cl: Any, w: int, i: int) -> None:
-        cl.execute("INSERT OR REPLACE INTO in_flight VALUES (?, ?, ?)",
-                   (_scope(w), str(i), f"{os.getpid()}:{threading.get_ident()}"))
+        cl.execute(_SQL_MARK, (_scope(w), str(i), _sql_owner()))
 
     def mark_unmark(self, cl: Any, w: int, i: int) -> None:
-        row = (_scope(w), str(i), f"{os.getpid()}:{threading.get_ident()}")
-        cl.execute("INSERT OR REPLACE INTO in_flight VALUES (?, ?, ?)", row)
-        cl.execute("DELETE FROM in_flight WHERE scope = ? AND id = ? AND owner = ?", row)
+        row = (_scope(w), str(i), _sql_owner())
+        cl.execute(_SQL_MARK, row)
+        cl.execute(_SQL_UNMARK, row)
 
     def cancel(self, cl: Any, w: int, i: int) -> None:
-        cl.execute("INSERT OR REPLACE INTO cancelled VALUES (?, ?, 'bench', ?)",
-                   (_scope(w), str(i), time.time()))
+        cl.execute(_SQL_CANCEL, (_scope(w), str(i), time.time()))
 
     def clear(self, cl: Any, w: int, i: int) -> None:
-        cl.execute("DELETE FROM cancelled WHERE scope = ? AND id = ?", (_scope(w), str(i)))
+        cl.execute(_SQL_CLEAR, (_scope(w), str(i)))
 
     def write_loops(self, cl: Any, w: int) -> tuple[Loop, Loop, Loop]:
-        scope, owner = _scope(w), f"{os.getpid()}:{threading.get_ident()}"
+        scope, owner = _scope(w), _sql_owner()
         ex, now = cl.execute, time.time
-        ins_f, del_f = ("INSERT OR REPLACE INTO in_flight VALUES (?, ?, ?)",
-                        "DELETE FROM in_flight WHERE scope = ? AND id = ? AND owner = ?")
-        ins_c, del_c = ("INSERT OR REPLACE INTO cancelled VALUES (?, ?, 'bench', ?)",
-                        "DELETE FROM cancelled WHERE scope = ? AND id = ?")
 
         def loop_mu(ids: Iterable[int]) -> None:
             for i in ids:
                 row = (scope, str(i), owner)
-                ex(ins_f, row)
-                ex(del_f, row)
+                ex(_SQL_MARK, row)
+                ex(_SQL_UNMARK, row)
 
         def loop_cancel(ids: Iterable[int]) -> None:
             for i in ids:
-                ex(ins_c, (scope, str(i), now()))
+                ex(_SQL_CANCEL, (scope, str(i), now()))
 
         def loop_clear(ids: Iterable[int]) -> None:
             for i in ids:
-                ex(del_c, (scope, str(i)))
+                ex(_SQL_CLEAR, (scope, str(i)))
 
         return loop_mu, loop_cancel, loop_clear
 
