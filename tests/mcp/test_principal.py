@@ -166,3 +166,41 @@ def test_scope_never_raises():
     assert scope(Exploding()) == "ip:unknown"
     assert principal.id(Exploding()) is None
     assert client_bucket(Exploding()) == "unknown"
+
+
+class NoTruth:
+    """A value whose truth cannot be told (as a numpy array's): ``bool()`` raises."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("truth value is ambiguous")
+
+
+class LenlessStr(str):
+    def __len__(self) -> int:  # bool() of a str subclass asks __len__
+        raise RuntimeError("boom")
+
+
+class UnhashableStr(str):
+    def __hash__(self) -> int:
+        raise TypeError("unhashable")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # a session id that is not a str falls through whatever its truth does
+        ({S: NoTruth(), P: {"id": "alice"}}, "principal:alice"),
+        ({S: NoTruth(), A: "203.0.113.9"}, "ip:203.0.113.9"),
+        # a str subclass is its text (contract §3)
+        ({S: LenlessStr("s1"), P: {"id": "alice"}}, "session:s1"),
+        ({S: LenlessStr(""), P: {"id": "alice"}}, "principal:alice"),
+        ({A: UnhashableStr("203.0.113.9")}, "ip:203.0.113.9"),
+        ({P: {"id": None}, A: UnhashableStr("2001:db8:1:2::99")}, "ip:2001:db8:1:2::/64"),
+    ],
+)
+def test_scope_never_raises_on_odd_values(env, expected):
+    """scope() and client_bucket() never raise (the module's promise, test_scope_never_raises):
+    not for a session id whose truth value raises, nor for an address whose hash does."""
+    assert scope(env) == expected
+    if A in env:
+        assert client_bucket(env) == expected.removeprefix("ip:")

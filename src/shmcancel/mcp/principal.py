@@ -158,6 +158,7 @@ def client_bucket(environ: object) -> str:
         return UNKNOWN
     if not isinstance(addr, str):
         return UNKNOWN
+    addr = str.__str__(addr)  # a str subclass is its text (its own __hash__ is not called)
     b = _buckets.get(addr)
     if b is None:
         b = _bucket(addr)
@@ -226,7 +227,8 @@ def scope(environ: object) -> str:
         sid = environ.get(SESSION_KEY)
     except Exception:
         sid = None
-    if sid and isinstance(sid, str):
+    # the type first: the truth of a value that is not a str may raise (a numpy array's does)
+    if isinstance(sid, str) and str.__len__(sid):
         return _prefixed("session:", str.__str__(sid))
     pid = id(environ)
     if pid is not None:
