@@ -179,6 +179,36 @@ def test_session_delete_cancels_its_calls(server: Gunicorn, outdir: str) -> None
     assert c.post({"jsonrpc": "2.0", "id": 2, "method": "ping"}).status_code == 404
 
 
+
+def test_session_delete_cancels_every_call_past_the_scope_quota(shm_name: str,
+                                                                outdir: str) -> None:
+    """contract §6.1: DELETE ends a session "and cancels every request still in flight in it".
+    With more calls in flight than ``max_rows_per_scope`` (2 here), the DELETE recorded the
+    quota's worth of cancellations and stopped: the other calls ran to their end (10 s here)
+    in a session that no longer existed. The quota bounds what a client asks for
+    (``notifications/cancelled``, 429); a DELETE's rows are bounded by the calls in flight and
+    each ends with its call."""
+    n = 4
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=n + 2,
+               env={"SHMCANCEL_TEST_MAX_ROWS_PER_SCOPE": "2"}) as g:
+        c = Client(g.url)
+        tags = [tag() for _ in range(n)]
+        calls = [Background(lambda i=i, t=t: c.call(i, "sleep", {"seconds": 10, "tag": t}))
+                 for i, t in enumerate(tags, 1)]
+        for call in calls:
+            call.start()
+        deadline = time.monotonic() + 10
+        for t in tags:
+            wait_file(f"{outdir}/{t}.started", deadline)
+        r = httpx.delete(g.url, headers=c.headers(), timeout=10)
+        assert (r.status_code, r.content) == (204, b"")
+        deleted = time.monotonic()
+        for call in calls:
+            assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+        assert max(call.done_at for call in calls) - deleted < 5  # type: ignore[operator]
+        state = dump(g.registry_name)
+        assert state["cancellations"] == [] and state["in_flight"] == []
+
 WAKE_BOUND = 1.0  # seconds: a woken tool ends well within it (unwoken, it would wait 25 s)
 
 

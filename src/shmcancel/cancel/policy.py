@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
-from ..exceptions import CancellationLimitReached, LockTimeout
+from ..exceptions import LockTimeout
 from ..shm import procinfo
 from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
@@ -290,7 +290,7 @@ class Cancellation:
         return self._record(request_id, reason, scope, True)
 
     def _record(self, request_id: object, reason: object, scope: str,
-                only_in_flight: bool) -> bool:
+                only_in_flight: bool, *, bounded: bool = True) -> bool:
         rid = ids.require_key(request_id)
         if not valid_scope(scope):
             if not isinstance(scope, str):
@@ -301,7 +301,9 @@ class Cancellation:
         if type(scope) is not str:
             scope = str.__str__(scope)
         text = sanitize(reason)
-        if not self._store.record(scope, rid, text, self.clock, quota=self._quota, cap=self._cap,
+        if not self._store.record(scope, rid, text, self.clock,
+                                  quota=self._quota if bounded else None,
+                                  cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
             self._tick()  # a call that wrote nothing is use of the registry too (§4.6)
             return False
@@ -457,17 +459,18 @@ class Cancellation:
 
     def cancel_scope(self, scope: str, reason: object = None) -> int:
         """Cancel every request in flight in ``scope`` (a session's ``DELETE``). Returns how many
-        were recorded; stops quietly at the scope's quota."""
+        were recorded.
+
+        Every one, past ``max_rows_per_scope`` too (contract §6.1: the DELETE "cancels every
+        request still in flight in it"): the quota bounds the cancellations a client asks for,
+        while these rows are bounded by the requests in flight and each goes with its request.
+        """
         if not valid_scope(scope):
             return 0
         n = 0
         for rid in self._store.in_flight_ids(scope):
-            try:
-                # each one atomically: a request that ended since the scan gets no row
-                n += self.cancel_if_in_flight(rid, reason, scope)
-            except CancellationLimitReached:
-                log.warning("cancel_scope(%r): quota reached after %d requests", scope[:80], n)
-                break
+            # each one atomically: a request that ended since the scan gets no row
+            n += self._record(rid, reason, scope, True, bounded=False)
         return n
 
     # --- in-flight rows
