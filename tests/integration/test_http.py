@@ -325,6 +325,11 @@ BAD = [
      errors.INVALID_REQUEST),
     ("unknown session", {"Mcp-Session-Id": "A" * 32}, _rpc(id=1, method="ping"), 404,
      errors.INVALID_REQUEST),
+    # contract §6.1 "unknown → 404" holds for a client's JSON-RPC response too (it was 202)
+    ("response, no session", {"Mcp-Session-Id": None}, _rpc(id=1, result={}), 400,
+     errors.INVALID_REQUEST),
+    ("response, unknown session", {"Mcp-Session-Id": "A" * 32}, _rpc(id=1, result={}), 404,
+     errors.INVALID_REQUEST),
     ("unsupported version", {"MCP-Protocol-Version": "2024-01-01"}, _rpc(id=1, method="ping"),
      400, errors.UNSUPPORTED_PROTOCOL_VERSION),
     ("wrong content type", {"Content-Type": "text/plain"}, _rpc(id=1, method="ping"), 415,

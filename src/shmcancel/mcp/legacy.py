@@ -72,8 +72,6 @@ class LegacyWire(CallLifecycle):
     def _legacy(self, environ: dict[str, Any], start_response: StartResponse,
                 headers: RequestHeaders, msg: Request | Notification | Response,
                 json_ok: bool, sse_ok: bool) -> _Reply | None:
-        if isinstance(msg, Response):
-            return _Reply(202)  # a reply to a server request; this server sends none: dropped
         if isinstance(msg, Request) and msg.method == "initialize":
             return self._initialize(environ, msg, json_ok)
         rid = msg.id if isinstance(msg, Request) else None
@@ -102,6 +100,10 @@ class LegacyWire(CallLifecycle):
                 rb.keep_session(sid)  # type: ignore[arg-type]
         else:
             environ.pop(SESSION_KEY, None)
+        if isinstance(msg, Response):
+            # a reply to a server request; this server sends none: dropped. After the session
+            # check, as every message but initialize (contract §6.1: unknown session → 404).
+            return _Reply(202)
         if isinstance(msg, Notification):
             if msg.method == "notifications/cancelled":
                 return self._notification_cancelled(environ, msg)
