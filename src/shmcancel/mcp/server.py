@@ -315,9 +315,10 @@ class McpServer(LegacyWire, ModernWire):
         length: int | None = None
         if raw_len not in (None, ""):
             text = str(raw_len).strip()
-            if not text.isdigit() or len(text) > 18:
+            if not (text.isascii() and text.isdigit()):
                 return _error_reply(400, None, codes.INVALID_REQUEST, "Invalid Content-Length")
-            length = int(text)
+            # a valid length of any size: more than 18 digits is over any limit (not parsed)
+            length = int(text) if len(text) <= 18 else limit + 1
             if length > limit:
                 return _error_reply(413, None, codes.INVALID_REQUEST,
                                     f"Request body too large (limit {limit} bytes)")
