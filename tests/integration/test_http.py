@@ -514,3 +514,39 @@ def test_a_body_that_stalls_is_a_4xx_before_the_worker_timeout(shm_name: str,
         assert took < 13, took
         assert g.worker_pids() == pid  # the worker was not killed
         assert "Traceback" not in g.log() and "WORKER TIMEOUT" not in g.log()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_a_body_that_trickles_is_a_4xx_before_the_worker_timeout(shm_name: str,
+                                                                worker_class: str) -> None:
+    """A client that sends its body one byte every 3 s (slowloris under the per-read timeout):
+    ``body_timeout`` (10 s) was only checked between two reads of the body, and one read waits
+    for all the bytes it asks for, each ``recv`` with a fresh timeout; so the body read outlived
+    its deadline, a ``sync`` worker until gunicorn's worker ``timeout`` (20 s here) killed it
+    (a 503 to that client, the worker replaced; contract §5: no bad input yields a 5xx), a
+    ``gthread`` thread for as long as the client kept trickling."""
+    with start(shm_name, tempfile.gettempdir(), workers=1, worker_class=worker_class,
+               threads=1 if worker_class == "sync" else 2, extra_args=["--timeout", "20"]) as g:
+        pid = g.worker_pids()
+        with socket.create_connection(("127.0.0.1", g.port), timeout=3) as s:
+            s.sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Accept: application/json\r\nContent-Length: 100\r\n\r\n{")
+            t0 = time.monotonic()
+            out = b""
+            while time.monotonic() - t0 < 25:
+                try:
+                    chunk = s.recv(65536)
+                except TimeoutError:
+                    s.sendall(b" ")  # one byte every 3 s: each recv of the server gets one
+                    continue
+                if not chunk:
+                    break
+                out += chunk
+            took = time.monotonic() - t0
+        status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/1.1 ") else None
+        assert status == 408, (out[:300], took)
+        assert b'"code":-32600' in out
+        assert took < 15, took
+        assert g.worker_pids() == pid  # the worker was not killed
+        assert "Traceback" not in g.log() and "WORKER TIMEOUT" not in g.log()
