@@ -438,7 +438,8 @@ class Bridge:
 
     def cancel_scope(self, scope: str, reason: object) -> int:
         """Cancel every request in flight in ``scope`` on any host (a session's ``DELETE``);
-        how many were recorded. Stops quietly at the scope's quota, as the local one does."""
+        how many were recorded. Every one, past the scope's quota too, as the local one does
+        (contract §6.1)."""
         try:
             return int(self._ask("cancel_scope", self.remote.cancel_scope, scope, reason))
         except _NoAnswer:
