@@ -277,7 +277,7 @@ class Cancellation:
         "cancelled")``.
         """
         if request_id is not None:
-            self._record(request_id, reason, scope, False)
+            self._record(request_id, reason, scope, False, self._quota)
 
     def cancel_if_in_flight(self, request_id: object, reason: object = None,
                             scope: str = "global") -> bool:
@@ -287,10 +287,10 @@ class Cancellation:
         not in flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
         if request_id is None:
             return False
-        return self._record(request_id, reason, scope, True)
+        return self._record(request_id, reason, scope, True, self._quota)
 
     def _record(self, request_id: object, reason: object, scope: str,
-                only_in_flight: bool, *, bounded: bool = True) -> bool:
+                only_in_flight: bool, quota: int | None) -> bool:
         rid = ids.require_key(request_id)
         if not valid_scope(scope):
             if not isinstance(scope, str):
@@ -301,9 +301,7 @@ class Cancellation:
         if type(scope) is not str:
             scope = str.__str__(scope)
         text = sanitize(reason)
-        if not self._store.record(scope, rid, text, self.clock,
-                                  quota=self._quota if bounded else None,
-                                  cap=self._cap,
+        if not self._store.record(scope, rid, text, self.clock, quota=quota, cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
             self._tick()  # a call that wrote nothing is use of the registry too (§4.6)
             return False
@@ -470,7 +468,7 @@ class Cancellation:
         n = 0
         for rid in self._store.in_flight_ids(scope):
             # each one atomically: a request that ended since the scan gets no row
-            n += self._record(rid, reason, scope, True, bounded=False)
+            n += self._record(rid, reason, scope, True, None)
         return n
 
     # --- in-flight rows
