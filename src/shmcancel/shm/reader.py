@@ -28,8 +28,10 @@ class Watch:
 
     Valid because a referenced record is never written and every change of a slot moves its
     bucket's version: unchanged versions of every bucket the last probe read mean an unchanged
-    answer. When that probe spanned several buckets ``_v`` is -1 (never a version) and the
-    slow path compares them all.
+    answer. When that probe spanned several buckets ``_v`` is -1 (never a version): for two
+    (a key homed in a bucket's last slots, ~2 % of keys at the default fill) ``_two`` holds
+    both (bucket, version) pairs and the answer in one tuple, compared without ``_lk``; for more
+    the slow path compares them all.
 
     A watch is shared by threads (the policy caches one per key; a handle's is polled by its
     tool and by the watcher thread): refreshes of one watch never interleave (``_lk``), else
@@ -38,8 +40,8 @@ class Watch:
     thread that did not survive a fork).
     """
 
-    __slots__ = ("_b", "_lk", "_member", "_pk", "_raw", "_seen", "_t", "_v", "_values",
-                 "_ver")
+    __slots__ = ("_b", "_lk", "_member", "_pk", "_raw", "_seen", "_t", "_two", "_v",
+                 "_values", "_ver")
 
     def __init__(self, table: Reads, pk: PreparedKey) -> None:
         self._t = table
@@ -48,6 +50,7 @@ class Watch:
         self._b = pk.b
         self._v = -1  # never equal to a version: the first call reads
         self._seen: tuple[tuple[int, int], ...] = ()
+        self._two: tuple[int, int, int, int, bool] | None = None
         self._member = False
         self._raw: tuple[bytes, ...] = ()
         self._values: tuple[Any, ...] | None = ()
@@ -58,9 +61,15 @@ class Watch:
         return self._pk
 
     def member(self) -> bool:
-        """True while the key has a row. One version load when nothing moved."""
+        """True while the key has a row. One version load when nothing moved (two when the
+        last probe spanned two buckets)."""
         if self._ver[self._b] == self._v:
             return self._member
+        two = self._two  # one tuple: versions and answer of the same read, whatever refreshes
+        if two is not None:
+            ver = self._ver
+            if ver[two[0]] == two[1] and ver[two[2]] == two[3]:
+                return two[4]
         return self._refresh()
 
     def values(self) -> tuple[Any, ...]:
@@ -97,6 +106,7 @@ class Watch:
         self._values = None
         self._member = m = bool(raw)
         self._seen = seen
+        self._two = (*seen[0], *seen[1], m) if len(seen) == 2 else None
         if len(seen) == 1:
             self._b, self._v = seen[0]
         else:
