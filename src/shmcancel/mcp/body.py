@@ -1,0 +1,207 @@
+"""Reading a request's body: the declared length against ``max_body_bytes``, the media types,
+and the body itself within ``body_timeout`` seconds in all (contract §5: 413, 415, 406, 411,
+408, 400; never a 5xx).
+
+A read of ``wsgi.input`` waits for every byte it asks for, each ``recv`` under a fresh socket
+timeout, so the per-read timeout alone bounds a stall but not a client trickling a byte at a
+time: a per-process watchdog thread (:class:`_BodyDeadlines`) shuts the socket's read side at the
+deadline, which ends the blocked ``recv`` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from . import codes
+from .reply import _error_reply, _Reply
+from .wire import RequestHeaders, is_json_content_type
+
+__all__ = ["read_body"]
+
+log = logging.getLogger("shmcancel.server")
+
+_READ_CHUNK = 65536
+
+
+def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool,
+              limit: int, timeout: float | None) -> bytes | _Reply:
+    """The body, or the reply refusing the request (``acceptable``: the client accepts
+    JSON or SSE; ``limit``: the most bytes taken, ``max_body_bytes``; ``timeout``: the seconds
+    the whole body may take, ``body_timeout``, ``None`` for no bound)."""
+    raw_len = environ.get("CONTENT_LENGTH")
+    length: int | None = None
+    if raw_len not in (None, ""):
+        text = str(raw_len).strip()
+        if not (text.isascii() and text.isdigit()):
+            return _error_reply(400, None, codes.INVALID_REQUEST, "Invalid Content-Length")
+        # a valid length of any size: more than 18 digits is over any limit (not parsed)
+        length = int(text) if len(text) <= 18 else limit + 1
+        if length > limit:
+            return _error_reply(413, None, codes.INVALID_REQUEST,
+                                f"Request body too large (limit {limit} bytes)")
+    if not is_json_content_type(headers.content_type):
+        return _error_reply(415, None, codes.INVALID_REQUEST,
+                            "Unsupported Media Type: Content-Type must be application/json")
+    if not acceptable:
+        return _error_reply(406, None, codes.INVALID_REQUEST,
+                            "Not Acceptable: accept application/json or text/event-stream")
+    stream = environ.get("wsgi.input")
+    if stream is None:
+        return b""
+    if length is None:
+        if not environ.get("wsgi.input_terminated"):
+            return _error_reply(411, None, codes.INVALID_REQUEST,
+                                "Length Required: send Content-Length")
+        want = limit + 1  # read to EOF, but never more than one byte past the limit
+    else:
+        want = length
+    chunks: list[bytes] = []
+    got = 0
+    sock = environ.get("gunicorn.socket") if timeout is not None else None
+    if sock is not None and not (hasattr(sock, "gettimeout") and hasattr(sock, "settimeout")):
+        sock = None
+    prior = sock.gettimeout() if sock is not None else None
+    deadline = time.monotonic() + timeout if timeout is not None else 0.0
+    # The per-recv timeout below bounds a stall; one read waits for all the bytes it asks
+    # for, though, each recv with a fresh timeout, so a client trickling a byte at a time
+    # would outlive the deadline: past it, the watchdog shuts the socket's read side (the
+    # read ends at once; the reply is still written).
+    armed = _BODY_DEADLINES.arm(sock, deadline) if sock is not None else None
+    try:
+        while got < want:
+            if sock is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return _body_timed_out(timeout)
+                sock.settimeout(left)
+            try:
+                chunk = stream.read(min(_READ_CHUNK, want - got))
+            except TimeoutError:  # the client stalled mid-body (gunicorn then closes it)
+                return _body_timed_out(timeout)
+            except Exception:  # the client went away mid-body, or a malformed chunk
+                if armed is not None and armed.fired:
+                    return _body_timed_out(timeout)
+                return _error_reply(400, None, codes.INVALID_REQUEST,
+                                    "Could not read the body")
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        if armed is not None:
+            _BODY_DEADLINES.disarm(armed)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(prior)
+    if armed is not None and armed.fired:  # even a body read whole just then: its
+        return _body_timed_out(timeout)  # socket reads EOF now (a disconnect)
+    if length is not None and got < length:  # EOF before Content-Length: not a request
+        return _error_reply(400, None, codes.INVALID_REQUEST, "Could not read the body")
+    if got > limit:
+        return _error_reply(413, None, codes.INVALID_REQUEST,
+                            f"Request body too large (limit {limit} bytes)")
+    return b"".join(chunks)
+
+
+class _Deadline:
+    """One armed body read: its socket, until :meth:`_BodyDeadlines.disarm`; ``fired`` once the
+    watchdog shut its read side."""
+
+    __slots__ = ("fired", "sock")
+
+    def __init__(self, sock: Any) -> None:
+        self.sock: Any = sock
+        self.fired = False
+
+
+class _BodyDeadlines:
+    """A process's watchdog over body reads: a read still going at its deadline has its socket's
+    read side shut (``shutdown(SHUT_RD)``), which ends a ``recv`` blocked on it at once.
+
+    One daemon thread per process, started on the first :meth:`arm` (so never in a gunicorn
+    master, which reads no body) and again in a fork child. Deadlines come from one constant
+    ``body_timeout`` per server, so a new one is rarely earliest and arming is a heap push under
+    a lock; a disarmed entry leaves the heap at its deadline, or at once when the heap holds
+    many of them (its size stays within twice the reads in progress, plus a constant)."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._seq = itertools.count()
+        self._live = 0
+
+    def arm(self, sock: Any, deadline: float) -> _Deadline | None:
+        if not isinstance(sock, socket.socket):
+            return None
+        d = _Deadline(sock)
+        if self._pid != os.getpid():
+            with _START_LOCK:  # the first reads of a gthread worker may come together
+                if self._pid != os.getpid():
+                    try:
+                        self._start()
+                    except RuntimeError:  # no thread to be had: the per-recv timeout only
+                        log.warning("cannot start the body deadline thread", exc_info=True)
+                        return None
+        with self._cond:
+            heapq.heappush(self._heap, (deadline, next(self._seq), d))
+            self._live += 1
+            if self._heap[0][2] is d:
+                self._cond.notify()
+        return d
+
+    def disarm(self, d: _Deadline) -> None:
+        with self._cond:  # after this, the watchdog never touches d.sock
+            if d.sock is None:
+                return
+            d.sock = None
+            self._live -= 1
+            heap = self._heap
+            if len(heap) > 2 * self._live + 64:
+                self._heap = [e for e in heap if e[2].sock is not None]
+                heapq.heapify(self._heap)
+
+    def _start(self) -> None:
+        self._cond = threading.Condition()  # a fork child's: the parent's may have been held
+        self._heap = []
+        self._live = 0
+        threading.Thread(target=self._run, name="shmcancel-body-deadline", daemon=True).start()
+        self._pid = os.getpid()  # last: a read seeing it finds the new heap and its thread
+
+    def _run(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                if cond is not self._cond:
+                    return  # replaced (a fork child started its own)
+                heap = self._heap
+                while heap and heap[0][2].sock is None:
+                    heapq.heappop(heap)
+                if not heap:
+                    cond.wait()
+                    continue
+                wait = heap[0][0] - time.monotonic()
+                if wait > 0:
+                    cond.wait(wait)
+                    continue
+                d = heapq.heappop(heap)[2]
+                d.fired = True
+                with contextlib.suppress(OSError):
+                    d.sock.shutdown(socket.SHUT_RD)
+
+
+_START_LOCK = threading.Lock()
+_BODY_DEADLINES = _BodyDeadlines()
+
+
+def _body_timed_out(seconds: float | None) -> _Reply:
+    return _error_reply(408, None, codes.INVALID_REQUEST,
+                        f"Request Timeout: the body did not arrive within {seconds:g} s")
