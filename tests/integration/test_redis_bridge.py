@@ -216,3 +216,40 @@ def test_connection_failure_kinds() -> None:
     assert f(RCE("Error 111 connecting")) and f(ConnectionResetError())
     assert not f(RTE("Timeout reading from socket")) and not f(TimeoutError())
     assert not f(ResponseError("BUSY"))
+
+
+def test_a_cross_host_cancel_of_a_long_int_id_lands(reg: Registry, srv: RedisServer) -> None:
+    """A call whose id is an int of more than 256 digits (valid, contract §4.1; keyed by a
+    text of its own) is cancelled through another host as any other: the key text the box
+    carries is recorded in A's registry, not refused as an over-long id and dropped."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    big = 10**300
+    with bridge(reg, srv, thread=True, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, thread=True, prefix=prefix, host="B") as b:
+        handle = c.begin(big, "session:x")
+        assert handle.tracked and a.track(big, "session:x") is not None
+        assert b.cancel(big, "stop", "session:x") is True  # recorded in Redis, pushed to A
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10, interval=0.02,
+                   what="the cancellation delivered on A")
+        assert handle.reason() == "stop" and a.delivered == 1
+        handle.end()
+
+
+def test_cancel_scope_cancels_calls_with_long_int_ids(reg: Registry, srv: RedisServer) -> None:
+    """A session's DELETE (cancel_scope, on this host and through Redis on every host)
+    cancels every call in flight in it, one whose id is a long int too (its row's key is not
+    a valid id text: it is not validated again), and never raises (the transport's DELETE)."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    ids = [10**300, 7, "z"]
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        handles = [c.begin(i, "session:x") for i in ids]
+        assert all(h.tracked for h in handles)
+        assert all(a.track(i, "session:x") is not None for i in ids)
+        assert b.cancel_scope("session:x", "session deleted") == 3
+        assert c.cancel_scope("session:x", "session deleted") == 3
+        assert all(h.cancelled() for h in handles)
+        for h in handles:
+            h.end()

@@ -17,16 +17,20 @@ Subclasses are reduced to the base type's text (an ``IntEnum`` member keys as it
 
 from __future__ import annotations
 
+import re
+
 from ..exceptions import InvalidRequestId
 from ..shm.hashing import blake2b
 
-__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "key", "require_key"]
+__all__ = ["MAX_ID_BYTES", "MAX_KEY_BYTES", "key", "require_key", "require_row_key"]
 
 MAX_ID_BYTES = 256
 MAX_KEY_BYTES = 320  # the longest key text of a valid id: a long int's (_long_int_key)
 _INT_LO = -(10 ** (MAX_ID_BYTES - 1))  # exclusive bounds of ints of at most 256 characters
 _INT_HI = 10**MAX_ID_BYTES
 _LEAD_HEX = 192  # leading hex digits a long int's key shows
+# a long int's key (_long_int_key; 192: _LEAD_HEX)
+_LONG_INT_KEY = re.compile(r"int:-?0x[0-9a-f]{2,192}\.\.\.\([0-9]+ bits\)#[0-9a-f]{64}")
 
 
 def _long_int_key(n: int) -> str:
@@ -87,6 +91,19 @@ def require_key(request_id: object) -> str:
             f"{MAX_ID_BYTES} UTF-8 bytes, got {_describe(request_id)}"
         )
     return k
+
+
+def require_row_key(text: object) -> str:
+    """``text`` when it is the row key of some valid id (what :func:`key` returns: a valid
+    ``str`` id's own text, or a long int's key), else raise :class:`InvalidRequestId`. For keys
+    handed back by a store or another host, which :func:`require_key` would refuse for a long
+    int (its key is longer than any valid ``str`` id)."""
+    if type(text) is str:
+        if key(text) == text:
+            return text
+        if len(text) <= MAX_KEY_BYTES and _LONG_INT_KEY.fullmatch(text):
+            return text
+    raise InvalidRequestId(f"not the row key of a valid request id: {_describe(text)}")
 
 
 def _describe(v: object) -> str:

@@ -277,7 +277,7 @@ class Cancellation:
         "cancelled")``.
         """
         if request_id is not None:
-            self._record(request_id, reason, scope, False, self._quota)
+            self._record(ids.require_key(request_id), reason, scope, False, self._quota)
 
     def cancel_if_in_flight(self, request_id: object, reason: object = None,
                             scope: str = "global") -> bool:
@@ -287,11 +287,19 @@ class Cancellation:
         not in flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
         if request_id is None:
             return False
-        return self._record(request_id, reason, scope, True, self._quota)
+        return self._record(ids.require_key(request_id), reason, scope, True, self._quota)
 
-    def _record(self, request_id: object, reason: object, scope: str,
+    def cancel_key_if_in_flight(self, key: str, reason: object = None,
+                                scope: str = "global") -> bool:
+        """:meth:`cancel_if_in_flight` of the request whose row key is ``key``: the text
+        :func:`~shmcancel.cancel.ids.key` made of its id, as a store or another host hands it
+        back (a long int's key is no valid id itself, so it is not validated as one). Raises
+        :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
+        return self._record(ids.require_row_key(key), reason, scope, True, self._quota)
+
+    def _record(self, rid: str, reason: object, scope: str,
                 only_in_flight: bool, quota: int | None) -> bool:
-        rid = ids.require_key(request_id)
+        """Record row key ``rid`` (already validated: :func:`ids.require_key`)."""
         if not valid_scope(scope):
             if not isinstance(scope, str):
                 raise TypeError(f"scope must be a str, got {type(scope).__name__}")
@@ -467,7 +475,8 @@ class Cancellation:
             return 0
         n = 0
         for rid in self._store.in_flight_ids(scope):
-            # each one atomically: a request that ended since the scan gets no row
+            # each one atomically: a request that ended since the scan gets no row. rid is a
+            # row key, not an id: a long int's is no valid id, so it is not validated again
             n += self._record(rid, reason, scope, True, None)
         return n
 

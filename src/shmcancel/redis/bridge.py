@@ -555,7 +555,7 @@ class Bridge:
         Redis, so dropping it would lose it. A quota refusal is final. Logged as a warning the
         first time and when given up, retries at debug. False when the lock timed out."""
         try:
-            if self.local.cancel_if_in_flight(rid, reason, scope):
+            if self.local.cancel_key_if_in_flight(rid, reason, scope):  # rid: a row key
                 self.delivered += 1
                 # its tool may be waiting (wait_cancelled): wake it, as the transport does
                 wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))
