@@ -253,3 +253,36 @@ def test_cancel_scope_cancels_calls_with_long_int_ids(reg: Registry, srv: RedisS
         assert all(h.cancelled() for h in handles)
         for h in handles:
             h.end()
+
+
+def test_a_cancellation_of_an_ended_call_does_not_cancel_the_next_call_of_its_id(
+        reg: Registry, srv: RedisServer) -> None:
+    """contract §4.3: a later call reusing the id never starts out cancelled. B's cancellation
+    of A's call 5 reaches A's box; the call ends before A's thread takes it, and a new call 5
+    begins on A: the cancellation, older than the new call, does not cancel it."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        h1 = c.begin(5, "session:x")
+        r1 = a.track(5, "session:x")
+        assert b.cancel(5, "stop", "session:x") is True  # pushed to A's box
+        h1.end()
+        a.untrack(r1)
+        time.sleep(0.01)  # the new call begins after the cancellation
+        h2 = c.begin(5, "session:x")
+        r2 = a.track(5, "session:x")
+        a.start()  # A's thread takes the box now
+        wait_until(lambda: a.delivered == 1 or None, time.monotonic() + 10, interval=0.02,
+                   what="the box taken")
+        assert not h2.cancelled()
+        h2.end()
+        a.untrack(r2)
+        # one sent while the call runs is delivered as ever
+        h3 = c.begin(6, "session:x")
+        r3 = a.track(6, "session:x")
+        assert b.cancel(6, "stop", "session:x") is True
+        wait_until(lambda: h3.cancelled() or None, time.monotonic() + 10, interval=0.02,
+                   what="the cancellation delivered on A")
+        h3.end()
+        a.untrack(r3)

@@ -89,7 +89,9 @@ def test_cancel_goes_to_the_owner_box(redis_server, redis_prefix):
     a.track("q", "session:z")
     assert b.cancel_if_in_flight("q", "stop", "session:z")
     raw = a.store.client.rpop(a.store.box_key(a.box))
-    assert RedisStore.decode_box_item(raw) == ("session:z", "q", "stop")
+    # with when it was recorded: the worker's local row is stamped with it
+    assert RedisStore.decode_box_item(raw) == ("session:z", "q", "stop",
+                                               b.cancelled_at("q", "session:z"))
     assert a.store.client.llen(b.store.box_key(b.box)) == 0
 
 

@@ -52,10 +52,14 @@ def put_pending(c: RedisCancellation, rid: str, raw: bytes, scope: str = S) -> N
 
 
 def box(c: RedisCancellation) -> list[Any]:
-    """What waits in ``c``'s box, oldest first (taken)."""
+    """What waits in ``c``'s box, oldest first (taken): ``(scope, rid, reason)``, each checked
+    to carry the time of the row it delivers."""
     out = []
     while (raw := c.store.client.rpop(c.store.box_key(c.box))) is not None:
-        out.append(RedisStore.decode_box_item(raw))
+        item = RedisStore.decode_box_item(raw)
+        assert isinstance(item, tuple)
+        assert item[3] is not None and item[3] == c.store.get(item[0], item[1])[1]  # type: ignore[index]
+        out.append(item[:3])
     return out
 
 

@@ -277,7 +277,8 @@ class Cancellation:
         "cancelled")``.
         """
         if request_id is not None:
-            self._record(ids.require_key(request_id), reason, scope, False, self._quota)
+            self._record(ids.require_key(request_id), reason, scope, False, self._quota,
+                         self.clock)
 
     def cancel_if_in_flight(self, request_id: object, reason: object = None,
                             scope: str = "global") -> bool:
@@ -287,19 +288,24 @@ class Cancellation:
         not in flight). Raises as :meth:`cancel` does, and :class:`~shmcancel.LockTimeout`."""
         if request_id is None:
             return False
-        return self._record(ids.require_key(request_id), reason, scope, True, self._quota)
+        return self._record(ids.require_key(request_id), reason, scope, True, self._quota,
+                            self.clock)
 
     def cancel_key_if_in_flight(self, key: str, reason: object = None,
-                                scope: str = "global") -> bool:
+                                scope: str = "global", at: float | None = None) -> bool:
         """:meth:`cancel_if_in_flight` of the request whose row key is ``key``: the text
         :func:`~shmcancel.cancel.ids.key` made of its id, as a store or another host hands it
-        back (a long int's key is no valid id itself, so it is not validated as one). Raises
-        :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
-        return self._record(ids.require_row_key(key), reason, scope, True, self._quota)
+        back (a long int's key is no valid id itself, so it is not validated as one). ``at``:
+        when the cancellation was made (``clock`` seconds; elsewhere, then carried here), the
+        row's ``cancelled_at`` instead of now: a request of the id that began after it ignores
+        it. Raises :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
+        return self._record(ids.require_row_key(key), reason, scope, True, self._quota,
+                            self.clock if at is None else lambda: at)
 
-    def _record(self, rid: str, reason: object, scope: str,
-                only_in_flight: bool, quota: int | None) -> bool:
-        """Record row key ``rid`` (already validated: :func:`ids.require_key`)."""
+    def _record(self, rid: str, reason: object, scope: str, only_in_flight: bool,
+                quota: int | None, clock: Callable[[], float]) -> bool:
+        """Record row key ``rid`` (already validated: :func:`ids.require_key`), stamped with
+        ``clock()``."""
         if not valid_scope(scope):
             if not isinstance(scope, str):
                 raise TypeError(f"scope must be a str, got {type(scope).__name__}")
@@ -309,7 +315,7 @@ class Cancellation:
         if type(scope) is not str:
             scope = str.__str__(scope)
         text = sanitize(reason)
-        if not self._store.record(scope, rid, text, self.clock, quota=quota, cap=self._cap,
+        if not self._store.record(scope, rid, text, clock, quota=quota, cap=self._cap,
                                   batch=self._batch, only_in_flight=only_in_flight):
             self._tick()  # a call that wrote nothing is use of the registry too (§4.6)
             return False
@@ -477,7 +483,7 @@ class Cancellation:
         for rid in self._store.in_flight_ids(scope):
             # each one atomically: a request that ended since the scan gets no row. rid is a
             # row key, not an id: a long int's is no valid id, so it is not validated again
-            n += self._record(rid, reason, scope, True, None)
+            n += self._record(rid, reason, scope, True, None, self.clock)
         return n
 
     # --- in-flight rows

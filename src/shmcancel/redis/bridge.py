@@ -170,8 +170,9 @@ class Bridge:
         self._overflowing = False
         # cancellations taken from the box that the registry could not take yet, retried by the
         # thread every turn, Redis down or not (local work, not a Redis write owed):
-        # (scope, rid) -> (reason, deadline), oldest first, at most OWED_MAX
-        self._undelivered: OrderedDict[tuple[str, str], tuple[object, float]] = OrderedDict()
+        # (scope, rid) -> (reason, deadline, cancelled_at), oldest first, at most OWED_MAX
+        self._undelivered: OrderedDict[tuple[str, str],
+                                       tuple[object, float, float | None]] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
         # sessions published by this process: sid -> (version, client), newest last; and when
         # this process last renewed a session's copy (keep_session)
@@ -543,19 +544,23 @@ class Bridge:
         if isinstance(got, str):  # a session deleted on another host
             self._end_session(got)
             return
-        scope, rid, reason = got
-        self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL)
+        scope, rid, reason, at = got
+        self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at)
 
     def _deliver(self, rid: str, reason: object, scope: str, deadline: float,
-                 retry: bool = False) -> bool:
+                 at: float | None, retry: bool = False) -> bool:
         """Record a cancellation taken from this worker's box, gated on its call being in
         flight here. One the registry cannot take now (its lock held past ``lock_timeout``,
         /dev/shm full) is kept and tried again by the thread every turn (:meth:`_redeliver`,
         Redis down or not) until ``deadline`` (``time.monotonic()``): it was taken out of
-        Redis, so dropping it would lose it. A quota refusal is final. Logged as a warning the
-        first time and when given up, retries at debug. False when the lock timed out."""
+        Redis, so dropping it would lose it. A quota refusal is final. The local row is stamped
+        with ``at``, when the cancellation was recorded in Redis (another host's clock): a call
+        of the id that began here after it (the one it was for ended before its box was read,
+        and the id was reused) ignores it, as it does any row older than itself. Logged as a
+        warning the first time and when given up, retries at debug. False when the lock timed
+        out."""
         try:
-            if self.local.cancel_key_if_in_flight(rid, reason, scope):  # rid: a row key
+            if self.local.cancel_key_if_in_flight(rid, reason, scope, at):  # rid: a row key
                 self.delivered += 1
                 # its tool may be waiting (wait_cancelled): wake it, as the transport does
                 wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))
@@ -566,7 +571,7 @@ class Bridge:
                     self._undelivered.pop((scope, rid), None)
                     if len(self._undelivered) >= OWED_MAX:
                         self._undelivered.popitem(last=False)
-                    self._undelivered[(scope, rid)] = (reason, deadline)
+                    self._undelivered[(scope, rid)] = (reason, deadline, at)
             log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
                     "could not apply a cross-host cancellation now: %s (%s)", e,
                     f"tried again for {left:.1f} s" if left > 0 else "given up")
@@ -581,14 +586,14 @@ class Bridge:
         too), leaving the rest for the next turn."""
         with self._owed_lock:
             due = list(self._undelivered.items())
-        for (scope, rid), (reason, deadline) in due:
+        for (scope, rid), (reason, deadline, at) in due:
             if self._stop.is_set():
                 return
             with self._owed_lock:
-                if self._undelivered.get((scope, rid)) != (reason, deadline):
+                if self._undelivered.get((scope, rid)) != (reason, deadline, at):
                     continue  # replaced meanwhile
                 del self._undelivered[(scope, rid)]
-            if not self._deliver(rid, reason, scope, deadline, retry=True):
+            if not self._deliver(rid, reason, scope, deadline, at, retry=True):
                 return
 
     def _end_session(self, sid: str) -> None:

@@ -37,7 +37,7 @@ for _, owner in ipairs(owners) do
   local box = box_of(owner)
   if not seen[box] then
     seen[box] = true
-    deliver(P, box, scope, rid, reason, ARGV[11])
+    deliver(P, box, scope, rid, reason, at, ARGV[11])
   end
 end
 return result

@@ -78,9 +78,10 @@ local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, 
 end
 -- The box of the worker owning an in-flight member: the member before its newline.
 local function box_of(owner) return string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1) end
--- Tell a worker (its box) of a cancellation.
-local function deliver(P, box, scope, rid, reason, box_lease_ms)
-  redis.call('LPUSH', P .. 'box:' .. box, cmsgpack.pack({scope, rid, reason}))
+-- Tell a worker (its box) of a cancellation recorded at `at` (its cancelled_at, as text): the
+-- worker stamps its local row with it, so a call of the id that began after it ignores it.
+local function deliver(P, box, scope, rid, reason, at, box_lease_ms)
+  redis.call('LPUSH', P .. 'box:' .. box, cmsgpack.pack({scope, rid, reason, at}))
   redis.call('PEXPIRE', P .. 'box:' .. box, box_lease_ms)
 end
 -- A pending cancellation stops waiting: its entry in the scope's pc, and member m in pend.

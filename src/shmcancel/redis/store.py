@@ -231,9 +231,10 @@ class RedisStore:
         return _b(f"{self.prefix}box:{box}")
 
     @staticmethod
-    def decode_box_item(raw: bytes) -> tuple[str, str, str | None] | str | None:
-        """``(scope, rid, reason)`` of a cancellation, the id of a deleted session (a str), or
-        None when malformed."""
+    def decode_box_item(raw: bytes) -> tuple[str, str, str | None, float | None] | str | None:
+        """``(scope, rid, reason, at)`` of a cancellation (``at``: its ``cancelled_at``; None
+        from a writer that sent none, or not a finite number), the id of a deleted session (a
+        str), or None when malformed."""
         try:
             v = msgpack.unpackb(raw, raw=True)
             # only byte strings: bytes(n) of an int would allocate n bytes (a hostile writer)
@@ -241,9 +242,16 @@ class RedisStore:
                 return None
             if len(v) == 2 and v[0] == b"d":
                 return v[1].decode("ascii")
-            scope, rid, reason = v
+            scope, rid, reason, *rest = v
+            at: float | None = None
+            if len(rest) == 1 and len(rest[0]) <= 32:
+                at = float(rest[0])
+                if at - at:  # NaN or an infinity
+                    at = None
+            elif rest:
+                return None
             return (scope.decode("utf-8", "surrogatepass"), rid.decode("utf-8", "surrogatepass"),
-                    decode_reason(reason))
+                    decode_reason(reason), at)
         except Exception:
             return None
 

@@ -19,7 +19,7 @@ if #live(ifk, ARGV[6]) == 0 then
     -- recorded for this request while it ran (its row added back now: the box that held the
     -- cancellation may have expired while the host stalled past its lease): delivered again
     local reason = redis.call('HGET', KEYS[2], rid)
-    if reason then deliver(P, box, scope, rid, reason, box_lease_ms) end
+    if reason then deliver(P, box, scope, rid, reason, at, box_lease_ms) end
   end
 end
 -- The scope's running ids lose ids whose every owner's lease ran out (a worker killed, a host
@@ -47,11 +47,11 @@ elseif raw then
   -- the entry may be another client's: only a finite time, written as ZADD reads it (tonumber
   -- takes ' 5', '1e400' that ZADD refuses, failing the script after the row was added)
   if at and at == at and at > -math.huge and at < math.huge and at >= started then
-    local r = record(P, KEYS[2], KEYS[3], KEYS[4], KEYS[5], scope, rid, p[1],
-                     string.format('%.17g', at), tonumber(ARGV[8]), tonumber(ARGV[9]),
-                     tonumber(ARGV[10]))
+    local ats = string.format('%.17g', at)
+    local r = record(P, KEYS[2], KEYS[3], KEYS[4], KEYS[5], scope, rid, p[1], ats,
+                     tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))
     if r[1] ~= -1 then
-      deliver(P, box, scope, rid, p[1], box_lease_ms)
+      deliver(P, box, scope, rid, p[1], ats, box_lease_ms)
       -- landed once: a later add back must not land it again over a newer cancellation's row
       unpend(KEYS[7], KEYS[8], rid, m)
       return 2
