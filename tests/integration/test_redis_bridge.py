@@ -286,3 +286,31 @@ def test_a_cancellation_of_an_ended_call_does_not_cancel_the_next_call_of_its_id
                    what="the cancellation delivered on A")
         h3.end()
         a.untrack(r3)
+
+
+def test_an_owed_cancellation_does_not_cancel_a_later_call_of_its_id(
+        reg: Registry, srv: RedisServer) -> None:
+    """contract §4.3: a later call reusing the id never starts out cancelled. B's notification
+    for A's call 5 meets a paused Redis and is owed; call 5 ends and a new call 5 begins on A
+    before Redis answers. The owed cancellation lands as of when it was sent, older than the
+    new call, which it does not cancel."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, thread=True, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, thread=True, prefix=prefix, host="B") as b:
+        h1 = c.begin(5, "session:x")
+        r1 = a.track(5, "session:x")
+        until = pause(srv, 1500)
+        assert b.cancel(5, "stop", "session:x") is False and b.owed() == 1
+        h1.end()
+        a.untrack(r1)
+        time.sleep(0.01)  # the new call begins after the cancellation was sent
+        h2 = c.begin(5, "session:x")
+        r2 = a.track(5, "session:x")
+        wait_until(lambda: time.monotonic() > until or None, until + 5, what="the pause")
+        wait_until(lambda: (b.owed() == 0 and a.owed() == 0) or None, time.monotonic() + 20,
+                   interval=0.02, what="the owed writes applied")
+        time.sleep(1.0)  # a delivery to A's box would be taken by now
+        assert not h2.cancelled()
+        h2.end()
+        a.untrack(r2)

@@ -328,7 +328,9 @@ class Bridge:
         host (it is delivered there). Raises ``CancellationLimitReached`` (quota); False when
         not in flight anywhere, or when Redis gave no answer: then the cancellation is owed
         for :data:`CANCEL_TTL` seconds (still gated on the request being in flight when it
-        lands, so a call that ended meanwhile gets no row)."""
+        lands, so a call that ended meanwhile gets no row, and recorded as of now, so a call
+        of the id that began since ignores it)."""
+        at = self.remote.clock()
         try:
             return bool(self._ask("cancel", self.remote.cancel_if_in_flight, request_id,
                                   reason, scope))
@@ -336,12 +338,12 @@ class Bridge:
             rid = ids.key(request_id)
             if rid is not None:
                 self._owe(("cancel", scope, rid), CANCEL_TTL,
-                          functools.partial(self._owed_cancel, request_id, reason, scope))
+                          functools.partial(self._owed_cancel, rid, reason, scope, at))
             return False
 
-    def _owed_cancel(self, request_id: object, reason: object, scope: str) -> None:
+    def _owed_cancel(self, rid: str, reason: object, scope: str, at: float) -> None:
         try:
-            self.remote.cancel_if_in_flight(request_id, reason, scope)
+            self.remote.cancel_key_if_in_flight(rid, reason, scope, at)
         except CancellationLimitReached as e:  # the quota filled meanwhile: nothing to retry
             log.warning("an owed cross-host cancellation was refused: %s", e)
 
