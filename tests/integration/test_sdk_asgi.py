@@ -604,3 +604,41 @@ def test_a_session_deleted_while_the_registry_lock_is_stalled_stops_its_sync_cal
         # the lock is free again: the stopped call's end lands (a sleeping one would not end)
         wait_until(lambda: not rows(reg), time.monotonic() + 5, what="the call's row to go")
         call.join(10)
+
+
+def test_a_long_cancel_with_an_escaped_method_name_cancels(server):
+    """A ``notifications/cancelled`` whose method name is spelled with JSON escapes (PHP's
+    json_encode writes ``\\/`` for every ``/``) is that notification at any size the server
+    takes, a long reason included: it stops the call (contract §9), answered ``-32800``. The
+    SDK ignores it on a stateless server, and cannot stop a sync tool on a stateful one."""
+    kind, g, reg = server
+    headers, scope = _legacy_client(kind, g)
+    note = ('{"jsonrpc":"2.0","method":"notifications\\/cancelled",'
+            '"params":{"requestId":601,"reason":"' + "r" * 100_000 + '"}}')
+
+    async def main() -> None:
+        answers: dict[int, Any] = {}
+
+        async def post() -> None:
+            async with httpx.AsyncClient(timeout=40) as h:
+                r = await h.post(g.url, headers=headers, json={
+                    "jsonrpc": "2.0", "id": 601, "method": "tools/call",
+                    "params": {"name": "sleep_sync", "arguments": {"seconds": SLEEP}}})
+                text = r.text
+                answers[601] = json.loads(text[text.index("{"):text.rindex("}") + 1])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post)
+            await until(lambda: (scope, "601") in rows(reg), 10, "the call")
+            async with httpx.AsyncClient(timeout=10) as h2:
+                r = await h2.post(g.url, content=note, headers=headers)
+                assert r.status_code == 202, r.text
+            try:
+                await until(lambda: 601 in answers, STOPPED_WITHIN, "the call's answer")
+            finally:
+                tg.cancel_scope.cancel()  # on failure: not the sync tool's 30 s
+        assert answers[601]["error"]["code"] == -32800, answers
+
+    anyio.run(main)
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []

@@ -411,8 +411,31 @@ def _json_media_type(scope: Scope) -> bool:
 def _may_cancel(body: bytes) -> bool:
     """Whether ``body`` may be a ``notifications/cancelled`` (then it is parsed): the method
     name as written, or any JSON escape in a body small enough to parse twice (a name can be
-    spelled with escapes, ``notifications\\/cancelled``)."""
-    return CANCELLED_METHOD.encode() in body or (b"\\" in body and len(body) <= MAX_ESCAPED)
+    spelled with escapes, ``notifications\\/cancelled``); a larger body with escapes when the
+    name appears once its ``\\/`` and ``\\u00XX`` escapes are read (a long reason must not
+    hide the cancel: PHP's json_encode escapes every ``/``)."""
+    name = CANCELLED_METHOD.encode()
+    if name in body:
+        return True
+    if b"\\" not in body:
+        return False
+    if len(body) <= MAX_ESCAPED:
+        return True
+    if b"\\/" not in body and b"\\u00" not in body:  # other escapes spell none of its characters
+        return False
+    for escape, char in _ESCAPES:
+        if escape in body:
+            body = body.replace(escape, char)
+    return name in body
+
+
+# The escapes that can spell the method's characters: ``\/`` and ``\u00XX`` (either case of
+# hex). Replaced as bytes (C loops, no callback per escape, whatever the body's size); read
+# everywhere, even after an escaped backslash, they can only add matches: a filter.
+_ESCAPES = [(b"\\/", b"/")] + [
+    (b"\\u00" + spelling.encode(), bytes([c]))
+    for c in sorted(set(CANCELLED_METHOD.encode()))
+    for spelling in {f"{c:02x}", f"{c:02X}"}]
 
 
 def _tagging(send: Send, router: Router) -> Send:
