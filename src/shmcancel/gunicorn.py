@@ -58,6 +58,10 @@ __all__ = ["child_exit", "configure", "on_exit", "post_fork", "registry", "regis
 
 ENV_NAME = "SHMCANCEL_REGISTRY"
 ENV_REDIS_URL = "SHMCANCEL_REDIS_URL"  # set: each worker starts a cross-host bridge (redis/)
+# A master's registry name, in the environment its USR2 re-exec gets (put there by when_ready):
+# the new master reads the config again, and a name derived from an edited one (another
+# proc_name) would be another registry, splitting the server in two.
+ENV_UPGRADED_FROM = "SHMCANCEL_GUNICORN_REGISTRY"
 LOCK_BUSY_WAIT = 0.1  # seconds child_exit waits for a live lock holder before deferring
 # The master's own wait for the registry lock (workers keep Config.lock_timeout): long enough to
 # recover a dead holder (0.1-0.3 s), short enough never to stall the master on a live one.
@@ -105,8 +109,11 @@ def registry_name(server: Any) -> str:
     """The registry name for a gunicorn arbiter: ``SHMCANCEL_REGISTRY``, else the name given to
     :func:`configure`, else ``"gunicorn-<proc_name>-<digest>"`` where the digest covers
     ``proc_name`` and the bound addresses (``server.LISTENERS``; the configured ``bind`` before
-    they exist). A ``USR2`` master inherits the listeners, so it derives the same name."""
-    explicit = os.environ.get(ENV_NAME) or _state.name
+    they exist). A ``USR2`` master takes its old master's name, whatever the config it read
+    again says now: the upgrade joins the live registry."""
+    upgraded_from = (os.environ.get(ENV_UPGRADED_FROM)
+                     if int(getattr(server, "master_pid", 0) or 0) else None)
+    explicit = upgraded_from or os.environ.get(ENV_NAME) or _state.name
     if explicit:
         return explicit
     proc = str(server.cfg.proc_name or "gunicorn")
@@ -187,7 +194,18 @@ def when_ready(server: Any) -> None:
     if isinstance(reg.lock, RegistryLock):
         reg.lock.timeout = min(reg.lock.timeout, MASTER_LOCK_TIMEOUT)
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
+    _pass_name_to_upgrades(server, name)
     _state.identity = reg.identity
+
+
+def _pass_name_to_upgrades(server: Any, name: str) -> None:
+    """Make ``name`` the registry name of this master's ``USR2`` upgrades (:func:`registry_name`).
+    gunicorn re-executes with ``cfg.env_orig``, the environment read when the config was loaded
+    (at start, again at each ``HUP``): both it and ``os.environ`` get it."""
+    os.environ[ENV_UPGRADED_FROM] = name
+    env = getattr(getattr(server, "cfg", None), "env_orig", None)
+    if isinstance(env, dict):
+        env[ENV_UPGRADED_FROM] = name
 
 
 def _attach_parents(name: str, parent: int) -> Registry | None:

@@ -511,6 +511,53 @@ def test_two_instances_side_by_side(shm_name, shm_names):
         assert segment_exists(names[0]), "the refused instance left the live registry alone"
 
 
+_RENAMED_CONF = """
+exec(open({example!r}).read())
+proc_name = open({proc_name!r}).read().strip()
+"""
+
+
+@pytest.mark.parametrize("reload_first", [False, True], ids=["usr2", "hup-then-usr2"])
+def test_usr2_after_the_config_changed_the_derived_name_joins_the_live_registry(
+        shm_name, shm_names, tmp_path, reload_first):
+    """An upgrade deployed the usual way (edit gunicorn.conf.py, then USR2, perhaps after a HUP
+    that re-read it): the new master reads the edited config, so a derived registry name (it
+    covers ``proc_name``) comes out different. It created a second registry instead of joining
+    the live one: the server split in two while both generations ran (a session minted before
+    answered "Session not found"), and the old master left its registry "to" the new one, which
+    never used it (leaked in /dev/shm). The USR2 master must join its old master's registry."""
+    proc_name = tmp_path / "proc_name"
+    proc_name.write_text("before-edit")
+    conf = tmp_path / "renamed.conf.py"
+    conf.write_text(_RENAMED_CONF.format(example=os.path.abspath(CONF),
+                                         proc_name=str(proc_name)))
+    with Gunicorn(APP, registry_name=shm_name, config=str(conf), workers=2,
+                  env={"SHMCANCEL_REGISTRY": ""}) as g:  # derive the name from the config
+        name = wait_until(lambda: _CREATED.search(g.log()), time.monotonic() + 5,
+                          what="the created line").group(1)
+        shm_names.append(name)
+        s = Session(g.url)
+        proc_name.write_text("after-edit")
+        if reload_first:
+            before = set(g.worker_pids())
+            g.signal(signal.SIGHUP)
+            wait_until(lambda: not set(g.worker_pids()) & before
+                       and len(g.worker_pids()) == 2, time.monotonic() + 15, what="new workers")
+            g.wait_workers(2, time.monotonic() + 15)
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        shm_names.extend(_CREATED.findall(g.log()))  # whatever the USR2 master created
+        assert f"attached to registry {name!r} of master {old}" in g.log(), g.log_tail()
+        os.kill(old, signal.SIGTERM)
+        wait_until(lambda: not alive(old), time.monotonic() + 20, what="the old master to exit")
+        g.pid = new
+        assert s.call("echo", {"text": "kept"})["result"]["content"][0]["text"] == "kept"
+        assert get(base(g) + "/whoami")["registry"] == name
+        with Registry.attach(name, readonly=True) as ro:
+            assert ro.creator[0] == new
+        assert _CREATED.findall(g.log()) == [name], "a second registry was created"
+
+
 # --- the registry unlinked under a live server, its name taken by another -------------------
 
 
