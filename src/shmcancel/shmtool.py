@@ -53,6 +53,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import sys
 import time
 from collections import Counter
@@ -553,12 +554,32 @@ def _creator(name: str) -> tuple[bool, tuple[int, int] | None]:
     registry's segment appears complete, written aside then linked into place); ``(False,
     None)`` when there is no segment or it is not a regular file; else the creator as
     ``creator_of`` reads it, alive or not. Another user's segment counts too: root must not
-    remove a live server's registry by accident either."""
+    remove a live server's registry by accident either. A regular file of ours that cannot be
+    read: :class:`ShmCancelError` (:func:`_refuse_unreadable`)."""
     try:
         owner = creator_of(name, any_owner=True)
-    except (FileNotFoundError, ShmCancelError):
+    except FileNotFoundError:
+        return False, None
+    except ShmCancelError:
+        _refuse_unreadable(name)
         return False, None
     return owner is None, owner
+
+
+def _refuse_unreadable(name: str) -> None:
+    """``ShmCancelError`` when ``name``'s segment is a regular file of ours that could not be
+    opened (its mode denies us, a careless ``chmod``): its creator is unknown, not gone, and the
+    registry may be a live server's."""
+    path = segment_path(name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        raise ShmCancelError(
+            f"registry {name}: {path} cannot be read (mode {stat.S_IMODE(st.st_mode):o}), so "
+            f"whether its creator is alive is unknown: kept (chmod 600 it to inspect it, or "
+            f"shmtool unlink {name} --force removes it)")
 
 
 def _live_creator(name: str) -> int | None:

@@ -305,6 +305,46 @@ def test_unlink_refuses_another_users_live_registry(shm_name):
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
 
 
+@pytest.mark.parametrize("command", ["unlink", "cleanup --stale"])
+@pytest.mark.parametrize("mode", [0o000, 0o200])
+def test_a_live_registry_whose_segment_its_user_cannot_read_is_not_removed(shm_name, command,
+                                                                            mode):
+    """§7: ``unlink`` refuses while the registry's creator is alive. A user's (not root's) live
+    registry whose segment has lost its owner's read permission (a careless ``chmod``): its
+    header, where the creator is recorded, could not be read, and that was taken for "no live
+    creator": ``unlink`` without ``--force`` and ``cleanup --stale`` removed the live server's
+    registry. A creator that cannot be read is not a dead one."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            Registry.create(shm_name, SMALL)
+            os.write(w, b"x")
+            time.sleep(DEADLINE)
+        finally:
+            os._exit(0)
+    try:
+        os.close(w)
+        assert os.read(r, 1) == b"x"
+        os.chmod(paths(shm_name)["segment"], mode)
+        rc, out, err = as_nobody(lambda: shmtool.main([*command.split(), shm_name]))
+        assert rc == 1, (out, err)
+        one_line((rc, out, err), paths(shm_name)["segment"])
+        assert all(os.path.exists(paths(shm_name)[w]) for w in ("segment", "semaphore", "lock")), \
+            f"{command} removed a live registry: {out}"
+        if command == "unlink":
+            rc, out, err = as_nobody(lambda: shmtool.main(["unlink", shm_name, "--force"]))
+            assert rc == 0, (out, err)
+            assert not os.path.exists(paths(shm_name)["segment"])
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 # --- what `list` says about a registry's other entries, and whether the commands agree --------
 
 
