@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,14 @@ class GunicornServer:
     """The app ``app`` (``"module:attr"``, found on ``pythonpath`` then the example's directory)
     under gunicorn with the example's config, ``workers`` workers of ``kind`` (``gthread``:
     ``threads`` each), on a free loopback port, with ``env`` added to the environment and a
-    registry of its own (``SHMCANCEL_REGISTRY``). Output goes to ``<pythonpath>/<label>.log``.
+    registry of its own (``SHMCANCEL_REGISTRY``), ``extra_args`` added to gunicorn's command line.
+    Output goes to ``<pythonpath>/<label>.log``.
     ``src``: serve that ``src`` directory instead of the installed package. Stopped (SIGTERM, then
     SIGKILL after ``30`` s) by :meth:`close`."""
 
     def __init__(self, pythonpath: str, kind: str, app: str, env: dict[str, str], label: str,
                  src: str | None = None, workers: int = 4, threads: int = 4,
-                 registry_prefix: str = "bench") -> None:
+                 registry_prefix: str = "bench", extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.kind = kind
         self.registry = f"{registry_prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -56,7 +58,7 @@ class GunicornServer:
                 [str(gunicorn), "-c", str(ROOT / "examples/gunicorn/gunicorn.conf.py"),
                  "-b", f"127.0.0.1:{self.port}", "-w", str(workers), "-k", kind, "--threads",
                  str(threads) if kind == "gthread" else "1",
-                 "--pythonpath", f"{pythonpath},{ROOT / 'examples/gunicorn'}", app],
+                 "--pythonpath", f"{pythonpath},{ROOT / 'examples/gunicorn'}", *extra_args, app],
                 env=full_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         try:

@@ -6,8 +6,9 @@
                                 [--check]
 
 The example app (``examples/gunicorn``, as shipped) under gunicorn ``gthread`` (``--workers`` x
-``--threads``) on loopback, its own registry (unlinked by gunicorn's ``on_exit`` when the bench
-stops it, by pid). Per round ``--calls`` clients each POST ``tools/call sleep`` (30 s) on a
+``--threads``, ``--reuse-port``: a listening socket per worker, so that the kernel spreads the
+calls over the workers) on loopback, its own registry (unlinked by gunicorn's ``on_exit`` when the
+bench stops it, by pid). Per round ``--calls`` clients each POST ``tools/call sleep`` (30 s) on a
 connection of their own; once every call is in flight (read from the registry, lock-free) all are
 cancelled as fast as one thread can:
 
@@ -65,7 +66,11 @@ from shmcancel.shm.registry import Registry
 SLEEP = 30.0  # seconds each call would sleep uncancelled
 IN_FLIGHT_WAIT = 10.0  # seconds a round waits for its calls to be in flight
 ANSWER_WAIT = 10.0  # seconds a round waits for its cancellations to land
-TRIES = 30  # tries at a round before it is given up (gthread spreads connections unevenly)
+TRIES = 30  # tries at a round before it is given up (a worker may get more calls than threads)
+# Each worker listens on a socket of its own and the kernel spreads connections over them at
+# random: on one shared socket gthread workers race to accept, and the same one can win nearly
+# every time (on 2026-12-05 one worker took all 50 calls of every try: nothing was measured).
+SPREAD = ("--reuse-port",)
 _now = time.perf_counter
 _BARE_APP = """import json
 import socket
@@ -464,10 +469,10 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
         servers: list[GunicornServer] = []
         try:  # the first one stopped too when the second does not start
             servers.append(Server(tmp, "gthread", True, a.src, threads=a.threads,
-                                  workers=a.workers))
+                                  workers=a.workers, extra_args=SPREAD))
             servers.append(GunicornServer(tmp, "gthread", "bench_burst_bare:app", {}, "bare",
                                           a.src, workers=a.workers, threads=a.threads,
-                                          registry_prefix="bench-burst-bare"))
+                                          registry_prefix="bench-burst-bare", extra_args=SPREAD))
             server, bare = servers
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
                 b = Bench(server, wire, a.threads)

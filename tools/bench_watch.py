@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -177,7 +177,8 @@ class Server(GunicornServer):
     """The example under gunicorn, watching or not (``bench_watch_app`` in ``tmp``)."""
 
     def __init__(self, tmp: str, kind: str, watch: bool, src: str | None, *,
-                 threads: int = 4, workers: int = 4, untracked: bool = False) -> None:
+                 threads: int = 4, workers: int = 4, untracked: bool = False,
+                 extra_args: Sequence[str] = ()) -> None:
         """``threads``: per ``gthread`` worker; ``untracked`` (with ``watch`` false): no
         in-flight or session-call rows either (shmcancel's per-call machinery off, from the
         wrapper app, not a production switch). ``tmp`` must hold the wrapper app
@@ -185,7 +186,7 @@ class Server(GunicornServer):
         mode = "1" if watch else "off" if untracked else "0"
         super().__init__(tmp, kind, "bench_watch_app:app", {"BENCH_WATCH": mode},
                          f"{kind}-{mode}-{os.getpid()}-{id(self):x}", src, workers=workers,
-                         threads=threads, registry_prefix="bench-watch")
+                         threads=threads, registry_prefix="bench-watch", extra_args=extra_args)
 
 
 def write_wrapper(tmp: str) -> None:
