@@ -273,9 +273,10 @@ def test_gunicorn_over_a_squatted_name_exits_with_one_line(shm_name, squat, kind
     assert len(errors) == 1 and path in errors[0], log
 
 
-def test_unlink_refuses_another_users_live_registry(shm_name):
-    """Root running ``shmtool unlink`` on a live server of another user: refused too (the
-    segment is not ours to use, but its header still names a live creator)."""
+@contextlib.contextmanager
+def live_registry_of_nobody(shm_name: str) -> Iterator[int]:
+    """A child process running as ``nobody`` creates registry ``shm_name`` and lives on (its
+    creator, alive) for the block; yields its pid, then kills and reaps it."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
@@ -291,15 +292,22 @@ def test_unlink_refuses_another_users_live_registry(shm_name):
     try:
         os.close(w)
         assert os.read(r, 1) == b"x"
+        yield pid
+    finally:
+        os.close(r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_unlink_refuses_another_users_live_registry(shm_name):
+    """Root running ``shmtool unlink`` on a live server of another user: refused too (the
+    segment is not ours to use, but its header still names a live creator)."""
+    with live_registry_of_nobody(shm_name) as pid:
         assert os.stat(paths(shm_name)["segment"]).st_uid == NOBODY
         p = shmtool_cli("unlink", shm_name)
         assert p.returncode == 1, p
         assert f"pid {pid}" in one_line(p, shm_name)
         assert os.path.exists(paths(shm_name)["segment"])
-    finally:
-        os.close(r)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
     p = shmtool_cli("unlink", shm_name)  # its creator is gone now
     assert p.returncode == 0, p
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
@@ -314,21 +322,7 @@ def test_a_live_registry_whose_segment_its_user_cannot_read_is_not_removed(shm_n
     header, where the creator is recorded, could not be read, and that was taken for "no live
     creator": ``unlink`` without ``--force`` and ``cleanup --stale`` removed the live server's
     registry. A creator that cannot be read is not a dead one."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            Registry.create(shm_name, SMALL)
-            os.write(w, b"x")
-            time.sleep(DEADLINE)
-        finally:
-            os._exit(0)
-    try:
-        os.close(w)
-        assert os.read(r, 1) == b"x"
+    with live_registry_of_nobody(shm_name):
         os.chmod(paths(shm_name)["segment"], mode)
         rc, out, err = as_nobody(lambda: shmtool.main([*command.split(), shm_name]))
         assert rc == 1, (out, err)
@@ -339,10 +333,6 @@ def test_a_live_registry_whose_segment_its_user_cannot_read_is_not_removed(shm_n
             rc, out, err = as_nobody(lambda: shmtool.main(["unlink", shm_name, "--force"]))
             assert rc == 0, (out, err)
             assert not os.path.exists(paths(shm_name)["segment"])
-    finally:
-        os.close(r)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
 
 
 # --- what `list` says about a registry's other entries, and whether the commands agree --------
