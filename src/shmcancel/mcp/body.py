@@ -14,12 +14,12 @@ import contextlib
 import heapq
 import itertools
 import logging
-import os
 import socket
 import threading
 import time
 from typing import Any
 
+from ..shm import procinfo
 from . import codes
 from .reply import _error_reply, _Reply
 from .wire import RequestHeaders, is_json_content_type
@@ -143,9 +143,9 @@ class _BodyDeadlines:
         if not isinstance(sock, socket.socket):
             return None
         d = _Deadline(sock)
-        if self._pid != os.getpid():
+        if self._pid != procinfo.pid():
             with _START_LOCK:  # the first reads of a gthread worker may come together
-                if self._pid != os.getpid():
+                if self._pid != procinfo.pid():
                     try:
                         self._start()
                     except RuntimeError:  # no thread to be had: the per-recv timeout only
@@ -174,7 +174,7 @@ class _BodyDeadlines:
         self._heap = []
         self._live = 0
         threading.Thread(target=self._run, name="shmcancel-body-deadline", daemon=True).start()
-        self._pid = os.getpid()  # last: a read seeing it finds the new heap and its thread
+        self._pid = procinfo.pid()  # last: a read seeing it finds the new heap and its thread
 
     def _run(self) -> None:
         cond = self._cond
