@@ -14,6 +14,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -200,6 +201,16 @@ class _BodyDeadlines:
 
 _START_LOCK = threading.Lock()
 _BODY_DEADLINES = _BodyDeadlines()
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held the start lock at the fork: the child has no such
+    # thread to release it (the disconnect watcher's state lock is replaced the same way).
+    global _START_LOCK
+    _START_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _body_timed_out(seconds: float | None) -> _Reply:
