@@ -29,8 +29,9 @@ MAX_KEY_BYTES = 320  # the longest key text of a valid id: a long int's (_long_i
 _INT_LO = -(10 ** (MAX_ID_BYTES - 1))  # exclusive bounds of ints of at most 256 characters
 _INT_HI = 10**MAX_ID_BYTES
 _LEAD_HEX = 192  # leading hex digits a long int's key shows
-# a long int's key (_long_int_key; 192: _LEAD_HEX)
-_LONG_INT_KEY = re.compile(r"int:-?0x[0-9a-f]{2,192}\.\.\.\([0-9]+ bits\)#[0-9a-f]{64}")
+# a long int's key, as _long_int_key writes it
+_LONG_INT_KEY = re.compile(
+    rf"int:-?0x[0-9a-f]{{2,{_LEAD_HEX}}}\.\.\.\([0-9]+ bits\)#[0-9a-f]{{64}}")
 
 
 def _long_int_key(n: int) -> str:
