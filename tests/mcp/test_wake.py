@@ -250,14 +250,12 @@ def test_a_fork_child_never_closes_a_bell_number_another_file_took(registry, tmp
 def test_doorbells_nobody_reads_do_not_silence_the_rings(registry) -> None:
     """A doorbell nobody reads (its worker stopped, its watcher starved) keeps what was rung to
     it, up to ``net.unix.max_dgram_qlen`` + 1 datagrams, and each counts against the socket that
-    sent it until it is read: on one socket kept for every ring, enough of them (with the
-    default queue of 10, some 26 doorbells) would fill its send buffer and refuse every later
-    ring of the process, to any doorbell. A socket per ring is never refused for them."""
+    sent it until it is read: enough of them (with the default queue of 10, some 26 doorbells)
+    fill the send buffer of the process's ringing socket. A refused ring gets a fresh socket, so
+    a live doorbell rung after them still hears it."""
     reg = registry()
-    c = Cancellation(reg)
-    h = c.begin(1, "s")
     stuck: list[socket.socket] = []
-    w = None
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         with open("/proc/sys/net/unix/max_dgram_qlen") as f:
             qlen = int(f.read())
@@ -266,20 +264,42 @@ def test_doorbells_nobody_reads_do_not_silence_the_rings(registry) -> None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             stuck.append(s)
             s.bind(wake.doorbell_address(reg.name, pid))
+        live.bind(wake.doorbell_address(reg.name, 10**9 + 100))
         for _ in range(min(qlen + 2, 20)):  # each unread doorbell's queue full
             wake.ring(reg.name, pids)
+        live.settimeout(BOUND)
+        wake.ring(reg.name, {10**9 + 100})
+        assert live.recv(1) == b""  # (raises TimeoutError when the ring was refused)
+    finally:
+        for s in stuck:  # frees what they held
+            s.close()
+        live.close()
+
+
+def test_a_ring_of_this_process_wakes_its_waiter_without_its_doorbell(registry) -> None:
+    """A cancellation recorded in the process running the call wakes its waiter at once, not
+    through the process's own doorbell: even when another local user squats the doorbell's
+    address (abstract sockets have no permissions), so the process has none."""
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    w = None
+    try:
+        squatter.bind(wake.doorbell_address(reg.name, os.getpid()))
         w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
         w.start()
         _waiting(1, time.monotonic() + 5)
+        assert reg.name not in wake._bells  # its address was taken: no bell
         assert c.cancel_if_in_flight(1, "stop", "s")
         rang = time.monotonic()
         wake.ring(reg.name, {os.getpid()})
         assert w.result(timeout=BOUND + 1) is True
         assert w.done_at - rang < BOUND  # type: ignore[operator]
     finally:
-        for s in stuck:  # frees what they held
-            s.close()
+        squatter.close()
         if w is not None and w.is_alive():
-            wake.ring(reg.name, {os.getpid()})
+            h.cancel_local("test over")
+            wake.wake(h)
             w.join(5)
         h.end()

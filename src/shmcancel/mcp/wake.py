@@ -6,10 +6,10 @@ when the call is cancelled, and returns whether it is. Each process whose tools 
 (:func:`doorbell_address`), read by the process's disconnect-watcher thread
 (:mod:`.disconnect`). A process that records a cancellation (``notifications/cancelled``, a
 session ``DELETE``) calls :func:`ring`: one empty datagram to the doorbell of every sibling
-process (the children of its parent: under gunicorn, the workers) and its own. On a ring the
-watcher thread polls every waiting call's handle once (a lock-free shared-memory read each) and
-wakes those cancelled. A disconnect (``cancel_local``) wakes its own call directly
-(:func:`wake`).
+process (the children of its parent: under gunicorn, the workers) and, for its own waits, the
+same look without the hop. On a ring the watcher thread polls every waiting call's handle once
+(a lock-free shared-memory read each) and wakes those cancelled. A disconnect (``cancel_local``)
+wakes its own call directly (:func:`wake`).
 
 A ring is only a hint: lost, refused (no such doorbell) or sent by anyone, it costs at most the
 waiters' polls; a waiter never waits past its ``seconds``, so the contract's poll bound (§6.1,
@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cancel.handle import RequestHandle
+from ..shm import procinfo
 from ..shm.names import close_if_same
 from .conn import HANDLE_KEY, cancelled
 from .disconnect import process_loop
@@ -53,6 +54,8 @@ _tls = threading.local()
 # child closes the number: after a closerange() it may be another file's.
 _Bell = tuple[int, socket.socket, int, int]
 _bells: dict[str, _Bell] = {}  # registry name -> this process's bell
+_sender: _Bell | None = None  # this process's socket that rings (replaced when refused)
+_sender_lock = threading.Lock()
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 
@@ -124,32 +127,59 @@ def waiting() -> int:
 def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
     """Ring the doorbells for ``registry_name`` of ``pids`` (the processes running the call
     just cancelled), or when ``None`` of this process and its siblings. Never raises; costs a
-    ``/proc`` read at most once a second (siblings) and one ``sendto`` per process.
+    ``/proc`` read at most once a second (siblings) and one ``sendto`` per other process; this
+    process's own waits are looked at here, without the hop through its watcher thread.
 
-    The socket is made per ring: a datagram a bell has not read yet counts against the socket
-    that sent it, so one kept socket would fill up on bells nobody reads (a stopped worker's)
-    and then fail every ring of the process."""
+    One socket per process sends, never blocking. A datagram a bell has not read yet counts
+    against the socket that sent it, so bells nobody reads (a stopped worker's) can fill its
+    send buffer: a refused send gets a fresh socket and is tried once more (refused again, that
+    bell's own queue is full: it has rings to read already)."""
     if not _LINUX:
         return
     try:
+        me = procinfo.pid()
         pids = _sibling_pids() if pids is None else sorted(pids)[:_MAX_SIBLINGS]
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.setblocking(False)
-            for pid in pids:
-                addr = _addresses.get((registry_name, pid))
-                if addr is None:
-                    if len(_addresses) >= _MAX_ADDRESSES:
-                        _addresses.clear()
-                    addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
-                with contextlib.suppress(OSError):  # no bell there, or its queue is full
-                    s.sendto(b"", addr)
+        s = None
+        for pid in pids:
+            if pid == me:
+                _wake_cancelled()
+                continue
+            addr = _addresses.get((registry_name, pid))
+            if addr is None:
+                if len(_addresses) >= _MAX_ADDRESSES:
+                    _addresses.clear()
+                addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+            if s is None:
+                s = _sending_socket(None)
+            try:
+                s.sendto(b"", socket.MSG_DONTWAIT, addr)
+            except BlockingIOError:
+                s = _sending_socket(s)
+                with contextlib.suppress(OSError):
+                    s.sendto(b"", socket.MSG_DONTWAIT, addr)
+            except OSError:  # no bell there
+                pass
     except OSError:
         pass
 
 
+def _sending_socket(refused: socket.socket | None) -> socket.socket:
+    """This process's ringing socket; a new one when it is ``refused`` (the one a send was just
+    refused on). A replaced socket is closed by its last user (another thread may be sending on
+    it): only a fork child's inherited one is let go by number (:func:`_after_fork_in_child`)."""
+    global _sender
+    with _sender_lock:
+        got = _sender
+        if got is not None and got[0] == procinfo.pid() and got[1] is not refused:
+            return got[1]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        _sender = _bell(s)
+        return s
+
+
 def _bell(s: socket.socket) -> _Bell:
     st = os.fstat(s.fileno())
-    return (os.getpid(), s, st.st_dev, st.st_ino)
+    return (procinfo.pid(), s, st.st_dev, st.st_ino)
 
 
 def _let_go(b: _Bell) -> None:
@@ -160,7 +190,7 @@ def _let_go(b: _Bell) -> None:
 
 def _sibling_pids() -> list[int]:
     global _siblings
-    me = os.getpid()
+    me = procinfo.pid()
     at, pid, pids = _siblings
     now = time.monotonic()
     if pid == me and now - at < _SIBLINGS_TTL:
@@ -177,11 +207,11 @@ def _sibling_pids() -> list[int]:
 
 def _ensure_bell(registry_name: str) -> None:
     got = _bells.get(registry_name)
-    if got is not None and got[0] == os.getpid():
+    if got is not None and got[0] == procinfo.pid():
         return
     with _lock:
         got = _bells.get(registry_name)
-        if got is not None and got[0] == os.getpid():
+        if got is not None and got[0] == procinfo.pid():
             return
         if got is not None:  # inherited across fork: the parent's
             _let_go(got)
@@ -192,7 +222,7 @@ def _ensure_bell(registry_name: str) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             s.setblocking(False)
-            s.bind(doorbell_address(registry_name, os.getpid()))
+            s.bind(doorbell_address(registry_name, procinfo.pid()))
         except OSError:
             s.close()
             return
@@ -209,6 +239,11 @@ def _rung(s: socket.socket) -> None:
             s.recv(1)
         except OSError:  # BlockingIOError: drained
             break
+    _wake_cancelled()
+
+
+def _wake_cancelled() -> None:
+    """Wake every waiter of this process whose call is cancelled."""
     with _lock:
         waiters = list(_waiters.items())
     woken = [(key, entry) for key, entry in waiters if entry[0].cancelled()]
@@ -226,13 +261,17 @@ def _release(lk: LockType) -> None:
 
 def _after_fork_in_child() -> None:
     # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
-    global _lock, _tls
+    global _lock, _tls, _sender, _sender_lock
     _lock = threading.RLock()
     _tls = threading.local()
+    _sender_lock = threading.Lock()
     _waiters.clear()
     for b in _bells.values():
         _let_go(b)
     _bells.clear()
+    if _sender is not None:
+        _let_go(_sender)
+        _sender = None
 
 
 if hasattr(os, "register_at_fork"):
