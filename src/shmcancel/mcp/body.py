@@ -2,10 +2,11 @@
 and the body itself within ``body_timeout`` seconds in all (contract §5: 413, 415, 406, 411,
 408, 400; never a 5xx).
 
-A read of ``wsgi.input`` waits for every byte it asks for, each ``recv`` under a fresh socket
-timeout, so the per-read timeout alone bounds a stall but not a client trickling a byte at a
-time: a per-process watchdog thread (:class:`_BodyDeadlines`) shuts the socket's read side at the
-deadline, which ends the blocked ``recv`` at once.
+A read of ``wsgi.input`` waits for every byte it asks for, so a socket timeout would bound a
+stall but not a client trickling a byte at a time: a per-process watchdog thread
+(:class:`_BodyDeadlines`) shuts the socket's read side at the deadline, which ends the blocked
+``recv`` at once. Only when that thread cannot be had does each read run under a socket timeout
+of the time left (two more system calls a read).
 """
 
 from __future__ import annotations
@@ -67,15 +68,13 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     chunks: list[bytes] = []
     got = 0
     sock = environ.get("gunicorn.socket") if timeout is not None else None
-    if sock is not None and not (hasattr(sock, "gettimeout") and hasattr(sock, "settimeout")):
+    deadline = time.monotonic() + timeout if timeout is not None else 0.0
+    # Past the deadline the watchdog shuts the socket's read side (the read ends at once; the
+    # reply is still written). Without it, a socket timeout bounds each recv (not a trickle).
+    armed = _BODY_DEADLINES.arm(sock, deadline) if sock is not None else None
+    if armed is not None or not (hasattr(sock, "gettimeout") and hasattr(sock, "settimeout")):
         sock = None
     prior = sock.gettimeout() if sock is not None else None
-    deadline = time.monotonic() + timeout if timeout is not None else 0.0
-    # The per-recv timeout below bounds a stall; one read waits for all the bytes it asks
-    # for, though, each recv with a fresh timeout, so a client trickling a byte at a time
-    # would outlive the deadline: past it, the watchdog shuts the socket's read side (the
-    # read ends at once; the reply is still written).
-    armed = _BODY_DEADLINES.arm(sock, deadline) if sock is not None else None
     try:
         while got < want:
             if sock is not None:
