@@ -8,6 +8,7 @@ import base64
 import pytest
 
 from shmcancel import errors
+from shmcancel.mcp import wire
 from shmcancel.mcp.jsonrpc import Notification, Request, RpcError
 from shmcancel.mcp.wire import (
     CLIENT_CAPABILITIES_META_KEY as CAPS,
@@ -225,6 +226,22 @@ def test_valid_session_id(sid: str | None, ok: bool) -> None:
 ])
 def test_accepts(header: str | None, expected: tuple[bool, bool]) -> None:
     assert accepts(header) == expected
+    assert accepts(header) == expected  # the kept answer, the second time
+
+
+def test_accepts_keeps_a_bounded_number_of_answers_each_its_own_headers() -> None:
+    """The answers kept per ``Accept`` value are each that value's (never a neighbour's), at
+    most ``_KEPT_ACCEPTS`` of them, none for a value longer than ``_KEPT_ACCEPT_LENGTH`` (a client
+    varying its header cannot grow the process)."""
+    headers = [f"application/json;q={i % 2}, text/event-stream;q={i // 2 % 2}, x/{i}"
+               for i in range(3 * wire._KEPT_ACCEPTS)]
+    for _ in range(2):
+        for i, h in enumerate(headers):
+            assert accepts(h) == (i % 2 == 1, i // 2 % 2 == 1), h
+            assert len(wire._accepted) <= wire._KEPT_ACCEPTS
+    long = "application/json, " + "x/y, " * wire._KEPT_ACCEPT_LENGTH
+    assert accepts(long) == (True, False)
+    assert long not in wire._accepted
 
 
 @pytest.mark.parametrize("ct, ok", [

@@ -6,13 +6,12 @@ shaped for its wire.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 from ..cancel.policy import Cancellation
 from ..exceptions import ShmCancelError
-from ..shm import registry
+from ..shm import procinfo, registry
 from . import jsonrpc
 from .jsonrpc import Request
 from .origin import OriginPolicy
@@ -31,7 +30,7 @@ class _ProcessState:
     __slots__ = ("cancellation", "pid", "registry", "sessions")
 
     def __init__(self, reg: Any) -> None:
-        self.pid = os.getpid()
+        self.pid = procinfo.pid()
         self.registry = reg
         self.cancellation = Cancellation(reg)
         self.sessions: SessionStorage = SessionStore(reg)
@@ -73,7 +72,7 @@ class ServerBase:
 
     def _process_state(self) -> _ProcessState:
         st = self._state
-        pid = os.getpid()
+        pid = procinfo.pid()  # kept by an at-fork hook: no system call a request
         if st is not None and st.pid == pid and not getattr(st.registry, "closed", False):
             return st
         with self._state_lock:

@@ -90,6 +90,12 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# json.loads/dumps with options build a decoder/encoder a call; these keep no state between calls
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def decode(body: bytes) -> Any:
     """Parse a POST body as strict JSON (UTF-8, no ``NaN``/``Infinity``).
 
@@ -98,8 +104,7 @@ def decode(body: bytes) -> Any:
     literals past CPython's digit limit.
     """
     try:
-        text = body.decode("utf-8")
-        return json.loads(text, parse_constant=_reject_constant)
+        return _DECODER.decode(body.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are both
         raise RpcError(codes.PARSE_ERROR, f"Parse error: {_short(e)}") from None
 
@@ -187,8 +192,6 @@ def encode(obj: Any) -> bytes:
     holding lone surrogates (JSON input may carry ``"\\ud800"``) are written escaped.
     """
     try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False).encode("utf-8")
+        return _ENCODER.encode(obj).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
+        return _ASCII_ENCODER.encode(obj).encode("ascii")

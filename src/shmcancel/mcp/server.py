@@ -256,8 +256,12 @@ class McpServer(LegacyWire, ModernWire):
         if reply is None:  # streamed: everything was written already
             return []
         headers = [*reply.headers, ("Content-Length", str(len(reply.body)))]
-        if reply.status != 204 and not any(k == "Content-Type" for k, _ in headers):
-            headers.append(("Content-Type", "application/json"))  # an empty 202 names one too
+        if reply.status != 204:
+            for k, _ in reply.headers:
+                if k == "Content-Type":
+                    break
+            else:
+                headers.append(("Content-Type", "application/json"))  # an empty 202 too
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
         return [reply.body] if reply.body else []
 

@@ -33,7 +33,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import codes
 from .jsonrpc import Message, Notification, Request, RpcError
@@ -98,9 +98,9 @@ class Wire(enum.Enum):
     MODERN = "2026-07-28"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHeaders:
-    """The request headers the transport reads, from a WSGI environ (absent → ``None``)."""
+class RequestHeaders(NamedTuple):
+    """The request headers the transport reads, from a WSGI environ (absent → ``None``). A
+    named tuple: made on every request, it costs a tuple, not a frozen dataclass's setattrs."""
 
     protocol_version: str | None
     method: str | None
@@ -441,8 +441,28 @@ def _media_types(header: str) -> list[tuple[str, float]]:
 
 def accepts(accept: str | None) -> tuple[bool, bool]:
     """``(json_ok, sse_ok)`` for an ``Accept`` header: wildcards count, ``q=0`` refuses, the
-    most specific entry wins. No header (or an empty one) accepts anything (RFC 9110)."""
-    if accept is None or not accept.strip():
+    most specific entry wins. No header (or an empty one) accepts anything (RFC 9110). The
+    answers for short headers are kept (clients send a few values, each on every request)."""
+    if accept is None:
+        return True, True
+    keep = type(accept) is str and len(accept) <= _KEPT_ACCEPT_LENGTH  # (a subclass may hash oddly)
+    got = _accepted.get(accept) if keep else None
+    if got is None:
+        got = _accepts(accept)
+        if keep:
+            if len(_accepted) >= _KEPT_ACCEPTS:
+                _accepted.clear()
+            _accepted[accept] = got
+    return got
+
+
+_KEPT_ACCEPTS = 64  # Accept values whose answer is kept (then the cache starts over)
+_KEPT_ACCEPT_LENGTH = 256  # the longest value kept, in characters
+_accepted: dict[str, tuple[bool, bool]] = {}
+
+
+def _accepts(accept: str) -> tuple[bool, bool]:
+    if not accept.strip():
         return True, True
     types = _media_types(accept)
     if not types:
