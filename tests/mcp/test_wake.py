@@ -303,3 +303,37 @@ def test_a_ring_of_this_process_wakes_its_waiter_without_its_doorbell(registry) 
             wake.wake(h)
             w.join(5)
         h.end()
+
+
+def test_a_default_socket_timeout_never_makes_a_ring_wait(shm_name: str) -> None:
+    """An application may set ``socket.setdefaulttimeout`` (for its own clients); the ringing
+    socket must not take it. A socket with a timeout polls before each send and retries a
+    refused one until the timeout, ``MSG_DONTWAIT`` or not: a ring to a doorbell whose queue is
+    full (a stopped worker's) spun for the whole timeout in the thread answering the
+    ``notifications/cancelled``, every time, and a ring refused for a full send buffer waited
+    it out and was dropped (a ``TimeoutError``, not a refusal: no fresh socket)."""
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        qlen = int(f.read())
+    stuck_pid, live_pid = 10**9 + 200, 10**9 + 201  # beyond any pid: doorbells of no process
+
+    def in_child(wr: int) -> None:  # a fresh sender (the at-fork hook let the parent's go)
+        socket.setdefaulttimeout(3 * BOUND)
+        stuck = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        stuck.bind(wake.doorbell_address(shm_name, stuck_pid))
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        live.bind(wake.doorbell_address(shm_name, live_pid))
+        slowest = 0.0
+        for _ in range(qlen + 3):  # the stuck doorbell's queue full, then refused
+            t0 = time.monotonic()
+            wake.ring(shm_name, {stuck_pid})
+            slowest = max(slowest, time.monotonic() - t0)
+            if slowest > BOUND:
+                break
+        wake.ring(shm_name, {live_pid})
+        live.settimeout(BOUND)
+        heard = live.recv(1) == b""  # (raises TimeoutError when the ring was lost)
+        os.write(wr, f"{slowest:.3f} {int(heard)}".encode())
+
+    _, got = first_message(in_child, timeout=10 * BOUND)
+    slowest, heard = got.split()
+    assert float(slowest) < BOUND and heard == b"1", got

@@ -173,6 +173,9 @@ def _sending_socket(refused: socket.socket | None) -> socket.socket:
         if got is not None and got[0] == procinfo.pid() and got[1] is not refused:
             return got[1]
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # not socket.getdefaulttimeout()'s: with a timeout, a send polls first and retries a
+        # refusal until the timeout (MSG_DONTWAIT or not), so a full bell would stall the ring
+        s.setblocking(False)
         _sender = _bell(s)
         return s
 
