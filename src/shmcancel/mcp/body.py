@@ -190,7 +190,7 @@ class _BodyDeadlines:
                     continue
                 wait = heap[0][0] - time.monotonic()
                 if wait > 0:
-                    cond.wait(wait)
+                    cond.wait(min(wait, threading.TIMEOUT_MAX))  # past it: OverflowError
                     continue
                 d = heapq.heappop(heap)[2]
                 d.fired = True
@@ -205,8 +205,10 @@ _BODY_DEADLINES = _BodyDeadlines()
 def _after_fork_in_child() -> None:
     # A thread of the parent may have held the start lock at the fork: the child has no such
     # thread to release it (the disconnect watcher's state lock is replaced the same way).
+    # Its pid is the parent's: a descendant given that pid back would take it for its own.
     global _START_LOCK
     _START_LOCK = threading.Lock()
+    _BODY_DEADLINES._pid = -1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
