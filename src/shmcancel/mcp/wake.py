@@ -55,7 +55,7 @@ _tls = threading.local()
 _Bell = tuple[int, socket.socket, int, int]
 _bells: dict[str, _Bell] = {}  # registry name -> this process's bell
 _sender: _Bell | None = None  # this process's socket that rings (replaced when refused)
-_sender_lock = threading.Lock()
+_sender_lock = threading.RLock()  # reentrant: a signal handler may ring
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 
@@ -267,7 +267,7 @@ def _after_fork_in_child() -> None:
     global _lock, _tls, _sender, _sender_lock
     _lock = threading.RLock()
     _tls = threading.local()
-    _sender_lock = threading.Lock()
+    _sender_lock = threading.RLock()
     _waiters.clear()
     for b in _bells.values():
         _let_go(b)
