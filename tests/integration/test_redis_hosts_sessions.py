@@ -406,3 +406,32 @@ def test_a_cancellation_kept_for_a_stalled_lock_lands_while_redis_is_down(
         wait_until(handle.cancelled, time.monotonic() + 5, what="the cancellation to land")
         assert handle.reason() == "stop" and a.down
         handle.end()
+
+
+def test_concurrent_first_requests_of_a_session_on_another_host_are_all_served(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: sessions are accepted by every worker (and, with Redis, every host), and
+    a client's session is never displaced but by its own minting. The first requests of a
+    session on B race to adopt it there: the second adoption found the id already stored, gave
+    up another session of the same client to make room for it, listed the id twice and raised
+    a "session id collision", which the request answered 404 (its session gone, for the
+    client, when it was not)."""
+    import threading
+
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, _):
+        statuses: list[int] = []
+        for _ in range(15):
+            c = Client(a.url)
+            go = threading.Barrier(4)
+
+            def first(c: Client = c, go: threading.Barrier = go) -> None:
+                go.wait(10)
+                statuses.append(c.post(b.url, PING, retry_for=0).status_code)
+
+            threads = [threading.Thread(target=first) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not any(t.is_alive() for t in threads)
+        assert [s for s in statuses if s != 200] == []

@@ -671,3 +671,26 @@ def test_a_mint_planned_during_another_mints_commit_does_not_unlist_its_session(
     listed = a.client_sessions(client)
     assert sa in listed and sb in listed, (sa, sb, listed)
     assert a.count() == len(listed) <= PER_CLIENT  # every session counted, none beyond the bound
+
+
+def test_adopting_a_session_already_adopted_here_keeps_the_clients_others(
+        reg: Registry, store: SessionStore, clock: Clock) -> None:
+    """contract §6.1: a client's session is given up only for a session of its own that is
+    new. Two requests of a session minted on another host both miss it here and both adopt it
+    (legacy._adopt_session); the second, in another worker, found the id stored already: it
+    gave up the client's least recently seen session, listed the id twice and raised "session
+    id collision" (its request answered 404)."""
+    client = "ip:192.0.2.30"
+    mine = mint(store, clock, client, PER_CLIENT - 1)
+    sid = "A" * 32  # minted elsewhere
+    clock.t += 1
+    store.create(LEGACY, client, session_id=sid)
+
+    def adopt(w: int) -> None:
+        got = SessionStore(reg, clock=Clock(clock.t + 1)).create(LEGACY, client, session_id=sid)
+        os.write(w, got.id.encode())
+
+    _, message = first_message(adopt)
+    assert message == sid.encode()
+    assert store.client_sessions(client) == (*mine, sid)
+    assert all(store.get(s) is not None for s in (*mine, sid))

@@ -198,6 +198,10 @@ class SessionStore:
             last = attempt == _PLAN_TRIES
             plan = None if last else self._plan(digest, now)
             with self._lock, self._lanes.seal():  # a victim is given up only while idle
+                if session_id is not None and (r := _row(self._table.get(sid))) is not None:
+                    # adopted meanwhile by another request of it here: nothing to mint, and
+                    # nothing of the client's to give up for it
+                    return Session(sid, *r)
                 if plan is None:
                     plan = self._plan(digest, now)  # under the lock: exact
                 elif not self._current(plan, digest):
