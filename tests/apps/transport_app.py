@@ -45,6 +45,12 @@ def build(sessions: bool, path: str) -> McpServer:
     def echo(conn, params):
         return str(params.get("text", ""))
 
+    @server.tool("count", input_schema={"type": "object", "properties": {
+        "n": {"type": "integer", "x-mcp-header": "N"}}})
+    def count(conn, params):
+        """Its integer argument is mirrored in ``Mcp-Param-N`` on the 2026-07-28 wire."""
+        return str(params.get("n"))
+
     @server.tool("whoami")
     def whoami(conn, params):
         return str(os.getpid())

@@ -417,6 +417,30 @@ def test_an_error_read_as_a_request_follows_accept(server: Gunicorn, bad_input_c
     assert (msg["id"], msg["error"]["code"]) == (1, code), msg
 
 
+@pytest.mark.parametrize("n, header, status", [
+    (10**400, "1", 400),              # an integer past float range, another value: a mismatch
+    (10**400, "1" + "0" * 400, 200),  # the same value: it matches, the tool runs
+    (42, "42", 200),
+], ids=["huge mismatch", "huge match", "small match"])
+def test_an_integer_param_header_past_float_range_is_no_5xx(server: Gunicorn, n: int,
+                                                           header: str, status: int) -> None:
+    """contract §5/§6.2: an ``Mcp-Param-*`` header is compared with the integer argument it
+    mirrors; an argument too large for a float (JSON carries it; Python reads up to 4300
+    digits) is compared as an integer, never an OverflowError answered 500 with a traceback."""
+    h = {"Accept": ACCEPT, "Content-Type": "application/json", "MCP-Protocol-Version": MODERN,
+         "Mcp-Method": "tools/call", "Mcp-Name": "count", "Mcp-Param-N": header}
+    body = _call({"name": "count", "arguments": {"n": n}, "_meta": META}, id=4)
+    logged = len(server.log())
+    r = httpx.post(server.url, content=body, headers=h, timeout=15)
+    assert r.status_code == status, r.text[:300]
+    msg = r.json()
+    if status == 200:
+        assert msg["result"]["content"][0]["text"] == str(n)
+    else:
+        assert (msg["id"], msg["error"]["code"]) == (4, errors.HEADER_MISMATCH), msg
+    assert "Traceback" not in server.log()[logged:]
+
+
 def test_loopback_origin_is_served(server: Gunicorn, bad_input_client: Client) -> None:
     """contract §6.0: a page on loopback (any port) passes the default Origin check."""
     for origin in (f"http://127.0.0.1:{server.port}", "http://localhost:5173", "https://[::1]"):

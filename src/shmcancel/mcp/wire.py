@@ -344,8 +344,10 @@ def _render(value: Any) -> str | None:
 
 
 def _param_matches(typ: str, value: Any, rendered: str, decoded: str) -> bool:
-    if (typ == "integer" and not isinstance(value, bool) and isinstance(value, int | float)
-            and float(value).is_integer() and _CANONICAL_DECIMAL.fullmatch(decoded)):
+    # an int is whole as it is (float() of one past float range raises OverflowError)
+    if (typ == "integer" and not isinstance(value, bool)
+            and (isinstance(value, int) or (isinstance(value, float) and value.is_integer()))
+            and _CANONICAL_DECIMAL.fullmatch(decoded)):
         whole, _, fraction = decoded.partition(".")
         if fraction.strip("0"):
             return False
