@@ -463,6 +463,23 @@ def test_huge_declared_length_is_refused_before_reading(server: Gunicorn, length
     assert b'"code":-32600' in out
 
 
+def test_a_small_length_with_leading_zeros_is_not_413(server: Gunicorn) -> None:
+    """contract §5: 413 is for an oversized body. ``Content-Length`` is ``1*DIGIT`` (RFC 9110),
+    so ``000…0150`` declares 150 bytes: served, not refused as too large for its digit count."""
+    body = _rpc(id=1, method="tools/list", params={"_meta": META})
+    length = b"0" * 20 + str(len(body)).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Accept: application/json\r\nMCP-Protocol-Version: " + MODERN.encode()
+                  + b"\r\nMcp-Method: tools/list\r\nContent-Length: " + length + b"\r\n\r\n"
+                  + body)
+        out = b""
+        while chunk := s.recv(65536):  # a sync worker closes the connection after its reply
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert b'"tools":' in out
+
+
 def test_chunked_body_over_the_limit_is_413(server: Gunicorn) -> None:
     def chunks() -> Iterator[bytes]:
         for _ in range(20):

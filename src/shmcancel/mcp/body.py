@@ -44,8 +44,10 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
         text = str(raw_len).strip()
         if not (text.isascii() and text.isdigit()):
             return _error_reply(400, None, codes.INVALID_REQUEST, "Invalid Content-Length")
-        # a valid length of any size: more than 18 digits is over any limit (not parsed)
-        length = int(text) if len(text) <= 18 else limit + 1
+        # a valid length of any size: more than 18 digits is over any limit (not parsed);
+        # leading zeros are no digits of the value (1*DIGIT: "000150" is 150)
+        digits = text.lstrip("0")
+        length = int(digits or "0") if len(digits) <= 18 else limit + 1
         if length > limit:
             return _error_reply(413, None, codes.INVALID_REQUEST,
                                 f"Request body too large (limit {limit} bytes)")
