@@ -40,6 +40,29 @@ def test_put_normalises(given, stored_id):
     assert principal.id(env) == stored_id
 
 
+class _IntOverridingInt(int):
+    def __int__(self) -> int:
+        return 99
+
+
+class _IntRaisingInt(int):
+    def __int__(self) -> int:
+        raise TypeError("no __int__ here")
+
+
+@pytest.mark.parametrize(
+    ("given", "stored_id"),
+    [(_IntOverridingInt(5), "5"), (_IntRaisingInt(6), "6"), ({"sub": _IntOverridingInt(7)}, "7")],
+)
+def test_put_normalises_an_int_subclass_by_its_value(given, stored_id):
+    # contract §3: an int is its decimal string, whatever a subclass's __int__ says (as request
+    # ids are keyed, contract §4.1), and put does not raise on it
+    env: dict = {}
+    put(env, given)
+    assert principal.id(env) == stored_id
+    assert scope(env) == "principal:" + stored_id
+
+
 def test_put_keeps_other_claims():
     env: dict = {}
     put(env, {"sub": 5, "role": "admin"})

@@ -95,7 +95,8 @@ def normalize(p: object, _depth: int = 0) -> str | None:
         return None
     if isinstance(p, int):
         try:
-            return int.__repr__(int(p))
+            # the value, whatever a subclass's __int__ says or raises (as ids.key reads ids)
+            return int.__repr__(int.__int__(p))
         except ValueError:  # more digits than sys.get_int_max_str_digits()
             return None
     if isinstance(p, Mapping) and _depth < _MAX_DEPTH:
