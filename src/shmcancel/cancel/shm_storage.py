@@ -189,7 +189,7 @@ class ShmBackend:
             lock.__exit__(None, None, None)
             if got is not None:
                 return got
-            self.evict(batch)
+            self.evict(batch, cap)
         raise AssertionError("unreachable: the last round evicts under the lock")
 
     def _record_held(self, scope: str, rid: str, ck: PreparedKey, fk: PreparedKey | None,
@@ -346,17 +346,30 @@ class ShmBackend:
             if dirty:
                 lock.dirty = True
 
-    def evict(self, batch: int) -> int:
+    def evict(self, batch: int, cap: int | None = None) -> int:
         """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the
         lock, the batch is chosen from a lock-free read of every row and deleted in short
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction
         counter move with each chunk, so they match the rows at a release (after a bulk
         rewrite, in short holds right after it: a count high meanwhile only makes its scope's
-        quota stricter)."""
+        quota stricter). ``cap``: the insert that found the table at ``cap`` rows under the
+        lock evicts for it after releasing it; the batch goes only if the table still holds
+        ``cap`` rows at the first deletion's hold (another insert that found the cap at the
+        same time may have evicted its batch since: a second batch would be one no order of
+        the two inserts removes, contract §4.4)."""
         if self._lock.held_by_me():
             return self._evict_locked(batch)
         total = 0
+        refused: list[bool] = []
+
+        def at_cap() -> bool:
+            if self._c.count() >= cap:  # type: ignore[operator]
+                return True
+            refused.append(True)
+            return False
+
+        start = None if cap is None else at_cap
         for _ in range(3):  # a victim rewritten meanwhile is replaced by the next in order
             raw = {}
             ranked = []
@@ -374,7 +387,12 @@ class ShmBackend:
                 self._evicted(chunk)
                 gone.update(k for k, _ in chunk)
 
-            total += self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted)
+            n = self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted, start=start)
+            if refused:
+                break  # below the cap already: the insert finds room
+            if n:
+                start = None  # the batch has begun: it is removed in full
+            total += n
             batch = sum(1 for k in keys if k not in gone and self._c.member(self._ck(*k)))
             if not batch:
                 break

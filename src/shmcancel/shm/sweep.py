@@ -45,7 +45,8 @@ class Sweeps(Writes):
     def sweep_delete(self, rows: list[tuple[int, int, bytes, bytes]],
                      pred: Callable[[Any, Any], bool] | None = None,
                      on_chunk: Callable[[list[tuple[Any, Any]]], None] | None = None,
-                     hold: float = SWEEP_HOLD) -> int:
+                     hold: float = SWEEP_HOLD,
+                     start: Callable[[], bool] | None = None) -> int:
         """Delete ``rows`` (as :meth:`sweep_rows` gives them) in order, in chunks that each
         hold the lock for about ``hold`` seconds (at least one row per chunk). Under the lock
         each row is re-validated: it is deleted only if its entry still references the same
@@ -54,10 +55,13 @@ class Sweeps(Writes):
         pairs deleted: row by row, inside each chunk's hold after its deletions; after a bulk
         rewrite (one hold for all), in slices once that hold is over, so that what it computes
         from them holds no lock. It takes the lock (reentrant) for what it writes. Returns the
-        rows deleted. When the caller already holds the lock everything runs in its hold."""
+        rows deleted. When the caller already holds the lock everything runs in its hold.
+        ``start()``, when given, is asked under the lock before the first deletion, in the same
+        hold: False, and nothing is deleted (a decision made before the sweep that another
+        writer's deletions made moot meanwhile)."""
         lock = self._lock
         if pred is None and len(rows) >= SWEEP_BULK:
-            bulk = self._bulk_delete(rows)
+            bulk = self._bulk_delete(rows, start=start)
             if bulk is not None:
                 if on_chunk is not None:  # in key order: a slice sees few distinct keys
                     bulk.sort(key=lambda kv: _pack(kv[0]))
@@ -89,6 +93,10 @@ class Sweeps(Writes):
                     k, v = _unpack(kb), _unpack(vb)
                     if pred is not None and not pred(k, v):
                         continue
+                    if start is not None:
+                        if not start():
+                            return 0
+                        start = None
                     lock.dirty = True
                     try:
                         self._delete_slot(s)
@@ -104,8 +112,8 @@ class Sweeps(Writes):
                 n += len(gone)
         return n
 
-    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]],
-                     tries: int = 3) -> list[tuple[Any, Any]] | None:
+    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]], tries: int = 3,
+                     start: Callable[[], bool] | None = None) -> list[tuple[Any, Any]] | None:
         """Delete those of ``rows`` still present unchanged in one short hold: the new index
         (every other entry re-inserted from its home slot, so no probe crosses an empty slot)
         and free stack are computed lock-free from a consistent copy, then stored under the lock
@@ -164,6 +172,8 @@ class Sweeps(Writes):
             with lock:
                 if ver.tolist() != v0 or self._hq[_TOP] != top or self._hq[_LTOP] != ltop:
                     continue
+                if start is not None and not start():
+                    return []
                 hq = self._hq
                 rows_now = hq[_ROWS]
                 lock.dirty = True

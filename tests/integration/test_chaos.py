@@ -1,0 +1,73 @@
+"""Chaos audit: real forked processes stopped at chosen points inside a write (each child blocks
+on its channel inside a function patched in that child only), then the shared tables checked
+against contract §4.3–§4.6. Every child is killed by pid at teardown (the ``spawn`` fixture)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from helpers.procs import Chan
+
+from shmcancel.cancel import shm_storage
+from shmcancel.cancel.eviction import choose
+from shmcancel.cancellation import Cancellation
+from shmcancel.shm.registry import Registry
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def rows_of(reg: Registry) -> list[tuple[str, str, float]]:
+    return [(k[0], k[1], v[1]) for k, v in reg.table("cancellations").scan()]
+
+
+def cancel_paused_before_evicting(chan: Chan, name: str, rid: str, scope: str, at: float) -> None:
+    """Cancel ``rid``; when the insert has found the table at its cap (under the lock) and is
+    about to evict outside it, say "at cap" and wait for "go"."""
+    real = shm_storage.ShmBackend.evict
+    paused: list[bool] = []
+
+    def evict(self: Any, batch: int, *a: Any, **kw: Any) -> int:
+        if not paused:
+            paused.append(True)
+            chan.send("at cap")
+            assert chan.recv() == "go"
+        return real(self, batch, *a, **kw)
+
+    shm_storage.ShmBackend.evict = evict  # type: ignore[method-assign]  # this child only
+    Cancellation(Registry.attach(name), clock=lambda: at).cancel(rid, None, scope)
+    chan.send({"paused": bool(paused)})
+
+
+@pytest.mark.parametrize("cap", [40, 5120])  # batch 2 (row by row), 256 (one bulk rewrite)
+def test_two_inserts_meeting_the_cap_together_evict_one_batch(registry, spawn, cap) -> None:
+    """Contract §4.4: an insert that finds the table at its cap removes one batch. Two inserts
+    that find it at the cap at once are two inserts in some order: the first evicts a batch
+    and inserts, the second then finds room (the batch is more than one row) and inserts. A
+    second process that decided "at the cap" under the lock and evicts outside it after the
+    first one's eviction and insert must not take a second batch of other callers' rows."""
+    reg = registry(max_rows=cap, capacity=cap, max_rows_per_scope=None)
+    batch = cap // 20
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(cap):
+        c.cancel(i, None, f"ip:s{i % 4}")
+    before = rows_of(reg)
+    b = spawn(cancel_paused_before_evicting, reg.name, "b", "ip:b", clock.t + 10)
+    assert b.recv() == "at cap"
+    c.cancel("a", None, "ip:a")  # this process evicts the first batch and inserts
+    b.send("go")
+    assert b.recv() == {"paused": True}
+    assert b.wait() == 0
+    left = {(s, i) for s, i, _ in rows_of(reg)}
+    victims = set(choose(before, batch))
+    assert left == {(s, i) for s, i, _ in before} - victims | {("ip:a", "a"), ("ip:b", "b")}
+    assert reg.evictions == batch
+    assert reg.table("cancellations").count() == cap - batch + 2
