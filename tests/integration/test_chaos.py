@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 from helpers.procs import Chan
 
+from shmcancel import CancellationLimitReached
 from shmcancel.cancel import shm_storage
 from shmcancel.cancel.eviction import choose
 from shmcancel.cancellation import Cancellation
 from shmcancel.shm.registry import Registry
+from shmcancel.shm.sweep import Sweeps
 
 
 class Clock:
@@ -71,3 +73,43 @@ def test_two_inserts_meeting_the_cap_together_evict_one_batch(registry, spawn, c
     assert left == {(s, i) for s, i, _ in before} - victims | {("ip:a", "a"), ("ip:b", "b")}
     assert reg.evictions == batch
     assert reg.table("cancellations").count() == cap - batch + 2
+
+
+def evict_killed_before_counts(chan: Chan, name: str, at: float) -> None:
+    """Cancel a new row at the cap; once the eviction's bulk rewrite of the index is over (its
+    hold released), say "evicted" and wait to be killed there."""
+    real = Sweeps._bulk_delete
+
+    def _bulk_delete(self: Any, *a: Any, **kw: Any) -> Any:
+        got = real(self, *a, **kw)
+        assert got, "no bulk rewrite"
+        chan.send("evicted")
+        chan.recv(timeout=60)  # killed here
+        return got
+
+    Sweeps._bulk_delete = _bulk_delete  # type: ignore[method-assign]  # this child only
+    Cancellation(Registry.attach(name), clock=lambda: at).cancel("new", None, "ip:new")
+
+
+def test_an_evicter_killed_before_the_counts_leaves_the_quota_whole(registry, spawn) -> None:
+    """Contract §4.4: the per-scope check comes first, so a caller under its own quota is
+    always served. An evicter SIGKILLed (gunicorn's timeout) right after the hold of its bulk
+    rewrite (a batch of 256 or more), which removed the largest scope's oldest rows, did not
+    hold the lock when it died, so no lock recovery marks the counts as suspect: the scope, now
+    well under its quota, must still be served (not refused until the next cleanup)."""
+    reg = registry(max_rows=5120, capacity=5120, max_rows_per_scope=1000)  # batch 256
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(1000):
+        c.cancel(i, None, "ip:big")
+    with pytest.raises(CancellationLimitReached):  # this process has its counts checked
+        c.cancel("over", None, "ip:big")
+    for i in range(4120):
+        c.cancel(i, None, f"ip:s{i % 10}")
+    k = spawn(evict_killed_before_counts, reg.name, clock.t + 10)
+    assert k.recv() == "evicted"
+    k.kill()
+    big = sum(1 for s, _, _ in rows_of(reg) if s == "ip:big")
+    assert big == 1000 - 256
+    c.cancel("one more", None, "ip:big")  # 745 of 1000: under the quota
+    assert c._store.scope_rows("ip:big") == big + 1

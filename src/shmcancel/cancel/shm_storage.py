@@ -387,7 +387,20 @@ class ShmBackend:
                 self._evicted(chunk)
                 gone.update(k for k, _ in chunk)
 
-            n = self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted, start=start)
+            def prepare(chunk: list[tuple[Any, Any]], gone: set[Any] = gone
+                        ) -> Callable[[], None]:
+                # a bulk rewrite's rows leave their counts in its own hold: an evicter killed
+                # after it held no lock when it died, so no recovery would mark the counts
+                # suspect (see record) and its scopes stayed refused under their quota
+                per_scope = self._per_scope(chunk)
+
+                def then() -> None:
+                    self._apply_uncount(per_scope, len(chunk), True)
+                    gone.update(k for k, _ in chunk)
+                return then
+
+            n = self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted, start=start,
+                                     prepare=prepare)
             if refused:
                 break  # below the cap already: the insert finds room
             if n:
@@ -406,16 +419,24 @@ class ShmBackend:
         """Take the well-formed rows of ``gone`` (deleted) out of their scopes' counts; the
         per-scope sums are made before the lock is taken (reentrant: a sweep's chunk may hold
         it already)."""
+        self._apply_uncount(self._per_scope(gone), len(gone), evicted)
+
+    @staticmethod
+    def _per_scope(gone: list[tuple[Any, Any]]) -> Counter[str]:
+        """The well-formed rows of ``gone`` per scope."""
         per_scope: Counter[str] = Counter()
         for k, v in gone:
             r = _cancel_row(k, v)
             if r is not None:
                 per_scope[r[0]] += 1
+        return per_scope
+
+    def _apply_uncount(self, per_scope: Counter[str], rows: int, evicted: bool) -> None:
         with self._lock:
             for scope, n in per_scope.items():
                 self._add(scope, -n)
             if evicted:
-                self.reg.add_evictions(len(gone))
+                self.reg.add_evictions(rows)
 
     def _evict_locked(self, batch: int) -> int:
         with self._lock:

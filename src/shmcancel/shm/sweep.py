@@ -46,7 +46,9 @@ class Sweeps(Writes):
                      pred: Callable[[Any, Any], bool] | None = None,
                      on_chunk: Callable[[list[tuple[Any, Any]]], None] | None = None,
                      hold: float = SWEEP_HOLD,
-                     start: Callable[[], bool] | None = None) -> int:
+                     start: Callable[[], bool] | None = None,
+                     prepare: Callable[[list[tuple[Any, Any]]], Callable[[], None]] | None = None,
+                     ) -> int:
         """Delete ``rows`` (as :meth:`sweep_rows` gives them) in order, in chunks that each
         hold the lock for about ``hold`` seconds (at least one row per chunk). Under the lock
         each row is re-validated: it is deleted only if its entry still references the same
@@ -58,12 +60,17 @@ class Sweeps(Writes):
         rows deleted. When the caller already holds the lock everything runs in its hold.
         ``start()``, when given, is asked under the lock before the first deletion, in the same
         hold: False, and nothing is deleted (a decision made before the sweep that another
-        writer's deletions made moot meanwhile)."""
+        writer's deletions made moot meanwhile). ``prepare(deleted)``, when given, replaces
+        ``on_chunk`` after a bulk rewrite: it gets the (key, value) pairs the rewrite will
+        delete before its hold (outside the lock, so nothing slow runs under it) and returns
+        what to run inside that hold right after the stores, so that a writer killed after
+        the rewrite leaves no change half made outside any hold (a lock recovery follows a
+        death inside one)."""
         lock = self._lock
         if pred is None and len(rows) >= SWEEP_BULK:
-            bulk = self._bulk_delete(rows, start=start)
+            bulk = self._bulk_delete(rows, start=start, prepare=prepare)
             if bulk is not None:
-                if on_chunk is not None:  # in key order: a slice sees few distinct keys
+                if on_chunk is not None and prepare is None:  # key order: few keys a slice
                     bulk.sort(key=lambda kv: _pack(kv[0]))
                     for c in range(0, len(bulk), 2 * SWEEP_BULK):
                         on_chunk(bulk[c:c + 2 * SWEEP_BULK])
@@ -113,7 +120,9 @@ class Sweeps(Writes):
         return n
 
     def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]], tries: int = 3,
-                     start: Callable[[], bool] | None = None) -> list[tuple[Any, Any]] | None:
+                     start: Callable[[], bool] | None = None,
+                     prepare: Callable[[list[tuple[Any, Any]]], Callable[[], None]] | None = None,
+                     ) -> list[tuple[Any, Any]] | None:
         """Delete those of ``rows`` still present unchanged in one short hold: the new index
         (every other entry re-inserted from its home slot, so no probe crosses an empty slot)
         and free stack are computed lock-free from a consistent copy, then stored under the lock
@@ -166,6 +175,8 @@ class Sweeps(Writes):
             nidx = array("Q", new)
             nfree = array("I", freed)
             nlfree = array("I", lfreed)
+            deleted = [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
+            then = prepare(deleted) if prepare is not None else None
             odd = array("Q", [v + 1 for v in v0])
             even = array("Q", [v + 2 for v in v0])
             lock = self._lock
@@ -186,7 +197,9 @@ class Sweeps(Writes):
                 hq[_LTOP] = ltop + len(lfreed)
                 hq[_ROWS] = max(0, rows_now - len(freed) - len(lfreed))
                 lock.dirty = False
-            return [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
+                if then is not None:
+                    then()
+            return deleted
         return None
 
     def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
