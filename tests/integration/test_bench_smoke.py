@@ -231,5 +231,6 @@ def test_sweeps_bench_gives_each_target_a_verdict() -> None:
     assert rc == 0, out[-3000:]
     verdicts = re.findall(r"^  target .*<= 1 ms (met|MISSED), .*<= 10 ms (met|MISSED)$", out,
                           re.M)
-    assert len(verdicts) == 3, out
+    assert len(verdicts) == 6, out  # three operations over two shapes of table
+    assert "a scope per row" in out and "60 scopes" in out, out
     assert leftovers(pid) == []
