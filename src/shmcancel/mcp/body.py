@@ -74,16 +74,16 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     # Past the deadline the watchdog shuts the socket's read side (the read ends at once; the
     # reply is still written). Without it, a socket timeout bounds each recv (not a trickle).
     armed = _BODY_DEADLINES.arm(sock, deadline) if sock is not None else None
-    if armed is not None or not (hasattr(sock, "gettimeout") and hasattr(sock, "settimeout")):
-        sock = None
-    prior = sock.gettimeout() if sock is not None else None
+    timed = sock if armed is None and hasattr(sock, "gettimeout") \
+        and hasattr(sock, "settimeout") else None  # the fallback's socket
+    prior = timed.gettimeout() if timed is not None else None
     try:
         while got < want:
-            if sock is not None:
+            if timed is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return _body_timed_out(timeout)
-                sock.settimeout(left)
+                timed.settimeout(left)
             try:
                 chunk = stream.read(min(_READ_CHUNK, want - got))
             except TimeoutError:  # the client stalled mid-body (gunicorn then closes it)
@@ -100,9 +100,9 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     finally:
         if armed is not None:
             _BODY_DEADLINES.disarm(armed)
-        if sock is not None:
+        if timed is not None:
             with contextlib.suppress(OSError):
-                sock.settimeout(prior)
+                timed.settimeout(prior)
     if armed is not None and armed.fired:  # even a body read whole just then: its
         return _body_timed_out(timeout)  # socket reads EOF now (a disconnect)
     if length is not None and got < length:  # EOF before Content-Length: not a request
