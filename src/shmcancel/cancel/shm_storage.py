@@ -352,12 +352,12 @@ class ShmBackend:
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction
         counter move with each chunk, so they match the rows at a release (after a bulk
-        rewrite, in short holds right after it: a count high meanwhile only makes its scope's
-        quota stricter). ``cap``: the insert that found the table at ``cap`` rows under the
-        lock evicts for it after releasing it; the batch goes only if the table still holds
-        ``cap`` rows at the first deletion's hold (another insert that found the cap at the
-        same time may have evicted its batch since: a second batch would be one no order of
-        the two inserts removes, contract §4.4)."""
+        rewrite, in the rewrite's own hold: an evicter killed after it leaves no count high
+        with no lock recovery to say so). ``cap``: the insert that found the table at ``cap``
+        rows under the lock evicts for it after releasing it; the batch goes only if the table
+        still holds ``cap`` rows at the first deletion's hold (another insert that found the
+        cap at the same time may have evicted its batch since: a second batch would be one no
+        order of the two inserts removes, contract §4.4)."""
         if self._lock.held_by_me():
             return self._evict_locked(batch)
         total = 0
