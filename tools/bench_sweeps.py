@@ -153,9 +153,9 @@ def _contended(name: str, seconds: float, work: Callable[[], object] | None) -> 
 
 
 def _measure_shape(reg: Registry, clock: list[float], rows: int, scopes: int, shape: str,
-                   reps: int, got: dict[str, tuple[float, ...]]) -> int:
+                   reps: int, got: dict[str, tuple[float, ...]]) -> tuple[Cancellation, int]:
     """Print and keep in ``got`` the three operations over a table filled as ``shape``; the
-    next unused id."""
+    Cancellation that ran them and the next unused id."""
     c = Cancellation(reg, clock=lambda: clock[0])
     _fill(c, rows, 0, scopes)
     n = rows
@@ -176,7 +176,7 @@ def _measure_shape(reg: Registry, clock: list[float], rows: int, scopes: int, sh
         n += rows
     label = f"cleanup, all expired, {shape}"
     got[label] = _row(label, runs)
-    return n
+    return c, n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         _measure_shape(reg, clock, rows, SHAPES["a scope per row"], "a scope per row",
                        args.reps, got)
     with _registry(rows) as reg:
-        n = _measure_shape(reg, clock, rows, SHAPES["60 scopes"], "60 scopes", args.reps, got)
-        c = Cancellation(reg, clock=lambda: clock[0])
+        c, n = _measure_shape(reg, clock, rows, SHAPES["60 scopes"], "60 scopes", args.reps,
+                              got)
         for label, (_, longest, _, total, _) in got.items():
             print(f"  target {label}: longest hold {longest:.2f} ms <= 1 ms "
                   f"{'met' if longest <= 1.0 else 'MISSED'}, lock time in all {total:.2f} ms "
