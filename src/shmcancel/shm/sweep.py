@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import os
 import time
-from array import array
 from collections.abc import Callable
 from typing import Any
 
 from .base import TableCorrupted
-from .layout import _LENS, _LTOP, _ROWS, _TOP, RECORD_HEADER, _pack, _unpack
-from .writer import Writes
+from .layout import _LENS, RECORD_HEADER, _pack, _unpack
+from .rewrite import Rewrites
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
 SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
 
 
-class Sweeps(Writes):
+class Sweeps(Rewrites):
     """The sweeps of :class:`~shmcancel.shm.table.Table`."""
 
     def sweep_rows(self) -> list[tuple[int, int, bytes, bytes]]:
@@ -123,80 +122,45 @@ class Sweeps(Writes):
                      start: Callable[[], bool] | None = None,
                      prepare: Callable[[list[tuple[Any, Any]]], Callable[[], None]] | None = None,
                      ) -> list[tuple[Any, Any]] | None:
-        """Delete those of ``rows`` still present unchanged in one short hold: the new index
-        (every other entry re-inserted from its home slot, so no probe crosses an empty slot)
-        and free stack are computed lock-free from a consistent copy, then stored under the lock
-        with two slice copies, if no bucket version moved since the copy (no writer touched the
-        index, so no referenced record changed either). Returns the (key, value) pairs deleted,
-        or None when writers kept moving the index (``tries`` times) or the counters are
-        implausible: the caller falls back to deleting row by row."""
-        ver, idx, mask = self._ver, self._idx, self._mask
+        """Delete those of ``rows`` still present unchanged in one short hold, by a rewrite of
+        the index (:mod:`.rewrite`). Returns the (key, value) pairs deleted, or None when
+        writers kept moving the index (``tries`` times) or the counters are implausible: the
+        caller falls back to deleting row by row."""
         want = {(h, r): kb + vb for h, r, kb, vb in rows}
-        buf, offset, cap = self._buf, self._offset, self.capacity
+        buf, offset = self._buf, self._offset
         for attempt in range(tries):
             if attempt:
                 os.sched_yield()
-            v0 = ver.tolist()
-            if any(v & 1 for v in v0):
+            copy = self.copy_index(1)
+            if copy is None:
                 continue
-            words = idx.tolist()
-            top, ltop = self._hq[_TOP], self._hq[_LTOP]
-            freed: list[int] = []  # small records
-            lfreed: list[int] = []  # large records
-            gone = []
-            new = [0] * self._nwords
-            for j in range(0, self._nwords, 2):
-                h = words[j]
-                if not h:
-                    continue
-                r = words[j + 1]
+            gone: list[tuple[bytes, bytes]] = []
+
+            def drop(h: int, r: int, gone: list[tuple[bytes, bytes]] = gone) -> bool:
                 body = want.get((h, r))
                 off = offset(r) if body is not None else -1
-                if body is not None and off >= 0:
-                    kl, vl = _LENS.unpack_from(buf, off + 4)
-                    if kl + vl == len(body) and \
-                            buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
-                        (freed if r <= cap else lfreed).append(r)
-                        gone.append((body[:kl], body[kl:]))
-                        continue
-                k = 2 * (h & mask)
-                for _ in range(self.nslots):
-                    if not new[k]:
-                        break
-                    k = (k + 2) & self._wmask
-                new[k] = h
-                new[k + 1] = r
-            if ver.tolist() != v0:
+                if body is None or off < 0:
+                    return False
+                kl, vl = _LENS.unpack_from(buf, off + 4)
+                if kl + vl == len(body) and \
+                        buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
+                    gone.append((body[:kl], body[kl:]))
+                    return True
+                return False
+
+            plan = copy.without(drop)
+            if plan is None:
+                return [] if not gone else None
+            if not plan.current():  # lock-free: a writer moved the index while we computed
                 continue
-            if not gone:
-                return []
-            if top + len(freed) > cap + 1 or ltop + len(lfreed) > self._nlarge:
-                return None
-            nidx = array("Q", new)
-            nfree = array("I", freed)
-            nlfree = array("I", lfreed)
             deleted = [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
             then = prepare(deleted) if prepare is not None else None
-            odd = array("Q", [v + 1 for v in v0])
-            even = array("Q", [v + 2 for v in v0])
-            lock = self._lock
-            with lock:
-                if ver.tolist() != v0 or self._hq[_TOP] != top or self._hq[_LTOP] != ltop:
+            with self._lock:
+                if not plan.current():
                     continue
                 if start is not None and not start():
                     return []
-                hq = self._hq
-                rows_now = hq[_ROWS]
-                lock.dirty = True
-                ver[:] = odd
-                idx[:] = nidx
-                ver[:] = even
-                self._free[top:top + len(freed)] = nfree
-                hq[_TOP] = top + len(freed)
-                self._free[cap + 1 + ltop:cap + 1 + ltop + len(lfreed)] = nlfree
-                hq[_LTOP] = ltop + len(lfreed)
-                hq[_ROWS] = max(0, rows_now - len(freed) - len(lfreed))
-                lock.dirty = False
+                plan.store()
                 if then is not None:
                     then()
             return deleted

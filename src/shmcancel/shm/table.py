@@ -2,8 +2,9 @@
 
 :class:`Table` composes its parts, one module each: ``layout`` (the byte layout, sizes, packers),
 ``base`` (views, keys, records, the locked probe), ``reader`` (lock-free reads, :class:`Watch`),
-``writer`` (locked writes and their invariants), ``sweep`` (deletes in short holds) and ``fsck``
-(check, repair, stats). The memory-ordering assumption is stated in ``reader``.
+``writer`` (locked writes and their invariants), ``rewrite`` (bulk deletes by an index
+rewrite), ``sweep`` (deletes in short holds) and ``fsck`` (check, repair, stats). The
+memory-ordering assumption is stated in ``reader``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""Bulk deletes by rewriting the index: a consistent copy of the index is taken lock-free
+(:meth:`Rewrites.copy_index`), the new index and free stacks are computed from it without the
+lock (:meth:`IndexCopy.without`), and stored in one short hold (:meth:`Rewrite.store`) only if
+no bucket version and no free-stack top moved since the copy (:meth:`Rewrite.current`): then no
+writer touched the index, so every record the copy references is still that row's, unchanged
+but for its word.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Callable
+
+from .layout import _LTOP, _ROWS, _TOP
+from .writer import Writes
+
+
+class IndexCopy:
+    """A table's index as it was between two equal reads of every bucket version (all even):
+    ``words`` (hash, record pairs), ``v0`` (the versions) and the free-stack tops."""
+
+    __slots__ = ("ltop", "t", "top", "v0", "words")
+
+    def __init__(self, t: Rewrites, v0: list[int], words: list[int], top: int, ltop: int
+                 ) -> None:
+        self.t = t
+        self.v0 = v0
+        self.words = words
+        self.top = top
+        self.ltop = ltop
+
+    def current(self) -> bool:
+        """Under the lock: no bucket version and no free-stack top moved since the copy (so
+        the copy is the index, and every record it references holds the same row). Lock-free,
+        a hint only."""
+        t = self.t
+        hq = t._hq
+        return hq[_TOP] == self.top and hq[_LTOP] == self.ltop and t._ver.tolist() == self.v0
+
+    def without(self, drop: Callable[[int, int], bool]) -> Rewrite | None:
+        """The rewrite that deletes every entry ``(hash, record)`` of the copy for which
+        ``drop`` is true: every other entry re-inserted from its home slot (so no probe crosses
+        an empty slot), the dropped records pushed on their free stacks. None when nothing is
+        dropped, or when the stacks could not take the records (implausible counters: the
+        caller deletes row by row, under the lock, where a repair can run)."""
+        t = self.t
+        words, cap = self.words, t.capacity
+        mask, wmask, nslots = t._mask, t._wmask, t.nslots
+        freed: list[int] = []  # small records
+        lfreed: list[int] = []  # large records
+        new = [0] * t._nwords
+        for j in range(0, t._nwords, 2):
+            h = words[j]
+            if not h:
+                continue
+            r = words[j + 1]
+            if drop(h, r):
+                (freed if r <= cap else lfreed).append(r)
+                continue
+            k = 2 * (h & mask)
+            for _ in range(nslots):
+                if not new[k]:
+                    break
+                k = (k + 2) & wmask
+            new[k] = h
+            new[k + 1] = r
+        if not freed and not lfreed:
+            return None
+        if self.top + len(freed) > cap + 1 or self.ltop + len(lfreed) > t._nlarge:
+            return None
+        return Rewrite(self, array("Q", new), array("I", freed), array("I", lfreed))
+
+
+class Rewrite:
+    """A bulk delete computed from an :class:`IndexCopy`, to be stored under the lock."""
+
+    __slots__ = ("copy", "even", "freed", "lfreed", "nidx", "odd")
+
+    def __init__(self, copy: IndexCopy, nidx: array[int], freed: array[int],
+                 lfreed: array[int]) -> None:
+        self.copy = copy
+        self.nidx = nidx
+        self.freed = freed
+        self.lfreed = lfreed
+        self.odd = array("Q", [v + 1 for v in copy.v0])
+        self.even = array("Q", [v + 2 for v in copy.v0])
+
+    @property
+    def rows(self) -> int:
+        """The rows this rewrite deletes."""
+        return len(self.freed) + len(self.lfreed)
+
+    def current(self) -> bool:
+        """:meth:`IndexCopy.current`: under the lock, :meth:`store` deletes exactly the rows
+        it was computed for."""
+        return self.copy.current()
+
+    def store(self) -> None:
+        """Under the lock, once :meth:`current`: every bucket odd, the new index, every bucket
+        even (a reader sees the old index or the new one), then the free stacks and the row
+        counter; ``dirty`` from the first store to the last."""
+        c = self.copy
+        t = c.t
+        cap = t.capacity
+        hq = t._hq
+        flags = t._flags
+        rows_now = hq[_ROWS]
+        nf, nl = len(self.freed), len(self.lfreed)
+        flags.dirty = True
+        t._ver[:] = self.odd
+        t._idx[:] = self.nidx
+        t._ver[:] = self.even
+        t._free[c.top:c.top + nf] = self.freed
+        hq[_TOP] = c.top + nf
+        t._free[cap + 1 + c.ltop:cap + 1 + c.ltop + nl] = self.lfreed
+        hq[_LTOP] = c.ltop + nl
+        hq[_ROWS] = max(0, rows_now - nf - nl)
+        flags.dirty = False
+
+
+class Rewrites(Writes):
+    """The bulk rewrites of :class:`~shmcancel.shm.table.Table`."""
+
+    def copy_index(self, tries: int = 3) -> IndexCopy | None:
+        """A consistent lock-free copy of the index (see :class:`IndexCopy`), or None when
+        writers kept moving it (``tries`` times)."""
+        ver = self._ver
+        for attempt in range(tries):
+            if attempt:
+                os.sched_yield()
+            v0 = ver.tolist()
+            if any(v & 1 for v in v0):
+                continue
+            top, ltop = self._hq[_TOP], self._hq[_LTOP]
+            words = self._idx.tolist()
+            if ver.tolist() == v0:
+                return IndexCopy(self, v0, words, top, ltop)
+        return None
