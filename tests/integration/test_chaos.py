@@ -113,3 +113,43 @@ def test_an_evicter_killed_before_the_counts_leaves_the_quota_whole(registry, sp
     assert big == 1000 - 256
     c.cancel("one more", None, "ip:big")  # 745 of 1000: under the quota
     assert c._store.scope_rows("ip:big") == big + 1
+
+
+def cleanup_killed_after_the_rewrite(chan: Chan, name: str, at: float) -> None:
+    """Run a cleanup; once its bulk rewrite of the index is over (its hold released), say
+    "expired" and wait to be killed there."""
+    real = Sweeps._bulk_delete
+
+    def _bulk_delete(self: Any, *a: Any, **kw: Any) -> Any:
+        got = real(self, *a, **kw)
+        assert got, "no bulk rewrite"
+        chan.send("expired")
+        chan.recv(timeout=60)  # killed here
+        return got
+
+    Sweeps._bulk_delete = _bulk_delete  # type: ignore[method-assign]  # this child only
+    Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+
+
+def test_a_cleanup_killed_after_its_rewrite_leaves_the_quota_whole(registry, spawn) -> None:
+    """Contract §4.4 and §4.6: a cleanup SIGKILLed right after the hold of its bulk rewrite
+    (256 expired rows or more), which removed every row of a scope at its quota, held no lock
+    when it died: the scope's count must already have fallen with its rows, or the scope stays
+    refused with no row at all until the next cleanup."""
+    reg = registry(max_rows=2000, capacity=2000, max_rows_per_scope=1000)
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(1000):
+        c.cancel(i, None, "ip:big")
+    with pytest.raises(CancellationLimitReached):  # this process has its counts checked
+        c.cancel("over", None, "ip:big")
+    clock.t += reg.config.ttl + 1
+    for i in range(300):
+        c.cancel(i, None, f"ip:s{i}")  # young rows, a scope each: their counts stay
+    k = spawn(cleanup_killed_after_the_rewrite, reg.name, clock.t)
+    assert k.recv() == "expired"
+    k.kill()
+    assert not any(s == "ip:big" for s, _, _ in rows_of(reg))
+    c.cancel("one more", None, "ip:big")
+    assert c._store.scope_rows("ip:big") == 1
+    assert all(c._store.scope_rows(f"ip:s{i}") == 1 for i in range(300))

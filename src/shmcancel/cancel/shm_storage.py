@@ -22,6 +22,7 @@ from ..shm.table import PreparedKey, ShmFull, Table, _unpack
 from . import eviction
 from .storage import Owner, Poll, Storage, bad_clock, clear_ended
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
+from .uncount import Uncount
 
 __all__ = ["Owner", "Poll", "ShmBackend", "Storage"]
 
@@ -352,12 +353,11 @@ class ShmBackend:
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction
         counter move with each chunk, so they match the rows at a release (after a bulk
-        rewrite, in the rewrite's own hold: an evicter killed after it leaves no count high
-        with no lock recovery to say so). ``cap``: the insert that found the table at ``cap``
-        rows under the lock evicts for it after releasing it; the batch goes only if the table
-        still holds ``cap`` rows at the first deletion's hold (another insert that found the
-        cap at the same time may have evicted its batch since: a second batch would be one no
-        order of the two inserts removes, contract §4.4)."""
+        rewrite, in the rewrite's own hold, :meth:`_bulk_uncount`). ``cap``: the insert that
+        found the table at ``cap`` rows under the lock evicts for it after releasing it; the
+        batch goes only if the table still holds ``cap`` rows at the first deletion's hold
+        (another insert that found the cap at the same time may have evicted its batch since:
+        a second batch would be one no order of the two inserts removes, contract §4.4)."""
         if self._lock.held_by_me():
             return self._evict_locked(batch)
         total = 0
@@ -387,17 +387,11 @@ class ShmBackend:
                 self._evicted(chunk)
                 gone.update(k for k, _ in chunk)
 
-            def prepare(chunk: list[tuple[Any, Any]], gone: set[Any] = gone
-                        ) -> Callable[[], None]:
-                # a bulk rewrite's rows leave their counts in its own hold: an evicter killed
-                # after it held no lock when it died, so no recovery would mark the counts
-                # suspect (see record) and its scopes stayed refused under their quota
-                per_scope = self._per_scope(chunk)
-
+            def prepare(chunk: list[tuple[Any, Any]], gone: set[Any] = gone) -> Uncount:
                 def then() -> None:
-                    self._apply_uncount(per_scope, len(chunk), True)
+                    self.reg.add_evictions(len(chunk))
                     gone.update(k for k, _ in chunk)
-                return then
+                return self._bulk_uncount(chunk, then)
 
             n = self._c.sweep_delete([raw[k] for k in keys], on_chunk=evicted, start=start,
                                      prepare=prepare)
@@ -410,6 +404,16 @@ class ShmBackend:
             if not batch:
                 break
         return total
+
+    def _bulk_uncount(self, gone: list[tuple[Any, Any]], then: Callable[[], None] | None = None
+                      ) -> Uncount:
+        """Lock-free, before the hold of a bulk rewrite deleting ``gone``: what takes their
+        scopes' counts down in that hold (:class:`Uncount`; an evicter killed after a hold
+        that left them high held no lock when it died, so no recovery would mark the counts
+        suspect, see record, and its scopes stayed refused under their quota)."""
+        prep = self._n.prepare
+        keys = [(prep(self._digest(s)), n) for s, n in self._per_scope(gone).items()]
+        return Uncount(self._n, keys, then)
 
     def _evicted(self, gone: list[tuple[Any, Any]]) -> None:
         """Count the chunk ``gone`` (rows deleted) as evicted and out of its scopes."""
@@ -478,8 +482,9 @@ class ShmBackend:
     def expire(self, now: float, ttl: float) -> int:
         """Remove the rows older than ``ttl`` (and malformed ones), then repair scope counts
         that drifted (a writer killed between a count and its row). Unless the caller holds
-        the lock: rows chosen lock-free, deleted in short holds re-validated under the lock,
-        and the count repair applied only when no writer ran since it was computed."""
+        the lock: rows chosen lock-free, deleted in short holds re-validated under the lock
+        with their counts (a bulk rewrite's in its own hold, :meth:`_bulk_uncount`), and the
+        count repair applied only when no writer ran since it was computed."""
         if self._lock.held_by_me():
             return self._expire_locked(now, ttl)
         doomed = []
@@ -488,7 +493,8 @@ class ShmBackend:
             if r is None or now - r[3] > ttl:
                 doomed.append(row)
         doomed.sort(key=lambda row: row[2])  # by packed key: a chunk touches few scope counts
-        removed = self._c.sweep_delete(doomed, on_chunk=self._uncount) if doomed else 0
+        removed = self._c.sweep_delete(doomed, on_chunk=self._uncount,
+                                       prepare=self._bulk_uncount) if doomed else 0
         self._repair_counts()
         return removed
 

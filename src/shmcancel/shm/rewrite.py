@@ -3,7 +3,7 @@
 lock (:meth:`IndexCopy.without`), and stored in one short hold (:meth:`Rewrite.store`) only if
 no bucket version and no free-stack top moved since the copy (:meth:`Rewrite.current`): then no
 writer touched the index, so every record the copy references is still that row's, unchanged
-but for its word.
+but for its word. Several tables' rewrites can be stored in one hold.
 """
 
 from __future__ import annotations
@@ -11,9 +11,23 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Callable
+from typing import Protocol
 
-from .layout import _LTOP, _ROWS, _TOP
+from .base import PreparedKey
+from .layout import _LTOP, _ROWS, _TOP, _WORD
 from .writer import Writes
+
+
+class Companion(Protocol):
+    """What else a rewrite's hold stores (see :meth:`Sweeps.sweep_delete`'s ``prepare``)."""
+
+    def current(self) -> bool:
+        """Under the lock, before any store: can :meth:`store` run as computed?"""
+        ...
+
+    def store(self) -> None:
+        """Under the lock, right after the rewrite's stores."""
+        ...
 
 
 class IndexCopy:
@@ -37,6 +51,29 @@ class IndexCopy:
         t = self.t
         hq = t._hq
         return hq[_TOP] == self.top and hq[_LTOP] == self.ltop and t._ver.tolist() == self.v0
+
+    def find(self, pk: PreparedKey) -> tuple[int, int, int] | None:
+        """``(hash, record, word ref)`` of ``pk``'s row in the copy (a set's one row; the first
+        of a bag's), or None: the record is read lock-free, so the answer is the row's only if
+        the rewrite built from this copy is :meth:`Rewrite.current` under the lock (then so is
+        the reference, for :meth:`Writes.store_word`). A record failing validation reads as no
+        row (a writer moved it since the copy, or it is corrupt: either way nothing is stored)."""
+        t = self.t
+        words = self.words
+        wmask = t._wmask
+        h = pk.hash
+        j = pk.j
+        for _ in range(t.nslots):
+            sh = words[j]
+            if not sh:
+                return None
+            if sh == h:
+                r = words[j + 1]
+                rec = t._record(r)
+                if rec is not None and rec[0] == pk.kbytes:
+                    return h, r, (t._offset(r) + _WORD) >> 2
+            j = (j + 2) & wmask
+        return None
 
     def without(self, drop: Callable[[int, int], bool]) -> Rewrite | None:
         """The rewrite that deletes every entry ``(hash, record)`` of the copy for which

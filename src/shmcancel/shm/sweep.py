@@ -1,6 +1,6 @@
 """Sweeps of a table that never hold the lock for long: ``sweep_rows`` (every row, lock-free),
 ``sweep_delete`` (in short holds, re-validating each row; one bulk rewrite of the index for many
-rows), ``delete_where``.
+rows, with what else its caller stores in that hold), ``delete_where``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import TableCorrupted
-from .layout import _LENS, RECORD_HEADER, _pack, _unpack
-from .rewrite import Rewrites
+from .layout import _LENS, RECORD_HEADER, _unpack
+from .rewrite import Companion, Rewrites
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
 SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
@@ -46,33 +46,32 @@ class Sweeps(Rewrites):
                      on_chunk: Callable[[list[tuple[Any, Any]]], None] | None = None,
                      hold: float = SWEEP_HOLD,
                      start: Callable[[], bool] | None = None,
-                     prepare: Callable[[list[tuple[Any, Any]]], Callable[[], None]] | None = None,
+                     prepare: Callable[[list[tuple[Any, Any]]], Companion] | None = None,
                      ) -> int:
         """Delete ``rows`` (as :meth:`sweep_rows` gives them) in order, in chunks that each
         hold the lock for about ``hold`` seconds (at least one row per chunk). Under the lock
         each row is re-validated: it is deleted only if its entry still references the same
         record holding the same bytes and, when given, ``pred(key, value)`` is still true; a
         row gone or changed meanwhile is left alone. ``on_chunk(deleted)`` gets the (key, value)
-        pairs deleted: row by row, inside each chunk's hold after its deletions; after a bulk
-        rewrite (one hold for all), in slices once that hold is over, so that what it computes
-        from them holds no lock. It takes the lock (reentrant) for what it writes. Returns the
-        rows deleted. When the caller already holds the lock everything runs in its hold.
-        ``start()``, when given, is asked under the lock before the first deletion, in the same
-        hold: False, and nothing is deleted (a decision made before the sweep that another
-        writer's deletions made moot meanwhile). ``prepare(deleted)``, when given, replaces
-        ``on_chunk`` after a bulk rewrite: it gets the (key, value) pairs the rewrite will
-        delete before its hold (outside the lock, so nothing slow runs under it) and returns
-        what to run inside that hold right after the stores, so that a writer killed after
-        the rewrite leaves no change half made outside any hold (a lock recovery follows a
-        death inside one)."""
+        pairs deleted, inside each chunk's hold after its deletions; it takes the lock
+        (reentrant) for what it writes. Returns the rows deleted. When the caller already holds
+        the lock everything runs in its hold. ``start()``, when given, is asked under the lock
+        before the first deletion, in the same hold: False, and nothing is deleted (a decision
+        made before the sweep that another writer's deletions made moot meanwhile).
+
+        With no ``pred``, from ``SWEEP_BULK`` rows, one bulk rewrite of the index is tried
+        first (one short hold for all, :mod:`.rewrite`), unless ``on_chunk`` is given without
+        ``prepare``. ``prepare(deleted)`` then stands for ``on_chunk``: it gets the (key, value)
+        pairs the rewrite will delete, before its hold (outside the lock, so nothing slow runs
+        under it), and returns a :class:`~.rewrite.Companion` whose ``current()`` is asked in
+        that hold before any store (False: the rewrite is computed again) and whose ``store()``
+        runs there right after the rewrite's stores. A writer killed after the rewrite thus
+        leaves no change half made outside any hold (a lock recovery follows a death inside
+        one), and no hold is longer than the two rewrites' stores."""
         lock = self._lock
-        if pred is None and len(rows) >= SWEEP_BULK:
+        if pred is None and len(rows) >= SWEEP_BULK and (on_chunk is None or prepare is not None):
             bulk = self._bulk_delete(rows, start=start, prepare=prepare)
             if bulk is not None:
-                if on_chunk is not None and prepare is None:  # key order: few keys a slice
-                    bulk.sort(key=lambda kv: _pack(kv[0]))
-                    for c in range(0, len(bulk), 2 * SWEEP_BULK):
-                        on_chunk(bulk[c:c + 2 * SWEEP_BULK])
                 return len(bulk)
         n = 0
         i = 0
@@ -120,7 +119,7 @@ class Sweeps(Rewrites):
 
     def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]], tries: int = 3,
                      start: Callable[[], bool] | None = None,
-                     prepare: Callable[[list[tuple[Any, Any]]], Callable[[], None]] | None = None,
+                     prepare: Callable[[list[tuple[Any, Any]]], Companion] | None = None,
                      ) -> list[tuple[Any, Any]] | None:
         """Delete those of ``rows`` still present unchanged in one short hold, by a rewrite of
         the index (:mod:`.rewrite`). Returns the (key, value) pairs deleted, or None when
@@ -154,15 +153,15 @@ class Sweeps(Rewrites):
             if not plan.current():  # lock-free: a writer moved the index while we computed
                 continue
             deleted = [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
-            then = prepare(deleted) if prepare is not None else None
+            also = prepare(deleted) if prepare is not None else None
             with self._lock:
-                if not plan.current():
+                if not plan.current() or (also is not None and not also.current()):
                     continue
                 if start is not None and not start():
                     return []
                 plan.store()
-                if then is not None:
-                    then()
+                if also is not None:
+                    also.store()
             return deleted
         return None
 

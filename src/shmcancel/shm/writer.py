@@ -26,6 +26,8 @@ process and table) and the operation retried once; still corrupt, it raises ``Ta
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from operator import itemgetter
 from typing import Any, TypeVar
 
 from ..exceptions import TableFull
@@ -35,6 +37,10 @@ from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _
 
 _T = TypeVar("_T")
 _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
+
+
+def _one_word(view: memoryview, ref: int) -> tuple[int]:
+    return (view[ref],)
 
 
 def _bad_word(word: object) -> ValueError:
@@ -333,6 +339,14 @@ class Writes(Fsck):
     def load_word(self, ref: int) -> int:
         """The word at ``ref`` (from :meth:`word_ref`, under the same lock hold)."""
         return self._u32[ref]
+
+    def load_words(self, refs: list[int]) -> Callable[[], tuple[int, ...]]:
+        """A function returning the words at ``refs`` (each from :meth:`word_ref` or an index
+        copy's ``find``, valid under the same conditions) as one tuple, loaded by one C call:
+        10 000 words in ~0.1 ms, a bulk check under the lock."""
+        if len(refs) == 1:
+            return partial(_one_word, self._u32, refs[0])
+        return partial(itemgetter(*refs), self._u32)
 
     def store_word(self, ref: int, word: int) -> None:
         """:meth:`set_word` at ``ref`` (from :meth:`word_ref`, under the same lock hold): one
