@@ -225,12 +225,14 @@ def test_cancel_and_table_benches_have_their_writers_write() -> None:
     assert re.search(r"^overall: ", out, re.M) and leftovers(pid) == []
 
 
-def test_sweeps_bench_gives_each_target_a_verdict() -> None:
+@pytest.mark.parametrize("chunks", [False, True])
+def test_sweeps_bench_gives_each_target_a_verdict(chunks: bool) -> None:
     rc, out, pid = run_bench("--rows", "400", "--reps", "1", "--seconds", "0.2",
+                             *(["--chunks"] if chunks else []),
                              script=REPO_ROOT / "tools" / "bench_sweeps.py")
     assert rc == 0, out[-3000:]
-    verdicts = re.findall(r"^  target .*<= 1 ms (met|MISSED), .*<= 10 ms (met|MISSED)$", out,
-                          re.M)
+    total = r"\(in chunks: no target\)" if chunks else r"<= 10 ms (?:met|MISSED)"
+    verdicts = re.findall(rf"^  target .*<= 1 ms (met|MISSED), .* ms {total}$", out, re.M)
     assert len(verdicts) == 6, out  # three operations over two shapes of table
     assert "a scope per row" in out and "60 scopes" in out, out
     assert leftovers(pid) == []

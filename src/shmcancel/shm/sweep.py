@@ -78,9 +78,13 @@ class Sweeps(Rewrites):
         total = len(rows)
         clock = time.perf_counter
         buf, offset = self._buf, self._offset
+        # the deletions' share of a hold: on_chunk's writes come after them in it, so the share
+        # starts at half and follows what the last chunk's on_chunk took
+        share = hold if on_chunk is None else hold / 2
         while i < total:
             with lock:
-                t_end = clock() + hold
+                t0 = clock()
+                t_end = t0 + share
                 gone: list[tuple[Any, Any]] = []
                 while i < total:
                     h, r, kb, vb = rows[i]
@@ -113,7 +117,9 @@ class Sweeps(Rewrites):
                     if clock() >= t_end:
                         break
                 if gone and on_chunk is not None:
+                    t1 = clock()
                     on_chunk(gone)
+                    share = max(hold / 10, hold * (t1 - t0) / max(clock() - t0, 1e-9))
                 n += len(gone)
         return n
 
