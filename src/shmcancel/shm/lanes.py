@@ -191,10 +191,15 @@ class Lanes:
     def owners(self, pk: PreparedKey) -> list[tuple[int, int, int, int]]:
         """``(pid, start, thread, token)`` of ``pk``'s rows (the lane's owner first)."""
         out = []
+        q = self._q
+        h = pk.hash
         for w in self._hits(pk):
             lane = (w // WAYS) % LANES
-            owner = procinfo.unpack_owner(self._q[_OQ + lane])
-            if owner is not None:
+            owner = procinfo.unpack_owner(q[_OQ + lane])
+            # The row found may be a dead owner's whose lane was claimed since: the claim
+            # clears the lane before it writes the owner word, so a hash still there after
+            # the owner word was read is that owner's row (or its own again, same key).
+            if owner is not None and q[_HQ + w] == h:
                 tid, token, _ = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
                 out.append((*owner, tid, token))
         return out
@@ -210,12 +215,17 @@ class Lanes:
         q = self._q
         out = []
         for lane, owner in self.lane_owners():
+            got = []
             for b in range(BUCKETS):
                 w0 = (b * LANES + lane) * WAYS
                 for w in range(w0, w0 + WAYS):
                     if q[_HQ + w]:
                         tid, token, kb = self._body(w)
-                        out.append((kb, (*owner, tid, token)))
+                        got.append((kb, (*owner, tid, token)))
+            # A lane released or reaped and claimed again while it was read holds another
+            # process's rows: left out (they were not there when its owner was read).
+            if procinfo.unpack_owner(q[_OQ + lane]) == owner:
+                out += got
         return out
 
     def lane_owners(self) -> list[tuple[int, tuple[int, int]]]:
