@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 
 DEFAULT_SESSIONS_PER_CLIENT = 32
+_MAX_CAPACITY = 10_000_000  # rows of one table
 MAX_SESSIONS_PER_CLIENT = 1024  # the per-client row lists them all: its record grows with this
 
 
@@ -54,6 +55,12 @@ class Config:
     preallocate: bool = False
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a number subclass is judged and kept by its own value
+            v = getattr(self, f.name)
+            if type(v) not in (int, float, bool) and isinstance(v, int | float):
+                # its comparisons, __index__, __int__ or __float__ could say anything
+                object.__setattr__(self, f.name, int.__index__(v) if isinstance(v, int)
+                                   else float.__float__(v))
         if type(self.preallocate) is not bool:
             raise ValueError(f"Config.preallocate must be True or False, got "
                              f"{self.preallocate!r}")
@@ -61,12 +68,15 @@ class Config:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"Config.{name} must be a positive int or None, got {v!r}")
+        if self.max_rows is not None and self.max_rows > _MAX_CAPACITY:
+            raise ValueError(f"Config.max_rows must be at most {_MAX_CAPACITY} (the largest "
+                             f"capacity), got {self.max_rows!r}")
         if self.capacity is None:
             object.__setattr__(self, "capacity", max(10_000, self.max_rows or 0))
         for name in ("capacity", "in_flight_capacity", "session_capacity"):
             v = getattr(self, name)
-            if not _is_int(v) or not 1 <= v <= 10_000_000:
-                raise ValueError(f"Config.{name} must be an int in 1..10000000, got {v!r}")
+            if not _is_int(v) or not 1 <= v <= _MAX_CAPACITY:
+                raise ValueError(f"Config.{name} must be an int in 1..{_MAX_CAPACITY}, got {v!r}")
         if self.max_rows is not None and self.max_rows > self.capacity:  # type: ignore[operator]
             raise ValueError(
                 f"Config.max_rows ({self.max_rows}) exceeds capacity ({self.capacity})"

@@ -108,3 +108,73 @@ def test_a_time_past_the_bound_is_refused_naming_the_bound(name: str) -> None:
     with pytest.raises(ValueError, match=rf"Config\.{name} .*above 0 .*below 1e9"):
         Config(**{name: 1e9})
     assert getattr(Config(**{name: 1e9 - 1}), name) == 1e9 - 1
+
+
+class _Always(int):
+    """An int whose comparisons and conversions lie: every bound check passes."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __index__(self) -> int:
+        return 5
+
+    def __int__(self) -> int:
+        return 5
+
+    def __float__(self) -> float:
+        return 5.0
+
+    __hash__ = int.__hash__
+
+
+class _NanFloat(float):
+    def __float__(self) -> float:
+        return float("nan")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_rows": _Always(-5)},
+    {"max_rows": None, "capacity": _Always(0)},
+    {"in_flight_capacity": _Always(0)},
+    {"session_capacity": _Always(10**12)},
+    {"max_rows_per_scope": _Always(0)},
+    {"sessions_per_client": _Always(-1)},
+    {"ttl": _Always(-1)},
+    {"lock_timeout": _Always(0)},
+])
+def test_an_int_subclass_lying_in_its_comparisons_is_judged_by_its_value(kwargs: dict) -> None:
+    """Checked by what it holds at construction (not later, as Registry.create's "needs 7 TB
+    of /dev/shm" or "table scope_counts: capacity must be a positive int, got -4")."""
+    field = next(iter(kw for kw in kwargs if kwargs[kw] is not None))
+    with pytest.raises(ValueError, match=f"Config.{field}"):
+        Config(**kwargs)
+
+
+def test_number_subclasses_are_stored_as_their_plain_values() -> None:
+    c = Config(max_rows=_Always(50), capacity=_Always(60), in_flight_capacity=_Always(7),
+               session_capacity=_Always(9), max_rows_per_scope=_Always(3),
+               sessions_per_client=_Always(2), ttl=_NanFloat(5.0), janitor_interval=_Always(2))
+    assert (c.max_rows, c.capacity, c.in_flight_capacity, c.session_capacity,
+            c.max_rows_per_scope, c.sessions_per_client) == (50, 60, 7, 9, 3, 2)
+    assert all(type(getattr(c, f.name)) is int for f in dataclasses.fields(Config)
+               if f.name in ("max_rows", "capacity", "in_flight_capacity", "session_capacity",
+                             "max_rows_per_scope", "sessions_per_client"))
+    assert c.ttl == 5.0 and type(c.ttl) is float  # its value, not what __float__ says (NaN)
+    assert c.janitor_interval == 2.0
+    assert Config.unpack(c.pack()) == c
+
+
+def test_a_max_rows_past_the_largest_capacity_is_refused_naming_max_rows() -> None:
+    with pytest.raises(ValueError, match=r"Config\.max_rows .*10000000"):
+        Config(max_rows=10_000_001)
+    assert Config(max_rows=10_000_000).capacity == 10_000_000
