@@ -12,6 +12,7 @@ from helpers.procs import Chan
 from shmcancel import CancellationLimitReached
 from shmcancel.cancel import shm_storage
 from shmcancel.cancel.eviction import choose
+from shmcancel.cancel.uncount import Uncount
 from shmcancel.cancellation import Cancellation
 from shmcancel.shm.registry import Registry
 from shmcancel.shm.sweep import Sweeps
@@ -153,3 +154,42 @@ def test_a_cleanup_killed_after_its_rewrite_leaves_the_quota_whole(registry, spa
     c.cancel("one more", None, "ip:big")
     assert c._store.scope_rows("ip:big") == 1
     assert all(c._store.scope_rows(f"ip:s{i}") == 1 for i in range(300))
+
+
+def cleanup_killed_between_its_rewrites(chan: Chan, name: str, at: float) -> None:
+    """Run a cleanup; in the hold of its bulk rewrite, after the cancellations' index is stored
+    and before the counts are, say "between" and wait to be killed there."""
+
+    def store(self: Any) -> None:
+        chan.send("between")
+        chan.recv(timeout=60)  # killed here
+
+    Uncount.store = store  # type: ignore[method-assign]  # this child only
+    Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+
+
+def test_a_cleanup_killed_between_its_rewrites_evicts_nothing_below_the_cap(registry,
+                                                                             spawn) -> None:
+    """Contract §4.4: only an insert that finds the table at its cap evicts. A cleanup SIGKILLed
+    inside its hold between the cancellations' rewrite and the counts' (a scope per row, 600 of
+    1000 expired) leaves 600 counts high whose rows are gone; scope_counts holds max_rows + a
+    quarter, so new scopes fill it with the table at 650 rows of 1000. The lock was recovered:
+    the counts are suspect and must be recounted, not a batch of other callers' rows evicted
+    to make room for a count."""
+    reg = registry(max_rows=1000, capacity=1000, max_rows_per_scope=None)
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(600):
+        c.cancel(i, None, f"ip:old{i}")
+    clock.t += reg.config.ttl + 1
+    for i in range(400):
+        c.cancel(i, None, f"ip:young{i}")
+    k = spawn(cleanup_killed_between_its_rewrites, reg.name, clock.t)
+    assert k.recv() == "between"
+    k.kill()
+    assert reg.table("cancellations").count() == 400
+    for i in range(300):
+        c.cancel(i, None, f"ip:new{i}")
+    assert reg.evictions == 0
+    assert reg.table("cancellations").count() == 700
+    assert all(c._store.scope_rows(f"ip:new{i}") == 1 for i in range(300))

@@ -214,10 +214,7 @@ class ShmBackend:
         if not c.member(ck):
             counted = self._count(scope)
             if quota is not None and counted[1] >= quota:
-                recoveries = self._lock.recoveries
-                if recoveries != self._recounted_at:
-                    self._recount()  # in this hold: the count is read again after it
-                    self._recounted_at = recoveries
+                if self._recount_after_recovery():  # in this hold: the count is read again
                     counted = self._count(scope)
                 if counted[1] >= quota:
                     raise CancellationLimitReached(
@@ -237,10 +234,34 @@ class ShmBackend:
             except ShmFull:  # /dev/shm is full: evicting others' rows would not help
                 raise
             except TableFull:  # the physical table filled below the cap
-                self.evict(batch)
-                self._put(ck, scope, reason, at, None)
+                # or scope_counts, with counts a sweeper killed between its rows' rewrite and
+                # its counts' left high (their rows gone): recounted, not evicted for (§4.4)
+                if not (self._recount_after_recovery() and self._put_if_room(ck, scope, reason,
+                                                                             at)):
+                    self.evict(batch)
+                    self._put(ck, scope, reason, at, None)
             return in_table or (fk is not None and self._still_in_lane(scope, rid, fk))
         return None
+
+    def _recount_after_recovery(self) -> bool:
+        """Under the lock: :meth:`_recount` if a writer died holding the lock since this process
+        last recounted (the registry's lock recoveries moved); whether it recounted."""
+        recoveries = self._lock.recoveries
+        if recoveries == self._recounted_at:
+            return False
+        self._recount()
+        self._recounted_at = recoveries
+        return True
+
+    def _put_if_room(self, key: PreparedKey, scope: str, reason: str | None, at: float) -> bool:
+        """Under the lock: :meth:`_put`, False instead of :class:`TableFull`."""
+        try:
+            self._put(key, scope, reason, at, None)
+        except ShmFull:
+            raise
+        except TableFull:
+            return False
+        return True
 
     def _recount(self) -> None:
         """Under the lock (taken here if the caller does not hold it), every scope's count
