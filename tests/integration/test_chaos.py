@@ -4,6 +4,9 @@ against contract §4.3–§4.6. Every child is killed by pid at teardown (the ``
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from typing import Any
 
 import pytest
@@ -193,3 +196,39 @@ def test_a_cleanup_killed_between_its_rewrites_evicts_nothing_below_the_cap(regi
     assert reg.evictions == 0
     assert reg.table("cancellations").count() == 700
     assert all(c._store.scope_rows(f"ip:new{i}") == 1 for i in range(300))
+
+
+def cleanup_quit_between_its_rewrites(chan: Chan, name: str, at: float) -> None:
+    """Run a cleanup whose process gets gunicorn's quit (a handler raising SystemExit) in the
+    hold of its bulk rewrite, once the cancellations' index is stored, right before the
+    counts are."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    real = Uncount.store
+
+    def store(self: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode check
+        real(self)
+
+    Uncount.store = store  # type: ignore[method-assign]  # this child only
+    Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+
+
+def test_a_cleanup_quit_between_its_rewrites_leaves_the_quota_whole(registry, spawn) -> None:
+    """Contract §4.4 (a caller under its quota is always served), design "A writer killed at
+    any bytecode": gunicorn's signal handlers raise SystemExit anywhere. Raised in a cleanup's
+    hold between the rewrite that removed every row of a scope at its quota and the store of
+    its counts, the lock is released normally (no recovery marks the counts suspect), so the
+    scope stayed refused with no row at all. The two stores run with signals held back."""
+    reg = registry(max_rows=2000, capacity=2000, max_rows_per_scope=1000)
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(1000):
+        c.cancel(i, None, "ip:big")
+    with pytest.raises(CancellationLimitReached):  # this process has its counts checked
+        c.cancel("over", None, "ip:big")
+    clock.t += reg.config.ttl + 1
+    k = spawn(cleanup_quit_between_its_rewrites, reg.name, clock.t)
+    k.wait()
+    assert reg.table("cancellations").count() == 0
+    c.cancel("one more", None, "ip:big")
+    assert c._store.scope_rows("ip:big") == 1

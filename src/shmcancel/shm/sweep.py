@@ -12,6 +12,7 @@ from typing import Any
 
 from .base import TableCorrupted
 from .layout import _LENS, RECORD_HEADER, _unpack
+from .lock import _SignalsBlocked
 from .rewrite import Companion, Rewrites
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
@@ -165,9 +166,13 @@ class Sweeps(Rewrites):
                     continue
                 if start is not None and not start():
                     return []
-                plan.store()
-                if also is not None:
-                    also.store()
+                # both stores or neither: a signal handler's exception between them (gunicorn's
+                # quit, SystemExit) would release the lock with the companion's half undone and
+                # no recovery to say so (the counts of rows gone, left high)
+                with _SignalsBlocked():
+                    plan.store()
+                    if also is not None:
+                        also.store()
             return deleted
         return None
 
