@@ -4,6 +4,7 @@ them, re-validated; the eviction batch stays exactly contract §4.4's (``evictio
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,9 @@ from shmcancel.cancel import shm_storage
 from shmcancel.cancel.eviction import choose
 from shmcancel.cancel.uncount import Uncount
 from shmcancel.cancellation import Cancellation
+from shmcancel.shm import sweep
 from shmcancel.shm.registry import Registry
+from shmcancel.shm.rewrite import Rewrite
 
 
 class Clock:
@@ -274,3 +277,55 @@ def test_a_count_moved_after_the_bulk_plan_is_not_dropped(reg: Registry) -> None
         plan.store()
     assert [st.scope_rows(f"ip:s{i}") for i in range(5)] == [0, 0, 1, 0, 0]
     assert counts.count() == 1 and counts.check(deep=True) is None
+
+
+def test_a_bulk_sweep_interrupted_at_any_line_of_its_stores_completes_them(reg: Registry) -> None:
+    """Design "A writer killed at any bytecode": gunicorn's quit raises SystemExit from a signal
+    handler at any line, in whichever thread runs Python's handlers. Raised at each line of a
+    bulk cleanup's stores in turn (the cancellations' rewrite, then the counts'), it goes on
+    to the caller only once both are complete (or before either began): the rows and their
+    counts agree, both tables are sound, and the lock is free."""
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    codes = {Rewrite.store.__code__, Uncount.store.__code__, sweep._store_both.__code__}
+    n = 0
+    while True:
+        n += 1
+        for i in range(300):
+            c.cancel(f"old{n}-{i}", None, f"ip:o{n}-{i}")  # a scope per row
+        clock.t += reg.config.ttl + 1
+        for i in range(5):
+            c.cancel(f"young{n}-{i}", None, f"ip:y{i}")
+        old = {k[1] for k, _ in reg.table("cancellations").scan() if k[1].startswith("old")}
+        lines = [0]
+
+        def local(frame: Any, event: str, arg: Any, lines: list[int] = lines,
+                  at: int = n) -> Any:
+            if event == "line":
+                lines[0] += 1
+                if lines[0] == at:
+                    raise SystemExit("quit")  # the trace is then unset: one signal
+            return local
+
+        sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
+        try:
+            c.cleanup()
+            interrupted = False
+        except SystemExit:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        assert not reg.lock.held_by_me()
+        assert {k[1] for k, _ in reg.table("cancellations").scan()} >= \
+            {f"young{n}-{i}" for i in range(5)}
+        left = {k[1] for k, _ in reg.table("cancellations").scan() if k[1].startswith("old")}
+        assert left == set() or (interrupted and left == old)
+        if left:  # interrupted before the first store: nothing was deleted
+            assert lines[0] <= 3
+        counts_match(reg, c)
+        for name in ("cancellations", "scope_counts"):
+            assert reg.table(name).check(deep=True) is None
+        if not interrupted:
+            break
+        assert n < 500
+    assert n > 20  # every line of the stores was interrupted once

@@ -25,7 +25,7 @@ class Uncount:
     count moved since it was read (a word moves without a version). ``then``, when given, runs
     in the same hold after the counts (``add_evictions``)."""
 
-    __slots__ = ("_copy", "_drop", "_kept", "_load", "_n", "_read", "_then", "_zeroed")
+    __slots__ = ("_copy", "_drop", "_kept", "_load", "_n", "_read", "_set", "_then", "_zeroed")
 
     def __init__(self, counts: Table, keys: list[tuple[PreparedKey, int]],
                  then: Callable[[], None] | None = None) -> None:
@@ -37,6 +37,7 @@ class Uncount:
         self._load: Callable[[], tuple[int, ...]] = tuple
         self._read: tuple[int, ...] = ()
         self._drop: Rewrite | None = None
+        self._set: list[tuple[int, int, PreparedKey]] | None = None  # store's: (ref, count, key)
         if copy is None:
             return
         load = counts.load_word
@@ -64,15 +65,21 @@ class Uncount:
         return self._load() == self._read
 
     def store(self) -> None:
+        """Every store writes a value fixed before the first (the counts read once, exact
+        under the lock), so a store cut short is completed by running it again in the same
+        hold; ``then`` runs once."""
         counts = self._n
+        if self._set is None:
+            load = counts.load_word
+            self._set = [(ref, load(ref) - n, pk) for ref, n, pk in self._kept]
         if self._drop is not None:
             self._drop.store()
-        load, store = counts.load_word, counts.store_word
-        for ref, n, pk in self._kept:
-            w = load(ref) - n  # exact under the lock; records do not move with the rewrite
+        store = counts.store_word
+        for ref, w, pk in self._set:  # records do not move with the rewrite: refs hold
             if w > 0:
                 store(ref, w)
             else:  # rows of the scope cleared since the plan: its count row goes
                 counts.delete(pk)
-        if self._then is not None:
-            self._then()
+        then, self._then = self._then, None
+        if then is not None:
+            then()

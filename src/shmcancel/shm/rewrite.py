@@ -26,7 +26,8 @@ class Companion(Protocol):
         ...
 
     def store(self) -> None:
-        """Under the lock, right after the rewrite's stores."""
+        """Under the lock, right after the rewrite's stores. Run again, in the same hold, when
+        an exception cut it short: it completes what it began (as :meth:`Rewrite.store`)."""
         ...
 
 
@@ -87,6 +88,7 @@ class IndexCopy:
         freed: list[int] = []  # small records
         lfreed: list[int] = []  # large records
         new = [0] * t._nwords
+        kept = 0
         for j in range(0, t._nwords, 2):
             h = words[j]
             if not h:
@@ -95,6 +97,7 @@ class IndexCopy:
             if drop(h, r):
                 (freed if r <= cap else lfreed).append(r)
                 continue
+            kept += 1
             k = 2 * (h & mask)
             for _ in range(nslots):
                 if not new[k]:
@@ -106,17 +109,19 @@ class IndexCopy:
             return None
         if self.top + len(freed) > cap + 1 or self.ltop + len(lfreed) > t._nlarge:
             return None
-        return Rewrite(self, array("Q", new), array("I", freed), array("I", lfreed))
+        return Rewrite(self, array("Q", new), array("I", freed), array("I", lfreed), kept)
 
 
 class Rewrite:
     """A bulk delete computed from an :class:`IndexCopy`, to be stored under the lock."""
 
-    __slots__ = ("copy", "even", "freed", "lfreed", "nidx", "odd")
+    __slots__ = ("copy", "done", "even", "freed", "kept", "lfreed", "nidx", "odd")
 
     def __init__(self, copy: IndexCopy, nidx: array[int], freed: array[int],
-                 lfreed: array[int]) -> None:
+                 lfreed: array[int], kept: int) -> None:
         self.copy = copy
+        self.kept = kept  # the rows the new index holds
+        self.done = False  # stored: never again (versions only grow)
         self.nidx = nidx
         self.freed = freed
         self.lfreed = lfreed
@@ -136,13 +141,17 @@ class Rewrite:
     def store(self) -> None:
         """Under the lock, once :meth:`current`: every bucket odd, the new index, every bucket
         even (a reader sees the old index or the new one), then the free stacks and the row
-        counter; ``dirty`` from the first store to the last."""
+        counter; ``dirty`` from the first store to the last. Every store writes a value fixed
+        by the plan, so a store cut short (a signal handler's exception) is completed by
+        running it again in the same hold; once complete, it is never run again (its versions
+        would go back past a later write's)."""
+        if self.done:
+            return
         c = self.copy
         t = c.t
         cap = t.capacity
         hq = t._hq
         flags = t._flags
-        rows_now = hq[_ROWS]
         nf, nl = len(self.freed), len(self.lfreed)
         flags.dirty = True
         t._ver[:] = self.odd
@@ -152,8 +161,9 @@ class Rewrite:
         hq[_TOP] = c.top + nf
         t._free[cap + 1 + c.ltop:cap + 1 + c.ltop + nl] = self.lfreed
         hq[_LTOP] = c.ltop + nl
-        hq[_ROWS] = max(0, rows_now - nf - nl)
+        hq[_ROWS] = self.kept
         flags.dirty = False
+        self.done = True
 
 
 class Rewrites(Writes):

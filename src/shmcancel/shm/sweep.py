@@ -12,11 +12,32 @@ from typing import Any
 
 from .base import TableCorrupted
 from .layout import _LENS, RECORD_HEADER, _unpack
-from .lock import _SignalsBlocked
-from .rewrite import Companion, Rewrites
+from .rewrite import Companion, Rewrite, Rewrites
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
 SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
+_STORE_TRIES = 3  # a bulk rewrite's stores run again when an exception cuts them short
+
+
+def _store_both(plan: Rewrite, also: Companion | None) -> None:
+    """Under the lock: ``plan``'s stores, then ``also``'s, both complete before any exception
+    goes on. A signal handler's exception (gunicorn's quit: SystemExit) can come at any
+    bytecode, in whichever thread runs Python's handlers, even with this one's signals blocked:
+    between the two, the lock would be released normally with the companion's half undone and
+    no recovery to say so (the counts of rows gone, left high). Both stores write values fixed
+    by their plan, so running them again completes them; the first exception is raised after."""
+    first: BaseException | None = None
+    for _ in range(_STORE_TRIES):
+        try:
+            plan.store()
+            if also is not None:
+                also.store()
+            break
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 class Sweeps(Rewrites):
@@ -166,13 +187,7 @@ class Sweeps(Rewrites):
                     continue
                 if start is not None and not start():
                     return []
-                # both stores or neither: a signal handler's exception between them (gunicorn's
-                # quit, SystemExit) would release the lock with the companion's half undone and
-                # no recovery to say so (the counts of rows gone, left high)
-                with _SignalsBlocked():
-                    plan.store()
-                    if also is not None:
-                        also.store()
+                _store_both(plan, also)
             return deleted
         return None
 
