@@ -32,10 +32,9 @@ class Clock:
         return self.t
 
 
-@pytest.fixture
-def reg(shm_name: str) -> Iterator[Registry]:
-    r = Registry.create(shm_name, Config(capacity=2000, max_rows=2000, max_rows_per_scope=None,
-                                         in_flight_capacity=64, session_capacity=16))
+def _registry(name: str, rows: int) -> Iterator[Registry]:
+    r = Registry.create(name, Config(capacity=rows, max_rows=rows, max_rows_per_scope=None,
+                                     in_flight_capacity=64, session_capacity=16))
     try:
         yield r
     finally:
@@ -43,20 +42,30 @@ def reg(shm_name: str) -> Iterator[Registry]:
         r.unlink()
 
 
-def locked_reads(reg: Registry) -> list[int]:
-    """Count the cancellations records this process decodes while it holds the lock (instance
-    attribute over the bound method; the table still works as before)."""
-    t = reg.table("cancellations")
-    orig = t._record
+@pytest.fixture
+def reg(shm_name: str) -> Iterator[Registry]:
+    yield from _registry(shm_name, 2000)
+
+
+def calls_under_lock(reg: Registry, table: str, method: str) -> list[int]:
+    """Count the calls of ``table``'s ``method`` this process makes while it holds the lock
+    (instance attribute over the bound method; the table still works as before)."""
+    t = reg.table(table)
+    orig = getattr(t, method)
     n = [0]
 
-    def counted(r: int) -> Any:
+    def counted(*a: Any) -> Any:
         if reg.lock.held_by_me():
             n[0] += 1
-        return orig(r)
+        return orig(*a)
 
-    t._record = counted  # type: ignore[method-assign]
+    setattr(t, method, counted)
     return n
+
+
+def locked_reads(reg: Registry) -> list[int]:
+    """Count the cancellations records this process decodes while it holds the lock."""
+    return calls_under_lock(reg, "cancellations", "_record")
 
 
 def fill(c: Cancellation, clock: Clock, n: int, start: int = 0) -> None:
@@ -202,29 +211,13 @@ def test_eviction_under_a_concurrent_writer_stays_exact(reg: Registry) -> None:
 @pytest.fixture
 def wide(shm_name: str) -> Iterator[Registry]:
     """6000 rows (a batch of 300: a bulk rewrite), no quota: a scope per row fits."""
-    r = Registry.create(shm_name, Config(capacity=6000, max_rows=6000, max_rows_per_scope=None,
-                                         in_flight_capacity=64, session_capacity=16))
-    try:
-        yield r
-    finally:
-        r.close()
-        r.unlink()
+    yield from _registry(shm_name, 6000)
 
 
 def count_row_deletes(reg: Registry) -> list[int]:
     """Count the scope_counts entries this process deletes one by one (a probe and a backward
     shift each) while it holds the lock."""
-    t = reg.table("scope_counts")
-    orig = t._delete_slot
-    n = [0]
-
-    def counted(s: int) -> None:
-        if reg.lock.held_by_me():
-            n[0] += 1
-        orig(s)
-
-    t._delete_slot = counted  # type: ignore[method-assign]
-    return n
+    return calls_under_lock(reg, "scope_counts", "_delete_slot")
 
 
 @pytest.mark.parametrize("sweep", ["evict", "cleanup"])

@@ -81,20 +81,21 @@ def test_two_inserts_meeting_the_cap_together_evict_one_batch(registry, spawn, c
     assert reg.table("cancellations").count() == cap - batch + 2
 
 
-def evict_killed_before_counts(chan: Chan, name: str, at: float) -> None:
-    """Cancel a new row at the cap; once the eviction's bulk rewrite of the index is over (its
-    hold released), say "evicted" and wait to be killed there."""
+def killed_after_the_rewrite(chan: Chan, name: str, at: float, op: str) -> None:
+    """Run ``op`` ("evict": cancel a new row at the cap; "cleanup"); once its bulk rewrite of
+    the index is over (its hold released), say "rewritten" and wait to be killed there."""
     real = Sweeps._bulk_delete
 
     def _bulk_delete(self: Any, *a: Any, **kw: Any) -> Any:
         got = real(self, *a, **kw)
         assert got, "no bulk rewrite"
-        chan.send("evicted")
+        chan.send("rewritten")
         chan.recv(timeout=60)  # killed here
         return got
 
     Sweeps._bulk_delete = _bulk_delete  # type: ignore[method-assign]  # this child only
-    Cancellation(Registry.attach(name), clock=lambda: at).cancel("new", None, "ip:new")
+    c = Cancellation(Registry.attach(name), clock=lambda: at)
+    c.cancel("new", None, "ip:new") if op == "evict" else c.cleanup()
 
 
 def test_an_evicter_killed_before_the_counts_leaves_the_quota_whole(registry, spawn) -> None:
@@ -112,8 +113,8 @@ def test_an_evicter_killed_before_the_counts_leaves_the_quota_whole(registry, sp
         c.cancel("over", None, "ip:big")
     for i in range(4120):
         c.cancel(i, None, f"ip:s{i % 10}")
-    k = spawn(evict_killed_before_counts, reg.name, clock.t + 10)
-    assert k.recv() == "evicted"
+    k = spawn(killed_after_the_rewrite, reg.name, clock.t + 10, "evict")
+    assert k.recv() == "rewritten"
     k.kill()
     big = sum(1 for s, _, _ in rows_of(reg) if s == "ip:big")
     assert big == 1000 - 256
@@ -121,20 +122,17 @@ def test_an_evicter_killed_before_the_counts_leaves_the_quota_whole(registry, sp
     assert c._store.scope_rows("ip:big") == big + 1
 
 
-def cleanup_killed_after_the_rewrite(chan: Chan, name: str, at: float) -> None:
-    """Run a cleanup; once its bulk rewrite of the index is over (its hold released), say
-    "expired" and wait to be killed there."""
-    real = Sweeps._bulk_delete
-
-    def _bulk_delete(self: Any, *a: Any, **kw: Any) -> Any:
-        got = real(self, *a, **kw)
-        assert got, "no bulk rewrite"
-        chan.send("expired")
-        chan.recv(timeout=60)  # killed here
-        return got
-
-    Sweeps._bulk_delete = _bulk_delete  # type: ignore[method-assign]  # this child only
-    Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+def expired_scope_at_its_quota(reg: Registry) -> tuple[Cancellation, Clock]:
+    """Fill "ip:big" to its quota of 1000 rows (refused once: this process has its counts
+    checked), then move the clock past their ttl."""
+    clock = Clock()
+    c = Cancellation(reg, clock=clock)
+    for i in range(1000):
+        c.cancel(i, None, "ip:big")
+    with pytest.raises(CancellationLimitReached):
+        c.cancel("over", None, "ip:big")
+    clock.t += reg.config.ttl + 1
+    return c, clock
 
 
 def test_a_cleanup_killed_after_its_rewrite_leaves_the_quota_whole(registry, spawn) -> None:
@@ -143,17 +141,11 @@ def test_a_cleanup_killed_after_its_rewrite_leaves_the_quota_whole(registry, spa
     when it died: the scope's count must already have fallen with its rows, or the scope stays
     refused with no row at all until the next cleanup."""
     reg = registry(max_rows=2000, capacity=2000, max_rows_per_scope=1000)
-    clock = Clock()
-    c = Cancellation(reg, clock=clock)
-    for i in range(1000):
-        c.cancel(i, None, "ip:big")
-    with pytest.raises(CancellationLimitReached):  # this process has its counts checked
-        c.cancel("over", None, "ip:big")
-    clock.t += reg.config.ttl + 1
+    c, clock = expired_scope_at_its_quota(reg)
     for i in range(300):
         c.cancel(i, None, f"ip:s{i}")  # young rows, a scope each: their counts stay
-    k = spawn(cleanup_killed_after_the_rewrite, reg.name, clock.t)
-    assert k.recv() == "expired"
+    k = spawn(killed_after_the_rewrite, reg.name, clock.t, "cleanup")
+    assert k.recv() == "rewritten"
     k.kill()
     assert not any(s == "ip:big" for s, _, _ in rows_of(reg))
     c.cancel("one more", None, "ip:big")
@@ -235,13 +227,7 @@ def test_a_cleanup_quit_between_its_rewrites_leaves_the_quota_whole(registry, sp
     exception goes on (blocking signals in this thread does not stop Python's handler running
     in it when another thread takes the signal)."""
     reg = registry(max_rows=2000, capacity=2000, max_rows_per_scope=1000)
-    clock = Clock()
-    c = Cancellation(reg, clock=clock)
-    for i in range(1000):
-        c.cancel(i, None, "ip:big")
-    with pytest.raises(CancellationLimitReached):  # this process has its counts checked
-        c.cancel("over", None, "ip:big")
-    clock.t += reg.config.ttl + 1
+    c, clock = expired_scope_at_its_quota(reg)
     k = spawn(cleanup_quit_between_its_rewrites, reg.name, clock.t, thread)
     k.wait()
     assert reg.table("cancellations").count() == 0
