@@ -122,7 +122,9 @@ class _ProcState:
         self.reset()
 
     def reset(self) -> None:
-        self.tlock = threading.Lock()  # serialises this process's threads before the semaphore
+        # serialises this process's threads before the semaphore; an RLock only for
+        # _is_owned() (an exception right after its acquire), never taken twice
+        self.tlock: Any = threading.RLock()
         self.holder: int | None = None  # thread ident of the holding thread
         self.depth = 0
         self.dirty = False
@@ -276,11 +278,19 @@ class RegistryLock:
             st.depth += 1
             return self
         tlock = st.tlock
+        fast = self._fast
         t0 = None
-        if not tlock.acquire(False):
-            t0 = time.monotonic()
-            self._wait_local(tlock, t0)
+        taken = -1  # SemLock's count of its own acquires before this one's (-1: not read yet)
+        # Everything from the thread lock's acquire on is inside the try: a signal handler's
+        # exception (raised as a call returns) must not strand the thread lock, nor a unit
+        # taken but not recorded yet (SemLock counts its acquires: that tells), nor a repair
+        # owed by a recovery (``dirty``, set with the takeover).
         try:
+            if not tlock.acquire(False):
+                t0 = time.monotonic()
+                self._wait_local(tlock, t0)
+            if fast is not None:
+                taken = fast._count()
             if not self._trywait(False):  # fast path: sem_trywait, never interrupted
                 self._acquire_slow(tid, time.monotonic() if t0 is None else t0)
             else:
@@ -289,12 +299,16 @@ class RegistryLock:
                 w = self._w
                 w[_GEN] += 1
                 w[_OWNER] = st.me  # ordering: see _stamp
+            return self
         except BaseException:
-            if st.holder == tid:
+            if st.holder == tid or (taken >= 0 and fast._count() != taken):
+                st.holder = tid
+                if st.dirty:
+                    self._repair_again()
                 self._release_unit()
-            tlock.release()
+            if tlock._is_owned():
+                tlock.release()
             raise
-        return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
         st = self._st
@@ -303,17 +317,28 @@ class RegistryLock:
         if st.depth > 1:
             st.depth -= 1
             if et is not None and st.dirty:
-                self._run_repair()
+                self._run_repair()  # cut short: dirty stays set for the outermost exit
             return
-        if st.dirty:
-            self._run_repair()
-        st.depth = 0  # _release_unit, inlined: this is every write's exit
-        self._w[_OWNER] = 0
-        self._sem.release()
-        st.holder = None
-        st.tlock.release()
+        # Released even when an exception (a signal handler's) cuts this short anywhere below:
+        # the repair owed is completed first, the hold forgotten before the unit is posted (a
+        # hold still recorded after the post would make this thread's next ``with`` a hold
+        # without the semaphore, and its release a second post: two holders ever after), and
+        # the thread lock released whatever the post raised.
+        try:
+            if st.dirty:
+                self._run_repair()
+        finally:
+            if st.dirty:
+                self._repair_again()
+            st.depth = 0
+            st.holder = None
+            self._w[_OWNER] = 0
+            try:
+                self._sem.release()
+            finally:
+                st.tlock.release()
 
-    def _wait_local(self, tlock: threading.Lock, t0: float) -> None:
+    def _wait_local(self, tlock: Any, t0: float) -> None:
         """Take the thread lock held by another thread of this process, by ``t0 +
         lock_timeout`` or raise :class:`LockTimeout`.
 
@@ -362,10 +387,10 @@ class RegistryLock:
     def _release_unit(self) -> None:
         st = self._st
         st.depth = 0
-        self._w[_OWNER] = 0
-        self._sem.release()
         st.holder = None
         st.dirty = False
+        self._w[_OWNER] = 0
+        self._sem.release()
 
     def _run_repair(self, after: str = "an interrupted write") -> None:
         if self._repair is not None:
@@ -375,6 +400,17 @@ class RegistryLock:
                 except Exception:
                     log.exception("registry %s: repair after %s failed", self.name, after)
         self._st.dirty = False
+
+    def _repair_again(self) -> None:
+        """The repair owed (``dirty``) after an exception cut it or its write short: run to
+        completion while another exception (a later signal's) cuts it short again; the one
+        already on its way goes on."""
+        for _ in range(3):
+            try:
+                self._run_repair()
+                return
+            except BaseException:  # the first exception is the caller's to raise
+                continue
 
     # --- waiting and recovery ---
     def _spin(self) -> bool:
@@ -426,8 +462,11 @@ class RegistryLock:
             got = False
             with _SignalsBlocked(sigs):  # pending handlers run (and may raise) on unblock
                 try:
-                    sem.acquire(self._step)
-                    got = True
+                    if fast is not None:  # counted: see __enter__
+                        got = fast.acquire(True, self._step)
+                    else:
+                        sem.acquire(self._step)
+                        got = True
                 except posix_ipc.BusyError:
                     pass
                 except posix_ipc.SignalError:  # not ours to swallow anything: just wait again
@@ -498,8 +537,12 @@ class RegistryLock:
         assert self._fd is not None
         return self._fd
 
-    def _take_over(self, owner: int, gen: int) -> bool:
-        """Under the flock: take the held unit over if nothing moved. Signals must be blocked."""
+    def _take_over(self, owner: int, gen: int, tid: int | None = None) -> bool:
+        """Under the flock: take the held unit over if nothing moved, for thread ``tid``, with
+        the repair owed (``dirty``) recorded in the same stores (no call between them: a
+        signal handler's exception cannot come between the owner word and the hold)."""
+        if tid is None:
+            tid = _get_ident()
         fd = self._lockfd()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -513,8 +556,12 @@ class RegistryLock:
                 return False
             if owner == 0 and self._busy_mappers():
                 return False  # a live holder may be between its acquire and its record
+            st = self._st
             w[_GEN] = gen + 1
-            w[_OWNER] = self._st.me
+            w[_OWNER] = st.me
+            st.holder = tid
+            st.depth = 1
+            st.dirty = True
             w[_RECOVERIES] = w[_RECOVERIES] + 1
             return True
         finally:
@@ -522,11 +569,8 @@ class RegistryLock:
 
     def _recover(self, owner: int, gen: int, tid: int, waited: float) -> bool:
         with _SignalsBlocked():
-            if not self._take_over(owner, gen):
+            if not self._take_over(owner, gen, tid):
                 return False
-            self._st.holder = tid
-            self._st.depth = 1
-            self._st.dirty = False
             self._run_repair("lock recovery")
         self._emit_recovered(owner, waited)
         return True
@@ -552,12 +596,16 @@ class RegistryLock:
             return False  # a thread of ours is already waiting: it will recover
         try:
             with _SignalsBlocked():
-                if not self._take_over(owner, gen):
+                if not self._take_over(owner, gen, tid):
                     return False
-                self._st.holder = tid
-                self._st.depth = 1
                 self._run_repair("lock recovery")
                 self._release_unit()
+        except BaseException:
+            if self._st.holder == tid:  # taken over: repaired, then given back
+                if self._st.dirty:
+                    self._repair_again()
+                self._release_unit()
+            raise
         finally:
             self._st.tlock.release()
         self._emit_recovered(owner, 0.0)
