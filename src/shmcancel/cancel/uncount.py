@@ -32,12 +32,12 @@ class Uncount:
         self._n = counts
         self._then = then
         self._copy = copy = counts.copy_index()
-        self._kept: list[tuple[int, int, PreparedKey]] = []  # (word ref, n, key)
+        self._kept: list[tuple[int, int]] = []  # (word ref, n)
         self._zeroed: list[tuple[int, int]] = []  # (word ref, word read): rows to drop
         self._load: Callable[[], tuple[int, ...]] = tuple
         self._read: tuple[int, ...] = ()
         self._drop: Rewrite | None = None
-        self._set: list[tuple[int, int, PreparedKey]] | None = None  # store's: (ref, count, key)
+        self._set: list[tuple[int, int]] | None = None  # what store() writes: (ref, count)
         if copy is None:
             return
         load = counts.load_word
@@ -52,7 +52,7 @@ class Uncount:
                 gone.add((h, r))
                 self._zeroed.append((ref, w))
             else:
-                self._kept.append((ref, n, pk))
+                self._kept.append((ref, n))
         if gone:
             self._drop = copy.without(lambda h, r: (h, r) in gone)
             self._load = counts.load_words([ref for ref, _ in self._zeroed])
@@ -71,15 +71,14 @@ class Uncount:
         counts = self._n
         if self._set is None:
             load = counts.load_word
-            self._set = [(ref, load(ref) - n, pk) for ref, n, pk in self._kept]
+            self._set = [(ref, max(0, load(ref) - n)) for ref, n in self._kept]
         if self._drop is not None:
             self._drop.store()
         store = counts.store_word
-        for ref, w, pk in self._set:  # records do not move with the rewrite: refs hold
-            if w > 0:
-                store(ref, w)
-            else:  # rows of the scope cleared since the plan: its count row goes
-                counts.delete(pk)
+        for ref, w in self._set:  # records do not move with the rewrite: refs hold
+            # at 0 (rows of the scope cleared since the plan) the row stays, for a sweep's
+            # count repair: a delete cut short and run again would meet a half-shifted index
+            store(ref, w)
         then, self._then = self._then, None
         if then is not None:
             then()
