@@ -296,6 +296,13 @@ class Router:
         import httpx
 
         path = os.path.join(server_dir(), f"{token}.sock")
+        if not os.path.exists(path):
+            # No such worker (gone and swept, or a token anyone can forge): answered before a
+            # client is built for it, which would cost milliseconds of this event loop (an SSL
+            # context), where every call's cancellation poll runs too.
+            self._clients.pop(path, None)
+            await _not_found(send)
+            return
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in HOP_BY_HOP]
         client = scope.get("client")
         if client:
