@@ -127,3 +127,25 @@ def test_an_owner_that_dies_during_a_forward(tmp_path: Path, monkeypatch: pytest
         assert b"-32000" in sent[-1]["body"]
 
     asyncio.run(main())
+
+
+def test_a_token_naming_no_worker_is_a_404_without_a_client(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session id shaped like one this server mints but naming no worker (a random token, as
+    anyone can forge, or a worker gone and swept) is a plain 404, answered before a forwarding
+    client is built for it: building one takes ~16 ms of the worker's event loop (an SSL
+    context), which also runs every call's cancellation poll, so a flood of forged ids would
+    hold up cancellations."""
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+
+    def no_client(*a: object, **kw: object) -> None:
+        raise AssertionError("a forwarding client was built for a worker that is not there")
+
+    monkeypatch.setattr(httpx, "AsyncClient", no_client)
+
+    async def main() -> list[dict]:
+        async with asyncio.timeout(15):
+            return await _forward(Router(_Owner()), "1x0123456789ab", "POST", asyncio.Event())
+
+    sent = asyncio.run(main())
+    assert sent[0]["status"] == 404
