@@ -24,7 +24,7 @@ from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
 from shmcancel.shm.names import open_lockfile
-from shmcancel.shm.segment import OFF_RECOVERIES, Segment, TableSpec
+from shmcancel.shm.segment import OFF_RECOVERIES, Segment
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -95,15 +95,6 @@ def holding(lock: RegistryLock) -> Callable[[Child], None]:
             ctl.send(b"h")
             select.select([], [], [], 60)
     return holder
-
-
-@pytest.fixture
-def seg(shm_name: str) -> Iterator[Segment]:
-    s = Segment.create(shm_name, b"", [TableSpec("t", "set", 1, 64, 4096)], timeout=5)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture

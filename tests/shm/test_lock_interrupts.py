@@ -14,13 +14,12 @@ from __future__ import annotations
 import dis
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from shmcancel.shm.lock import _OWNER, RegistryLock
-from shmcancel.shm.segment import Segment, TableSpec
+from shmcancel.shm.segment import Segment
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,15 +29,6 @@ _CODES = {f.__code__ for f in (RegistryLock.__enter__, RegistryLock.__exit__,
 _CODES |= {getattr(RegistryLock, n).__code__ for n in ("_repair_again",)
            if hasattr(RegistryLock, n)}
 _EXIT = RegistryLock.__exit__.__code__
-
-
-@pytest.fixture
-def seg(shm_name: str) -> Iterator[Segment]:
-    s = Segment.create(shm_name, b"", [TableSpec("t", "set", 1, 64, 4096)], timeout=5)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 _OPS: dict[Any, dict[int, str]] = {}
