@@ -444,7 +444,12 @@ class ShmBackend:
         """Take the well-formed rows of ``gone`` (deleted) out of their scopes' counts; the
         per-scope sums are made before the lock is taken (reentrant: a sweep's chunk may hold
         it already)."""
-        self._apply_uncount(self._per_scope(gone), len(gone), evicted)
+        per_scope = self._per_scope(gone)
+        with self._lock:
+            for scope, n in per_scope.items():
+                self._add(scope, -n)
+            if evicted:
+                self.reg.add_evictions(len(gone))
 
     @staticmethod
     def _per_scope(gone: list[tuple[Any, Any]]) -> Counter[str]:
@@ -455,13 +460,6 @@ class ShmBackend:
             if r is not None:
                 per_scope[r[0]] += 1
         return per_scope
-
-    def _apply_uncount(self, per_scope: Counter[str], rows: int, evicted: bool) -> None:
-        with self._lock:
-            for scope, n in per_scope.items():
-                self._add(scope, -n)
-            if evicted:
-                self.reg.add_evictions(rows)
 
     def _evict_locked(self, batch: int) -> int:
         with self._lock:

@@ -25,7 +25,7 @@ class Uncount:
     count moved since it was read (a word moves without a version). ``then``, when given, runs
     in the same hold after the counts (``add_evictions``)."""
 
-    __slots__ = ("_copy", "_drop", "_kept", "_load", "_n", "_read", "_set", "_then", "_zeroed")
+    __slots__ = ("_copy", "_drop", "_kept", "_load", "_n", "_read", "_set", "_then")
 
     def __init__(self, counts: Table, keys: list[tuple[PreparedKey, int]],
                  then: Callable[[], None] | None = None) -> None:
@@ -33,7 +33,6 @@ class Uncount:
         self._then = then
         self._copy = copy = counts.copy_index()
         self._kept: list[tuple[int, int]] = []  # (word ref, n)
-        self._zeroed: list[tuple[int, int]] = []  # (word ref, word read): rows to drop
         self._load: Callable[[], tuple[int, ...]] = tuple
         self._read: tuple[int, ...] = ()
         self._drop: Rewrite | None = None
@@ -42,6 +41,7 @@ class Uncount:
             return
         load = counts.load_word
         gone: set[tuple[int, int]] = set()
+        zeroed: list[tuple[int, int]] = []  # (word ref, word read) of the rows to drop
         for pk, n in keys:
             hit = copy.find(pk)
             if hit is None:  # no count row (drift a recount repairs): nothing to take down
@@ -50,17 +50,19 @@ class Uncount:
             w = load(ref)
             if w <= n:
                 gone.add((h, r))
-                self._zeroed.append((ref, w))
+                zeroed.append((ref, w))
             else:
                 self._kept.append((ref, n))
         if gone:
             self._drop = copy.without(lambda h, r: (h, r) in gone)
-            self._load = counts.load_words([ref for ref, _ in self._zeroed])
-            self._read = tuple(w for _, w in self._zeroed)
+            if self._drop is None:  # implausible counters: no plan (the sweep goes row by row)
+                self._copy = None
+            self._load = counts.load_words([ref for ref, _ in zeroed])
+            self._read = tuple(w for _, w in zeroed)
 
     def current(self) -> bool:
         copy = self._copy
-        if copy is None or (self._zeroed and self._drop is None) or not copy.current():
+        if copy is None or not copy.current():
             return False
         return self._load() == self._read
 
