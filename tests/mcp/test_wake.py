@@ -12,11 +12,12 @@ import time
 
 import pytest
 from helpers.background import Background
-from helpers.procs import first_message
+from helpers.procs import Chan, first_message
 
 from shmcancel.cancel.policy import Cancellation
 from shmcancel.mcp import wake
 from shmcancel.mcp.conn import HANDLE_KEY
+from shmcancel.shm.registry import Registry
 
 LONG = 20.0  # seconds a wait would last unwoken
 BOUND = 1.0  # seconds within which a woken wait must return (generous)
@@ -337,3 +338,90 @@ def test_a_default_socket_timeout_never_makes_a_ring_wait(shm_name: str) -> None
     _, got = first_message(in_child, timeout=10 * BOUND)
     slowest, heard = got.split()
     assert float(slowest) < BOUND and heard == b"1", got
+
+
+def _two_waits_on_a_doorbell(chan: Chan, name: str) -> None:
+    """A worker with a doorbell: waits for call 1, then for call 2 (each up to ``LONG``), saying
+    when each wait is under way and how it ended."""
+    c = Cancellation(Registry.attach(name))
+    for request_id in (1, 2):
+        h = c.begin(request_id, "s")
+        w = Background(lambda h=h: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)  # its doorbell is bound before the wait registers
+        chan.send(["waiting", name in wake._bells])
+        chan.send(["woken", w.result(timeout=LONG + 5)])
+        h.end()
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (a SIGSTOP stops them one by one)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            states.append(f.read().rpartition(b")")[2].split()[0])
+    return all(st in (b"T", b"t") for st in states)
+
+
+def _sender_inode() -> int:
+    assert wake._sender is not None
+    return wake._sender[3]
+
+
+def test_a_full_doorbell_is_skipped_for_a_while_then_rung_again(registry, spawn) -> None:
+    """A stopped worker's doorbell fills up (``max_dgram_qlen`` + 1 unread rings); then every
+    ring to it was refused by the ringing socket and by a fresh one, and each ring replaced the
+    process's socket (a churn of sockets, a ``socket`` and ``fstat`` apiece). Once refused so,
+    it is skipped for ``wake._REFUSED_FOR``: rings to it and to a live doorbell replace the
+    socket at most once per back-off, and the live one hears every ring. Skipping loses nothing:
+    a cancellation recorded meanwhile wakes its waiter when the worker resumes and reads the
+    rings it had; once drained, the worker's doorbell is rung again after the back-off."""
+    reg = registry()
+    c = Cancellation(reg)
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        qlen = int(f.read())
+    live_pid = 10**9 + 300  # beyond any pid: a doorbell of no process, read here
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    worker = spawn(_two_waits_on_a_doorbell, reg.name)
+    try:
+        live.bind(wake.doorbell_address(reg.name, live_pid))
+        live.settimeout(BOUND)
+        assert worker.recv() == ["waiting", True]
+        os.kill(worker.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not _all_stopped(worker.pid):
+            assert time.monotonic() < deadline, "the worker did not stop"
+            time.sleep(0.005)
+        for _ in range(qlen + 3):  # its doorbell's queue full, then refused
+            wake.ring(reg.name, {worker.pid})
+
+        sockets = {_sender_inode()}
+        t0 = time.monotonic()
+        for _ in range(200):
+            wake.ring(reg.name, {worker.pid, live_pid})
+            sockets.add(_sender_inode())
+            assert live.recv(1) == b""  # (raises TimeoutError when the ring was lost)
+        took = time.monotonic() - t0
+        # one socket, and at most one fresh one each time the back-off ran out
+        assert len(sockets) <= 2 + took / wake._REFUSED_FOR, (len(sockets), took)
+
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        wake.ring(reg.name, {worker.pid})  # skipped (or refused): its queue is full
+        os.kill(worker.pid, signal.SIGCONT)
+        assert worker.recv(timeout=5) == ["woken", True]  # by the rings it had left to read
+
+        assert worker.recv() == ["waiting", True]  # drained: a ring after the back-off reaches it
+        assert c.cancel_if_in_flight(2, "stop", "s")
+        t0 = time.monotonic()
+        while True:
+            wake.ring(reg.name, {worker.pid})
+            try:
+                got = worker.recv(timeout=0.02)
+                break
+            except TimeoutError:
+                assert time.monotonic() - t0 < 5, "the drained doorbell is not rung again"
+        assert got == ["woken", True]
+        assert worker.wait() == 0
+    finally:
+        live.close()  # the worker, stopped or not, is SIGKILLed by pid by the spawn fixture
+

@@ -11,7 +11,8 @@ same look without the hop. On a ring the watcher thread polls every waiting call
 (a lock-free shared-memory read each) and wakes those cancelled. A disconnect (``cancel_local``)
 wakes its own call directly (:func:`wake`).
 
-A ring is only a hint: lost, refused (no such doorbell) or sent by anyone, it costs at most the
+A ring is only a hint: lost, refused (no such doorbell, or one whose queue is full), skipped (a
+full doorbell is not rung again for :data:`_REFUSED_FOR`) or sent by anyone, it costs at most the
 waiters' polls; a waiter never waits past its ``seconds``, so the contract's poll bound (§6.1,
 §8) holds without it. Linux only (abstract sockets, ``/proc``); elsewhere a wait just sleeps.
 """
@@ -44,6 +45,8 @@ _DRAIN = 256  # the most datagrams one ring turn reads (the rest wait for the ne
 _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced rarely)
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 _MAX_ADDRESSES = 1024  # doorbell addresses kept (then the cache starts over)
+_REFUSED_FOR = 0.1  # seconds a doorbell whose queue was full is not rung (see ring)
+_MAX_REFUSED = 1024  # full doorbells remembered (then the expired ones go, or all)
 
 _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wait); a wait's lock
 # is released only under it
@@ -58,6 +61,7 @@ _sender: _Bell | None = None  # this process's socket that rings (replaced when 
 _sender_lock = threading.RLock()  # reentrant: a signal handler may ring
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
+_refused: dict[bytes, float] = {}  # doorbell_address -> monotonic time until which it is skipped
 
 
 def doorbell_address(registry_name: str, pid: int) -> bytes:
@@ -132,8 +136,14 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
 
     One socket per process sends, never blocking. A datagram a bell has not read yet counts
     against the socket that sent it, so bells nobody reads (a stopped worker's) can fill its
-    send buffer: a refused send gets a fresh socket and is tried once more (refused again, that
-    bell's own queue is full: it has rings to read already)."""
+    send buffer: a refused send gets a fresh socket and is tried once more. Refused again, that
+    bell's own queue is full, and it is not rung for :data:`_REFUSED_FOR` seconds (rung anyway,
+    each ring would replace the socket again, a ``socket`` and ``fstat`` apiece). Skipping it
+    loses nothing: a full bell has rings to read already, and when its process reads them it
+    looks at every waiting call, this one's too (recorded before the ring); only a cancellation
+    recorded after the bell drained but within the back-off is left to its waiter's poll, as any
+    lost ring is. The rest of the ring's bells are rung as ever; a bell rung after its back-off
+    is tried afresh. With nothing refused, the back-off costs a look at an empty dict."""
     if not _LINUX:
         return
     try:
@@ -149,18 +159,42 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
                 if len(_addresses) >= _MAX_ADDRESSES:
                     _addresses.clear()
                 addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+            if _refused:
+                until = _refused.get(addr)
+                if until is not None:
+                    if time.monotonic() < until:
+                        continue  # its queue was full: it has rings to read (see above)
+                    _refused.pop(addr, None)
             if s is None:
                 s = _sending_socket(None)
             try:
                 s.sendto(b"", socket.MSG_DONTWAIT, addr)
             except BlockingIOError:
                 s = _sending_socket(s)
-                with contextlib.suppress(OSError):
+                try:
                     s.sendto(b"", socket.MSG_DONTWAIT, addr)
+                except BlockingIOError:  # refused by a fresh socket too: the bell's queue is full
+                    _back_off(addr)
+                except OSError:
+                    pass
             except OSError:  # no bell there
                 pass
     except OSError:
         pass
+
+
+def _back_off(addr: bytes) -> None:
+    """Skip the bell at ``addr`` for :data:`_REFUSED_FOR` seconds. Past :data:`_MAX_REFUSED`
+    bells, those whose back-off ran out are forgotten, or all when none has (each then costs
+    one more fresh socket)."""
+    now = time.monotonic()
+    if len(_refused) >= _MAX_REFUSED:
+        for a, until in list(_refused.items()):  # a copy: other threads may ring meanwhile
+            if until <= now:
+                _refused.pop(a, None)
+        if len(_refused) >= _MAX_REFUSED:
+            _refused.clear()
+    _refused[addr] = now + _REFUSED_FOR
 
 
 def _sending_socket(refused: socket.socket | None) -> socket.socket:
@@ -269,6 +303,7 @@ def _after_fork_in_child() -> None:
     _tls = threading.local()
     _sender_lock = threading.RLock()
     _waiters.clear()
+    _refused.clear()  # the parent's rings' back-offs: the child's rings find out for themselves
     for b in _bells.values():
         _let_go(b)
     _bells.clear()
