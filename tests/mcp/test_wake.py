@@ -425,3 +425,27 @@ def test_a_full_doorbell_is_skipped_for_a_while_then_rung_again(registry, spawn)
     finally:
         live.close()  # the worker, stopped or not, is SIGKILLed by pid by the spawn fixture
 
+
+def test_the_refused_doorbells_stay_bounded_and_a_fork_child_forgets_them(shm_name: str) -> None:
+    """At ``wake._MAX_REFUSED`` remembered doorbells, those whose back-off ran out go first (all
+    when none has: each costs one fresh socket more); a fork child starts without the parent's
+    back-offs (its own rings find full doorbells for themselves)."""
+    addrs = [wake.doorbell_address(shm_name, 10**9 + i) for i in range(wake._MAX_REFUSED + 1)]
+    try:
+        wake._refused.clear()
+        expired = time.monotonic() - 1
+        for a in addrs[:-2]:
+            wake._refused[a] = expired
+        wake._back_off(addrs[-2])
+        assert len(wake._refused) == wake._MAX_REFUSED  # it was not full yet: nothing went
+        wake._back_off(addrs[-1])  # full: the expired went, the running back-offs stayed
+        assert set(wake._refused) == {addrs[-2], addrs[-1]}
+        for a in addrs[:-2]:
+            wake._refused[a] = time.monotonic() + 60
+        wake._back_off(addrs[0])  # full, none expired: all go but the new one
+        assert list(wake._refused) == [addrs[0]]
+        got = first_message(lambda wr: os.write(wr, str(len(wake._refused)).encode()))[1]
+        assert got == b"0"
+    finally:
+        for a in addrs:
+            wake._refused.pop(a, None)
