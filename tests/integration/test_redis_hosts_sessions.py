@@ -435,3 +435,27 @@ def test_concurrent_first_requests_of_a_session_on_another_host_are_all_served(
                 t.join(30)
             assert not any(t.is_alive() for t in threads)
         assert [s for s in statuses if s != 200] == []
+
+
+def test_a_deleted_session_does_not_count_against_its_client_in_redis(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: sessions are bounded per client, and a client's live sessions are served by
+    every host. sessions_per_client=2: the client mints s1 and s2 on A, deletes s2, mints s3.
+    It holds two sessions, its bound, yet Redis still counted the deleted s2 (session_delete.lua
+    left it in the client's set) and gave up s1 for s3: B answered s1 404 (lookup: no such
+    session), though A serves it on."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_rb, b)):
+        sa, client = SessionStore(ra), "ip:203.0.113.77"
+        s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
+        for s in (s1, s2):
+            a.publish_session(s.id, s.protocol_version, client)
+        assert sa.delete(s2.id)
+        a.delete_session(s2.id)  # A's DELETE of s2 (legacy.LegacyWire._delete)
+        s3 = sa.create("2025-11-25", client)
+        a.publish_session(s3.id, s3.protocol_version, client)
+        assert sa.get(s1.id) is not None and sa.get(s3.id) is not None
+        assert b.lookup_session(s1.id) == ("2025-11-25", client)
+        assert b.lookup_session(s3.id) == ("2025-11-25", client)
+        assert a.owed() == 0 and b.owed() == 0

@@ -2,7 +2,8 @@
 -- Stores a session for other hosts to adopt (returns 1), unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here
--- (its oldest go first; hosts that adopted one keep their local copy under contract 6.1's rules).
+-- (ids whose session is gone already leave its count first, then its oldest go; hosts that
+-- adopted one keep their local copy under contract 6.1's rules).
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
 -- until those calls end.
@@ -21,9 +22,19 @@ redis.call('ZADD', KEYS[2], ARGV[6], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
 if extra > 0 then
-  for _, old in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  -- sessions gone already (deleted, expired, given up) count no more: they go first, so
+  -- that a client at its bound gives up none of its live sessions for them
+  local olds = redis.call('ZRANGE', KEYS[2], 0, -1)
+  for _, old in ipairs(olds) do
     if extra <= 0 then break end
-    if old ~= ARGV[2] and not busy(old) then
+    if old ~= ARGV[2] and redis.call('EXISTS', ARGV[1] .. 'sess:' .. old) == 0 then
+      redis.call('ZREM', KEYS[2], old)
+      extra = extra - 1
+    end
+  end
+  for _, old in ipairs(olds) do
+    if extra <= 0 then break end
+    if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then
       redis.call('DEL', ARGV[1] .. 'sess:' .. old, ARGV[1] .. 'sess:' .. old .. ':boxes')
       redis.call('ZREM', KEYS[2], old)
       extra = extra - 1
