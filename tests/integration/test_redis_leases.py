@@ -101,6 +101,35 @@ def test_a_request_that_ended_while_redis_was_down_is_not_renewed_back(redis_pre
         srv.stop()
 
 
+def test_a_plain_untrack_redis_did_not_answer_is_not_renewed_back(redis_prefix):
+    """§4.3: the end of a request is never lost (the process finishes it later); §4.1:
+    ``untrack`` raises nothing for the caller. ``Cancellation.untrack`` (a ``track`` row, token
+    0) while Redis was unreachable raised ``redis.ConnectionError`` to the caller and left the
+    row held: the lease renewal (which ends only ended *handles'* rows) added it back once Redis
+    returned and renewed it for as long as the process lived, so the ended request stayed in
+    flight and a gated cancellation recorded a row for it."""
+    srv = RedisServer().start()
+    try:
+        st = _storage(srv.url, redis_prefix, lease=0.3, timeout=0.5)
+        c = Cancellation(None, backend=st)
+        c.track(1, "s")
+        c.track(2, "s")
+        srv.kill()
+        c.untrack(1, "s")  # no answer: never raised to the caller
+        srv.start()  # back, empty
+        deadline = time.monotonic() + 5
+        while not c.in_flight(2, "s"):  # the renewal adds back the request still running
+            assert time.monotonic() < deadline, "the running request was not added back"
+            time.sleep(0.02)
+        st.renew()  # and renews on: a full pass of its own, whatever the thread did
+        assert not c.in_flight(1, "s")
+        assert not c.cancel_if_in_flight(1, "late", "s") and not c.cancelled(1, "s")
+        c.untrack(2, "s")
+        assert not c.in_flight(2, "s") and st.held() == 0
+    finally:
+        srv.stop()
+
+
 def test_a_fork_childs_renewal_thread_does_not_bring_back_the_parents_ended_request(
         redis_server, redis_prefix):
     """RedisStorage renews its rows from a thread of its own. A fork child (a tool's

@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import msgpack
-import pytest
 import redis
 from helpers.background import Background
 from helpers.clock import Clock
@@ -232,8 +231,7 @@ def test_a_thread_tracking_an_id_again_starts_a_new_request(redis_prefix: str) -
         c.track("1", S)
         clock.tick(1.0)
         srv.kill()
-        with pytest.raises(redis.ConnectionError):
-            c.untrack("1", S)  # the request ended; its end got no answer
+        c.untrack("1", S)  # the request ended; its end got no answer (logged)
         srv.start()  # empty
         clock.tick(1.0)
         assert b.cancel_if_in_flight("1", "for the old one", S) is False

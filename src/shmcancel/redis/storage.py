@@ -42,6 +42,10 @@ __all__ = ["RedisStorage", "default_host_id"]
 log = logging.getLogger("shmcancel.redis")
 
 _instances: weakref.WeakSet[RedisStorage] = weakref.WeakSet()
+#: The token a ``track`` row (token 0) is held under once its untrack got no answer: its
+#: request ended, and :meth:`RedisStorage.reap_ended` ends it (no token in ``owed.running``
+#: tells of a token-0 row's end, so renew would otherwise keep it in flight for good).
+_ENDED = -1
 
 
 def _after_fork_in_child() -> None:
@@ -218,6 +222,8 @@ class RedisStorage:
         it when Redis returns. Returns what is held: the owner in Redis, the start."""
         held = (self._owner(owner), self.clock())
         with self._lock:
+            if owner[3] == 0:  # one member in Redis: the thread's ended row's end would end it
+                self._mine.pop((scope, rid, (*owner[:3], _ENDED)), None)
             self._mine[scope, rid, owner] = held
             self._want_renewer()
         return held
@@ -230,7 +236,8 @@ class RedisStorage:
     def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
         """End the row (``receipt`` is ``None``: :meth:`track` gives none); when no namesake
         runs on, the key's cancellation row goes too (one script). Raises Redis errors or
-        ``LockTimeout``, leaving the row held for :meth:`forget`."""
+        ``LockTimeout``, leaving the row held for :meth:`forget` (a ``track`` row, token 0,
+        held as ended after a Redis error: :meth:`reap_ended` ends it)."""
         with self._lock:
             held = self._mine.get((scope, rid, owner))
         if held is None:
@@ -240,6 +247,12 @@ class RedisStorage:
             gone = self.store.untrack(scope, rid, held[0], now_ms=self._now_ms())
             with self._lock:
                 self._mine.pop((scope, rid, owner), None)
+        except Exception:
+            if owner[3] == 0:
+                with self._lock:
+                    if self._mine.pop((scope, rid, owner), None) is not None:
+                        self._mine[scope, rid, (*owner[:3], _ENDED)] = held
+            raise
         finally:
             self._io.release()
         return gone
@@ -266,7 +279,14 @@ class RedisStorage:
                     and o[:3] == (pid, start, tid)]
         if not mine:
             return False
-        return self.untrack(scope, rid, min(mine, key=lambda o: o[3] != 0))
+        try:
+            return self.untrack(scope, rid, min(mine, key=lambda o: o[3] > 0))  # track rows first
+        except LockTimeout:
+            raise  # owed by the caller
+        except Exception as e:  # no answer: the row is held as ended, reap_ended ends it
+            log.warning("untracking request %r in %r got no answer from Redis (%s); its row "
+                        "ends later", rid, scope[:80], e)
+            return False
 
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
         if owner is not None and self.untrack(scope, rid, owner):
