@@ -24,10 +24,12 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process on ``127.0.0.1:port``; :meth:`kill` and :meth:`start` again
     on the same port (a restart loses everything: no persistence). ``own_session``: start it in a
-    session of its own, so a Ctrl-C at the terminal reaches only its starter, which stops it."""
+    session of its own, so a Ctrl-C at the terminal reaches only its starter, which stops it.
+    ``env``: variables added to its environment (a locale, say)."""
 
-    def __init__(self, own_session: bool = False) -> None:
+    def __init__(self, own_session: bool = False, env: dict[str, str] | None = None) -> None:
         self.own_session = own_session
+        self.env = env
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (tools/test.sh installs it: "
@@ -47,7 +49,8 @@ class RedisServer:
              "--appendonly", "no", "--dir", self.dir, "--protected-mode", "yes",
              "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=self.own_session)
+            start_new_session=self.own_session,
+            env=None if self.env is None else {**os.environ, **self.env})
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             if self.proc.poll() is not None:

@@ -6,11 +6,14 @@ rules both backends share run against both in tests/cancel/test_cancellation.py 
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
 import time
 
 import msgpack
 import pytest
 from helpers.clock import Clock as _Clock
+from helpers.redis_server import RedisServer
 
 import shmcancel
 from shmcancel import CancellationLimitReached, Config
@@ -59,6 +62,53 @@ def test_eviction_matches_shared_memory_policy(redis_server, redis_prefix, shm_n
             got = sorted((sc, i, a) for sc, i, _reason, a in r.store.cancellations())
             assert got == want, f"step {step}"
         assert r.store.rows() <= 40
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+@pytest.fixture
+def collating_redis(tmp_path):
+    """A redis-server whose locale collates unlike bytes (en_US.UTF-8: "a" < "B", punctuation
+    ignored), built with localedef into the test's directory; skipped where it cannot be."""
+    if shutil.which("localedef") is None:
+        pytest.skip("localedef is not installed")
+    done = subprocess.run(["localedef", "-i", "en_US", "-f", "UTF-8",
+                           str(tmp_path / "en_US.UTF-8")], capture_output=True, timeout=120)
+    if not (tmp_path / "en_US.UTF-8").is_dir():
+        pytest.skip(f"no en_US.UTF-8 locale could be built: {done.stderr[-200:]!r}")
+    srv = RedisServer(env={"LOCPATH": str(tmp_path), "LC_ALL": "en_US.UTF-8"})
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+def test_eviction_ties_follow_the_contract_whatever_the_servers_locale(collating_redis,
+                                                                       redis_prefix,
+                                                                       shm_name):
+    """contract §4.4: rows go in (-rows_in_their_scope, cancelled_at, scope, id) order. Rows of
+    one time were ordered by Lua's string "<", which is strcoll in the server's locale
+    (redis-server calls setlocale(LC_COLLATE, "")): under en_US.UTF-8 scope "a" went before
+    "B", id "a:x" after "ab", unlike the shared-memory policy (code points) fed the same
+    operations."""
+    probe = connect(collating_redis.url, timeout=2.0)
+    assert probe.eval("return tostring('a' < 'B')", 0) == b"true"  # the locale took
+    probe.close()
+    cfg = Config(max_rows=4, capacity=200, max_rows_per_scope=30)
+    clock = Clock()  # never ticked: one time for every row, ties throughout
+    r = make(collating_redis, redis_prefix, cfg, clock)
+    reg = shmcancel.Registry.create(shm_name, config=cfg)
+    try:
+        s = shmcancel.Cancellation(reg, clock=clock)
+        ops = [("a", "1"), ("B", "1"), ("s", "ab"), ("s", "a:x"), ("c", "1"), ("d", "1"),
+               ("s", "B"), ("s", "a"), ("e", "1"), ("f", "1")]
+        for scope, rid in ops:
+            for c in (r, s):
+                c.cancel(rid, "x", scope=scope)
+            want = sorted((sc, i) for sc, i, _reason, _a in s._store.cancellations())
+            got = sorted((sc, i) for sc, i, _reason, _a in r.store.cancellations())
+            assert got == want, (scope, rid)
     finally:
         reg.close()
         reg.unlink()

@@ -29,6 +29,16 @@ local function remove(P, all, scopes, scope, rid)
   if tonumber(redis.call('ZINCRBY', scopes, -1, scope)) <= 0 then redis.call('ZREM', scopes, scope) end
   return 1
 end
+-- Whether x sorts before y byte by byte (as code points: UTF-8), the contract's order. Lua's "<"
+-- is strcoll in the server's locale (redis-server sets LC_COLLATE from its environment).
+local function bytes_before(x, y)
+  local n = math.min(#x, #y)
+  for i = 1, n do
+    local a, b = string.byte(x, i), string.byte(y, i)
+    if a ~= b then return a < b end
+  end
+  return #x < #y
+end
 -- contract 4.4: rank rows by (-rows_in_scope, cancelled_at, scope, rid), remove the first `batch`.
 -- Scopes are visited largest first; scopes of one size are merged by age; from each scope at most
 -- the rows still wanted are read (ZRANGE orders by score, then rid bytewise).
@@ -47,8 +57,8 @@ local function evict(P, all, scopes, batch)
     end
     table.sort(cand, function(a, b)
       if a[1] ~= b[1] then return a[1] < b[1] end
-      if a[2] ~= b[2] then return a[2] < b[2] end
-      return a[3] < b[3]
+      if a[2] ~= b[2] then return bytes_before(a[2], b[2]) end
+      return bytes_before(a[3], b[3])
     end)
     for j = 1, #cand do
       if #victims >= batch then break end
