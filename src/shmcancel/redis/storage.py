@@ -318,8 +318,8 @@ class RedisStorage:
         deadline = now + int(self.lease * 1000)
         self._io_held("renew")
         try:
-            with self._lock:
-                items = list(self._mine.items())
+            with self._lock:  # an ended row is never renewed (reap_ended ends it)
+                items = [kv for kv in self._mine.items() if kv[0][2][3] != _ENDED]
             missing = self.store.renew([(self.store.if_key(s, r), o)
                                         for (s, r, _), (o, _) in items], deadline,
                                        now_ms=now)
