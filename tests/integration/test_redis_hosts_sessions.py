@@ -459,3 +459,33 @@ def test_a_deleted_session_does_not_count_against_its_client_in_redis(
         assert b.lookup_session(s1.id) == ("2025-11-25", client)
         assert b.lookup_session(s3.id) == ("2025-11-25", client)
         assert a.owed() == 0 and b.owed() == 0
+
+
+def test_a_client_keeps_its_session_bound_in_redis_past_one_session_ttl(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: sessions are bounded per client (README: "at most sessions_per_client per
+    client there"). A session in use is renewed in Redis (keep_session), but the client's set of
+    sessions was not: it expired one session_ttl after the client's last mint, so its sessions
+    in use were counted no more and every mint after that added to them (here three sessions
+    in Redis for a bound of two; a client keeping its sessions busy had no bound at all)."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2, session_ttl=1.0)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_rb, _b)):
+        sa, client = SessionStore(ra), "ip:203.0.113.78"
+        s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
+        for s in (s1, s2):
+            a.publish_session(s.id, s.protocol_version, client)
+        end = time.monotonic() + 2.5  # past two session TTLs, the sessions in use throughout
+        while time.monotonic() < end:
+            for s in (s1, s2):
+                a.keep_session(s.id)  # a request of each: renewed every ttl/4 at most
+            time.sleep(0.02)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            assert r.exists(*(a.store._sess_key(s.id) for s in (s1, s2))) == 2  # kept alive
+            s3 = sa.create("2025-11-25", client)
+            a.publish_session(s3.id, s3.protocol_version, client)
+            held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
+        finally:
+            r.close()
+        assert s3.id in held and len(held) == 2, held

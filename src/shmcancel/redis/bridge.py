@@ -405,7 +405,8 @@ class Bridge:
             self._ask("session", self._keep, sid, held)
 
     def _keep(self, sid: str, held: tuple[str, str] | None) -> None:
-        if not self.store.touch_session(sid) and held is not None:
+        if not self.store.touch_session(sid, None if held is None else held[1]) \
+                and held is not None:
             self._put(sid, *held)
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:

@@ -260,12 +260,16 @@ class RedisStore:
     def _sess_key(self, sid: str) -> bytes:
         return _b(f"{self.prefix}sess:{sid}")
 
+    def _client_key(self, client: str) -> bytes:
+        """The set of a client's sessions (``session.lua``'s per-client bound)."""
+        return _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
+
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
                     box: str) -> bool:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
         another host deletes it). False when it was deleted within :data:`GONE_TTL` seconds
         (not stored: the caller's copy is of a session ended elsewhere)."""
-        cl = _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
+        cl = self._client_key(client)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
         return int(self.call("session", [key, cl, key + b":boxes", key + b":gone"],
@@ -285,14 +289,17 @@ class RedisStore:
             return None
         return version, client
 
-    def touch_session(self, sid: str) -> bool:
+    def touch_session(self, sid: str, client: str | None = None) -> bool:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
-        them: the set must live as long as the session); False when Redis holds no copy of
-        it."""
+        them: the set must live as long as the session), and its ``client``'s set of sessions
+        when given (the per-client bound counts the sessions in use); False when Redis holds
+        no copy of it."""
         ttl = int(self.config.session_ttl * 1000)
         p = self.client.pipeline(transaction=False)
         p.pexpire(self._sess_key(sid), ttl)
         p.pexpire(self._sess_key(sid) + b":boxes", ttl)
+        if client is not None:
+            p.pexpire(self._client_key(client), ttl)
         return bool(p.execute()[0])
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
