@@ -15,6 +15,24 @@ class RegistryNotFound(ShmCancelError):
     """``Registry.attach`` named a segment that does not exist."""
 
 
+class RegistryClosed(ShmCancelError, ValueError):
+    """A registry was used after ``Registry.close()`` in this process (its mapping, semaphore
+    and lock file are gone): a call through it, its tables, or a :class:`Cancellation` or
+    request handle made over it. The registry itself is untouched (other processes go on):
+    ``Registry.attach(name)`` again to use it. A ``ValueError`` too, as Python's own "I/O
+    operation on closed file" is. The calls the contract says never raise (``cancelled``,
+    ``in_flight``, a handle's ``cancelled()`` and ``end()``, ``Cancellation.begin``) still
+    do not: they give their safe answer."""
+
+    @classmethod
+    def of(cls, name: object, what: str = "") -> RegistryClosed:
+        """The error for registry ``name`` (``what``: the part that was used, if not the
+        registry itself, e.g. ``"table 'cancellations'"``)."""
+        used = f"{what} cannot be used; attach the registry" if what else "attach it"
+        return cls(f"registry {name} is closed in this process (Registry.close() was called): "
+                   f"{used} again to use it")
+
+
 class RegistryIncompatible(ShmCancelError):
     """The segment exists but cannot be used: foreign or older layout, truncated, another
     user's, or (for ``create``) still owned by a live creator."""

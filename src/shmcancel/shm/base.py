@@ -19,7 +19,13 @@ import zlib
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-from ..exceptions import RegistryIncompatible, RowTooLarge, ShmCancelError, TableFull
+from ..exceptions import (
+    RegistryClosed,
+    RegistryIncompatible,
+    RowTooLarge,
+    ShmCancelError,
+    TableFull,
+)
 from . import layout
 from .hashing import blake2b
 from .layout import (
@@ -114,6 +120,8 @@ class TableBase:
 
     RECORD_HEADER = RECORD_HEADER
 
+    _closed = False  # close() ran: the views are released (the registry was closed)
+
     region_size = staticmethod(layout.region_size)
     record_size_for = staticmethod(layout.record_size_for)
     format = staticmethod(layout.format_region)
@@ -178,11 +186,29 @@ class TableBase:
         self._logged_pid = 0  # the process that logged this table's corruption (log once)
 
     def close(self) -> None:
-        """Release the memoryviews on the segment (so that the mapping can be closed)."""
+        """Release the memoryviews on the segment (so that the mapping can be closed). Every
+        use of the table since raises :class:`~shmcancel.RegistryClosed`."""
+        self._closed = True
         for name in ("_hq", "_ver", "_idx", "_free", "_u32", "_buf"):
             mv = getattr(self, name, None)
             if mv is not None:
                 mv.release()
+
+    def _if_closed(self) -> None:
+        """In an ``except`` clause: raise :class:`~shmcancel.RegistryClosed` in place of the
+        error being handled when this table is closed (a released view raised it: ValueError),
+        else return, and the caller re-raises it. The public operations translate there
+        rather than test ``_closed`` first: an ``except`` costs nothing until something is
+        raised, so an open table's reads pay nothing for it."""
+        if self._closed:
+            raise RegistryClosed.of(getattr(self._lock, "name", "?"),
+                                    f"table {self.name!r}") from None
+
+    def _check_open(self) -> None:
+        """:meth:`_if_closed` up front, for the operations that are on no request's path
+        (scans, stats, checks) or would not touch a view before answering."""
+        if self._closed:
+            self._if_closed()
 
     def __repr__(self) -> str:
         return f"<Table {self.name!r} {self.kind} capacity={self.capacity}>"

@@ -59,6 +59,7 @@ class Fsck(TableBase):
         {distance from home slot: entries}, ``max_probe``, the size classes (``small_size``,
         ``record_size``, ``large_count``) and ``large_rows`` (rows in large records); from one
         consistent index read."""
+        self._check_open()
         hist: dict[int, int] = {}
         mask = self._mask
         cap = self.capacity
@@ -152,6 +153,7 @@ class Fsck(TableBase):
         finds whatever fsck would repair, e.g. garbage over the hash of an entry, which no
         counter shows and no lookup meets. Without it, a corrupted record is repaired by the
         first operation that reads it."""
+        self._check_open()
         if self._implausible(False, deep) is None:
             return None
         os.sched_yield()  # a writer mid-operation looks implausible: look again before locking
@@ -182,6 +184,7 @@ class Fsck(TableBase):
         garbage overwrote it; makes every bucket version even. Every step leaves a state fsck
         handles, so a killed fsck is finished by the next.
         """
+        self._check_open()
         rep = {"odd_versions": 0, "bad_entries": 0, "duplicate_entries": 0,
                "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0, "class_header": 0}
         idx = self._idx

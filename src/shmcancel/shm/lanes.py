@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..exceptions import RegistryIncompatible
+from ..exceptions import RegistryClosed, RegistryIncompatible
 from . import procinfo
 from .base import Lock, PreparedKey
 
@@ -156,9 +156,21 @@ class Lanes:
         self._free = []
         self._held = {}
 
+    _closed = False  # close() ran: the views are released (the registry was closed)
+
     def close(self) -> None:
+        """Release the views (the registry is being closed): every use since raises
+        :class:`~shmcancel.RegistryClosed`."""
+        self._closed = True
         self._q.release()
         self._buf.release()
+
+    def _if_closed(self) -> None:
+        """In an ``except`` clause: raise :class:`~shmcancel.RegistryClosed` in place of the
+        error being handled (a released view's ValueError) when these lanes are closed, else
+        return for the caller to re-raise it (the tables' ``_if_closed``, for the lanes)."""
+        if self._closed:
+            raise RegistryClosed.of(getattr(self._lock, "name", "?"), "its lanes") from None
 
     # ------------------------------------------------------------------ reads (lock-free)
     def _ways(self, b: int) -> tuple[int, int]:
@@ -184,25 +196,33 @@ class Lanes:
             i = find(hb, i + 1, end)
 
     def member(self, pk: PreparedKey) -> bool:
-        for _ in self._hits(pk):
-            return True
-        return False
+        try:
+            for _ in self._hits(pk):
+                return True
+            return False
+        except Exception:
+            self._if_closed()
+            raise
 
     def owners(self, pk: PreparedKey) -> list[tuple[int, int, int, int]]:
         """``(pid, start, thread, token)`` of ``pk``'s rows (the lane's owner first)."""
-        out = []
-        q = self._q
-        h = pk.hash
-        for w in self._hits(pk):
-            lane = (w // WAYS) % LANES
-            owner = procinfo.unpack_owner(q[_OQ + lane])
-            # The row found may be a dead owner's whose lane was claimed since: the claim
-            # clears the lane before it writes the owner word, so a hash still there after
-            # the owner word was read is that owner's row (or its own again, same key).
-            if owner is not None and q[_HQ + w] == h:
-                tid, token, _ = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
-                out.append((*owner, tid, token))
-        return out
+        try:
+            out = []
+            q = self._q
+            h = pk.hash
+            for w in self._hits(pk):
+                lane = (w // WAYS) % LANES
+                owner = procinfo.unpack_owner(q[_OQ + lane])
+                # The row found may be a dead owner's whose lane was claimed since: the claim
+                # clears the lane before it writes the owner word, so a hash still there after
+                # the owner word was read is that owner's row (or its own again, same key).
+                if owner is not None and q[_HQ + w] == h:
+                    tid, token, _ = _BODY_HEAD.unpack_from(self._buf, _D + BODY * w)
+                    out.append((*owner, tid, token))
+            return out
+        except Exception:
+            self._if_closed()
+            raise
 
     def _body(self, w: int) -> tuple[int, int, bytes]:
         """``(thread, token, key bytes)`` of way ``w``'s body."""
@@ -212,32 +232,44 @@ class Lanes:
 
     def rows(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
         """Every row: ``(key bytes, (pid, start, thread, token))``, a lock-free snapshot."""
-        q = self._q
-        out = []
-        for lane, owner in self.lane_owners():
-            got = []
-            for b in range(BUCKETS):
-                w0 = (b * LANES + lane) * WAYS
-                for w in range(w0, w0 + WAYS):
-                    if q[_HQ + w]:
-                        tid, token, kb = self._body(w)
-                        got.append((kb, (*owner, tid, token)))
-            # A lane released or reaped and claimed again while it was read holds another
-            # process's rows: left out (they were not there when its owner was read).
-            if procinfo.unpack_owner(q[_OQ + lane]) == owner:
-                out += got
-        return out
+        try:
+            q = self._q
+            out = []
+            for lane, owner in self.lane_owners():
+                got = []
+                for b in range(BUCKETS):
+                    w0 = (b * LANES + lane) * WAYS
+                    for w in range(w0, w0 + WAYS):
+                        if q[_HQ + w]:
+                            tid, token, kb = self._body(w)
+                            got.append((kb, (*owner, tid, token)))
+                # A lane released or reaped and claimed again while it was read holds another
+                # process's rows: left out (they were not there when its owner was read).
+                if procinfo.unpack_owner(q[_OQ + lane]) == owner:
+                    out += got
+            return out
+        except Exception:
+            self._if_closed()
+            raise
 
     def lane_owners(self) -> list[tuple[int, tuple[int, int]]]:
         """``(lane, (pid, start))`` of every claimed lane."""
-        q = self._q
-        return [(i, o) for i in range(min(q[_HWQ], LANES))
-                if (o := procinfo.unpack_owner(q[_OQ + i])) is not None]
+        try:
+            q = self._q
+            return [(i, o) for i in range(min(q[_HWQ], LANES))
+                    if (o := procinfo.unpack_owner(q[_OQ + i])) is not None]
+        except Exception:
+            self._if_closed()
+            raise
 
     def sealed(self) -> bool:
         """True while a writer under the registry lock decides from the lanes (see the module
         docstring): a row's writer then takes the lock before trusting what it read."""
-        return self._q[_SQ] != 0
+        try:
+            return self._q[_SQ] != 0
+        except Exception:
+            self._if_closed()
+            raise
 
     @contextmanager
     def seal(self) -> Iterator[None]:
@@ -259,38 +291,48 @@ class Lanes:
         """Publish the row ``(pk, tid, token)`` in this process's lane; its way (the receipt
         :meth:`remove` takes), or ``None`` when it has no room there (then nothing written).
         ``token`` is unique to the row (the caller's), never reused."""
-        kb = pk.kbytes
-        if self._lane < 0 and self._own() < 0:
-            return None
-        if len(kb) > KEY_MAX:
-            return None
-        h = pk.hash
         try:
-            w = self._free[(h >> 32) & (BUCKETS - 1)].pop()  # _bucket(h), inlined: the hot path
-        except IndexError:  # this bucket's ways are taken
-            return None
-        self._held[token] = w
-        _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
-        self._q[_HQ + w] = h  # visible from here
-        return w
+            kb = pk.kbytes
+            if self._lane < 0 and self._own() < 0:
+                return None
+            if len(kb) > KEY_MAX:
+                return None
+            h = pk.hash
+            try:
+                w = self._free[(h >> 32) & (BUCKETS - 1)].pop()  # _bucket(h), inlined: the hot path
+            except IndexError:  # this bucket's ways are taken
+                return None
+            self._held[token] = w
+            _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
+            self._q[_HQ + w] = h  # visible from here
+            return w
+        except Exception:
+            self._if_closed()
+            raise
 
     def remove(self, w: int, token: int) -> bool:
         """Remove this process's row ``token`` at way ``w``; False when it is not there (removed
         already, or a fork child's copy of the parent's receipt). Then a full barrier: the
         caller's next load is ordered after the removal (contract §4.3's race at the end)."""
-        held = self._held
-        got = held.pop(token, None)  # one caller wins it
-        if got != w:
-            if got is not None:
-                held[token] = got
-            return False
-        self._q[_HQ + w] = 0
-        self._free[w // (LANES * WAYS)].append(w)  # after the hash: the way is empty now
-        fence()
-        return True
+        try:
+            held = self._held
+            got = held.pop(token, None)  # one caller wins it
+            if got != w:
+                if got is not None:
+                    held[token] = got
+                return False
+            self._q[_HQ + w] = 0
+            self._free[w // (LANES * WAYS)].append(w)  # after the hash: the way is empty now
+            fence()
+            return True
+        except Exception:
+            self._if_closed()
+            raise
 
     def own_rows(self) -> list[tuple[int, bytes, int, int]]:
         """``(way, key bytes, thread, token)`` of this process's rows (a snapshot)."""
+        if self._closed:  # the close gave the lane up: nothing held, but nothing to read either
+            self._if_closed()
         out = []
         for token, w in list(self._held.items()):
             tid, tok, kb = self._body(w)
@@ -343,18 +385,22 @@ class Lanes:
     def reap(self, pid: int | None = None) -> int:
         """Clear and free the lanes of dead owners (of ``pid`` only, when given); returns the
         rows removed. Liveness is read before the lock, checked again under it."""
-        dead = [(i, o) for i, o in self.lane_owners()
-                if (pid is None or o[0] == pid) and not self._alive(*o)]
-        if not dead:
-            return 0
-        n = 0
-        q = self._q
-        with self._lock:
-            for i, o in dead:
-                if procinfo.unpack_owner(q[_OQ + i]) == o:
-                    n += self._clear(i)
-                    q[_OQ + i] = 0
-        return n
+        try:
+            dead = [(i, o) for i, o in self.lane_owners()
+                    if (pid is None or o[0] == pid) and not self._alive(*o)]
+            if not dead:
+                return 0
+            n = 0
+            q = self._q
+            with self._lock:
+                for i, o in dead:
+                    if procinfo.unpack_owner(q[_OQ + i]) == o:
+                        n += self._clear(i)
+                        q[_OQ + i] = 0
+            return n
+        except Exception:
+            self._if_closed()
+            raise
 
     def release(self) -> None:
         """Give up this process's lane (its rows go): for a registry being closed."""
@@ -393,18 +439,22 @@ class LaneWatch:
         self._way = -1  # the hash word of the lane row last found, else -1
 
     def member(self) -> bool:
-        way = self._way
-        if way >= 0:
-            if self._q[way] == self._h:
-                return True
-        else:
-            w = self._w
-            if w._ver[w._b] == w._v:
-                if w._member:
+        try:
+            way = self._way
+            if way >= 0:
+                if self._q[way] == self._h:
                     return True
-                if self._mm[self._a:self._b] == self._snap:
-                    return False
-        return self._refresh()
+            else:
+                w = self._w
+                if w._ver[w._b] == w._v:
+                    if w._member:
+                        return True
+                    if self._mm[self._a:self._b] == self._snap:
+                        return False
+            return self._refresh()
+        except Exception:
+            self._lanes._if_closed()
+            raise
 
     def _refresh(self) -> bool:
         snap = self._mm[self._a:self._b]  # before the scan: see the module docstring

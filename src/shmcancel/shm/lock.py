@@ -54,7 +54,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
     _SemLock = None
 
 from .. import telemetry
-from ..exceptions import LockTimeout, ShmCancelError
+from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from . import procinfo
 from .names import SHM_DIR, close_with, lock_path, open_lockfile, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
@@ -231,26 +231,50 @@ class RegistryLock:
             self._fd_closer.detach()
         self._fd, self._fd_closer = fd, None if fd is None else close_with(self, fd)
 
+    def _if_closed(self) -> None:
+        """In an ``except`` clause: raise :class:`~shmcancel.RegistryClosed` in place of the
+        error being handled (posix_ipc's on the closed semaphore, ValueError from the released
+        header view) when the registry's segment is closed; else return (the caller
+        re-raises). Nothing is tested before: an open lock pays nothing for it."""
+        if self._seg.closed:
+            raise RegistryClosed.of(self.name) from None
+
     # --- introspection ---
     @property
     def generation(self) -> int:
-        return self._w[_GEN]
+        try:
+            return self._w[_GEN]
+        except Exception:
+            self._if_closed()
+            raise
 
     @property
     def recoveries(self) -> int:
-        return self._w[_RECOVERIES]
+        try:
+            return self._w[_RECOVERIES]
+        except Exception:
+            self._if_closed()
+            raise
 
     def owner(self) -> tuple[int, int] | None:
         """(pid, start) recorded as holder, or None."""
-        return procinfo.unpack_owner(self._w[_OWNER])
+        try:
+            return procinfo.unpack_owner(self._w[_OWNER])
+        except Exception:
+            self._if_closed()
+            raise
 
     def idle_generation(self) -> int | None:
         """The generation while nobody holds the lock, else None. Read before and after a
         lock-free read of several tables: the same value twice (and ``generation`` one above
         it once this thread holds the lock) means no writer ran in between, because every
         holder bumps the generation after taking the semaphore and before its first store."""
-        gen = self._w[_GEN]
-        return gen if self._sem.value > 0 else None
+        try:
+            gen = self._w[_GEN]
+            return gen if self._sem.value > 0 else None
+        except Exception:
+            self._if_closed()
+            raise
 
     def held_by_me(self) -> bool:
         """True when the calling thread holds the lock."""
@@ -300,7 +324,7 @@ class RegistryLock:
                 w[_GEN] += 1
                 w[_OWNER] = st.me  # ordering: see _stamp
             return self
-        except BaseException:
+        except BaseException as e:
             if st.holder == tid or (taken >= 0 and fast._count() != taken):
                 st.holder = tid
                 if st.dirty:
@@ -308,6 +332,8 @@ class RegistryLock:
                 self._release_unit()
             if tlock._is_owned():
                 tlock.release()
+            if isinstance(e, Exception):  # a signal handler's exception goes on as it is
+                self._if_closed()
             raise
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
@@ -621,6 +647,8 @@ class RegistryLock:
         _locks.discard(self)
 
     def __repr__(self) -> str:
+        if self._seg.closed:
+            return f"<RegistryLock {self.name} closed>"
         return (f"<RegistryLock {self.name} owner={self.owner()} gen={self.generation} "
                 f"path={lock_path(self.name)}>")
 

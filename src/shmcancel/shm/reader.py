@@ -63,23 +63,31 @@ class Watch:
     def member(self) -> bool:
         """True while the key has a row. One version load when nothing moved (two when the
         last probe spanned two buckets)."""
-        if self._ver[self._b] == self._v:
-            return self._member
-        two = self._two  # one tuple: versions and answer of the same read, whatever refreshes
-        if two is not None:
-            ver = self._ver
-            if ver[two[0]] == two[1] and ver[two[2]] == two[3]:
-                return two[4]
-        return self._refresh()
+        try:
+            if self._ver[self._b] == self._v:
+                return self._member
+            two = self._two  # one tuple: versions and answer of the same read, whatever refreshes
+            if two is not None:
+                ver = self._ver
+                if ver[two[0]] == two[1] and ver[two[2]] == two[3]:
+                    return two[4]
+            return self._refresh()
+        except Exception:
+            self._t._if_closed()
+            raise
 
     def values(self) -> tuple[Any, ...]:
         """The key's values (at most one for a set), cached like ``member``."""
-        if self._ver[self._b] != self._v:
-            self._refresh()
-        vals = self._values
-        if vals is None:
-            vals = self._values = tuple(_unpack(x) for x in self._raw)
-        return vals
+        try:
+            if self._ver[self._b] != self._v:
+                self._refresh()
+            vals = self._values
+            if vals is None:
+                vals = self._values = tuple(_unpack(x) for x in self._raw)
+            return vals
+        except Exception:
+            self._t._if_closed()
+            raise
 
     def _refresh(self) -> bool:
         lk = self._lk
@@ -226,62 +234,70 @@ class Reads(Fsck):
         """True if ``key`` has a row. A miss costs a version load, the hashes of the probed slots
         of the home bucket, and the version again."""
         try:
-            if key.t is not self:  # prepared for another table
+            try:
+                if key.t is not self:  # prepared for another table
+                    key = self.prepare(key)
+            except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
                 key = self.prepare(key)
-        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
-            key = self.prepare(key)
-        ver = self._ver
-        b = key.b
-        v = ver[b]
-        j = key.j
-        idx = self._idx
-        sh = idx[j]
-        if not sh:  # empty home slot
-            if ver[b] == v & -2:  # unchanged and even (versions only grow)
-                return False
-        else:  # hashes only, within the home bucket
-            h = key.hash
-            while sh != h:
-                j += 2
-                if not j & 31:
-                    break
-                sh = idx[j]
-                if not sh:
-                    if ver[b] == v & -2:
-                        return False
-                    break
-        return bool(self._read(key)[0])
+            ver = self._ver
+            b = key.b
+            v = ver[b]
+            j = key.j
+            idx = self._idx
+            sh = idx[j]
+            if not sh:  # empty home slot
+                if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                    return False
+            else:  # hashes only, within the home bucket
+                h = key.hash
+                while sh != h:
+                    j += 2
+                    if not j & 31:
+                        break
+                    sh = idx[j]
+                    if not sh:
+                        if ver[b] == v & -2:
+                            return False
+                        break
+            return bool(self._read(key)[0])
+        except Exception:
+            self._if_closed()
+            raise
 
     def lookup(self, key: Any) -> list[Any]:
         """The values of ``key``'s rows: ``[]``, ``[value]`` for a set, any number for a bag."""
-        # member()'s miss path, inlined again: one shared helper made a miss 1.5-2x slower
-        # (tools/bench_table.py, lookup miss 3.1x -> 4.5-6x the floor).
         try:
-            if key.t is not self:  # prepared for another table
+            # member()'s miss path, inlined again: one shared helper made a miss 1.5-2x slower
+            # (tools/bench_table.py, lookup miss 3.1x -> 4.5-6x the floor).
+            try:
+                if key.t is not self:  # prepared for another table
+                    key = self.prepare(key)
+            except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
                 key = self.prepare(key)
-        except AttributeError:  # a plain key (no msgpack-able value has an attribute "t")
-            key = self.prepare(key)
-        ver = self._ver
-        b = key.b
-        v = ver[b]
-        j = key.j
-        idx = self._idx
-        sh = idx[j]
-        if not sh:  # empty home slot
-            if ver[b] == v & -2:  # unchanged and even (versions only grow)
-                return []
-        else:  # hashes only, within the home bucket
-            h = key.hash
-            while sh != h:
-                j += 2
-                if not j & 31:
-                    break
-                sh = idx[j]
-                if not sh:
-                    if ver[b] == v & -2:
-                        return []
-                    break
-        return [_unpack(x) for x in self._read(key)[0]]
+            ver = self._ver
+            b = key.b
+            v = ver[b]
+            j = key.j
+            idx = self._idx
+            sh = idx[j]
+            if not sh:  # empty home slot
+                if ver[b] == v & -2:  # unchanged and even (versions only grow)
+                    return []
+            else:  # hashes only, within the home bucket
+                h = key.hash
+                while sh != h:
+                    j += 2
+                    if not j & 31:
+                        break
+                    sh = idx[j]
+                    if not sh:
+                        if ver[b] == v & -2:
+                            return []
+                        break
+            return [_unpack(x) for x in self._read(key)[0]]
+        except Exception:
+            self._if_closed()
+            raise
 
     def word(self, key: Any) -> int | None:
         """The word of ``key``'s row (see ``layout.py``; a bag: of one of its rows), or None
@@ -289,18 +305,22 @@ class Reads(Fsck):
         bucket versions around the read show its record was still the row's. A set's key that
         keeps its word's place (``wref``, from the last probe that found it) is read there, with
         no probe, while that slot's bucket version has not moved (before and after the load)."""
-        if key.__class__ is not PreparedKey or key.t is not self:
-            key = self.prepare(key)
-        w = key.wref
-        if w is not None:
-            ver = self._ver
-            b, v, ref = w
-            if ver[b] == v:
-                word = self._u32[ref]
+        try:
+            if key.__class__ is not PreparedKey or key.t is not self:
+                key = self.prepare(key)
+            w = key.wref
+            if w is not None:
+                ver = self._ver
+                b, v, ref = w
                 if ver[b] == v:
-                    return word
-        got = self._read(key, True)[0]
-        return got[0] if got else None
+                    word = self._u32[ref]
+                    if ver[b] == v:
+                        return word
+            got = self._read(key, True)[0]
+            return got[0] if got else None
+        except Exception:
+            self._if_closed()
+            raise
 
     def get(self, key: Any, default: Any = None) -> Any:
         """The value of ``key`` (for a bag: one of its values), or ``default``."""
@@ -311,13 +331,18 @@ class Reads(Fsck):
         """Number of rows (the header counter: exact whenever no writer is mid-operation).
         A counter at or above capacity that disagrees with the free stack (garbage, or a writer
         mid-operation) is not trusted: the count then comes from the index (still lock-free)."""
-        n = self._hq[_ROWS]
-        if n >= self.capacity and n + self._hq[_TOP] + self._hq[_LTOP] != self._nrec:
-            return min(self.nslots - self._idx.tolist()[::2].count(0), self.capacity)
-        return n
+        try:
+            n = self._hq[_ROWS]
+            if n >= self.capacity and n + self._hq[_TOP] + self._hq[_LTOP] != self._nrec:
+                return min(self.nslots - self._idx.tolist()[::2].count(0), self.capacity)
+            return n
+        except Exception:
+            self._if_closed()
+            raise
 
     def watch(self, key: Any) -> Watch:
         """A cached poll of ``key`` (see :class:`Watch`)."""
+        self._check_open()
         return Watch(self, self.prepare(key))
 
     def _snapshot(self) -> list[tuple[int, int, bytes, bytes, int]]:
@@ -351,6 +376,7 @@ class Reads(Fsck):
         """(key, value) of every row held in a large record (see ``layout.py``). Under the
         lock: O(L), the large records off the free stack, each kept only if validated and
         referenced by its key's entry. Lock-free: from one consistent copy of the index."""
+        self._check_open()
         if not self._nlarge:
             return []
         cap, rec, hq = self.capacity, self._record, self._hq
@@ -373,6 +399,7 @@ class Reads(Fsck):
     def scan(self, pred: Callable[[Any, Any], bool] | None = None) -> list[tuple[Any, Any]]:
         """Every (key, value) for which ``pred(key, value)`` is true (all rows when None), from
         one consistent snapshot, in index order."""
+        self._check_open()
         out = []
         for _, _, kb, vb, _ in self._snapshot():
             k, v = _unpack(kb), _unpack(vb)
@@ -387,6 +414,7 @@ class Reads(Fsck):
         up to whole buckets; ``count`` is capped at ``nslots``. Consistent within the piece
         (optimistic, else under the lock); a row a backward shift moves across the piece's edge
         between two calls may be missed by that pass."""
+        self._check_open()
         nb = self.nslots // BUCKET_SLOTS
         b0 = (start % self.nslots) // BUCKET_SLOTS
         n = min(nb, max(1, -(-count // BUCKET_SLOTS)))

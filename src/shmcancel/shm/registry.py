@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..config import Config
-from ..exceptions import RegistryIncompatible, ShmCancelError
+from ..exceptions import RegistryClosed, RegistryIncompatible, ShmCancelError
 from . import procinfo
 from .lanes import Lanes
 from .lanes import format_region as lanes_format
@@ -207,9 +207,12 @@ class _ReadOnlyLock:
 
     def __init__(self, seg: Segment) -> None:
         self.name = seg.name
+        self._seg = seg
         self._w = seg.words
 
     def __enter__(self) -> object:
+        if self._seg.closed:
+            raise RegistryClosed.of(self.name)
         raise ShmCancelError(f"registry {self.name} is attached read-only: cannot take its lock")
 
     def __exit__(self, *exc: object) -> None:  # pragma: no cover - __enter__ always raises
@@ -218,16 +221,21 @@ class _ReadOnlyLock:
     def stalled(self) -> bool:
         return False  # never waited for
 
+    def _word(self, off: int) -> int:
+        if self._seg.closed:
+            raise RegistryClosed.of(self.name)
+        return self._w[off >> 3]
+
     def owner(self) -> tuple[int, int] | None:
-        return procinfo.unpack_owner(self._w[OFF_LOCK_OWNER >> 3])
+        return procinfo.unpack_owner(self._word(OFF_LOCK_OWNER))
 
     @property
     def generation(self) -> int:
-        return self._w[OFF_LOCK_GENERATION >> 3]
+        return self._word(OFF_LOCK_GENERATION)
 
     @property
     def recoveries(self) -> int:
-        return self._w[OFF_RECOVERIES >> 3]
+        return self._word(OFF_RECOVERIES)
 
     def held_by_me(self) -> bool:
         return False
@@ -247,6 +255,11 @@ class Registry:
 
     ``close()`` unmaps (idempotent); ``unlink()`` removes the names (idempotent; only this
     registry's own segment and semaphore, never a newer one created under the same name).
+    After ``close()`` whatever reads or writes the segment, here or through its tables, lanes
+    and lock, raises :class:`~shmcancel.RegistryClosed`; what this object knows without the
+    segment (``name``, ``config``, ``identity``, ``closed``, ``at_name()``, ``unlink()``) still
+    answers. ``unlink()`` closes nothing: attached processes, this one included, keep using
+    the segment until they close it.
     """
 
     def __init__(self, seg: Segment, decls: Sequence[TableDecl]) -> None:
@@ -423,8 +436,15 @@ class Registry:
             lock.close()
         self._seg.close()
 
+    def _check_open(self) -> None:
+        """Raise :class:`RegistryClosed` when this registry was closed (for the methods that
+        read the header: none of them is on a request's path)."""
+        if self._closed:
+            raise RegistryClosed.of(self._name)
+
     def close(self) -> None:
-        """Unmap the segment and close the semaphore and lock file. Idempotent."""
+        """Unmap the segment and close the semaphore and lock file. Idempotent. What used the
+        registry since raises :class:`RegistryClosed` (see the class docstring)."""
         if self._closed:
             return
         self._closed = True
@@ -475,6 +495,7 @@ class Registry:
 
     @property
     def creator(self) -> tuple[int, int]:
+        self._check_open()
         c = self._seg.creator
         assert c is not None
         return c
@@ -500,6 +521,7 @@ class Registry:
         or took over, not one created again under the name by another process. ``start``
         ``None``: a process that has exited (its start time can no longer be read), matched
         by its pid alone."""
+        self._check_open()
         words = (self._seg.u64(OFF_CREATOR), self._seg.u64(OFF_PREV_CREATOR))
         if start is not None:
             return procinfo.pack_owner(pid, start) in words
@@ -518,6 +540,7 @@ class Registry:
         the old master is still the owner: a second upgrade must not forget it). Two aligned
         8-byte stores: no lock, so a gunicorn master never waits on a worker that holds it.
         """
+        self._check_open()
         if self.readonly:
             raise ShmCancelError(f"registry {self.name} is attached read-only: cannot adopt")
         me = procinfo.pack_owner(*procinfo.me())
@@ -531,6 +554,7 @@ class Registry:
 
     def table(self, name: str) -> Table:
         """The table called ``name`` (KeyError naming the tables there are, if none)."""
+        self._check_open()
         try:
             return self._tables[name]
         except KeyError:
@@ -540,24 +564,29 @@ class Registry:
     @property
     def tables(self) -> dict[str, Table]:
         """Every table, by name, in segment order."""
+        self._check_open()
         return dict(self._tables)
 
     # --- header counters ---
     @property
     def recoveries(self) -> int:
+        self._check_open()
         return self._seg.u64(OFF_RECOVERIES)
 
     @property
     def evictions(self) -> int:
+        self._check_open()
         return self._seg.u64(OFF_EVICTIONS)
 
     def add_evictions(self, n: int) -> None:
         """Count ``n`` evicted rows (takes the lock; reentrant inside a held one)."""
+        self._check_open()
         with self.lock:
             self._seg.set_u64(OFF_EVICTIONS, self._seg.u64(OFF_EVICTIONS) + n)
 
     @property
     def last_sweep(self) -> float:
+        self._check_open()
         return self._seg.f64(OFF_LAST_SWEEP)
 
     def claim_sweep(self, now: float, interval: float) -> bool:
@@ -566,6 +595,7 @@ class Registry:
         Costs one load when it is not time yet. A last sweep more than an interval ahead of
         ``now`` is due too: the clock stepped back (NTP, a restored VM), and waiting for it to
         catch up would stop the sweeps for as long as the step (:func:`sweep_due`)."""
+        self._check_open()
         seg = self._seg
         if seg.readonly or not sweep_due(seg.f64(OFF_LAST_SWEEP), now, interval):
             return False
@@ -585,6 +615,7 @@ class Registry:
         where they are not: what the janitor's sweep calls (deep) and ``Registry.attach`` (not
         deep). Lock-free while all is plausible. Returns the repair counts of the tables
         repaired (empty: nothing was wrong). A read-only registry: {}."""
+        self._check_open()
         if self.readonly:
             return {}
         out = {}
@@ -597,6 +628,7 @@ class Registry:
     def fsck(self) -> dict[str, dict[str, int]]:
         """Check and repair every table (the caller holds the lock): the lock's repair callback.
         Returns each table's repair counts (all zero when nothing was wrong)."""
+        self._check_open()
         return {n: t.fsck() for n, t in self._tables.items()}
 
     def attach_problems(self) -> dict[str, str]:
@@ -627,6 +659,7 @@ class Registry:
 
     def info(self) -> dict[str, Any]:
         """The header, for ``shmtool stats``."""
+        self._check_open()
         seg = self._seg
         creator = seg.creator
         owner = self.lock.owner()

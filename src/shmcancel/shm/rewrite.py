@@ -172,6 +172,7 @@ class Rewrites(Writes):
     def copy_index(self, tries: int = 3) -> IndexCopy | None:
         """A consistent lock-free copy of the index (see :class:`IndexCopy`), or None when
         writers kept moving it (``tries`` times)."""
+        self._check_open()
         ver = self._ver
         for attempt in range(tries):
             if attempt:

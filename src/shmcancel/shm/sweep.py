@@ -50,6 +50,7 @@ class Sweeps(Rewrites):
         if it validates (length, crc) and its key still hashes to its entry. A row a writer
         changed after the index copy is missing or shows its newer content: callers re-validate
         under the lock (:meth:`sweep_delete`) before acting on a row."""
+        self._check_open()
         words = self._index_words()
         out = []
         rec = self._record
@@ -90,6 +91,7 @@ class Sweeps(Rewrites):
         runs there right after the rewrite's stores. A writer killed after the rewrite thus
         leaves no change half made outside any hold (a lock recovery follows a death inside
         one), and no hold is longer than the two rewrites' stores."""
+        self._check_open()
         lock = self._lock
         if pred is None and len(rows) >= SWEEP_BULK and (on_chunk is None or prepare is not None):
             bulk = self._bulk_delete(rows, start=start, prepare=prepare)
@@ -196,6 +198,7 @@ class Sweeps(Rewrites):
         sees every row before anything is removed (if it raises, nothing is). Unless the
         caller holds the lock, the rows are chosen lock-free and deleted in short holds
         (:meth:`sweep_delete`), where ``pred`` is asked again for each row."""
+        self._check_open()
         lock = self._lock
         if not lock.held_by_me():
             chosen = [row for row in self.sweep_rows()

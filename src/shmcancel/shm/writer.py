@@ -215,12 +215,17 @@ class Writes(Fsck):
 
     def _write(self, op: Callable[..., _T], *args: Any) -> _T:
         """``op(*args)`` under the lock; corruption it meets is repaired (fsck) and ``op`` tried
-        once more, whose :class:`TableCorrupted` then propagates."""
+        once more, whose :class:`TableCorrupted` then propagates. On a closed table the lock
+        raises :class:`~shmcancel.RegistryClosed` (and so does ``op`` when the lock was this
+        thread's already, through another attachment of the registry)."""
         with self._lock:
             try:
                 return op(*args)
             except TableCorrupted as e:
                 self._repair(str(e))
+            except Exception:
+                self._if_closed()
+                raise
             return op(*args)
 
     def _insert(self, key: PreparedKey, vb: bytes) -> None:
