@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .. import telemetry
-from ..exceptions import LockTimeout, ShmCancelError
+from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from ..shm import procinfo
 from ..shm.reader import Watch as _Watch
 from . import ids, owed
@@ -120,17 +120,15 @@ class RequestHandle:
         except LockTimeout as e:
             self.error = e
             log.warning("a request could not be tracked: %s", e)
+        except RegistryClosed as e:  # not a full table: no advice about its capacity
+            self.error = e
+            _log_failed(e)
         except ShmCancelError as e:
             self.error = e
             _log_untracked(e)
         except Exception as e:  # a backend's own error (Redis unreachable): never the caller's
             self.error = e
-            global _failed_logged
-            log.log(logging.DEBUG if _failed_logged else logging.WARNING,
-                    "a request could not be tracked (%s: %s); it runs uncancellable by "
-                    "notifications (logged once per process, then at debug level)",
-                    type(e).__name__, e)
-            _failed_logged = True
+            _log_failed(e)
         else:
             if owed.queue:
                 settle_owed()  # the lock answered: land what this process owes
@@ -147,7 +145,9 @@ class RequestHandle:
 
         The hot path is one version load: ``_ver[_b] == _v`` holds while the bucket the watch
         last read without finding a row has not moved (a latch or ``cancel_local`` sets
-        ``_v = -1``, which no version equals)."""
+        ``_v = -1``, which no version equals). When the poll fails (its registry closed since:
+        the versions' view is released), what this handle knows: latched or cancelled locally
+        stays true, anything else is ``False``."""
         try:
             if self._ver[self._b] == self._v:
                 n = self._n = self._n - 1
@@ -157,7 +157,7 @@ class RequestHandle:
                 return False
             return self._poll()
         except Exception:
-            return False
+            return self._local
 
     def _poll(self) -> bool:
         """:meth:`cancelled` when the cached answer cannot be trusted: read the watch (made on
@@ -252,7 +252,10 @@ class RequestHandle:
 
     def end(self) -> None:
         """Untrack this request's own row, then clear the key's cancellation row. Idempotent;
-        logs and swallows storage errors (it runs in a ``finally``)."""
+        logs and swallows storage errors (it runs in a ``finally``). On a registry closed
+        since it began: one line logged, nothing owed (this process has no registry to land
+        it in; its lane rows went with the close, a shared-table row goes when its process
+        exits)."""
         rid = self._rid
         if rid is None:
             return
@@ -280,6 +283,8 @@ class RequestHandle:
         except LockTimeout as e:
             owed.owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)
+        except RegistryClosed as e:
+            log.warning("ending request %r in %r: %s", rid, self.scope[:80], e)
         except Exception:
             log.warning("ending request %r in %r failed", rid, self.scope[:80], exc_info=True)
         else:
@@ -291,6 +296,17 @@ class RequestHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.end()
+
+
+def _log_failed(e: Exception) -> None:
+    """A request that could not be tracked for ``e``, neither a lock timeout nor a full table:
+    logged once per process, then at debug level."""
+    global _failed_logged
+    log.log(logging.DEBUG if _failed_logged else logging.WARNING,
+            "a request could not be tracked (%s: %s); it runs uncancellable by "
+            "notifications (logged once per process, then at debug level)",
+            type(e).__name__, e)
+    _failed_logged = True
 
 
 def _log_untracked(e: Exception) -> None:

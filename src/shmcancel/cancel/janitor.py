@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 
-from ..exceptions import LockTimeout
+from ..exceptions import LockTimeout, RegistryClosed
 from ..shm.registry import sweep_due
 from . import owed
 from .owed import owed_ends
@@ -34,6 +34,8 @@ class Janitor:
 
     ``start`` is idempotent; ``stop`` wakes the thread and waits for it (bounded). The thread
     dies with its process; a sweep cut short by that is repaired like any interrupted write.
+    It ends by itself once its registry is closed (logged once); ``start`` on a closed
+    registry raises :class:`~shmcancel.RegistryClosed`.
     """
 
     def __init__(self, cancellation: Cancellation, *, name: str = "shmcancel-janitor") -> None:
@@ -51,6 +53,8 @@ class Janitor:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
+        if self._reg.closed:
+            raise RegistryClosed.of(self._reg.name)
         if self.running:
             return
         self._stop.clear()
@@ -72,6 +76,9 @@ class Janitor:
         interval = reg.config.janitor_interval
         settled = time.monotonic()
         while True:
+            if reg.closed:
+                self._on_closed()
+                return
             try:
                 last, now = reg.last_sweep, time.time()
                 due = last + interval - now
@@ -83,7 +90,10 @@ class Janitor:
                     # another worker won the sweep: this process's own rows are its own to settle
                     c.settle()
                     settled = time.monotonic()
-            except Exception as e:  # a closed registry, a lock timeout: try again later
+            except RegistryClosed:  # closed by another thread meanwhile
+                self._on_closed()
+                return
+            except Exception as e:  # a lock timeout: try again later
                 log.warning("janitor: sweep of %s failed: %s", getattr(reg, "name", "?"), e,
                             exc_info=not isinstance(e, LockTimeout))
                 due = interval
@@ -93,3 +103,8 @@ class Janitor:
             self._wake.clear()
             if self._stop.is_set():
                 return
+
+    def _on_closed(self) -> None:
+        """The registry was closed: this thread ends (no sweep can run through it again)."""
+        owed.listeners.discard(self._wake.set)
+        log.info("janitor: registry %s was closed; the janitor stops", self._reg.name)

@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from ..exceptions import LockTimeout
+from ..exceptions import LockTimeout, RegistryClosed
 from .storage import Owner, Storage
 
 __all__ = ["forgo_untrack", "listeners", "owe", "owed_ends", "queue", "running",
@@ -122,6 +122,8 @@ def settle_owed() -> int:
                 _land(*entry)
             except LockTimeout:
                 break
+            except RegistryClosed as e:  # closed since it was owed: nowhere to land it
+                log.warning("dropping an owed request end: %s", e)
             except Exception:
                 log.warning("dropping an owed request end", exc_info=True)
             else:

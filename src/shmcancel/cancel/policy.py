@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
-from ..exceptions import LockTimeout
+from ..exceptions import LockTimeout, RegistryClosed
 from ..shm import procinfo
 from ..shm.reader import Watch as _Watch
 from ..shm.registry import Registry
@@ -621,6 +621,9 @@ class Cancellation:
         :class:`shmcancel.cancel.janitor.Janitor` calls."""
         now = _now()
         reg = self.registry
+        if reg is not None and reg.closed:  # nothing to sweep or settle through it any more
+            self._next_check = now + self._interval
+            return False
         if reg is not None and reg.lock.stalled():  # a sweep can wait; a request should not
             self._next_check = now + self._interval * _RECHECK_FRACTION
             return False
@@ -646,10 +649,12 @@ class Cancellation:
         """Land the ends this process owes (see the module docstring), then remove this
         process's in-flight rows whose request ended. Returns the rows settled (ends landed
         plus rows removed). Never raises; a :class:`~shmcancel.LockTimeout` leaves the rest
-        owed for the next try."""
+        owed for the next try. On a closed registry it has no rows to remove (0)."""
         n = settle_owed()
         try:
             n += self._reap_ended()
+        except RegistryClosed:
+            pass
         except Exception as e:
             log.warning("removing ended requests' rows failed: %s", e,
                         exc_info=not isinstance(e, LockTimeout))
