@@ -109,3 +109,113 @@ def test_a_fork_child_emits_when_a_parent_thread_held_the_lock_at_the_fork(regis
         t.join(10)
     assert kid.recv(5) == "cancelled"
     assert kid.wait() == 0
+
+
+# --- a handler's BaseException ----------------------------------------------------------------
+# KeyboardInterrupt or SystemExit from a signal that arrives while a handler runs, or a
+# framework's own BaseException, is not the handler's fault: it propagates out of the library
+# call that emitted the event, and the handler stays attached. The library emits only once the
+# shared state the event reports is complete and the lock released, so the tables are consistent
+# whatever propagates.
+
+RECOVERED = ("shmcancel", "lock", "recovered")
+CANCELLED = ("shmcancel", "request", "cancelled")
+CLEANUP = ("shmcancel", "cancellation", "cleanup")
+S = "session:s"
+
+
+class _Stop(BaseException):
+    """A framework's own BaseException (not an Exception), e.g. gevent's Timeout."""
+
+
+BASE_EXCEPTIONS = [SystemExit, KeyboardInterrupt, _Stop]
+
+
+def _raising(exc: type[BaseException]):
+    def handler(*a) -> None:
+        raise exc("from a telemetry handler")
+    return handler
+
+
+def _die_holding_the_lock(chan, name: str) -> None:
+    from shmcancel.shm.registry import Registry
+
+    Registry.attach(name).lock.__enter__()
+    chan.send("held")
+    chan.recv(60)  # SIGKILLed here, the lock held
+
+
+def _kill_a_holder(spawn, reg) -> int:
+    """A process that took ``reg``'s lock and was SIGKILLed (reaped) holding it: the next
+    acquire recovers the lock. Its pid."""
+    kid = spawn(_die_holding_the_lock, reg.name)
+    assert kid.recv() == "held"
+    kid.kill()
+    return kid.pid
+
+
+def _consistent(reg, scopes=(S, "ip:1")) -> None:
+    """Every table sound (fsck repairs nothing), the scope counts equal the rows (of every
+    scope with rows, and of ``scopes``: 0 without), the lock free."""
+    from collections import Counter
+
+    from helpers.table_rig import healthy
+
+    from shmcancel.cancel.shm_storage import ShmBackend
+
+    with reg.lock:
+        for t in reg.tables.values():
+            healthy(t)
+    rows = Counter(k[0] for k, _ in reg.table("cancellations").scan())
+    backend = ShmBackend(reg)
+    assert {s: backend.scope_rows(s) for s in {*rows, *scopes}} == {
+        s: rows.get(s, 0) for s in {*rows, *scopes}}
+    assert reg.lock.owner() is None and not reg.lock.held_by_me()
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS)
+def test_a_base_exception_from_a_handler_propagates_and_the_handler_stays(exc):
+    seen = []
+    telemetry.attach("stop", EV, _raising(exc))
+    telemetry.attach("after", EV, lambda *a: seen.append(1))
+    with pytest.raises(exc):
+        telemetry.execute(EV, {}, {})
+    assert telemetry.list_handlers(EV) == ["stop", "after"]
+    assert seen == []  # the handlers after it are not called for that event
+
+
+def test_lock_recovered_is_emitted_once_the_recovering_hold_is_released(registry, spawn):
+    """The recovery happens as a write takes the lock; its event comes when that write's hold
+    is released: the handler runs outside the lock and sees the write done."""
+    from shmcancel import Cancellation
+
+    reg = registry()
+    c = Cancellation(reg)
+    seen = []
+    telemetry.attach("recovered", RECOVERED, lambda e, m, md, cfg: seen.append(
+        (md["dead_pid"], reg.lock.held_by_me(), reg.lock.owner(), c.cancelled(1, S))))
+    pid = _kill_a_holder(spawn, reg)
+    c.cancel(1, "why", S)
+    assert seen == [(pid, False, None, True)]
+    assert reg.recoveries == 1
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS)
+def test_a_base_exception_at_lock_recovery_leaves_a_request_end_complete(registry, spawn, exc):
+    """A request's end is two writes (its in-flight row, then the key's cancellation row): the
+    clear's hold recovers the lock from a dead holder, and what the recovered handler raises
+    comes after the clear, not between the two."""
+    from shmcancel import Cancellation
+
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, S)
+    c.cancel(1, "why", S)
+    telemetry.attach("recovered", RECOVERED, _raising(exc))
+    _kill_a_holder(spawn, reg)
+    with pytest.raises(exc):
+        h.end()
+    assert not c.in_flight(1, S)
+    assert reg.table("cancellations").count() == 0, "the end's clear was cut off"
+    assert reg.recoveries == 1 and "recovered" in telemetry.list_handlers(RECOVERED)
+    _consistent(reg)

@@ -15,7 +15,9 @@ Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` o
   lock file (the kernel drops it when its holder dies), the waiter re-checks owner, generation,
   ``sem.value == 0`` and the other processes, then writes ``generation += 1``, ``owner = me``,
   ``recoveries += 1`` and carries on as the holder, after running ``repair()`` (the registry's
-  fsck).
+  fsck). The ``("shmcancel", "lock", "recovered")`` telemetry event comes once that hold is
+  released (``__exit__``): a handler never runs under the lock, and what it lets out (a
+  signal's SystemExit) finds the holder's writes complete.
 - a live owner is never robbed: a stopped holder makes waiters wait, then raise ``LockTimeout``.
 
 Within a process a ``threading.Lock`` serialises threads before the semaphore (a waiter yields
@@ -116,7 +118,8 @@ class _SignalsBlocked:
 class _ProcState:
     """Per-process, per-registry lock state (rebuilt in a fork child)."""
 
-    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "stalled_until", "tlock")
+    __slots__ = ("__weakref__", "depth", "dirty", "holder", "me", "recovered", "stalled_until",
+                 "tlock")
 
     def __init__(self) -> None:
         self.reset()
@@ -129,6 +132,9 @@ class _ProcState:
         self.depth = 0
         self.dirty = False
         self.stalled_until = 0.0  # monotonic: a wait of this process timed out until then
+        # (owner word taken over, seconds waited) of recoveries whose event is due once the
+        # hold that recovered is released (see RegistryLock._emit_recovered)
+        self.recovered: list[tuple[int, float]] = []
         # In a fork child procinfo's own after-fork reset has run already: it registered first
         # (after_in_child hooks run in registration order), so me() is the child's.
         self.me = procinfo.pack_owner(*procinfo.me())
@@ -363,6 +369,8 @@ class RegistryLock:
                 self._sem.release()
             finally:
                 st.tlock.release()
+        if st.recovered:  # a recovery's event, now that the hold's writes are complete
+            self._emit_recovered()
 
     def _wait_local(self, tlock: Any, t0: float) -> None:
         """Take the thread lock held by another thread of this process, by ``t0 +
@@ -598,16 +606,31 @@ class RegistryLock:
             if not self._take_over(owner, gen, tid):
                 return False
             self._run_repair("lock recovery")
-        self._emit_recovered(owner, waited)
+        self._recovered(owner, waited)  # its event once this hold is released
         return True
 
-    def _emit_recovered(self, owner: int, waited: float) -> None:
+    def _recovered(self, owner: int, waited: float) -> None:
+        """Log a recovery now and queue its event for the release of the hold it began."""
         p = procinfo.unpack_owner(owner)
-        dead = p[0] if p is not None else 0
         log.warning("registry %s: took over the lock from dead pid %s after %.3fs",
-                    self.name, dead or "(unrecorded)", waited)
-        telemetry.execute(("shmcancel", "lock", "recovered"), {"waited": waited},
-                          {"dead_pid": dead})
+                    self.name, (p[0] if p is not None else 0) or "(unrecorded)", waited)
+        self._st.recovered.append((owner, waited))
+
+    def _emit_recovered(self) -> None:
+        """Emit the ``lock recovered`` events queued by recoveries, with no hold of this thread
+        left: a telemetry handler runs outside the lock (it may take it, or be slow), and what
+        it raises past ``telemetry.execute`` (a ``BaseException``: SystemExit from a signal)
+        reaches the caller with the hold's writes complete and the lock released. Each event
+        once (``list.pop`` is atomic: two threads releasing at once never both emit it)."""
+        queue = self._st.recovered
+        while True:
+            try:
+                owner, waited = queue.pop(0)
+            except IndexError:
+                return
+            p = procinfo.unpack_owner(owner)
+            telemetry.execute(("shmcancel", "lock", "recovered"), {"waited": waited},
+                              {"dead_pid": p[0] if p is not None else 0})
 
     def recover_from(self, pid: int) -> bool:
         """If the lock's recorded owner is the dead process ``pid``, take it over, repair and
@@ -634,7 +657,8 @@ class RegistryLock:
             raise
         finally:
             self._st.tlock.release()
-        self._emit_recovered(owner, 0.0)
+        self._recovered(owner, 0.0)
+        self._emit_recovered()  # released already: emitted now
         return True
 
     def close(self) -> None:
