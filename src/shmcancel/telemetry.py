@@ -2,7 +2,22 @@
 
 Handlers are attached per process (attach after fork in each worker that wants them).
 ``execute`` calls every handler attached to the event, in attach order, in the calling thread.
-A handler that raises is detached and the error logged; it never reaches the caller.
+A handler that raises an ``Exception`` is detached and the error logged; it never reaches the
+caller (contract §4.7).
+
+A ``BaseException`` that is not an ``Exception`` is not swallowed: ``KeyboardInterrupt`` or
+``SystemExit`` raised by a signal handler that ran while the telemetry handler did (gunicorn's
+quit), ``GeneratorExit``, a framework's own (gevent's ``Timeout``, a test runner's failure) is
+not the handler's fault, and stopping it would keep a process from exiting or a task from being
+cancelled. It propagates out of ``execute`` and so out of the library call that emitted the
+event; the handler stays attached, and the handlers after it are not called for that event.
+The rule the library keeps for that: **an event is emitted only once the shared state it reports
+is complete and the registry lock released**, never while the lock is held or between two
+writes that go together. ``request cancelled`` comes after its row is written (a scope's
+cancellation, a session's ``DELETE``: after every row of the scope), ``cancellation cleanup``
+after the sweep, ``lock recovered`` when the hold that recovered the lock is released (after
+the holder's writes, not before them). A signal's exception there finds the tables consistent;
+it only skips what the call would have done after the event.
 
 Events emitted by shmcancel:
 
@@ -75,7 +90,8 @@ def listening() -> bool:
 
 
 def execute(event: Event, measurements: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
-    """Deliver an event to its handlers. Never raises because of a handler."""
+    """Deliver an event to its handlers. Never raises a handler's ``Exception``; a
+    ``BaseException`` that is not one propagates (see the module docstring)."""
     if not _handlers:
         return
     with _lock:

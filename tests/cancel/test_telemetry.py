@@ -219,3 +219,53 @@ def test_a_base_exception_at_lock_recovery_leaves_a_request_end_complete(registr
     assert reg.table("cancellations").count() == 0, "the end's clear was cut off"
     assert reg.recoveries == 1 and "recovered" in telemetry.list_handlers(RECOVERED)
     _consistent(reg)
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS)
+def test_a_base_exception_from_a_cancelled_handler_leaves_the_whole_scope_cancelled(registry,
+                                                                                   exc):
+    """``cancel_scope`` (a session's DELETE) writes every row of the scope before the first
+    event: a handler's BaseException cannot leave the rest of the session's calls running."""
+    from shmcancel import Cancellation
+
+    reg = registry()
+    c = Cancellation(reg)
+    handles = [c.begin(i, S) for i in range(3)]
+    telemetry.attach("cancelled", CANCELLED, _raising(exc))
+    with pytest.raises(exc):
+        c.cancel_scope(S, "session deleted")
+    assert [h.cancelled() for h in handles] == [True, True, True]
+    assert reg.table("cancellations").count() == 3
+    _consistent(reg)
+    telemetry.detach("cancelled")
+    for h in handles:
+        h.end()
+    assert reg.table("cancellations").count() == 0
+    _consistent(reg)
+
+
+@pytest.mark.parametrize("event", ["cancelled", "cleanup"])
+def test_a_base_exception_from_a_handler_comes_after_the_write_it_reports(registry, event):
+    """A cancel's event comes after its row, cleanup's after the sweep."""
+    from helpers.clock import Clock
+
+    from shmcancel import Cancellation
+
+    clock = Clock()
+    reg = registry(ttl=1.0)
+    c = Cancellation(reg, clock=clock)
+    for i in range(5):
+        c.cancel(i, "old", "ip:1")
+    clock.tick(10.0)
+    telemetry.attach("stop", CANCELLED if event == "cancelled" else CLEANUP,
+                     _raising(SystemExit))
+    with pytest.raises(SystemExit):
+        if event == "cancelled":
+            c.cancel("new", "why", S)
+        else:
+            c.cleanup()
+    if event == "cancelled":
+        assert c.reason("new", S) == "why" and reg.table("cancellations").count() == 6
+    else:
+        assert reg.table("cancellations").count() == 0
+    _consistent(reg)

@@ -479,12 +479,27 @@ class Cancellation:
         """
         if not valid_scope(scope):
             return 0
-        n = 0
+        if type(scope) is not str:
+            scope = str.__str__(scope)
+        text = sanitize(reason)
+        done = []
         for rid in self._store.in_flight_ids(scope):
             # each one atomically: a request that ended since the scan gets no row. rid is a
             # row key, not an id: a long int's is no valid id, so it is not validated again
-            n += self._record(rid, reason, scope, True, None, self.clock)
-        return n
+            if self._store.record(scope, rid, text, self.clock, quota=None, cap=self._cap,
+                                  batch=self._batch, only_in_flight=True):
+                done.append(rid)
+        # What _record does after its row, once for all: every row is written before the first
+        # event, so a handler's BaseException (a signal's SystemExit) cannot leave the rest of
+        # the scope running uncancelled.
+        if done and owed.queue:
+            settle_owed()
+        if done and telemetry.listening():
+            for rid in done:
+                telemetry.execute(CANCELLED_EVENT, {"count": 1},
+                                  {"request_id": rid, "scope": scope, "reason": text})
+        self._tick()
+        return len(done)
 
     # --- in-flight rows
     def track(self, request_id: object, scope: str = "global") -> None:
