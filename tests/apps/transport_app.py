@@ -80,6 +80,15 @@ def build(sessions: bool, path: str) -> McpServer:
             raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
         return f"waited {seconds:g}s"
 
+    @server.tool("nap")
+    def nap(conn, params):
+        """Sleep ``seconds`` without looking at cancellation (a tool busy computing): only the
+        transport's own look when it returns can answer it ``-32800``."""
+        seconds, tag = _seconds(params), params.get("tag")
+        _record(tag, "started", str(os.getpid()))
+        time.sleep(seconds)
+        return f"napped {seconds:g}s"
+
     @server.tool("steps")
     def steps(conn, params):
         """Report ``n`` progress steps (SSE when the client asked for progress), then return."""

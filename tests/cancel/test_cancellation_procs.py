@@ -189,18 +189,20 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     for k in kids:
         k.send("poll")
         assert k.recv()["cancelled"] is True
-    # one namesake ends: its own row goes (and it clears the key); the others stay in flight
-    # and, having seen the cancellation, stay cancelled
+    # one namesake ends: its own in-flight row goes; the others stay in flight, cancelled, and
+    # the key's row stays theirs (one that had not polled yet still finds it); the last to end
+    # clears it
     kids[0].send("end")
     assert kids[0].recv() == "ended"
     assert in_flight_count(reg) == 3 and c.in_flight(1, "ip:203.0.113.9")
-    assert not c.cancelled(1, "ip:203.0.113.9")
+    assert c.cancelled(1, "ip:203.0.113.9")
     for k in kids[1:]:
         k.send("poll")
         assert k.recv()["cancelled"] is True
         k.send("end")
         assert k.recv() == "ended"
     assert in_flight_count(reg) == 0
+    assert not c.cancelled(1, "ip:203.0.113.9") and reg.table("cancellations").count() == 0
     for k in kids:
         k.send("exit")
         assert k.wait() == 0

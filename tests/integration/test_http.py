@@ -167,6 +167,30 @@ def test_cancel_for_an_id_not_in_flight_records_nothing(server: Gunicorn, outdir
     assert state["cancellations"] == [] and state["in_flight"] == []
 
 
+def test_a_cancel_reaches_every_namesake_in_flight(server: Gunicorn, outdir: str) -> None:
+    """contract §6.1: a ``notifications/cancelled`` recorded (202) while a request of that id
+    is in flight in the caller's scope cancels it. A client racing itself (the same id twice
+    at once in its session) has two; the first to see the row ended and, because the row
+    predated its end, took it while the other still ran: that one answered its result, and
+    whether it was cancelled hung on which of them polled first. ``nap`` does not poll, so
+    the first (``sleep``) always ends before the transport's look at the end of ``nap``."""
+    c = Client(server.url)
+    ta, tb = tag(), tag()
+    polling = Background(lambda: c.call(5, "sleep", {"seconds": 20, "tag": ta}))
+    busy = Background(lambda: c.call(5, "nap", {"seconds": 1.5, "tag": tb}))
+    polling.start()
+    busy.start()
+    deadline = time.monotonic() + 10
+    wait_file(f"{outdir}/{ta}.started", deadline)
+    wait_file(f"{outdir}/{tb}.started", deadline)
+    assert c.cancel(5).status_code == 202
+    assert polling.result()["error"]["code"] == errors.REQUEST_CANCELLED
+    reply = busy.result()
+    assert reply.get("error", {}).get("code") == errors.REQUEST_CANCELLED, reply
+    state = dump(server.registry_name)  # the last one to end cleared the row
+    assert state["cancellations"] == [] and state["in_flight"] == []
+
+
 def test_session_delete_cancels_its_calls(server: Gunicorn, outdir: str) -> None:
     c = Client(server.url)
     t = tag()

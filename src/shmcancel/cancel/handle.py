@@ -279,7 +279,7 @@ class RequestHandle:
             w = self._watch
             if w.member() if w is not None else st.scope_has_rows(self.scope):
                 # a namesake's in-flight row is read after the untrack's barrier, like the row
-                clear_ended(st, self.scope, rid, ended_at)
+                clear_ended(st, self.scope, rid)
         except LockTimeout as e:
             owed.owe(st, self.scope, rid, self._owner, ended_at)
             log.warning("ending request %r in %r: %s; retried later", rid, self.scope[:80], e)

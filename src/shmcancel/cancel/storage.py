@@ -104,8 +104,8 @@ class Storage(Protocol):
         """Remove one row of this thread for the key (a token-0 row first)."""
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
         """A request's end as one step (an owed end landing late): untrack ``owner``, then
-        clear the key's row; while a namesake is still in flight only a row from before
-        ``ended_at`` goes (a newer one is the namesake's)."""
+        clear the key's row (:func:`clear_ended`); ``owner`` ``None``: an owed plain clear,
+        asked at ``ended_at`` (the store's clock)."""
     def in_flight(self, scope: str, rid: str) -> bool: ...
     def in_flight_ids(self, scope: str) -> list[str]:
         """Ids in flight in ``scope`` (a snapshot; callers gate each again in ``record``)."""
@@ -121,12 +121,17 @@ class Storage(Protocol):
         """True for one caller per ``interval`` seconds across every process of the store."""
 
 
-def clear_ended(st: Storage, scope: str, rid: str, ended_at: float) -> None:
-    """The clear of a request's end, after its untrack: the key's row goes, unless a namesake
-    (same scope and id, another request) is still in flight, whose row is then one recorded
-    since this end began (``ended_at``, the store's clock) and stays. What every end runs: a
-    handle's, an owed one's (:meth:`Storage.end`)."""
-    if st.in_flight(scope, rid):
-        st.clear_before(scope, rid, ended_at)
-    else:
+def clear_ended(st: Storage, scope: str, rid: str, asked_at: float | None = None) -> None:
+    """The clear after an untrack: the key's row goes, unless a namesake (same scope and id,
+    another request) is still in flight. At a request's end (``asked_at`` ``None``) the row
+    then stays, whenever it was recorded: one recorded while both ran is the namesake's as
+    much as this request's (§6.1: in flight in the caller's scope, so cancelled; taking it
+    here left the namesake's cancellation to which of them polled first), one older than the
+    namesake is removed by the namesake's own look (a row older than a request is not its
+    own); the last of them to end clears it. An owed plain ``clear`` (``asked_at``: when it
+    was asked) takes only a row from before then, as it would have then. What every end
+    runs: a handle's, an owed one's (:meth:`Storage.end`)."""
+    if not st.in_flight(scope, rid):
         st.clear(scope, rid)
+    elif asked_at is not None:
+        st.clear_before(scope, rid, asked_at)

@@ -291,7 +291,7 @@ class RedisStorage:
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
         if owner is not None and self.untrack(scope, rid, owner):
             return  # untrack.lua cleared the row when no namesake runs on
-        clear_ended(self, scope, rid, ended_at)
+        clear_ended(self, scope, rid, None if owner is not None else ended_at)
 
     def in_flight(self, scope: str, rid: str) -> bool:
         return self.store.in_flight(scope, rid, now_ms=self._now_ms())
