@@ -373,6 +373,15 @@ BAD = [
      _rpc(id=1, method="nope", params={"_meta": META}), 404, errors.METHOD_NOT_FOUND),
     ("modern missing _meta", {"MCP-Protocol-Version": MODERN, "Mcp-Method": "tools/list"},
      _rpc(id=1, method="tools/list"), 400, errors.INVALID_PARAMS),
+    # contract §6.2: the header rung (-32020) comes before the version rung (-32022); a client
+    # that disagrees with itself is told so (-32022 is what an auto client does not fall back
+    # from). A version header sent twice reaches the app joined by gunicorn.
+    ("modern body, version header of no revision",
+     {"MCP-Protocol-Version": "2099-01-01", "Mcp-Method": "tools/list"},
+     _rpc(id=1, method="tools/list", params={"_meta": META}), 400, errors.HEADER_MISMATCH),
+    ("modern body, version header twice",
+     {"MCP-Protocol-Version": f"{MODERN},{MODERN}", "Mcp-Method": "tools/list"},
+     _rpc(id=1, method="tools/list", params={"_meta": META}), 400, errors.HEADER_MISMATCH),
 ]
 
 

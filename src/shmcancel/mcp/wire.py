@@ -18,7 +18,8 @@ or the modern ``_meta`` envelope key in the body, selects modern (a body that cl
 with a legacy or missing header then fails the header rung with ``-32020``); a legacy header or
 none selects legacy; any other header value is answered ``-32022`` (HTTP 400) naming every
 version served, which both the legacy rule ("unsupported version → 400") and the modern one
-("UnsupportedProtocolVersionError") ask for.
+("UnsupportedProtocolVersionError") ask for; on a request in the modern envelope the ladder
+decides (a header disagreeing with ``_meta`` is ``-32020`` first).
 
 Header values arrive as WSGI strings (latin-1 decoded bytes). Duplicate header lines are
 joined with ``,`` by gunicorn, so a duplicated routing header never equals the body and is
@@ -154,7 +155,9 @@ def _unsupported(requested: str, id: int | str | None) -> RpcError:
 
 def detect(msg: Message, headers: RequestHeaders) -> Wire:
     """The wire of a parsed POST body. Raises ``-32022`` (HTTP 400) for a version header that
-    names no revision served here."""
+    names no revision served here, unless the body is a request in the modern envelope: the
+    ladder (:func:`validate_modern`) then answers ``-32020`` when the header disagrees with
+    ``_meta`` (a version header sent twice, joined), ``-32022`` when both name that version."""
     version = headers.protocol_version
     meta = _meta_of(msg)
     modern_meta = isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta
@@ -165,6 +168,8 @@ def detect(msg: Message, headers: RequestHeaders) -> Wire:
         return Wire.MODERN
     if version in LEGACY_VERSIONS:
         return Wire.MODERN if modern_meta else Wire.LEGACY
+    if modern_meta and isinstance(msg, Request):
+        return Wire.MODERN  # the ladder's header rung (-32020) comes before the version's
     raise _unsupported(version, msg.id if isinstance(msg, Request) else None)
 
 
