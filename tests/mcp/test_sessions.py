@@ -694,3 +694,34 @@ def test_adopting_a_session_already_adopted_here_keeps_the_clients_others(
     assert message == sid.encode()
     assert store.client_sessions(client) == (*mine, sid)
     assert all(store.get(s) is not None for s in (*mine, sid))
+
+
+def test_sessions_expire_after_the_clock_steps_back(reg: Registry, clock: Clock) -> None:
+    """contract §6.1 / README ``session_ttl``: a session idle for ``session_ttl`` expires. The
+    clock (wall time, shared by every process) steps back two hours (NTP, a restored VM):
+    every session then looks last seen in the future, so it was neither expired nor touched
+    (a touch refuses to write an older ``last_seen``) until the clock caught up, two hours
+    plus the ttl later. A table full of departed clients' sessions refused every new client
+    (503) for as long as the step. As the janitor's schedule does (``sweep_due``), a
+    ``last_seen`` more than an interval ahead counts as seen before the step: the sweep
+    stamps it now, so it expires one ttl after the step was noticed."""
+    start = clock.t
+
+    def mint_elsewhere(w: int) -> None:  # another worker, on the same clock
+        other = SessionStore(reg, clock=Clock(start))
+        for i in range(4):
+            for _ in range(PER_CLIENT):
+                other._clock.t += 1  # type: ignore[attr-defined]
+                other.create(LEGACY, f"ip:192.0.2.{i}")
+        os.write(w, b"done")
+
+    assert first_message(mint_elsewhere)[1] == b"done"
+    store = SessionStore(reg, clock=clock)
+    assert store.count() == CAPACITY
+    clock.t = start - 7200.0  # the clock steps back
+    step = clock.t
+    while clock.t - step <= TTL + 10:  # the server goes on: a sweep piece now and then
+        clock.t += 5
+        store.sweep_all()
+    assert store.count() == 0  # every one idle for more than the ttl since the step
+    assert store.create(LEGACY, "ip:198.51.100.7") is not None

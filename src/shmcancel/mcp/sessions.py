@@ -29,7 +29,9 @@ Policy (contract §6.1):
 - A session expires once it has not been seen for ``config.session_ttl`` seconds and has no call
   in flight. :meth:`get` treats an expired row as absent; :meth:`sweep` removes expired rows a
   bounded piece of the table at a time, run on the back of this store's own calls at most every
-  :data:`SWEEP_EVERY` seconds per process.
+  :data:`SWEEP_EVERY` seconds per process. A session last seen more than a touch interval
+  ahead of the clock was seen before it stepped back: the sweep stamps it now (else it would
+  outlive its ttl by the step, and a table full of departed clients' sessions refuse new ones).
 - ``last_seen`` is refreshed at most once per :data:`TOUCH_INTERVAL` (or ``ttl / 10`` when
   shorter), also at the start and end of a call: a busy session costs a shared write per
   interval. A ``tools/call``'s row takes no lock while its process's lane has room. A session
@@ -570,7 +572,20 @@ class SessionStore:
             r = _row(v)
             if r is None or (now - r[1] > self.ttl and not self._busy(sid)):
                 removed += self._expire(sid, v, r)
+            elif r[1] - now > self._touch_every:  # seen "later": the clock stepped back since
+                self._restamp(sid, v, r)
         return removed
+
+    def _restamp(self, session_id: str, value: Any, r: _Row) -> None:
+        """Stamp now on a session last seen more than a touch interval ahead of now (before
+        the clock stepped back; as ``registry.sweep_due`` treats the janitor's last sweep), if
+        its row is unchanged: it then expires one ttl from here, not one ttl past the step
+        (which no touch would move either: a touch never writes an older time). The clock is
+        read again under the lock: a touch made during the scan is not taken for a step."""
+        with self._lock:
+            now = self._clock()
+            if r[1] - now > self._touch_every and self._table.get(session_id) == value:
+                self._table.insert(session_id, (min(r[0], now), now, r[2], r[3]))
 
     def _sweep_clients(self, slots: int) -> None:
         crows, self._client_cursor = self._clients.scan_slots(self._client_cursor, slots)
