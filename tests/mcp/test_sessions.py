@@ -725,3 +725,35 @@ def test_sessions_expire_after_the_clock_steps_back(reg: Registry, clock: Clock)
         store.sweep_all()
     assert store.count() == 0  # every one idle for more than the ttl since the step
     assert store.create(LEGACY, "ip:198.51.100.7") is not None
+
+
+def test_a_call_running_across_a_clock_step_back_keeps_its_session(reg: Registry,
+                                                                   clock: Clock) -> None:
+    """A call that began before the clock stepped back remembers the ``last_seen`` it found
+    (now in the future), so its end makes no touch. Had another worker's sweep stamped the
+    session while the call ran, a call longer than the ttl would end with its session already
+    expired (its client's next request: 404). A busy session is stamped only once idle."""
+    store = SessionStore(reg, clock=clock)
+    sid = mint(store, clock, "ip:192.0.2.40")[0]
+    call = store.begin_call(store.get(sid))  # type: ignore[arg-type]
+    assert call is not None
+    clock.t -= 7200.0  # the clock steps back while the call runs
+    step = clock.t
+
+    def sweep_elsewhere(w: int) -> None:  # another worker goes on sweeping meanwhile
+        other = SessionStore(reg, clock=Clock(step))
+        while other._clock.t - step <= TTL + 10:  # type: ignore[attr-defined]
+            other._clock.t += 5  # type: ignore[attr-defined]
+            other.sweep_all()
+        os.write(w, b"done")
+
+    assert first_message(sweep_elsewhere)[1] == b"done"
+    clock.t = step + TTL + 15
+    store.end_call(call)  # a call longer than the ttl ends
+    assert store.get(sid) is not None
+    clock.t += 5
+    store.sweep_all()  # idle now: stamped, it expires one ttl from here
+    assert store.get(sid) is not None
+    clock.t += TTL + 5
+    store.sweep_all()
+    assert store.get(sid) is None

@@ -581,10 +581,14 @@ class SessionStore:
         the clock stepped back; as ``registry.sweep_due`` treats the janitor's last sweep), if
         its row is unchanged: it then expires one ttl from here, not one ttl past the step
         (which no touch would move either: a touch never writes an older time). The clock is
-        read again under the lock: a touch made during the scan is not taken for a step."""
-        with self._lock:
+        read again under the lock: a touch made during the scan is not taken for a step. Not
+        while a call runs in it (decided inside the seal, as an expiry): that call's end, which
+        remembers the time it began at, would not touch it, and a call longer than the ttl
+        would leave it expired; once idle, the next sweep stamps it."""
+        with self._lock, self._lanes.seal():
             now = self._clock()
-            if r[1] - now > self._touch_every and self._table.get(session_id) == value:
+            if (r[1] - now > self._touch_every and self._table.get(session_id) == value
+                    and not self._busy(session_id)):
                 self._table.insert(session_id, (min(r[0], now), now, r[2], r[3]))
 
     def _sweep_clients(self, slots: int) -> None:
