@@ -307,10 +307,10 @@ class Router:
         client = scope.get("client")
         if client:
             headers.append((CLIENT_HEADER, str(client[0]).encode("latin-1")))
-        target = scope.get("raw_path") or scope.get("path", "/").encode()
+        target = _route_path(scope)
         if scope.get("query_string"):
-            target = bytes(target) + b"?" + bytes(scope["query_string"])
-        url = FORWARD_ORIGIN + bytes(target).decode("latin-1")
+            target = target + b"?" + bytes(scope["query_string"])
+        url = FORWARD_ORIGIN + target.decode("latin-1")
         h = self._client(path)
         req = h.build_request(scope["method"], url, headers=headers, content=body or b"")
         try:
@@ -400,6 +400,18 @@ def _sweep(directory: str) -> None:
                 os.unlink(os.path.join(directory, name))
         except OSError:
             pass
+
+
+def _route_path(scope: MutableMapping[str, Any]) -> bytes:
+    """The request's raw path as the app routes it (Starlette's route path): without the
+    ``root_path`` the app is served under (a ``Mount`` prefix, uvicorn's ``--root-path``), which
+    both put in front of ``raw_path``. The socket server serves the app itself at its root: the
+    full path would be its 404."""
+    raw = bytes(scope.get("raw_path") or scope.get("path", "/").encode())
+    root = str(scope.get("root_path") or "").encode("latin-1", "replace")
+    if root and raw.startswith(root) and raw[len(root):len(root) + 1] == b"/":
+        return raw[len(root):]
+    return raw
 
 
 def _refused(path: str) -> bool:
