@@ -182,9 +182,16 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def _printable(s: Any) -> str:
     """A scope, id or reason for a terminal: control characters escaped (reasons are already
-    stripped of them; scopes and ids are client text)."""
+    stripped of them; scopes and ids are client text). So are the names of entries in /dev/shm
+    (anyone can make ``shmcancel.NAME~<line break, escapes>``) in every message: one line each,
+    nothing for the terminal to act on."""
     s = str(s)
     return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
+
+
+def _basenames(paths: Sequence[str]) -> str:
+    """Entries of /dev/shm for a message: their file names, escaped (:func:`_printable`)."""
+    return ", ".join(_printable(os.path.basename(p)) for p in paths)
 
 
 def _attach_ro(name: str) -> Registry:
@@ -224,13 +231,13 @@ def _entries() -> dict[str, list[str]]:
 
 
 def _short(e: BaseException | str) -> str:
-    msg = " ".join(str(e).split()) or type(e).__name__
+    msg = _printable(" ".join(str(e).split()) or type(e).__name__)
     return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
 def _left(path: str, st: os.stat_result) -> str:
     """One line on another user's entry under a registry's names, which is left alone."""
-    return f"{path} belongs to uid {st.st_uid} ({describe(st)}): left alone"
+    return f"{_printable(path)} belongs to uid {st.st_uid} ({describe(st)}): left alone"
 
 
 def _report_left(name: str, others: list[tuple[str, os.stat_result]]) -> None:
@@ -254,7 +261,7 @@ def _bad_own(own: list[str], skip: Sequence[str] = ()) -> dict[str, str]:
         except OSError as e:
             problem = f"cannot be examined ({e.strerror})"
         if problem is not None:
-            out[path] = f"{path} {problem}"
+            out[path] = f"{_printable(path)} {problem}"
     return out
 
 
@@ -283,7 +290,7 @@ def _registry_row(name: str) -> dict[str, Any]:
                 note(["no segment, nothing of ours"])
                 return row
             bad = _bad_own(own)
-            files = ", ".join(os.path.basename(p) for p in own)
+            files = _basenames(own)
             note([f"no segment, only {files}", *bad.values()],
                  f"shmtool unlink {name} removes it" if bad else
                  "shmtool cleanup --stale removes it")
@@ -638,7 +645,7 @@ def _cleanup_stale(only: list[str]) -> int:
             continue
         done += 1
         print(f"removed stale registry {name} "
-              f"({', '.join(os.path.basename(p) for p in removed)})")
+              f"({_basenames(removed)})")
         _report_left(name, others)
     if not done and not skipped:
         print("no stale registries")
@@ -675,7 +682,7 @@ def cmd_unlink(args: argparse.Namespace) -> int:
             _refuse_live_creator(name)
         own, others = split_paths(name)  # other users' entries: never touched
         removed = [p for p in _unlink_names(name, own) if p in existing]
-    print(f"unlinked {name} ({', '.join(os.path.basename(p) for p in removed) or 'nothing left'})")
+    print(f"unlinked {name} ({_basenames(removed) or 'nothing left'})")
     _report_left(name, others)
     return 0
 
@@ -717,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2  # pragma: no cover - error() exits
     except (ShmCancelError, posix_ipc.Error) as e:
         msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"shmtool: {msg}", file=sys.stderr)
+        print(f"shmtool: {_printable(msg)}", file=sys.stderr)
         return 1
     except OSError as e:
         if isinstance(e, BrokenPipeError):

@@ -486,3 +486,36 @@ def test_unlink_of_another_users_registry_leaves_no_lock_file_of_its_own(shm_nam
     assert p.stderr == "", p
     left = [q for q in paths(shm_name).values() if os.path.lexists(q)]
     assert left == [], f"left behind: {left}"
+
+
+# A name another user can give an entry under a registry's temporary pattern: a line break that
+# forges a row of its own, and terminal escapes (clear the screen, set the window title).
+FORGED = "~\nprod  1.2 MiB  1.0 MiB  1  alive\x1b[2J\x1b]0;pwned\x07"
+
+
+@pytest.mark.parametrize("command", ["list", "cleanup --stale", "unlink"])
+def test_another_users_entry_with_a_hostile_name_is_reported_in_one_escaped_line(shm_name,
+                                                                                  command):
+    """Defect: another user's file ``shmcancel.NAME~<line break, escapes>`` was printed as its
+    name was: ``list``, ``cleanup --stale`` and ``unlink`` reported it over two lines (a forged
+    row of ``list``'s table) and sent its escape sequences to the operator's terminal. It is
+    reported in one line, its control characters escaped, and left alone."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's entry needs root")
+    stale_registry(shm_name)
+    path = f"{SHM}/shmcancel.{shm_name}{FORGED}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchown(fd, NOBODY, NOBODY)
+        os.close(fd)
+        p = shmtool_cli(*command.split(), *([] if command == "list" else [shm_name]))
+        assert p.returncode == 0, p
+        out = p.stdout + p.stderr
+        assert "\x1b" not in out and "\x07" not in out, out
+        lines = [x for x in out.splitlines() if "prod" in x or "65534" in x]
+        assert len(lines) == 1 and "belongs to uid 65534" in lines[0], out
+        assert "~\\nprod" in lines[0], lines
+        assert os.path.lexists(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
