@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -258,6 +259,60 @@ def test_unlink_names_the_live_creator_while_the_creation_lock_is_held(reg):
     assert p.returncode == 1, p
     assert p.stderr.count("\n") == 1 and f"pid {os.getpid()}" in p.stderr, p.stderr
     Registry.attach(reg.name).close()  # still there
+
+
+def _create_then_unlink(chan, name: str) -> None:
+    """A server's master: creates registry ``name``, and when told, unlinks it as ``on_exit``
+    does."""
+    reg = Registry.create(name, SMALL)
+    chan.send("created")
+    assert chan.recv() == "unlink"
+    reg.close()
+    reg.unlink()
+    chan.send("unlinked")
+    assert chan.recv() == "exit"
+
+
+def _try_create(chan, name: str) -> None:
+    """Another server's master starting with the same name (waiting 0.5 s for the creation
+    lock); says whether it created the registry."""
+    try:
+        Registry.create(name, dataclasses.replace(SMALL, lock_timeout=0.5))
+        chan.send("created")
+    except ShmCancelError as e:
+        chan.send(f"refused: {e}")
+    assert chan.recv() == "exit"
+
+
+def test_a_registry_unlinked_by_its_creator_leaves_the_creation_lock_to_its_holder(
+        shm_name, spawn):
+    """Defect: ``Registry.unlink`` (a master's ``on_exit``) removed the registry's lock file
+    while another process held its flock (``shmtool unlink`` or ``cleanup --stale`` removing
+    the registry, a creation): the next creator made a new lock file and created the registry
+    beside the holder, and ``shmtool unlink`` (no ``--force``) then removed that live registry's
+    entries, having found no segment at its check (contract §7: refused while the creator
+    lives). The lock file is removed only when nobody holds it."""
+    import fcntl
+
+    a = spawn(_create_then_unlink, shm_name)
+    assert a.recv() == "created"
+    fd = os.open(f"/dev/shm/shmcancel-lock.{shm_name}", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what shmtool unlink holds while it removes entries
+        a.send("unlink")
+        assert a.recv() == "unlinked"
+        b = spawn(_try_create, shm_name)
+        got = b.recv()
+        assert got.startswith("refused: ") and "stayed locked" in got, got
+        b.send("exit")
+    finally:
+        os.close(fd)
+    a.send("exit")
+    c = spawn(_try_create, shm_name)  # the lock free again: a server starts
+    assert c.recv() == "created"
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 1 and f"pid {c.pid}" in p.stderr, p
+    c.send("exit")
 
 
 def test_unlink_removes_a_failed_creates_leftovers(shm_name):

@@ -20,6 +20,7 @@ does what a full table does there (the declaring modules say what).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import weakref
@@ -39,6 +40,7 @@ from .names import (
     check_entry,
     check_name,
     lock_path,
+    open_entry,
     segment_path,
     sem_path,
     unlink_names,
@@ -167,7 +169,8 @@ def unlink(name: str) -> list[str]:
 
 def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
     """Remove ``name``'s segment and semaphore if they are still the inodes ``ino`` and
-    ``sem_ino`` (never a newer registry's), then its lock file if no segment is left."""
+    ``sem_ino`` (never a newer registry's), then its lock file if no segment is left and
+    nobody holds it (:func:`_unlink_unheld_lockfile`)."""
     def at(path: str) -> int | None:
         try:
             return os.lstat(path).st_ino
@@ -180,10 +183,37 @@ def _unlink_own(name: str, ino: int, sem_ino: int) -> None:
         if at(sem_path(name)) == sem_ino:
             unlink_quiet(os.unlink, sem_path(name))
         if at(segment_path(name)) is None:
-            unlink_quiet(os.unlink, lock_path(name))
+            _unlink_unheld_lockfile(name)
     except OSError as e:
         raise ShmCancelError(f"registry {name}: cannot remove {e.filename}: {e.strerror}") \
             from None
+
+
+def _unlink_unheld_lockfile(name: str) -> None:
+    """Remove ``name``'s lock file unless a process holds its flock: a creation, or ``shmtool
+    unlink`` / ``cleanup --stale`` removing the registry. Removed from under its holder, the
+    next creator would make another lock file and create the registry beside the holder, and
+    shmtool then remove that live registry's entries. The holder removes it or uses it. An
+    entry there that is not a regular file of ours is removed as before (no creator uses it)."""
+    path = lock_path(name)
+    try:
+        fd = open_entry("lock file", path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    except ShmCancelError:
+        unlink_quiet(os.unlink, path)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # held: its holder's
+        if os.lstat(path).st_ino == os.fstat(fd).st_ino:
+            unlink_quiet(os.unlink, path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def replaced_error(name: str, creator: tuple[int, int] | None,
