@@ -209,6 +209,38 @@ def test_size_mismatch(shm_name: str) -> None:
         Segment.attach(shm_name)
 
 
+def test_a_semaphore_unlinked_while_attach_opens_it_is_reported_missing(shm_name: str) -> None:
+    """The semaphore removed (a registry being unlinked) between its open and the check of its
+    inode: the attach reports it missing, naming the registry, not a raw FileNotFoundError.
+    The removal is made at that very line by a trace hook: a real unlink, at a real window."""
+    import sys
+
+    from shmcancel.shm import segment as seg_mod
+
+    Segment.create(shm_name, CFG, SPECS).close()
+    code = seg_mod._open_semaphore.__code__
+    fired: list[bool] = []
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        if frame.f_code is not code:
+            return None
+        def line(frame, event, arg):  # type: ignore[no-untyped-def]
+            if event == "line" and not fired and "sem" in frame.f_locals:
+                fired.append(True)
+                posix_ipc.unlink_semaphore("/shmcancel." + shm_name)
+            return line
+        return line
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(RegistryIncompatible, match=rf"registry {shm_name}: .*semaphore .* "
+                                                       r"is missing"):
+            Segment.attach(shm_name)
+    finally:
+        sys.settrace(None)
+    assert fired
+
+
 def test_zero_byte_and_missing_semaphore(shm_name: str) -> None:
     Segment.create(shm_name, CFG, SPECS).close()
     posix_ipc.unlink_semaphore("/shmcancel." + shm_name)

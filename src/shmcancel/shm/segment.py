@@ -557,8 +557,15 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
             f"registry {name}: segment exists but its semaphore {path} is missing") from None
     except posix_ipc.Error as e:
         raise RegistryIncompatible(f"registry {name}: cannot open semaphore {path}: {e}") from None
-    if os.lstat(path).st_ino != expected_ino:
+    try:
+        ino = os.lstat(path).st_ino
+    except FileNotFoundError:  # unlinked since it was opened (a registry being removed)
+        ino = None
+    if ino != expected_ino:
         sem.close()
+        if ino is None:
+            raise RegistryIncompatible(
+                f"registry {name}: segment exists but its semaphore {path} is missing")
         raise _replaced_semaphore(name, path)
     return sem
 
