@@ -2,8 +2,9 @@
 gunicorn's uvicorn workers with cross-worker cancellation
 (see ``gunicorn.conf.py`` and ``README.md`` here).
 
-``SHMCANCEL_SDK_STATELESS=1`` serves it stateless with JSON responses (what several workers need
-for sessions: a stateful session lives in the worker that created it).
+``SHMCANCEL_SDK_STATELESS=1`` serves it stateless with JSON responses. Stateful (the default) works
+on several workers too: a session lives in the worker that created it, and ``shmcancel.sdk``
+routes its requests there from whichever worker accepted them.
 """
 
 from __future__ import annotations
