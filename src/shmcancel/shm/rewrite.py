@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .base import PreparedKey
+from .fsck import _reachability_moves
 from .layout import _LTOP, _ROWS, _TOP, _WORD
 from .writer import Writes
 
@@ -78,51 +79,52 @@ class IndexCopy:
 
     def without(self, drop: Callable[[int, int], bool]) -> Rewrite | None:
         """The rewrite that deletes every entry ``(hash, record)`` of the copy for which
-        ``drop`` is true: every other entry re-inserted from its home slot (so no probe crosses
-        an empty slot), the dropped records pushed on their free stacks. None when nothing is
-        dropped, or when the stacks could not take the records (implausible counters: the
-        caller deletes row by row, under the lock, where a repair can run)."""
+        ``drop`` is true: the copy with those entries emptied, then the moves that leave no
+        empty slot inside any entry's probe (fsck's, each a copy then a clear), the dropped
+        records pushed on their free stacks. None when nothing is dropped, or when the stacks
+        could not take the records (implausible counters: the caller deletes row by row, under
+        the lock, where a repair can run)."""
         t = self.t
-        words, cap = self.words, t.capacity
-        mask, wmask, nslots = t._mask, t._wmask, t.nslots
+        cap = t.capacity
         freed: list[int] = []  # small records
         lfreed: list[int] = []  # large records
-        new = [0] * t._nwords
+        new = list(self.words)
         kept = 0
         for j in range(0, t._nwords, 2):
-            h = words[j]
+            h = new[j]
             if not h:
                 continue
-            r = words[j + 1]
+            r = new[j + 1]
             if drop(h, r):
                 (freed if r <= cap else lfreed).append(r)
+                new[j] = new[j + 1] = 0
                 continue
             kept += 1
-            k = 2 * (h & mask)
-            for _ in range(nslots):
-                if not new[k]:
-                    break
-                k = (k + 2) & wmask
-            new[k] = h
-            new[k + 1] = r
         if not freed and not lfreed:
             return None
         if self.top + len(freed) > cap + 1 or self.ltop + len(lfreed) > t._nlarge:
             return None
-        return Rewrite(self, array("Q", new), array("I", freed), array("I", lfreed), kept)
+        cleared = array("Q", new)
+        moves = array("Q")
+        for src, dst in _reachability_moves(new, t._mask):
+            moves.extend((src, dst, new[2 * dst], new[2 * dst + 1]))
+        return Rewrite(self, cleared, moves, array("I", freed), array("I", lfreed), kept)
 
 
 class Rewrite:
     """A bulk delete computed from an :class:`IndexCopy`, to be stored under the lock."""
 
-    __slots__ = ("copy", "done", "even", "freed", "kept", "lfreed", "nidx", "odd")
+    __slots__ = ("at", "cleared", "copy", "done", "even", "freed", "kept", "lfreed", "moves",
+                 "odd")
 
-    def __init__(self, copy: IndexCopy, nidx: array[int], freed: array[int],
-                 lfreed: array[int], kept: int) -> None:
+    def __init__(self, copy: IndexCopy, cleared: array[int], moves: array[int],
+                 freed: array[int], lfreed: array[int], kept: int) -> None:
         self.copy = copy
         self.kept = kept  # the rows the new index holds
         self.done = False  # stored: never again (versions only grow)
-        self.nidx = nidx
+        self.at = -1  # the moves stored (-1: not the cleared index either)
+        self.cleared = cleared  # the copy without the dropped entries
+        self.moves = moves  # (src, dst, hash, record) x 4 words each, in order
         self.freed = freed
         self.lfreed = lfreed
         self.odd = array("Q", [v + 1 for v in copy.v0])
@@ -142,9 +144,10 @@ class Rewrite:
         """Under the lock, once :meth:`current`: every bucket odd, the new index, every bucket
         even (a reader sees the old index or the new one), then the free stacks and the row
         counter; ``dirty`` from the first store to the last. Every store writes a value fixed
-        by the plan, so a store cut short (a signal handler's exception) is completed by
-        running it again in the same hold; once complete, it is never run again (its versions
-        would go back past a later write's)."""
+        by the plan, and the moves already stored are not stored again, so a store cut short
+        (a signal handler's exception) is completed by running it again in the same hold;
+        once complete, it is never run again (its versions would go back past a later
+        write's)."""
         if self.done:
             return
         c = self.copy
@@ -155,7 +158,23 @@ class Rewrite:
         nf, nl = len(self.freed), len(self.lfreed)
         flags.dirty = True
         t._ver[:] = self.odd
-        t._idx[:] = self.nidx
+        idx = t._idx
+        # A writer killed inside a copy of the whole index (a memcpy stores in no fixed order)
+        # leaves any mix of the old slots and the new: safe only where no kept entry changes
+        # slot. So the copy only empties the dropped entries' slots; the entries then move
+        # one at a time, each copied before its old slot is cleared (fsck's moves, in order:
+        # a slot is cleared only once its entry is in place), so each is always in a slot.
+        if self.at < 0:
+            idx[:] = self.cleared
+            self.at = 0
+        m = self.moves
+        for i in range(self.at, len(m), 4):
+            src, dst = 2 * m[i], 2 * m[i + 1]
+            idx[dst + 1] = m[i + 3]
+            idx[dst] = m[i + 2]
+            idx[src] = 0
+            idx[src + 1] = 0
+            self.at = i + 4
         t._ver[:] = self.even
         t._free[c.top:c.top + nf] = self.freed
         hq[_TOP] = c.top + nf
