@@ -387,6 +387,51 @@ def test_a_cancellation_kept_for_a_stalled_lock_is_retried_quietly_not_as_a_redi
         handle.end()
 
 
+def test_a_stalled_lock_leaves_the_box_in_redis_and_every_cancellation_lands_after(
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        spawn: Callable[..., Child]) -> None:
+    """While A's registry lock is held by a stopped process, A's bridge thread took every item
+    out of its box, each after its own ``lock_timeout`` wait: 1000 of them cost a turn of
+    1000 waits (10 000 s at the default), with no lease renewed meanwhile. A turn now stops at
+    the first lock timeout, and the next turns retry what they hold without taking more out of
+    Redis; once the holder goes, every cancellation lands."""
+    n = 30
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (_, b)):
+        c = Cancellation(ra)
+        handles = []
+        for i in range(1, n + 1):
+            h = c.begin(i, "session:s")
+            assert h.tracked and a.track(i, "session:s") is not None
+            handles.append(h)
+        for i in range(1, n + 1):
+            assert b.cancel(i, "stop", "session:s") is True  # in A's box now
+        box = a.store.box_key(a.remote.box)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            assert r.llen(box) == n
+            with stalled_lock(spawn, shm_name):
+                a.start()
+                wait_until(lambda: a.undelivered() >= 1, time.monotonic() + 10,
+                           what="the thread to take one and find the lock stalled")
+                # Six lock timeouts' worth of turns: the old thread took one more item out of
+                # the box per timeout; this one keeps to what it holds.
+                seen = []
+                until = time.monotonic() + 6 * STALLS.lock_timeout
+                while time.monotonic() < until:
+                    seen.append((r.llen(box), a.undelivered()))
+                    time.sleep(0.05)
+                assert min(q for q, _ in seen) >= n - 1, seen
+                assert max(u for _, u in seen) <= 1, seen
+                assert not any(h.cancelled() for h in handles)
+            wait_until(lambda: all(h.cancelled() for h in handles), time.monotonic() + 15,
+                       what="every cancellation to land")
+            assert r.llen(box) == 0 and a.undelivered() == 0
+        finally:
+            r.close()
+            for h in handles:
+                h.end()
+
+
 def test_a_cancellation_kept_for_a_stalled_lock_lands_while_redis_is_down(
         shm_name: str, shm_names: list[str], spawn: Callable[..., Child]) -> None:
     """A cancellation taken out of the box that the registry could not take then is kept for

@@ -467,8 +467,10 @@ class Bridge:
         next_renew = 0.0
         while not self._stop.is_set():
             try:
-                if self._undelivered:  # the registry only: Redis down or not
-                    self._redeliver()
+                # the registry only, Redis down or not; a lock timeout there (a stalled holder)
+                # leaves the box in Redis for this turn: taking more out would cost each its own
+                # lock_timeout wait before the next renewal, the registry could take none
+                stalled = bool(self._undelivered) and not self._redeliver()
                 if self.down:
                     self.store.client.ping()
                     self._answered()
@@ -490,6 +492,9 @@ class Bridge:
                 if now >= self._next_sweep:
                     self._next_sweep = now + self._janitor_interval
                     self.remote.cleanup()
+                if stalled:
+                    self._stop.wait(self.retry)
+                    continue
                 try:
                     item = self._blocking.client.blpop([box], timeout=self.block)
                 except ResponseError as e:
@@ -501,14 +506,12 @@ class Bridge:
                                 "client): dropped")
                     self.store.client.delete(box)
                     continue
-                if item is not None:
-                    self._apply(item[1])
-                    # drain what else waits, without blocking
+                if item is not None and self._apply(item[1]):
+                    # drain what else waits, without blocking; up to a lock timeout (see above)
                     for _ in range(1000):
                         raw = self.store.client.rpop(box)
-                        if raw is None:
+                        if raw is None or not self._apply(raw):
                             break
-                        self._apply(raw)
             except (RedisError, OSError) as e:
                 self._failed("bridge thread", e)
                 self._stop.wait(self.retry)
@@ -540,15 +543,17 @@ class Bridge:
             self._sessions = SessionStore(self.registry)
         return self._sessions
 
-    def _apply(self, raw: bytes) -> None:
+    def _apply(self, raw: bytes) -> bool:
+        """Apply one item of this worker's box; False when the registry's lock timed out (the
+        item is kept for :meth:`_redeliver`)."""
         got = RedisStore.decode_box_item(raw)
         if got is None:
-            return
+            return True
         if isinstance(got, str):  # a session deleted on another host
             self._end_session(got)
-            return
+            return True
         scope, rid, reason, at = got
-        self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at)
+        return self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at)
 
     def _deliver(self, rid: str, reason: object, scope: str, deadline: float,
                  at: float | None, retry: bool = False) -> bool:
@@ -583,21 +588,22 @@ class Bridge:
             log.warning("could not apply a cross-host cancellation: %s", e)
         return True
 
-    def _redeliver(self) -> None:
+    def _redeliver(self) -> bool:
         """The thread: try again the cancellations the registry could not take
         (:meth:`_deliver`), oldest first; stops at a lock timeout (the others would wait it
-        too), leaving the rest for the next turn."""
+        too), leaving the rest for the next turn, and then returns False."""
         with self._owed_lock:
             due = list(self._undelivered.items())
         for (scope, rid), (reason, deadline, at) in due:
             if self._stop.is_set():
-                return
+                return True
             with self._owed_lock:
                 if self._undelivered.get((scope, rid)) != (reason, deadline, at):
                     continue  # replaced meanwhile
                 del self._undelivered[(scope, rid)]
             if not self._deliver(rid, reason, scope, deadline, at, retry=True):
-                return
+                return False
+        return True
 
     def _end_session(self, sid: str) -> None:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
