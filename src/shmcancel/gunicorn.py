@@ -83,6 +83,9 @@ class _State:
     cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
     deferred: bool = False  # child_exit skipped a reap (lock busy): the next one reaps all
     janitor: Any = None  # a worker's Janitor thread (never the master's)
+    # A worker's graceful_timeout: how long a stuck tool's worker asked to exit may take to
+    # finish its other calls before it ends itself (mcp/stop.py)
+    graceful_timeout: float | None = None
 
 
 _state = _State()
@@ -230,6 +233,8 @@ def _attach_parents(name: str, parent: int) -> Registry | None:
 def post_fork(server: Any, worker: Any) -> None:
     """Worker: attach to the master's registry (sets ``shmcancel.shm.registry.current()``)."""
     _keep_stop_signals(worker)
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
+        _state.graceful_timeout = float(worker.cfg.graceful_timeout)
     name = _state.registry_name
     if name is None:
         raise RuntimeError("shmcancel: the master made no registry; add shmcancel.gunicorn's "

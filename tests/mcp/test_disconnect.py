@@ -252,6 +252,36 @@ def test_gthread_stubborn_tool_is_stopped_and_the_worker_keeps_serving(shm_name:
         print("\n" + g.log_tail(15))
 
 
+def test_gthread_tool_stuck_in_c_does_not_keep_its_stopped_worker(shm_name: str,
+                                                                   outdir: str) -> None:
+    """A ``gthread`` tool blocked in one C call (``time.sleep``: ``nap``) cannot take
+    ``RequestStopped``, so the worker is asked to exit gracefully. Its graceful shutdown ends
+    after ``graceful_timeout``, but the process then exits only once every thread of the pool
+    is joined: the stuck tool's too. Until it returned the worker accepted nothing and was not
+    replaced (the sole worker here: the server served nothing for the whole 30 s nap). The
+    stopped tool's worker must go, and a replacement serve, soon after its graceful period
+    (contract §6.3: the worker goes back to serving)."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "1"]) as g:
+        (worker,) = g.worker_pids()
+        t = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": t})
+        try:
+            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            # grace 0.5 s, RequestStopped's second 1 s, graceful_timeout 1 s, then 1 s more
+            wait_until(lambda: not alive(worker), closed + GRACE + 1 + 1 + 1 + 3,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert replacement != worker
+            assert whoami(g) == replacement
+            assert in_flight(g.registry_name) == []
+            assert "ignored RequestStopped" in g.log()
+        finally:
+            s.close()
+
+
 def tasks(pid: int) -> set[int]:
     """The thread ids (TIDs) of process ``pid`` now."""
     try:

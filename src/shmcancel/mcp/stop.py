@@ -1,7 +1,8 @@
 """Stopping a tool that runs on after its client left (contract §6.3): its rows go first, then in a
 ``sync`` worker the worker quits (``SIGQUIT``, ``os._exit`` if that does not end it), in
 ``gthread`` :class:`RequestStopped` is raised in the tool's thread (``SIGTERM`` for the worker if
-even that does not end it). Called by the disconnect watcher's timeout (:mod:`.call`).
+even that does not end it, and ``os._exit`` once its graceful shutdown is over). Called by the
+disconnect watcher's timeout (:mod:`.call`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +21,7 @@ from .disconnect import Watcher
 log = logging.getLogger("shmcancel.server")  # one logger for the whole app, as before
 
 _HARD_EXIT_GRACE = 1.0  # seconds between SIGQUIT and os._exit for a sync worker's stuck tool
+_GRACEFUL_TIMEOUT = 30.0  # gunicorn's default graceful_timeout, when the hooks did not record it
 
 
 class RequestStopped(BaseException):
@@ -47,7 +50,11 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
     (``SIGQUIT``: ``SystemExit`` in the main thread, which unwinds the tool) and gunicorn forks a
     replacement; ``os._exit`` if the tool is stuck where no signal handler can run. In
     ``gthread``, :class:`RequestStopped` is raised in the tool's thread; if it has still not
-    returned after another ``grace``, the worker is asked to exit gracefully (``SIGTERM``).
+    returned after another ``grace``, the worker is asked to exit gracefully (``SIGTERM``): its
+    other calls get gunicorn's ``graceful_timeout``. Exiting, the process joins every thread of
+    its pool, the stuck one's too: it would linger, accepting nothing and not replaced, until
+    the tool returned (or gunicorn's ``timeout`` killed it). So once that graceful period is
+    over, it ends itself (``os._exit``) and gunicorn forks a replacement.
     """
     handle.end()
     if not multithread:
@@ -72,6 +79,20 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
         return
     log.error("a stopped tool still runs; asking the worker to exit gracefully")
     os.kill(os.getpid(), signal.SIGTERM)
+    if watcher.wait_stopped(_graceful_timeout() + _HARD_EXIT_GRACE):
+        return
+    with contextlib.suppress(OSError):
+        os.write(2, b"shmcancel: a stuck tool ignored RequestStopped past the worker's graceful "
+                    b"shutdown; exiting now\n")
+    os._exit(1)
+
+
+def _graceful_timeout() -> float:
+    """The worker's ``graceful_timeout``, as ``shmcancel.gunicorn``'s ``post_fork`` recorded it
+    (not imported here: without those hooks, gunicorn's default)."""
+    hooks = sys.modules.get("shmcancel.gunicorn")
+    value = getattr(getattr(hooks, "_state", None), "graceful_timeout", None)
+    return value if isinstance(value, float) else _GRACEFUL_TIMEOUT
 
 
 def _async_raise(thread_ident: int, exc: type[BaseException]) -> bool:
