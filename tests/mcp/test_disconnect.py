@@ -609,3 +609,50 @@ def test_a_client_gone_before_its_call_is_registered_is_seen_once_it_is() -> Non
     finally:
         a.close()
     assert disconnect.watched_count() == 0
+
+
+def test_a_stop_cut_short_by_request_stopped_still_wakes_the_stop_thread() -> None:
+    """``gthread``: ``grace`` after a disconnect the stop thread raises ``RequestStopped`` in the
+    tool's thread while it holds the watch (``running()``), then waits for ``stop()``
+    (``wait_stopped``, whose event it makes as soon as it lets go of the lock). A tool that
+    returned just then is blocked in ``stop()`` on that lock; once it has it, the exception
+    lands past ``_stopped = True``, at the first call after it (``Event.set``). The transport
+    calls ``stop()`` again, which returned at once: the stop thread was never woken, took the
+    tool for stuck and asked the worker to exit (SIGTERM; then ``_exit``). Real threads, a
+    real socket, a real async exception."""
+    from shmcancel.mcp.stop import RequestStopped, _async_raise
+
+    mine, peer = socket.socketpair()
+    caught: list[bool] = []
+
+    def tool() -> None:  # call.py's shape: stop() in a finally, again in the except
+        try:
+            w.stop()
+        except RequestStopped:
+            caught.append(True)
+            w.stop()
+
+    try:
+        w, rec = watch(mine)
+        peer.close()
+        assert rec.gone.wait(5)  # the disconnect: the watch is dropped, the grace runs
+        # the event the stop thread's wait_stopped() makes as it lets go of the lock, before
+        # the woken tool thread (which needs the GIL the stop thread holds) takes it
+        assert not w.wait_stopped(0)
+        t = threading.Thread(target=tool)
+        with w.running() as running:  # the stop thread's _stop_request
+            assert running
+            t.start()
+            deadline = time.monotonic() + 5
+            while (f := sys._current_frames().get(t.ident or 0)) is None \
+                    or f.f_code.co_name != "stop":
+                assert time.monotonic() < deadline, "the tool never reached stop()"
+                time.sleep(0.001)
+            assert _async_raise(t.ident or 0, RequestStopped)
+        assert w.wait_stopped(2.0), "the stop thread was never woken"
+        t.join(5)
+        assert caught and not t.is_alive()
+    finally:
+        mine.close()
+        peer.close()
+    assert disconnect.watched_count() == 0

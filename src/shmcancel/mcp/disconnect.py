@@ -155,17 +155,19 @@ class Watcher:
         """Stop watching. After it returns no callback starts; an ``on_timeout`` already running
         (stopping a tool) is not waited for. The callbacks are dropped: one that refers back to
         its watcher (as the transport's does) then leaves no reference cycle, which only the
-        cyclic garbage collector would free (a full collection in a worker costs milliseconds)."""
+        cyclic garbage collector would free (a full collection in a worker costs milliseconds).
+        Called again, it finishes a stop that an exception cut short: ``RequestStopped``, raised
+        while the stop thread held the lock, lands in here once the tool's thread has it (at the
+        first call: the event's ``set``, which a stop that merely returned then never made)."""
         with self._lock:
-            if self._stopped:
-                return
             self._stopped = True
             self._on_disconnect = self._on_timeout = None
-            if self._done is not None:
-                self._done.set()
-            loop = self._loop
+            done, loop = self._done, self._loop
+        if done is not None:
+            done.set()
         if loop is not None:
             loop.remove(self, self._fd)
+            self._loop = None
 
     @contextlib.contextmanager
     def running(self) -> Iterator[bool]:
