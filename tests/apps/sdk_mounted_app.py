@@ -1,6 +1,6 @@
 """An SDK server mounted under a prefix of a parent Starlette app, as the SDK's docs mount
 servers (``Mount("/example", app=...)``, the parent's lifespan running the mounted app's):
-``/example/mcp``, stateful."""
+``/example/mcp`` (and ``/t/{tenant}/mcp``), stateful."""
 
 from __future__ import annotations
 
@@ -37,4 +37,6 @@ async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         yield
 
 
-app = Starlette(routes=[Mount("/example", app=inner)], lifespan=lifespan)
+# and under a path parameter (one app per tenant): a prefix whose raw path is percent-encoded
+app = Starlette(routes=[Mount("/example", app=inner), Mount("/t/{tenant}", app=inner)],
+                lifespan=lifespan)

@@ -48,6 +48,23 @@ def test_a_mounted_servers_session_works_on_every_worker(mounted):
     assert statuses == [200] * 12
 
 
+def test_a_session_under_a_percent_encoded_mount_prefix_works_on_every_worker(mounted):
+    """Mounted under a path parameter whose value is percent-encoded in the request line
+    (``/t/acme%20corp/mcp``: root_path ``/t/acme corp``, raw_path as sent): a forwarded request
+    reaches the mounted app's own path, not the owner's 404."""
+    url, _ = mounted
+    url = url.replace("/example/mcp", "/t/acme%20corp/mcp")
+    hdrs = open_session(url, dict(HEADERS))
+    statuses = []
+    for i in range(12):
+        with httpx.Client(timeout=10) as h:
+            r = h.post(url, headers=hdrs, json={
+                "jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
+                "params": {"name": "echo", "arguments": {"text": f"n{i}"}}})
+            statuses.append(r.status_code)
+    assert statuses == [200] * 12
+
+
 def test_the_sdk_client_on_a_mounted_server(mounted):
     """The official SDK client (2025-11-25 wire) runs 8 concurrent calls in one session (it
     opens connections as it needs them, so they land on several workers): all succeed, and

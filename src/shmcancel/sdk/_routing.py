@@ -38,6 +38,7 @@ import stat
 import tempfile
 from collections.abc import Iterator, MutableMapping
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from ..exceptions import ShmCancelError
 
@@ -408,9 +409,19 @@ def _route_path(scope: MutableMapping[str, Any]) -> bytes:
     both put in front of ``raw_path``. The socket server serves the app itself at its root: the
     full path would be its 404."""
     raw = bytes(scope.get("raw_path") or scope.get("path", "/").encode())
-    root = str(scope.get("root_path") or "").encode("latin-1", "replace")
-    if root and raw.startswith(root) and raw[len(root):len(root) + 1] == b"/":
+    root = str(scope.get("root_path") or "").encode("utf-8", "surrogateescape")
+    if not root:
+        return raw
+    if raw.startswith(root) and raw[len(root):len(root) + 1] == b"/":
         return raw[len(root):]
+    # root_path is decoded (a Mount's matched path: a path parameter's "acme corp"), raw_path
+    # is as sent ("acme%20corp"): the prefix is the raw one, ending before a "/", that decodes
+    # to root_path
+    i = raw.find(b"/", 1)
+    while i > 0:
+        if unquote_to_bytes(raw[:i]) == root:
+            return raw[i:]
+        i = raw.find(b"/", i + 1)
     return raw
 
 
