@@ -208,6 +208,34 @@ def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
         assert k.wait() == 0
 
 
+def test_a_namesake_beginning_after_a_cancellation_leaves_it_to_the_request_it_was_for(
+        registry, spawn):
+    """contract §4.3/§6.1: a row older than a request is not that request's, so a namesake
+    beginning after a cancellation does not start out cancelled; but while the request it was
+    for still runs, the row is that one's. The namesake's first look removed it (a row older
+    than itself taken for a leftover), and the cancelled request, polling next, ran on."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = "ip:203.0.113.9"
+    first = spawn(poller, reg.name, 1, scope)
+    assert first.recv()["tracked"] is True
+    c.cancel(1, "stop", scope)
+    later = spawn(poller, reg.name, 1, scope)
+    got = later.recv()  # its first look, after the cancellation
+    assert got["tracked"] is True and got["cancelled"] is False
+    first.send("poll")
+    assert first.recv() == {"cancelled": True, "reason": "stop"}
+    later.send("poll")
+    assert later.recv()["cancelled"] is False
+    for k in (first, later):
+        k.send("end")
+        assert k.recv() == "ended"
+    assert in_flight_count(reg) == 0 and reg.table("cancellations").count() == 0
+    for k in (first, later):
+        k.send("exit")
+        assert k.wait() == 0
+
+
 def start_together(kids: list[Child]) -> None:
     """Wait until every canceller is ready, then let them all go."""
     for k in kids:

@@ -295,15 +295,24 @@ def test_cancel_local_after_a_cached_poll_is_seen_at_once(c):
     h.end()
 
 
-def test_a_stale_row_is_not_cached_as_cancelled_and_is_removed(c):
+def test_a_stale_row_is_not_cached_as_cancelled_and_goes_with_the_end(c):
     c.cancel(7, "old", S)  # a row of an earlier namesake: older than the handle
     h = c.begin(7, S)
     assert h.cancelled() is False
-    assert c.cancelled(7, S) is False  # the first poll removed it
-    assert h.cancelled() is False
+    # left in place (a namesake still running may be the one it is for), never this one's
+    assert h.cancelled() is False and h.reason() is None
     assert c.cancel_if_in_flight(7, "new", S)
     assert h.cancelled() is True and h.reason() == "new"
     h.end()
+    assert c.cancelled(7, S) is False
+
+
+def test_a_stale_row_goes_with_the_end_of_the_request_that_found_it(c):
+    c.cancel(7, "old", S)
+    h = c.begin(7, S)
+    assert h.cancelled() is False
+    h.end()
+    assert c.cancelled(7, S) is False
 
 
 @pytest.mark.parametrize("polls", [1, 3])

@@ -150,7 +150,8 @@ def test_a_cancel_for_a_request_not_in_flight_takes_no_lock(registry, spawn) -> 
 
 def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
     """A leftover row (here recorded directly, before the request began) neither pre-cancels a
-    request reusing the id nor outlives that request's first look; a cancel recorded during the
+    request reusing the id nor outlives that request (its first look leaves it: a namesake
+    begun before it may still run, see test_cancellation_procs); a cancel recorded during the
     request still reaches it."""
     reg = registry()
     t = [1000.0]
@@ -159,7 +160,6 @@ def test_a_row_older_than_the_request_is_not_its_own(registry) -> None:
     t[0] += 0.001
     with c.begin(4, "s") as h:
         assert h.cancelled() is False
-        assert reg.table("cancellations").scan() == [] and scope_counts(reg) == {}
         assert h.reason() is None
         t[0] += 0.001
         c.cancel(4, "new", "s")

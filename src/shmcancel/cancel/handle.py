@@ -80,7 +80,7 @@ class RequestHandle:
 
     __slots__ = (
         "_b", "_c", "_local", "_local_reason", "_n", "_owner", "_polled", "_receipt",
-        "_rid", "_stale_at", "_token", "_v", "_ver", "_watch", "began", "error", "request_id",
+        "_rid", "_token", "_v", "_ver", "_watch", "began", "error", "request_id",
         "scope", "tracked",
     )
 
@@ -101,7 +101,6 @@ class RequestHandle:
         self._v = -1
         self._n = POLLS_PER_CLOCK  # polls left before the janitor check
         self._token = 0
-        self._stale_at: float | None = None
         self.error: Exception | None = None
         self.began = c.clock()
         rid = self._rid = ids.key(request_id) if valid_scope(scope) else None
@@ -197,9 +196,10 @@ class RequestHandle:
 
     def _latch(self) -> bool:
         """The shared row was seen: latch it unless it is older than this request (then
-        remove that old row, once, and return ``False``), or gone by the time it is read (a
-        leftover another process removed between the poll's two reads: nothing says it was
-        this request's, and latching it would cancel a request nobody cancelled). A store
+        ``False``, the row left to the namesake it is for, or to the key's last end), or gone
+        by the time it is read (a leftover another process removed between the poll's two
+        reads: nothing says it was this request's, and latching it would cancel a request
+        nobody cancelled). A store
         that fails to answer latches: a cancellation is never ignored for that."""
         row = None
         if self._rid is not None:
@@ -211,12 +211,8 @@ class RequestHandle:
                 if row is None:
                     return False
         if row is not None and row[1] < self.began:
-            if row[1] != self._stale_at:  # try each old row once: the poll must not block
-                self._stale_at = row[1]
-                try:
-                    self._c._store.clear_before(self.scope, self._rid, self.began)  # type: ignore[arg-type]
-                except Exception:
-                    log.debug("removing a stale cancellation row failed", exc_info=True)
+            # Not removed: while a namesake that began before it runs, it is that one's (which
+            # may not have polled yet); else the last end of the key's requests clears it.
             return False
         self._local_reason = row[0] if row is not None else None
         self._local = True

@@ -127,9 +127,10 @@ def clear_ended(st: Storage, scope: str, rid: str, asked_at: float | None = None
     then stays, whenever it was recorded: one recorded while both ran is the namesake's as
     much as this request's (§6.1: in flight in the caller's scope, so cancelled; taking it
     here left the namesake's cancellation to which of them polled first), one older than the
-    namesake is removed by the namesake's own look (a row older than a request is not its
-    own); the last of them to end clears it. An owed plain ``clear`` (``asked_at``: when it
-    was asked) takes only a row from before then, as it would have then. What every end
+    namesake is not the namesake's (a row older than a request is not its own) but may be
+    another's still running, and stays too; the last of them to end clears it. An owed plain
+    ``clear`` (``asked_at``: when it was asked) takes only a row from before then, as it
+    would have then. What every end
     runs: a handle's, an owed one's (:meth:`Storage.end`)."""
     if not st.in_flight(scope, rid):
         st.clear(scope, rid)
