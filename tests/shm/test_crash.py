@@ -413,3 +413,67 @@ def test_a_bulk_rewrite_killed_inside_its_index_store_loses_no_row(shm_name) -> 
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         rig.close()
+
+
+def test_a_bulk_rewrite_killed_between_two_of_its_moves_loses_no_row(shm_name) -> None:
+    """An entry the rewrite moves twice (into the first empty slot, then back where an entry
+    moved out from: the pass starts after that empty slot and reaches it last) must be in some
+    slot between the two moves. The moves stored the index's final words at each destination,
+    so the first move of such an entry stored an empty slot and cleared the entry's: a writer
+    SIGKILLed between the two lost the row (fsck finds it in no slot). The writer is killed at
+    every bytecode of the store in turn."""
+    rig = Rig(shm_name, [("set", 64, 64)])
+    t = rig.tables[0]
+    n = t.nslots
+
+    def homed(home: int, count: int, skip: int) -> list[str]:
+        out, i = [], skip
+        while len(out) < count:
+            k = f"m{i}"
+            i += 1
+            if t.prepare(k).home == home:
+                out.append(k)
+        return out
+
+    p, q, r, x = homed(n - 4, 4, 0)  # slots n-4 .. n-1
+    z, y = homed(n - 1, 2, 0)  # wrap to slots 0 and 1
+    dropped = {t.prepare(q).hash, t.prepare(z).hash}
+    kept = [p, r, x, y]
+    k, completed = 0, False
+    try:
+        while not completed:
+            k += 1
+            t = rig.reset(0)
+            for key in (p, q, r, x, z, y):
+                t.insert(key, key)
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                try:
+                    rig.lock.after_fork_child()
+                    copy = t.copy_index()
+                    assert copy is not None
+                    plan = copy.without(lambda h, r: h in dropped)
+                    assert plan is not None
+                    with rig.lock:
+                        kill_at_bytecode(rig.lock, k)
+                        plan.store()
+                        sys.settrace(None)
+                    os._exit(0)
+                finally:
+                    os._exit(1)
+            _, status = os.waitpid(pid, 0)
+            if os.WIFEXITED(status):
+                assert os.WEXITSTATUS(status) == 0
+                completed = True
+            else:
+                assert os.WTERMSIG(status) == signal.SIGKILL
+                rig.lock.sem.release()  # died holding the lock: take over
+            with rig.lock:
+                t.fsck()
+                missing = [key for key in kept if t.lookup(key) != [key]]
+                assert not missing, f"killed at bytecode {k} of the store: lost {missing}"
+                assert t.count() == len(kept) + t.member(q) + t.member(z)
+                healthy(t)
+        assert k > 20, "the store was not interrupted"
+    finally:
+        rig.close()

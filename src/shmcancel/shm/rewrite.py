@@ -106,8 +106,16 @@ class IndexCopy:
             return None
         cleared = array("Q", new)
         moves = array("Q")
+        # Each move stores the entry its source holds when it runs (``cleared`` with the moves
+        # before it applied), not the final index's word at its destination: an entry can
+        # move twice (into the first empty slot, where the pass starts, then back into a slot
+        # emptied after), and its first move would store the slot its second empties.
+        at = list(new)
         for src, dst in _reachability_moves(new, t._mask):
-            moves.extend((src, dst, new[2 * dst], new[2 * dst + 1]))
+            h, r = at[2 * src], at[2 * src + 1]
+            at[2 * dst], at[2 * dst + 1] = h, r
+            at[2 * src] = at[2 * src + 1] = 0
+            moves.extend((src, dst, h, r))
         return Rewrite(self, cleared, moves, array("I", freed), array("I", lfreed), kept)
 
 
