@@ -200,6 +200,63 @@ def test_lock_recovered_is_emitted_once_the_recovering_hold_is_released(registry
     assert reg.recoveries == 1
 
 
+def test_lock_recovered_is_not_emitted_by_another_thread_under_the_recovering_hold(registry,
+                                                                                 spawn):
+    """The recovering hold's event is that hold's to emit: another thread of the process
+    finishing its own release (past its post, before it looks at the queue) while this one
+    recovers must not emit it under this one's hold, before its write is done. The other
+    thread is held at that line by a trace hook while the lock is recovered."""
+    import inspect
+    import sys
+    import threading
+
+    from shmcancel import Cancellation
+    from shmcancel.shm.lock import RegistryLock
+
+    reg = registry()
+    c = Cancellation(reg)
+    seen = []
+    telemetry.attach("recovered", RECOVERED, lambda e, m, md, cfg: seen.append(
+        (threading.current_thread().name, reg.lock.owner(), c.cancelled(1, S))))
+    lines, first = inspect.getsourcelines(RegistryLock.__exit__)
+    at = first + next(i for i, ln in enumerate(lines) if "if st.recovered" in ln)
+    paused, go = threading.Event(), threading.Event()
+
+    def trace(frame, event, arg):
+        if frame.f_code is RegistryLock.__exit__.__code__:
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == at and not paused.is_set():
+                    paused.set()
+                    go.wait(10)
+                return local
+            return local
+        return None
+
+    def other() -> None:
+        sys.settrace(trace)
+        try:
+            with reg.lock:
+                pass
+        finally:
+            sys.settrace(None)
+
+    t = threading.Thread(target=other, name="other")
+    t.start()
+    try:
+        assert paused.wait(10)  # released, about to look at the queue
+        pid = _kill_a_holder(spawn, reg)
+        with reg.lock:  # recovers
+            go.set()
+            t.join(10)
+            assert seen == [], "emitted by another thread while the recovering hold runs"
+            c.cancel(1, "why", S)
+        assert seen == [("MainThread", None, True)]
+        assert reg.recoveries == 1 and pid
+    finally:
+        go.set()
+        t.join(10)
+
+
 @pytest.mark.parametrize("exc", BASE_EXCEPTIONS)
 def test_a_base_exception_at_lock_recovery_leaves_a_request_end_complete(registry, spawn, exc):
     """A request's end is two writes (its in-flight row, then the key's cancellation row): the

@@ -132,9 +132,9 @@ class _ProcState:
         self.depth = 0
         self.dirty = False
         self.stalled_until = 0.0  # monotonic: a wait of this process timed out until then
-        # (owner word taken over, seconds waited) of recoveries whose event is due once the
-        # hold that recovered is released (see RegistryLock._emit_recovered)
-        self.recovered: list[tuple[int, float]] = []
+        # (thread, owner word taken over, seconds waited) of recoveries whose event is due once
+        # that thread's hold that recovered is released (see RegistryLock._emit_recovered)
+        self.recovered: list[tuple[int, int, float]] = []
         # In a fork child procinfo's own after-fork reset has run already: it registered first
         # (after_in_child hooks run in registration order), so me() is the child's.
         self.me = procinfo.pack_owner(*procinfo.me())
@@ -606,28 +606,33 @@ class RegistryLock:
             if not self._take_over(owner, gen, tid):
                 return False
             self._run_repair("lock recovery")
-        self._recovered(owner, waited)  # its event once this hold is released
+        self._recovered(owner, waited, tid)  # its event once this hold is released
         return True
 
-    def _recovered(self, owner: int, waited: float) -> None:
-        """Log a recovery now and queue its event for the release of the hold it began."""
+    def _recovered(self, owner: int, waited: float, tid: int) -> None:
+        """Log a recovery now and queue its event for the release of the hold it began (thread
+        ``tid``'s)."""
         p = procinfo.unpack_owner(owner)
         log.warning("registry %s: took over the lock from dead pid %s after %.3fs",
                     self.name, (p[0] if p is not None else 0) or "(unrecorded)", waited)
-        self._st.recovered.append((owner, waited))
+        self._st.recovered.append((tid, owner, waited))
 
     def _emit_recovered(self) -> None:
         """Emit the ``lock recovered`` events queued by recoveries, with no hold of this thread
         left: a telemetry handler runs outside the lock (it may take it, or be slow), and what
         it raises past ``telemetry.execute`` (a ``BaseException``: SystemExit from a signal)
-        reaches the caller with the hold's writes complete and the lock released. Each event
-        once (``list.pop`` is atomic: two threads releasing at once never both emit it)."""
+        reaches the caller with the hold's writes complete and the lock released. Only this
+        thread's events, each once: another thread's release (one that looks at the queue just
+        after its post, while this one recovers) would emit one under the hold that recovered,
+        before its writes."""
         queue = self._st.recovered
+        me = _get_ident()
         while True:
-            try:
-                owner, waited = queue.pop(0)
-            except IndexError:
+            mine = next((e for e in queue if e[0] == me), None)
+            if mine is None:
                 return
+            queue.remove(mine)  # only this thread removes its own
+            _, owner, waited = mine
             p = procinfo.unpack_owner(owner)
             telemetry.execute(("shmcancel", "lock", "recovered"), {"waited": waited},
                               {"dead_pid": p[0] if p is not None else 0})
@@ -657,7 +662,7 @@ class RegistryLock:
             raise
         finally:
             self._st.tlock.release()
-        self._recovered(owner, 0.0)
+        self._recovered(owner, 0.0, tid)
         self._emit_recovered()  # released already: emitted now
         return True
 
