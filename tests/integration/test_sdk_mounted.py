@@ -33,27 +33,15 @@ def mounted(module_shm_name) -> Iterator[tuple[str, Registry]]:
         yield g.url.replace("/mcp", "/example/mcp"), reg
 
 
-def test_a_mounted_servers_session_works_on_every_worker(mounted):
+@pytest.mark.parametrize("path", ["/example/mcp", "/t/acme%20corp/mcp"],
+                         ids=["mount", "percent-encoded-mount"])
+def test_a_mounted_servers_session_works_on_every_worker(mounted, path):
     """12 requests of one session, each on a fresh connection (so on any of the three workers),
-    all answered by the session's worker."""
-    url, _ = mounted
-    hdrs = open_session(url, dict(HEADERS))
-    statuses = []
-    for i in range(12):
-        with httpx.Client(timeout=10) as h:
-            r = h.post(url, headers=hdrs, json={
-                "jsonrpc": "2.0", "id": i + 1, "method": "tools/call",
-                "params": {"name": "echo", "arguments": {"text": f"n{i}"}}})
-            statuses.append(r.status_code)
-    assert statuses == [200] * 12
-
-
-def test_a_session_under_a_percent_encoded_mount_prefix_works_on_every_worker(mounted):
-    """Mounted under a path parameter whose value is percent-encoded in the request line
-    (``/t/acme%20corp/mcp``: root_path ``/t/acme corp``, raw_path as sent): a forwarded request
-    reaches the mounted app's own path, not the owner's 404."""
-    url, _ = mounted
-    url = url.replace("/example/mcp", "/t/acme%20corp/mcp")
+    all answered by the session's worker. Also under a path parameter whose value is
+    percent-encoded in the request line (``/t/acme%20corp/mcp``: root_path ``/t/acme corp``,
+    raw_path as sent): a forwarded request reaches the mounted app's own path, not the owner's
+    404."""
+    url = mounted[0].replace("/example/mcp", path)
     hdrs = open_session(url, dict(HEADERS))
     statuses = []
     for i in range(12):
