@@ -35,7 +35,10 @@ class Janitor:
     ``start`` is idempotent; ``stop`` wakes the thread and waits for it (bounded). The thread
     dies with its process; a sweep cut short by that is repaired like any interrupted write.
     It ends by itself once its registry is closed (logged once); ``start`` on a closed
-    registry raises :class:`~shmcancel.RegistryClosed`.
+    registry raises :class:`~shmcancel.RegistryClosed`. ``Registry.close()`` does not stop it
+    first: the close waits for a hold of the sweep in progress to end (never cutting a write
+    short), and the sweep's next step then meets the closed registry and ends quietly. Call
+    ``stop`` before closing to have the thread gone when ``close`` returns.
     """
 
     def __init__(self, cancellation: Cancellation, *, name: str = "shmcancel-janitor") -> None:

@@ -646,16 +646,20 @@ class Cancellation:
         try:
             won = self._store.claim_sweep(now, self._interval)
         except Exception as e:  # a stalled lock is one line: expected, and nothing to debug
-            log.warning("janitor: claim_sweep failed: %s", e,
-                        exc_info=not isinstance(e, LockTimeout))
+            if reg is None or not reg.closed:  # else closed by another thread meanwhile
+                log.warning("janitor: claim_sweep failed: %s", e,
+                            exc_info=not isinstance(e, LockTimeout))
             won, stalled = False, isinstance(e, LockTimeout)
         self._next_check = now + self._interval * (1.0 if won else _RECHECK_FRACTION)
         if won:
             try:
                 self.sweep()
             except Exception as e:
-                log.warning("janitor: cleanup failed: %s", e,
-                            exc_info=not isinstance(e, LockTimeout))
+                # Closed by another thread mid-sweep (the close waits for the sweep's hold, not
+                # for its lock-free reads between holds): nothing failed, nothing to debug.
+                if reg is None or not reg.closed:
+                    log.warning("janitor: cleanup failed: %s", e,
+                                exc_info=not isinstance(e, LockTimeout))
         if not stalled:  # a stalled lock would only make the settling wait once more
             self.settle()
         return won

@@ -125,8 +125,9 @@ class _ProcState:
         self.reset()
 
     def reset(self) -> None:
-        # serialises this process's threads before the semaphore; an RLock only for
-        # _is_owned() (an exception right after its acquire), never taken twice
+        # serialises this process's threads before the semaphore; an RLock for _is_owned()
+        # (an exception right after its acquire), taken twice only under exclusive() (a close
+        # releasing its lane takes the registry lock once more)
         self.tlock: Any = threading.RLock()
         self.holder: int | None = None  # thread ident of the holding thread
         self.depth = 0
@@ -666,8 +667,42 @@ class RegistryLock:
         self._emit_recovered()  # released already: emitted now
         return True
 
+    def exclusive(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` (a close of the registry) while no thread of this process holds the lock
+        or is taking or releasing it: a hold's release still stores into the header view and
+        posts the semaphore, and a close releasing those under it stranded the lock for every
+        process while this one lived (its pid alive: never recovered). Waits for another
+        thread's hold (or wait) to end, by ``timeout`` seconds, holding this process's thread
+        lock, so that no hold begins before ``fn`` returns; ``fn`` may take the lock itself
+        (reentrant). Nothing of ``fn`` runs, and :class:`~shmcancel.ShmCancelError` is raised,
+        when the calling thread is inside the lock itself (a ``with`` of its own, or a signal
+        handler run in the middle of an acquire or release); :class:`~shmcancel.LockTimeout`
+        when another thread's hold is still running after ``timeout``. The lock is shared with
+        every attachment of the registry in this process: a hold through any of them counts.
+        Only here, never on an acquire or release: those pay nothing for it."""
+        tlock = self._st.tlock
+        if tlock._is_owned():
+            raise ShmCancelError(
+                f"registry {self.name}: cannot be closed by a thread inside its lock (a `with "
+                f"registry.lock:` of its own is still running); close it after the hold ends")
+        try:
+            if not tlock.acquire(timeout=self._timeout):
+                holder = self._st.holder
+                who = next((f"thread {t.name!r}" for t in threading.enumerate()
+                            if holder is not None and t.ident == holder), "another thread")
+                raise LockTimeout(
+                    f"registry {self.name}: not closed: {who} of this process (pid "
+                    f"{os.getpid()}) held or waited for its lock for more than "
+                    f"{self._timeout:.1f}s; a running hold is never cut short (the registry "
+                    f"stays open: close it again once that hold ends)")
+            fn()
+        finally:
+            if tlock._is_owned():
+                tlock.release()
+
     def close(self) -> None:
-        """Close the lock file descriptor (the segment owns the semaphore and the header)."""
+        """Close the lock file descriptor (the segment owns the semaphore and the header).
+        The caller makes sure no hold of this process is running (:meth:`exclusive`)."""
         closer, self._fd_closer, self._fd = self._fd_closer, None, None
         if closer is not None:
             closer()  # the fd, unless its number is another file's by now

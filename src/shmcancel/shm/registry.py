@@ -276,6 +276,9 @@ class _ReadOnlyLock:
     def recover_from(self, pid: int) -> bool:
         return False
 
+    def exclusive(self, fn: Callable[[], object]) -> None:
+        fn()  # no hold to wait for: a read-only attachment never takes the lock
+
     def close(self) -> None:
         pass
 
@@ -474,15 +477,36 @@ class Registry:
 
     def close(self) -> None:
         """Unmap the segment and close the semaphore and lock file. Idempotent. What used the
-        registry since raises :class:`RegistryClosed` (see the class docstring)."""
-        if self._closed:
+        registry since raises :class:`RegistryClosed` (see the class docstring).
+
+        A hold of the lock by another thread of this process (a janitor's sweep, a request
+        of a threaded worker) is never cut short: ``close()`` first waits for it to end, up to
+        the registry's ``lock_timeout`` (its holder's release still uses the mapping and the
+        semaphore; closed under it, the lock stayed taken for every process as long as this
+        one lived). Once the close runs no new hold begins in this process; threads that then
+        take the lock get :class:`RegistryClosed`. If the hold is still running at the
+        deadline, :class:`~shmcancel.LockTimeout` is raised and nothing is closed: the
+        registry stays open and usable, and ``close()`` may be called again. Called by a thread
+        inside its own hold of the lock (``with reg.lock: reg.close()``), it raises
+        :class:`~shmcancel.ShmCancelError` at once and closes nothing. Holds through another
+        attachment of the same registry in this process count too (they share the lock's
+        per-process state)."""
+        if not self._closed:
+            self.lock.exclusive(self._close_now)
+
+    def _close_now(self) -> None:
+        """:meth:`close`, with no hold of this process running (``RegistryLock.exclusive``)."""
+        if self._closed:  # another thread closed it while this one waited
             return
         self._closed = True
-        _forget(self)
-        for lanes in self.lanes.values():
-            # Briefly: a lane left claimed is freed by whoever needs it once this process exits.
-            self._briefly(lanes.release, "releasing this process's lane")
-        self._close_parts()
+        try:
+            _forget(self)
+            for lanes in self.lanes.values():
+                # Briefly: a lane left claimed is freed by whoever needs it once this process
+                # exits. The lock is taken reentrantly: exclusive() holds the thread lock.
+                self._briefly(lanes.release, "releasing this process's lane")
+        finally:  # closed, whatever a signal handler raised meanwhile
+            self._close_parts()
 
     def unlink(self) -> None:
         """Remove this registry's names from /dev/shm. Idempotent."""
