@@ -65,9 +65,8 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
                         "(gunicorn replaces it)", grace)
             os.kill(os.getpid(), signal.SIGQUIT)
         if not watcher.wait_stopped(_HARD_EXIT_GRACE):
-            with contextlib.suppress(OSError):
-                os.write(2, b"shmcancel: a stuck tool ignored the worker's quit; exiting now\n")
-            os._exit(1)
+            _exit_unless_stopped(watcher, b"shmcancel: a stuck tool ignored the worker's quit; "
+                                          b"exiting now\n")
         return
     with watcher.running() as running:
         if not running:
@@ -77,14 +76,27 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
         _async_raise(tool_thread, RequestStopped)
     if watcher.wait_stopped(max(grace, 1.0)):
         return
-    log.error("a stopped tool still runs; asking the worker to exit gracefully")
-    os.kill(os.getpid(), signal.SIGTERM)
-    if watcher.wait_stopped(_graceful_timeout() + _HARD_EXIT_GRACE):
-        return
-    with contextlib.suppress(OSError):
-        os.write(2, b"shmcancel: a stuck tool ignored RequestStopped past the worker's graceful "
-                    b"shutdown; exiting now\n")
-    os._exit(1)
+    with watcher.running() as running:  # the tool may have ended as the wait timed out
+        if not running:
+            return
+        log.error("a stopped tool still runs; asking the worker to exit gracefully")
+        os.kill(os.getpid(), signal.SIGTERM)
+    if not watcher.wait_stopped(_graceful_timeout() + _HARD_EXIT_GRACE):
+        _exit_unless_stopped(watcher, b"shmcancel: a stuck tool ignored RequestStopped past the "
+                                      b"worker's graceful shutdown; exiting now\n")
+
+
+def _exit_unless_stopped(watcher: Watcher, why: bytes) -> None:
+    """End the process now, unless the tool ended after all. Decided under the watcher's lock:
+    ``wait_stopped`` timing out says nothing of a ``stop()`` made just then (it sets its event
+    after letting go of the lock), and once the decision is taken here a ``stop()`` waits for
+    it, so a worker whose tool ended (answering its call, serving on) is never cut short."""
+    with watcher.running() as running:
+        if not running:
+            return
+        with contextlib.suppress(OSError):
+            os.write(2, why)
+        os._exit(1)
 
 
 def _graceful_timeout() -> float:

@@ -1,0 +1,71 @@
+"""The app tests/mcp/test_stop_races.py serves with gunicorn (``transport_conf.py``): the stateless
+server of ``transport_app`` plus tools whose timing a profile hook (``threading.setprofile``: the
+threads the worker starts after the import, its ``gthread`` pool and the stop threads) pins to a
+point in the watcher's stop. Files as in ``transport_app`` (``$SHMCANCEL_TEST_DIR``).
+
+``held`` ignores ``RequestStopped`` (it catches it, as a tool catching ``BaseException`` would)
+until the stop thread's last wait (after it asked the worker to exit) has timed out; that thread
+is then held until the tool's thread has returned from ``Watcher.stop()``, and the tool's thread
+until the stop thread has decided (``_stop_request`` returned, or the process is gone). So the
+tool ends just between that timeout and the stop thread's decision to ``_exit``. It waits in
+short steps, so ``RequestStopped`` is taken at once: while an asynchronous exception is pending
+for a thread blocked in C, CPython 3.11 spins every traced or profiled thread at its next call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from shmcancel.mcp.disconnect import Watcher
+from shmcancel.mcp.stop import _stop_request
+from shmcancel.server import RequestStopped
+from tests.apps.transport_app import _record, build
+
+_WAIT_STOPPED = Watcher.wait_stopped.__code__
+_STOP = Watcher.stop.__code__
+_STOP_REQUEST = _stop_request.__code__
+
+_last_wait_over = threading.Event()  # the stop thread's wait after its SIGTERM timed out
+_tool_stopped = threading.Event()  # the tool's thread returned from Watcher.stop()
+_decided = threading.Event()  # the stop thread returned from _stop_request
+_waits = 0  # wait_stopped calls the stop thread returned from
+
+
+def _profile(frame: FrameType, event: str, arg: Any) -> None:
+    global _waits
+    if event != "return":
+        return
+    if frame.f_code is _STOP:
+        if _last_wait_over.is_set() and not _tool_stopped.is_set():
+            _tool_stopped.set()
+            _decided.wait(20)
+    elif frame.f_code is _STOP_REQUEST:
+        os.write(2, b"stop-race: the stop thread returned\n")
+        _decided.set()
+    elif frame.f_code is _WAIT_STOPPED and threading.current_thread().name == "shmcancel-stop":
+        _waits += 1
+        if _waits == 2 and arg is False:  # the wait that decides on _exit
+            os.write(2, b"stop-race: the stop thread's last wait timed out\n")
+            _last_wait_over.set()
+            _tool_stopped.wait(20)
+
+
+threading.setprofile(_profile)
+
+app = build(False, "/stateless")
+
+
+@app.tool("held")
+def held(conn: Any, params: dict) -> str:
+    _record(params.get("tag"), "started", str(os.getpid()))
+    while True:
+        try:
+            if _last_wait_over.wait(0.01):
+                return "held"
+        except RequestStopped:
+            os.write(2, b"stop-race: held caught RequestStopped\n")
+            sys.setprofile(_profile)  # it may have landed in the hook, which that switched off
