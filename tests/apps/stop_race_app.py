@@ -10,6 +10,8 @@ until the stop thread has decided (``_stop_request`` returned, or the process is
 tool ends just between that timeout and the stop thread's decision to ``_exit``. It waits in
 short steps, so ``RequestStopped`` is taken at once: while an asynchronous exception is pending
 for a thread blocked in C, CPython 3.11 spins every traced or profiled thread at its next call.
+
+``shout`` sends one progress notification of ``size`` bytes and returns.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from shmcancel.mcp.disconnect import Watcher
 from shmcancel.mcp.stop import _stop_request
-from shmcancel.server import RequestStopped
+from shmcancel.server import RequestStopped, progress
 from tests.apps.transport_app import _record, build
 
 _WAIT_STOPPED = Watcher.wait_stopped.__code__
@@ -69,3 +71,12 @@ def held(conn: Any, params: dict) -> str:
         except RequestStopped:
             os.write(2, b"stop-race: held caught RequestStopped\n")
             sys.setprofile(_profile)  # it may have landed in the hook, which that switched off
+
+
+@app.tool("shout")
+def shout(conn: Any, params: dict) -> str:
+    """One progress notification whose message is ``size`` characters (a client that does not
+    read leaves the worker blocked writing it), then return."""
+    _record(params.get("tag"), "started", str(os.getpid()))
+    progress(conn, 1, message="x" * int(params.get("size", 0)))
+    return "shouted"

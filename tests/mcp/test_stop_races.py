@@ -5,6 +5,9 @@ race needs; no sleeps order anything. Waits poll with deadlines."""
 from __future__ import annotations
 
 import json
+import os
+import platform
+import signal
 import socket
 import time
 from pathlib import Path
@@ -13,6 +16,8 @@ from typing import Any
 import pytest
 from helpers.gunicorn_harness import Gunicorn, alive, wait_until
 from helpers.mcp_client import tag, wait_file
+
+from shmcancel.mcp import jsonrpc
 
 pytestmark = pytest.mark.integration
 
@@ -62,3 +67,80 @@ def test_a_tool_that_ends_as_the_last_wait_times_out_does_not_lose_its_worker(
         assert "stop-race: the stop thread returned" in log, g.log_tail()
         assert "exiting now" not in log, g.log_tail()
         assert f"Worker (pid:{worker}) exited with code" not in log, g.log_tail()
+
+
+def _in_sendto(pid: int) -> bool:
+    """Whether process ``pid``'s main thread is blocked in ``sendto`` (x86-64: syscall 44)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0] == "44"
+    except (OSError, IndexError):
+        return False
+
+
+def _chunked(body: bytes) -> tuple[bytes, bool]:
+    """A chunked body's data and whether it ended properly; ``AssertionError`` on broken
+    framing. Data cut short (the connection closed inside a chunk) is returned as far as it
+    came."""
+    data, rest = b"", body
+    while rest:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        assert sep and size_line and all(c in b"0123456789abcdefABCDEF" for c in size_line), \
+            (size_line[:40], data[-80:])
+        n = int(size_line, 16)
+        if n == 0:
+            assert rest == b"\r\n", rest[:80]
+            return data, True
+        data += rest[:n]
+        if len(rest) < n + 2:
+            assert len(rest) <= n, rest[n:]  # cut inside the chunk, or before its CRLF
+            return data, False
+        assert rest[n:n + 2] == b"\r\n", (rest[n:n + 80], data[-80:])
+        rest = rest[n + 2:]
+    return data, False
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reads the syscall number")
+def test_a_sync_worker_quit_in_the_middle_of_an_event_does_not_corrupt_the_stream(
+        shm_name: str, tmp_path: Path) -> None:
+    """``sync``: gunicorn's quit (``SIGQUIT``: a quick shutdown sends it to every worker)
+    lands while the tool's progress notification is being written to a client that reads
+    slowly; its ``SystemExit`` interrupts the write with part of the event sent. After half a
+    chunk no byte may follow on the connection: the call's ``-32603`` event there made the
+    stream corrupt (a client may read a wrong message); cut short, it is a plain transport
+    error."""
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.stop_race_app:app", registry_name=shm_name, config=CONF, env=env,
+                  workers=1) as g:
+        (worker,) = g.worker_pids()
+        t, size = tag(), 8 << 20
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(20)
+        s.connect(("127.0.0.1", g.port))
+        with s:
+            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "shout", "arguments": {"tag": t, "size": size},
+                "_meta": {"progressToken": "p"}}}).encode()
+            s.sendall(b"POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\n"
+                      b"Accept: application/json, text/event-stream\r\n"
+                      b"MCP-Protocol-Version: 2025-11-25\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_file(f"{tmp_path}/{t}.started", time.monotonic() + 10)
+            wait_until(lambda: _in_sendto(worker), time.monotonic() + 10,
+                       what="the worker to block writing the event")
+            os.kill(worker, signal.SIGQUIT)
+            data = b""
+            while chunk := s.recv(1 << 20):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
+        events, complete = _chunked(body)
+        event = b"event: message\ndata: " + jsonrpc.encode({
+            "jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": "p", "progress": 1, "message": "x" * size}}) + b"\n\n"
+        assert not complete and 0 < len(events) < len(event), (complete, len(events))
+        assert events == event[:len(events)], events[-200:]
+        wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")
+        assert "Error handling request" not in g.log(), g.log_tail()

@@ -7,7 +7,9 @@ alike by both wires (:meth:`CallLifecycle._tool_methods`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -139,6 +141,9 @@ class CallLifecycle(ToolRegistry, ServerBase):
                                       "worker timeout, or a shutdown)")
             return self._finish(ex, wire, 200, body)
         if stopped or cancelled or ex.gone:
+            if ex.cut:
+                _hang_up(environ)
+                return None
             data = {"reason": reason} if reason else None
             body = jsonrpc.error_body(msg.id, codes.REQUEST_CANCELLED, "Request cancelled", data)
             return self._finish(ex, wire, 200, body)
@@ -208,6 +213,15 @@ class CallLifecycle(ToolRegistry, ServerBase):
         w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
         holder.append(w)
         return w if w.start() else None
+
+
+def _hang_up(environ: dict[str, Any]) -> None:
+    """A stop cut a write of the call's stream short: end the connection with nothing more on
+    it, so the client sees the stream cut (a transport error), not a corrupt one."""
+    sock = environ.get("gunicorn.socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
 
 
 def _cancel_local(handle: Any) -> None:

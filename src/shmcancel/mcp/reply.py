@@ -54,7 +54,11 @@ class _Reply:
 
 
 class _Exchange:
-    """One request/response exchange: decides JSON vs SSE, streams progress."""
+    """One request/response exchange: decides JSON vs SSE, streams progress. ``cut``: a write
+    was cut short by a stop (see :meth:`send_event`); the connection must end with no more on
+    it."""
+
+    cut = False
 
     def __init__(self, start_response: StartResponse, *, json_ok: bool, sse_ok: bool,
                  token: int | str | None) -> None:
@@ -102,6 +106,12 @@ class _Exchange:
             if self.on_gone is not None:
                 self.on_gone()
             return False
+        except BaseException:
+            # A stop (gunicorn's quit or abort: SystemExit; RequestStopped) in the middle of a
+            # write: part of the event may be on the wire, and anything after it (the call's
+            # answer, the chunked body's end) would make the stream corrupt.
+            self.gone = self.cut = True
+            raise
 
 
 def _sse(obj: Any) -> bytes:
