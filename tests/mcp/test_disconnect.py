@@ -400,6 +400,77 @@ def watch(sock: socket.socket, grace: float = 30.0) -> tuple[Watcher, Recorder]:
     return w, rec
 
 
+def _raise_at_line(code: Any, lines: set[int], k: int) -> Any:
+    """A trace function raising SystemExit (as a signal handler may) at the ``k``-th line run
+    in frames of ``code`` among ``lines`` (statements inside its ``with`` blocks: a line event
+    on a ``with`` line itself may come after its body, where raising skips the ``__exit__``,
+    which no signal handler does)."""
+    seen = [0]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+
+        def line(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno in lines:
+                seen[0] += 1
+                if seen[0] == k:
+                    raise SystemExit("a signal handler's")
+            return line
+        return line
+    return tracer
+
+
+def test_a_stop_cut_short_at_any_line_of_its_removal_leaves_no_socket_in_the_epoll_set(
+        ) -> None:
+    """An exception at any line of a registered watch's removal (a signal handler's: gunicorn's
+    quit in a sync worker), then ``stop()`` again, as the transport does: the socket is out of
+    the epoll set and the watcher's table. Removed from the table first and cut short before
+    the unregister, the socket stayed in the set, level-triggered, with nothing to drop it:
+    the thread spun once its client left. The exception is raised from a trace hook at each
+    line in turn."""
+    import inspect
+
+    code = disconnect._Loop.remove.__code__
+    src, first = inspect.getsourcelines(disconnect._Loop.remove)
+    # the removal's statements: the unregister (and its suppress) and the table's del
+    removal = {first + i for i, text in enumerate(src)
+               if "unregister(fd)" in text or "del self._watched" in text
+               or "contextlib.suppress" in text}
+    assert len(removal) == 3
+    for k in range(1, 10):
+        a, b = socket.socketpair()
+        try:
+            w, _ = watch(a)
+            loop = disconnect.process_loop()
+            assert loop is not None
+            deadline = time.monotonic() + 5
+            while a.fileno() not in loop._watched:  # registered by the thread within two ticks
+                assert time.monotonic() < deadline, "the watch was never registered"
+                time.sleep(disconnect.TICK)
+            sys.settrace(_raise_at_line(code, removal, k))
+            try:
+                w.stop()
+                cut = False
+            except SystemExit:
+                cut = True
+            finally:
+                sys.settrace(None)
+            w.stop()  # the transport's second stop (call.py)
+            fd = a.fileno()
+            assert fd not in loop._watched
+            with loop._lock:  # not in the epoll set: registering it anew works
+                loop._ep.register(fd, 0)
+                loop._ep.unregister(fd)
+        finally:
+            a.close()
+            b.close()
+        if not cut:  # past the last line of the removal: every line was tried
+            assert k > len(removal)
+            return
+    raise AssertionError("the removal never ran to its end")
+
+
 def test_a_stopped_watcher_drops_its_callbacks() -> None:
     """A callback that refers back to its watcher (the transport's on_timeout does) makes a
     cycle; stop() drops the callbacks, so reference counting frees both at once."""

@@ -284,9 +284,13 @@ class _Loop:
             cur = self._watched.get(fd)
             if cur is None or cur[0] is not w:
                 return  # the thread dropped it at the disconnect, or the fd was reused
-            del self._watched[fd]
+            # Unregistered first: a signal handler's exception between the two (gunicorn's quit
+            # in a sync worker) leaves the entry, which stop() called again removes; the other
+            # order left the fd in the epoll set with no entry, level-triggered: a spinning
+            # thread once its client left
             with contextlib.suppress(OSError, ValueError):
                 self._ep.unregister(fd)
+            del self._watched[fd]
 
     def _promote(self) -> None:
         """In the thread, at a wake: register the watchers started before the previous wake
