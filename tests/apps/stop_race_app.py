@@ -17,11 +17,13 @@ for a thread blocked in C, CPython 3.11 spins every traced or profiled thread at
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from types import FrameType
 from typing import Any
 
+from shmcancel.mcp import reply as _reply
 from shmcancel.mcp.disconnect import Watcher
 from shmcancel.mcp.stop import _stop_request
 from shmcancel.server import RequestStopped, progress
@@ -80,3 +82,27 @@ def shout(conn: Any, params: dict) -> str:
     _record(params.get("tag"), "started", str(os.getpid()))
     progress(conn, 1, message="x" * int(params.get("size", 0)))
     return "shouted"
+
+
+_SSE = _reply._sse.__code__
+
+
+def _quit_at_encode(frame: FrameType, event: str, arg: Any) -> None:
+    """The worker's main thread, once: gunicorn's quit (SIGQUIT) as the event is about to be
+    encoded, before any byte of it is written."""
+    if event == "call" and frame.f_code is _SSE:
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGQUIT)
+
+
+@app.tool("quit_before_write")
+def quit_before_write(conn: Any, params: dict) -> str:
+    """``sync``: one progress notification, with gunicorn's quit landing before it is written
+    (nothing of the event on the wire): the call is answered all the same."""
+    _record(params.get("tag"), "started", str(os.getpid()))
+    sys.setprofile(_quit_at_encode)
+    try:
+        progress(conn, 1, message="never sent")
+    finally:
+        sys.setprofile(None)
+    return "not stopped"

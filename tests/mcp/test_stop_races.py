@@ -144,3 +144,35 @@ def test_a_sync_worker_quit_in_the_middle_of_an_event_does_not_corrupt_the_strea
         assert events == event[:len(events)], events[-200:]
         wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")
         assert "Error handling request" not in g.log(), g.log_tail()
+
+
+def test_a_sync_worker_quit_before_an_event_is_written_still_answers_the_call(
+        shm_name: str, tmp_path: Path) -> None:
+    """``sync``: gunicorn's quit lands in the tool's progress notification before any byte of it
+    is written (as it is encoded). Nothing on the wire is cut: the call is answered (``-32603``,
+    its worker exiting), not hung up on with an empty reply."""
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.stop_race_app:app", registry_name=shm_name, config=CONF, env=env,
+                  workers=1) as g:
+        (worker,) = g.worker_pids()
+        s = socket.create_connection(("127.0.0.1", g.port), timeout=20)
+        with s:
+            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "quit_before_write", "arguments": {"tag": tag()},
+                "_meta": {"progressToken": "p"}}}).encode()
+            s.sendall(b"POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\n"
+                      b"Accept: application/json, text/event-stream\r\n"
+                      b"MCP-Protocol-Version: 2025-11-25\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            data = b""
+            while chunk := s.recv(1 << 20):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), data[:300]
+        events, complete = _chunked(body) if b"chunked" in head.lower() else (body, True)
+        assert complete, events[-200:]
+        (line,) = [ln for ln in events.split(b"\n") if ln.startswith(b"data: ")]
+        answer = json.loads(line[len(b"data: "):])
+        assert answer["id"] == 1 and answer["error"]["code"] == -32603, answer
+        wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")

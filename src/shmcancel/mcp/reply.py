@@ -96,10 +96,13 @@ class _Exchange:
     def send_event(self, obj: Any) -> bool:
         if self.gone:
             return False
+        writing = False
         try:
             if self.write is None:
                 self.write = self._start_response(_STATUS[200], list(_SSE_HEADERS))
-            self.write(_sse(obj))
+            data = _sse(obj)
+            writing = True
+            self.write(data)
             return True
         except Exception:
             self.gone = True
@@ -109,8 +112,11 @@ class _Exchange:
         except BaseException:
             # A stop (gunicorn's quit or abort: SystemExit; RequestStopped) in the middle of a
             # write: part of the event may be on the wire, and anything after it (the call's
-            # answer, the chunked body's end) would make the stream corrupt.
-            self.gone = self.cut = True
+            # answer, the chunked body's end) would make the stream corrupt. Landing before the
+            # write (in start_response, or as the event is encoded), nothing of it is out: the
+            # call is answered on the stream as it stands.
+            if writing:
+                self.gone = self.cut = True
             raise
 
 
