@@ -133,8 +133,8 @@ class _ProcState:
         self.depth = 0
         self.dirty = False
         self.stalled_until = 0.0  # monotonic: a wait of this process timed out until then
-        # (thread, owner word taken over, seconds waited) of recoveries whose event is due once
-        # that thread's hold that recovered is released (see RegistryLock._emit_recovered)
+        # (thread, dead pid or 0, seconds waited) of recoveries whose event is due once that
+        # thread's hold that recovered is released (see RegistryLock._emit_recovered)
         self.recovered: list[tuple[int, int, float]] = []
         # In a fork child procinfo's own after-fork reset has run already: it registered first
         # (after_in_child hooks run in registration order), so me() is the child's.
@@ -247,29 +247,25 @@ class RegistryLock:
             raise RegistryClosed.of(self.name) from None
 
     # --- introspection ---
-    @property
-    def generation(self) -> int:
+    def _word(self, i: int) -> int:
+        """Header word ``i`` (``RegistryClosed`` once the registry is closed)."""
         try:
-            return self._w[_GEN]
+            return self._w[i]
         except Exception:
             self._if_closed()
             raise
+
+    @property
+    def generation(self) -> int:
+        return self._word(_GEN)
 
     @property
     def recoveries(self) -> int:
-        try:
-            return self._w[_RECOVERIES]
-        except Exception:
-            self._if_closed()
-            raise
+        return self._word(_RECOVERIES)
 
     def owner(self) -> tuple[int, int] | None:
         """(pid, start) recorded as holder, or None."""
-        try:
-            return procinfo.unpack_owner(self._w[_OWNER])
-        except Exception:
-            self._if_closed()
-            raise
+        return procinfo.unpack_owner(self._word(_OWNER))
 
     def idle_generation(self) -> int | None:
         """The generation while nobody holds the lock, else None. Read before and after a
@@ -614,9 +610,10 @@ class RegistryLock:
         """Log a recovery now and queue its event for the release of the hold it began (thread
         ``tid``'s)."""
         p = procinfo.unpack_owner(owner)
+        dead = p[0] if p is not None else 0
         log.warning("registry %s: took over the lock from dead pid %s after %.3fs",
-                    self.name, (p[0] if p is not None else 0) or "(unrecorded)", waited)
-        self._st.recovered.append((tid, owner, waited))
+                    self.name, dead or "(unrecorded)", waited)
+        self._st.recovered.append((tid, dead, waited))
 
     def _emit_recovered(self) -> None:
         """Emit the ``lock recovered`` events queued by recoveries, with no hold of this thread
@@ -633,10 +630,9 @@ class RegistryLock:
             if mine is None:
                 return
             queue.remove(mine)  # only this thread removes its own
-            _, owner, waited = mine
-            p = procinfo.unpack_owner(owner)
+            _, dead, waited = mine
             telemetry.execute(("shmcancel", "lock", "recovered"), {"waited": waited},
-                              {"dead_pid": p[0] if p is not None else 0})
+                              {"dead_pid": dead})
 
     def recover_from(self, pid: int) -> bool:
         """If the lock's recorded owner is the dead process ``pid``, take it over, repair and
