@@ -141,7 +141,7 @@ class Fsck(TableBase):
                 keys.add(kb)
             if self._set and len(keys) != rows:
                 return "a key has two rows"
-            if _reachability_moves(list(words), self._mask):
+            if reachability_moves(list(words), self._mask):
                 return "an entry lies beyond an empty slot of its probe"
         return None
 
@@ -218,7 +218,7 @@ class Fsck(TableBase):
                 by_key[kb] = (stamp, s)
         for s in drop:
             words[2 * s] = words[2 * s + 1] = 0
-        moves = _reachability_moves(words, self._mask)
+        moves = reachability_moves(words, self._mask)
         versions = ver.tolist()
         odd = [b for b, v in enumerate(versions) if v & 1]
         rep["odd_versions"] = len(odd)
@@ -230,7 +230,7 @@ class Fsck(TableBase):
             for s in drop:
                 idx[2 * s] = 0
                 idx[2 * s + 1] = 0
-            for src, dst in moves:
+            for src, dst, _, _ in moves:
                 idx[2 * dst + 1] = idx[2 * src + 1]
                 idx[2 * dst] = idx[2 * src]  # a duplicate until the next store: fsck keeps one
                 idx[2 * src] = 0
@@ -267,9 +267,11 @@ class Fsck(TableBase):
         return rep
 
 
-def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
-    """Moves (src slot, dst slot) that leave no empty slot between any entry's home and the
-    entry, applied to ``words`` (the index as a list of u64 words) as they are computed.
+def reachability_moves(words: list[int], mask: int) -> list[tuple[int, int, int, int]]:
+    """Moves ``(src slot, dst slot, hash, record)`` that leave no empty slot between any entry's
+    home and the entry, applied to ``words`` (the index as a list of u64 words) as they are
+    computed; each names the entry it moves (an entry may move twice: into the empty slot the
+    pass starts after, which it reaches last, then on).
 
     One pass in probe order, starting after an empty slot: each entry goes to the first empty
     slot from its home on. Entries passed earlier stay reachable (a move empties only the slot
@@ -289,7 +291,8 @@ def _reachability_moves(words: list[int], mask: int) -> list[tuple[int, int]]:
         while e != s and words[2 * e]:
             e = (e + 1) & mask
         if e != s:
-            words[2 * e], words[2 * e + 1] = h, words[2 * s + 1]
+            r = words[2 * s + 1]
+            words[2 * e], words[2 * e + 1] = h, r
             words[2 * s] = words[2 * s + 1] = 0
-            moves.append((s, e))
+            moves.append((s, e, h, r))
     return moves

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .base import PreparedKey
-from .fsck import _reachability_moves
+from .fsck import reachability_moves
 from .layout import _LTOP, _ROWS, _TOP, _WORD
 from .writer import Writes
 
@@ -105,17 +105,13 @@ class IndexCopy:
         if self.top + len(freed) > cap + 1 or self.ltop + len(lfreed) > t._nlarge:
             return None
         cleared = array("Q", new)
+        # Each move stores the entry it moves as it is then, not the final index's word at its
+        # destination: an entry can move twice (into the first empty slot, where the pass
+        # starts, then back into a slot emptied after), and its first move would store the slot
+        # its second empties.
         moves = array("Q")
-        # Each move stores the entry its source holds when it runs (``cleared`` with the moves
-        # before it applied), not the final index's word at its destination: an entry can
-        # move twice (into the first empty slot, where the pass starts, then back into a slot
-        # emptied after), and its first move would store the slot its second empties.
-        at = list(new)
-        for src, dst in _reachability_moves(new, t._mask):
-            h, r = at[2 * src], at[2 * src + 1]
-            at[2 * dst], at[2 * dst + 1] = h, r
-            at[2 * src] = at[2 * src + 1] = 0
-            moves.extend((src, dst, h, r))
+        for move in reachability_moves(new, t._mask):
+            moves.extend(move)
         return Rewrite(self, cleared, moves, array("I", freed), array("I", lfreed), kept)
 
 
