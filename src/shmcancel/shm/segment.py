@@ -528,8 +528,7 @@ def check_semaphore(name: str, expected_ino: int) -> os.stat_result:
     path = sem_path(name)
     st = check_entry("semaphore", path)
     if st is None:
-        raise RegistryIncompatible(
-            f"registry {name}: segment exists but its semaphore {path} is missing")
+        raise _missing_semaphore(name, path)
     check_stat("semaphore", path, st)
     if st.st_size < SEM_MIN_SIZE:
         raise RegistryIncompatible(
@@ -537,6 +536,11 @@ def check_semaphore(name: str, expected_ino: int) -> os.stat_result:
     if st.st_ino != expected_ino:
         raise _replaced_semaphore(name, path)
     return st
+
+
+def _missing_semaphore(name: str, path: str) -> RegistryIncompatible:
+    return RegistryIncompatible(
+        f"registry {name}: segment exists but its semaphore {path} is missing")
 
 
 def _replaced_semaphore(name: str, path: str) -> RegistryIncompatible:
@@ -553,19 +557,16 @@ def _open_semaphore(name: str, expected_ino: int) -> posix_ipc.Semaphore:
     try:
         sem = posix_ipc.Semaphore(shm_name(name))
     except posix_ipc.ExistentialError:
-        raise RegistryIncompatible(
-            f"registry {name}: segment exists but its semaphore {path} is missing") from None
+        raise _missing_semaphore(name, path) from None
     except posix_ipc.Error as e:
         raise RegistryIncompatible(f"registry {name}: cannot open semaphore {path}: {e}") from None
     try:
-        ino = os.lstat(path).st_ino
+        same = os.lstat(path).st_ino == expected_ino
     except FileNotFoundError:  # unlinked since it was opened (a registry being removed)
-        ino = None
-    if ino != expected_ino:
         sem.close()
-        if ino is None:
-            raise RegistryIncompatible(
-                f"registry {name}: segment exists but its semaphore {path} is missing")
+        raise _missing_semaphore(name, path) from None
+    if not same:
+        sem.close()
         raise _replaced_semaphore(name, path)
     return sem
 
