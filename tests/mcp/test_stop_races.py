@@ -26,9 +26,9 @@ GRACE = 0.5  # stream_cancel_timeout
 
 
 def send_call(port: int, tool: str, args: dict[str, Any], *,
-              meta: dict[str, Any] | None = None) -> socket.socket:
+              meta: dict[str, Any] | None = None, rcvbuf: int | None = None) -> socket.socket:
     """Open a connection and send one ``tools/call`` to ``/stateless``; the socket is the
-    client."""
+    client. ``rcvbuf``: its receive buffer, set before it connects (the window it offers)."""
     params: dict[str, Any] = {"name": tool, "arguments": args}
     if meta is not None:
         params["_meta"] = meta
@@ -37,9 +37,21 @@ def send_call(port: int, tool: str, args: dict[str, Any], *,
     head = ("POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             "Accept: application/json, text/event-stream\r\nMCP-Protocol-Version: 2025-11-25\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(20)
+    s.connect(("127.0.0.1", port))
     s.sendall(head + body)
     return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything the server sends on ``s`` until it closes the connection."""
+    data = b""
+    while chunk := s.recv(1 << 20):
+        data += chunk
+    return data
 
 
 def test_a_tool_that_ends_as_the_last_wait_times_out_does_not_lose_its_worker(
@@ -114,26 +126,13 @@ def test_a_sync_worker_quit_in_the_middle_of_an_event_does_not_corrupt_the_strea
                   workers=1) as g:
         (worker,) = g.worker_pids()
         t, size = tag(), 8 << 20
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.settimeout(20)
-        s.connect(("127.0.0.1", g.port))
-        with s:
-            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-                "name": "shout", "arguments": {"tag": t, "size": size},
-                "_meta": {"progressToken": "p"}}}).encode()
-            s.sendall(b"POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Content-Type: application/json\r\n"
-                      b"Accept: application/json, text/event-stream\r\n"
-                      b"MCP-Protocol-Version: 2025-11-25\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        with send_call(g.port, "shout", {"tag": t, "size": size},
+                       meta={"progressToken": "p"}, rcvbuf=4096) as s:
             wait_file(f"{tmp_path}/{t}.started", time.monotonic() + 10)
             wait_until(lambda: _in_sendto(worker), time.monotonic() + 10,
                        what="the worker to block writing the event")
             os.kill(worker, signal.SIGQUIT)
-            data = b""
-            while chunk := s.recv(1 << 20):
-                data += chunk
+            data = read_all(s)
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head
         events, complete = _chunked(body)
@@ -155,19 +154,9 @@ def test_a_sync_worker_quit_before_an_event_is_written_still_answers_the_call(
     with Gunicorn("tests.apps.stop_race_app:app", registry_name=shm_name, config=CONF, env=env,
                   workers=1) as g:
         (worker,) = g.worker_pids()
-        s = socket.create_connection(("127.0.0.1", g.port), timeout=20)
-        with s:
-            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-                "name": "quit_before_write", "arguments": {"tag": tag()},
-                "_meta": {"progressToken": "p"}}}).encode()
-            s.sendall(b"POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Content-Type: application/json\r\n"
-                      b"Accept: application/json, text/event-stream\r\n"
-                      b"MCP-Protocol-Version: 2025-11-25\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            data = b""
-            while chunk := s.recv(1 << 20):
-                data += chunk
+        with send_call(g.port, "quit_before_write", {"tag": tag()},
+                       meta={"progressToken": "p"}) as s:
+            data = read_all(s)
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), data[:300]
         events, complete = _chunked(body) if b"chunked" in head.lower() else (body, True)

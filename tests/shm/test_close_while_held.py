@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from helpers.gunicorn_harness import wait_until
 from helpers.procs import Chan, Child
 
 from shmcancel import Config, LockTimeout, RegistryClosed, ShmCancelError
@@ -108,10 +109,7 @@ def _in_function(thread: threading.Thread, name: str) -> bool:
 
 
 def _poll(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        threading.Event().wait(0.002)
+    wait_until(cond, time.monotonic() + timeout, interval=0.002, what=what)
 
 
 def test_close_waits_for_another_threads_hold_to_end(registry, taker, holders) -> None:

@@ -267,6 +267,29 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
         rig.close()
 
 
+def _kill_child_at(rig: Rig, body: Callable[[int], Any], moment: Callable[[], Any],
+                   what: str) -> None:
+    """Fork a child that runs ``body(w)`` (writing a byte to ``w`` once it is under way), wait
+    for that byte (``what`` names it), then ``moment()``, and SIGKILL the child by pid."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            rig.lock.after_fork_child()
+            body(w)
+        finally:
+            os._exit(1)
+    os.close(w)
+    try:
+        assert select.select([r], [], [], 10)[0], what
+        moment()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+
+
 # ------------------------------------------------------------------ kill inside the memcpy
 
 BIG_RS = 256 * 1024
@@ -289,33 +312,21 @@ def test_killed_set_updates_of_large_rows_never_lose_the_row(shm_name) -> None:
     t.insert("k", _big(sizes[0]))
     rng = random.Random()
     lost = []
-    pid = 0
+
+    def writer(w: int) -> None:
+        vals = [_big(sizes[0] - i) for i in range(3)] + [_big(sizes[1])]
+        i = 0
+        while True:
+            t.insert("k", vals[i % 4])
+            i += 1
+            if i == 1:
+                os.write(w, b".")
+
     try:
         for rnd in range(BIG_ROUNDS):
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                try:
-                    os.close(r)
-                    rig.lock.after_fork_child()
-                    vals = [_big(sizes[0] - i) for i in range(3)] + [_big(sizes[1])]
-                    i = 0
-                    while True:
-                        t.insert("k", vals[i % 4])
-                        i += 1
-                        if i == 1:
-                            os.write(w, b".")
-                finally:
-                    os._exit(1)
-            os.close(w)
-            try:
-                assert select.select([r], [], [], 10)[0], "the writer did not start"
-                select.select([], [], [], rng.uniform(0, 0.003))  # a random moment
-            finally:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pid = 0
-                os.close(r)
+            _kill_child_at(rig, writer,
+                           lambda: select.select([], [], [], rng.uniform(0, 0.003)),  # any moment
+                           "the writer did not start")
             if rig.lock.sem.value == 0:  # died holding the lock: take its unit over
                 rig.lock.sem.release()
             with rig.lock:
@@ -327,9 +338,6 @@ def test_killed_set_updates_of_large_rows_never_lose_the_row(shm_name) -> None:
                 healthy(t)
         assert not lost, f"row lost or torn after {len(lost)} of {BIG_ROUNDS} kills"
     finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
         rig.close()
 
 
@@ -361,40 +369,29 @@ def test_a_bulk_rewrite_killed_inside_its_index_store_loses_no_row(shm_name) -> 
     rng = random.Random()
     inside, lost, rnd = 0, [], 0
     deadline = time.monotonic() + 60
-    pid = 0
+
+    def store(w: int) -> None:
+        copy = t.copy_index()
+        assert copy is not None
+        plan = copy.without(lambda h, r: h == dropped)
+        assert plan is not None
+        with rig.lock:
+            os.write(w, b".")
+            plan.store()
+        time.sleep(10)
+
+    def moment() -> None:  # a random moment (no sleep's granularity)
+        end = time.perf_counter() + rng.uniform(0, 0.0003)
+        while time.perf_counter() < end:
+            pass
+
     try:
         while inside < REWRITE_KILLS_INSIDE and time.monotonic() < deadline:
             rnd += 1
             t = rig.reset(0)
             for k in cluster:
                 t.insert(k, k)
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                try:
-                    os.close(r)
-                    rig.lock.after_fork_child()
-                    copy = t.copy_index()
-                    assert copy is not None
-                    plan = copy.without(lambda h, r: h == dropped)
-                    assert plan is not None
-                    with rig.lock:
-                        os.write(w, b".")
-                        plan.store()
-                    time.sleep(10)
-                finally:
-                    os._exit(1)
-            os.close(w)
-            try:
-                assert select.select([r], [], [], 10)[0], "the child did not start its store"
-                end = time.perf_counter() + rng.uniform(0, 0.0003)
-                while time.perf_counter() < end:  # a random moment (no sleep's granularity)
-                    pass
-            finally:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pid = 0
-                os.close(r)
+            _kill_child_at(rig, store, moment, "the child did not start its store")
             if rig.lock.sem.value == 0:  # died holding the lock, inside the store: take over
                 inside += 1
                 rig.lock.sem.release()
@@ -409,9 +406,6 @@ def test_a_bulk_rewrite_killed_inside_its_index_store_loses_no_row(shm_name) -> 
         assert inside, f"no kill of {rnd} landed inside the rewrite's store"
         assert not lost, f"rows lost after {len(lost)} of {inside} kills inside the store: {lost}"
     finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
         rig.close()
 
 
