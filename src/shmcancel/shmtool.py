@@ -230,8 +230,13 @@ def _entries() -> dict[str, list[str]]:
     return out
 
 
+def _one_line(e: BaseException | str) -> str:
+    """``e``'s message on one line, escaped (:func:`_printable`)."""
+    return _printable(" ".join(str(e).split()) or type(e).__name__)
+
+
 def _short(e: BaseException | str) -> str:
-    msg = _printable(" ".join(str(e).split()) or type(e).__name__)
+    msg = _one_line(e)
     return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
@@ -723,8 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
         return 2  # pragma: no cover - error() exits
     except (ShmCancelError, posix_ipc.Error) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"shmtool: {_printable(msg)}", file=sys.stderr)
+        print(f"shmtool: {_one_line(e)}", file=sys.stderr)
         return 1
     except OSError as e:
         if isinstance(e, BrokenPipeError):
