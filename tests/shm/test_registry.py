@@ -412,3 +412,36 @@ def test_a_registry_write_interrupted_mid_mutation_is_repaired_before_the_lock_g
     finally:
         reg.close()
         reg.unlink()
+
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("umask", [0o277, 0o477])
+def test_a_umask_taking_the_owners_own_bits_still_makes_a_usable_registry(
+        shm_name: str, umask: int) -> None:
+    """Every name is mode 0600 whatever the umask (names.py): ``umask 277`` typed for 027 (or
+    one taking the owner's read bit) must not leave a semaphore or lock file its owner cannot
+    open again. It did: create opened the new semaphore O_RDWR to fchmod it (EACCES on the
+    0400 file), then the lock file (created 0400), and refused the registry as a squatter's.
+    As uid 65534: root ignores file modes."""
+    def body() -> None:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        os.umask(umask)
+        reg = Registry.create(shm_name, SMALL)
+        try:
+            other = Registry.attach(shm_name)  # a worker's attach: semaphore and lock file
+            with other.lock:
+                pass
+            other.close()
+        finally:
+            reg.close()
+        for path in (segment_path(shm_name), sem_path(shm_name), lock_path(shm_name)):
+            assert os.stat(path).st_mode & 0o777 == 0o600, path
+
+    pid = procs.fork(body)
+    status = procs.wait_exit(pid, 20)
+    assert status is not None, "the child hung"
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -228,7 +228,7 @@ class RegistryLock:
         self._set_fd(None)
         if old is not None:
             with contextlib.suppress(OSError):
-                self._set_fd(os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC))
+                self._set_fd(os.open(f"/proc/self/fd/{old}", os.O_RDONLY | os.O_CLOEXEC))
             os.close(old)
 
     def _set_fd(self, fd: int | None) -> None:

@@ -191,8 +191,17 @@ def close_with(owner: object, fd: int) -> weakref.finalize[Any, Any]:
 
 def open_lockfile(name: str) -> int:
     """Open (creating if needed) the registry's lock file; a new open file description, so the
-    ``flock`` on it is this process's own."""
-    return open_entry("lock file", lock_path(name), os.O_RDWR | os.O_CREAT)
+    ``flock`` on it is this process's own. Read-only (an ``flock`` needs no more), and made mode
+    0600 when it is not: the mode given to ``open`` is filtered by umask, and one that takes
+    the owner's write bit (277 for 027) would leave a file no later ``O_RDWR`` could open."""
+    fd = open_entry("lock file", lock_path(name), os.O_RDONLY | os.O_CREAT)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != MODE:
+            os.fchmod(fd, MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def flock_bounded(name: str, timeout: float) -> int:

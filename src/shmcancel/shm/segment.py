@@ -347,9 +347,12 @@ class Segment:
                                "appeared while creating the registry") from None
             made.append(lambda: unlink_quiet(os.unlink, sem_path(name)))
             made.append(sem.close)
-            fd = open_entry("semaphore", sem_path(name), os.O_RDWR)
+            # The mode given to sem_open is filtered by umask, which may have taken the owner's
+            # own bits (umask 277 for 027 leaves 0400): opened for neither reading nor writing,
+            # and chmod-ed through its /proc link (fchmod refuses such a descriptor).
+            fd = open_entry("semaphore", sem_path(name), os.O_PATH)
             try:
-                os.fchmod(fd, MODE)  # the mode given to sem_open is filtered by umask
+                os.chmod(f"/proc/self/fd/{fd}", MODE)
                 sem_ino = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
