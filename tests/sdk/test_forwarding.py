@@ -149,3 +149,28 @@ def test_a_token_naming_no_worker_is_a_404_without_a_client(
 
     sent = asyncio.run(main())
     assert sent[0]["status"] == 404
+
+
+def test_the_forwarding_client_gives_up_an_idle_connection_before_the_owner_closes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled connection reused just as the owner's server closes it for idleness fails the
+    forward (``ReadError``: a 503 for a live session); with equal timeouts (httpx's and
+    uvicorn's 5 s defaults) that race was open at every connection's edge. The client's
+    ``keepalive_expiry`` must be well under the server's ``timeout_keep_alive``, as built."""
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+
+    async def main() -> tuple[float, float]:
+        owner, here = Router(_Owner()), Router(_Owner())
+        await owner.ensure()
+        try:
+            client = here._client(owner.path)
+            expiry = client._transport._pool._keepalive_expiry  # httpcore's pool
+            assert owner._server is not None
+            return expiry, owner._server.config.timeout_keep_alive
+        finally:
+            owner.close()
+            for c in here._clients.values():
+                await c.aclose()
+
+    expiry, idle = asyncio.run(main())
+    assert expiry is not None and expiry + 5 <= idle, (expiry, idle)

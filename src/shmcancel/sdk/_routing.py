@@ -58,6 +58,12 @@ FORWARD_ORIGIN = "http://shmcancel-worker"
 # Seconds to connect to the owner. No bound on its response head: a JSON response starts only
 # when the call ends.
 FORWARD_TIMEOUT = 10.0
+# Seconds a pooled connection to another worker is reused after its last answer, and seconds the
+# worker's socket server keeps an idle connection: the client must always give up first. With
+# both at 5 s (httpx's and uvicorn's defaults) a reuse at the edge raced the server's close, and
+# the forward failed (ReadError: a 503 for a live session).
+FORWARD_KEEPALIVE = 5.0
+INTERNAL_KEEPALIVE = 60
 
 
 def socket_dir() -> str:
@@ -184,7 +190,8 @@ class Router:
             # No pool bound of its own: each forward holds one of this worker's own client
             # connections, so those bound it (httpx's default of 100 made the 101st concurrent
             # stream wait FORWARD_TIMEOUT, then fail).
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                  keepalive_expiry=FORWARD_KEEPALIVE)
             h = self._clients[path] = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
                 timeout=httpx.Timeout(FORWARD_TIMEOUT, read=None))
@@ -205,7 +212,8 @@ class Router:
         self._started = started = asyncio.Event()
         config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
                                 interface="asgi3", proxy_headers=False,
-                                access_log=False, timeout_graceful_shutdown=1)
+                                access_log=False, timeout_graceful_shutdown=1,
+                                timeout_keep_alive=INTERNAL_KEEPALIVE)
         self._server = server = _QuietServer.make(config)
         self._task = asyncio.get_running_loop().create_task(server.serve())
         try:
