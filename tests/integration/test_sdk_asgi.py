@@ -182,16 +182,18 @@ def test_cancel_on_a_fresh_connection(server, tool):
     """Three workers: a ``notifications/cancelled`` posted on a fresh connection (so on any worker:
     over six rounds, almost surely on another worker than the call's at least once) stops the
     call, which is answered ``-32800`` with HTTP 200 (JSON when stateless, an SSE event in a
-    stateful session); nothing is left. A notification for an id nobody runs is the SDK's to
-    answer (202) and writes no row."""
+    stateful session) carrying the notification's reason, made text as contract §4.2 says (a
+    non-string is its repr, as on the WSGI transport); nothing is left. A notification for an
+    id nobody runs is the SDK's to answer (202) and writes no row."""
     kind, g, reg = server
     headers, scope = _legacy_client(kind, g)
 
     async def one(rid: int) -> float:
         call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
                 "params": {"name": tool, "arguments": {"seconds": SLEEP}}}
+        reason: object = "test" if rid % 2 else 42
         note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                "params": {"requestId": rid, "reason": "test"}}
+                "params": {"requestId": rid, "reason": reason}}
         async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
             answer: list[httpx.Response] = []
 
@@ -210,6 +212,7 @@ def test_cancel_on_a_fresh_connection(server, tool):
         text = answer[0].text
         body = json.loads(text[text.index("{"):text.rindex("}") + 1])  # JSON, or one SSE event
         assert body["id"] == rid and body["error"]["code"] == -32800, body
+        assert body["error"].get("data") == {"reason": str(reason)}, body
         return took
 
     async def main() -> list[float]:

@@ -289,13 +289,12 @@ class Layer:
         if self.stateful and not self._creator_asks(scope, local):
             return False  # the SDK answers it: 404, or (another worker's session) forwarded
         conn = conn_of(scope, self.stateful)
-        reason = params.get("reason")
+        reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
         try:
             # In a thread: a stopped lock holder makes this wait up to lock_timeout, which on
             # the event loop would stall every request of the worker.
             recorded = await asyncio.to_thread(
-                c.cancel_if_in_flight, rid, reason if isinstance(reason, str) else None,
-                principal.scope(conn))
+                c.cancel_if_in_flight, rid, reason, principal.scope(conn))
         except CancellationLimitReached as e:
             await _respond(send, *_json_error(429, errors.SERVER_ERROR, str(e)))
             return True
