@@ -89,6 +89,23 @@ def build(sessions: bool, path: str) -> McpServer:
         time.sleep(seconds)
         return f"napped {seconds:g}s"
 
+    @server.tool("nested")
+    def nested(conn, params):
+        """A result nested ``depth`` levels deep (past the interpreter's recursion limit, JSON
+        cannot encode it), after ``steps`` progress notifications; in a ``content`` list when
+        ``content`` is true, else as structured content."""
+        depth, steps = params.get("depth", 5000), params.get("steps", 0)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 100_000:
+            raise ToolError(errors.INVALID_PARAMS, '"depth" must be an integer from 0 to 100000')
+        value: dict = {}
+        for _ in range(depth):
+            value = {"x": value}
+        for i in range(1, steps + 1 if isinstance(steps, int) else 1):
+            progress(conn, i, steps)
+        if params.get("content"):
+            return {"content": [{"type": "text", "text": "deep"}], "deep": value}
+        return value
+
     @server.tool("steps")
     def steps(conn, params):
         """Report ``n`` progress steps (SSE when the client asked for progress), then return."""

@@ -545,6 +545,44 @@ def test_a_body_shorter_than_its_length_is_refused_not_run(server: Gunicorn,
     assert b"never-run" not in out and b'"code":-32600' in out
 
 
+def _nested_calls(url: str, headers: dict[str, str]) -> list[tuple[int, dict[str, Any]]]:
+    """The ``nested`` tool's result too deep for JSON, as structured content, in a ``content``
+    result, and at the end of an SSE stream its progress opened: each reply's status and
+    message."""
+    out = []
+    for n, args in enumerate([{"depth": 5000}, {"depth": 5000, "content": True},
+                              {"depth": 5000, "steps": 2}], start=1):
+        body = {"name": "nested", "arguments": args}
+        if "steps" in args:
+            body["_meta"] = {"progressToken": "deep"}
+        try:
+            r = httpx.post(url, content=_call(body, id=n), headers=headers, timeout=15)
+        except httpx.TransportError as e:  # e.g. a stream cut short
+            out.append((-1, {"transport error": repr(e)}))
+        else:
+            out.append((r.status_code, reply_of(r)))
+    return out
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_a_tool_result_too_deep_for_json_is_an_internal_error_not_a_500(
+        shm_name: str, outdir: str, worker_class: str) -> None:
+    """contract §5: a request that was read gets HTTP 200 carrying its response; a tool result
+    JSON cannot carry is ``-32603`` (as one with a set in it is), also when it is nested
+    past the interpreter's recursion limit (``RecursionError``, not ``ValueError``), and on an
+    SSE stream already opened. The workers serve on; nothing is left in flight."""
+    with start(shm_name, outdir, workers=2, worker_class=worker_class, threads=4) as g:
+        pids = set(g.worker_pids())
+        replies = _nested_calls(g.url, Client(g.url).headers())
+        assert [status for status, _ in replies] == [200, 200, 200], replies
+        for n, (_, reply) in enumerate(replies, start=1):
+            assert reply["id"] == n and reply["error"]["code"] == errors.INTERNAL_ERROR, reply
+        assert dump(shm_name)["in_flight"] == []
+        assert set(g.worker_pids()) == pids
+        assert "Internal Server Error" not in g.log() and "internal error handling" \
+            not in g.log(), g.log_tail()
+
+
 def test_workers_survive_bad_input(server: Gunicorn, bad_input_client: Client) -> None:
     """After everything above (this test runs last in the module): same workers, serving."""
     pids = set(server.worker_pids())

@@ -151,3 +151,16 @@ def test_reply_bodies_and_encoding() -> None:
         encode({"x": float("nan")})
     with pytest.raises(TypeError):
         encode({"x": {1, 2}})
+
+
+@pytest.mark.parametrize("lone_surrogate", [False, True])
+def test_encode_refuses_nesting_past_the_recursion_limit_with_value_error(
+        lone_surrogate: bool) -> None:
+    """A value nested past the recursion limit is one JSON cannot carry here: ``ValueError``
+    (what callers turn into ``-32603``), not ``RecursionError`` (which became an HTTP 500)."""
+    deep: object = "\ud800" if lone_surrogate else "x"
+    for _ in range(20_000):
+        deep = {"x": [deep]}
+    with pytest.raises(ValueError):
+        encode(result_body(1, {"deep": deep}))
+    assert json.loads(encode({"after": 1})) == {"after": 1}  # the encoder still works

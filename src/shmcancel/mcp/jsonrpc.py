@@ -187,11 +187,16 @@ def error_body(id: int | str | None, code: int, message: str, data: Any = None) 
 def encode(obj: Any) -> bytes:
     """Serialise one reply as compact UTF-8 JSON.
 
-    Raises ``ValueError``/``TypeError`` for values JSON cannot carry (``NaN``, sets, objects),
-    so the caller can turn a tool's unserialisable result into an internal error. Strings
-    holding lone surrogates (JSON input may carry ``"\\ud800"``) are written escaped.
+    Raises ``ValueError``/``TypeError`` for values JSON cannot carry (``NaN``, sets, objects,
+    nesting past the interpreter's recursion limit: its ``RecursionError`` is raised as a
+    ``ValueError``), so the caller can turn a tool's unserialisable result into an internal
+    error. Strings holding lone surrogates (JSON input may carry ``"\\ud800"``) are written
+    escaped.
     """
     try:
-        return _ENCODER.encode(obj).encode("utf-8")
-    except UnicodeEncodeError:
-        return _ASCII_ENCODER.encode(obj).encode("ascii")
+        try:
+            return _ENCODER.encode(obj).encode("utf-8")
+        except UnicodeEncodeError:
+            return _ASCII_ENCODER.encode(obj).encode("ascii")
+    except RecursionError:
+        raise ValueError("nested too deeply to encode as JSON") from None
