@@ -94,6 +94,14 @@ def make_server(reg: Any, signals: Signals, **kw: Any) -> McpServer:
     def boom(conn, params):
         raise RuntimeError("kaput")
 
+    @server.tool("unprintable")
+    def unprintable(conn, params):
+        """An exception whose ``str()`` raises (its argument's ``repr`` does)."""
+        class Opaque:
+            def __repr__(self) -> str:
+                raise RuntimeError("no repr")
+        raise ValueError(Opaque())
+
     @server.tool("garbage")
     def garbage(conn, params):
         return params.get("value", 42)
@@ -493,6 +501,8 @@ def test_other_notifications_are_202(app: McpServer) -> None:
     ("garbage", {"value": {"content": [{"type": "text", "text": "t"}], "isError": True}},
      lambda j: j["result"] == {"content": [{"type": "text", "text": "t"}], "isError": True}),
     ("notjson", {}, lambda j: j["error"]["code"] == errors.INTERNAL_ERROR),
+    ("unprintable", {}, lambda j: j["result"]["isError"] is True
+     and "Error executing tool unprintable: ValueError" in j["result"]["content"][0]["text"]),
     ("fail", {}, lambda j: j["error"] == {"code": -32050, "message": "it failed",
                                           "data": {"why": "test"}}),
 ])

@@ -156,7 +156,7 @@ class CallLifecycle(ToolRegistry, ServerBase):
             body = jsonrpc.error_body(msg.id, value.code, value.message, value.data)
             return self._finish(ex, wire, 200, body)
         elif kind == "crash":
-            text = f"Error executing tool {name}: {type(value).__name__}: {value}"
+            text = f"Error executing tool {name}: {type(value).__name__}: {_text_of(value)}"
             result = {"content": [{"type": "text", "text": text[:_MAX_TEXT]}], "isError": True}
         else:
             result = _tool_result(value)
@@ -213,6 +213,16 @@ class CallLifecycle(ToolRegistry, ServerBase):
         w = Watcher(sock, on_disconnect=on_disconnect, on_timeout=on_timeout, grace=grace)
         holder.append(w)
         return w if w.start() else None
+
+
+def _text_of(e: BaseException) -> str:
+    """``str(e)`` for the tool execution error naming it, or a placeholder when that raises
+    (a ``__str__``, or an argument's ``__repr__``, that fails or recurses too deep): never an
+    exception here, which would turn the call's answer into an HTTP 500."""
+    try:
+        return str(e)
+    except Exception:
+        return "<exception str() failed>"
 
 
 def _hang_up(environ: dict[str, Any]) -> None:
