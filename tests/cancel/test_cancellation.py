@@ -749,6 +749,22 @@ def test_cancel_scope_cancels_every_request_in_flight_there(rc_any):
     assert c.cancel_scope("session:A") == 0
 
 
+def test_a_second_pass_of_cancel_scope_counts_and_reports_only_what_is_new(rc_any, events):
+    """A session's DELETE cancels its calls, ends the session, then cancels again for a call
+    begun in between: the second pass records every row again (a namesake begun since is
+    cancelled too) but counts and emits only the calls the first had not."""
+    _reg, c = rc_any
+    hs = [c.begin(i, "session:A") for i in range(2)]
+    first = c.cancel_scope_keys("session:A", "deleted")
+    assert sorted(first) == ["0", "1"] and len(events) == 2
+    late = c.begin(2, "session:A")
+    assert c.cancel_scope("session:A", "deleted", reported=first) == 1
+    assert [e[2]["request_id"] for e in events[2:]] == ["2"]
+    assert late.cancelled() and all(h.cancelled() for h in hs)
+    for h in [*hs, late]:
+        h.end()
+
+
 def test_handle_as_context_manager(rc_any):
     _reg, c = rc_any
     with c.begin(1, "s") as h:

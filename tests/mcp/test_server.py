@@ -379,6 +379,51 @@ def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_i
     assert tables_empty(reg)
 
 
+def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
+        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    """contract §6.1, §5: a DELETE whose registry lock stalls (a live holder, past
+    ``lock_timeout``) is answered 503 "retry later". It ended the session, then cancelled its
+    calls, a lock each: a stall landing in between left the calls running, and the client's
+    retry found no session (404). The calls are now cancelled before the session goes (and
+    again after, for a call that began meanwhile): whatever the 503, none runs on."""
+    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                           session_capacity=4, lock_timeout=0.3))
+    app = make_server(reg, signals)
+    st = app._process_state()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reg.lock:
+            holding.set()
+            release.wait(DEADLINE)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    delete = st.sessions.delete
+
+    def delete_then_stall(session_id: str) -> bool:
+        done = delete(session_id)
+        holder.start()  # another thread of this process takes the lock and keeps it
+        wait_ev(holding)
+        return done
+
+    try:
+        sid = session(app)
+        h = legacy_headers(sid)
+        call = start_call(app, 1, "wait", {"tag": "s"}, h)
+        wait_ev(signals.ev(signals.started, "s"))
+        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert r.status == 503 and r.headers["retry-after"], r
+        release.set()
+        holder.join(DEADLINE)
+        reply = call.result()
+        assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED, reply.json
+        assert run(app, environ_for("DELETE", None, headers=h)).status == 404
+    finally:
+        release.set()
+        reg.close()
+
+
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
     sid = session(app)
     r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))

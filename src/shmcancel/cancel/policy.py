@@ -35,7 +35,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from .. import telemetry
@@ -469,16 +469,25 @@ class Cancellation:
             if owed.queue:
                 settle_owed()
 
-    def cancel_scope(self, scope: str, reason: object = None) -> int:
+    def cancel_scope(self, scope: str, reason: object = None, *,
+                     reported: Collection[str] = ()) -> int:
         """Cancel every request in flight in ``scope`` (a session's ``DELETE``). Returns how many
-        were recorded.
+        were recorded; :meth:`cancel_scope_keys` names them.
 
         Every one, past ``max_rows_per_scope`` too (contract §6.1: the DELETE "cancels every
         request still in flight in it"): the quota bounds the cancellations a client asks for,
         while these rows are bounded by the requests in flight and each goes with its request.
+        ``reported``: row keys an earlier pass cancelled; recorded again (a namesake begun
+        since is cancelled too) but neither counted nor emitted again.
         """
+        return len(self.cancel_scope_keys(scope, reason, reported=reported))
+
+    def cancel_scope_keys(self, scope: str, reason: object = None, *,
+                          reported: Collection[str] = ()) -> list[str]:
+        """:meth:`cancel_scope`, returning the row keys (``str(id)``) it cancelled, those in
+        ``reported`` left out."""
         if not valid_scope(scope):
-            return 0
+            return []
         if type(scope) is not str:
             scope = str.__str__(scope)
         text = sanitize(reason)
@@ -487,7 +496,8 @@ class Cancellation:
             # each one atomically: a request that ended since the scan gets no row. rid is a
             # row key, not an id: a long int's is no valid id, so it is not validated again
             if self._store.record(scope, rid, text, self.clock, quota=None, cap=self._cap,
-                                  batch=self._batch, only_in_flight=True):
+                                  batch=self._batch, only_in_flight=True) \
+                    and rid not in reported:
                 done.append(rid)
         # What _record does after its row, once for all: every row is written before the first
         # event, so a handler's BaseException (a signal's SystemExit) cannot leave the rest of
@@ -499,7 +509,7 @@ class Cancellation:
                 telemetry.execute(CANCELLED_EVENT, {"count": 1},
                                   {"request_id": rid, "scope": scope, "reason": text})
         self._tick()
-        return len(done)
+        return done
 
     # --- in-flight rows
     def track(self, request_id: object, scope: str = "global") -> None:

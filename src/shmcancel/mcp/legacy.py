@@ -54,13 +54,21 @@ class LegacyWire(CallLifecycle):
         if bad is not None:
             return _error_reply(bad.status, None, bad.code, bad.message)
         st = self._process_state()
-        if (st.sessions.get(sid) is None and _adopt_session(st, sid) is None) \
-                or not st.sessions.delete(sid):  # type: ignore[arg-type]
+        if st.sessions.get(sid) is None and _adopt_session(st, sid) is None:
             return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
-        n = st.cancellation.cancel_scope(st.cancellation.scope(environ), "session deleted")
+        c = st.cancellation
+        scope = c.scope(environ)
+        # Its calls are cancelled before the session goes, and again after for a call that
+        # began in between (one beginning later finds no session: _call_tracked). Each step
+        # takes the lock on its own: one that stalls (LockTimeout, 503 "retry later") after
+        # the session went must not leave its calls running while the retry gets 404.
+        first = c.cancel_scope_keys(scope, "session deleted")
+        if not st.sessions.delete(sid):  # type: ignore[arg-type]
+            return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+        n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
         if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
-            rb.cancel_scope(st.cancellation.scope(environ), "session deleted")
+            rb.cancel_scope(scope, "session deleted")
             rb.delete_session(sid)
         if n:
             wake.ring(st.registry.name)
