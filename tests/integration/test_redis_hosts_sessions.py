@@ -358,6 +358,34 @@ def test_a_cancellation_taken_from_the_box_while_the_lock_is_stalled_still_lands
         handle.end()
 
 
+def test_a_session_end_taken_from_the_box_while_the_lock_is_stalled_still_lands(
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        spawn: Callable[..., Child]) -> None:
+    """contract §6.1: a DELETE on B tells A, through its box, to end its copy of the session
+    and cancel its calls there. Taken out of the box while a live process holds A's registry
+    lock past ``lock_timeout``, that end was logged and dropped: A's copy stayed and its call
+    ran on. It is kept (counted in ``undelivered``) and lands on the thread's next turn."""
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        s = sa.create("2025-11-25", "ip:203.0.113.9")
+        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+        got = b.lookup_session(s.id)
+        assert got is not None and sb.create(*got, session_id=s.id) is not None
+        scope = f"session:{s.id}"
+        handle = Cancellation(ra).begin(7, scope)
+        assert handle.tracked
+        b.delete_session(s.id)  # B's DELETE tells A through its box
+        with stalled_lock(spawn, shm_name):
+            raws = take_box(redis_server, a)
+            assert len(raws) == 1
+            assert a._apply(raws[0]) is False  # the lock timed out: the thread waits a turn
+            assert not handle.cancelled() and a.undelivered() == 1
+        assert a._redeliver()  # the bridge thread's next turn
+        assert a.undelivered() == 0 and sa.get(s.id) is None
+        assert handle.cancelled() and handle.reason() == "session deleted"
+        handle.end()
+
+
 RETRYING = "could not apply a cross-host cancellation"
 
 

@@ -173,6 +173,9 @@ class Bridge:
         # (scope, rid) -> (reason, deadline, cancelled_at), oldest first, at most OWED_MAX
         self._undelivered: OrderedDict[tuple[str, str],
                                        tuple[object, float, float | None]] = OrderedDict()
+        # sessions deleted on another host whose end (their calls cancelled, this host's copy
+        # gone) the registry could not take yet: sid -> deadline, oldest first, at most OWED_MAX
+        self._unended: OrderedDict[str, float] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
         # sessions published by this process: sid -> (version, client), newest last; and when
         # this process last renewed a session's copy (keep_session)
@@ -262,8 +265,9 @@ class Bridge:
         return len(self._owed)
 
     def undelivered(self) -> int:
-        """Cancellations taken from the box that the registry has not taken yet (retried)."""
-        return len(self._undelivered)
+        """Cancellations and session ends taken from the box that the registry has not taken
+        yet (retried)."""
+        return len(self._undelivered) + len(self._unended)
 
     def _settle(self) -> None:
         """The thread: apply owed writes, oldest first, at most :data:`SETTLE_BATCH` per turn.
@@ -470,7 +474,7 @@ class Bridge:
                 # the registry only, Redis down or not; a lock timeout there (a stalled holder)
                 # leaves the box in Redis for this turn: taking more out would cost each its own
                 # lock_timeout wait before the next renewal, the registry could take none
-                stalled = bool(self._undelivered) and not self._redeliver()
+                stalled = bool(self._undelivered or self._unended) and not self._redeliver()
                 if self.down:
                     self.store.client.ping()
                     self._answered()
@@ -550,8 +554,7 @@ class Bridge:
         if got is None:
             return True
         if isinstance(got, str):  # a session deleted on another host
-            self._end_session(got)
-            return True
+            return self._end_session(got, time.monotonic() + self._session_ttl)
         scope, rid, reason, at = got
         return self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at)
 
@@ -589,9 +592,10 @@ class Bridge:
         return True
 
     def _redeliver(self) -> bool:
-        """The thread: try again the cancellations the registry could not take
-        (:meth:`_deliver`), oldest first; stops at a lock timeout (the others would wait it
-        too), leaving the rest for the next turn, and then returns False."""
+        """The thread: try again the cancellations and session ends the registry could not
+        take (:meth:`_deliver`, :meth:`_end_session`), oldest first; stops at a lock timeout
+        (the others would wait it too), leaving the rest for the next turn, and then returns
+        False."""
         with self._owed_lock:
             due = list(self._undelivered.items())
         for (scope, rid), (reason, deadline, at) in due:
@@ -603,21 +607,52 @@ class Bridge:
                 del self._undelivered[(scope, rid)]
             if not self._deliver(rid, reason, scope, deadline, at, retry=True):
                 return False
+        with self._owed_lock:
+            ends = list(self._unended.items())
+        for sid, deadline in ends:
+            if self._stop.is_set():
+                return True
+            with self._owed_lock:
+                if self._unended.pop(sid, None) is None:
+                    continue
+            if not self._end_session(sid, deadline, retry=True):
+                return False
         return True
 
-    def _end_session(self, sid: str) -> None:
+    def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False
+                     ) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
-        calls in flight here, as a local ``DELETE`` does. That DELETE cancelled the calls Redis
-        listed in flight; a call that began here since passed its session check on this copy,
-        and is cancelled now (it re-reads its session once tracked: one of the two sees the
-        other)."""
+        calls in flight here, as a local ``DELETE`` does (before the copy goes, and again after
+        for a call begun in between). That DELETE cancelled the calls Redis listed in flight; a
+        call that began here since passed its session check on this copy, and is cancelled now
+        (it re-reads its session once tracked: one of the two sees the other). One the registry
+        cannot take now (its lock held past ``lock_timeout``) is kept and tried again by the
+        thread every turn (:meth:`_redeliver`) until ``deadline`` (``time.monotonic()``;
+        default: a session TTL from now): it was taken out of Redis, so dropping it would leave
+        the session's calls here running. False when the lock timed out."""
+        if deadline is None:
+            deadline = time.monotonic() + self._session_ttl
         try:
-            self._session_store().delete(sid)
             scope = self.local.scope({SESSION_KEY: sid})
-            if self.local.cancel_scope(scope, "session deleted"):
+            first = self.local.cancel_scope_keys(scope, "session deleted")
+            self._session_store().delete(sid)
+            if len(first) + self.local.cancel_scope(scope, "session deleted", reported=first):
                 wake.ring(self.registry.name)
+        except LockTimeout as e:
+            left = deadline - time.monotonic()
+            if left > 0:
+                with self._owed_lock:
+                    self._unended.pop(sid, None)
+                    if len(self._unended) >= OWED_MAX:
+                        self._unended.popitem(last=False)
+                    self._unended[sid] = deadline
+            log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
+                    "could not end a session deleted on another host now: %s (%s)", e,
+                    f"tried again for {left:.1f} s" if left > 0 else "given up")
+            return False
         except Exception as e:
             log.warning("could not end a session deleted on another host: %s", e)
+        return True
 
 
 def current() -> Bridge | None:
