@@ -38,6 +38,7 @@ from shmcancel.mcp.wire import (
     validate_modern,
     validate_param_headers,
 )
+from shmcancel.server import McpServer
 
 MODERN = "2026-07-28"
 META = {PV: MODERN, INFO: {"name": "c", "version": "1"}, CAPS: {}}
@@ -320,6 +321,25 @@ def test_param_headers_are_collected() -> None:
 def test_invalid_param_header_annotations(schema: dict) -> None:
     with pytest.raises(ValueError):
         param_headers(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"zone": {"type": "string", "x-mcp-header": "Zone_Id"}}},
+    # case-insensitively unique for MCP, one environ key (HTTP_MCP_PARAM_ZONE_ID) for WSGI
+    {"type": "object", "properties": {"a": {"type": "string", "x-mcp-header": "Zone-Id"},
+                                      "b": {"type": "string", "x-mcp-header": "zone_id"}}},
+])
+def test_a_param_header_token_with_an_underscore_is_refused_at_registration(schema: dict) -> None:
+    """``_`` is a tchar, but a WSGI app cannot read ``Mcp-Param-Zone_Id``: PEP 3333 names it
+    like ``Mcp-Param-Zone-Id`` and gunicorn (default ``header_map="drop"``) drops it, so a
+    correct client's every call mirroring it got 400 ``-32020`` ("Mcp-Param-Zone_Id is
+    missing"). The server refuses such a tool when it is registered, as it does invalid ones."""
+    with pytest.raises(ValueError, match="underscore"):
+        param_headers(schema)
+    server = McpServer("t", "1", registry="unused")
+    with pytest.raises(ValueError, match="underscore"):
+        server.add_tool(lambda conn, params: "", "zone", input_schema=schema)
+    assert "zone" not in server.tools
 
 
 def env(**h: str) -> dict[str, str]:

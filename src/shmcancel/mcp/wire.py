@@ -306,7 +306,11 @@ def param_headers(input_schema: Mapping[str, Any]) -> tuple[ParamHeader, ...]:
     Raises ``ValueError`` for an invalid one (the 2026-07-28 constraints: only on a property
     reached from the root through ``properties`` alone, an RFC 9110 token, on an
     ``integer``/``string``/``boolean`` property, case-insensitively unique): clients must drop
-    such a tool, so the server refuses to register it.
+    such a tool, so the server refuses to register it. Also for a token with an underscore,
+    valid in MCP but not readable here: a WSGI environ names ``Mcp-Param-a_b`` and
+    ``Mcp-Param-a-b`` alike (``HTTP_MCP_PARAM_A_B``) and gunicorn drops a header name with
+    ``_`` by default (``header_map``), so the check of every call mirroring it would fail (or
+    read another header's value); refused at registration rather than at each call.
     """
     found: list[ParamHeader] = []
     stack: list[tuple[tuple[str, ...], Any]] = [((), input_schema)]
@@ -319,6 +323,11 @@ def param_headers(input_schema: Mapping[str, Any]) -> tuple[ParamHeader, ...]:
             where = ".".join(path)
             if not isinstance(token, str) or not _TOKEN.fullmatch(token):
                 raise ValueError(f"property {where!r}: {X_MCP_HEADER} must be an RFC 9110 token")
+            if "_" in token:
+                raise ValueError(f"property {where!r}: {X_MCP_HEADER} {token!r} has an underscore: "
+                                 "a WSGI app cannot read that header (PEP 3333 maps '-' and '_' "
+                                 "to one environ key; gunicorn drops such header names), so "
+                                 "every call mirroring it would fail its check")
             if typ not in ("string", "integer", "boolean"):
                 raise ValueError(f"property {where!r}: {X_MCP_HEADER} is only allowed on "
                                  "string, integer and boolean properties")
