@@ -718,6 +718,8 @@ def test_modern_notifications_and_bodiless_methods(app: McpServer) -> None:
     for method in ("GET", "DELETE"):
         r = run(app, environ_for(method, None, headers={**h, "Mcp-Session-Id": "abc"}))
         assert r.status == 405, method
+    # this server keeps sessions: the 2026-07-28 wire is what has none
+    assert "2026-07-28 wire has no sessions" in r.json["error"]["message"], r.json
     r = post(app, {"jsonrpc": "2.0", "id": 1, "result": {}}, headers=h)
     assert (r.status, r.json["error"]["code"]) == (400, errors.INVALID_REQUEST)
 

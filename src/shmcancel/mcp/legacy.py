@@ -46,8 +46,9 @@ class LegacyWire(CallLifecycle):
             e = _unsupported_header(headers.protocol_version or "")
             return _error_reply(e.status, None, e.code, e.message, e.data)
         if wire is Wire.MODERN or not self.sessions:
+            why = "the 2026-07-28 wire has" if self.sessions else "this server keeps"
             return _error_reply(405, None, codes.INVALID_REQUEST,
-                                "Method Not Allowed: this server keeps no sessions to end",
+                                f"Method Not Allowed: {why} no sessions to end",
                                 headers=[("Allow", "POST")])
         sid = headers.session_id
         bad = _session_error(sid, None)
