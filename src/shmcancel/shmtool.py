@@ -90,7 +90,7 @@ PREFIX = "shmcancel."
 # Entries of /dev/shm that belong to a registry NAME: prefix + NAME (+ "~..." for temporaries).
 ENTRY_PREFIXES = ("shmcancel.", "sem.shmcancel.", "shmcancel-lock.")
 TOP_SCOPES = 10
-LOCK_WAIT = 1.0  # seconds unlink / cleanup --stale wait for a creation or recovery to finish
+LOCK_WAIT = 1.0  # seconds unlink / cleanup --stale wait for a creation to finish
 
 
 class _Usage(argparse.ArgumentParser):
@@ -534,7 +534,7 @@ class _UsageError(Exception):
 
 @contextlib.contextmanager
 def _creation_lock(name: str, force: bool) -> Iterator[None]:
-    """Hold ``name``'s creation flock, so that no creation or lock recovery is under way while
+    """Hold ``name``'s creation flock, so that no creation is under way while
     its entries are removed. A lock file that is not ours cannot be what a creator of ours
     holds: nothing is locked then. Nor is anything for another user's registry (root removing
     it): its creators refuse a lock file of ours, and one made here would be left behind, not
@@ -678,8 +678,8 @@ def cmd_unlink(args: argparse.Namespace) -> int:
                 f"({path} belongs to uid {st.st_uid}), which are left alone")
         raise RegistryNotFound(f"no registry named {name} (nothing of it in {SHM_DIR})")
     if not args.force:
-        # Refused at once while the creator lives, naming it, even while a lock recovery or a
-        # creation holds the flock below (waiting for it would end with a message naming no
+        # Refused at once while the creator lives, naming it, even while a creation holds the
+        # flock below (waiting for it would end with a message naming no
         # process); checked again under the flock.
         _refuse_live_creator(name)
     with _creation_lock(name, args.force):  # may create the lock file: not reported

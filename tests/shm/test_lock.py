@@ -23,7 +23,7 @@ from shmcancel import telemetry
 from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
-from shmcancel.shm.names import open_lockfile
+from shmcancel.shm.names import lock_path, open_lockfile
 from shmcancel.shm.segment import OFF_RECOVERIES, Segment
 
 pytestmark = pytest.mark.timeout(30)
@@ -775,7 +775,7 @@ def test_recover_from_does_not_block_on_a_busy_recoverer(seg: Segment) -> None:
     lock = RegistryLock(seg)
 
     ch = Child(holding(lock))
-    fd = open_lockfile(seg.name)
+    fd = seg.reopen()  # the segment's file, as a recoverer flocks it
     try:
         assert ch.recv() == b"h"
         ch.kill()
@@ -790,6 +790,37 @@ def test_recover_from_does_not_block_on_a_busy_recoverer(seg: Segment) -> None:
         os.close(fd)
         ch.stop()
         lock.close()
+
+
+def test_recoverers_exclude_each_other_after_the_lock_file_is_replaced(seg: Segment) -> None:
+    """Taking a dead holder's unit over happens under an flock that must be the same file for
+    every process of the registry. On the lock file (looked up by name), a lock file removed
+    or replaced under live processes split them: those attached before and after flocked
+    different files, and two could take the same unit over at once (two holders). The flock
+    is on the segment's own file: a lock attached after the replacement still waits for one
+    attached before."""
+    before = RegistryLock(seg)
+    os.unlink(lock_path(seg.name))
+    os.close(open_lockfile(seg.name))  # an operator's or a creator's new lock file
+    after = RegistryLock(seg)
+    ch = Child(holding(before))
+    try:
+        assert ch.recv() == b"h"
+        ch.kill()
+        ch.wait()
+        dead, gen = seg.words[_OWNER], seg.words[_GEN]
+        fd = before._lockfd()
+        fcntl.flock(fd, fcntl.LOCK_EX)  # "before" is recovering
+        try:
+            assert not after._take_over(dead, gen), "two recoverers at once"
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        with after:  # recovered once, by "after" alone
+            assert seg.u64(OFF_RECOVERIES) == 1
+    finally:
+        ch.stop()
+        before.close()
+        after.close()
 
 
 def _hold_forever(lock: RegistryLock) -> Callable[[Child], None]:

@@ -11,8 +11,11 @@ Header words (see segment.py): ``owner`` = ``procinfo.pack_owner(pid, start)`` o
   last two timeouts, every other process that has the semaphore open was seen asleep within
   ``_SETTLE_WINDOW`` (a holder that died between acquiring and recording itself; a live one
   starved of CPU there is runnable, or its GIL holder is). Taking over is NOT
-  release-then-acquire (that could let two processes in): under an ``flock`` on the registry's
-  lock file (the kernel drops it when its holder dies), the waiter re-checks owner, generation,
+  release-then-acquire (that could let two processes in): under an ``flock`` on the segment's own
+  file (each process's description of its own; the kernel drops it when its holder dies; not
+  the lock file, which a name lookup finds and an operator can remove or replace under live
+  processes, leaving two sets of recoverers each under a flock of its own), the waiter re-checks
+  owner, generation,
   ``sem.value == 0`` and the other processes, then writes ``generation += 1``, ``owner = me``,
   ``recoveries += 1`` and carries on as the holder, after running ``repair()`` (the registry's
   fsck). The ``("shmcancel", "lock", "recovered")`` telemetry event comes once that hold is
@@ -58,7 +61,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from . import procinfo
-from .names import SHM_DIR, close_with, lock_path, open_lockfile, sem_path
+from .names import SHM_DIR, close_with, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
 if TYPE_CHECKING:
@@ -166,7 +169,7 @@ class RegistryLock:
         self._repair = repair
         self._fd: int | None = None
         self._fd_closer: Any = None  # closes _fd should the lock be collected unclosed
-        self._set_fd(open_lockfile(self.name))
+        self._set_fd(segment.reopen())
         self._fast: Any = None  # see _trywait
         self._trywait = self._trywait_posix
         self._open_fast(segment)
@@ -232,7 +235,7 @@ class RegistryLock:
             os.close(old)
 
     def _set_fd(self, fd: int | None) -> None:
-        """Keep ``fd`` as the lock file's (None: none), letting go of the one kept before
+        """Keep ``fd`` as the recovery flock's (None: none), letting go of the one kept before
         without closing it (the caller does, or it is not ours any more)."""
         if self._fd_closer is not None:
             self._fd_closer.detach()
@@ -564,7 +567,7 @@ class RegistryLock:
 
     def _lockfd(self) -> int:
         if self._fd is None:
-            self._set_fd(open_lockfile(self.name))
+            self._set_fd(self._seg.reopen())
         assert self._fd is not None
         return self._fd
 
@@ -697,7 +700,7 @@ class RegistryLock:
                 tlock.release()
 
     def close(self) -> None:
-        """Close the lock file descriptor (the segment owns the semaphore and the header).
+        """Close the recovery flock's descriptor (the segment owns the semaphore and the header).
         The caller makes sure no hold of this process is running (:meth:`exclusive`)."""
         closer, self._fd_closer, self._fd = self._fd_closer, None, None
         if closer is not None:
@@ -709,8 +712,7 @@ class RegistryLock:
     def __repr__(self) -> str:
         if self._seg.closed:
             return f"<RegistryLock {self.name} closed>"
-        return (f"<RegistryLock {self.name} owner={self.owner()} gen={self.generation} "
-                f"path={lock_path(self.name)}>")
+        return f"<RegistryLock {self.name} owner={self.owner()} gen={self.generation}>"
 
 
 def _after_fork_in_child() -> None:

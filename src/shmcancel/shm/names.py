@@ -4,8 +4,9 @@ Names derived from a registry NAME (``[A-Za-z0-9_.-]{1,64}``), all mode 0600, ow
 
 - segment: POSIX shm ``/shmcancel.NAME`` (file ``/dev/shm/shmcancel.NAME``);
 - semaphore: POSIX named semaphore ``/shmcancel.NAME`` (``/dev/shm/sem.shmcancel.NAME``), value 1;
-- lock file: ``/dev/shm/shmcancel-lock.NAME``, only ever ``flock``-ed: it serialises creators and
-  would-be lock recoverers, and the kernel drops an ``flock`` when its holder dies.
+- lock file: ``/dev/shm/shmcancel-lock.NAME``, only ever ``flock``-ed: it serialises creators
+  (and ``shmtool unlink``/``cleanup --stale`` with them), and the kernel drops an ``flock`` when
+  its holder dies. The lock's recovery flocks the segment's own file instead (``shm/lock.py``).
 
 /dev/shm is world-writable: anyone can put a FIFO, a symbolic link or a file of their own under
 these names. Every entry is opened ``O_NOFOLLOW | O_NONBLOCK`` (never follows a link, never blocks
@@ -218,7 +219,7 @@ def flock_bounded(name: str, timeout: float) -> int:
                     if time.monotonic() >= deadline:
                         raise RegistryIncompatible(
                             f"registry {name}: lock file {lock_path(name)} stayed locked for "
-                            f"{timeout:.1f}s (another process is creating or recovering it)"
+                            f"{timeout:.1f}s (another process is creating it)"
                         ) from None
                     time.sleep(0.005)
             # The file may have been unlinked (Registry.unlink) and recreated while we waited:

@@ -37,7 +37,6 @@ from .lanes import region_table as lanes_table
 from .layout import lazy_span
 from .lock import RegistryLock
 from .names import (
-    check_entry,
     check_name,
     lock_path,
     open_entry,
@@ -686,20 +685,16 @@ class Registry:
         return {n: t.fsck() for n, t in self._tables.items()}
 
     def attach_problems(self) -> dict[str, str]:
-        """Why a writable :meth:`attach` would refuse this registry's semaphore or lock file
-        now, by path (empty: it would not): the semaphore missing, replaced, a FIFO, a link or
-        another user's; the lock file a FIFO, a link or another user's (a missing one is
-        created). ``lstat`` only: never opens, follows or blocks on either (for a read-only
-        attachment: ``shmtool list``)."""
+        """Why a writable :meth:`attach` would refuse this registry's semaphore now, by path
+        (empty: it would not): missing, replaced, a FIFO, a link or another user's. The lock
+        file is not one: only creators and ``shmtool unlink``/``cleanup`` open it (the lock's
+        recovery flocks the segment's own file). ``lstat`` only: never opens, follows or
+        blocks on it (for a read-only attachment: ``shmtool list``)."""
         out = {}
         try:
             check_semaphore(self._name, self._sem_ino)
         except RegistryIncompatible as e:
             out[sem_path(self._name)] = str(e)
-        try:
-            check_entry("lock file", lock_path(self._name))
-        except RegistryIncompatible as e:
-            out[lock_path(self._name)] = str(e)
         return out
 
     def _allocated(self) -> int | None:

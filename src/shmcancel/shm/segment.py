@@ -125,7 +125,7 @@ _DESC = struct.Struct("<32sQQIIB7x")
 OFF_CONFIG = 2048
 MAX_TABLES = (OFF_CONFIG - OFF_TABLES) // _DESC.size  # 23
 CONFIG_MAX = HEADER_SIZE - OFF_CONFIG - 8  # bytes of config
-CREATE_TIMEOUT = 10.0  # seconds create waits for another creation or recovery, by default
+CREATE_TIMEOUT = 10.0  # seconds create waits for another creation, by default
 _TABLE_NAME = re.compile(rb"[a-z][a-z0-9_]{0,31}")
 
 KINDS = {"set": 1, "bag": 2}
@@ -266,6 +266,12 @@ class Segment:
             self._fd_closer.detach()  # the old number is not ours any more: never closed
         self._fd, self._fd_closer = fd, close_with(self, fd)
         return fd
+
+    def reopen(self) -> int:
+        """A new read-only open file description of this segment's file (so an ``flock`` on it
+        is the caller's own), opened through the kept fd: the segment's own file even when its
+        name was unlinked or now names another. OSError when it cannot be had (see ``_file``)."""
+        return os.open(f"/proc/self/fd/{self._file()}", os.O_RDONLY | os.O_CLOEXEC)
 
     def _ours(self, fd: int) -> bool:
         """Whether ``fd`` is open on this segment's file (OSError when it is not open)."""
