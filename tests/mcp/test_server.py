@@ -413,7 +413,9 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
         wait_ev(signals.ev(signals.started, "s"))
         monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
         r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
-        assert r.status == 503 and r.headers["retry-after"], r
+        # 503 when the pass after the session went met the stall; 204 when the call, cancelled
+        # by the pass before, had already ended (its lane row goes without the lock)
+        assert r.status == 204 or (r.status == 503 and r.headers["retry-after"]), r
         release.set()
         holder.join(DEADLINE)
         reply = call.result()
