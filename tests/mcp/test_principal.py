@@ -227,3 +227,22 @@ def test_scope_never_raises_on_odd_values(env, expected):
     assert scope(env) == expected
     if A in env:
         assert client_bucket(env) == expected.removeprefix("ip:")
+
+
+@pytest.mark.parametrize(("key", "prefix"), [(S, "session:"), (P, "principal:")])
+def test_a_short_id_spelling_a_digest_is_not_the_long_id_it_names(key, prefix):
+    """A short id that spells the digest form of a long one (``"~sha256:<its hex>"``) is
+    another caller: kept as itself it would share the long id's rows and quota (a principal
+    who can choose their id would cancel the long id's calls)."""
+    import hashlib
+
+    def env(ident):
+        return {key: ident if key == S else {"id": ident}}
+
+    long_id = "u" * (MAX_SCOPE_BYTES + 1)
+    forged = "~sha256:" + hashlib.sha256(long_id.encode()).hexdigest()
+    assert scope(env(long_id)) == prefix + forged  # the digest form (contract §3)
+    assert scope(env(forged)) != scope(env(long_id))
+    assert scope(env(forged)).startswith(prefix + "~sha256:")  # still fixed-length
+    assert len(scope(env(forged))) == len(scope(env(long_id)))
+    assert scope(env("~sha256")) == prefix + "~sha256"  # only the digest's own tag is taken

@@ -18,7 +18,8 @@ None of them raises on odd input: a malformed principal or address falls back to
 Scopes are at most :data:`MAX_SCOPE_BYTES` UTF-8 bytes. A longer session or principal id (or one
 that UTF-8 cannot encode) is replaced by a fixed-length digest of it, keeping the
 ``"session:"``/``"principal:"`` prefix: ``"principal:~sha256:<64 hex digits>"``. It is never
-truncated, which would merge distinct callers.
+truncated, which would merge distinct callers. An id that itself begins with ``"~sha256:"`` is
+digested too, whatever its length, so that it never passes for the long id whose digest it spells.
 
 Behind a reverse proxy
 ----------------------
@@ -193,19 +194,25 @@ def _bucket(addr: str) -> str:
     return str(ipaddress.IPv6Network((packed, 64)))
 
 
+_DIGEST_TAG = "~sha256:"
+
+
 def _prefixed(prefix: str, ident: str) -> str:
     """``prefix + ident``, or ``prefix + "~sha256:" + digest`` when that would exceed
-    :data:`MAX_SCOPE_BYTES` bytes or is not encodable."""
+    :data:`MAX_SCOPE_BYTES` bytes, is not encodable, or ``ident`` itself begins with
+    ``"~sha256:"``: kept as itself, such an id would be the scope of the long id whose digest
+    it spells. So an id kept whole never begins with the tag, and a digest scope is only ever
+    a digest: distinct ids get distinct scopes."""
     s = prefix + ident
     try:
-        if len(s.encode("utf-8")) <= MAX_SCOPE_BYTES:
+        if len(s.encode("utf-8")) <= MAX_SCOPE_BYTES and not ident.startswith(_DIGEST_TAG):
             return s
         raw = ident.encode("utf-8")
     except UnicodeEncodeError:
         raw = ident.encode("utf-8", "surrogatepass")
     import hashlib  # here: hashlib loads OpenSSL's libcrypto, and only a long name needs it
 
-    return prefix + "~sha256:" + hashlib.sha256(raw).hexdigest()
+    return prefix + _DIGEST_TAG + hashlib.sha256(raw).hexdigest()
 
 
 def scope(environ: object) -> str:
