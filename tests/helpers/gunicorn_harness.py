@@ -31,7 +31,8 @@ import gunicorn
 from .names import unlink_registry_names
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+) \((\d+)\)")
+# (more binds in extra_args: "Listening at: http://127.0.0.1:P,http://[::]:Q (pid)")
+_LISTENING = re.compile(r"Listening at: http://127\.0\.0\.1:(\d+)(?:,\S+)? \((\d+)\)")
 # gunicorn >= 25.1 starts a control-socket thread at a path shared by every instance; older
 # versions reject the flag, so it is added only where it exists.
 _HAS_CONTROL_SOCKET = tuple(int(p) for p in gunicorn.__version__.split(".")[:2]) >= (25, 1)

@@ -44,6 +44,8 @@ the request really came from that proxy (anyone can send an ``X-Forwarded-For`` 
                 peer = ipaddress.ip_address(environ.get("REMOTE_ADDR", ""))
             except ValueError:
                 peer = None
+            if peer is not None and peer.version == 6 and peer.ipv4_mapped is not None:
+                peer = peer.ipv4_mapped  # an IPv4 proxy seen on a dual-stack ("[::]") bind
             if peer is not None and any(peer in net for net in self.proxies):
                 chain = [a.strip() for a in environ.get("HTTP_X_FORWARDED_FOR", "").split(",")]
                 chain = [a for a in chain if a]
@@ -54,8 +56,10 @@ the request really came from that proxy (anyone can send an ``X-Forwarded-For`` 
     application = TrustedProxy(mcp_app, proxies=["10.0.0.0/8"])
 
 (gunicorn's own ``forwarded_allow_ips`` setting only affects ``wsgi.url_scheme``; it does not
-rewrite ``REMOTE_ADDR``.) A value the middleware writes that is not an address becomes the
-``"unknown"`` bucket.
+rewrite ``REMOTE_ADDR``.) On a dual-stack bind (``-b [::]:8000``) an IPv4 peer's ``REMOTE_ADDR``
+is IPv4-mapped (``::ffff:10.1.2.3``): the middleware compares its IPv4 address with ``proxies``,
+as :func:`client_bucket` buckets it. A value the middleware writes that is not an address becomes
+the ``"unknown"`` bucket.
 '''
 
 from __future__ import annotations

@@ -1,0 +1,54 @@
+"""The app test_trusted_proxy.py serves with gunicorn (``transport_conf.py``): the transport
+test app (``transport_app.py``: ``/mcp`` with sessions, ``/stateless`` without) behind the
+trusted-proxy middleware that ``shmcancel/mcp/principal.py`` documents ("Behind a reverse proxy"),
+taken from that docstring as it is written, trusting the proxy at ``127.0.0.1``. A ``scope`` tool
+answers the caller's scope as the library sees it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import shmcancel.mcp.principal as documented
+from shmcancel.principal import scope
+from tests.apps.transport_app import build
+
+PROXY = "127.0.0.1/32"
+
+
+def documented_middleware() -> type:
+    """The ``TrustedProxy`` class of the docstring's example, executed as written."""
+    doc = documented.__doc__ or ""
+    start = doc.index("header)::\n") + len("header)::\n")
+    lines = []
+    for line in doc[start:].splitlines():
+        if line and not line.startswith("    "):
+            break
+        lines.append(line)
+    ns: dict = {"mcp_app": object()}
+    exec(textwrap.dedent("\n".join(lines)), ns)  # the documented example itself
+    return ns["TrustedProxy"]
+
+
+TrustedProxy = documented_middleware()
+
+
+def _with_scope_tool(server):
+    @server.tool("scope")
+    def scope_tool(conn, params):
+        return scope(conn)
+
+    return server
+
+
+mcp = _with_scope_tool(build(True, "/mcp"))
+stateless = _with_scope_tool(build(False, "/stateless"))
+
+
+def _app(environ, start_response):
+    if environ.get("PATH_INFO", "").rstrip("/") == "/stateless":
+        return stateless(environ, start_response)
+    return mcp(environ, start_response)
+
+
+app = TrustedProxy(_app, proxies=[PROXY])
