@@ -1,19 +1,21 @@
 """The app test_trusted_proxy.py serves with gunicorn (``transport_conf.py``): the transport
 test app (``transport_app.py``: ``/mcp`` with sessions, ``/stateless`` without) behind the
 trusted-proxy middleware that ``shmcancel/mcp/principal.py`` documents ("Behind a reverse proxy"),
-taken from that docstring as it is written, trusting the proxy at ``127.0.0.1``. A ``scope`` tool
-answers the caller's scope as the library sees it.
+taken from that docstring as it is written, trusting the proxy at ``127.0.0.1`` (or the
+comma-separated ``proxies`` in ``$SHMCANCEL_TEST_PROXIES``). A ``scope`` tool answers the
+caller's scope as the library sees it.
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import shmcancel.mcp.principal as documented
 from shmcancel.principal import scope
 from tests.apps.transport_app import build
 
-PROXY = "127.0.0.1/32"
+PROXIES = os.environ.get("SHMCANCEL_TEST_PROXIES", "127.0.0.1/32").split(",")
 
 
 def documented_middleware() -> type:
@@ -51,4 +53,4 @@ def _app(environ, start_response):
     return mcp(environ, start_response)
 
 
-app = TrustedProxy(_app, proxies=[PROXY])
+app = TrustedProxy(_app, proxies=PROXIES)

@@ -139,3 +139,24 @@ def test_a_lying_client_cannot_use_up_the_forwarded_clients_sessions(server):
         assert r.status_code == 200, r.text
     msg = call(url, "scope", {}, source=PROXY, headers={**fwd, "Mcp-Session-Id": sid})
     assert msg["result"]["content"][0]["text"] == f"session:{sid}"
+
+
+def test_the_proxy_on_a_unix_socket_forwards_its_clients_address(shm_name, outdir, tmp_path):
+    """Behind a proxy that connects to gunicorn's unix socket (``REMOTE_ADDR`` is ``""``),
+    ``proxies=["unix"]`` trusts that peer; a TCP client is still not trusted."""
+    sock = str(tmp_path / "g.sock")
+    env = {"SHMCANCEL_TEST_DIR": outdir, "SHMCANCEL_TEST_PROXIES": "unix"}
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, env=env, workers=1,
+                  extra_args=["-b", f"unix:{sock}"]) as g:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": "scope", "arguments": {}}}
+        transport = httpx.HTTPTransport(uds=sock)
+        with httpx.Client(transport=transport, timeout=30) as h:
+            for fwd, expected in ((None, "ip:unknown"), (VICTIM, f"ip:{VICTIM}")):
+                hdrs = HEADERS if fwd is None else {**HEADERS, "X-Forwarded-For": fwd}
+                r = h.post("http://proxy/stateless", json=body, headers=hdrs)
+                assert r.status_code == 200, r.text
+                assert reply_of(r)["result"]["content"][0]["text"] == expected
+        url = f"http://127.0.0.1:{g.port}/stateless"
+        got = scope_seen(url, source="127.0.0.2", headers={"X-Forwarded-For": VICTIM})
+        assert got == "ip:127.0.0.2"

@@ -32,21 +32,28 @@ the request really came from that proxy (anyone can send an ``X-Forwarded-For`` 
 
     class TrustedProxy:
         """WSGI middleware: take the client address from X-Forwarded-For when the direct peer
-        is one of our proxies. With N proxies in a chain, trust the N-th entry from the right."""
+        is one of our proxies. With N proxies in a chain, trust the N-th entry from the right.
+        "unix" in proxies: the peer on gunicorn's unix socket (REMOTE_ADDR "") is a proxy."""
 
         def __init__(self, app, proxies=("127.0.0.1/32",), hops=1):
             self.app = app
-            self.proxies = [ipaddress.ip_network(p) for p in proxies]
+            self.unix = "unix" in proxies
+            self.proxies = [ipaddress.ip_network(p) for p in proxies if p != "unix"]
             self.hops = hops
 
-        def __call__(self, environ, start_response):
+        def trusted(self, addr):
+            if addr == "":
+                return self.unix
             try:
-                peer = ipaddress.ip_address(environ.get("REMOTE_ADDR", ""))
+                peer = ipaddress.ip_address(addr)
             except ValueError:
-                peer = None
-            if peer is not None and peer.version == 6 and peer.ipv4_mapped is not None:
+                return False
+            if peer.version == 6 and peer.ipv4_mapped is not None:
                 peer = peer.ipv4_mapped  # an IPv4 proxy seen on a dual-stack ("[::]") bind
-            if peer is not None and any(peer in net for net in self.proxies):
+            return any(peer in net for net in self.proxies)
+
+        def __call__(self, environ, start_response):
+            if self.trusted(environ.get("REMOTE_ADDR", "")):
                 chain = [a.strip() for a in environ.get("HTTP_X_FORWARDED_FOR", "").split(",")]
                 chain = [a for a in chain if a]
                 if len(chain) >= self.hops:
@@ -58,8 +65,11 @@ the request really came from that proxy (anyone can send an ``X-Forwarded-For`` 
 (gunicorn's own ``forwarded_allow_ips`` setting only affects ``wsgi.url_scheme``; it does not
 rewrite ``REMOTE_ADDR``.) On a dual-stack bind (``-b [::]:8000``) an IPv4 peer's ``REMOTE_ADDR``
 is IPv4-mapped (``::ffff:10.1.2.3``): the middleware compares its IPv4 address with ``proxies``,
-as :func:`client_bucket` buckets it. A value the middleware writes that is not an address becomes
-the ``"unknown"`` bucket.
+as :func:`client_bucket` buckets it. Behind a proxy that connects to a unix socket
+(``-b unix:/run/app.sock``, nginx's ``proxy_pass http://unix:...``) gunicorn's ``REMOTE_ADDR``
+is ``""``, no address to check: every anonymous client is ``ip:unknown`` until you trust that
+peer with ``proxies=["unix"]`` (only what the socket file's permissions admit can connect). A
+value the middleware writes that is not an address becomes the ``"unknown"`` bucket.
 '''
 
 from __future__ import annotations
