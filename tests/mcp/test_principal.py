@@ -246,3 +246,28 @@ def test_a_short_id_spelling_a_digest_is_not_the_long_id_it_names(key, prefix):
     assert scope(env(forged)).startswith(prefix + "~sha256:")  # still fixed-length
     assert len(scope(env(forged))) == len(scope(env(long_id)))
     assert scope(env("~sha256")) == prefix + "~sha256"  # only the digest's own tag is taken
+
+
+class TouchyKey(str):
+    """A key whose equality raises: a dict lookup of an equal-hashing key compares with it."""
+
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("key", [S, P, A])
+def test_scope_never_raises_on_an_odd_key(key):
+    """A dict conn holding one of the keys the library reads as a str subclass whose ``==``
+    raises: reading that key fails, so it counts as absent, as a value that cannot be read does
+    (``principal.id`` and ``client_bucket`` already answer so); ``scope`` never raises."""
+    from shmcancel import Cancellation
+
+    env = {TouchyKey(key): "203.0.113.9" if key == A else "x"}
+    if key != A:
+        env[A] = "203.0.113.9"
+    expected = "ip:unknown" if key == A else "ip:203.0.113.9"
+    assert client_bucket(env) == expected.removeprefix("ip:")
+    assert scope(env) == expected
+    assert Cancellation.scope(env) == expected

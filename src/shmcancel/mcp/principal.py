@@ -232,10 +232,16 @@ def _prefixed(prefix: str, ident: str) -> str:
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
     ``environ`` is not a mapping (contract §3). Never raises."""
-    if type(environ) is dict and SESSION_KEY not in environ and PRINCIPAL_KEY not in environ:
-        # the common anonymous poll: the address bucket's scope, cached per address
-        addr = environ.get(REMOTE_ADDR_KEY)
+    if type(environ) is dict:
+        try:
+            # a key of the dict that is a str subclass whose == raises makes these raise: then
+            # the keys are read below, one by one, each that cannot be read counting as absent
+            plain = SESSION_KEY not in environ and PRINCIPAL_KEY not in environ
+            addr = environ.get(REMOTE_ADDR_KEY) if plain else None
+        except Exception:
+            addr = None
         if type(addr) is str:
+            # the common anonymous poll: the address bucket's scope, cached per address
             sc = _ip_scopes.get(addr)
             if sc is None:
                 sc = "ip:" + client_bucket(environ)
