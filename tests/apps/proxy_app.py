@@ -9,27 +9,12 @@ caller's scope as the library sees it.
 from __future__ import annotations
 
 import os
-import textwrap
 
-import shmcancel.mcp.principal as documented
 from shmcancel.principal import scope
 from tests.apps.transport_app import build
+from tests.helpers.proxy_doc import documented_middleware
 
 PROXIES = os.environ.get("SHMCANCEL_TEST_PROXIES", "127.0.0.1/32").split(",")
-
-
-def documented_middleware() -> type:
-    """The ``TrustedProxy`` class of the docstring's example, executed as written."""
-    doc = documented.__doc__ or ""
-    start = doc.index("header)::\n") + len("header)::\n")
-    lines = []
-    for line in doc[start:].splitlines():
-        if line and not line.startswith("    "):
-            break
-        lines.append(line)
-    ns: dict = {"mcp_app": object()}
-    exec(textwrap.dedent("\n".join(lines)), ns)  # the documented example itself
-    return ns["TrustedProxy"]
 
 
 TrustedProxy = documented_middleware()

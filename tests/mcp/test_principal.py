@@ -271,3 +271,27 @@ def test_scope_never_raises_on_an_odd_key(key):
     assert client_bucket(env) == expected.removeprefix("ip:")
     assert scope(env) == expected
     assert Cancellation.scope(env) == expected
+
+
+def test_documented_proxy_middleware_refuses_zero_hops():
+    """``hops`` counts the proxies (N proxies: the N-th entry from the right). ``hops=0``
+    (read as "no proxy beyond the first") took ``chain[-0]``, the *leftmost* entry, which the
+    client writes itself: any client could name another's address, and so cancel its calls;
+    without the header it raised (HTTP 500). It is refused when the middleware is made."""
+    from helpers.proxy_doc import documented_middleware
+
+    proxy = documented_middleware()
+    seen = []
+
+    def app(environ, start_response):
+        seen.append(environ["REMOTE_ADDR"])
+        return [b""]
+
+    for hops in (0, -1):
+        with pytest.raises(ValueError):
+            proxy(app, proxies=["10.0.0.0/8"], hops=hops)
+    two = proxy(app, proxies=["10.0.0.0/8"], hops=2)
+    two({"REMOTE_ADDR": "10.0.0.1", "HTTP_X_FORWARDED_FOR": "198.51.100.7, 203.0.113.5, 10.0.0.2"},
+        None)
+    two({"REMOTE_ADDR": "10.0.0.1"}, None)
+    assert seen == ["203.0.113.5", "10.0.0.1"]

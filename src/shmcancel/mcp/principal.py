@@ -36,6 +36,8 @@ the request really came from that proxy (anyone can send an ``X-Forwarded-For`` 
         "unix" in proxies: the peer on gunicorn's unix socket (REMOTE_ADDR "") is a proxy."""
 
         def __init__(self, app, proxies=("127.0.0.1/32",), hops=1):
+            if hops < 1:  # hops=0 would take the leftmost entry: the client's own invention
+                raise ValueError("hops counts the proxies in front of the app: at least 1")
             self.app = app
             self.unix = "unix" in proxies
             self.proxies = [ipaddress.ip_network(p) for p in proxies if p != "unix"]
