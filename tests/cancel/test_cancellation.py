@@ -788,6 +788,23 @@ def test_cleanup_ttl_is_strict(make_any, events):
     assert c._store.scope_rows("s") == reg.table("cancellations").count()
 
 
+@pytest.mark.parametrize(("at", "now", "ttl"), [
+    (8018.361843597839, 8018.461843597839, 0.1),  # now - at > ttl, yet at == fl(now - ttl)
+    (3892.623881441467, 3898.6982614043195, 6.074379962852603),
+])
+def test_cleanup_ttl_is_the_contracts_float_comparison(make_any, at, now, ttl):
+    """§4.6 names the comparison: a row goes when ``now - cancelled_at > ttl``, as floats. The
+    Redis backend compared ``cancelled_at < now - ttl`` instead, which rounds differently: these
+    rows, older than ttl by the contract's formula, stayed there (and cleanup counted 0)."""
+    assert now - at > ttl and not at < now - ttl  # the two formulas part here
+    _reg, c = make_any()
+    c.clock.t = at
+    c.cancel(1, None, "s")
+    c.clock.t = now
+    assert c.cleanup(ttl=ttl) == 1
+    assert not c.cancelled(1, "s")
+
+
 def test_cleanup_ttl_argument_overrides_config(rc_any):
     _reg, c = rc_any
     c.cancel(1, None, "s")

@@ -22,6 +22,9 @@ of the *client's* wall clock: hosts are assumed NTP-synchronised to well under a
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
+import sys
 from importlib import resources
 from typing import Any
 
@@ -54,6 +57,38 @@ def encode_reason(reason: str | None) -> bytes:
 
 def decode_reason(raw: bytes) -> str | None:
     return None if not raw else raw[1:].decode("utf-8", "surrogatepass")
+
+
+def _ordered(x: float) -> int:
+    """An int that orders finite floats as they compare (-0.0 just below 0.0)."""
+    (i,) = struct.unpack("<q", struct.pack("<d", x))
+    return i if i >= 0 else -(i & 0x7FFF_FFFF_FFFF_FFFF) - 1
+
+
+def _unordered(i: int) -> float:
+    bits = i if i >= 0 else (-(i + 1)) | -0x8000_0000_0000_0000
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def last_expired(now: float, ttl: float) -> float | None:
+    """The greatest finite ``at`` with ``now - at > ttl`` as floats compare (contract §4.6's
+    formula: every row at or below it is older than ``ttl``, since ``now - at`` never grows
+    with ``at``), ``math.inf`` when every finite one is; None when none is."""
+    def old(at: float) -> bool:
+        return now - at > ttl
+
+    lo, hi = _ordered(-sys.float_info.max), _ordered(sys.float_info.max)
+    if not old(_unordered(lo)):
+        return None
+    if old(_unordered(hi)):
+        return math.inf
+    while hi - lo > 1:  # old(lo) and not old(hi)
+        mid = (lo + hi) // 2
+        if old(_unordered(mid)):
+            lo = mid
+        else:
+            hi = mid
+    return _unordered(lo)
 
 
 class RedisStore:
@@ -169,11 +204,17 @@ class RedisStore:
         return out
 
     def expire(self, now: float, ttl: float) -> int:
-        """Remove rows with ``now - cancelled_at > ttl``, in bounded script calls."""
+        """Remove rows with ``now - cancelled_at > ttl`` (that float comparison, as contract
+        §4.6 and the shared-memory table make it: ``cancelled_at < now - ttl`` rounds otherwise),
+        in bounded script calls."""
+        last = last_expired(now, ttl)
+        if last is None:
+            return 0
         total = 0
         for _ in range(10_000):
             n = int(self.call("expire", [self._all, self._scopes],
-                              [self.prefix, repr(now - ttl), _EXPIRE_LIMIT]))
+                              [self.prefix, "+inf" if last == math.inf else repr(last),
+                               _EXPIRE_LIMIT]))
             total += n
             if n < _EXPIRE_LIMIT:
                 break
