@@ -314,3 +314,57 @@ def test_an_owed_cancellation_does_not_cancel_a_later_call_of_its_id(
         assert not h2.cancelled()
         h2.end()
         a.untrack(r2)
+
+
+# ------------------------------------------------------------ keys another client wrote over
+def _served(reg: Registry, srv: RedisServer, prefix: str) -> Iterator[Any]:
+    """An McpServer (sessions on, one ``echo`` tool) over ``reg``, with this process's bridge
+    started on ``srv`` (what the transport consults), stopped after."""
+    from shmcancel.server import McpServer
+    app = McpServer(name="t", version="1", registry=reg)
+
+    @app.tool("echo")
+    def echo(conn: Any, params: Any) -> Any:
+        return params.get("text", "")
+
+    b = bridge_mod.start(reg, srv.url, prefix=prefix, timeout=TIMEOUT, lease=30.0, host="h",
+                         retry=0.1)
+    try:
+        yield app, b
+    finally:
+        bridge_mod.stop()
+
+
+def _init(app: Any) -> str:
+    import json
+
+    from helpers.wsgi import environ_for, run
+    body = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}).encode()
+    r = run(app, environ_for("POST", body))
+    assert r.status == 200, r
+    return r.headers["mcp-session-id"]
+
+
+def test_a_delete_whose_running_ids_another_client_garbled_still_ends_the_session(
+        reg: Registry, srv: RedisServer) -> None:
+    """README: a DELETE on any host cancels the session's calls on every host and ends the
+    copies other hosts adopted; the remote's cancel_scope never raises (mcp/remote.py). A member
+    of the session scope's set of running ids that is not UTF-8 (another client's write) raised
+    UnicodeDecodeError out of cancel_scope: the DELETE was an HTTP 500 and the session stayed
+    in Redis, for every other host to go on serving."""
+    from helpers.wsgi import environ_for, run
+    prefix = unique_prefix()
+    with contextlib.contextmanager(_served)(reg, srv, prefix) as (app, b):
+        sid = _init(app)
+        r = redis.Redis.from_url(srv.url)
+        try:
+            assert r.exists(f"{prefix}sess:{sid}")
+            r.sadd(b.store.ifs_key("session:" + sid), b"\xff\xfe")
+            reply = run(app, environ_for("DELETE", None, headers={
+                "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25"}))
+            assert reply.status == 204, reply
+            assert not r.exists(f"{prefix}sess:{sid}")
+        finally:
+            r.close()

@@ -249,9 +249,16 @@ class RedisStore:
 
     def in_flight_ids(self, scope: str) -> list[str]:
         """Request ids that were in flight in ``scope`` (a snapshot; may hold ids whose lease
-        just ran out: callers gate each one again)."""
-        return [bytes(m).decode("utf-8", "surrogatepass")
-                for m in self.client.smembers(self.ifs_key(scope))]
+        just ran out: callers gate each one again). A member that is not such text (another
+        client's write) names no request: skipped, never raised (a session's ``DELETE`` reads
+        this)."""
+        out = []
+        for m in self.client.smembers(self.ifs_key(scope)):
+            try:
+                out.append(bytes(m).decode("utf-8", "surrogatepass"))
+            except UnicodeDecodeError:
+                continue
+        return out
 
     def in_flight(self, scope: str, rid: str, *, now_ms: int) -> bool:
         return bool(self.client.zcount(self.if_key(scope, rid), now_ms, "+inf"))
