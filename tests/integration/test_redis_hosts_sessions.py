@@ -562,3 +562,22 @@ def test_a_client_keeps_its_session_bound_in_redis_past_one_session_ttl(
         finally:
             r.close()
         assert s3.id in held and len(held) == 2, held
+
+
+def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """README: a DELETE on any host ends the copies other hosts adopted. A copy lives in its
+    host's registry, for every worker there; only the box of the worker that adopted it was
+    told. Once that worker had died (killed, recycled by max_requests), the DELETE on B told a
+    dead box: host A went on serving the deleted session (200) until its idle TTL."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, _p):
+        c = Client(b.url)
+        assert c.post(a.url, PING).status_code == 200  # adopted on A by its only worker
+        (old,) = a.worker_pids()
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: (a.worker_pids() not in ([], [old])) or None,
+                   time.monotonic() + 20, what="A's new worker")
+        assert c.post(a.url, PING).status_code == 200  # the copy outlives its adopter
+        assert c.delete(b.url).status_code == 204
+        wait_until(lambda: c.post(a.url, PING, retry_for=0).status_code == 404 or None,
+                   time.monotonic() + 10, interval=0.1, what="A to end its copy")

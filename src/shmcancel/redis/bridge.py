@@ -393,8 +393,10 @@ class Bridge:
     def keep_session(self, sid: str) -> None:
         """A request used session ``sid`` here: at most every :data:`KEEP_EVERY` seconds (or a
         quarter of ``session_ttl``) this process renews its copy's lifetime in Redis, so other
-        hosts keep finding a session in use; a copy gone (Redis restarted empty) is stored again
-        when this process published it. Never raises; a renewal without an answer is retried
+        hosts keep finding a session in use, and lists this worker among its holders (told of a
+        ``DELETE`` elsewhere: the worker that adopted this host's copy may have died); a copy
+        gone (Redis restarted empty) is stored again when this process published it, one
+        deleted elsewhere lately is ended here. Never raises; a renewal without an answer is retried
         at the next request after the period."""
         if not _minted_form(sid):
             return
@@ -409,8 +411,11 @@ class Bridge:
             self._ask("session", self._keep, sid, held)
 
     def _keep(self, sid: str, held: tuple[str, str] | None) -> None:
-        if not self.store.touch_session(sid, None if held is None else held[1]) \
-                and held is not None:
+        kept = self.store.touch_session(sid, None if held is None else held[1],
+                                        box=self.remote.box)
+        if kept < 0:  # deleted on another host, and this worker's box was not told
+            self._gone(sid)
+        elif kept == 0 and held is not None:
             self._put(sid, *held)
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:

@@ -35,7 +35,7 @@ from ..config import Config
 __all__ = ["GONE_TTL", "RedisStore"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete", "claim")
+            "session_delete", "claim", "keep")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Seconds a deleted session is remembered (at most its TTL): a holder that had not heard of the
 #: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
@@ -337,18 +337,17 @@ class RedisStore:
             return None
         return version, client
 
-    def touch_session(self, sid: str, client: str | None = None) -> bool:
+    def touch_session(self, sid: str, client: str | None = None, *, box: str) -> int:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
         them: the set must live as long as the session), and its ``client``'s set of sessions
-        when given (the per-client bound counts the sessions in use); False when Redis holds
-        no copy of it."""
-        ttl = int(self.config.session_ttl * 1000)
-        p = self.client.pipeline(transaction=False)
-        p.pexpire(self._sess_key(sid), ttl)
-        p.pexpire(self._sess_key(sid) + b":boxes", ttl)
-        if client is not None:
-            p.pexpire(self._client_key(client), ttl)
-        return bool(p.execute()[0])
+        when given (the per-client bound counts the sessions in use), listing worker ``box``
+        among its holders (the worker that adopted this host's copy may be gone). 1 when
+        renewed, 0 when Redis holds no copy, -1 when it was deleted within :data:`GONE_TTL`
+        seconds (the caller's copy is of a session ended elsewhere)."""
+        key = self._sess_key(sid)
+        return int(self.call("keep", [key, key + b":boxes", key + b":gone",
+                                      b"" if client is None else self._client_key(client)],
+                             [int(self.config.session_ttl * 1000), _b(box)]))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
