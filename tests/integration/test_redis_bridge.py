@@ -368,3 +368,25 @@ def test_a_delete_whose_running_ids_another_client_garbled_still_ends_the_sessio
             assert not r.exists(f"{prefix}sess:{sid}")
         finally:
             r.close()
+
+
+def test_a_full_redis_refusing_writes_is_not_marked_down_and_reads_go_on(
+        reg: Registry, srv: RedisServer) -> None:
+    """README: with ``noeviction`` a full Redis answers a write that needs memory with an error,
+    which the bridge holds back as owed, while ends, expiry and reads go on. Each OOM answer
+    counted as a failed call: DOWN_AFTER of them (new sessions published) marked Redis down,
+    and then the bridge skipped the reads too (a session of another host: 503) and cross-host
+    cancellation stopped, though Redis answered every call."""
+    r = redis.Redis.from_url(srv.url)
+    try:
+        with bridge(reg, srv) as b:
+            b.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+            r.config_set("maxmemory", 1)  # noeviction (the default): every write needing memory
+            for i in range(DOWN_AFTER + 1):
+                b.publish_session(str(i) * 32, "2025-11-25", "ip:1.2.3.4")
+            assert b.owed() == DOWN_AFTER + 1  # refused: owed, not lost
+            assert not b.down
+            assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")  # reads go on
+    finally:
+        r.config_set("maxmemory", 0)
+        r.close()

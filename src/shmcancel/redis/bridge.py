@@ -22,7 +22,8 @@ track gets none does not wait on its untrack (owed, below): a ``tools/call`` pay
 once, not once per call it makes.
 
 Health. A call that fails to *connect* (refused, reset, closed: ``ConnectionError``) marks the
-bridge down at once. A call that times out (or gets an error answer) counts one failure: it
+bridge down at once. A call that times out (or gets an error answer other than a full Redis's
+``OOM``, which is an answer: its write is owed) counts one failure: it
 marks the bridge down only when :data:`DOWN_AFTER` calls in a row of this worker failed so,
 since a single slow call under load says little about Redis; any answered call resets the
 count. A skipped call (the worker's other Redis call held on) counts nothing. Going down logs
@@ -196,7 +197,14 @@ class Bridge:
 
     def _failed(self, what: str, e: BaseException) -> None:
         """A Redis call failed: a connection failure marks the bridge down, a timeout or an
-        error answer counts towards :data:`DOWN_AFTER` (see the module docstring)."""
+        error answer counts towards :data:`DOWN_AFTER` (see the module docstring). A full
+        Redis refusing a write (``OOM``, ``noeviction``) answered: the write is owed, and the
+        reads and ends it still serves go on."""
+        from redis.exceptions import OutOfMemoryError
+        if isinstance(e, OutOfMemoryError):
+            self._answered()
+            log.debug("Redis is full (%s: %s); the write is owed", what, e)
+            return
         connection = _connection_failure(e)
         with self._health:
             self._failures = DOWN_AFTER if connection else self._failures + 1
