@@ -390,3 +390,28 @@ def test_a_full_redis_refusing_writes_is_not_marked_down_and_reads_go_on(
     finally:
         r.config_set("maxmemory", 0)
         r.close()
+
+
+def test_an_owner_another_client_wrote_into_a_calls_row_does_not_stop_its_cancellation(
+        reg: Registry, srv: RedisServer) -> None:
+    """An owner of an in-flight row is ``<box>\\n<thread>``; one without the newline (another
+    client's write) made cancel.lua fail (``box_of``: arithmetic on nil) for that request: the
+    cross-host cancellation never landed, and DOWN_AFTER such notifications marked Redis down
+    for every call of the worker. Such an owner names no box: skipped."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, thread=True, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        handle = c.begin(7, "session:x")
+        assert handle.tracked and a.track(7, "session:x") is not None
+        r = redis.Redis.from_url(srv.url)
+        try:
+            r.zadd(b.store.if_key("session:x", "7"), {b"no-newline": time.time() * 1000 + 60e3})
+        finally:
+            r.close()
+        for _ in range(DOWN_AFTER):
+            assert b.cancel(7, "stop", "session:x") is True
+        assert not b.down
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10, interval=0.02,
+                   what="the cancellation delivered on A")
+        handle.end()

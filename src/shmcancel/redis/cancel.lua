@@ -35,7 +35,7 @@ if result[1] == -1 then return result end
 local seen = {}
 for _, owner in ipairs(owners) do
   local box = box_of(owner)
-  if not seen[box] then
+  if box and not seen[box] then
     seen[box] = true
     deliver(P, box, scope, rid, reason, at, ARGV[11])
   end

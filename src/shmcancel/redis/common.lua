@@ -86,8 +86,12 @@ local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, 
   redis.call('ZINCRBY', scopes, 1, scope)
   return {1, evicted}
 end
--- The box of the worker owning an in-flight member: the member before its newline.
-local function box_of(owner) return string.sub(owner, 1, string.find(owner, '\n', 1, true) - 1) end
+-- The box of the worker owning an in-flight member: the member before its newline; nil for a
+-- member without one (written by another client: it names no box).
+local function box_of(owner)
+  local nl = string.find(owner, '\n', 1, true)
+  return nl and string.sub(owner, 1, nl - 1)
+end
 -- Tell a worker (its box) of a cancellation recorded at `at` (its cancelled_at, as text): the
 -- worker stamps its local row with it, so a call of the id that began after it ignores it.
 local function deliver(P, box, scope, rid, reason, at, box_lease_ms)
