@@ -415,3 +415,28 @@ def test_an_owner_another_client_wrote_into_a_calls_row_does_not_stop_its_cancel
         wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10, interval=0.02,
                    what="the cancellation delivered on A")
         handle.end()
+
+
+def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
+                                                           srv: RedisServer) -> None:
+    """A key another client wrote with another type answers WRONGTYPE: Redis answered. A
+    session key holding a hash made its lookup raise RemoteUnavailable (503 for good, never
+    404), and DOWN_AFTER such answers (that lookup, or notifications into a scope whose rows
+    key is a string) marked Redis down: every session of another host 503, cross-host
+    cancellation off for every call of the worker."""
+    prefix = unique_prefix()
+    with bridge(reg, srv, prefix=prefix) as b:
+        b.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+        r = redis.Redis.from_url(srv.url)
+        try:
+            r.hset(f"{prefix}sess:{'h' * 32}", "a", "b")
+            r.set(b.store._skeys("session:w")[0], "a string")
+        finally:
+            r.close()
+        handle = b.track(7, "session:w")
+        assert handle is not None and handle[3]
+        for _ in range(DOWN_AFTER + 1):
+            assert b.lookup_session("h" * 32) is None  # no such session: 404
+            b.cancel(7, "stop", "session:w")  # owed, not an outage
+        assert not b.down
+        assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")

@@ -23,8 +23,9 @@ once, not once per call it makes.
 
 Health. A call that fails to *connect* (refused, reset, closed: ``ConnectionError``) marks the
 bridge down at once. A call that times out (or gets an error answer other than a full Redis's
-``OOM``, which is an answer: its write is owed) counts one failure: it
-marks the bridge down only when :data:`DOWN_AFTER` calls in a row of this worker failed so,
+``OOM`` or a ``WRONGTYPE`` from a key another client wrote over, which are answers) counts one
+failure: it marks the bridge down only when :data:`DOWN_AFTER` calls in a row of this worker
+failed so,
 since a single slow call under load says little about Redis; any answered call resets the
 count. A skipped call (the worker's other Redis call held on) counts nothing. Going down logs
 one warning; while down, calls return at once without Redis (requests are served, same-host
@@ -133,6 +134,12 @@ def _connection_failure(e: BaseException) -> bool:
         return False
     return isinstance(e, RedisConnectionError | OSError)
 
+def _wrong_type(e: BaseException) -> bool:
+    """Redis answered ``WRONGTYPE``: a key of ours holds what another client wrote."""
+    from redis.exceptions import ResponseError
+    return isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE")
+
+
 _current: Bridge | None = None
 _current_lock = threading.Lock()
 
@@ -204,6 +211,10 @@ class Bridge:
         if isinstance(e, OutOfMemoryError):
             self._answered()
             log.debug("Redis is full (%s: %s); the write is owed", what, e)
+            return
+        if _wrong_type(e):  # a key another client wrote over: an answer, not an outage
+            self._answered()
+            log.warning("a Redis key of the wrong type (%s: %s)", what, e)
             return
         connection = _connection_failure(e)
         with self._health:

@@ -326,7 +326,15 @@ class RedisStore:
                               _b(box)])) == 1
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
-        raw = self.client.get(self._sess_key(sid))
+        """``(version, client)`` of a stored session; None when there is none (a key of
+        another type, another client's, holds none either)."""
+        from redis.exceptions import ResponseError
+        try:
+            raw = self.client.get(self._sess_key(sid))
+        except ResponseError as e:
+            if str(e).startswith("WRONGTYPE"):
+                return None
+            raise
         if raw is None:
             return None
         try:
