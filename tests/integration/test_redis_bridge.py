@@ -440,3 +440,31 @@ def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
             b.cancel(7, "stop", "session:w")  # owed, not an outage
         assert not b.down
         assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")
+
+
+def test_an_owed_write_redis_can_never_take_does_not_stop_the_bridge_thread(
+        reg: Registry, srv: RedisServer) -> None:
+    """The thread applies owed writes before it renews leases and reads its box, stopping at the
+    first that fails. One Redis refuses for good (its session's holders set is a string another
+    client wrote: WRONGTYPE) failed every turn for its whole deadline (the session TTL): the
+    worker read its box no more, so a cross-host cancellation of its call never landed, and
+    its leases went unrenewed. Such a write can never land: it is dropped."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        r = redis.Redis.from_url(srv.url)
+        try:
+            r.set(f"{prefix}sess:{SID}:boxes", "a string")
+        finally:
+            r.close()
+        a.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+        assert a.owed() == 1
+        a.start()  # its first turn meets the owed write
+        handle = c.begin(7, "session:x")
+        assert handle.tracked and a.track(7, "session:x") is not None
+        assert b.cancel(7, "stop", "session:x") is True
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10, interval=0.02,
+                   what="the cancellation delivered on A")
+        wait_until(lambda: a.owed() == 0 or None, time.monotonic() + 10, what="the write given up")
+        handle.end()

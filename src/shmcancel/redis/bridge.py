@@ -291,7 +291,8 @@ class Bridge:
     def _settle(self) -> None:
         """The thread: apply owed writes, oldest first, at most :data:`SETTLE_BATCH` per turn.
         Raises what the first one that gets no answer raised (the loop counts it), leaving it
-        and the rest owed."""
+        and the rest owed. One answered ``WRONGTYPE`` (a key another client wrote over) can
+        never land: given up."""
         with self._owed_lock:
             entries = list(itertools.islice(self._owed.values(), SETTLE_BATCH))
         for entry in entries:
@@ -301,7 +302,17 @@ class Bridge:
                 self.owed_expired += 1
                 self._unowe(entry.key, entry)
                 continue
-            stored = entry.fn()
+            try:
+                stored = entry.fn()
+            except Exception as e:
+                if not _wrong_type(e):
+                    raise
+                # a key another client wrote over: this write can never land, and kept it
+                # would fail every turn before the renewals and the box (see _run)
+                log.warning("an owed Redis write (a %s) was given up: %s", entry.key[0], e)
+                self.owed_dropped += 1
+                self._unowe(entry.key, entry)
+                continue
             self._answered()
             self._unowe(entry.key, entry)
             self.owed_applied += 1
