@@ -468,3 +468,30 @@ def test_an_owed_write_redis_can_never_take_does_not_stop_the_bridge_thread(
                    what="the cancellation delivered on A")
         wait_until(lambda: a.owed() == 0 or None, time.monotonic() + 10, what="the write given up")
         handle.end()
+
+
+def test_a_full_redis_does_not_stop_the_bridge_reading_its_box(reg: Registry,
+                                                                srv: RedisServer) -> None:
+    """README: a full Redis (noeviction) refuses writes, while ends, expiry and reads go on. The
+    thread applies owed writes and renews leases (writes) before it reads its box: each turn
+    the refused write raised first, so a cancellation waiting in the box (pushed before Redis
+    filled up) was never read while Redis stayed full."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    r = redis.Redis.from_url(srv.url)
+    try:
+        with bridge(reg, srv, prefix=prefix, host="A") as a, \
+                bridge(reg, srv, prefix=prefix, host="B") as b:
+            handle = c.begin(7, "session:x")
+            assert handle.tracked and a.track(7, "session:x") is not None
+            assert b.cancel(7, "stop", "session:x") is True  # in A's box
+            r.config_set("maxmemory", 1)
+            a.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+            assert a.owed() == 1
+            a.start()
+            wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10,
+                       interval=0.02, what="the cancellation read from A's box")
+            handle.end()
+    finally:
+        r.config_set("maxmemory", 0)
+        r.close()

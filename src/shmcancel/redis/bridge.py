@@ -292,7 +292,9 @@ class Bridge:
         """The thread: apply owed writes, oldest first, at most :data:`SETTLE_BATCH` per turn.
         Raises what the first one that gets no answer raised (the loop counts it), leaving it
         and the rest owed. One answered ``WRONGTYPE`` (a key another client wrote over) can
-        never land: given up."""
+        never land: given up; one a full Redis refused (``OOM``) stays owed, and the rest are
+        tried."""
+        from redis.exceptions import OutOfMemoryError
         with self._owed_lock:
             entries = list(itertools.islice(self._owed.values(), SETTLE_BATCH))
         for entry in entries:
@@ -304,6 +306,11 @@ class Bridge:
                 continue
             try:
                 stored = entry.fn()
+            except OutOfMemoryError:
+                # Redis is full: this write stays owed; the next (an end, say) may not need
+                # memory, and the turn goes on to the box (README: reads go on)
+                self._answered()
+                continue
             except Exception as e:
                 if not _wrong_type(e):
                     raise
@@ -501,7 +508,7 @@ class Bridge:
             t.join(timeout + self.block + self.timeout)
 
     def _run(self) -> None:
-        from redis.exceptions import RedisError, ResponseError
+        from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
         box = self.store.box_key(self.remote.box)
         next_renew = 0.0
         while not self._stop.is_set():
@@ -524,8 +531,11 @@ class Bridge:
                     self._settle()
                 now = time.monotonic()
                 if now >= next_renew:
-                    self.remote.renew()
-                    self.store.client.pexpire(box, int(self.remote.lease * 1000))
+                    try:
+                        self.remote.renew()
+                        self.store.client.pexpire(box, int(self.remote.lease * 1000))
+                    except OutOfMemoryError as e:  # full: the box is read all the same
+                        log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
                     next_renew = now + self.block
                 if now >= self._next_sweep:
