@@ -581,3 +581,28 @@ def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
         assert c.delete(b.url).status_code == 204
         wait_until(lambda: c.post(a.url, PING, retry_for=0).status_code == 404 or None,
                    time.monotonic() + 10, interval=0.1, what="A to end its copy")
+
+
+def test_a_session_whose_minting_worker_died_is_found_again_after_redis_restarts(
+        outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """README: Redis back, even empty after a restart, other hosts find the sessions again:
+    each worker stores again the sessions it published. A session lives on in its host's
+    registry after the worker that minted it died (killed, recycled by max_requests); no live
+    worker had published it, so once Redis restarted empty every other host answered 404 for a
+    session its host still served. The host's workers serving it store it again."""
+    with running() as srv, \
+            two_hosts(srv.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, _p):
+        c = Client(a.url)
+        (old,) = a.worker_pids()
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: (a.worker_pids() not in ([], [old])) or None,
+                   time.monotonic() + 20, what="A's new worker")
+        assert c.post(a.url, PING).status_code == 200  # the copy outlives its minter
+        srv.kill()
+        srv.start()
+
+        def found_on_b() -> bool | None:
+            assert c.post(a.url, PING, retry_for=0).status_code == 200  # in use on A
+            return c.post(b.url, PING, retry_for=0).status_code == 200 or None
+        wait_until(found_on_b, time.monotonic() + 20, interval=0.2,
+                   what="B to find the session again")

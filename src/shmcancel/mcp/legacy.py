@@ -106,7 +106,7 @@ class LegacyWire(CallLifecycle):
                 raise RpcError(codes.INVALID_REQUEST, "Session not found", id=rid, status=404)
             environ[SESSION_KEY] = sid
             if (rb := remote.current()) is not None:  # other hosts keep finding it in use
-                rb.keep_session(sid)  # type: ignore[arg-type]
+                rb.keep_session(sid, _client_of(environ))  # type: ignore[arg-type]
         else:
             environ.pop(SESSION_KEY, None)
         if isinstance(msg, Response):
@@ -167,8 +167,7 @@ class LegacyWire(CallLifecycle):
         extra: list[tuple[str, str]] = []
         if self.sessions:
             # Minting counts against the client: its principal, else its address bucket.
-            client = principal.scope({k: environ[k] for k in (PRINCIPAL_KEY, REMOTE_ADDR_KEY)
-                                      if k in environ})
+            client = _client_of(environ)
             try:
                 session = self._process_state().sessions.create(version, client)
             except SessionsFull as e:
@@ -210,6 +209,13 @@ class LegacyWire(CallLifecycle):
         except InvalidRequestId:
             return _error_reply(400, None, codes.INVALID_PARAMS, 'Invalid params: "requestId"')
         return _Reply(202)
+
+
+def _client_of(environ: dict[str, Any]) -> str:
+    """The client a request counts against (its principal, else its address bucket), as
+    ``initialize`` counts a session it mints."""
+    return principal.scope({k: environ[k] for k in (PRINCIPAL_KEY, REMOTE_ADDR_KEY)
+                            if k in environ})
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:

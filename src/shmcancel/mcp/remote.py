@@ -40,9 +40,10 @@ class Remote(Protocol):
     def publish_session(self, sid: str, version: str, client: str) -> None:
         """A session minted or adopted here (owed when it cannot be stored now)."""
 
-    def keep_session(self, sid: str) -> None:
+    def keep_session(self, sid: str, client: str | None = None) -> None:
         """A request used a session here: its copy on the remote lives on (renewed now and
-        then, never on every request). Never raises."""
+        then, never on every request; stored again when the remote lost it and ``client``,
+        the request's client, is the session's). Never raises."""
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; ``None`` only when

@@ -427,13 +427,16 @@ class Bridge:
             self._kept.pop(sid, None)
         self._unowe(("publish", sid))
 
-    def keep_session(self, sid: str) -> None:
+    def keep_session(self, sid: str, client: str | None = None) -> None:
         """A request used session ``sid`` here: at most every :data:`KEEP_EVERY` seconds (or a
         quarter of ``session_ttl``) this process renews its copy's lifetime in Redis, so other
         hosts keep finding a session in use, and lists this worker among its holders (told of a
         ``DELETE`` elsewhere: the worker that adopted this host's copy may have died); a copy
         gone (Redis restarted empty) is stored again when this process published it, one
-        deleted elsewhere lately is ended here. Never raises; a renewal without an answer is retried
+        deleted elsewhere lately is ended here. One this process did not publish is stored
+        again too when ``client`` (the request's) is the one this host counts it against: the
+        process that published it may have died (a recycled worker) before Redis lost it.
+        Never raises; a renewal without an answer is retried
         at the next request after the period."""
         if not _minted_form(sid):
             return
@@ -445,15 +448,22 @@ class Bridge:
             _put_newest(self._kept, sid, now)
             held = self._held.get(sid)
         with contextlib.suppress(_NoAnswer):
-            self._ask("session", self._keep, sid, held)
+            self._ask("session", self._keep, sid, held, client)
 
-    def _keep(self, sid: str, held: tuple[str, str] | None) -> None:
+    def _keep(self, sid: str, held: tuple[str, str] | None, client: str | None) -> None:
         kept = self.store.touch_session(sid, None if held is None else held[1],
                                         box=self.remote.box)
         if kept < 0:  # deleted on another host, and this worker's box was not told
             self._gone(sid)
         elif kept == 0 and held is not None:
             self._put(sid, *held)
+        elif kept == 0 and client is not None:
+            sessions = self._session_store()
+            s = sessions.get(sid)
+            if s is not None and s.client == sessions.client_digest(client):
+                with self._owed_lock:
+                    _put_newest(self._held, sid, (s.protocol_version, client))
+                self._put(sid, s.protocol_version, client)
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; the caller adopts
@@ -523,6 +533,8 @@ class Bridge:
                     self.down = False
                     added = self.remote.renew()
                     republished = self._republish()
+                    with self._owed_lock:  # Redis may have lost them: each session's next
+                        self._kept.clear()  # request here renews (or stores) it at once
                     log.warning("Redis answers again: cross-host cancellation resumed "
                                 "(%d in-flight rows added back, %d sessions stored again, %d "
                                 "writes owed)", added, republished, self.owed())
