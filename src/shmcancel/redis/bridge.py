@@ -134,6 +134,7 @@ def _connection_failure(e: BaseException) -> bool:
         return False
     return isinstance(e, RedisConnectionError | OSError)
 
+
 def _wrong_type(e: BaseException) -> bool:
     """Redis answered ``WRONGTYPE``: a key of ours holds what another client wrote."""
     from redis.exceptions import ResponseError
