@@ -44,6 +44,24 @@ def model_key(rid: object) -> str | None:
     return None
 
 
+def model_room(rows: dict[tuple[str, str], tuple[str | None, float]], key: tuple[str, str],
+               quota: int | None, cap: int, batch: int) -> bool:
+    """§4.3-§4.4 on the model, before ``key`` is written: False when it is new and its scope is
+    at its quota; else True, a batch evicted first when the table is at its cap (largest scope
+    first, then oldest, then scope, then id)."""
+    if key in rows:
+        return True
+    if quota is not None and sum(1 for s, _ in rows if s == key[0]) >= quota:
+        return False
+    if len(rows) >= cap:
+        sizes: dict[str, int] = {}
+        for s, _ in rows:
+            sizes[s] = sizes.get(s, 0) + 1
+        for x in sorted(rows, key=lambda x: (-sizes[x[0]], rows[x][1], x[0], x[1]))[:batch]:
+            del rows[x]
+    return True
+
+
 IDS = st.one_of(st.integers(0, 4), st.sampled_from(["0", "1", "2", "3", "4", "x", "é", ""]),
                 st.sampled_from([True, False, 1.0, "y" * 257, None]))
 SCOPES = st.sampled_from(["global", "session:a", "principal:b", "ip:1.2.3.4"])
@@ -105,19 +123,9 @@ class CancellationModel(RuleBasedStateMachine):
             assert got == "invalid"
             return
         key = (scope, k)
-        if key not in self.rows:
-            n = sum(1 for s, _ in self.rows if s == scope)
-            if self.quota is not None and n >= self.quota:
-                assert got == "limit"
-                return
-            if len(self.rows) >= self.cap:
-                sizes: dict[str, int] = {}
-                for s, _ in self.rows:
-                    sizes[s] = sizes.get(s, 0) + 1
-                order = sorted(self.rows, key=lambda x: (-sizes[x[0]], self.rows[x][1], x[0],
-                                                         x[1]))
-                for x in order[: self.batch]:
-                    del self.rows[x]
+        if not model_room(self.rows, key, self.quota, self.cap, self.batch):
+            assert got == "limit"
+            return
         assert got == "ok"
         self.rows[key] = (model_reason(reason), self.clock.t)
 
@@ -281,19 +289,9 @@ class TwoProcessModel(RuleBasedStateMachine):
     def cancel(self, where, rid, reason, scope):
         got = self._do(where, "cancel", rid, reason, scope)
         key = (scope, str(rid))
-        if key not in self.rows:
-            n = sum(1 for s, _ in self.rows if s == scope)
-            if self.quota is not None and n >= self.quota:
-                assert got == "CancellationLimitReached"
-                return
-            if len(self.rows) >= self.cap:
-                sizes: dict[str, int] = {}
-                for s, _ in self.rows:
-                    sizes[s] = sizes.get(s, 0) + 1
-                order = sorted(self.rows, key=lambda x: (-sizes[x[0]], self.rows[x][1], x[0],
-                                                         x[1]))
-                for x in order[: self.batch]:
-                    del self.rows[x]
+        if not model_room(self.rows, key, self.quota, self.cap, self.batch):
+            assert got == "CancellationLimitReached"
+            return
         assert got is None
         self.rows[key] = (model_reason(reason), self.clock.t)
 
