@@ -5,6 +5,7 @@ test_http.py and test_disconnect.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import json
 import socket
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers.background import lock_held
 from helpers.rows import in_flight_count
 from helpers.wsgi import Reply, environ_for, run
 
@@ -390,20 +392,12 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
                                            session_capacity=4, lock_timeout=0.3))
     app = make_server(reg, signals)
     st = app._process_state()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with reg.lock:
-            holding.set()
-            release.wait(DEADLINE)
-
-    holder = threading.Thread(target=hold, daemon=True)
+    stall = contextlib.ExitStack()
     delete = st.sessions.delete
 
     def delete_then_stall(session_id: str) -> bool:
         done = delete(session_id)
-        holder.start()  # another thread of this process takes the lock and keeps it
-        wait_ev(holding)
+        stall.enter_context(lock_held(reg, hold_for=DEADLINE))  # another thread keeps it
         return done
 
     try:
@@ -416,13 +410,12 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
         # 503 when the pass after the session went met the stall; 204 when the call, cancelled
         # by the pass before, had already ended (its lane row goes without the lock)
         assert r.status == 204 or (r.status == 503 and r.headers["retry-after"]), r
-        release.set()
-        holder.join(DEADLINE)
+        stall.close()
         reply = call.result()
         assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED, reply.json
         assert run(app, environ_for("DELETE", None, headers=h)).status == 404
     finally:
-        release.set()
+        stall.close()
         reg.close()
 
 
