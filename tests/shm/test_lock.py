@@ -11,6 +11,7 @@ import fcntl
 import os
 import select
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -821,6 +822,66 @@ def test_recoverers_exclude_each_other_after_the_lock_file_is_replaced(seg: Segm
         ch.stop()
         before.close()
         after.close()
+
+
+def _reuse_number(fd: int) -> tuple[int, int]:
+    """Close ``fd`` (as a daemonising ``closerange`` does) and give its number to another file,
+    the read end of a new pipe (both ends returned; the read end is ``fd``)."""
+    os.close(fd)
+    r, w = os.pipe()
+    if r != fd:
+        os.dup2(r, fd)
+        os.close(r)
+    return fd, w
+
+
+def test_a_fork_child_leaves_alone_a_number_its_parent_closed_and_reused(seg: Segment) -> None:
+    """The fork hook reopens the lock's recovery fd in the child (the inherited one shares the
+    parent's description, and so its flock) and closes the inherited one. After the parent
+    closed every fd (closerange) and the number went to another file, the hook closed that
+    file in every fork child (a socket, a log, a pipe the child was handed)."""
+    lock = RegistryLock(seg)
+    r, w = _reuse_number(lock._fd)  # type: ignore[arg-type]
+
+    def body() -> None:
+        assert stat.S_ISFIFO(os.fstat(r).st_mode), "the child lost its pipe"
+        assert os.write(w, b"x") == 1
+        assert os.read(r, 1) == b"x"
+
+    try:
+        pid = fork(body)
+        status = wait_exit(pid, 10)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0, status
+        assert stat.S_ISFIFO(os.fstat(r).st_mode)
+    finally:
+        lock.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_a_dead_holder_is_recovered_after_every_fd_was_closed(seg: Segment) -> None:
+    """A process that closed every fd (closerange in a daemonising child) still recovers the
+    unit of a dead holder, under an flock of its own on the segment's file: the recovery took
+    the flock on the kept number, EBADF (``with lock`` raised OSError) or, once the number was
+    another file's, on that file (excluding no other recoverer)."""
+    lock = RegistryLock(seg)
+    r, w = _reuse_number(lock._fd)  # type: ignore[arg-type]
+    ch = Child(holding(lock))
+    try:
+        assert ch.recv() == b"h"
+        ch.kill()
+        ch.wait()
+        with lock:
+            assert seg.u64(OFF_RECOVERIES) == 1
+            fd = lock._fd
+            assert fd is not None and fd != r
+            assert os.fstat(fd).st_ino == seg.ino
+        assert stat.S_ISFIFO(os.fstat(r).st_mode)
+    finally:
+        ch.stop()
+        lock.close()
+        os.close(r)
+        os.close(w)
 
 
 def _hold_forever(lock: RegistryLock) -> Callable[[Child], None]:

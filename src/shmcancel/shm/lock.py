@@ -226,13 +226,29 @@ class RegistryLock:
 
     def _after_fork_child(self) -> None:
         # The inherited fd shares its open file description (and any flock) with the parent:
-        # take a fresh one on the same inode, even if the path was unlinked meanwhile.
-        old = self._fd
+        # take a fresh one on the same inode, even if the path was unlinked meanwhile. Only if
+        # it is still the segment's file: a number the parent closed (closerange) may be
+        # another file's by now, the child's too, never reopened nor closed here.
+        old = self._kept_fd()
         self._set_fd(None)
         if old is not None:
             with contextlib.suppress(OSError):
                 self._set_fd(os.open(f"/proc/self/fd/{old}", os.O_RDONLY | os.O_CLOEXEC))
             os.close(old)
+
+    def _kept_fd(self) -> int | None:
+        """The recovery flock's fd if it is still open on the segment's file (and is not the
+        segment's own kept fd); else None, and the number is let go of without being closed:
+        a process that closed every fd (``closerange`` in a daemonising child) may have that
+        number on another file, or on the segment's file reopened by the segment itself."""
+        fd = self._fd
+        if fd is None:
+            return None
+        with contextlib.suppress(OSError):
+            if fd != self._seg._fd and self._seg._ours(fd):
+                return fd
+        self._set_fd(None)
+        return None
 
     def _set_fd(self, fd: int | None) -> None:
         """Keep ``fd`` as the recovery flock's (None: none), letting go of the one kept before
@@ -566,10 +582,13 @@ class RegistryLock:
                 f"(generation {self._w[_GEN]}); a live holder is never robbed")
 
     def _lockfd(self) -> int:
-        if self._fd is None:
-            self._set_fd(self._seg.reopen())
-        assert self._fd is not None
-        return self._fd
+        """The fd the recovery flock is taken on: the kept one while it is still the segment's
+        file (:meth:`_kept_fd`), else a new description of the segment's file (``reopen``)."""
+        fd = self._kept_fd()
+        if fd is None:
+            fd = self._seg.reopen()
+            self._set_fd(fd)
+        return fd
 
     def _take_over(self, owner: int, gen: int, tid: int | None = None) -> bool:
         """Under the flock: take the held unit over if nothing moved, for thread ``tid``, with
