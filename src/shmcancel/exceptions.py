@@ -17,7 +17,7 @@ class RegistryNotFound(ShmCancelError):
 
 class RegistryClosed(ShmCancelError, ValueError):
     """A registry was used after ``Registry.close()`` in this process (its mapping, semaphore
-    and lock file are gone): a call through it, its tables, or a :class:`Cancellation` or
+    and descriptors are gone): a call through it, its tables, or a :class:`Cancellation` or
     request handle made over it. The registry itself is untouched (other processes go on):
     ``Registry.attach(name)`` again to use it. A ``ValueError`` too, as Python's own "I/O
     operation on closed file" is. The calls the contract says never raise (``cancelled``,

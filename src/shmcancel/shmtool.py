@@ -273,7 +273,7 @@ def _bad_own(own: list[str], skip: Sequence[str] = ()) -> dict[str, str]:
 def _registry_row(name: str) -> dict[str, Any]:
     """One row of ``list``; ``state``: alive, stale (creator gone), leftover (no segment, only
     a semaphore / lock file / temporary), or unusable (unreadable, or a worker could not attach
-    it: its semaphore or lock file missing, replaced, a link, a FIFO, another user's). ``error``
+    it: its semaphore missing, replaced, a link, a FIFO, another user's). ``error``
     is one line: what is wrong, the command that removes the registry when one would, then
     other users' entries under its names (which every command leaves alone)."""
     row: dict[str, Any] = {"name": name, "size": 0, "allocated": 0, "creator_pid": None,

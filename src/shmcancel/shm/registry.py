@@ -475,7 +475,7 @@ class Registry:
             raise RegistryClosed.of(self._name)
 
     def close(self) -> None:
-        """Unmap the segment and close the semaphore and lock file. Idempotent. What used the
+        """Unmap the segment and close the semaphore and file descriptors. Idempotent. What used the
         registry since raises :class:`RegistryClosed` (see the class docstring).
 
         A hold of the lock by another thread of this process (a janitor's sweep, a request

@@ -309,7 +309,7 @@ class Segment:
 
         ``config``: at most ``CONFIG_MAX`` bytes kept for the layer above (:attr:`config`).
         ``init(segment)`` runs before the segment becomes visible (format the tables there).
-        ``timeout``: seconds to wait for another process creating or recovering ``name``.
+        ``timeout``: seconds to wait for another process creating ``name``.
         ``lanes_size``: bytes of the lanes region after the tables (0: none).
         Raises :class:`RegistryIncompatible` when a live process created ``name``,
         :class:`SegmentTooLarge` when /dev/shm cannot hold it.
