@@ -196,6 +196,18 @@ def test_corrupt_header(shm_name: str, off: int, fmt: str, value: object, match:
         Segment.attach(shm_name)
 
 
+def test_a_registry_of_the_lock_file_recovery_protocol_is_refused(shm_name: str) -> None:
+    """Layout 7's processes take a dead holder's unit over under an flock on the lock file,
+    this code's under one on the segment's file (shm/lock.py): side by side on one registry (a
+    USR2 upgrade's old and new workers) each would flock a file of its own, and both take the
+    same unit over (two holders). Such a registry is refused, naming the versions, as any
+    other layout's is; it was attached, its layout number unchanged."""
+    Segment.create(shm_name, CFG, SPECS).close()
+    _patch(shm_name, 8, "<Q", 7)
+    with pytest.raises(RegistryIncompatible, match="layout version 7, this shmcancel speaks 8"):
+        Segment.attach(shm_name)
+
+
 def test_size_mismatch(shm_name: str) -> None:
     seg = Segment.create(shm_name, CFG, SPECS)
     seg.close()

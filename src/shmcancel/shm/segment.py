@@ -91,7 +91,7 @@ __all__ = [
 ]
 
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 7  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 8  # 2: sessions_per_client in the config; session_clients, session_calls
 # 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
 #    two record size classes (their geometry in each table's own region header)
 # 4: the lanes region (per-process rows written without the lock)
@@ -99,6 +99,9 @@ LAYOUT_VERSION = 7  # 2: sessions_per_client in the config; session_clients, ses
 # 6: a scope count may stay at 0 in its row; scope_counts holds a quarter more rows for them
 # 7: a lane set per table declared with lanes (session_calls too), each with a seal word and
 #    the index of its table's descriptor
+# 8: the lock's dead-holder recovery flocks the segment's own file, not the lock file: a
+#    process of layout 7 recovering beside one of 8 (a USR2 upgrade's old and new workers)
+#    would take its flock on another file, and both could take the same dead holder's unit
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
