@@ -419,6 +419,98 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
         reg.close()
 
 
+@pytest.fixture
+def cancelled_events() -> Iterator[list[dict[str, Any]]]:
+    """The metadata of every ``request cancelled`` event emitted during the test."""
+    seen: list[dict[str, Any]] = []
+    shmcancel.telemetry.attach("test-server-cancelled", ("shmcancel", "request", "cancelled"),
+                               lambda e, m, md, cfg: seen.append(md))
+    try:
+        yield seen
+    finally:
+        shmcancel.telemetry.detach("test-server-cancelled")
+
+
+def test_two_racing_deletes_report_each_call_cancelled_once(
+        app: McpServer, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        cancelled_events: list[dict[str, Any]]) -> None:
+    """contract §4.7, §6.1: two DELETEs of one session racing (a client's retry, two workers):
+    one ends it (204), the other finds it gone (404). Both cancelled its calls before ending
+    it, each emitting the call's event, so a call was reported cancelled twice, once by a
+    DELETE that ended nothing. Only the DELETE that ends the session reports its calls."""
+    st = app._process_state()
+    sid = session(app)
+    h = legacy_headers(sid)
+    call = start_call(app, 1, "stubborn", {"tag": "r"}, h)
+    wait_ev(signals.ev(signals.started, "r"))
+    delete = st.sessions.delete
+    other: list[Reply] = []
+
+    def the_other_delete_first(session_id: str) -> bool:
+        monkeypatch.setattr(st.sessions, "delete", delete)
+        other.append(run(app, environ_for("DELETE", None, headers=h, content_type=None)))
+        return delete(session_id)
+
+    try:
+        monkeypatch.setattr(st.sessions, "delete", the_other_delete_first)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert (other[0].status, r.status) == (204, 404), (other, r)
+        wait_ev(signals.ev(signals.saw_cancel, "r"))
+    finally:
+        signals.ev(signals.release, "r").set()
+        call.join(DEADLINE)
+    assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
+
+
+def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
+        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        cancelled_events: list[dict[str, Any]]) -> None:
+    """contract §4.7, §5: a DELETE whose session step meets a stalled lock is answered 503
+    "retry later", and the session stays; its calls were cancelled already. The retry
+    cancelled them again and reported each a second time: a DELETE answered 503 reports
+    nothing, the retry that ends the session reports every call once."""
+    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                           session_capacity=4, lock_timeout=0.3))
+    app = make_server(reg, signals)
+    st = app._process_state()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reg.lock:
+            holding.set()
+            release.wait(DEADLINE)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    delete = st.sessions.delete
+
+    def stall_then_delete(session_id: str) -> bool:
+        holder.start()  # another thread of this process takes the lock and keeps it
+        wait_ev(holding)
+        return delete(session_id)
+
+    call = None
+    try:
+        sid = session(app)
+        h = legacy_headers(sid)
+        call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
+        wait_ev(signals.ev(signals.started, "s"))
+        monkeypatch.setattr(st.sessions, "delete", stall_then_delete)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert r.status == 503 and r.headers["retry-after"], r
+        release.set()
+        holder.join(DEADLINE)
+        monkeypatch.setattr(st.sessions, "delete", delete)
+        assert run(app, environ_for("DELETE", None, headers=h, content_type=None)).status == 204
+        wait_ev(signals.ev(signals.saw_cancel, "s"))
+        assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
+    finally:
+        release.set()
+        signals.ev(signals.release, "s").set()
+        if call is not None:
+            call.join(DEADLINE)
+        reg.close()
+
+
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
     sid = session(app)
     r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))

@@ -483,9 +483,12 @@ class Cancellation:
         return len(self.cancel_scope_keys(scope, reason, reported=reported))
 
     def cancel_scope_keys(self, scope: str, reason: object = None, *,
-                          reported: Collection[str] = ()) -> list[str]:
+                          reported: Collection[str] = (), emit: bool = True) -> list[str]:
         """:meth:`cancel_scope`, returning the row keys (``str(id)``) it cancelled, those in
-        ``reported`` left out."""
+        ``reported`` left out. ``emit=False``: their events are not emitted here but by
+        :meth:`report_cancelled` once the caller knows the pass counts (a DELETE's pass before
+        its session goes: one answered 404 or 503 reports nothing, the one that ends the
+        session reports each call once)."""
         if not valid_scope(scope):
             return []
         if type(scope) is not str:
@@ -504,12 +507,23 @@ class Cancellation:
         # the scope running uncancelled.
         if done and owed.queue:
             settle_owed()
-        if done and telemetry.listening():
-            for rid in done:
-                telemetry.execute(CANCELLED_EVENT, {"count": 1},
-                                  {"request_id": rid, "scope": scope, "reason": text})
+        if emit:
+            self._emit_cancelled(scope, done, text)
         self._tick()
         return done
+
+    def report_cancelled(self, scope: str, keys: Collection[str], reason: object = None) -> None:
+        """Emit the ``request cancelled`` events of ``keys``, which
+        ``cancel_scope_keys(scope, reason, emit=False)`` returned."""
+        if valid_scope(scope):
+            self._emit_cancelled(str.__str__(scope), keys, sanitize(reason))
+
+    @staticmethod
+    def _emit_cancelled(scope: str, keys: Collection[str], text: str | None) -> None:
+        if keys and telemetry.listening():
+            for rid in keys:
+                telemetry.execute(CANCELLED_EVENT, {"count": 1},
+                                  {"request_id": rid, "scope": scope, "reason": text})
 
     # --- in-flight rows
     def track(self, request_id: object, scope: str = "global") -> None:

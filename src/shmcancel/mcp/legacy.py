@@ -63,10 +63,14 @@ class LegacyWire(CallLifecycle):
         # Its calls are cancelled before the session goes, and again after for a call that
         # began in between (one beginning later finds no session: _call_tracked). Each step
         # takes the lock on its own: one that stalls (LockTimeout, 503 "retry later") after
-        # the session went must not leave its calls running while the retry gets 404.
-        first = c.cancel_scope_keys(scope, "session deleted")
+        # the session went must not leave its calls running while the retry gets 404. The
+        # first pass's events wait for the session's end: a DELETE answered 404 (another
+        # ended it meanwhile) or 503 (the retry cancels them again) reports no call, so each
+        # is reported once, by the DELETE that ends the session.
+        first = c.cancel_scope_keys(scope, "session deleted", emit=False)
         if not st.sessions.delete(sid):  # type: ignore[arg-type]
             return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+        c.report_cancelled(scope, first, "session deleted")
         n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
         if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
             rb.cancel_scope(scope, "session deleted")
