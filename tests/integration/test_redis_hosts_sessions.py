@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,13 +25,14 @@ from helpers.stalled_lock import stalled_lock
 from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
-from shmcancel import Cancellation, Config, RemoteUnavailable, errors
+from shmcancel import Cancellation, Config, RemoteUnavailable, errors, telemetry
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import RedisCancellation, RedisStore, connect
 from shmcancel.redis.bridge import Bridge
 from shmcancel.shm.registry import Registry
 
 __all__ = ["outdir"]  # the module fixture, shared
+CANCELLED = ("shmcancel", "request", "cancelled")
 
 
 def test_a_waiting_tool_is_woken_by_a_cancellation_sent_to_another_host(
@@ -384,6 +386,64 @@ def test_a_session_end_taken_from_the_box_while_the_lock_is_stalled_still_lands(
         assert a.undelivered() == 0 and sa.get(s.id) is None
         assert handle.cancelled() and handle.reason() == "session deleted"
         handle.end()
+
+
+@pytest.mark.parametrize("stall", ["ending the copy", "after the copy went"])
+def test_a_session_end_retried_after_a_stall_reports_each_call_cancelled_once(
+        redis_server: Any, shm_name: str, shm_names: list[str], stall: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """contract §4.7: a session end taken from A's box cancels A's calls, ends A's copy, then
+    cancels again; a lock stall at either of the last two steps keeps the end for the thread's
+    next turn. That turn ran the whole end again and reported every call a second time (its
+    first pass had reported them already). Each call is reported once."""
+    seen: list[dict[str, Any]] = []
+    telemetry.attach("test-end-retried", CANCELLED, lambda e, m, md, cfg: seen.append(md))
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        s = sa.create("2025-11-25", "ip:203.0.113.9")
+        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+        got = b.lookup_session(s.id)
+        assert got is not None and sb.create(*got, session_id=s.id) is not None
+        handle = Cancellation(ra).begin(7, f"session:{s.id}")
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with ra.lock:
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        store = a._session_store()
+        delete = store.delete
+
+        def delete_with_a_stall(sid: str) -> bool:
+            if stall == "ending the copy":
+                holder.start()
+                assert holding.wait(10)
+            done = delete(sid)
+            if stall == "after the copy went":
+                holder.start()
+                assert holding.wait(10)
+            return done
+
+        try:
+            b.delete_session(s.id)  # B's DELETE tells A through its box
+            raws = take_box(redis_server, a)
+            assert len(raws) == 1
+            monkeypatch.setattr(store, "delete", delete_with_a_stall)
+            assert a._apply(raws[0]) is False  # the lock timed out: the thread waits a turn
+            assert a.undelivered() == 1
+            release.set()
+            holder.join(10)
+            monkeypatch.setattr(store, "delete", delete)
+            assert a._redeliver()  # the bridge thread's next turn
+            assert a.undelivered() == 0 and sa.get(s.id) is None
+            assert handle.cancelled() and handle.reason() == "session deleted"
+            assert [e["request_id"] for e in seen] == ["7"], seen
+        finally:
+            release.set()
+            telemetry.detach("test-end-retried")
+            handle.end()
 
 
 RETRYING = "could not apply a cross-host cancellation"

@@ -183,8 +183,9 @@ class Bridge:
         self._undelivered: OrderedDict[tuple[str, str],
                                        tuple[object, float, float | None]] = OrderedDict()
         # sessions deleted on another host whose end (their calls cancelled, this host's copy
-        # gone) the registry could not take yet: sid -> deadline, oldest first, at most OWED_MAX
-        self._unended: OrderedDict[str, float] = OrderedDict()
+        # gone) the registry could not take yet: sid -> (deadline, the keys of its calls whose
+        # cancellation was reported already), oldest first, at most OWED_MAX
+        self._unended: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
         # sessions published by this process: sid -> (version, client), newest last; and when
         # this process last renewed a session's copy (keep_session)
@@ -667,18 +668,18 @@ class Bridge:
                 return False
         with self._owed_lock:
             ends = list(self._unended.items())
-        for sid, deadline in ends:
+        for sid, (deadline, reported) in ends:
             if self._stop.is_set():
                 return True
             with self._owed_lock:
                 if self._unended.pop(sid, None) is None:
                     continue
-            if not self._end_session(sid, deadline, retry=True):
+            if not self._end_session(sid, deadline, retry=True, reported=reported):
                 return False
         return True
 
-    def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False
-                     ) -> bool:
+    def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
+                     reported: tuple[str, ...] = ()) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
         calls in flight here, as a local ``DELETE`` does (before the copy goes, and again after
         for a call begun in between). That DELETE cancelled the calls Redis listed in flight; a
@@ -687,14 +688,21 @@ class Bridge:
         cannot take now (its lock held past ``lock_timeout``) is kept and tried again by the
         thread every turn (:meth:`_redeliver`) until ``deadline`` (``time.monotonic()``;
         default: a session TTL from now): it was taken out of Redis, so dropping it would leave
-        the session's calls here running. False when the lock timed out."""
+        the session's calls here running. False when the lock timed out.
+
+        Each call is reported cancelled once (contract §4.7): the first pass's events wait for
+        the copy's end (a try that stalls there reports nothing; the retry cancels them again),
+        and the keys reported (``reported``) are kept with an end retried after it."""
         if deadline is None:
             deadline = time.monotonic() + self._session_ttl
         try:
             scope = self.local.scope({SESSION_KEY: sid})
-            first = self.local.cancel_scope_keys(scope, "session deleted")
+            first = self.local.cancel_scope_keys(scope, "session deleted", reported=reported,
+                                                 emit=False)
             self._session_store().delete(sid)
-            if len(first) + self.local.cancel_scope(scope, "session deleted", reported=first):
+            self.local.report_cancelled(scope, first, "session deleted")
+            reported = (*reported, *first)
+            if self.local.cancel_scope(scope, "session deleted", reported=reported) or reported:
                 wake.ring(self.registry.name)
         except LockTimeout as e:
             left = deadline - time.monotonic()
@@ -703,7 +711,7 @@ class Bridge:
                     self._unended.pop(sid, None)
                     if len(self._unended) >= OWED_MAX:
                         self._unended.popitem(last=False)
-                    self._unended[sid] = deadline
+                    self._unended[sid] = (deadline, reported)
             log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
                     "could not end a session deleted on another host now: %s (%s)", e,
                     f"tried again for {left:.1f} s" if left > 0 else "given up")
