@@ -22,7 +22,7 @@ from helpers.wsgi import Reply, environ_for, run
 import shmcancel
 from shmcancel import errors
 from shmcancel.config import Config
-from shmcancel.mcp import disconnect
+from shmcancel.mcp import disconnect, wake
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.mcp.stop import RequestStopped
 from shmcancel.mcp.wire import (
@@ -508,6 +508,63 @@ def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
         signals.ev(signals.release, "s").set()
         if call is not None:
             call.join(DEADLINE)
+        reg.close()
+
+
+def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
+        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: ``wait_cancelled`` returns as soon as its call is cancelled (the DELETE rings
+    the doorbells). A DELETE that cancelled the calls, ended the session, then met a stalled
+    lock in its pass after (503) rang no bell: the retry finds no session (404) and rings
+    none either, so a call waiting in ``wait_cancelled`` slept its whole wait."""
+    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                           session_capacity=4, lock_timeout=0.3))
+    app = make_server(reg, signals)
+
+    @app.tool("waiter")
+    def waiter(conn, params):
+        signals.ev(signals.started, "w").set()
+        if shmcancel.server.wait_cancelled(conn, 30):
+            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+        return "slept"
+
+    st = app._process_state()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reg.lock:
+            holding.set()
+            release.wait(DEADLINE)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    delete = st.sessions.delete
+
+    def delete_then_stall(session_id: str) -> bool:
+        done = delete(session_id)
+        holder.start()  # another thread of this process takes the lock and keeps it
+        wait_ev(holding)
+        return done
+
+    try:
+        sid = session(app)
+        h = legacy_headers(sid)
+        call = start_call(app, 1, "waiter", {}, h)
+        wait_ev(signals.ev(signals.started, "w"))
+        end = time.monotonic() + DEADLINE
+        while wake.waiting() < 1:  # its wait registered, so only a ring ends it
+            assert time.monotonic() < end, "the tool never waited"
+            time.sleep(0.001)
+        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert r.status == 503, r
+        release.set()
+        holder.join(DEADLINE)
+        call.join(DEADLINE)
+        assert not call.is_alive(), "the waiting call was not woken"
+        assert call.reply is not None
+        assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+    finally:
+        release.set()
         reg.close()
 
 

@@ -67,16 +67,22 @@ class LegacyWire(CallLifecycle):
         # first pass's events wait for the session's end: a DELETE answered 404 (another
         # ended it meanwhile) or 503 (the retry cancels them again) reports no call, so each
         # is reported once, by the DELETE that ends the session.
+        # The bells ring for whatever was recorded, a later step stalling or not: a call
+        # waiting in wait_cancelled, cancelled by the first pass, must not sleep on.
         first = c.cancel_scope_keys(scope, "session deleted", emit=False)
-        if not st.sessions.delete(sid):  # type: ignore[arg-type]
-            return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
-        c.report_cancelled(scope, first, "session deleted")
-        n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
+        n = 0
+        try:
+            if not st.sessions.delete(sid):  # type: ignore[arg-type]
+                return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+            c.report_cancelled(scope, first, "session deleted")
+            n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
+        finally:
+            if first or n:
+                wake.ring(st.registry.name)
         if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
             rb.cancel_scope(scope, "session deleted")
             rb.delete_session(sid)
         if n:
-            wake.ring(st.registry.name)
             log.info("session deleted: cancelled %d request(s) in flight", n)
         return _Reply(204)
 
