@@ -387,7 +387,8 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
     ``lock_timeout``) is answered 503 "retry later". It ended the session, then cancelled its
     calls, a lock each: a stall landing in between left the calls running, and the client's
     retry found no session (404). The calls are now cancelled before the session goes (and
-    again after, for a call that began meanwhile): whatever the 503, none runs on."""
+    again after, for a call that began meanwhile): whatever the 503, none in flight before the
+    DELETE runs on."""
     reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
                                            session_capacity=4, lock_timeout=0.3))
     app = make_server(reg, signals)

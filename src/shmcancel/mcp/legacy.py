@@ -60,15 +60,13 @@ class LegacyWire(CallLifecycle):
         environ[SESSION_KEY] = sid
         c = st.cancellation
         scope = c.scope(environ)
-        # Its calls are cancelled before the session goes, and again after for a call that
-        # began in between (one beginning later finds no session: _call_tracked). Each step
-        # takes the lock on its own: one that stalls (LockTimeout, 503 "retry later") after
-        # the session went must not leave its calls running while the retry gets 404. The
-        # first pass's events wait for the session's end: a DELETE answered 404 (another
-        # ended it meanwhile) or 503 (the retry cancels them again) reports no call, so each
-        # is reported once, by the DELETE that ends the session.
-        # The bells ring for whatever was recorded, a later step stalling or not: a call
-        # waiting in wait_cancelled, cancelled by the first pass, must not sleep on.
+        # Its calls are cancelled before the session goes, and again after for a call begun in
+        # between (one beginning later finds no session: _call_tracked). Each step takes the
+        # lock on its own: a stall there (LockTimeout, 503 "retry later") after the session
+        # went leaves no call that was in flight before the DELETE running (only one begun in
+        # those microseconds, which the retry's 404 does not see). The first pass's events wait
+        # for the session's end, so each call is reported once, by the DELETE that ends it;
+        # the bells ring for whatever was recorded, a later step stalling or not.
         first = c.cancel_scope_keys(scope, "session deleted", emit=False)
         n = 0
         try:
