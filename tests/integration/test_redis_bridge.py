@@ -495,3 +495,44 @@ def test_a_full_redis_does_not_stop_the_bridge_reading_its_box(reg: Registry,
     finally:
         r.config_set("maxmemory", 0)
         r.close()
+
+
+def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thread(
+        reg: Registry, srv: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The thread renews every row its worker holds in one script before it reads its box. A
+    call whose in-flight key another client wrote as a string (WRONGTYPE) failed that script
+    every turn, for as long as the call ran: the worker read its box no more (a cross-host
+    cancellation of its other call never landed), renewed none of its leases, and logged a
+    warning every turn; as did the add back of a row whose scope's running-id set is a string.
+    Such a row can never be held in Redis: skipped, the others renewed."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, prefix=prefix, host="A", lease=1.5) as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        r = redis.Redis.from_url(srv.url)
+        try:
+            r.set(a.store.if_key("session:y", "8"), "a string")
+            r.set(a.store.ifs_key("session:z"), "a string")  # each add back of 9 fails
+            poisoned = c.begin(8, "session:y")
+            assert poisoned.tracked and a.track(8, "session:y") is not None
+            poisoned2 = c.begin(9, "session:z")
+            assert poisoned2.tracked and a.track(9, "session:z") is not None
+            handle = c.begin(7, "session:x")
+            assert handle.tracked and a.track(7, "session:x") is not None
+            caplog.set_level(logging.WARNING, logger="shmcancel.redis")
+            caplog.clear()  # the two tracks' own answers
+            a.start()
+            # past two leases: the row of call 7 lives on only if the thread renews it
+            until = time.monotonic() + 2 * a.remote.lease
+            wait_until(lambda: time.monotonic() > until or None, until + 5, interval=0.05,
+                       what="two leases")
+            assert b.cancel(7, "stop", "session:x") is True  # still in flight in Redis
+            wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10,
+                       interval=0.02, what="the cancellation delivered on A")
+            warnings = [m for m in caplog.messages if "wrong type" in m]
+            assert not warnings, warnings
+            handle.end()
+            poisoned.end()
+            poisoned2.end()
+        finally:
+            r.close()

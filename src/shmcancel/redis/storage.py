@@ -313,9 +313,13 @@ class RedisStorage:
         """Extend the lease of every row this process holds, adding back any Redis lost (a
         restart, a lease run out) with its request's start, so that a cancellation sent since
         that found nothing in flight meanwhile lands (``track.lua``). Returns how many were
-        added back."""
+        added back. A row whose keys another client wrote with another type (``WRONGTYPE``)
+        can never be held in Redis: skipped, so that it stops neither the renewal of the other
+        rows nor the bridge thread's turn (its box read)."""
+        from redis.exceptions import ResponseError
         now = self._now_ms()
         deadline = now + int(self.lease * 1000)
+        added = 0
         self._io_held("renew")
         try:
             with self._lock:  # an ended row is never renewed (reap_ended ends it)
@@ -325,10 +329,18 @@ class RedisStorage:
                                        now_ms=now)
             for i in missing:
                 (s, r, _), (o, started) = items[i]
-                self.store.track(s, r, o, deadline_ms=deadline, now_ms=now, started_at=started)
+                try:
+                    self.store.track(s, r, o, deadline_ms=deadline, now_ms=now,
+                                     started_at=started)
+                except ResponseError as e:
+                    if not str(e).startswith("WRONGTYPE"):
+                        raise
+                    log.debug("not adding back request %r in %r: %s", r, s[:80], e)
+                    continue
+                added += 1
         finally:
             self._io.release()
-        return len(missing)
+        return added
 
     def _want_renewer(self) -> None:
         """With ``auto_renew``, make sure a thread renews the rows held (caller holds
