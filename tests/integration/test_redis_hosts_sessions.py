@@ -666,3 +666,38 @@ def test_a_session_whose_minting_worker_died_is_found_again_after_redis_restarts
             return c.post(b.url, PING, retry_for=0).status_code == 200 or None
         wait_until(found_on_b, time.monotonic() + 20, interval=0.2,
                    what="B to find the session again")
+
+
+def test_a_clients_session_bound_in_redis_outlives_the_worker_that_minted_its_sessions(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: sessions are bounded per client (README: "at most sessions_per_client per
+    client there"). A session lives in its host's registry for every worker there, and each
+    one serving it renews its Redis copy (keep_session); but only the process that published
+    it renewed the client's set of sessions. Once that worker had died (killed, recycled by
+    max_requests) the set expired one session_ttl later while the client's sessions lived on,
+    renewed by the other workers: they were counted no more, and every mint added to them
+    (three sessions in Redis for a bound of two)."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2, session_ttl=1.0)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a1), (_rb, _b)), \
+            bridge(ra, redis_server, prefix=a1.store.prefix, host="A") as a2:
+        sa, client = SessionStore(ra), "ip:203.0.113.79"
+        s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
+        for s in (s1, s2):
+            a1.publish_session(s.id, s.protocol_version, client)
+        # a1 is gone from here on: host A's other worker serves the client's requests
+        end = time.monotonic() + 2.5  # past two session TTLs, the sessions in use throughout
+        while time.monotonic() < end:
+            for s in (s1, s2):
+                sa.touch(s)
+                a2.keep_session(s.id, client)  # a request of each, as legacy.py makes it
+            time.sleep(0.02)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            assert r.exists(*(a2.store._sess_key(s.id) for s in (s1, s2))) == 2  # kept alive
+            s3 = sa.create("2025-11-25", client)
+            a2.publish_session(s3.id, s3.protocol_version, client)
+            held = [s.id for s in (s1, s2, s3) if r.exists(a2.store._sess_key(s.id))]
+        finally:
+            r.close()
+        assert s3.id in held and len(held) == 2, held

@@ -435,9 +435,10 @@ class Bridge:
         hosts keep finding a session in use, and lists this worker among its holders (told of a
         ``DELETE`` elsewhere: the worker that adopted this host's copy may have died); a copy
         gone (Redis restarted empty) is stored again when this process published it, one
-        deleted elsewhere lately is ended here. One this process did not publish is stored
-        again too when ``client`` (the request's) is the one this host counts it against: the
-        process that published it may have died (a recycled worker) before Redis lost it.
+        deleted elsewhere lately is ended here. One this process did not publish is renewed
+        with its client's set of sessions (the per-client bound), and stored again, too when
+        ``client`` (the request's) is the one this host counts it against: the process that
+        published it may have died (a recycled worker).
         Never raises; a renewal without an answer is retried
         at the next request after the period."""
         if not _minted_form(sid):
@@ -453,19 +454,29 @@ class Bridge:
             self._ask("session", self._keep, sid, held, client)
 
     def _keep(self, sid: str, held: tuple[str, str] | None, client: str | None) -> None:
+        served = None  # held here only as a copy the request's client is counted for
+        if held is None and client is not None:
+            held = served = self._served(sid, client)
         kept = self.store.touch_session(sid, None if held is None else held[1],
                                         box=self.remote.box)
         if kept < 0:  # deleted on another host, and this worker's box was not told
             self._gone(sid)
         elif kept == 0 and held is not None:
-            self._put(sid, *held)
-        elif kept == 0 and client is not None:
-            sessions = self._session_store()
-            s = sessions.get(sid)
-            if s is not None and s.client == sessions.client_digest(client):
+            if served is not None:
                 with self._owed_lock:
-                    _put_newest(self._held, sid, (s.protocol_version, client))
-                self._put(sid, s.protocol_version, client)
+                    _put_newest(self._held, sid, held)
+            self._put(sid, *held)
+
+    def _served(self, sid: str, client: str) -> tuple[str, str] | None:
+        """``(version, client)`` of this host's copy of session ``sid`` when ``client`` (a
+        request's) is the one it counts against, else None. Its renewal then renews that
+        client's set of sessions too, as its publisher's does: the per-client bound counts the
+        sessions in use, and the publisher may have died while the session lives on here."""
+        sessions = self._session_store()
+        s = sessions.get(sid)
+        if s is None or s.client != sessions.client_digest(client):
+            return None
+        return s.protocol_version, client
 
     def lookup_session(self, sid: str) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; the caller adopts
