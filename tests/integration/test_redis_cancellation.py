@@ -186,6 +186,25 @@ def test_members_another_client_put_in_the_index_do_not_stop_expiry(redis_server
     assert [c.store.client.zscore(c.store._all, m) for m in junk] == [None] * len(junk)
 
 
+def test_a_scope_key_another_client_wrote_over_does_not_stop_expiry(redis_server,
+                                                                    redis_prefix):
+    """contract §4.6: cleanup removes rows with now - cancelled_at > ttl. A member of the index
+    whose scope's rows key another client wrote with another type made the expiry script fail
+    on it (WRONGTYPE) at every sweep, so no row of any scope past its TTL went (and the bridge
+    logged a warning each sweep). Such a member names no row of ours: dropped, rows expire."""
+    clock = Clock()
+    c = make(redis_server, redis_prefix, clock=clock)
+    c.cancel(1, scope="s")
+    c.store.client.set(c.store._skeys("x")[0], "a string")
+    c.store.client.set(c.store._skeys("y")[1], "a string")
+    junk = [b"1:x9", b"1:y9"]
+    c.store.client.zadd(c.store._all, dict.fromkeys(junk, 0))  # the oldest: met first
+    clock.tick(400.0)
+    assert c.cleanup(ttl=300.0) == 1
+    assert not c.cancelled(1, scope="s")
+    assert [c.store.client.zscore(c.store._all, m) for m in junk] == [None] * len(junk)
+
+
 def test_the_sweep_claim_key_expires_when_no_host_claims(redis_server, redis_prefix):
     c = make(redis_server, redis_prefix)
     key = (redis_prefix + "{g}:sweep").encode()
