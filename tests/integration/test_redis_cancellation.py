@@ -205,6 +205,23 @@ def test_a_scope_key_another_client_wrote_over_does_not_stop_expiry(redis_server
     assert [c.store.client.zscore(c.store._all, m) for m in junk] == [None] * len(junk)
 
 
+def test_index_members_whose_row_is_not_there_do_not_hide_the_rows_behind_them(
+        redis_server, redis_prefix):
+    """A member of the index of the member form whose row is not there (another client's write,
+    or a row removed without its member) stayed in the index, looked at again by every sweep
+    and never counted; the sweep stopped at the first script call that removed fewer rows than
+    its limit, so a limit's worth of them (older than every row) stopped expiry for good."""
+    clock = Clock()
+    c = make(redis_server, redis_prefix, clock=clock)
+    c.cancel(1, scope="s")
+    junk = {f"1:z{i}".encode(): 0 for i in range(600)}
+    c.store.client.zadd(c.store._all, junk)
+    clock.tick(400.0)
+    assert c.cleanup(ttl=300.0) == 1
+    assert not c.cancelled(1, scope="s")
+    assert c.store.client.zcard(c.store._all) == 0
+
+
 def test_the_sweep_claim_key_expires_when_no_host_claims(redis_server, redis_prefix):
     c = make(redis_server, redis_prefix)
     key = (redis_prefix + "{g}:sweep").encode()

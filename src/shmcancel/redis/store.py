@@ -212,11 +212,11 @@ class RedisStore:
             return 0
         total = 0
         for _ in range(10_000):
-            n = int(self.call("expire", [self._all, self._scopes],
-                              [self.prefix, "+inf" if last == math.inf else repr(last),
-                               _EXPIRE_LIMIT]))
-            total += n
-            if n < _EXPIRE_LIMIT:
+            n, looked = self.call("expire", [self._all, self._scopes],
+                                  [self.prefix, "+inf" if last == math.inf else repr(last),
+                                   _EXPIRE_LIMIT])
+            total += int(n)
+            if int(looked) < _EXPIRE_LIMIT:  # members naming no row count too: see expire.lua
                 break
         return total
 
