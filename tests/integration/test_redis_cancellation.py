@@ -265,6 +265,21 @@ def test_renew_adds_back_rows_redis_lost(redis_server, redis_prefix):
     assert c.in_flight(1, "s")
 
 
+def test_a_running_id_whose_row_key_another_client_wrote_over_does_not_stop_cancel_scope(
+        redis_server, redis_prefix):
+    """contract §6.1: a session's DELETE cancels every request still in flight in it. A running
+    id whose in-flight key another client wrote with another type made its cancel script fail
+    (WRONGTYPE), which ended cancel_scope there: the ids after it in the set were never
+    cancelled (the bridge's DELETE then told no host). Such an id is not in flight: skipped."""
+    c = make(redis_server, redis_prefix)
+    c.track(7, "session:x")
+    for i in range(50):  # the set's order is Redis's: some come before 7
+        c.store.client.sadd(c.store.ifs_key("session:x"), f"z{i}")
+        c.store.client.set(c.store.if_key("session:x", f"z{i}"), "a string")
+    assert c.cancel_scope("session:x", "session deleted") == 1
+    assert c.cancelled(7, "session:x")
+
+
 def test_noscript_reloads(redis_server, redis_prefix):
     c = make(redis_server, redis_prefix)
     c.cancel(1)
