@@ -381,43 +381,61 @@ def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_i
     assert tables_empty(reg)
 
 
+@pytest.fixture
+def short_reg(shm_name: str) -> Iterator[Registry]:
+    """A registry whose lock waits 0.3 s for a live holder (``lock_timeout``)."""
+    r = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                         session_capacity=4, lock_timeout=0.3))
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def stall_session_delete(monkeypatch: pytest.MonkeyPatch, app: McpServer, *, after: bool
+                         ) -> contextlib.ExitStack:
+    """Make the next session delete of ``app`` meet a stalled lock: another thread takes the
+    registry lock and keeps it, before the delete (which then times out) or, ``after``, once it
+    is done; until the returned stack is closed. Later deletes run as they are."""
+    st = app._process_state()
+    stall = contextlib.ExitStack()
+    delete = st.sessions.delete
+
+    def stalled(session_id: str) -> bool:
+        monkeypatch.setattr(st.sessions, "delete", delete)
+        if not after:
+            stall.enter_context(lock_held(st.registry, hold_for=DEADLINE))
+        done = delete(session_id)
+        if after:
+            stall.enter_context(lock_held(st.registry, hold_for=DEADLINE))
+        return done
+
+    monkeypatch.setattr(st.sessions, "delete", stalled)
+    return stall
+
+
 def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
-        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """contract §6.1, §5: a DELETE whose registry lock stalls (a live holder, past
     ``lock_timeout``) is answered 503 "retry later". It ended the session, then cancelled its
     calls, a lock each: a stall landing in between left the calls running, and the client's
     retry found no session (404). The calls are now cancelled before the session goes (and
     again after, for a call that began meanwhile): whatever the 503, none in flight before the
     DELETE runs on."""
-    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                           session_capacity=4, lock_timeout=0.3))
-    app = make_server(reg, signals)
-    st = app._process_state()
-    stall = contextlib.ExitStack()
-    delete = st.sessions.delete
-
-    def delete_then_stall(session_id: str) -> bool:
-        done = delete(session_id)
-        stall.enter_context(lock_held(reg, hold_for=DEADLINE))  # another thread keeps it
-        return done
-
-    try:
-        sid = session(app)
-        h = legacy_headers(sid)
-        call = start_call(app, 1, "wait", {"tag": "s"}, h)
-        wait_ev(signals.ev(signals.started, "s"))
-        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
+    app = make_server(short_reg, signals)
+    sid = session(app)
+    h = legacy_headers(sid)
+    call = start_call(app, 1, "wait", {"tag": "s"}, h)
+    wait_ev(signals.ev(signals.started, "s"))
+    with stall_session_delete(monkeypatch, app, after=True) as stall:
         r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
         # 503 when the pass after the session went met the stall; 204 when the call, cancelled
         # by the pass before, had already ended (its lane row goes without the lock)
         assert r.status == 204 or (r.status == 503 and r.headers["retry-after"]), r
         stall.close()
         reply = call.result()
-        assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED, reply.json
-        assert run(app, environ_for("DELETE", None, headers=h)).status == 404
-    finally:
-        stall.close()
-        reg.close()
+    assert reply.json["error"]["code"] == errors.REQUEST_CANCELLED, reply.json
+    assert run(app, environ_for("DELETE", None, headers=h)).status == 404
 
 
 @pytest.fixture
@@ -464,63 +482,36 @@ def test_two_racing_deletes_report_each_call_cancelled_once(
 
 
 def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
-        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
         cancelled_events: list[dict[str, Any]]) -> None:
     """contract §4.7, §5: a DELETE whose session step meets a stalled lock is answered 503
     "retry later", and the session stays; its calls were cancelled already. The retry
     cancelled them again and reported each a second time: a DELETE answered 503 reports
     nothing, the retry that ends the session reports every call once."""
-    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                           session_capacity=4, lock_timeout=0.3))
-    app = make_server(reg, signals)
-    st = app._process_state()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with reg.lock:
-            holding.set()
-            release.wait(DEADLINE)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    delete = st.sessions.delete
-
-    def stall_then_delete(session_id: str) -> bool:
-        holder.start()  # another thread of this process takes the lock and keeps it
-        wait_ev(holding)
-        return delete(session_id)
-
-    call = None
+    app = make_server(short_reg, signals)
+    sid = session(app)
+    h = legacy_headers(sid)
+    call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
+    wait_ev(signals.ev(signals.started, "s"))
     try:
-        sid = session(app)
-        h = legacy_headers(sid)
-        call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
-        wait_ev(signals.ev(signals.started, "s"))
-        monkeypatch.setattr(st.sessions, "delete", stall_then_delete)
-        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
-        assert r.status == 503 and r.headers["retry-after"], r
-        release.set()
-        holder.join(DEADLINE)
-        monkeypatch.setattr(st.sessions, "delete", delete)
+        with stall_session_delete(monkeypatch, app, after=False):
+            r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+            assert r.status == 503 and r.headers["retry-after"], r
         assert run(app, environ_for("DELETE", None, headers=h, content_type=None)).status == 204
         wait_ev(signals.ev(signals.saw_cancel, "s"))
         assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
     finally:
-        release.set()
         signals.ev(signals.release, "s").set()
-        if call is not None:
-            call.join(DEADLINE)
-        reg.close()
+        call.join(DEADLINE)
 
 
 def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
-        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """README: ``wait_cancelled`` returns as soon as its call is cancelled (the DELETE rings
     the doorbells). A DELETE that cancelled the calls, ended the session, then met a stalled
     lock in its pass after (503) rang no bell: the retry finds no session (404) and rings
     none either, so a call waiting in ``wait_cancelled`` slept its whole wait."""
-    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                           session_capacity=4, lock_timeout=0.3))
-    app = make_server(reg, signals)
+    app = make_server(short_reg, signals)
 
     @app.tool("waiter")
     def waiter(conn, params):
@@ -529,44 +520,21 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
             raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
         return "slept"
 
-    st = app._process_state()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with reg.lock:
-            holding.set()
-            release.wait(DEADLINE)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    delete = st.sessions.delete
-
-    def delete_then_stall(session_id: str) -> bool:
-        done = delete(session_id)
-        holder.start()  # another thread of this process takes the lock and keeps it
-        wait_ev(holding)
-        return done
-
-    try:
-        sid = session(app)
-        h = legacy_headers(sid)
-        call = start_call(app, 1, "waiter", {}, h)
-        wait_ev(signals.ev(signals.started, "w"))
-        end = time.monotonic() + DEADLINE
-        while wake.waiting() < 1:  # its wait registered, so only a ring ends it
-            assert time.monotonic() < end, "the tool never waited"
-            time.sleep(0.001)
-        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
+    sid = session(app)
+    h = legacy_headers(sid)
+    call = start_call(app, 1, "waiter", {}, h)
+    wait_ev(signals.ev(signals.started, "w"))
+    end = time.monotonic() + DEADLINE
+    while wake.waiting() < 1:  # its wait registered, so only a ring ends it
+        assert time.monotonic() < end, "the tool never waited"
+        time.sleep(0.001)
+    with stall_session_delete(monkeypatch, app, after=True):
         r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
         assert r.status == 503, r
-        release.set()
-        holder.join(DEADLINE)
-        call.join(DEADLINE)
-        assert not call.is_alive(), "the waiting call was not woken"
-        assert call.reply is not None
-        assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
-    finally:
-        release.set()
-        reg.close()
+    call.join(DEADLINE)
+    assert not call.is_alive(), "the waiting call was not woken"
+    assert call.reply is not None
+    assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
 
 
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
