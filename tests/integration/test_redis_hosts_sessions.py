@@ -613,15 +613,7 @@ def test_a_client_keeps_its_session_bound_in_redis_past_one_session_ttl(
             for s in (s1, s2):
                 a.keep_session(s.id)  # a request of each: renewed every ttl/4 at most
             time.sleep(0.02)
-        r = redis.Redis.from_url(redis_server.url)
-        try:
-            assert r.exists(*(a.store._sess_key(s.id) for s in (s1, s2))) == 2  # kept alive
-            s3 = sa.create("2025-11-25", client)
-            a.publish_session(s3.id, s3.protocol_version, client)
-            held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
-        finally:
-            r.close()
-        assert s3.id in held and len(held) == 2, held
+        _a_third_mint_leaves_two(redis_server, a, sa, client, (s1, s2))
 
 
 def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
@@ -692,12 +684,19 @@ def test_a_clients_session_bound_in_redis_outlives_the_worker_that_minted_its_se
                 sa.touch(s)
                 a2.keep_session(s.id, client)  # a request of each, as legacy.py makes it
             time.sleep(0.02)
-        r = redis.Redis.from_url(redis_server.url)
-        try:
-            assert r.exists(*(a2.store._sess_key(s.id) for s in (s1, s2))) == 2  # kept alive
-            s3 = sa.create("2025-11-25", client)
-            a2.publish_session(s3.id, s3.protocol_version, client)
-            held = [s.id for s in (s1, s2, s3) if r.exists(a2.store._sess_key(s.id))]
-        finally:
-            r.close()
-        assert s3.id in held and len(held) == 2, held
+        _a_third_mint_leaves_two(redis_server, a2, sa, client, (s1, s2))
+
+
+def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str,
+                             kept: tuple[Any, Any]) -> None:
+    """``client``'s two sessions ``kept`` are alive in Redis, and a third it mints (published
+    by ``br``) leaves two of the three there, the new one among them (sessions_per_client 2)."""
+    r = redis.Redis.from_url(srv.url)
+    try:
+        assert r.exists(*(br.store._sess_key(s.id) for s in kept)) == 2  # kept alive
+        s3 = sa.create("2025-11-25", client)
+        br.publish_session(s3.id, s3.protocol_version, client)
+        held = [s.id for s in (*kept, s3) if r.exists(br.store._sess_key(s.id))]
+    finally:
+        r.close()
+    assert s3.id in held and len(held) == 2, held
