@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -163,3 +164,25 @@ def test_a_fork_childs_renewal_thread_does_not_bring_back_the_parents_ended_requ
     finally:
         for k in st.store.client.scan_iter(redis_prefix + "*"):
             st.store.client.delete(k)
+
+
+def test_rows_of_requests_ended_while_redis_is_away_are_bounded(redis_prefix):
+    """Bounded everything: a request that ends while Redis gives no answer leaves its row held
+    for ``reap_ended`` (its track never landed, or its end got no answer). Nothing bounded
+    them: every request of an outage (distinct ids from any client) stayed in the process's
+    memory until Redis answered. At most ``ENDED_MAX`` are kept; a running request's row
+    always is."""
+    from shmcancel.redis import storage
+
+    bound = getattr(storage, "ENDED_MAX", 1024)
+    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5)
+    c = Cancellation(None, backend=st)
+    running = c.begin("still-running", "ip:10.0.0.9")
+    for i in range(3 * bound):
+        c.begin(f"r{i}", "ip:10.0.0.1").end()
+        with contextlib.suppress(Exception):  # track raises the backend's error
+            c.track(f"t{i}", "ip:10.0.0.2")
+        c.untrack(f"t{i}", "ip:10.0.0.2")
+        assert st.held() <= 2 * bound + 8  # pruned as it doubles: never more
+    assert ("ip:10.0.0.9", "still-running") in {(s, r) for s, r, _ in st._mine}
+    running.end()

@@ -46,6 +46,11 @@ _instances: weakref.WeakSet[RedisStorage] = weakref.WeakSet()
 #: request ended, and :meth:`RedisStorage.reap_ended` ends it (no token in ``owed.running``
 #: tells of a token-0 row's end, so renew would otherwise keep it in flight for good).
 _ENDED = -1
+#: The most rows of ended requests (their end got no answer, or their track never reached
+#: Redis) a process keeps for :meth:`RedisStorage.reap_ended` while Redis is away; the oldest
+#: beyond go unended (their Redis rows, if any, end with their lease): without a bound every
+#: request of an outage stayed in memory until Redis answered.
+ENDED_MAX = 1024
 
 
 def _after_fork_in_child() -> None:
@@ -114,6 +119,8 @@ class RedisStorage:
         self.io_wait = float(io_wait)
         self.auto_renew = bool(auto_renew)
         self._renewer: threading.Thread | None = None  # guarded by _lock
+        self._prune_at = 2 * ENDED_MAX  # len(_mine) at which hold() drops ended rows
+        self._pruned_logged = False
         self._tag = secrets.token_hex(4)  # this process's box, told apart from a namesake's
         _instances.add(self)
 
@@ -124,6 +131,7 @@ class RedisStorage:
         self._io = threading.Lock()
         self._mine.clear()
         self._renewer = None
+        self._prune_at = 2 * ENDED_MAX
 
     def _io_held(self, what: str) -> None:
         """Take ``_io`` within ``io_wait`` seconds, else raise ``LockTimeout`` (the caller skips
@@ -225,8 +233,29 @@ class RedisStorage:
             if owner[3] == 0:  # one member in Redis: the thread's ended row's end would end it
                 self._mine.pop((scope, rid, (*owner[:3], _ENDED)), None)
             self._mine[scope, rid, owner] = held
+            if len(self._mine) >= self._prune_at:
+                self._prune_ended()
             self._want_renewer()
         return held
+
+    def _prune_ended(self) -> None:
+        """Keep at most :data:`ENDED_MAX` rows of ended requests (a track row held as ended, or
+        a handle's row whose token left ``owed.running``), dropping the oldest; caller holds
+        ``_lock``. The next prune comes once ``_mine`` doubles (so a process running many
+        requests at once does not scan at every hold)."""
+        pid, start = procinfo.me()
+        running = owed.running
+        ended = [k for k in self._mine if k[2][3] == _ENDED or (
+            k[2][3] != 0 and k[2][0] == pid and k[2][1] == start and k[2][3] not in running)]
+        drop = ended[:len(ended) - ENDED_MAX] if len(ended) > ENDED_MAX else []
+        for k in drop:
+            del self._mine[k]
+        self._prune_at = max(2 * ENDED_MAX, 2 * len(self._mine))
+        if drop and not self._pruned_logged:
+            self._pruned_logged = True
+            log.warning("more than %d in-flight rows of ended requests are owed to Redis; the "
+                        "oldest are dropped (they end with their lease). (Logged once.)",
+                        ENDED_MAX)
 
     def forget(self, scope: str, rid: str, owner: Owner) -> None:
         """Drop a row locally only (Redis is down; its lease ends it there)."""
