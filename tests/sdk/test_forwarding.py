@@ -6,6 +6,7 @@ forward is a 503 with ``Retry-After`` (or the end of its stream), never a 500.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,74 @@ def test_the_forwarding_client_gives_up_an_idle_connection_before_the_owner_clos
 
     expiry, idle = asyncio.run(main())
     assert expiry is not None and expiry + 5 <= idle, (expiry, idle)
+
+
+def _dead_peer_sockets() -> int:
+    """This process's connected Unix stream sockets whose peer has closed (a peek reads EOF):
+    descriptors held open for nothing."""
+    import socket
+
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with s:
+            if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+                continue
+            with contextlib.suppress(OSError):  # listening, unconnected, nothing to read
+                n += s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    return n
+
+
+def test_connections_to_a_worker_that_is_gone_are_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded everything (descriptors): forwards to a worker keep pooled connections to it
+    (up to 32). Once that worker was gone (recycled by ``max_requests``, a ``HUP``, a crash),
+    they stayed open in every worker that had forwarded to it: the client was kept until 64
+    other workers' clients evicted it, or dropped (a 404 for a session of the gone worker)
+    without being closed, its sockets left to the cyclic garbage collector. Now a client for a
+    worker whose socket is gone is closed (once its forwards under way end) when it is
+    dropped, and when a client for a new worker is made."""
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+
+    async def main() -> tuple[int, int, int]:
+        app = _Owner()
+        first, second, here = Router(app), Router(app), Router(app)
+        await first.ensure()
+        gone = asyncio.Event()
+        app.stall.set()  # concurrent forwards: each its own pooled connection
+        calls = [asyncio.create_task(_forward(here, first.token, "POST", gone))
+                 for _ in range(8)]
+        for _ in range(500):
+            if len(first._server.server_state.connections) >= 8:
+                break
+            await asyncio.sleep(0.01)
+        app.release.set()
+        await asyncio.gather(*calls)
+        app.stall.clear()
+        first.close()  # the worker goes: its socket and its connections
+        assert first._task is not None
+        await first._task
+        for _ in range(500):
+            if _dead_peer_sockets() >= 8:
+                break
+            await asyncio.sleep(0.01)
+        left_by_the_gone_worker = _dead_peer_sockets()
+        await second.ensure()  # its replacement, forwarded to
+        await _forward(here, second.token, "POST", gone)
+        after_new_worker = _dead_peer_sockets()
+        sent = await _forward(here, first.token, "POST", gone)  # a gone worker's session
+        assert sent[0]["status"] == 404
+        after = _dead_peer_sockets()
+        second.close()
+        for c in here._clients.values():
+            await c.aclose()
+        return left_by_the_gone_worker, after_new_worker, after
+
+    left, after_new_worker, after = asyncio.run(main())
+    assert left >= 8
+    assert after_new_worker == 0 and after == 0, (left, after_new_worker, after)

@@ -175,18 +175,17 @@ class Router:
         self._task: asyncio.Task[None] | None = None
         self._started: asyncio.Event | None = None
         self._clients: dict[str, Any] = {}  # socket path -> httpx.AsyncClient (this process's)
+        self._uses: dict[Any, int] = {}  # client -> forwards under way through it
 
     def _client(self, path: str) -> Any:
+        """A pooled client for the worker at ``path`` (building one costs milliseconds: an SSL
+        context); :meth:`_prune` before a new one keeps at most ``MAX_CLIENTS``."""
         if not self._clients:
             _quiet_httpx()
-        """A pooled client for the worker at ``path`` (building one costs milliseconds: an SSL
-        context). At most ``MAX_CLIENTS`` are kept; the oldest goes first."""
         import httpx
 
         h = self._clients.get(path)
         if h is None:
-            if len(self._clients) >= MAX_CLIENTS:
-                self._clients.pop(next(iter(self._clients)))  # closed by the collector
             # No pool bound of its own: each forward holds one of this worker's own client
             # connections, so those bound it (httpx's default of 100 made the 101st concurrent
             # stream wait FORWARD_TIMEOUT, then fail).
@@ -196,6 +195,25 @@ class Router:
                 transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
                 timeout=httpx.Timeout(FORWARD_TIMEOUT, read=None))
         return h
+
+    async def _prune(self) -> None:
+        """Before a client for a new worker is made: drop the clients of workers whose socket
+        is gone (their pooled connections lead nowhere, and nothing else would close them: a
+        gone worker's sessions need not ever be forwarded here again), then the oldest past
+        ``MAX_CLIENTS - 1``."""
+        for p in [p for p in self._clients if not os.path.exists(p)]:
+            await self._drop(p)
+        while len(self._clients) >= MAX_CLIENTS:
+            await self._drop(next(iter(self._clients)))
+
+    async def _drop(self, path: str) -> None:
+        """Forget the client for ``path`` and close it (its pooled connections): now when no
+        forward uses it, else once the last one ends (:meth:`forward`). Never left to the
+        cyclic garbage collector, which alone would free its sockets."""
+        h = self._clients.pop(path, None)
+        if h is not None and h not in self._uses:
+            with contextlib.suppress(Exception):
+                await h.aclose()
 
     # --- this worker's second server -----------------------------------------------------
 
@@ -302,14 +320,12 @@ class Router:
     async def forward(self, token: str, scope: MutableMapping[str, Any], body: bytes | None,
                       receive: Any, send: Any) -> None:
         """Serve the request by the worker ``token`` (see the module docstring)."""
-        import httpx
-
         path = os.path.join(server_dir(), f"{token}.sock")
         if not os.path.exists(path):
             # No such worker (gone and swept, or a token anyone can forge): answered before a
             # client is built for it, which would cost milliseconds of this event loop (an SSL
             # context), where every call's cancellation poll runs too.
-            self._clients.pop(path, None)
+            await self._drop(path)
             await _not_found(send)
             return
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in HOP_BY_HOP]
@@ -320,8 +336,28 @@ class Router:
         if scope.get("query_string"):
             target = target + b"?" + bytes(scope["query_string"])
         url = FORWARD_ORIGIN + target.decode("latin-1")
+        if path not in self._clients:
+            await self._prune()
         h = self._client(path)
-        req = h.build_request(scope["method"], url, headers=headers, content=body or b"")
+        self._uses[h] = self._uses.get(h, 0) + 1
+        try:
+            await self._forward_via(h, token, path, scope["method"], url, headers, body,
+                                    receive, send)
+        finally:
+            n = self._uses.pop(h) - 1
+            if n:
+                self._uses[h] = n
+            elif self._clients.get(path) is not h:  # dropped while in use: its last user
+                with contextlib.suppress(Exception):  # closes it
+                    await h.aclose()
+
+    async def _forward_via(self, h: Any, token: str, path: str, method: str, url: str,
+                           headers: list[tuple[Any, Any]], body: bytes | None, receive: Any,
+                           send: Any) -> None:
+        """:meth:`forward` through the client ``h`` for the worker at ``path``."""
+        import httpx
+
+        req = h.build_request(method, url, headers=headers, content=body or b"")
         try:
             resp = await h.send(req, stream=True)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
