@@ -29,6 +29,7 @@ from shmcancel import Cancellation, Config, RemoteUnavailable, errors, telemetry
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import RedisCancellation, RedisStore, connect
 from shmcancel.redis.bridge import Bridge
+from shmcancel.redis.store import BOX_MAX
 from shmcancel.shm.registry import Registry
 
 __all__ = ["outdir"]  # the module fixture, shared
@@ -444,6 +445,28 @@ def test_a_session_end_retried_after_a_stall_reports_each_call_cancelled_once(
             release.set()
             telemetry.detach("test-end-retried")
             handle.end()
+
+
+def test_a_box_nobody_reads_keeps_its_newest_items_only(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Bounded memory: every cancellation of a running call pushes an item into its worker's
+    box, a repeated one too (a client resending notifications/cancelled for one id: the quota
+    counts rows, and the row is overwritten in place). A box its worker does not read (its
+    registry lock stalled, so the bridge leaves the box in Redis) grew by one item a
+    notification, each push renewing its lease; it keeps its newest BOX_MAX items."""
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (_, b)):
+        handle = _tracked_on_a(ra, a)
+        for i in range(BOX_MAX + 500):  # A's bridge thread does not run: nobody reads its box
+            assert b.cancel(7, f"stop {i}", "session:s") is True
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            box = a.store.box_key(a.remote.box)
+            assert r.llen(box) == BOX_MAX
+            newest = RedisStore.decode_box_item(r.lindex(box, 0))
+        finally:
+            r.close()
+        assert isinstance(newest, tuple) and newest[2] == f"stop {BOX_MAX + 499}", newest
+        handle.end()
 
 
 RETRYING = "could not apply a cross-host cancellation"

@@ -94,9 +94,18 @@ local function box_of(owner)
 end
 -- Tell a worker (its box) of a cancellation recorded at `at` (its cancelled_at, as text): the
 -- worker stamps its local row with it, so a call of the id that began after it ignores it.
+-- Push `item` into a worker's box, which keeps its newest BOX_MAX items: a box its worker does
+-- not read (its registry lock stalled) would otherwise grow with every cancellation a client
+-- repeats for the same call, each push renewing its lease.
+local BOX_MAX = 4096
+local function push_box(P, box, item, box_lease_ms)
+  local k = P .. 'box:' .. box
+  redis.call('LPUSH', k, item)
+  redis.call('LTRIM', k, 0, BOX_MAX - 1)
+  redis.call('PEXPIRE', k, box_lease_ms)
+end
 local function deliver(P, box, scope, rid, reason, at, box_lease_ms)
-  redis.call('LPUSH', P .. 'box:' .. box, cmsgpack.pack({scope, rid, reason, at}))
-  redis.call('PEXPIRE', P .. 'box:' .. box, box_lease_ms)
+  push_box(P, box, cmsgpack.pack({scope, rid, reason, at}), box_lease_ms)
 end
 -- A pending cancellation stops waiting: its entry in the scope's pc, and member m in pend.
 local function unpend(pc, pend, rid, m)

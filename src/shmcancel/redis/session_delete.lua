@@ -7,8 +7,7 @@
 local n = 0
 for _, box in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if box ~= ARGV[4] then
-    redis.call('LPUSH', ARGV[1] .. 'box:' .. box, ARGV[2])
-    redis.call('PEXPIRE', ARGV[1] .. 'box:' .. box, ARGV[3])
+    push_box(ARGV[1], box, ARGV[2], ARGV[3])
     n = n + 1
   end
 end

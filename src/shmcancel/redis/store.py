@@ -32,11 +32,14 @@ import msgpack
 
 from ..config import Config
 
-__all__ = ["GONE_TTL", "RedisStore"]
+__all__ = ["BOX_MAX", "GONE_TTL", "RedisStore"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
             "session_delete", "claim", "keep")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
+#: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
+#: not read (its registry lock stalled) grew with every cancellation repeated for one call.
+BOX_MAX = 4096
 #: Seconds a deleted session is remembered (at most its TTL): a holder that had not heard of the
 #: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
 #: holder stores it again after the outage) is refused its store and ends its copy.
