@@ -537,6 +537,66 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
     assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
 
 
+def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
+        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: ``wait_cancelled`` returns as soon as its call is cancelled. A DELETE's first
+    pass cancels its calls one lock each; a stall landing after the first of them (503) left
+    that call cancelled but rang no bell (only a pass that returned was rung for), so the call
+    waiting in ``wait_cancelled`` slept its whole wait, and the retry need never come."""
+    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                           session_capacity=4, lock_timeout=0.3))
+    app = make_server(reg, signals)
+
+    @app.tool("waiter")
+    def waiter(conn, params):
+        signals.ev(signals.started, params["tag"]).set()
+        if shmcancel.server.wait_cancelled(conn, 30):
+            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+        return "slept"
+
+    st = app._process_state()
+    store = st.cancellation._store
+    record = store.record
+    stall = contextlib.ExitStack()
+    recorded: list[str] = []
+
+    def record_then_stall(scope: str, rid: str, *a: Any, **kw: Any) -> bool:
+        done = record(scope, rid, *a, **kw)
+        if done and not recorded:
+            recorded.append(rid)
+            stall.enter_context(lock_held(reg, hold_for=DEADLINE))  # another thread keeps it
+        return done
+
+    calls: dict[str, Any] = {}
+    try:
+        sid = session(app)
+        h = legacy_headers(sid)
+        for i in (1, 2):
+            calls[str(i)] = start_call(app, i, "waiter", {"tag": f"w{i}"}, h)
+            wait_ev(signals.ev(signals.started, f"w{i}"))
+        end = time.monotonic() + DEADLINE
+        while wake.waiting() < 2:  # their waits registered, so only a ring ends them
+            assert time.monotonic() < end, "the tools never waited"
+            time.sleep(0.001)
+        monkeypatch.setattr(store, "record", record_then_stall)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert r.status == 503, r
+        assert recorded, "the first pass recorded nothing"
+        call = calls[recorded[0]]
+        call.join(DEADLINE)  # the stall still on: only the bell wakes it
+        assert not call.is_alive(), "the call the first pass cancelled was not woken"
+        assert call.reply is not None
+        assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+    finally:
+        stall.close()
+        monkeypatch.undo()
+        if calls:
+            run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        for c in calls.values():
+            c.join(DEADLINE)
+        reg.close()
+
+
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
     sid = session(app)
     r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))

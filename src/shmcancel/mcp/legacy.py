@@ -66,16 +66,21 @@ class LegacyWire(CallLifecycle):
         # went leaves no call that was in flight before the DELETE running (only one begun in
         # those microseconds, which the retry's 404 does not see). The first pass's events wait
         # for the session's end, so each call is reported once, by the DELETE that ends it;
-        # the bells ring for whatever was recorded, a later step stalling or not.
-        first = c.cancel_scope_keys(scope, "session deleted", emit=False)
+        # the bells ring for whatever was recorded, a later step stalling or not (the first
+        # pass too: one stalling after some of its calls rang for none, and returns no keys).
+        first: list[str] = []
         n = 0
+        returned = False
         try:
+            first = c.cancel_scope_keys(scope, "session deleted", emit=False)
             if not st.sessions.delete(sid):  # type: ignore[arg-type]
+                returned = True
                 return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
             c.report_cancelled(scope, first, "session deleted")
             n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
+            returned = True
         finally:
-            if first or n:
+            if first or n or not returned:
                 wake.ring(st.registry.name)
         if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
             rb.cancel_scope(scope, "session deleted")
