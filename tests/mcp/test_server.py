@@ -597,6 +597,89 @@ def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
         reg.close()
 
 
+def test_a_handler_raising_on_a_deletes_event_leaves_no_call_of_the_session_running(
+        app: McpServer, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+    """contract §4.7: a handler's ``BaseException`` (a signal's SystemExit, KeyboardInterrupt)
+    propagates out of the call that emitted the event, so an event is emitted only once the
+    state it reports is written. A DELETE reported its first pass's calls right after the
+    session went, before its pass after (and before telling other hosts): a handler raising
+    there left a call begun in between running in the ended session, the retry answered 404.
+    The events now come once every write of the DELETE is done."""
+    st = app._process_state()
+    sid = session(app)
+    h = legacy_headers(sid)
+    early = start_call(app, 1, "wait", {"tag": "early"}, h)
+    wait_ev(signals.ev(signals.started, "early"))
+    delete = st.sessions.delete
+    late: list[Any] = []
+
+    def a_call_begins_first(session_id: str) -> bool:  # after the first pass, before the end
+        late.append(start_call(app, 2, "wait", {"tag": "late"}, h))
+        wait_ev(signals.ev(signals.started, "late"))
+        return delete(session_id)
+
+    def interrupted(event: Any, measurements: Any, metadata: Any, config: Any) -> None:
+        raise KeyboardInterrupt  # a signal arriving while the handler runs
+
+    monkeypatch.setattr(st.sessions, "delete", a_call_begins_first)
+    shmcancel.telemetry.attach("test-server-interrupted", ("shmcancel", "request", "cancelled"),
+                               interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        shmcancel.telemetry.detach("test-server-interrupted")
+        assert early.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+        assert late, "no call began"
+        assert run(app, environ_for("DELETE", None, headers=h)).status == 404  # the retry
+        reply = late[0].result()
+        assert reply.json.get("error", {}).get("code") == errors.REQUEST_CANCELLED, reply.json
+    finally:
+        shmcancel.telemetry.detach("test-server-interrupted")
+        for tag in ("early", "late"):
+            signals.ev(signals.release, tag).set()
+        for c in (early, *late):
+            c.join(DEADLINE)
+
+
+def test_a_delete_stalled_after_ending_the_session_reports_its_calls_once(
+        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        cancelled_events: list[dict[str, Any]]) -> None:
+    """contract §4.7: a DELETE whose pass after the session went meets a stalled lock (503) has
+    ended the session: its retry finds none (404) and reports nothing, so the calls its first
+    pass cancelled are reported by it, once, though the events come after its writes."""
+    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
+                                           session_capacity=4, lock_timeout=0.3))
+    app = make_server(reg, signals)
+    st = app._process_state()
+    stall = contextlib.ExitStack()
+    delete = st.sessions.delete
+
+    def delete_then_stall(session_id: str) -> bool:
+        done = delete(session_id)
+        stall.enter_context(lock_held(reg, hold_for=DEADLINE))  # another thread keeps it
+        return done
+
+    call = None
+    try:
+        sid = session(app)
+        h = legacy_headers(sid)
+        call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
+        wait_ev(signals.ev(signals.started, "s"))
+        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
+        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+        assert r.status == 503, r
+        stall.close()
+        monkeypatch.setattr(st.sessions, "delete", delete)
+        assert run(app, environ_for("DELETE", None, headers=h)).status == 404
+        assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
+    finally:
+        stall.close()
+        signals.ev(signals.release, "s").set()
+        if call is not None:
+            call.join(DEADLINE)
+        reg.close()
+
+
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
     sid = session(app)
     r = post(app, {"jsonrpc": "2.0", "id": 5, "result": {}}, headers=legacy_headers(sid))

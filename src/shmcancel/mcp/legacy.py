@@ -64,29 +64,37 @@ class LegacyWire(CallLifecycle):
         # between (one beginning later finds no session: _call_tracked). Each step takes the
         # lock on its own: a stall there (LockTimeout, 503 "retry later") after the session
         # went leaves no call that was in flight before the DELETE running (only one begun in
-        # those microseconds, which the retry's 404 does not see). The first pass's events wait
-        # for the session's end, so each call is reported once, by the DELETE that ends it;
-        # the bells ring for whatever was recorded, a later step stalling or not (the first
-        # pass too: one stalling after some of its calls rang for none, and returns no keys).
+        # those microseconds, which the retry's 404 does not see). The events wait for the
+        # session's end, so each call is reported once, by the DELETE that ends it, and come
+        # last, once every write of the DELETE is done (contract §4.7: a handler's SystemExit
+        # propagates from there; emitted before the pass after, it left a call begun in between
+        # running in the ended session, and the other hosts' copies unended); the bells ring
+        # for whatever was recorded, a later step stalling or not (the first pass too: one
+        # stalling after some of its calls rang for none, and returns no keys).
+        reason = "session deleted"
         first: list[str] = []
-        n = 0
-        returned = False
+        after: list[str] = []
+        ended = returned = False
         try:
-            first = c.cancel_scope_keys(scope, "session deleted", emit=False)
-            if not st.sessions.delete(sid):  # type: ignore[arg-type]
+            try:
+                first = c.cancel_scope_keys(scope, reason, emit=False)
+                if not st.sessions.delete(sid):  # type: ignore[arg-type]
+                    returned = True
+                    return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+                ended = True
+                after = c.cancel_scope_keys(scope, reason, reported=first, emit=False)
                 returned = True
-                return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
-            c.report_cancelled(scope, first, "session deleted")
-            n = len(first) + c.cancel_scope(scope, "session deleted", reported=first)
-            returned = True
+            finally:
+                if first or after or not returned:
+                    wake.ring(st.registry.name)
+            if (rb := remote.current()) is not None and sid:  # its calls and copies elsewhere
+                rb.cancel_scope(scope, reason)
+                rb.delete_session(sid)
+            if n := len(first) + len(after):
+                log.info("session deleted: cancelled %d request(s) in flight", n)
         finally:
-            if first or n or not returned:
-                wake.ring(st.registry.name)
-        if (rb := remote.current()) is not None and sid:  # its calls and copies on other hosts
-            rb.cancel_scope(scope, "session deleted")
-            rb.delete_session(sid)
-        if n:
-            log.info("session deleted: cancelled %d request(s) in flight", n)
+            if ended:  # by this DELETE, whatever a later step raised (503): nobody else reports
+                c.report_cancelled(scope, first + after, reason)
         return _Reply(204)
 
     # ------------------------------------------------------------------ 2025-era
