@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers.background import Background
+from helpers.background import Background, lock_held
 from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import tag, wait_file
 from helpers.procs import Child
@@ -26,6 +26,8 @@ from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
 from shmcancel import Cancellation, Config, RemoteUnavailable, errors, telemetry
+from shmcancel.mcp import wake
+from shmcancel.mcp.conn import HANDLE_KEY
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import RedisCancellation, RedisStore, connect
 from shmcancel.redis.bridge import Bridge
@@ -467,6 +469,50 @@ def test_a_box_nobody_reads_keeps_its_newest_items_only(
             r.close()
         assert isinstance(newest, tuple) and newest[2] == f"stop {BOX_MAX + 499}", newest
         handle.end()
+
+
+def test_a_session_end_stalled_after_cancelling_its_calls_wakes_them(
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: ``wait_cancelled`` returns as soon as its call is cancelled. A session end taken
+    from A's box cancels A's calls, then ends A's copy; a lock stall there kept the end for a
+    later turn and rang no bell (only an end that got through rang), so a call it had cancelled
+    slept in ``wait_cancelled`` for as long as the stall lasted, as 5b4af98 fixed for a local
+    DELETE."""
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        s = sa.create("2025-11-25", "ip:203.0.113.9")
+        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+        got = b.lookup_session(s.id)
+        assert got is not None and sb.create(*got, session_id=s.id) is not None
+        handle = Cancellation(ra).begin(7, f"session:{s.id}")
+        waiter = Background(lambda: wake.wait_cancelled({HANDLE_KEY: handle}, 30))
+        stall = contextlib.ExitStack()
+        store = a._session_store()
+        delete = store.delete
+
+        def stall_then_delete(sid: str) -> bool:
+            stall.enter_context(lock_held(ra, hold_for=20))  # another thread keeps the lock
+            return delete(sid)
+
+        try:
+            waiter.start()
+            end = time.monotonic() + 10
+            while wake.waiting() < 1:  # its wait registered, so only a ring ends it early
+                assert time.monotonic() < end, "the waiter never waited"
+                time.sleep(0.001)
+            b.delete_session(s.id)  # B's DELETE tells A through its box
+            raws = take_box(redis_server, a)
+            assert len(raws) == 1
+            monkeypatch.setattr(store, "delete", stall_then_delete)
+            assert a._apply(raws[0]) is False  # the lock timed out: the end is kept
+            assert handle.cancelled()  # by the pass before the copy went
+            assert waiter.result(5) is True, "the cancelled call was not woken"
+        finally:
+            stall.close()
+            monkeypatch.undo()
+            handle.end()
+            waiter.join(35)
 
 
 RETRYING = "could not apply a cross-host cancellation"

@@ -703,7 +703,8 @@ class Bridge:
 
         Each call is reported cancelled once (contract §4.7): the first pass's events wait for
         the copy's end (a try that stalls there reports nothing; the retry cancels them again),
-        and the keys reported (``reported``) are kept with an end retried after it."""
+        and the keys reported (``reported``) are kept with an end retried after it. The bells
+        ring for whatever was recorded, a step stalling or not."""
         if deadline is None:
             deadline = time.monotonic() + self._session_ttl
         try:
@@ -716,6 +717,9 @@ class Bridge:
             if self.local.cancel_scope(scope, "session deleted", reported=reported) or reported:
                 wake.ring(self.registry.name)
         except LockTimeout as e:
+            # The calls a pass cancelled before the stall (not named: it may not have
+            # returned) are woken now, not once a retry gets through (wait_cancelled)
+            wake.ring(self.registry.name)
             left = deadline - time.monotonic()
             if left > 0:
                 with self._owed_lock:
