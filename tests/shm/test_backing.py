@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from helpers import small_shm
 from helpers.names import TEST_PREFIX
+from helpers.procs import fork, wait_exit
 
 import shmcancel
 from shmcancel import Cancellation, Config, Registry
@@ -135,6 +136,58 @@ def test_a_closed_segment_fd_whose_number_was_reused_is_never_written(shm_name: 
         finally:
             os.close(other)
         reg.unlink()
+
+
+def _lowest_free_is(n: int) -> list[int]:
+    """Fill every free fd number below ``n`` (free itself) so that the next open takes ``n``;
+    the fillers, for the caller to close."""
+    fillers = []
+    while (fd := os.open(os.devnull, os.O_RDONLY)) != n:
+        assert fd < n, (fd, n)
+        fillers.append(fd)
+    os.close(fd)
+    return fillers
+
+
+@pytest.mark.parametrize("whose", ["segment", "lock"])
+def test_an_attachment_closed_leaves_the_others_reopened_fd_open(shm_name: str,
+                                                                 whose: str) -> None:
+    """Two attachments of one registry in one process; every fd closed (closerange), and the
+    second one's segment reopened onto a number the first still kept (its segment's, or its
+    lock's recovery fd). The number's device and inode are the segment's, so closing the first
+    closed the second's fd, and so did every fork child's hook of the first's lock: unlinked
+    since (``unlink`` closes nothing, attached processes keep using the segment), the second
+    could back no page any more, every large row refused."""
+    first = Registry.create(shm_name, Config(max_rows_per_scope=None))
+    second = Registry.attach(shm_name)
+    fillers: list[int] = []
+    try:
+        target = first._seg._fd if whose == "segment" else first.lock._fd
+        assert target is not None
+        for fd in (first._seg._fd, first.lock._fd, second._seg._fd, second.lock._fd):
+            assert fd is not None
+            os.close(fd)  # closerange
+        fillers = _lowest_free_is(target)
+        assert second._seg._file() == target  # the second reopened onto the first's number
+
+        def child() -> None:  # a fork child's hook reopens (and closes) the lock's fd
+            assert os.fstat(target).st_ino == second._seg.ino, "the child lost the second's fd"
+
+        status = wait_exit(fork(child), 10)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0, status
+        first.close()
+        assert os.fstat(target).st_ino == second._seg.ino, "the second's fd was closed"
+        second.unlink()
+        c = Cancellation(second)
+        for i in range(100):  # more than a backing chunk
+            c.cancel(f"{i:06d}" + "i" * 250, REASON, scope=SCOPE)
+        assert second.table("cancellations").count() == 100
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        first.close()
+        second.close()
+        second.unlink()
 
 
 OTHERS_BACKED = r'''

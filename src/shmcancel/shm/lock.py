@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from . import procinfo
-from .names import SHM_DIR, close_with, sem_path
+from .names import SHM_DIR, close_with, kept_by, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
 if TYPE_CHECKING:
@@ -238,14 +238,17 @@ class RegistryLock:
 
     def _kept_fd(self) -> int | None:
         """The recovery flock's fd if it is still open on the segment's file (and is not the
-        segment's own kept fd); else None, and the number is let go of without being closed:
-        a process that closed every fd (``closerange`` in a daemonising child) may have that
-        number on another file, or on the segment's file reopened by the segment itself."""
+        segment's own kept fd, nor any other object's of this process: ``names.kept_by``);
+        else None, and the number is let go of without being closed: a process that closed
+        every fd (``closerange`` in a daemonising child) may have that number on another file,
+        or on the segment's file reopened by the segment itself or by another attachment."""
         fd = self._fd
         if fd is None:
             return None
         with contextlib.suppress(OSError):
-            if fd != self._seg._fd and self._seg._ours(fd):
+            # kept_by: not taken since by another object of this process (this segment's
+            # reopen, another attachment's segment or lock), open on the same file maybe
+            if kept_by(fd, self._fd_closer) and self._seg._ours(fd):
                 return fd
         self._set_fd(None)
         return None

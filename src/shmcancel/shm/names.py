@@ -179,15 +179,41 @@ def close_if_same(fd: int, dev: int, ino: int) -> None:
             os.close(fd)
 
 
+# The closer (close_with's) of the object that last took each fd number of this process to
+# keep: a number's device and inode tell another file from a segment's, but not one of this
+# process's descriptions of a segment's file from another (two attachments of one registry,
+# each with its lock's fd: after a closerange one reopens onto a number another still counts as
+# its own). fd -> (token, closer); the token is the closer's, which cannot name itself.
+_keepers: dict[int, tuple[object, weakref.finalize[Any, Any]]] = {}
+
+
 def close_with(owner: object, fd: int) -> weakref.finalize[Any, Any]:
     """Close ``fd`` (see :func:`close_if_same`) when ``owner`` is garbage collected unclosed;
     the owner's own close calls the returned finalizer (or ``detach()``-es it). Not at
     interpreter exit: the owner may still be in use then (an ``atexit`` handler, a daemon
-    thread), and the OS closes the process's fds anyway."""
+    thread), and the OS closes the process's fds anyway. The owner keeps the number until
+    another ``close_with`` takes it (:func:`kept_by`): then it is never closed here."""
     st = os.fstat(fd)
-    fin = weakref.finalize(owner, close_if_same, fd, st.st_dev, st.st_ino)
+    token = object()
+    fin = weakref.finalize(owner, _close_kept, fd, st.st_dev, st.st_ino, token)
     fin.atexit = False
+    _keepers[fd] = (token, fin)
     return fin
+
+
+def kept_by(fd: int, closer: object) -> bool:
+    """Whether ``closer`` (:func:`close_with`'s) is still the keeper of the number ``fd``: once
+    the number was closed behind its owner's back and taken by another object of this process
+    (open on the same file, maybe), it is that one's."""
+    k = _keepers.get(fd)
+    return k is not None and k[1] is closer
+
+
+def _close_kept(fd: int, dev: int, ino: int, token: object) -> None:
+    k = _keepers.get(fd)
+    if k is not None and k[0] is token:
+        del _keepers[fd]
+        close_if_same(fd, dev, ino)
 
 
 def open_lockfile(name: str) -> int:

@@ -68,6 +68,7 @@ from .names import (
     check_stat,
     close_with,
     flock_bounded,
+    kept_by,
     lock_path,
     not_ours,
     open_entry,
@@ -252,7 +253,7 @@ class Segment:
         which a fallocate would grow); else the segment's path opened again if it still names
         this segment. OSError (EBADF) when neither holds."""
         fd = self._fd
-        if fd >= 0:
+        if fd >= 0 and kept_by(fd, self._fd_closer):  # not taken by another attachment's
             with contextlib.suppress(OSError):
                 if self._ours(fd):
                     return fd
