@@ -670,19 +670,11 @@ def test_a_client_keeps_its_session_bound_in_redis_past_one_session_ttl(
     sessions was not: it expired one session_ttl after the client's last mint, so its sessions
     in use were counted no more and every mint after that added to them (here three sessions
     in Redis for a bound of two; a client keeping its sessions busy had no bound at all)."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2, session_ttl=1.0)
-    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_rb, _b)):
+    with hosts_in_process(redis_server, shm_name, shm_names, BOUND_2) as ((ra, a), (_rb, _b)):
         sa, client = SessionStore(ra), "ip:203.0.113.78"
-        s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
-        for s in (s1, s2):
-            a.publish_session(s.id, s.protocol_version, client)
-        end = time.monotonic() + 2.5  # past two session TTLs, the sessions in use throughout
-        while time.monotonic() < end:
-            for s in (s1, s2):
-                a.keep_session(s.id)  # a request of each: renewed every ttl/4 at most
-            time.sleep(0.02)
-        _a_third_mint_leaves_two(redis_server, a, sa, client, (s1, s2))
+        # a request of each: renewed every ttl/4 at most
+        kept = _two_sessions_in_use(sa, a, client, lambda s: a.keep_session(s.id))
+        _a_third_mint_leaves_two(redis_server, a, sa, client, kept)
 
 
 def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
@@ -738,22 +730,35 @@ def test_a_clients_session_bound_in_redis_outlives_the_worker_that_minted_its_se
     max_requests) the set expired one session_ttl later while the client's sessions lived on,
     renewed by the other workers: they were counted no more, and every mint added to them
     (three sessions in Redis for a bound of two)."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2, session_ttl=1.0)
-    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a1), (_rb, _b)), \
+    with hosts_in_process(redis_server, shm_name, shm_names, BOUND_2) as ((ra, a1), (_rb, _b)), \
             bridge(ra, redis_server, prefix=a1.store.prefix, host="A") as a2:
         sa, client = SessionStore(ra), "ip:203.0.113.79"
-        s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
+
+        def request(s: Any) -> None:  # a1 is gone: host A's other worker serves the client
+            sa.touch(s)
+            a2.keep_session(s.id, client)  # as legacy.py makes it
+
+        kept = _two_sessions_in_use(sa, a1, client, request)
+        _a_third_mint_leaves_two(redis_server, a2, sa, client, kept)
+
+
+BOUND_2 = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2, session_ttl=1.0)
+
+
+def _two_sessions_in_use(sa: SessionStore, publisher: Bridge, client: str,
+                         request: Callable[[Any], None]) -> tuple[Any, Any]:
+    """Two sessions of ``client`` minted here and published by ``publisher``, then in use (a
+    ``request`` of each every 20 ms) for 2.5 s: past two of ``BOUND_2``'s session TTLs."""
+    s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
+    for s in (s1, s2):
+        publisher.publish_session(s.id, s.protocol_version, client)
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
         for s in (s1, s2):
-            a1.publish_session(s.id, s.protocol_version, client)
-        # a1 is gone from here on: host A's other worker serves the client's requests
-        end = time.monotonic() + 2.5  # past two session TTLs, the sessions in use throughout
-        while time.monotonic() < end:
-            for s in (s1, s2):
-                sa.touch(s)
-                a2.keep_session(s.id, client)  # a request of each, as legacy.py makes it
-            time.sleep(0.02)
-        _a_third_mint_leaves_two(redis_server, a2, sa, client, (s1, s2))
+            request(s)
+        time.sleep(0.02)
+    return s1, s2
 
 
 def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str,
