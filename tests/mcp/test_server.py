@@ -414,6 +414,27 @@ def stall_session_delete(monkeypatch: pytest.MonkeyPatch, app: McpServer, *, aft
     return stall
 
 
+def call_in_a_session(app: McpServer, signals: Signals, tool: str, tag: str
+                      ) -> tuple[dict[str, str], Call]:
+    """A new session of ``app``'s, its headers, and call 1 of ``tool`` (tagged ``tag``) running
+    in it, its tool started."""
+    h = legacy_headers(session(app))
+    call = start_call(app, 1, tool, {"tag": tag}, h)
+    wait_ev(signals.ev(signals.started, tag))
+    return h, call
+
+
+def waiting_tool(app: McpServer, signals: Signals) -> None:
+    """Give ``app`` the tool ``waiter``: it waits in ``wait_cancelled`` (30 s), then answers
+    ``-32800`` if cancelled, else ``"slept"``."""
+    @app.tool("waiter")
+    def waiter(conn, params):
+        signals.ev(signals.started, params["tag"]).set()
+        if shmcancel.server.wait_cancelled(conn, 30):
+            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
+        return "slept"
+
+
 def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
         short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """contract §6.1, §5: a DELETE whose registry lock stalls (a live holder, past
@@ -423,10 +444,7 @@ def test_a_delete_stalled_after_ending_the_session_has_cancelled_its_calls(
     again after, for a call that began meanwhile): whatever the 503, none in flight before the
     DELETE runs on."""
     app = make_server(short_reg, signals)
-    sid = session(app)
-    h = legacy_headers(sid)
-    call = start_call(app, 1, "wait", {"tag": "s"}, h)
-    wait_ev(signals.ev(signals.started, "s"))
+    h, call = call_in_a_session(app, signals, "wait", "s")
     with stall_session_delete(monkeypatch, app, after=True) as stall:
         r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
         # 503 when the pass after the session went met the stall; 204 when the call, cancelled
@@ -458,10 +476,7 @@ def test_two_racing_deletes_report_each_call_cancelled_once(
     it, each emitting the call's event, so a call was reported cancelled twice, once by a
     DELETE that ended nothing. Only the DELETE that ends the session reports its calls."""
     st = app._process_state()
-    sid = session(app)
-    h = legacy_headers(sid)
-    call = start_call(app, 1, "stubborn", {"tag": "r"}, h)
-    wait_ev(signals.ev(signals.started, "r"))
+    h, call = call_in_a_session(app, signals, "stubborn", "r")
     delete = st.sessions.delete
     other: list[Reply] = []
 
@@ -489,10 +504,7 @@ def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
     cancelled them again and reported each a second time: a DELETE answered 503 reports
     nothing, the retry that ends the session reports every call once."""
     app = make_server(short_reg, signals)
-    sid = session(app)
-    h = legacy_headers(sid)
-    call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
-    wait_ev(signals.ev(signals.started, "s"))
+    h, call = call_in_a_session(app, signals, "stubborn", "s")
     try:
         with stall_session_delete(monkeypatch, app, after=False):
             r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
@@ -512,18 +524,8 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
     lock in its pass after (503) rang no bell: the retry finds no session (404) and rings
     none either, so a call waiting in ``wait_cancelled`` slept its whole wait."""
     app = make_server(short_reg, signals)
-
-    @app.tool("waiter")
-    def waiter(conn, params):
-        signals.ev(signals.started, "w").set()
-        if shmcancel.server.wait_cancelled(conn, 30):
-            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
-        return "slept"
-
-    sid = session(app)
-    h = legacy_headers(sid)
-    call = start_call(app, 1, "waiter", {}, h)
-    wait_ev(signals.ev(signals.started, "w"))
+    waiting_tool(app, signals)
+    h, call = call_in_a_session(app, signals, "waiter", "w")
     end = time.monotonic() + DEADLINE
     while wake.waiting() < 1:  # its wait registered, so only a ring ends it
         assert time.monotonic() < end, "the tool never waited"
@@ -538,22 +540,14 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
 
 
 def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
-        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """README: ``wait_cancelled`` returns as soon as its call is cancelled. A DELETE's first
     pass cancels its calls one lock each; a stall landing after the first of them (503) left
     that call cancelled but rang no bell (only a pass that returned was rung for), so the call
     waiting in ``wait_cancelled`` slept its whole wait, and the retry need never come."""
-    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                           session_capacity=4, lock_timeout=0.3))
+    reg = short_reg
     app = make_server(reg, signals)
-
-    @app.tool("waiter")
-    def waiter(conn, params):
-        signals.ev(signals.started, params["tag"]).set()
-        if shmcancel.server.wait_cancelled(conn, 30):
-            raise ToolError(errors.REQUEST_CANCELLED, "Request cancelled")
-        return "slept"
-
+    waiting_tool(app, signals)
     st = app._process_state()
     store = st.cancellation._store
     record = store.record
@@ -594,7 +588,6 @@ def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
             run(app, environ_for("DELETE", None, headers=h, content_type=None))
         for c in calls.values():
             c.join(DEADLINE)
-        reg.close()
 
 
 def test_a_handler_raising_on_a_deletes_event_leaves_no_call_of_the_session_running(
@@ -606,10 +599,7 @@ def test_a_handler_raising_on_a_deletes_event_leaves_no_call_of_the_session_runn
     there left a call begun in between running in the ended session, the retry answered 404.
     The events now come once every write of the DELETE is done."""
     st = app._process_state()
-    sid = session(app)
-    h = legacy_headers(sid)
-    early = start_call(app, 1, "wait", {"tag": "early"}, h)
-    wait_ev(signals.ev(signals.started, "early"))
+    h, early = call_in_a_session(app, signals, "wait", "early")
     delete = st.sessions.delete
     late: list[Any] = []
 
@@ -642,42 +632,22 @@ def test_a_handler_raising_on_a_deletes_event_leaves_no_call_of_the_session_runn
 
 
 def test_a_delete_stalled_after_ending_the_session_reports_its_calls_once(
-        shm_name: str, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
         cancelled_events: list[dict[str, Any]]) -> None:
     """contract §4.7: a DELETE whose pass after the session went meets a stalled lock (503) has
     ended the session: its retry finds none (404) and reports nothing, so the calls its first
     pass cancelled are reported by it, once, though the events come after its writes."""
-    reg = Registry.create(shm_name, Config(capacity=64, max_rows=64, in_flight_capacity=16,
-                                           session_capacity=4, lock_timeout=0.3))
-    app = make_server(reg, signals)
-    st = app._process_state()
-    stall = contextlib.ExitStack()
-    delete = st.sessions.delete
-
-    def delete_then_stall(session_id: str) -> bool:
-        done = delete(session_id)
-        stall.enter_context(lock_held(reg, hold_for=DEADLINE))  # another thread keeps it
-        return done
-
-    call = None
+    app = make_server(short_reg, signals)
+    h, call = call_in_a_session(app, signals, "stubborn", "s")
     try:
-        sid = session(app)
-        h = legacy_headers(sid)
-        call = start_call(app, 1, "stubborn", {"tag": "s"}, h)
-        wait_ev(signals.ev(signals.started, "s"))
-        monkeypatch.setattr(st.sessions, "delete", delete_then_stall)
-        r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
-        assert r.status == 503, r
-        stall.close()
-        monkeypatch.setattr(st.sessions, "delete", delete)
+        with stall_session_delete(monkeypatch, app, after=True):
+            r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
+            assert r.status == 503, r
         assert run(app, environ_for("DELETE", None, headers=h)).status == 404
         assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
     finally:
-        stall.close()
         signals.ev(signals.release, "s").set()
-        if call is not None:
-            call.join(DEADLINE)
-        reg.close()
+        call.join(DEADLINE)
 
 
 def test_client_posted_responses_are_accepted_on_legacy(app: McpServer) -> None:
