@@ -103,23 +103,19 @@ def test_a_call_that_begins_on_a_while_b_deletes_its_session_is_cancelled(
     as the transport's: the call re-reads its session after it is tracked). It ran on."""
     with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
         sa, sb = SessionStore(ra), SessionStore(rb)
-        s = sa.create("2025-11-25", "ip:203.0.113.9")
-        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
-        got = b.lookup_session(s.id)  # B adopts it (legacy._adopt_session)
-        assert got is not None and sb.create(*got, session_id=s.id) is not None
-        scope = f"session:{s.id}"
+        sid, scope = adopted(a, sa, b, sb)  # B adopts it (legacy._adopt_session)
         # B's DELETE (legacy.LegacyWire._delete), up to its cancel_scope through Redis
-        assert sb.delete(s.id)
+        assert sb.delete(sid)
         assert Cancellation(rb).cancel_scope(scope, "session deleted") == 0
         assert b.cancel_scope(scope, "session deleted") == 0
         # A call begins on A now: tracked here and in Redis, its session still found here
         handle = Cancellation(ra).begin(7, scope)
         assert handle.tracked and a.track(7, scope) is not None
-        assert sa.get(s.id) is not None  # the call's re-check passes: its tool runs
-        b.delete_session(s.id)  # the rest of B's DELETE: A is told through its box
+        assert sa.get(sid) is not None  # the call's re-check passes: its tool runs
+        b.delete_session(sid)  # the rest of B's DELETE: A is told through its box
         for raw in take_box(redis_server, a):
             a._apply(raw)  # A's bridge thread
-        assert sa.get(s.id) is None
+        assert sa.get(sid) is None
         assert handle.cancelled() and handle.reason() == "session deleted"
         handle.end()
 
@@ -372,21 +368,17 @@ def test_a_session_end_taken_from_the_box_while_the_lock_is_stalled_still_lands(
     ran on. It is kept (counted in ``undelivered``) and lands on the thread's next turn."""
     with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
         sa, sb = SessionStore(ra), SessionStore(rb)
-        s = sa.create("2025-11-25", "ip:203.0.113.9")
-        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
-        got = b.lookup_session(s.id)
-        assert got is not None and sb.create(*got, session_id=s.id) is not None
-        scope = f"session:{s.id}"
+        sid, scope = adopted(a, sa, b, sb)  # B adopts it (legacy._adopt_session)
         handle = Cancellation(ra).begin(7, scope)
         assert handle.tracked
-        b.delete_session(s.id)  # B's DELETE tells A through its box
+        b.delete_session(sid)  # B's DELETE tells A through its box
         with stalled_lock(spawn, shm_name):
             raws = take_box(redis_server, a)
             assert len(raws) == 1
             assert a._apply(raws[0]) is False  # the lock timed out: the thread waits a turn
             assert not handle.cancelled() and a.undelivered() == 1
         assert a._redeliver()  # the bridge thread's next turn
-        assert a.undelivered() == 0 and sa.get(s.id) is None
+        assert a.undelivered() == 0 and sa.get(sid) is None
         assert handle.cancelled() and handle.reason() == "session deleted"
         handle.end()
 
@@ -403,11 +395,8 @@ def test_a_session_end_retried_after_a_stall_reports_each_call_cancelled_once(
     telemetry.attach("test-end-retried", CANCELLED, lambda e, m, md, cfg: seen.append(md))
     with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
         sa, sb = SessionStore(ra), SessionStore(rb)
-        s = sa.create("2025-11-25", "ip:203.0.113.9")
-        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
-        got = b.lookup_session(s.id)
-        assert got is not None and sb.create(*got, session_id=s.id) is not None
-        handle = Cancellation(ra).begin(7, f"session:{s.id}")
+        sid, scope = adopted(a, sa, b, sb)  # B adopts it (legacy._adopt_session)
+        handle = Cancellation(ra).begin(7, scope)
         holding, release = threading.Event(), threading.Event()
 
         def hold() -> None:
@@ -430,7 +419,7 @@ def test_a_session_end_retried_after_a_stall_reports_each_call_cancelled_once(
             return done
 
         try:
-            b.delete_session(s.id)  # B's DELETE tells A through its box
+            b.delete_session(sid)  # B's DELETE tells A through its box
             raws = take_box(redis_server, a)
             assert len(raws) == 1
             monkeypatch.setattr(store, "delete", delete_with_a_stall)
@@ -440,7 +429,7 @@ def test_a_session_end_retried_after_a_stall_reports_each_call_cancelled_once(
             holder.join(10)
             monkeypatch.setattr(store, "delete", delete)
             assert a._redeliver()  # the bridge thread's next turn
-            assert a.undelivered() == 0 and sa.get(s.id) is None
+            assert a.undelivered() == 0 and sa.get(sid) is None
             assert handle.cancelled() and handle.reason() == "session deleted"
             assert [e["request_id"] for e in seen] == ["7"], seen
         finally:
@@ -481,11 +470,8 @@ def test_a_session_end_stalled_after_cancelling_its_calls_wakes_them(
     DELETE."""
     with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
         sa, sb = SessionStore(ra), SessionStore(rb)
-        s = sa.create("2025-11-25", "ip:203.0.113.9")
-        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
-        got = b.lookup_session(s.id)
-        assert got is not None and sb.create(*got, session_id=s.id) is not None
-        handle = Cancellation(ra).begin(7, f"session:{s.id}")
+        sid, scope = adopted(a, sa, b, sb)  # B adopts it (legacy._adopt_session)
+        handle = Cancellation(ra).begin(7, scope)
         waiter = Background(lambda: wake.wait_cancelled({HANDLE_KEY: handle}, 30))
         stall = contextlib.ExitStack()
         store = a._session_store()
@@ -501,7 +487,7 @@ def test_a_session_end_stalled_after_cancelling_its_calls_wakes_them(
             while wake.waiting() < 1:  # its wait registered, so only a ring ends it early
                 assert time.monotonic() < end, "the waiter never waited"
                 time.sleep(0.001)
-            b.delete_session(s.id)  # B's DELETE tells A through its box
+            b.delete_session(sid)  # B's DELETE tells A through its box
             raws = take_box(redis_server, a)
             assert len(raws) == 1
             monkeypatch.setattr(store, "delete", stall_then_delete)
