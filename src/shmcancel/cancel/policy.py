@@ -518,6 +518,40 @@ class Cancellation:
         if valid_scope(scope):
             self._emit_cancelled(str.__str__(scope), keys, sanitize(reason))
 
+    def cancel_scope_around(self, scope: str, reason: object, end: Callable[[], bool], *,
+                            reported: list[str], ring: Callable[[], None]) -> list[str] | None:
+        """Cancel every request in flight in ``scope`` around ``end()`` (what stops requests
+        joining the scope: a session's end), as a session's ``DELETE`` does: before it, and
+        again after it for a request begun in between (one beginning later finds ``end``'s
+        effect). Each step takes the lock on its own; one that stalls (``LockTimeout``,
+        raised) leaves no request that was in flight before the call running, but one begun in
+        between if the pass after stalls. ``ring()`` (wake the waiting tools) runs when a pass
+        recorded a row or a step raised. The events come last, once every write is done, and
+        only when ``end()`` returned True: each request once, also across calls sharing
+        ``reported`` (the keys reported so far, extended here: a retry). Returns the keys
+        reported, or ``None`` when ``end()`` returned False (nothing reported)."""
+        first: list[str] = []
+        after: list[str] = []
+        ended = finished = False
+        try:
+            try:
+                first = self.cancel_scope_keys(scope, reason, reported=reported, emit=False)
+                if not end():
+                    finished = True
+                    return None
+                ended = True
+                after = self.cancel_scope_keys(scope, reason, reported=[*reported, *first],
+                                               emit=False)
+                finished = True
+            finally:
+                if first or after or not finished:
+                    ring()
+        finally:
+            if ended:  # whatever a later step raised: a retry's end() is not this one's
+                reported += first + after
+                self.report_cancelled(scope, first + after, reason)
+        return first + after
+
     @staticmethod
     def _emit_cancelled(scope: str, keys: Collection[str], text: str | None) -> None:
         if keys and telemetry.listening():

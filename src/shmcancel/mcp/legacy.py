@@ -60,41 +60,25 @@ class LegacyWire(CallLifecycle):
         environ[SESSION_KEY] = sid
         c = st.cancellation
         scope = c.scope(environ)
-        # Its calls are cancelled before the session goes, and again after for a call begun in
-        # between (one beginning later finds no session: _call_tracked). Each step takes the
-        # lock on its own: a stall there (LockTimeout, 503 "retry later") after the session
-        # went leaves no call that was in flight before the DELETE running (only one begun in
-        # those microseconds, which the retry's 404 does not see). The events wait for the
-        # session's end, so each call is reported once, by the DELETE that ends it, and come
-        # last, once every write of the DELETE is done (contract §4.7: a handler's SystemExit
-        # propagates from there; emitted before the pass after, it left a call begun in between
-        # running in the ended session, and the other hosts' copies unended); the bells ring
-        # for whatever was recorded, a later step stalling or not (the first pass too: one
-        # stalling after some of its calls rang for none, and returns no keys).
         reason = "session deleted"
-        first: list[str] = []
-        after: list[str] = []
-        ended = returned = False
-        try:
-            try:
-                first = c.cancel_scope_keys(scope, reason, emit=False)
-                if not st.sessions.delete(sid):  # type: ignore[arg-type]
-                    returned = True
-                    return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
-                ended = True
-                after = c.cancel_scope_keys(scope, reason, reported=first, emit=False)
-                returned = True
-            finally:
-                if first or after or not returned:
-                    wake.ring(st.registry.name)
-            if (rb := remote.current()) is not None and sid:  # its calls and copies elsewhere
+
+        def end() -> bool:  # the session, here and on other hosts (their calls, their copies)
+            if not st.sessions.delete(sid):  # type: ignore[arg-type]
+                return False
+            if (rb := remote.current()) is not None and sid:
                 rb.cancel_scope(scope, reason)
                 rb.delete_session(sid)
-            if n := len(first) + len(after):
-                log.info("session deleted: cancelled %d request(s) in flight", n)
-        finally:
-            if ended:  # by this DELETE, whatever a later step raised (503): nobody else reports
-                c.report_cancelled(scope, first + after, reason)
+            return True
+
+        # Its calls are cancelled before the session goes and after (one beginning later finds
+        # no session: _call_tracked); each reported once, by the DELETE that ends it. A stall
+        # (LockTimeout: 503 "retry later") leaves no call in flight before the DELETE running.
+        keys = c.cancel_scope_around(scope, reason, end, reported=[],
+                                     ring=lambda: wake.ring(st.registry.name))
+        if keys is None:  # another DELETE ended it meanwhile
+            return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
+        if keys:
+            log.info("session deleted: cancelled %d request(s) in flight", len(keys))
         return _Reply(204)
 
     # ------------------------------------------------------------------ 2025-era

@@ -692,41 +692,39 @@ class Bridge:
     def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
                      reported: tuple[str, ...] = ()) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
-        calls in flight here, as a local ``DELETE`` does (before the copy goes, and again after
-        for a call begun in between). That DELETE cancelled the calls Redis listed in flight; a
-        call that began here since passed its session check on this copy, and is cancelled now
-        (it re-reads its session once tracked: one of the two sees the other). One the registry
+        calls in flight here, as a local ``DELETE`` does (``Cancellation.cancel_scope_around``:
+        before the copy goes, and again after for a call begun in between). That DELETE
+        cancelled the calls Redis listed in flight; a call that began here since passed its
+        session check on this copy, and is cancelled now (it re-reads its session once
+        tracked: one of the two sees the other). One the registry
         cannot take now (its lock held past ``lock_timeout``) is kept and tried again by the
         thread every turn (:meth:`_redeliver`) until ``deadline`` (``time.monotonic()``;
         default: a session TTL from now): it was taken out of Redis, so dropping it would leave
         the session's calls here running. False when the lock timed out.
 
-        Each call is reported cancelled once (contract §4.7): the first pass's events wait for
-        the copy's end (a try that stalls there reports nothing; the retry cancels them again),
-        and the keys reported (``reported``) are kept with an end retried after it. The bells
-        ring for whatever was recorded, a step stalling or not."""
+        Each call is reported cancelled once (contract §4.7): the events come once every write
+        is done, and the keys reported (``reported``) are kept with an end retried after a
+        stall. The bells ring for whatever was recorded, a step stalling or not."""
         if deadline is None:
             deadline = time.monotonic() + self._session_ttl
+        done = list(reported)
+
+        def end() -> bool:  # this host's copy, whether or not it is still here
+            self._session_store().delete(sid)
+            return True
+
         try:
             scope = self.local.scope({SESSION_KEY: sid})
-            first = self.local.cancel_scope_keys(scope, "session deleted", reported=reported,
-                                                 emit=False)
-            self._session_store().delete(sid)
-            self.local.report_cancelled(scope, first, "session deleted")
-            reported = (*reported, *first)
-            if self.local.cancel_scope(scope, "session deleted", reported=reported) or reported:
-                wake.ring(self.registry.name)
-        except LockTimeout as e:
-            # The calls a pass cancelled before the stall (not named: it may not have
-            # returned) are woken now, not once a retry gets through (wait_cancelled)
-            wake.ring(self.registry.name)
+            self.local.cancel_scope_around(scope, "session deleted", end, reported=done,
+                                           ring=lambda: wake.ring(self.registry.name))
+        except LockTimeout as e:  # the calls cancelled before the stall were rung already
             left = deadline - time.monotonic()
             if left > 0:
                 with self._owed_lock:
                     self._unended.pop(sid, None)
                     if len(self._unended) >= OWED_MAX:
                         self._unended.popitem(last=False)
-                    self._unended[sid] = (deadline, reported)
+                    self._unended[sid] = (deadline, tuple(done))
             log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
                     "could not end a session deleted on another host now: %s (%s)", e,
                     f"tried again for {left:.1f} s" if left > 0 else "given up")
