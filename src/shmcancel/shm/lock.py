@@ -233,7 +233,7 @@ class RegistryLock:
         self._set_fd(None)
         if old is not None:
             with contextlib.suppress(OSError):
-                self._set_fd(os.open(f"/proc/self/fd/{old}", os.O_RDONLY | os.O_CLOEXEC))
+                self._set_fd(self._seg.reopen())
             os.close(old)
 
     def _kept_fd(self) -> int | None:
