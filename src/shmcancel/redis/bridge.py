@@ -83,7 +83,7 @@ from ..mcp import remote, wake
 from ..mcp.principal import SESSION_KEY
 from ..mcp.sessions import SessionStore
 from .cancellation import RedisCancellation, connect
-from .store import RedisStore
+from .store import RedisStore, wrong_type
 
 __all__ = ["CANCEL_TTL", "DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env",
            "stop"]
@@ -133,12 +133,6 @@ def _connection_failure(e: BaseException) -> bool:
     if isinstance(e, RedisTimeoutError | TimeoutError):
         return False
     return isinstance(e, RedisConnectionError | OSError)
-
-
-def _wrong_type(e: BaseException) -> bool:
-    """Redis answered ``WRONGTYPE``: a key of ours holds what another client wrote."""
-    from redis.exceptions import ResponseError
-    return isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE")
 
 
 _current: Bridge | None = None
@@ -214,7 +208,7 @@ class Bridge:
             self._answered()
             log.debug("Redis is full (%s: %s); the write is owed", what, e)
             return
-        if _wrong_type(e):  # a key another client wrote over: an answer, not an outage
+        if wrong_type(e):  # a key another client wrote over: an answer, not an outage
             self._answered()
             log.warning("a Redis key of the wrong type (%s: %s)", what, e)
             return
@@ -314,7 +308,7 @@ class Bridge:
                 self._answered()
                 continue
             except Exception as e:
-                if not _wrong_type(e):
+                if not wrong_type(e):
                     raise
                 # a key another client wrote over: this write can never land, and kept it
                 # would fail every turn before the renewals and the box (see _run)
@@ -572,7 +566,7 @@ class Bridge:
                 try:
                     item = self._blocking.client.blpop([box], timeout=self.block)
                 except ResponseError as e:
-                    if not str(e).startswith("WRONGTYPE"):
+                    if not wrong_type(e):
                         raise
                     # another client wrote over this worker's box: every cancellation for its
                     # calls would fail (on every host) and its renewals keep the key alive

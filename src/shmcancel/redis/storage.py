@@ -35,7 +35,7 @@ from ..cancel.storage import Owner, Poll, bad_clock, clear_ended
 from ..config import Config
 from ..exceptions import CancellationLimitReached, LockTimeout
 from ..shm import procinfo
-from .store import RedisStore
+from .store import RedisStore, wrong_type
 
 __all__ = ["RedisStorage", "default_host_id"]
 
@@ -362,7 +362,7 @@ class RedisStorage:
                     self.store.track(s, r, o, deadline_ms=deadline, now_ms=now,
                                      started_at=started)
                 except ResponseError as e:
-                    if not str(e).startswith("WRONGTYPE"):
+                    if not wrong_type(e):
                         raise
                     log.debug("not adding back request %r in %r: %s", r, s[:80], e)
                     continue

@@ -32,7 +32,7 @@ import msgpack
 
 from ..config import Config
 
-__all__ = ["BOX_MAX", "GONE_TTL", "RedisStore"]
+__all__ = ["BOX_MAX", "GONE_TTL", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
             "session_delete", "claim", "keep")
@@ -60,6 +60,12 @@ def encode_reason(reason: str | None) -> bytes:
 
 def decode_reason(raw: bytes) -> str | None:
     return None if not raw else raw[1:].decode("utf-8", "surrogatepass")
+
+
+def wrong_type(e: BaseException) -> bool:
+    """Redis answered ``WRONGTYPE``: a key of ours holds what another client wrote."""
+    from redis.exceptions import ResponseError
+    return isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE")
 
 
 def _ordered(x: float) -> int:
@@ -335,7 +341,7 @@ class RedisStore:
         try:
             raw = self.client.get(self._sess_key(sid))
         except ResponseError as e:
-            if str(e).startswith("WRONGTYPE"):
+            if wrong_type(e):
                 return None
             raise
         if raw is None:
