@@ -15,6 +15,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -31,6 +32,8 @@ __all__ = ["read_body"]
 log = logging.getLogger("shmcancel.server")
 
 _READ_CHUNK = 65536
+_BUSY_WAIT = 1.0
+"""Seconds the watchdog waits with no read in progress after some were (see ``_run``)."""
 
 
 def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool,
@@ -130,9 +133,10 @@ class _BodyDeadlines:
 
     One daemon thread per process, started on the first :meth:`arm` (so never in a gunicorn
     master, which reads no body) and again in a fork child. Deadlines come from one constant
-    ``body_timeout`` per server, so a new one is rarely earliest and arming is a heap push under
-    a lock; a disarmed entry leaves the heap at its deadline, or at once when the heap holds
-    many of them (its size stays within twice the reads in progress, plus a constant)."""
+    ``body_timeout`` per server, so a new one is rarely earlier than the thread's next wake
+    (``_wake_at``) and arming is a heap push under a lock, no wake-up; a disarmed entry leaves
+    the heap at its deadline, or at once when the heap holds many of them (its size stays within
+    twice the reads in progress, plus a constant)."""
 
     def __init__(self) -> None:
         self._pid = -1
@@ -140,6 +144,7 @@ class _BodyDeadlines:
         self._heap: list[tuple[float, int, _Deadline]] = []
         self._seq = itertools.count()
         self._live = 0
+        self._wake_at = math.inf  # when the thread wakes next (monotonic), under _cond
 
     def arm(self, sock: Any, deadline: float) -> _Deadline | None:
         if not isinstance(sock, socket.socket):
@@ -156,7 +161,8 @@ class _BodyDeadlines:
         with self._cond:
             heapq.heappush(self._heap, (deadline, next(self._seq), d))
             self._live += 1
-            if self._heap[0][2] is d:
+            if deadline < self._wake_at:
+                self._wake_at = deadline
                 self._cond.notify()
         return d
 
@@ -175,29 +181,39 @@ class _BodyDeadlines:
         self._cond = threading.Condition()  # a fork child's: the parent's may have been held
         self._heap = []
         self._live = 0
+        self._wake_at = math.inf
         threading.Thread(target=self._run, name="shmcancel-body-deadline", daemon=True).start()
         self._pid = procinfo.pid()  # last: a read seeing it finds the new heap and its thread
 
     def _run(self) -> None:
         cond = self._cond
+        busy = False
         while True:
             with cond:
                 if cond is not self._cond:
                     return  # replaced (a fork child started its own)
                 heap = self._heap
-                while heap and heap[0][2].sock is None:
-                    heapq.heappop(heap)
-                if not heap:
+                now = time.monotonic()
+                had = len(heap)
+                while heap and (heap[0][2].sock is None or heap[0][0] <= now):
+                    d = heapq.heappop(heap)[2]
+                    if d.sock is not None:
+                        d.fired = True
+                        with contextlib.suppress(OSError):
+                            d.sock.shutdown(socket.SHUT_RD)
+                if heap:
+                    self._wake_at = heap[0][0]
+                    cond.wait(min(self._wake_at - now, threading.TIMEOUT_MAX))  # past: Overflow
+                # An empty heap in a busy process: wait a while before the next arm must wake
+                # the thread, or every request of a worker serving one at a time would (a
+                # thread wake-up and a GIL handoff each). Idle twice over: wait for an arm.
+                elif had or busy:
+                    busy = bool(had)
+                    self._wake_at = now + _BUSY_WAIT
+                    cond.wait(_BUSY_WAIT)
+                else:
+                    self._wake_at = math.inf
                     cond.wait()
-                    continue
-                wait = heap[0][0] - time.monotonic()
-                if wait > 0:
-                    cond.wait(min(wait, threading.TIMEOUT_MAX))  # past it: OverflowError
-                    continue
-                d = heapq.heappop(heap)[2]
-                d.fired = True
-                with contextlib.suppress(OSError):
-                    d.sock.shutdown(socket.SHUT_RD)
 
 
 _START_LOCK = threading.Lock()
