@@ -667,6 +667,46 @@ def test_while_calls_keep_starting_a_short_call_is_never_registered(
     assert disconnect.watched_count() == 0
 
 
+def test_while_calls_keep_starting_the_thread_leaves_the_steps_to_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load the calls' starts take the registration steps, so the watcher thread does not
+    wake every tick (each wake takes the GIL from a busy worker's threads): over 0.5 s of
+    calls starting every millisecond it woke ~100 times, one every TICK; it wakes about once
+    every LATE. A call left running when the starts stop is still registered and seen."""
+    loop = _ticking(time.monotonic() + 5)
+    turns = [0]
+    real = loop._promote
+
+    def counting() -> float:
+        turns[0] += 1
+        return real()
+
+    monkeypatch.setattr(loop, "_promote", counting)
+    long_pair = socket.socketpair()
+    try:
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            a, b = socket.socketpair()
+            w, _ = watch(a)
+            w.stop()
+            a.close()
+            b.close()
+            time.sleep(0.001)
+        woken = turns[0]
+        long_, rec = watch(long_pair[0])  # the starts stop here
+        deadline = time.monotonic() + 5
+        while long_pair[0].fileno() not in loop._watched:
+            assert time.monotonic() < deadline, "a running call was never registered"
+            time.sleep(disconnect.TICK)
+        long_pair[1].close()
+        assert rec.gone.wait(5)
+        long_.stop()
+    finally:
+        for s in long_pair:
+            s.close()
+    assert woken < 0.5 / disconnect.TICK / 3, f"the thread woke {woken} times in 0.5 s"
+
+
 def test_a_client_gone_before_its_call_is_registered_is_seen_once_it_is() -> None:
     """Level-triggered: a socket whose peer closed before the thread registers it reports the
     hang-up at once when registered (a disconnect in a call's first ticks is late, not lost)."""

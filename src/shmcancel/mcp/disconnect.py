@@ -7,11 +7,14 @@ request, not a disconnect (the watcher then waits for ``EPOLLRDHUP``/``EPOLLHUP`
 
 A :class:`Watcher` is one request's registration with its process's single watcher thread
 (``shmcancel-disconnect``, level-triggered epoll over every watched socket). While calls keep
-starting, the thread wakes every :data:`TICK` and registers the calls still running that started
-before its previous wake (so a call shorter than a tick costs no ``epoll_ctl``, each of which
-releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back); a
-disconnect is then seen at most two ticks late. When the thread sleeps longer (no call started
-for :data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
+starting, every :data:`TICK` the calls still running that started before the previous such
+step are registered (so a call shorter than a tick costs no ``epoll_ctl``, each of which
+releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back). A call's
+``start`` takes that step when it is due, so under load the thread itself need not wake for
+it: it wakes :data:`LATE` after the last step, then every tick until calls stop starting. A
+disconnect is seen at most two ticks late while calls keep starting, at most :data:`LATE` and
+a tick late when they stop. When the thread sleeps longer (no call started for
+:data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
 process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
 ``on_disconnect()``; ``grace`` seconds later, if the request has not ended, ``on_timeout()`` runs
 in a thread of its own.
@@ -53,6 +56,8 @@ IDLE_WAIT = 1.0
 """The longest the watcher thread blocks in ``epoll_wait`` (seconds)."""
 TICK = 0.005
 """Seconds between the watcher thread's wakes while calls start (see the module docstring)."""
+LATE = 0.05
+"""Seconds after a step taken by a call's ``start`` before the thread takes the next one."""
 ACTIVE_FOR = 0.1
 """Seconds after a call started during which the thread keeps waking every :data:`TICK`."""
 
@@ -211,9 +216,9 @@ class _Loop:
     ``_watched`` maps each registered descriptor to its :class:`Watcher` and the registration's
     generation (a counter bumped by every registration); it and the epoll set change together
     under ``_lock``. ``_new`` and ``_old`` (also under ``_lock``) hold the watchers started
-    since the thread's last wake and before it, not registered yet; ``_ticking`` says the
-    thread wakes every :data:`TICK` now. ``_due`` (a heap of ``(deadline, seq, watcher)``) is
-    the thread's own.
+    since the last step (:meth:`_step`, at ``_stepped``) and before it, not registered yet;
+    ``_ticking`` says steps are taken every :data:`TICK` now. ``_due`` (a heap of
+    ``(deadline, seq, watcher)``) is the thread's own.
     """
 
     def __init__(self) -> None:
@@ -226,6 +231,7 @@ class _Loop:
         self._old: dict[Watcher, int] = {}  # ... started before it: registered at the next
         self._ticking = False
         self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
+        self._stepped = -math.inf  # ... of the latest step (under _lock)
         self._gen = 0
         self._due: list[tuple[float, int, Watcher]] = []
         self._seq = itertools.count()
@@ -254,8 +260,10 @@ class _Loop:
                     log.warning("%d client sockets are watched in this process already; calls "
                                 "beyond that run without disconnect detection", MAX_WATCHED)
                 return False
-            self._last_start = time.monotonic()
-            if self._ticking:  # the thread registers it if it still runs two wakes on
+            now = self._last_start = time.monotonic()
+            if self._ticking:  # registered if it still runs two steps on
+                if now - self._stepped >= TICK:
+                    self._step(now)
                 self._new[w] = fd
                 return True
             return self._register(w, fd)
@@ -292,16 +300,29 @@ class _Loop:
                 self._ep.unregister(fd)
             del self._watched[fd]
 
-    def _promote(self) -> None:
-        """In the thread, at a wake: register the watchers started before the previous wake
-        (still running: :meth:`remove` takes a stopped one out), and decide how long the next
-        wait may be. Each is registered under ``_lock``, which ``stop`` takes too, so its
-        request has not ended and its socket is still open."""
+    def _step(self, now: float) -> None:
+        """Register the watchers started before the previous step (still running: :meth:`remove`
+        takes a stopped one out); the caller holds ``_lock``, which ``stop`` takes too, so each
+        one's request has not ended and its socket is still open."""
+        old, self._old, self._new = self._old, self._new, {}
+        self._stepped = now
+        for w, fd in old.items():
+            self._register(w, fd)  # a failure is logged; the call runs on unwatched
+
+    def _promote(self) -> float:
+        """In the thread, at a wake: take the step if it is due and no call's start will take it
+        (none started within a tick), or :data:`LATE` has passed; return how long the next wait
+        may be (seconds)."""
         with self._lock:
-            old, self._old, self._new = self._old, self._new, {}
-            for w, fd in old.items():
-                self._register(w, fd)  # a failure is logged; the call runs on unwatched
-            self._ticking = bool(self._old) or time.monotonic() - self._last_start < ACTIVE_FOR
+            now = time.monotonic()
+            since = now - self._stepped
+            starting = now - self._last_start < TICK
+            if since >= TICK and (not starting or since >= LATE):
+                self._step(now)
+            self._ticking = bool(self._old) or now - self._last_start < ACTIVE_FOR
+            if not self._ticking:
+                return IDLE_WAIT
+            return max(0.0, self._stepped + (LATE if starting else TICK) - now)
 
     def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
@@ -331,8 +352,7 @@ class _Loop:
 
     def _turn(self) -> bool:
         """One wait and what it found; ``False`` once the epoll set is closed."""
-        self._promote()
-        timeout = TICK if self._ticking else IDLE_WAIT
+        timeout = self._promote()
         if self._due:
             timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
         seen_gen = self._gen
