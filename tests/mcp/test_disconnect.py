@@ -677,9 +677,9 @@ def test_while_calls_keep_starting_the_thread_leaves_the_steps_to_them(
     turns = [0]
     real = loop._promote
 
-    def counting() -> float:
+    def counting(*args: Any) -> float:
         turns[0] += 1
-        return real()
+        return real(*args)
 
     monkeypatch.setattr(loop, "_promote", counting)
     long_pair = socket.socketpair()

@@ -11,9 +11,10 @@ starting, every :data:`TICK` the calls still running that started before the pre
 step are registered (so a call shorter than a tick costs no ``epoll_ctl``, each of which
 releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back). A call's
 ``start`` takes that step when it is due, so under load the thread itself need not wake for
-it: it wakes :data:`LATE` after the last step, then every tick until calls stop starting. A
-disconnect is seen at most two ticks late while calls keep starting, at most :data:`LATE` and
-a tick late when they stop. When the thread sleeps longer (no call started for
+it: it wakes :data:`LATE` after the last step, and every tick once calls stop starting or
+events woke it. A disconnect is seen at most two ticks late while calls keep starting or
+clients leave, at most :data:`LATE` and a tick late when the starts stop with nothing else
+happening. When the thread sleeps longer (no call started for
 :data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
 process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
 ``on_disconnect()``; ``grace`` seconds later, if the request has not ended, ``on_timeout()`` runs
@@ -232,6 +233,8 @@ class _Loop:
         self._ticking = False
         self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
         self._stepped = -math.inf  # ... of the latest step (under _lock)
+        self._woken = False  # the thread's last wait returned events (the thread's own)
+        self._woken_at = -math.inf  # ... when a wait last did (under _lock)
         self._gen = 0
         self._due: list[tuple[float, int, Watcher]] = []
         self._seq = itertools.count()
@@ -309,20 +312,25 @@ class _Loop:
         for w, fd in old.items():
             self._register(w, fd)  # a failure is logged; the call runs on unwatched
 
-    def _promote(self) -> float:
-        """In the thread, at a wake: take the step if it is due and no call's start will take it
-        (none started within a tick), or :data:`LATE` has passed; return how long the next wait
-        may be (seconds)."""
+    def _promote(self, woken: bool) -> float:
+        """In the thread, at a wake (``woken``: by events, a disconnect or a doorbell): take the
+        step if it is due and no call's start will take it, or :data:`LATE` has passed; return
+        how long the next wait may be (seconds). The starts are trusted with it while one came
+        within a tick and after the last events: clients leaving or calls cancelled may be what
+        stops the starts (a burst of them), and the calls started just before must be
+        registered within ticks, not :data:`LATE`."""
         with self._lock:
             now = time.monotonic()
             since = now - self._stepped
-            starting = now - self._last_start < TICK
-            if since >= TICK and (not starting or since >= LATE):
+            if woken:
+                self._woken_at = now
+            busy = self._last_start > self._woken_at and now - self._last_start < TICK
+            if since >= TICK and (not busy or since >= LATE):
                 self._step(now)
             self._ticking = bool(self._old) or now - self._last_start < ACTIVE_FOR
             if not self._ticking:
                 return IDLE_WAIT
-            return max(0.0, self._stepped + (LATE if starting else TICK) - now)
+            return max(0.0, self._stepped + (LATE if busy else TICK) - now)
 
     def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
@@ -352,7 +360,7 @@ class _Loop:
 
     def _turn(self) -> bool:
         """One wait and what it found; ``False`` once the epoll set is closed."""
-        timeout = self._promote()
+        timeout = self._promote(self._woken)
         if self._due:
             timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
         seen_gen = self._gen
@@ -360,6 +368,7 @@ class _Loop:
             events = self._ep.poll(timeout, _MAX_EVENTS)
         except ValueError:  # closed
             return False
+        self._woken = bool(events)
         for fd, ev in events:
             reader = self._readers.get(fd)
             if reader is not None:
