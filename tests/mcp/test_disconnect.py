@@ -9,6 +9,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import socket
 import struct
@@ -767,3 +768,62 @@ def test_a_stop_cut_short_by_request_stopped_still_wakes_the_stop_thread() -> No
         mine.close()
         peer.close()
     assert disconnect.watched_count() == 0
+
+
+def test_a_call_is_registered_within_late_when_starts_come_just_before_the_thread_wakes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The starts take the registration steps while one came within a tick of the thread's
+    wake; a call needs two steps. A start just before each of the thread's wakes took a step
+    and had the thread sleep LATE again, past the step before it: a call started between two
+    such starts waited two LATEs (~100 ms) for its registration, its client's close seen as
+    late (calls starting every ~47 ms did that to every call). It is registered, and its
+    disconnect seen, within LATE and a tick of its start, whenever the calls start."""
+    loop = _ticking(time.monotonic() + 5)
+    wake = [math.inf]  # when the thread wakes next, as it last said
+    real = loop._promote
+
+    def recording(*args: Any) -> float:
+        timeout = real(*args)
+        wake[0] = time.monotonic() + timeout
+        return timeout
+
+    monkeypatch.setattr(loop, "_promote", recording)
+
+    def start_one() -> None:
+        a, b = socket.socketpair()
+        w, _ = watch(a)
+        w.stop()
+        a.close()
+        b.close()
+
+    def just_before_the_wake(until: float, done: threading.Event) -> None:
+        """Start a call 2 ms before each of the thread's wakes, until ``until`` or ``done``."""
+        while not done.is_set() and time.monotonic() < until:
+            at = wake[0] - 0.002
+            if time.monotonic() < at:
+                time.sleep(0.0005)
+                continue
+            start_one()
+            while wake[0] <= at + 0.002 and not done.is_set() \
+                    and time.monotonic() < until:  # the thread's turn
+                time.sleep(0.0005)
+
+    late: list[float] = []
+    for _ in range(5):
+        just_before_the_wake(time.monotonic() + 0.2, threading.Event())  # it sleeps LATE
+        start_one()  # a step: the probe waits for two more
+        mine, peer = socket.socketpair()
+        try:
+            started = time.monotonic()
+            w, rec = watch(mine)
+            peer.close()
+            just_before_the_wake(started + 1, rec.gone)
+            assert rec.gone.is_set(), "a disconnect was never seen"
+            late.append(time.monotonic() - started)
+            w.stop()
+        finally:
+            mine.close()
+            peer.close()
+    late.sort()
+    bound = disconnect.LATE + disconnect.TICK
+    assert late[len(late) // 2] < bound + 0.025, f"seen {[round(s * 1000) for s in late]} ms late"

@@ -11,10 +11,11 @@ starting, every :data:`TICK` the calls still running that started before the pre
 step are registered (so a call shorter than a tick costs no ``epoll_ctl``, each of which
 releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back). A call's
 ``start`` takes that step when it is due, so under load the thread itself need not wake for
-it: it wakes :data:`LATE` after the last step, and every tick once calls stop starting or
-events woke it. A disconnect is seen at most two ticks late while calls keep starting or
-clients leave, at most :data:`LATE` and a tick late when the starts stop with nothing else
-happening. When the thread sleeps longer (no call started for
+it: it wakes :data:`LATE` after the step before the last (the earliest a call waiting for its
+registration can have started), and every tick once calls stop starting or events woke it. A
+disconnect is seen at most two ticks late while calls keep starting or clients leave, at most
+:data:`LATE` and a tick late when the starts stop or come further apart than a tick. When the
+thread sleeps longer (no call started for
 :data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
 process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
 ``on_disconnect()``; ``grace`` seconds later, if the request has not ended, ``on_timeout()`` runs
@@ -58,7 +59,8 @@ IDLE_WAIT = 1.0
 TICK = 0.005
 """Seconds between the watcher thread's wakes while calls start (see the module docstring)."""
 LATE = 0.05
-"""Seconds after a step taken by a call's ``start`` before the thread takes the next one."""
+"""The longest a running call waits for its registration while the calls' starts take the steps
+(seconds): the thread takes the next step :data:`LATE` after the one before the last."""
 ACTIVE_FOR = 0.1
 """Seconds after a call started during which the thread keeps waking every :data:`TICK`."""
 
@@ -217,7 +219,8 @@ class _Loop:
     ``_watched`` maps each registered descriptor to its :class:`Watcher` and the registration's
     generation (a counter bumped by every registration); it and the epoll set change together
     under ``_lock``. ``_new`` and ``_old`` (also under ``_lock``) hold the watchers started
-    since the last step (:meth:`_step`, at ``_stepped``) and before it, not registered yet;
+    since the last step (:meth:`_step`, at ``_stepped``) and before it (since the step before,
+    at ``_stepped_before``), not registered yet;
     ``_ticking`` says steps are taken every :data:`TICK` now. ``_due`` (a heap of
     ``(deadline, seq, watcher)``) is the thread's own.
     """
@@ -233,6 +236,7 @@ class _Loop:
         self._ticking = False
         self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
         self._stepped = -math.inf  # ... of the latest step (under _lock)
+        self._stepped_before = -math.inf  # ... of the step before it (under _lock)
         self._woken = False  # the thread's last wait returned events (the thread's own)
         self._woken_at = -math.inf  # ... when a wait last did (under _lock)
         self._gen = 0
@@ -308,29 +312,33 @@ class _Loop:
         takes a stopped one out); the caller holds ``_lock``, which ``stop`` takes too, so each
         one's request has not ended and its socket is still open."""
         old, self._old, self._new = self._old, self._new, {}
-        self._stepped = now
+        self._stepped_before, self._stepped = self._stepped, now
         for w, fd in old.items():
             self._register(w, fd)  # a failure is logged; the call runs on unwatched
 
     def _promote(self, woken: bool) -> float:
         """In the thread, at a wake (``woken``: by events, a disconnect or a doorbell): take the
-        step if it is due and no call's start will take it, or :data:`LATE` has passed; return
-        how long the next wait may be (seconds). The starts are trusted with it while one came
-        within a tick and after the last events: clients leaving or calls cancelled may be what
-        stops the starts (a burst of them), and the calls started just before must be
-        registered within ticks, not :data:`LATE`."""
+        step if it is due and no call's start will take it, or if a call in ``_old`` may have
+        waited :data:`LATE` (it started after the step before the last: the starts' own steps
+        come a start apart, and a call needs two); return how long the next wait may be
+        (seconds). The starts are trusted with it while one came within a tick and after the
+        last events: clients leaving or calls cancelled may be what stops the starts (a burst of
+        them), and the calls started just before must be registered within ticks, not
+        :data:`LATE`."""
         with self._lock:
             now = time.monotonic()
             since = now - self._stepped
             if woken:
                 self._woken_at = now
             busy = self._last_start > self._woken_at and now - self._last_start < TICK
-            if since >= TICK and (not busy or since >= LATE):
+            if (since >= TICK and not busy) or now - self._stepped_before >= LATE:
                 self._step(now)
             self._ticking = bool(self._old) or now - self._last_start < ACTIVE_FOR
             if not self._ticking:
                 return IDLE_WAIT
-            return max(0.0, self._stepped + (LATE if busy else TICK) - now)
+            if busy:
+                return max(0.0, self._stepped_before + LATE - now)
+            return max(0.0, self._stepped + TICK - now)
 
     def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
