@@ -177,9 +177,10 @@ def test_the_forwarding_client_gives_up_an_idle_connection_before_the_owner_clos
     assert expiry is not None and expiry + 5 <= idle, (expiry, idle)
 
 
-def _dead_peer_sockets() -> int:
-    """This process's connected Unix stream sockets whose peer has closed (a peek reads EOF):
-    descriptors held open for nothing."""
+def _dead_peer_sockets(under: Path) -> int:
+    """This process's connected Unix stream sockets to a socket file under ``under`` whose peer
+    has closed (a peek reads EOF): descriptors held open for nothing. Only this test's: sockets
+    earlier tests of the process left to the garbage collector are not counted."""
     import socket
 
     n = 0
@@ -194,7 +195,9 @@ def _dead_peer_sockets() -> int:
             if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
                 continue
             with contextlib.suppress(OSError):  # listening, unconnected, nothing to read
-                n += s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                peer = s.getpeername()
+                if isinstance(peer, str) and peer.startswith(f"{under}{os.sep}"):
+                    n += s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     return n
 
 
@@ -228,16 +231,16 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
         assert first._task is not None
         await first._task
         for _ in range(500):
-            if _dead_peer_sockets() >= 8:
+            if _dead_peer_sockets(tmp_path) >= 8:
                 break
             await asyncio.sleep(0.01)
-        left_by_the_gone_worker = _dead_peer_sockets()
+        left_by_the_gone_worker = _dead_peer_sockets(tmp_path)
         await second.ensure()  # its replacement, forwarded to
         await _forward(here, second.token, "POST", gone)
-        after_new_worker = _dead_peer_sockets()
+        after_new_worker = _dead_peer_sockets(tmp_path)
         sent = await _forward(here, first.token, "POST", gone)  # a gone worker's session
         assert sent[0]["status"] == 404
-        after = _dead_peer_sockets()
+        after = _dead_peer_sockets(tmp_path)
         second.close()
         for c in here._clients.values():
             await c.aclose()
