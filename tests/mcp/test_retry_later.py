@@ -48,3 +48,34 @@ def test_a_retry_later_answer_is_what_it_was(monkeypatch: pytest.MonkeyPatch,
     assert rec.levelno == level
     assert rec.getMessage() == f"POST /mcp: {exc}"
     assert rec.funcName == "__call__", (rec.funcName, rec.lineno)  # where it was logged before
+
+
+def test_a_request_after_the_servers_registry_was_closed_is_answered_503(
+        shm_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A server given a ``Registry`` object that is then closed in its process (a worker's own
+    exit path, an application closing it) answered every later request 500 with a traceback:
+    ``RegistryClosed`` is no bug of the server's and not the client's fault. It is answered 503
+    with ``Retry-After`` (another worker may serve the retry), and the registry is untouched."""
+    import json
+
+    from shmcancel import Registry
+
+    reg = Registry.create(shm_name)
+    other = Registry.attach(shm_name)
+    try:
+        server = McpServer("t", "1", registry=reg)
+        init = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                           "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                                      "clientInfo": {"name": "c", "version": "1"}}}).encode()
+        assert run(server, environ_for("POST", init)).status == 200
+        reg.close()
+        with caplog.at_level(logging.ERROR, logger="shmcancel"):
+            reply = run(server, environ_for("POST", init))
+        assert reply.status == 503
+        assert reply.headers["retry-after"] == "1"
+        assert "registry is closed" in reply.json["error"]["message"]
+        assert not any(r.exc_info for r in caplog.records), "logged as an internal error"
+        assert other.tables["sessions"].count() == 1  # the first request's session, none since
+        assert other.check() == {}  # consistent
+    finally:
+        other.close()

@@ -61,7 +61,8 @@ gunicorn's own quit, which unwinds the tool with ``SystemExit``; a hard ``_exit`
 not end it within a second) and gunicorn replaces it; in ``gthread`` :class:`RequestStopped` is
 raised in the tool's thread, and if the tool still has not returned after another grace period
 the worker is asked to exit gracefully (``SIGTERM``). A request meeting a registry lock held
-past ``lock_timeout`` by a live process (``LockTimeout``) is answered 503 with ``Retry-After``;
+past ``lock_timeout`` by a live process (``LockTimeout``), or a server whose ``registry=`` object
+was closed in the worker (``RegistryClosed``), is answered 503 with ``Retry-After``;
 a call that already ran keeps its reply, its end is owed and lands later
 (:mod:`shmcancel.cancellation`). So is a session id this host does not hold when the cross-host
 layer gives no answer about it (``RemoteUnavailable``: Redis slow or down); 404 only when it
@@ -97,7 +98,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from ..exceptions import LockTimeout, RemoteUnavailable, TableFull
+from ..exceptions import LockTimeout, RegistryClosed, RemoteUnavailable, TableFull
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .body import read_body
@@ -218,6 +219,12 @@ class McpServer(LegacyWire, ModernWire):
                                  "Server misconfigured: " + str(e))
         except RequestStopped:
             reply = _error_reply(200, None, codes.REQUEST_CANCELLED, "Request cancelled")
+        except RegistryClosed as e:
+            # The registry object this server was given was closed in this process (a worker
+            # exiting, an application's own close): not the client's fault; another worker may
+            # serve a retry. Only what was done before the close stays done.
+            reply = _retry_later(environ, e, "Service unavailable: the registry is closed in "
+                                 "this worker; retry later", _RETRY_AFTER, logging.ERROR)
         except LockTimeout as e:
             # A live process holds the registry lock (stopped, stalled): not this request's
             # fault and not a server bug; nothing was half-written. Ask the client to retry.
