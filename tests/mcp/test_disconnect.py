@@ -827,3 +827,49 @@ def test_a_call_is_registered_within_late_when_starts_come_just_before_the_threa
     late.sort()
     bound = disconnect.LATE + disconnect.TICK
     assert late[len(late) // 2] < bound + 0.025, f"seen {[round(s * 1000) for s in late]} ms late"
+
+
+def test_while_calls_keep_starting_less_than_a_tick_apart_a_disconnect_is_seen_within_two_ticks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The starts take the registration steps once a tick passed since the last one, and a
+    call was registered at the second step after its start: with the starts ``g`` apart
+    (``g`` under a tick) the steps came up to a tick and ``g`` apart, so a call waited up to
+    four ticks (starts every 4.5-4.9 ms: every disconnect seen 15-20 ms late), against the
+    module docstring's 'at most two ticks late while calls keep starting'. A call is now
+    registered by the first start a tick after its own: within a tick and ``g``. (The tick is
+    scaled up to 100 ms here, so the margins are tens of milliseconds.)"""
+    tick = 0.1
+    monkeypatch.setattr(disconnect, "TICK", tick)
+    monkeypatch.setattr(disconnect, "LATE", 10 * tick)
+    monkeypatch.setattr(disconnect, "ACTIVE_FOR", 20 * tick)
+    _ticking(time.monotonic() + 10)
+    gap = 0.8 * tick
+    probes: list[tuple[float, Watcher, Recorder, socket.socket]] = []
+    try:
+        at = time.monotonic()
+        for i in range(21):
+            at += gap
+            while time.monotonic() < at:
+                time.sleep(0.002)
+            a, b = socket.socketpair()
+            if i % 3 == 0 and i < 18:  # the starts go on after the last probe
+                started = time.monotonic()
+                w, rec = watch(a)
+                b.close()
+                probes.append((started, w, rec, a))
+                continue
+            w, _ = watch(a)
+            w.stop()
+            a.close()
+            b.close()
+        late = []
+        for started, w, rec, _a in probes:
+            assert rec.gone.wait(10), "a disconnect was never seen"
+            assert w.disconnected_at is not None
+            late.append(w.disconnected_at - started)
+    finally:
+        for _started, w, _rec, a in probes:
+            w.stop()
+            a.close()
+    late.sort()
+    assert late[len(late) // 2] < 2 * tick, f"seen {[round(s * 1000) for s in late]} ms late"

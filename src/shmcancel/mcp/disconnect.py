@@ -7,17 +7,16 @@ request, not a disconnect (the watcher then waits for ``EPOLLRDHUP``/``EPOLLHUP`
 
 A :class:`Watcher` is one request's registration with its process's single watcher thread
 (``shmcancel-disconnect``, level-triggered epoll over every watched socket). While calls keep
-starting, every :data:`TICK` the calls still running that started before the previous such
-step are registered (so a call shorter than a tick costs no ``epoll_ctl``, each of which
-releases the GIL: in a busy ``gthread`` worker a handoff to another thread and back). A call's
-``start`` takes that step when it is due, so under load the thread itself need not wake for
-it: it wakes :data:`LATE` after the step before the last (the earliest a call waiting for its
-registration can have started), and every tick once calls stop starting or events woke it. A
-disconnect is seen at most two ticks late while calls keep starting or clients leave, at most
-:data:`LATE` and a tick late when the starts stop or come further apart than a tick. When the
-thread sleeps longer (no call started for
-:data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first watch in a
-process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
+starting, a call still running a :data:`TICK` after its start is registered (so a call
+shorter than a tick costs no ``epoll_ctl``, each of which releases the GIL: in a busy
+``gthread`` worker a handoff to another thread and back). This step is taken by the first
+call's ``start`` that finds the oldest waiting call a tick old, so under load the thread
+itself need not wake for it: it wakes :data:`LATE` after the oldest waiting call's start, and
+a tick after it once calls stop starting or events woke it. A disconnect is seen at most two
+ticks late while calls keep starting or clients leave, at most :data:`LATE` and a tick late
+when the starts stop or come further apart than a tick. When the thread sleeps longer (no call
+started for :data:`ACTIVE_FOR`), ``start`` registers at once. The thread starts on the first
+watch in a process (never in a gunicorn master) and again in a fork child. On a disconnect it calls
 ``on_disconnect()``; ``grace`` seconds later, if the request has not ended, ``on_timeout()`` runs
 in a thread of its own.
 ``stop()`` before either callback guarantees neither runs later. An event is trusted only for
@@ -60,7 +59,7 @@ TICK = 0.005
 """Seconds between the watcher thread's wakes while calls start (see the module docstring)."""
 LATE = 0.05
 """The longest a running call waits for its registration while the calls' starts take the steps
-(seconds): the thread takes the next step :data:`LATE` after the one before the last."""
+(seconds): the thread takes the step :data:`LATE` after the oldest waiting call's start."""
 ACTIVE_FOR = 0.1
 """Seconds after a call started during which the thread keeps waking every :data:`TICK`."""
 
@@ -218,10 +217,10 @@ class _Loop:
 
     ``_watched`` maps each registered descriptor to its :class:`Watcher` and the registration's
     generation (a counter bumped by every registration); it and the epoll set change together
-    under ``_lock``. ``_new`` and ``_old`` (also under ``_lock``) hold the watchers started
-    since the last step (:meth:`_step`, at ``_stepped``) and before it (since the step before,
-    at ``_stepped_before``), not registered yet;
-    ``_ticking`` says steps are taken every :data:`TICK` now. ``_due`` (a heap of
+    under ``_lock``. ``_pending`` (also under ``_lock``) holds the watchers started but not
+    registered yet, with their start times, in start order; ``_oldest`` is no later than the
+    first one's start (``inf`` when none: a stop leaves it older, the next step corrects it);
+    ``_ticking`` says registrations are deferred (:meth:`_step`) now. ``_due`` (a heap of
     ``(deadline, seq, watcher)``) is the thread's own.
     """
 
@@ -231,12 +230,10 @@ class _Loop:
         self._ep = select.epoll()  # EPOLL_CLOEXEC
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[Watcher, int]] = {}
-        self._new: dict[Watcher, int] = {}  # watcher -> fd, started since the last wake
-        self._old: dict[Watcher, int] = {}  # ... started before it: registered at the next
+        self._pending: dict[Watcher, tuple[int, float]] = {}  # watcher -> (fd, start time)
+        self._oldest = math.inf  # at or before the first pending one's start (under _lock)
         self._ticking = False
         self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
-        self._stepped = -math.inf  # ... of the latest step (under _lock)
-        self._stepped_before = -math.inf  # ... of the step before it (under _lock)
         self._woken = False  # the thread's last wait returned events (the thread's own)
         self._woken_at = -math.inf  # ... when a wait last did (under _lock)
         self._gen = 0
@@ -256,11 +253,11 @@ class _Loop:
         return self._running and self.pid == procinfo.pid()
 
     def count(self) -> int:
-        return len(self._watched) + len(self._new) + len(self._old)
+        return len(self._watched) + len(self._pending)
 
     def add(self, w: Watcher, fd: int) -> bool:
         with self._lock:
-            if len(self._watched) + len(self._new) + len(self._old) >= MAX_WATCHED \
+            if len(self._watched) + len(self._pending) >= MAX_WATCHED \
                     and fd not in self._watched:
                 if not self._warned_full:
                     self._warned_full = True
@@ -268,10 +265,12 @@ class _Loop:
                                 "beyond that run without disconnect detection", MAX_WATCHED)
                 return False
             now = self._last_start = time.monotonic()
-            if self._ticking:  # registered if it still runs two steps on
-                if now - self._stepped >= TICK:
+            if self._ticking:  # registered if it still runs a tick on
+                if not self._pending:
+                    self._oldest = now
+                self._pending[w] = (fd, now)
+                if now - self._oldest >= TICK:
                     self._step(now)
-                self._new[w] = fd
                 return True
             return self._register(w, fd)
 
@@ -294,7 +293,7 @@ class _Loop:
         if self.pid != procinfo.pid():
             return  # a copy inherited across fork: its epoll set is the parent's
         with self._lock:
-            if self._new.pop(w, None) is not None or self._old.pop(w, None) is not None:
+            if self._pending.pop(w, None) is not None:
                 return  # never registered
             cur = self._watched.get(fd)
             if cur is None or cur[0] is not w:
@@ -308,37 +307,42 @@ class _Loop:
             del self._watched[fd]
 
     def _step(self, now: float) -> None:
-        """Register the watchers started before the previous step (still running: :meth:`remove`
-        takes a stopped one out); the caller holds ``_lock``, which ``stop`` takes too, so each
-        one's request has not ended and its socket is still open."""
-        old, self._old, self._new = self._old, self._new, {}
-        self._stepped_before, self._stepped = self._stepped, now
-        for w, fd in old.items():
+        """Register the pending watchers started a :data:`TICK` or more before ``now`` (still
+        running: :meth:`remove` takes a stopped one out) and set ``_oldest``; the caller holds
+        ``_lock``, which ``stop`` takes too, so each one's request has not ended and its socket
+        is still open."""
+        pending = self._pending
+        while pending:
+            w = next(iter(pending))
+            fd, started = pending[w]
+            if now - started < TICK:
+                self._oldest = started
+                return
+            del pending[w]
             self._register(w, fd)  # a failure is logged; the call runs on unwatched
+        self._oldest = math.inf
 
     def _promote(self, woken: bool) -> float:
         """In the thread, at a wake (``woken``: by events, a disconnect or a doorbell): take the
-        step if it is due and no call's start will take it, or if a call in ``_old`` may have
-        waited :data:`LATE` (it started after the step before the last: the starts' own steps
-        come a start apart, and a call needs two); return how long the next wait may be
-        (seconds). The starts are trusted with it while one came within a tick and after the
-        last events: clients leaving or calls cancelled may be what stops the starts (a burst of
-        them), and the calls started just before must be registered within ticks, not
-        :data:`LATE`."""
+        step if the oldest pending call is a tick old and no call's start will take it, or if it
+        has waited :data:`LATE`; return how long the next wait may be (seconds: until then, at
+        most :data:`LATE`, so a call started meanwhile waits no longer). The starts are trusted
+        with the step while one came within a tick and after the last events: clients leaving
+        or calls cancelled may be what stops the starts (a burst of them), and the calls started
+        just before must be registered within ticks, not :data:`LATE`. After a step the oldest
+        pending call is younger than a tick: the wait is never zero twice."""
         with self._lock:
             now = time.monotonic()
-            since = now - self._stepped
             if woken:
                 self._woken_at = now
             busy = self._last_start > self._woken_at and now - self._last_start < TICK
-            if (since >= TICK and not busy) or now - self._stepped_before >= LATE:
+            wait = LATE if busy else TICK
+            if now - self._oldest >= wait:
                 self._step(now)
-            self._ticking = bool(self._old) or now - self._last_start < ACTIVE_FOR
+            self._ticking = bool(self._pending) or now - self._last_start < ACTIVE_FOR
             if not self._ticking:
                 return IDLE_WAIT
-            if busy:
-                return max(0.0, self._stepped_before + LATE - now)
-            return max(0.0, self._stepped + TICK - now)
+            return max(0.0, min(self._oldest + wait - now, LATE))
 
     def add_reader(self, fd: int, fn: Callable[[], None]) -> bool:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
