@@ -38,6 +38,18 @@ def _arm_and_disarm(sock: socket.socket) -> None:
     body._BODY_DEADLINES.disarm(d)
 
 
+def _a_near_deadline_fires(sock: socket.socket) -> None:
+    """A read of ``sock`` armed 0.2 s from now has its read side shut at that deadline."""
+    near = body._BODY_DEADLINES.arm(sock, time.monotonic() + 0.2)
+    assert near is not None
+    sock.settimeout(5)
+    t0 = time.monotonic()
+    assert sock.recv(1) == b""  # its read side shut at its deadline
+    assert time.monotonic() - t0 < 3
+    assert near.fired
+    body._BODY_DEADLINES.disarm(near)
+
+
 def test_a_deadline_past_the_longest_wait_does_not_end_the_watchdog() -> None:
     """A ``body_timeout`` longer than ``threading.TIMEOUT_MAX`` (finite, so accepted) made the
     watchdog's wait raise ``OverflowError``, ending its thread: every later read of the
@@ -55,14 +67,8 @@ def test_a_deadline_past_the_longest_wait_does_not_end_the_watchdog() -> None:
         while not cond._waiters and any(t.is_alive() for t in watchdog):  # type: ignore[attr-defined]
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        near = body._BODY_DEADLINES.arm(near_a, time.monotonic() + 0.2)
-        assert near is not None
-        near_a.settimeout(5)
-        t0 = time.monotonic()
-        assert near_a.recv(1) == b""  # its read side shut at its deadline
-        assert time.monotonic() - t0 < 3
-        assert near.fired and not far.fired
-        body._BODY_DEADLINES.disarm(near)
+        _a_near_deadline_fires(near_a)
+        assert not far.fired
         body._BODY_DEADLINES.disarm(far)
     finally:
         for s in (far_a, far_b, near_a, near_b):
@@ -97,15 +103,7 @@ def test_reads_one_after_another_do_not_wake_the_watchdog() -> None:
             # a notify takes the watchdog's waiter off the condition
             assert list(body._BODY_DEADLINES._cond._waiters) == waiting  # type: ignore[attr-defined]
             body._BODY_DEADLINES.disarm(d)
-        # an earlier deadline still wakes it, and is kept
-        near = body._BODY_DEADLINES.arm(a, time.monotonic() + 0.2)
-        assert near is not None
-        a.settimeout(5)
-        t0 = time.monotonic()
-        assert a.recv(1) == b""  # its read side shut at its deadline
-        assert time.monotonic() - t0 < 3
-        assert near.fired
-        body._BODY_DEADLINES.disarm(near)
+        _a_near_deadline_fires(a)  # an earlier deadline still wakes it, and is kept
     finally:
         a.close()
         b.close()
