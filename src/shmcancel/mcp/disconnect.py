@@ -56,12 +56,14 @@ MAX_WATCHED = 4096
 IDLE_WAIT = 1.0
 """The longest the watcher thread blocks in ``epoll_wait`` (seconds)."""
 TICK = 0.005
-"""Seconds between the watcher thread's wakes while calls start (see the module docstring)."""
+"""Seconds a call runs before its socket is registered while calls keep starting (a shorter
+call costs no ``epoll_ctl``; see the module docstring)."""
 LATE = 0.05
 """The longest a running call waits for its registration while the calls' starts take the steps
 (seconds): the thread takes the step :data:`LATE` after the oldest waiting call's start."""
 ACTIVE_FOR = 0.1
-"""Seconds after a call started during which the thread keeps waking every :data:`TICK`."""
+"""Seconds after a call started during which registrations stay deferred (:data:`TICK`); after
+that, a starting call is registered at once."""
 
 _HAS_EPOLL = hasattr(select, "epoll")
 _EPOLLIN = getattr(select, "EPOLLIN", 0)
