@@ -83,8 +83,11 @@ def build(sessions: bool, path: str) -> McpServer:
     @server.tool("nap")
     def nap(conn, params):
         """Sleep ``seconds`` without looking at cancellation (a tool busy computing): only the
-        transport's own look when it returns can answer it ``-32800``."""
+        transport's own look when it returns can answer it ``-32800``. With ``progress``
+        true, one progress notification first (the reply becomes an SSE stream)."""
         seconds, tag = _seconds(params), params.get("tag")
+        if params.get("progress"):
+            progress(conn, 0, 1, "napping")
         _record(tag, "started", str(os.getpid()))
         time.sleep(seconds)
         return f"napped {seconds:g}s"

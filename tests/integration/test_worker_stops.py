@@ -194,3 +194,53 @@ def test_a_request_waiting_for_the_lock_when_its_worker_quits_is_503(
         assert r.json()["error"]["code"] == -32000, r.text
         assert "Error handling request" not in g.log(), g.log_tail()
         wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_a_call_whose_tool_ran_keeps_its_answer_when_its_worker_quits_at_its_end(
+        shm_name: str, stopped_holder: Callable[[], Any], tmp_path: Any, streamed: bool) -> None:
+    """A session's ``tools/call`` whose tool has returned, waiting at its end for the registry
+    lock (the session's touch is due; a stopped process holds the lock) when its worker is told
+    to quit. The tool ran, so its answer stands: it was answered 503 "retry is safe" (a retry
+    runs the tool again), and on an SSE stream already open ``start_response`` was called a
+    second time (gunicorn's "Error handling request" traceback, the stream cut)."""
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", workers=1, env=env) as g:
+        sid = open_session(g.url)
+        worker = g.worker_pids()[0]
+        out: dict[str, Any] = {}
+        params: dict[str, Any] = {"name": "nap", "arguments": {
+            "seconds": 1.2, "tag": "ended", "progress": streamed}}  # > the touch interval
+        if streamed:
+            params["_meta"] = {"progressToken": "p"}
+
+        def call() -> None:
+            try:
+                out["r"] = httpx.post(g.url, timeout=30, headers={
+                    "Accept": ACCEPT, "Mcp-Session-Id": sid, "MCP-Protocol-Version": LEGACY},
+                    json={"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": params})
+            except Exception as e:  # the test reports it
+                out["e"] = e
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        wait_until(lambda: (tmp_path / "ended.started").exists(), time.monotonic() + 10,
+                   what="the tool to start")
+        stopped_holder()  # the tool needs no lock; its end (the session's touch) does
+        wait_until(lambda: _blocks_sigquit(worker), time.monotonic() + 10,
+                   what="the call's end to wait for the lock")
+        os.kill(worker, signal.SIGQUIT)  # what a quick shutdown sends every worker
+        t.join(30)
+        r = out.get("r")
+        assert "Error handling request" not in g.log(), g.log_tail()
+        assert r is not None, out
+        assert r.status_code == 200, (r.status_code, r.text)
+        if streamed:
+            events = [json.loads(line[5:]) for line in r.text.splitlines()
+                      if line.startswith("data:")]
+            reply = events[-1]
+        else:
+            reply = r.json()
+        assert reply["id"] == 5 and reply["result"]["content"][0]["text"] == "napped 1.2s", reply
+        wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")

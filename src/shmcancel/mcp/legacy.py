@@ -23,6 +23,7 @@ from .jsonrpc import Notification, Request, Response, RpcError
 from .principal import PRINCIPAL_KEY, REMOTE_ADDR_KEY, SESSION_KEY
 from .reply import StartResponse, _error_reply, _Reply
 from .sessions import SessionsFull
+from .stop import gunicorn_quits
 from .wire import (
     SUPPORTED_VERSIONS,
     RequestHeaders,
@@ -129,7 +130,7 @@ class LegacyWire(CallLifecycle):
         try:
             return self._tool_methods(environ, start_response, Wire.LEGACY, msg, json_ok, sse_ok)
         finally:
-            st.sessions.end_call(call)
+            _end_call(st, call, environ)
 
     def _call_tracked(self, environ: dict[str, Any], handle: Any) -> bool:
         """A call's session was checked before it was tracked: a DELETE landing in between
@@ -214,6 +215,23 @@ class LegacyWire(CallLifecycle):
         except InvalidRequestId:
             return _error_reply(400, None, codes.INVALID_PARAMS, 'Invalid params: "requestId"')
         return _Reply(202)
+
+
+def _end_call(st: _ProcessState, call: Any, environ: dict[str, Any]) -> None:
+    """End a session's call once its tool has run and its answer is made (or streamed).
+    ``end_call`` may wait for the registry lock (the session's touch is due); gunicorn's quit or
+    abort landing in that wait (``SystemExit`` in a ``sync`` worker) must not replace the
+    call's answer: escaping, it was answered 503 "retry is safe" for a tool that ran, or, on an
+    SSE stream already open, ``start_response`` was called a second time. gunicorn has set the
+    worker not alive, so it exits once this request is answered (as for a stop inside the tool,
+    :mod:`.call`); the row goes with the process (a dead owner's)."""
+    try:
+        st.sessions.end_call(call)
+    except SystemExit as e:
+        if not gunicorn_quits(environ):
+            raise
+        log.warning("a session call's end was cut short: gunicorn is stopping its worker "
+                    "(SystemExit %s); the call keeps its answer", e.code)
 
 
 def _client_of(environ: dict[str, Any]) -> str:
