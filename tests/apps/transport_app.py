@@ -84,13 +84,15 @@ def build(sessions: bool, path: str) -> McpServer:
     def nap(conn, params):
         """Sleep ``seconds`` without looking at cancellation (a tool busy computing): only the
         transport's own look when it returns can answer it ``-32800``. With ``progress``
-        true, one progress notification first (the reply becomes an SSE stream)."""
+        true, one progress notification first (the reply becomes an SSE stream); ``pad``
+        characters added to the text it returns (a large answer)."""
         seconds, tag = _seconds(params), params.get("tag")
         if params.get("progress"):
             progress(conn, 0, 1, "napping")
         _record(tag, "started", str(os.getpid()))
         time.sleep(seconds)
-        return f"napped {seconds:g}s"
+        pad = params.get("pad", 0)
+        return f"napped {seconds:g}s" + "x" * (pad if type(pad) is int and pad > 0 else 0)
 
     @server.tool("nested")
     def nested(conn, params):

@@ -244,3 +244,45 @@ def test_a_call_whose_tool_ran_keeps_its_answer_when_its_worker_quits_at_its_end
             reply = r.json()
         assert reply["id"] == 5 and reply["result"]["content"][0]["text"] == "napped 1.2s", reply
         wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")
+
+
+def _waits_to_send(pid: int) -> bool:
+    """Whether process ``pid``'s main thread waits for room in a socket's send buffer (the
+    kernel's wait there, by its two names)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip() in ("sk_stream_wait_memory", "wait_woken")
+    except OSError:
+        return False
+
+
+def test_a_quit_while_a_streamed_answer_is_written_cuts_the_stream_without_a_second_start(
+        shm_name: str, tmp_path: Any) -> None:
+    """A call whose progress opened an SSE stream, its large answer being written to a client
+    that does not read, when its worker is told to quit: the stream can only be cut (the
+    status line is out). It was, but by way of a second ``start_response`` for a 503 (gunicorn's
+    "Response headers already set!" traceback in the log) instead of ending the connection."""
+    env = {"SHMCANCEL_TEST_DIR": str(tmp_path)}
+    with Gunicorn("tests.apps.transport_app:app", registry_name=shm_name,
+                  config="tests/apps/transport_conf.py", workers=1, env=env) as g:
+        worker = g.worker_pids()[0]
+        body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {
+            "name": "nap", "_meta": {"progressToken": "p"},
+            "arguments": {"seconds": 0, "progress": True, "pad": 16 << 20}}}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.settimeout(30)
+        with s:
+            s.connect(("127.0.0.1", g.port))
+            s.sendall(b"POST /stateless HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\n"
+                      + f"Accept: {ACCEPT}\r\nMCP-Protocol-Version: {LEGACY}\r\n".encode()
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+            wait_until(lambda: _waits_to_send(worker), time.monotonic() + 20,
+                       what="the worker to wait to write the answer")
+            os.kill(worker, signal.SIGQUIT)  # what a quick shutdown sends every worker
+            while s.recv(1 << 20):  # the rest, up to the connection's end
+                pass
+        wait_until(lambda: not alive(worker), time.monotonic() + 10, what="the worker to exit")
+        assert "Error handling request" not in g.log(), g.log_tail()

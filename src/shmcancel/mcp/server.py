@@ -102,11 +102,20 @@ from ..exceptions import LockTimeout, RegistryClosed, RemoteUnavailable, TableFu
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .body import read_body
+from .call import _hang_up
 from .jsonrpc import RpcError
 from .legacy import LegacyWire
 from .modern import ModernWire
 from .origin import OriginPolicy
-from .reply import _STATUS, StartResponse, _body_reply, _error_reply, _Reply, progress
+from .reply import (
+    _STATUS,
+    StartResponse,
+    _body_reply,
+    _error_reply,
+    _Exchange,
+    _Reply,
+    progress,
+)
 from .reply import PROGRESS_KEY as PROGRESS_KEY
 from .sessions import SessionsFull
 from .stop import RequestStopped, gunicorn_quits
@@ -261,6 +270,16 @@ class McpServer(LegacyWire, ModernWire):
                           environ.get("PATH_INFO"))
             reply = _error_reply(500, None, codes.INTERNAL_ERROR, "Internal error")
         if reply is None:  # streamed: everything was written already
+            return []
+        ex = environ.get(PROGRESS_KEY)
+        if isinstance(ex, _Exchange) and ex.committed:
+            # Failed after a tools/call's SSE stream opened (gunicorn's quit in the middle of
+            # writing its answer, say): the status line is out, so no reply can follow (a second
+            # start_response is an error). End the connection: the client sees the stream cut.
+            log.warning("%s %s: failed after its event stream began (HTTP %d not sendable); "
+                        "the connection is ended", environ.get("REQUEST_METHOD"),
+                        environ.get("PATH_INFO"), reply.status)
+            _hang_up(environ)
             return []
         headers = [*reply.headers, ("Content-Length", str(len(reply.body)))]
         if reply.status != 204:
