@@ -236,8 +236,7 @@ class _Loop:
         self._oldest = math.inf  # at or before the first pending one's start (under _lock)
         self._ticking = False
         self._last_start = -math.inf  # monotonic time of the latest start (under _lock)
-        self._woken = False  # the thread's last wait returned events (the thread's own)
-        self._woken_at = -math.inf  # ... when a wait last did (under _lock)
+        self._woken_at = -math.inf  # when the thread last handled events (the thread's own)
         self._gen = 0
         self._due: list[tuple[float, int, Watcher]] = []
         self._seq = itertools.count()
@@ -324,19 +323,17 @@ class _Loop:
             self._register(w, fd)  # a failure is logged; the call runs on unwatched
         self._oldest = math.inf
 
-    def _promote(self, woken: bool) -> float:
-        """In the thread, at a wake (``woken``: by events, a disconnect or a doorbell): take the
-        step if the oldest pending call is a tick old and no call's start will take it, or if it
-        has waited :data:`LATE`; return how long the next wait may be (seconds: until then, at
-        most :data:`LATE`, so a call started meanwhile waits no longer). The starts are trusted
-        with the step while one came within a tick and after the last events: clients leaving
+    def _promote(self) -> float:
+        """In the thread, at a wake: take the step if the oldest pending call is a tick old and
+        no call's start will take it, or if it has waited :data:`LATE`; return how long the next
+        wait may be (seconds: until then, at most :data:`LATE`, so a call started meanwhile waits
+        no longer). The starts are trusted with the step while one came within a tick and after
+        the thread last handled events (``_woken_at``: a disconnect, a doorbell): clients leaving
         or calls cancelled may be what stops the starts (a burst of them), and the calls started
         just before must be registered within ticks, not :data:`LATE`. After a step the oldest
         pending call is younger than a tick: the wait is never zero twice."""
         with self._lock:
             now = time.monotonic()
-            if woken:
-                self._woken_at = now
             busy = self._last_start > self._woken_at and now - self._last_start < TICK
             wait = LATE if busy else TICK
             if now - self._oldest >= wait:
@@ -374,7 +371,7 @@ class _Loop:
 
     def _turn(self) -> bool:
         """One wait and what it found; ``False`` once the epoll set is closed."""
-        timeout = self._promote(self._woken)
+        timeout = self._promote()
         if self._due:
             timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
         seen_gen = self._gen
@@ -382,7 +379,6 @@ class _Loop:
             events = self._ep.poll(timeout, _MAX_EVENTS)
         except ValueError:  # closed
             return False
-        self._woken = bool(events)
         for fd, ev in events:
             reader = self._readers.get(fd)
             if reader is not None:
@@ -391,6 +387,8 @@ class _Loop:
             w = self._look(fd, ev, seen_gen)
             if w is not None and w._disconnected():
                 heapq.heappush(self._due, (time.monotonic() + w._grace, next(self._seq), w))
+        if events:
+            self._woken_at = time.monotonic()
         self._run_due()
         return True
 
