@@ -615,15 +615,20 @@ def test_watched_sockets_are_capped(monkeypatch: pytest.MonkeyPatch,
             b.close()
 
 
+def _short_call() -> None:
+    """A call that starts and ends at once (its client socket watched, then not)."""
+    a, b = socket.socketpair()
+    w, _ = watch(a)
+    w.stop()
+    a.close()
+    b.close()
+
+
 def _ticking(deadline: float) -> Any:
     """Start and stop watches until this process's watcher thread wakes every TICK (calls keep
     starting); returns its loop."""
     while True:
-        a, b = socket.socketpair()
-        w, _ = watch(a)
-        w.stop()
-        a.close()
-        b.close()
+        _short_call()
         loop = disconnect.process_loop()
         assert loop is not None
         if loop._ticking:
@@ -687,11 +692,7 @@ def test_while_calls_keep_starting_the_thread_leaves_the_steps_to_them(
     try:
         end = time.monotonic() + 0.5
         while time.monotonic() < end:
-            a, b = socket.socketpair()
-            w, _ = watch(a)
-            w.stop()
-            a.close()
-            b.close()
+            _short_call()
             time.sleep(0.001)
         woken = turns[0]
         long_, rec = watch(long_pair[0])  # the starts stop here
@@ -789,13 +790,6 @@ def test_a_call_is_registered_within_late_when_starts_come_just_before_the_threa
 
     monkeypatch.setattr(loop, "_promote", recording)
 
-    def start_one() -> None:
-        a, b = socket.socketpair()
-        w, _ = watch(a)
-        w.stop()
-        a.close()
-        b.close()
-
     def just_before_the_wake(until: float, done: threading.Event) -> None:
         """Start a call 2 ms before each of the thread's wakes, until ``until`` or ``done``."""
         while not done.is_set() and time.monotonic() < until:
@@ -803,7 +797,7 @@ def test_a_call_is_registered_within_late_when_starts_come_just_before_the_threa
             if time.monotonic() < at:
                 time.sleep(0.0005)
                 continue
-            start_one()
+            _short_call()
             while wake[0] <= at + 0.002 and not done.is_set() \
                     and time.monotonic() < until:  # the thread's turn
                 time.sleep(0.0005)
@@ -811,7 +805,7 @@ def test_a_call_is_registered_within_late_when_starts_come_just_before_the_threa
     late: list[float] = []
     for _ in range(5):
         just_before_the_wake(time.monotonic() + 0.2, threading.Event())  # it sleeps LATE
-        start_one()  # a step: the probe waits for two more
+        _short_call()  # a step: the probe waits for two more
         mine, peer = socket.socketpair()
         try:
             started = time.monotonic()
@@ -851,17 +845,14 @@ def test_while_calls_keep_starting_less_than_a_tick_apart_a_disconnect_is_seen_w
             at += gap
             while time.monotonic() < at:
                 time.sleep(0.002)
-            a, b = socket.socketpair()
             if i % 3 == 0 and i < 18:  # the starts go on after the last probe
+                a, b = socket.socketpair()
                 started = time.monotonic()
                 w, rec = watch(a)
                 b.close()
                 probes.append((started, w, rec, a))
                 continue
-            w, _ = watch(a)
-            w.stop()
-            a.close()
-            b.close()
+            _short_call()
         late = []
         for started, w, rec, _a in probes:
             assert rec.gone.wait(10), "a disconnect was never seen"
