@@ -864,3 +864,33 @@ def test_while_calls_keep_starting_less_than_a_tick_apart_a_disconnect_is_seen_w
             a.close()
     late.sort()
     assert late[len(late) // 2] < 2 * tick, f"seen {[round(s * 1000) for s in late]} ms late"
+
+
+def test_a_reader_closed_behind_the_loops_back_leaves_its_number_to_a_watched_socket() -> None:
+    """A descriptor the watcher thread reads (a doorbell) closed behind the loop's back (a
+    ``closerange``), its number then a client socket's: that socket's disconnect is seen, not
+    handed to the stale reader (which, level-triggered, was called forever instead)."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    r, r_peer = socket.socketpair()
+    stale: list[int] = []
+    assert loop.add_reader(r.fileno(), lambda: stale.append(1))
+    fd = r.detach()
+    os.close(fd)
+    a, b = socket.socketpair()
+    w = None
+    try:
+        if a.fileno() != fd:
+            os.dup2(a.fileno(), fd)
+            a.close()
+            a = socket.socket(fileno=fd)
+        w, rec = watch(a)
+        b.close()
+        assert rec.gone.wait(5), "the disconnect went to the closed reader"
+        assert not stale
+    finally:
+        if w is not None:
+            w.stop()
+        a.close()
+        b.close()
+        r_peer.close()

@@ -287,6 +287,9 @@ class _Loop:
             log.warning("cannot watch a client socket", exc_info=True)
             self._watched.pop(fd, None)
             return False
+        # A reader on this number had its descriptor closed behind the loop's back (a
+        # closerange): the number is this socket's now, and so are its events.
+        self._readers.pop(fd, None)
         self._watched[fd] = (w, self._gen)
         return True
 
