@@ -23,6 +23,17 @@ LONG = 20.0  # seconds a wait would last unwoken
 BOUND = 1.0  # seconds within which a woken wait must return (generous)
 
 
+@pytest.fixture
+def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No look at the waits but a ring's: the watcher thread's are a minute apart (the next
+    one too) and not started by a first wait, the waits' own a minute apart too. What wakes a
+    wait in the test is a ring or a wake."""
+    monkeypatch.setattr(wake, "WAIT_POLL", 60.0)
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    monkeypatch.setattr(wake, "_next_look", time.monotonic() + 60.0)
+    monkeypatch.setattr(wake, "_poke", lambda bell: None)
+
+
 def _waiting(n: int, deadline: float) -> None:
     while wake.waiting() < n:
         assert time.monotonic() < deadline, "the wait did not start"
@@ -87,6 +98,50 @@ def test_wake_after_cancel_local_returns_at_once(registry, seconds: float) -> No
         h.end()
 
 
+def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
+        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancellation recorded without a ring (another host's, a script's through the public
+    API) still ends a long wait within ``WAIT_POLL``, seen by the watcher thread's looks at the
+    waiting calls: the waits' own looks are a minute apart here, so nothing else can end it."""
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    reg = registry()
+    c = Cancellation(reg)
+    h1, h2 = c.begin(1, "s"), c.begin(2, "s")
+    try:
+        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
+        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
+        w1.start()
+        w2.start()
+        _waiting(2, time.monotonic() + 5)
+        other = Cancellation(Registry.attach(reg.name))  # no transport: nobody rings
+        try:
+            assert other.cancel_if_in_flight(2, "stop", "s")
+        finally:
+            other.registry.close()
+        at = time.monotonic()
+        assert w2.result(timeout=BOUND + 1) is True
+        assert w2.done_at - at < BOUND  # type: ignore[operator]
+        assert w1.done_at is None and wake.waiting() == 1  # not cancelled: waits on
+        h1.cancel_local("stop")
+        wake.wake(h1)
+        assert w1.result(timeout=BOUND + 1) is True
+    finally:
+        h1.end()
+        h2.end()
+
+
+def test_a_conn_without_a_handle_polls_its_cancellation_while_it_waits(registry) -> None:
+    c = Cancellation(registry())
+    conn = {"REMOTE_ADDR": "127.0.0.1", "shmcancel.request_id": 7,
+            "shmcancel.cancellation": c}
+    w = Background(lambda: wake.wait_cancelled(conn, LONG))
+    w.start()
+    c.cancel(7, "stop", c.scope(conn))
+    at = time.monotonic()
+    assert w.result(timeout=BOUND + 1) is True
+    assert w.done_at - at < BOUND  # type: ignore[operator]
+
+
 def test_a_conn_without_a_handle_sleeps_and_polls() -> None:
     t0 = time.monotonic()
     assert wake.wait_cancelled({}, 0.05) is False
@@ -94,7 +149,8 @@ def test_a_conn_without_a_handle_sleeps_and_polls() -> None:
     assert wake.wait_cancelled({}, -1) is False  # a negative wait is no wait
 
 
-def test_a_ring_to_the_owners_wakes_the_waiter_and_a_ring_elsewhere_does_not(registry) -> None:
+def test_a_ring_to_the_owners_wakes_the_waiter_and_a_ring_elsewhere_does_not(
+        registry, rings_only) -> None:
     """``notifications/cancelled`` rings only the processes running the call
     (``Cancellation.in_flight_pids``): that ring wakes it, one to another pid does not."""
     reg = registry()

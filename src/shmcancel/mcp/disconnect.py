@@ -242,6 +242,7 @@ class _Loop:
         self._seq = itertools.count()
         self._warned_full = False
         self._readers: dict[int, Callable[[], None]] = {}  # fd -> what to call when readable
+        self._ticker: Callable[[], float] | None = None  # see set_ticker
         self.thread = threading.Thread(target=self._run, name="shmcancel-disconnect",
                                        daemon=True)
         try:
@@ -358,6 +359,12 @@ class _Loop:
             self._readers[fd] = fn
         return True
 
+    def set_ticker(self, fn: Callable[[], float]) -> None:
+        """Call ``fn()`` in the watcher thread at every turn, for as long as the process runs; it
+        returns how long the thread may wait before calling it again (seconds; ``math.inf``: only
+        at the next turn, when other events or timeouts take it)."""
+        self._ticker = fn
+
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
@@ -377,6 +384,9 @@ class _Loop:
         timeout = self._promote()
         if self._due:
             timeout = min(timeout, max(0.0, self._due[0][0] - time.monotonic()))
+        ticker = self._ticker
+        if ticker is not None:
+            timeout = min(timeout, max(0.0, ticker()))
         seen_gen = self._gen
         try:
             events = self._ep.poll(timeout, _MAX_EVENTS)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import math
 import os
 import socket
 import sys
@@ -46,6 +47,10 @@ _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced ra
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 _MAX_ADDRESSES = 1024  # doorbell addresses kept (then the cache starts over)
 _REFUSED_FOR = 0.1  # seconds a doorbell whose queue was full is not rung (see ring)
+WAIT_POLL = 0.008
+"""While waits are under way in a process, its watcher thread looks at every waiting call at
+least this often (seconds), so a wait sees its cancellation within this, rung or not."""
+_SLICE = 0.1  # seconds a wait sleeps at most between looks of its own (the watcher's fallback)
 _MAX_REFUSED = 1024  # full doorbells remembered (then the expired ones go, or all)
 
 _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wait); a wait's lock
@@ -62,6 +67,7 @@ _sender_lock = threading.RLock()  # reentrant: a signal handler may ring
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 _refused: dict[bytes, float] = {}  # doorbell_address -> monotonic time until which it is skipped
+_next_look = -math.inf  # monotonic time the waiting calls are due to be looked at again
 
 
 def doorbell_address(registry_name: str, pid: int) -> bytes:
@@ -72,20 +78,19 @@ def doorbell_address(registry_name: str, pid: int) -> bytes:
 
 def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     """Sleep up to ``seconds`` (at least 0; at most ``threading.TIMEOUT_MAX``), returning early
-    once the call ``conn`` belongs to is cancelled; whether it is cancelled. For a conn without
-    a transport handle, a plain ``cancelled`` / ``sleep`` / ``cancelled``."""
+    once the call ``conn`` belongs to is cancelled; whether it is cancelled. A cancellation is
+    seen within :data:`WAIT_POLL` of being recorded, rung or not: the process's watcher thread
+    looks at every waiting call that often (or, for a conn without a transport handle or
+    without a watcher, the wait polls ``cancelled(conn)`` itself that often)."""
     seconds = min(max(0.0, float(seconds)), threading.TIMEOUT_MAX)
     h = conn.get(HANDLE_KEY) if isinstance(conn, Mapping) else None
     if not isinstance(h, RequestHandle) or not _LINUX:
-        if cancelled(conn):
-            return True
-        time.sleep(seconds)
-        return cancelled(conn)
+        return _sleep_polling(conn, seconds)
     if h.cancelled():
         return True
     registry = getattr(h._c, "registry", None)
-    if registry is not None:
-        _ensure_bell(registry.name)
+    bell = _ensure_bell(registry.name) if registry is not None else None
+    step = WAIT_POLL if bell is None else _SLICE
     # The thread's own lock, held while nobody wakes it: a wake releases it. A tool polls in a
     # loop, so this is every poll's cost: one lock, no Event (a Condition, two locks) per wait.
     # A wait inside a wait of the same thread (a signal handler's) gets a lock of its own.
@@ -101,9 +106,16 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
         _tls.busy = True
     try:
         with _lock:
+            first = not _waiters
             _waiters[key] = (h, lk)
-        if not h.cancelled():  # a cancel before the registration found nobody to wake
-            lk.acquire(True, seconds)
+        if first and bell is not None:
+            _poke(bell)  # the watcher thread may be in a long wait: its looks start now
+        end = time.monotonic() + seconds
+        # a cancel before the registration found nobody to wake: hence the look first
+        while not h.cancelled():
+            left = end - time.monotonic()
+            if left <= 0 or lk.acquire(True, min(left, step)):
+                break
     finally:
         with _lock:
             _waiters.pop(key, None)
@@ -113,6 +125,18 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
         if not nested:
             _tls.busy = False
     return h.cancelled()
+
+
+def _sleep_polling(conn: Mapping[str, Any], seconds: float) -> bool:
+    """:func:`wait_cancelled` without a watcher thread: ``cancelled(conn)`` every
+    :data:`WAIT_POLL` seconds."""
+    end = time.monotonic() + seconds
+    while not cancelled(conn):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, WAIT_POLL))
+    return True
 
 
 def wake(handle: RequestHandle) -> None:
@@ -242,31 +266,54 @@ def _sibling_pids() -> list[int]:
     return pids
 
 
-def _ensure_bell(registry_name: str) -> None:
+def _ensure_bell(registry_name: str) -> socket.socket | None:
+    """This process's doorbell for ``registry_name`` (made on first use, its watcher thread
+    then looking at the waits, see :func:`_look_at_waits`); ``None`` when it cannot have one
+    (no watcher thread, or its address is taken)."""
     got = _bells.get(registry_name)
     if got is not None and got[0] == procinfo.pid():
-        return
+        return got[1]
     with _lock:
         got = _bells.get(registry_name)
         if got is not None and got[0] == procinfo.pid():
-            return
+            return got[1]
         if got is not None:  # inherited across fork: the parent's
             _let_go(got)
             del _bells[registry_name]
         loop = process_loop()
         if loop is None:
-            return
+            return None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             s.setblocking(False)
             s.bind(doorbell_address(registry_name, procinfo.pid()))
         except OSError:
             s.close()
-            return
+            return None
         if not loop.add_reader(s.fileno(), lambda: _rung(s)):
             s.close()
-            return
+            return None
+        loop.set_ticker(_look_at_waits)
         _bells[registry_name] = _bell(s)
+        return s
+
+
+def _poke(bell: socket.socket) -> None:
+    """Have the watcher thread turn now: a datagram from ``bell`` to itself."""
+    with contextlib.suppress(OSError):  # a full queue: the thread has rings to read already
+        bell.sendto(b"", socket.MSG_DONTWAIT, bell.getsockname())
+
+
+def _look_at_waits() -> float:
+    """The watcher thread's ticker: while waits are under way, :func:`_wake_cancelled` once
+    :data:`WAIT_POLL` has passed since the last look; seconds until the next is due."""
+    if not _waiters:
+        return math.inf
+    wait = _next_look - time.monotonic()
+    if wait > 0:
+        return wait
+    _wake_cancelled()
+    return WAIT_POLL
 
 
 def _rung(s: socket.socket) -> None:
@@ -281,6 +328,8 @@ def _rung(s: socket.socket) -> None:
 
 def _wake_cancelled() -> None:
     """Wake every waiter of this process whose call is cancelled."""
+    global _next_look
+    _next_look = time.monotonic() + WAIT_POLL  # a wait registered after this looks itself
     with _lock:
         waiters = list(_waiters.items())
     woken = [(key, entry) for key, entry in waiters if entry[0].cancelled()]
