@@ -54,7 +54,7 @@ def sleep(conn, params):
         left = deadline - time.monotonic()
         if left <= 0:
             return f"slept {seconds:g}s"
-        # returns within 8 ms of the call's cancellation (the contract: 10 ms), woken by the
+        # returns within 5 ms of the call's cancellation (the contract: 10 ms), woken by the
         # worker that records it or by this worker's look at its waiting calls; else after left
         wait_cancelled(conn, left)
 

@@ -9,13 +9,14 @@ import signal
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 from helpers.background import Background
 from helpers.procs import Chan, first_message
 
 from shmcancel.cancel.policy import Cancellation
-from shmcancel.mcp import wake
+from shmcancel.mcp import disconnect, wake
 from shmcancel.mcp.conn import HANDLE_KEY
 from shmcancel.shm.registry import Registry
 
@@ -28,10 +29,12 @@ def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """No look at the waits but a ring's: the watcher thread's are a minute apart (the next
     one too) and not started by a first wait, the waits' own a minute apart too. What wakes a
     wait in the test is a ring or a wake."""
-    monkeypatch.setattr(wake, "WAIT_POLL", 60.0)
-    monkeypatch.setattr(wake, "_SLICE", 60.0)
-    monkeypatch.setattr(wake, "_next_look", time.monotonic() + 60.0)
-    monkeypatch.setattr(wake, "_poke", lambda bell: None)
+    for name, value in _RINGS_ONLY.items():
+        monkeypatch.setattr(wake, name, value() if callable(value) else value)
+
+
+_RINGS_ONLY = {"WAIT_POLL": 60.0, "_SLICE": 60.0, "_next_look": lambda: time.monotonic() + 60.0,
+               "_poke": lambda: lambda registry_name: None}
 
 
 def _waiting(n: int, deadline: float) -> None:
@@ -40,7 +43,7 @@ def _waiting(n: int, deadline: float) -> None:
         time.sleep(0.005)
 
 
-def test_a_ring_wakes_a_cancelled_waiter_and_no_other(registry) -> None:
+def test_a_ring_wakes_a_cancelled_waiter_and_no_other(registry, rings_only) -> None:
     reg = registry()
     c = Cancellation(reg)
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
@@ -107,6 +110,12 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
     reg = registry()
     c = Cancellation(reg)
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
+    wake.wait_cancelled({HANDLE_KEY: h1}, 0)  # the doorbell made, and the watcher thread
+    thread = disconnect.watcher_thread()
+    deadline = time.monotonic() + 5
+    while wake._armed:  # idle: in its long wait, from which only a poke brings it back
+        assert time.monotonic() < deadline and thread is not None and thread.is_alive()
+        time.sleep(0.005)
     try:
         w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
         w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
@@ -120,7 +129,9 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
             other.registry.close()
         at = time.monotonic()
         assert w2.result(timeout=BOUND + 1) is True
-        assert w2.done_at - at < BOUND  # type: ignore[operator]
+        # a look within WAIT_POLL; generous for a loaded machine, but under the watcher
+        # thread's 1 s idle wait, which a wait that did not poke it would sit out
+        assert w2.done_at - at < 0.5  # type: ignore[operator]
         assert w1.done_at is None and wake.waiting() == 1  # not cancelled: waits on
         h1.cancel_local("stop")
         wake.wake(h1)
@@ -130,12 +141,29 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
         h2.end()
 
 
+class _CountedConn(dict):  # type: ignore[type-arg]
+    """A conn counting the looks at it (each ``cancelled(conn)`` asks for its handle first)."""
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        self.looks = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key == HANDLE_KEY:
+            self.looks += 1
+        return super().get(key, default)
+
+
 def test_a_conn_without_a_handle_polls_its_cancellation_while_it_waits(registry) -> None:
     c = Cancellation(registry())
-    conn = {"REMOTE_ADDR": "127.0.0.1", "shmcancel.request_id": 7,
-            "shmcancel.cancellation": c}
+    conn = _CountedConn({"REMOTE_ADDR": "127.0.0.1", "shmcancel.request_id": 7,
+                         "shmcancel.cancellation": c})
     w = Background(lambda: wake.wait_cancelled(conn, LONG))
     w.start()
+    deadline = time.monotonic() + 5
+    while conn.looks < 3:  # the wait's own get, its first look, and one after a sleep
+        assert time.monotonic() < deadline, "the wait does not look while it sleeps"
+        time.sleep(0.005)
     c.cancel(7, "stop", c.scope(conn))
     at = time.monotonic()
     assert w.result(timeout=BOUND + 1) is True
@@ -245,7 +273,7 @@ def _open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def test_rings_open_no_descriptor_and_a_fork_child_rings_its_parent(registry) -> None:
+def test_rings_open_no_descriptor_and_a_fork_child_rings_its_parent(registry, rings_only) -> None:
     """A ring's socket is closed when the ring is done (a burst of cancellations leaves no
     descriptor behind), and a fork child's ring wakes its parent's waiter."""
     reg = registry()
@@ -333,7 +361,8 @@ def test_doorbells_nobody_reads_do_not_silence_the_rings(registry) -> None:
         live.close()
 
 
-def test_a_ring_of_this_process_wakes_its_waiter_without_its_doorbell(registry) -> None:
+def test_a_ring_of_this_process_wakes_its_waiter_without_its_doorbell(
+        registry, rings_only) -> None:
     """A cancellation recorded in the process running the call wakes its waiter at once, not
     through the process's own doorbell: even when another local user squats the doorbell's
     address (abstract sockets have no permissions), so the process has none."""
@@ -399,6 +428,8 @@ def test_a_default_socket_timeout_never_makes_a_ring_wait(shm_name: str) -> None
 def _two_waits_on_a_doorbell(chan: Chan, name: str) -> None:
     """A worker with a doorbell: waits for call 1, then for call 2 (each up to ``LONG``), saying
     when each wait is under way and how it ended."""
+    for attr, value in _RINGS_ONLY.items():  # as the fixture rings_only does
+        setattr(wake, attr, value() if callable(value) else value)
     c = Cancellation(Registry.attach(name))
     for request_id in (1, 2):
         h = c.begin(request_id, "s")

@@ -158,7 +158,17 @@ class RequestHandle:
         except Exception:
             return self._local
 
-    def _poll(self) -> bool:
+    def peek(self) -> bool:
+        """:meth:`cancelled` without its janitor check (which may wait for the registry lock):
+        for a thread that must not block, the watcher's looks at the waiting calls."""
+        try:
+            if self._ver[self._b] == self._v:
+                return False
+            return self._poll(False)
+        except Exception:
+            return self._local
+
+    def _poll(self, tick: bool = True) -> bool:
         """:meth:`cancelled` when the cached answer cannot be trusted: read the watch (made on
         the first poll: many tools never poll), latch a row, or cache its "no row"."""
         if self._local:
@@ -188,6 +198,8 @@ class RequestHandle:
                     if self._local:
                         self._v = -1
                         return True
+        if not tick:
+            return False
         n = self._n = self._n - 1
         if n < 0:
             self._n = POLLS_PER_CLOCK

@@ -47,7 +47,7 @@ _SIBLINGS_TTL = 1.0  # seconds a sibling list is reused (workers are replaced ra
 _MAX_SIBLINGS = 256  # the most processes one ring reaches (a parent with more is not gunicorn's)
 _MAX_ADDRESSES = 1024  # doorbell addresses kept (then the cache starts over)
 _REFUSED_FOR = 0.1  # seconds a doorbell whose queue was full is not rung (see ring)
-WAIT_POLL = 0.008
+WAIT_POLL = 0.005
 """While waits are under way in a process, its watcher thread looks at every waiting call at
 least this often (seconds), so a wait sees its cancellation within this, rung or not."""
 _SLICE = 0.1  # seconds a wait sleeps at most between looks of its own (the watcher's fallback)
@@ -68,6 +68,9 @@ _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
 _addresses: dict[tuple[str, int], bytes] = {}  # (registry name, pid) -> doorbell_address
 _refused: dict[bytes, float] = {}  # doorbell_address -> monotonic time until which it is skipped
 _next_look = -math.inf  # monotonic time the waiting calls are due to be looked at again
+# Whether the watcher thread's next wait ends by the next look; cleared by the thread before it
+# reads _waiters, so a wait registered after that read finds it clear and pokes the thread
+_armed = False
 
 
 def doorbell_address(registry_name: str, pid: int) -> bytes:
@@ -89,7 +92,8 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     if h.cancelled():
         return True
     registry = getattr(h._c, "registry", None)
-    bell = _ensure_bell(registry.name) if registry is not None else None
+    name = registry.name if registry is not None else None
+    bell = _ensure_bell(name) if name is not None else None
     step = WAIT_POLL if bell is None else _SLICE
     # The thread's own lock, held while nobody wakes it: a wake releases it. A tool polls in a
     # loop, so this is every poll's cost: one lock, no Event (a Condition, two locks) per wait.
@@ -106,10 +110,9 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
         _tls.busy = True
     try:
         with _lock:
-            first = not _waiters
             _waiters[key] = (h, lk)
-        if first and bell is not None:
-            _poke(bell)  # the watcher thread may be in a long wait: its looks start now
+        if bell is not None and name is not None and not _armed:
+            _poke(name)  # the watcher thread may be in a long wait: looks start now
         end = time.monotonic() + seconds
         # a cancel before the registration found nobody to wake: hence the look first
         while not h.cancelled():
@@ -178,11 +181,7 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
             if pid == me:
                 _wake_cancelled()
                 continue
-            addr = _addresses.get((registry_name, pid))
-            if addr is None:
-                if len(_addresses) >= _MAX_ADDRESSES:
-                    _addresses.clear()
-                addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+            addr = _address(registry_name, pid)
             if _refused:
                 until = _refused.get(addr)
                 if until is not None:
@@ -205,6 +204,15 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
                 pass
     except OSError:
         pass
+
+
+def _address(registry_name: str, pid: int) -> bytes:
+    addr = _addresses.get((registry_name, pid))
+    if addr is None:
+        if len(_addresses) >= _MAX_ADDRESSES:
+            _addresses.clear()
+        addr = _addresses[registry_name, pid] = doorbell_address(registry_name, pid)
+    return addr
 
 
 def _back_off(addr: bytes) -> None:
@@ -298,21 +306,25 @@ def _ensure_bell(registry_name: str) -> socket.socket | None:
         return s
 
 
-def _poke(bell: socket.socket) -> None:
-    """Have the watcher thread turn now: a datagram from ``bell`` to itself."""
-    with contextlib.suppress(OSError):  # a full queue: the thread has rings to read already
-        bell.sendto(b"", socket.MSG_DONTWAIT, bell.getsockname())
+def _poke(registry_name: str) -> None:
+    """Have the watcher thread turn now: a datagram to this process's doorbell."""
+    with contextlib.suppress(Exception):  # refused, full: the thread has rings to read already
+        _sending_socket(None).sendto(b"", socket.MSG_DONTWAIT,
+                                     _address(registry_name, procinfo.pid()))
 
 
 def _look_at_waits() -> float:
     """The watcher thread's ticker: while waits are under way, :func:`_wake_cancelled` once
     :data:`WAIT_POLL` has passed since the last look; seconds until the next is due."""
+    global _armed
+    _armed = False
     if not _waiters:
         return math.inf
+    _armed = True
     wait = _next_look - time.monotonic()
     if wait > 0:
         return wait
-    _wake_cancelled()
+    _wake_cancelled(look=True)
     return WAIT_POLL
 
 
@@ -326,13 +338,16 @@ def _rung(s: socket.socket) -> None:
     _wake_cancelled()
 
 
-def _wake_cancelled() -> None:
-    """Wake every waiter of this process whose call is cancelled."""
+def _wake_cancelled(look: bool = False) -> None:
+    """Wake every waiter of this process whose call is cancelled. ``look``: the watcher
+    thread's periodic look, which skips the handles' janitor check (it may wait for the
+    registry lock, and the thread must keep looking and watching)."""
     global _next_look
     _next_look = time.monotonic() + WAIT_POLL  # a wait registered after this looks itself
     with _lock:
         waiters = list(_waiters.items())
-    woken = [(key, entry) for key, entry in waiters if entry[0].cancelled()]
+    woken = [(key, entry) for key, entry in waiters
+             if (entry[0].peek() if look else entry[0].cancelled())]
     if woken:
         with _lock:
             for key, entry in woken:
@@ -347,11 +362,12 @@ def _release(lk: LockType) -> None:
 
 def _after_fork_in_child() -> None:
     # The child runs none of the parent's waits; its doorbells are the parent's (by pid).
-    global _lock, _tls, _sender, _sender_lock
+    global _lock, _tls, _sender, _sender_lock, _armed
     _lock = threading.RLock()
     _tls = threading.local()
     _sender_lock = threading.RLock()
     _waiters.clear()
+    _armed = False  # the child's watcher thread is its own, started afresh
     _refused.clear()  # the parent's rings' back-offs: the child's rings find out for themselves
     for b in _bells.values():
         _let_go(b)
