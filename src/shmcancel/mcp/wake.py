@@ -324,7 +324,7 @@ def _look_at_waits() -> float:
     wait = _next_look - time.monotonic()
     if wait > 0:
         return wait
-    _wake_cancelled(look=True)
+    _wake_cancelled()
     return WAIT_POLL
 
 
@@ -338,16 +338,15 @@ def _rung(s: socket.socket) -> None:
     _wake_cancelled()
 
 
-def _wake_cancelled(look: bool = False) -> None:
-    """Wake every waiter of this process whose call is cancelled. ``look``: the watcher
-    thread's periodic look, which skips the handles' janitor check (it may wait for the
-    registry lock, and the thread must keep looking and watching)."""
+def _wake_cancelled() -> None:
+    """Wake every waiter of this process whose call is cancelled. The handles are read with
+    ``peek``, without their janitor check: it may wait for the registry lock, and the watcher
+    thread (its looks, a ring's drain) must keep looking and watching."""
     global _next_look
     _next_look = time.monotonic() + WAIT_POLL  # a wait registered after this looks itself
     with _lock:
         waiters = list(_waiters.items())
-    woken = [(key, entry) for key, entry in waiters
-             if (entry[0].peek() if look else entry[0].cancelled())]
+    woken = [(key, entry) for key, entry in waiters if entry[0].peek()]
     if woken:
         with _lock:
             for key, entry in woken:
