@@ -92,8 +92,8 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     if h.cancelled():
         return True
     registry = getattr(h._c, "registry", None)
-    name = registry.name if registry is not None else None
-    bell = _ensure_bell(name) if name is not None else None
+    # the registry whose doorbell this process has (its watcher thread then looks at the waits)
+    bell = registry.name if registry is not None and _ensure_bell(registry.name) else None
     step = WAIT_POLL if bell is None else _SLICE
     # The thread's own lock, held while nobody wakes it: a wake releases it. A tool polls in a
     # loop, so this is every poll's cost: one lock, no Event (a Condition, two locks) per wait.
@@ -111,8 +111,8 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     try:
         with _lock:
             _waiters[key] = (h, lk)
-        if bell is not None and name is not None and not _armed:
-            _poke(name)  # the watcher thread may be in a long wait: looks start now
+        if bell is not None and not _armed:
+            _poke(bell)  # the watcher thread may be in a long wait: looks start now
         end = time.monotonic() + seconds
         # a cancel before the registration found nobody to wake: hence the look first
         while not h.cancelled():
@@ -274,36 +274,36 @@ def _sibling_pids() -> list[int]:
     return pids
 
 
-def _ensure_bell(registry_name: str) -> socket.socket | None:
-    """This process's doorbell for ``registry_name`` (made on first use, its watcher thread
-    then looking at the waits, see :func:`_look_at_waits`); ``None`` when it cannot have one
-    (no watcher thread, or its address is taken)."""
+def _ensure_bell(registry_name: str) -> bool:
+    """Whether this process has its doorbell for ``registry_name`` (made on first use, its
+    watcher thread then looking at the waits, see :func:`_look_at_waits`); ``False`` when it
+    cannot have one (no watcher thread, or its address is taken)."""
     got = _bells.get(registry_name)
     if got is not None and got[0] == procinfo.pid():
-        return got[1]
+        return True
     with _lock:
         got = _bells.get(registry_name)
         if got is not None and got[0] == procinfo.pid():
-            return got[1]
+            return True
         if got is not None:  # inherited across fork: the parent's
             _let_go(got)
             del _bells[registry_name]
         loop = process_loop()
         if loop is None:
-            return None
+            return False
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             s.setblocking(False)
             s.bind(doorbell_address(registry_name, procinfo.pid()))
         except OSError:
             s.close()
-            return None
+            return False
         if not loop.add_reader(s.fileno(), lambda: _rung(s)):
             s.close()
-            return None
+            return False
         loop.set_ticker(_look_at_waits)
         _bells[registry_name] = _bell(s)
-        return s
+        return True
 
 
 def _poke(registry_name: str) -> None:
