@@ -29,3 +29,28 @@ def test_a_long_principal_is_a_short_digest() -> None:
     s = _scope("77f0eb10-77d7-450b-8885-1b8c0d87b3de", "A" * 43, issuer)
     assert s.startswith("principal:sdk:") and len(s) <= 48
     assert s != _scope("77f0eb10-77d7-450b-8885-1b8c0d87b3de", "B" * 43, issuer)
+
+
+class _NamedUser:
+    """A Starlette-style authenticated user of another auth backend: only an ``identity``."""
+
+    is_authenticated = True
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+
+
+def _user_scope(identity: str) -> str:
+    return principal.scope(conn_of({"type": "http", "user": _NamedUser(identity),
+                                    "client": ("203.0.113.9", 1), "headers": []}, False))
+
+
+def test_an_identity_that_spells_a_bearer_principal_gets_a_scope_of_its_own() -> None:
+    # A backend whose users pick their identity (a user name) must not hand one the scope of a
+    # bearer token's principal: it could cancel that client's calls.
+    issuer = "https://login.example.com/72f988bf-86f1-41af-91ab-2d7cd011db47/v2.0"
+    for bearer in (_scope("a", "alice"), _scope("a" * 40, "B" * 43, issuer)):
+        spelled = bearer.removeprefix("principal:")
+        assert _user_scope(spelled) != bearer
+    assert _user_scope("alice") != _user_scope("bob")
+    assert _user_scope("alice").startswith("principal:")

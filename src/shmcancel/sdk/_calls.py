@@ -138,7 +138,9 @@ MAX_PRINCIPAL_TEXT = 64  # characters of an SDK principal kept as text; longer o
 def _principal_of(user: object) -> object:
     """What identifies an authenticated Starlette user: for the SDK's bearer user, the SDK's
     principal of its token (``principal_components``: client id, issuer, subject) as compact
-    JSON; another user's ``identity``; ``None`` when not authenticated."""
+    JSON (``[...]``, or ``sdk:`` and a digest); another user's ``identity`` (a ``str``, or an
+    ``int`` as its decimal text) behind ``user:``, so that no identity spells a bearer
+    principal and shares its scope; ``None`` when not authenticated or without an identity."""
     if user is None or not getattr(user, "is_authenticated", False):
         return None
     token = getattr(user, "access_token", None)
@@ -156,9 +158,10 @@ def _principal_of(user: object) -> object:
             return text
         return "sdk:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     try:
-        return user.identity  # type: ignore[attr-defined]
+        ident = principal.normalize(user.identity)  # type: ignore[attr-defined]
     except Exception:
         return None
+    return None if ident is None else "user:" + ident
 
 
 def conn_of(scope: Mapping[str, Any] | None, stateful: bool) -> dict[str, Any]:
