@@ -4,6 +4,7 @@ cancelled waiters, and a stray datagram wakes nobody early."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -34,7 +35,7 @@ def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 _RINGS_ONLY = {"WAIT_POLL": 60.0, "_SLICE": 60.0, "_next_look": lambda: time.monotonic() + 60.0,
-               "_poke": lambda: lambda registry_name: None}
+               "_poke": lambda: lambda registry_name: True}
 
 
 def _waiting(n: int, deadline: float) -> None:
@@ -139,6 +140,60 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
     finally:
         h1.end()
         h2.end()
+
+
+def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wait(
+        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``closerange`` in a worker closes its doorbell: rings and pokes then reach nobody. The
+    next wait that pokes the idle watcher thread finds it refused and makes the doorbell again:
+    its cancellation is seen within the looks, and a ring reaches the process again. The idle
+    wait and the waits' own looks are a minute here: without the new doorbell nothing ends it."""
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
+    reg = registry()
+    c = Cancellation(reg)
+    h1, h2 = c.begin(1, "s"), c.begin(2, "s")
+    try:
+        wake.wait_cancelled({HANDLE_KEY: h1}, 0)  # the doorbell made; the thread looks, then
+        deadline = time.monotonic() + 5
+        while wake._armed:  # ... idle, in a wait of a minute
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        old = wake._bells[reg.name][1]
+        os.close(old.fileno())  # behind its back: the socket object still has the number
+        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
+        w1.start()
+        _waiting(1, time.monotonic() + 5)
+        other = Cancellation(Registry.attach(reg.name))  # no transport: nobody rings
+        try:
+            assert other.cancel_if_in_flight(1, "stop", "s")
+        finally:
+            other.registry.close()
+        at = time.monotonic()
+        assert w1.result(timeout=BOUND + 1) is True
+        assert w1.done_at - at < 0.5  # type: ignore[operator]
+        assert wake._bells[reg.name][1] is not old
+        # and the new doorbell takes rings: a wait of the idle thread is ended by one
+        monkeypatch.setattr(wake, "_poke", lambda registry_name: True)
+        deadline = time.monotonic() + 5
+        while wake._armed:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
+        w2.start()
+        _waiting(1, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(2, "stop", "s")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
+        rang = time.monotonic()
+        assert w2.result(timeout=BOUND + 1) is True
+        assert w2.done_at - rang < 0.5  # type: ignore[operator]
+    finally:
+        h1.end()
+        h2.end()
+        monkeypatch.undo()
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
 
 
 class _CountedConn(dict):  # type: ignore[type-arg]

@@ -14,7 +14,9 @@ wakes its own call directly (:func:`wake`).
 A ring is only a hint: lost, refused (no such doorbell, or one whose queue is full), skipped (a
 full doorbell is not rung again for :data:`_REFUSED_FOR`) or sent by anyone, it costs at most the
 waiters' polls; a waiter never waits past its ``seconds``, so the contract's poll bound (§6.1,
-§8) holds without it. Linux only (abstract sockets, ``/proc``); elsewhere a wait just sleeps.
+§8) holds without it. A doorbell closed behind the process's back (a ``closerange``) is made
+again by the next wait that finds its poke refused. Linux only (abstract sockets, ``/proc``);
+elsewhere a wait just sleeps.
 """
 
 from __future__ import annotations
@@ -111,8 +113,12 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
     try:
         with _lock:
             _waiters[key] = (h, lk)
-        if bell is not None and not _armed:
-            _poke(bell)  # the watcher thread may be in a long wait: looks start now
+        # The watcher thread may be in a long wait: looks start now. A poke refused means the
+        # doorbell is gone (its descriptor closed behind this process's back: a closerange),
+        # and so are the rings: a new one, else this wait looks for itself.
+        if bell is not None and not _armed and not _poke(bell) \
+                and not _renew_bell(bell):
+            step = WAIT_POLL
         end = time.monotonic() + seconds
         # a cancel before the registration found nobody to wake: hence the look first
         while not h.cancelled():
@@ -306,11 +312,29 @@ def _ensure_bell(registry_name: str) -> bool:
         return True
 
 
-def _poke(registry_name: str) -> None:
-    """Have the watcher thread turn now: a datagram to this process's doorbell."""
-    with contextlib.suppress(Exception):  # refused, full: the thread has rings to read already
+def _poke(registry_name: str) -> bool:
+    """Have the watcher thread turn now: a datagram to this process's doorbell. ``False`` when
+    nothing is bound there (the doorbell is gone); a full one has rings to read already."""
+    try:
         _sending_socket(None).sendto(b"", socket.MSG_DONTWAIT,
                                      _address(registry_name, procinfo.pid()))
+    except (BlockingIOError, InterruptedError):
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _renew_bell(registry_name: str) -> bool:
+    """This process's doorbell for ``registry_name`` made again, after a poke found nothing bound
+    at its address: whether the new one is there and the watcher thread poked."""
+    with _lock:
+        got = _bells.pop(registry_name, None)
+        if got is not None and got[0] == procinfo.pid():
+            _let_go(got)  # its number may be another file's now: closed only if still its own
+    return _ensure_bell(registry_name) and _poke(registry_name)
 
 
 def _look_at_waits() -> float:
