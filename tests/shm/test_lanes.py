@@ -824,9 +824,9 @@ def test_a_row_gone_and_back_in_the_same_way_during_a_poll_is_seen(registry, mon
     assert kind(way) == "lane"
     real = lanes.Lanes._hits
 
-    def end_then_scan(self: lanes.Lanes, pk: Any) -> Any:
+    def end_then_scan(self: lanes.Lanes, pk: Any, *args: Any) -> Any:
         h.end()  # after the snapshot, before the scan
-        return real(self, pk)
+        return real(self, pk, *args)
 
     monkeypatch.setattr(lanes.Lanes, "_hits", end_then_scan)
     assert c.in_flight(5, SCOPE) is False  # the scan found no row: right at that moment

@@ -173,33 +173,34 @@ class Lanes:
             raise RegistryClosed.of(getattr(self._lock, "name", "?"), "its lanes") from None
 
     # ------------------------------------------------------------------ reads (lock-free)
-    def _ways(self, b: int) -> tuple[int, int]:
-        """Absolute byte range in the mapping of bucket ``b``'s hash words in lanes [0, hw)."""
-        start = self._base + _H + 8 * _BUCKET_WORDS * b
-        return start, start + 8 * WAYS * min(self._q[_HWQ], LANES)
-
-    def _hits(self, pk: PreparedKey) -> Iterator[int]:
-        """Ways (indices into the hash words) holding ``pk``'s rows: hash and key bytes equal."""
+    def _hits(self, pk: PreparedKey, first: bool = False) -> list[int]:
+        """Ways (indices into the hash words) holding ``pk``'s rows: hash and key bytes equal
+        (``first``: the first one found only). A list, not a generator: a membership test is
+        on every cancellation's path, several times."""
         h = pk.hash
         hb = h.to_bytes(8, "little")
-        start, end = self._ways(_bucket(h))
+        base = self._base
+        start = base + _H + 8 * _BUCKET_WORDS * ((h >> 32) & (BUCKETS - 1))  # _bucket, _ways
+        end = start + 8 * WAYS * min(self._q[_HWQ], LANES)
         find = self._mm.find
+        out: list[int] = []
         i = find(hb, start, end)
         while i >= 0:
             if not (i - start) & 7:
-                w = (i - self._base - _H) >> 3
+                w = (i - base - _H) >> 3
                 off = _D + BODY * w
                 kl = _BODY_HEAD.unpack_from(self._buf, off)[2]
                 if kl == len(pk.kbytes) and self._buf[off + _BODY_HEAD.size:
                                                       off + _BODY_HEAD.size + kl] == pk.kbytes:
-                    yield w
+                    out.append(w)
+                    if first:
+                        break
             i = find(hb, i + 1, end)
+        return out
 
     def member(self, pk: PreparedKey) -> bool:
         try:
-            for _ in self._hits(pk):
-                return True
-            return False
+            return bool(self._hits(pk, True))
         except Exception:
             self._if_closed()
             raise
@@ -462,7 +463,7 @@ class LaneWatch:
         self._snap = b""
         if self._w.member():
             return True
-        for way in self._lanes._hits(self._pk):
+        for way in self._lanes._hits(self._pk, True):
             self._way = _HQ + way
             return True
         # A snapshot that held the key's hash saw a row the scan then missed (removed in
