@@ -44,6 +44,7 @@ log = logging.getLogger("shmcancel.telemetry")
 
 _lock = threading.Lock()
 # handler_id -> (event, handler, config). A dict keeps attach order; readers copy a snapshot.
+# Changed in place, never rebound: a hot caller (every cancellation) tests it for listening().
 _handlers: dict[str, tuple[Event, Handler, Any]] = {}
 
 

@@ -212,7 +212,7 @@ class ShmBackend:
         full = False
         counted = None  # the scope's count (_count), read only for a new row
         if not c.member(ck):
-            counted = self._count(scope)
+            counted = self._n.word_at(self._nk(scope))  # _count, inlined: every new row
             if quota is not None and counted[1] >= quota:
                 if self._recount_after_recovery():  # in this hold: the count is read again
                     counted = self._count(scope)
