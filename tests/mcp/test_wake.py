@@ -44,6 +44,27 @@ def _waiting(n: int, deadline: float) -> None:
         time.sleep(0.005)
 
 
+def _until_idle() -> None:
+    """Until the watcher thread is idle (not armed): in its long wait, from which only a poke
+    (or a ring) brings it back."""
+    thread = disconnect.watcher_thread()
+    deadline = time.monotonic() + 5
+    while wake._armed:
+        assert time.monotonic() < deadline and thread is not None and thread.is_alive()
+        time.sleep(0.005)
+
+
+def _cancel_unrung(reg: Registry, rid: int) -> float:
+    """Cancel ``rid`` in scope ``"s"`` through another attachment, without a transport: nobody
+    rings. When it was recorded (monotonic seconds)."""
+    other = Cancellation(Registry.attach(reg.name))
+    try:
+        assert other.cancel_if_in_flight(rid, "stop", "s")
+    finally:
+        other.registry.close()
+    return time.monotonic()
+
+
 def test_a_ring_wakes_a_cancelled_waiter_and_no_other(registry, rings_only) -> None:
     reg = registry()
     c = Cancellation(reg)
@@ -112,23 +133,14 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
     c = Cancellation(reg)
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
     wake.wait_cancelled({HANDLE_KEY: h1}, 0)  # the doorbell made, and the watcher thread
-    thread = disconnect.watcher_thread()
-    deadline = time.monotonic() + 5
-    while wake._armed:  # idle: in its long wait, from which only a poke brings it back
-        assert time.monotonic() < deadline and thread is not None and thread.is_alive()
-        time.sleep(0.005)
+    _until_idle()
     try:
         w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
         w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
         w1.start()
         w2.start()
         _waiting(2, time.monotonic() + 5)
-        other = Cancellation(Registry.attach(reg.name))  # no transport: nobody rings
-        try:
-            assert other.cancel_if_in_flight(2, "stop", "s")
-        finally:
-            other.registry.close()
-        at = time.monotonic()
+        at = _cancel_unrung(reg, 2)
         assert w2.result(timeout=BOUND + 1) is True
         # a look within WAIT_POLL; generous for a loaded machine, but under the watcher
         # thread's 1 s idle wait, which a wait that did not poke it would sit out
@@ -155,30 +167,19 @@ def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wa
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
     try:
         wake.wait_cancelled({HANDLE_KEY: h1}, 0)  # the doorbell made; the thread looks, then
-        deadline = time.monotonic() + 5
-        while wake._armed:  # ... idle, in a wait of a minute
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _until_idle()  # ... idles, in a wait of a minute
         old = wake._bells[reg.name][1]
         os.close(old.fileno())  # behind its back: the socket object still has the number
         w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
         w1.start()
         _waiting(1, time.monotonic() + 5)
-        other = Cancellation(Registry.attach(reg.name))  # no transport: nobody rings
-        try:
-            assert other.cancel_if_in_flight(1, "stop", "s")
-        finally:
-            other.registry.close()
-        at = time.monotonic()
+        at = _cancel_unrung(reg, 1)
         assert w1.result(timeout=BOUND + 1) is True
         assert w1.done_at - at < 0.5  # type: ignore[operator]
         assert wake._bells[reg.name][1] is not old
         # and the new doorbell takes rings: a wait of the idle thread is ended by one
         monkeypatch.setattr(wake, "_poke", lambda registry_name: True)
-        deadline = time.monotonic() + 5
-        while wake._armed:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _until_idle()
         w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
         w2.start()
         _waiting(1, time.monotonic() + 5)
