@@ -197,6 +197,20 @@ def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wa
             s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
 
 
+def test_a_renewal_keeps_a_doorbell_still_open(registry) -> None:
+    """Two waits refused at once both renew: the second finds the first's new doorbell, open,
+    and keeps it (closing it would drop the rings already queued there)."""
+    c = Cancellation(registry())
+    h = c.begin(1, "s")
+    try:
+        assert wake.wait_cancelled({HANDLE_KEY: h}, 0) is False  # the doorbell made
+        bell = wake._bells[c.registry.name][1]
+        assert wake._renew_bell(c.registry.name) is True
+        assert wake._bells[c.registry.name][1] is bell and bell.fileno() >= 0
+    finally:
+        h.end()
+
+
 class _CountedConn(dict):  # type: ignore[type-arg]
     """A conn counting the looks at it (each ``cancelled(conn)`` asks for its handle first)."""
 

@@ -329,12 +329,23 @@ def _poke(registry_name: str) -> bool:
 
 def _renew_bell(registry_name: str) -> bool:
     """This process's doorbell for ``registry_name`` made again, after a poke found nothing bound
-    at its address: whether the new one is there and the watcher thread poked."""
+    at its address: whether the new one is there and the watcher thread poked. A doorbell whose
+    socket is still open is kept (another wait, refused too, made it again first)."""
     with _lock:
-        got = _bells.pop(registry_name, None)
-        if got is not None and got[0] == procinfo.pid():
+        got = _bells.get(registry_name)
+        if got is not None and got[0] == procinfo.pid() and not _intact(got):
+            del _bells[registry_name]
             _let_go(got)  # its number may be another file's now: closed only if still its own
     return _ensure_bell(registry_name) and _poke(registry_name)
+
+
+def _intact(b: _Bell) -> bool:
+    """Whether ``b``'s descriptor is still its socket."""
+    try:
+        st = os.fstat(b[1].fileno())
+    except (OSError, ValueError):
+        return False
+    return st.st_dev == b[2] and st.st_ino == b[3]
 
 
 def _look_at_waits() -> float:
