@@ -894,3 +894,122 @@ def test_a_reader_closed_behind_the_loops_back_leaves_its_number_to_a_watched_so
         a.close()
         b.close()
         r_peer.close()
+
+
+class _RegisterSpy:
+    """The loop's epoll set, noting at each ``register`` whether a reader is still on that
+    number (the thread may turn inside the call: ``epoll_ctl`` releases the GIL)."""
+
+    def __init__(self, loop: Any) -> None:
+        self.ep = loop._ep
+        self.loop = loop
+        self.reader_present: list[bool] = []
+
+    def register(self, fd: int, mask: int) -> None:
+        self.reader_present.append(fd in self.loop._readers)
+        self.ep.register(fd, mask)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ep, name)
+
+
+def test_a_stale_reader_is_gone_before_its_number_is_registered_for_a_client() -> None:
+    """The stale reader of a number (its descriptor closed behind the loop's back) is dropped
+    before the number's client socket enters the epoll set: dropped after, the thread could
+    hand the client's first event to it in between, and it read the client's bytes."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    r, r_peer = socket.socketpair()
+    assert loop.add_reader(r.fileno(), lambda: None)
+    fd = r.detach()
+    os.close(fd)
+    a, b = socket.socketpair()
+    w = None
+    spy = _RegisterSpy(loop)
+    loop._ep = spy  # type: ignore[assignment]
+    try:
+        if a.fileno() != fd:
+            os.dup2(a.fileno(), fd)
+            a.close()
+            a = socket.socket(fileno=fd)
+        w, _ = watch(a)
+        deadline = time.monotonic() + 5
+        while fd not in loop._watched:  # registered at once, or by the thread within ticks
+            assert time.monotonic() < deadline, "the watch was never registered"
+            time.sleep(disconnect.TICK)
+        assert spy.reader_present == [False]
+    finally:
+        loop._ep = spy.ep
+        if w is not None:
+            w.stop()
+        a.close()
+        b.close()
+        r_peer.close()
+
+
+def test_a_reader_on_a_watched_sockets_number_keeps_its_registration_past_that_watchs_stop(
+        ) -> None:
+    """A watched client socket closed behind the loop's back, its number then a new reader's
+    (a doorbell made again): the stale watch's stop must not take the reader's descriptor out
+    of the epoll set (the doorbell then went unread while pokes still reached it)."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    a, b = socket.socketpair()
+    w, _ = watch(a)
+    d = None
+    try:
+        deadline = time.monotonic() + 5
+        while a.fileno() not in loop._watched:
+            assert time.monotonic() < deadline, "the watch was never registered"
+            time.sleep(disconnect.TICK)
+        fd = a.detach()
+        os.close(fd)  # behind the loop's back
+        d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        addr = f"\0shmcancel-test-reader-{os.getpid()}-{fd}".encode()
+        d.bind(addr)
+        d.setblocking(False)
+        if d.fileno() != fd:
+            os.dup2(d.fileno(), fd)
+            d.close()
+            d = socket.socket(fileno=fd)
+        got = threading.Event()
+
+        def reader() -> None:
+            with contextlib.suppress(OSError):
+                d.recv(16, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
+            got.set()
+
+        assert loop.add_reader(fd, reader)
+        w.stop()  # the stale watch's
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"x", addr)
+        assert got.wait(5), "the reader's descriptor left the epoll set with the stale watch"
+    finally:
+        w.stop()
+        b.close()
+        if d is not None:
+            d.close()
+
+
+def test_a_loop_whose_epoll_was_closed_behind_its_back_ends_and_a_new_one_watches(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A ``closerange`` that closes the watcher's epoll descriptor: the thread ends (it spun on
+    EBADF, logging a hundred times a second), the next watch starts a new loop, and a client
+    leaving is seen by it. The old epoll object is kept: its number may be another file's."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    os.close(loop._ep.fileno())
+    loop.thread.join(5)  # within its idle wait
+    assert not loop.thread.is_alive() and not loop.alive()
+    assert loop._ep in disconnect._abandoned
+    new = disconnect.process_loop()
+    assert new is not None and new is not loop and new.thread.is_alive()
+    a, b = socket.socketpair()
+    w, rec = watch(a)
+    try:
+        b.close()
+        assert rec.gone.wait(5)
+    finally:
+        w.stop()
+        a.close()
+    assert not [r for r in caplog.records if "watcher failed" in r.getMessage()]

@@ -23,7 +23,8 @@ in a thread of its own.
 registrations older than the ``epoll_wait`` that returned it (descriptor numbers are reused).
 
 Bounds: at most :data:`MAX_WATCHED` sockets per process (beyond: unwatched, logged once); the
-thread never sleeps longer than :data:`IDLE_WAIT`. TLS sockets are not watched
+thread never sleeps longer than :data:`IDLE_WAIT`. Its epoll descriptor closed behind its back
+(a ``closerange``), the loop ends and the next watch starts another. TLS sockets are not watched
 (:func:`watchable`); without ``select.epoll`` nothing is. Why this shape: docs/design.md.
 """
 
@@ -279,6 +280,11 @@ class _Loop:
     def _register(self, w: Watcher, fd: int) -> bool:
         """Add ``w``'s socket to the epoll set; the caller holds ``_lock``."""
         self._gen += 1
+        # A reader on this number had its descriptor closed behind the loop's back (a
+        # closerange): the number is this socket's now, and so are its events. Dropped before
+        # the registration: epoll_ctl releases the GIL, and the thread must not hand an event
+        # of this socket to that reader (it would read the client's bytes).
+        self._readers.pop(fd, None)
         try:
             try:
                 self._ep.register(fd, _WATCH_MASK)
@@ -288,9 +294,6 @@ class _Loop:
             log.warning("cannot watch a client socket", exc_info=True)
             self._watched.pop(fd, None)
             return False
-        # A reader on this number had its descriptor closed behind the loop's back (a
-        # closerange): the number is this socket's now, and so are its events.
-        self._readers.pop(fd, None)
         self._watched[fd] = (w, self._gen)
         return True
 
@@ -306,9 +309,11 @@ class _Loop:
             # Unregistered first: a signal handler's exception between the two (gunicorn's quit
             # in a sync worker) leaves the entry, which stop() called again removes; the other
             # order left the fd in the epoll set with no entry, level-triggered: a spinning
-            # thread once its client left
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(fd)
+            # thread once its client left. A loop that ended (its epoll descriptor closed behind
+            # its back) leaves the number alone: it may be another epoll set's now.
+            if self._running:
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.unregister(fd)
             del self._watched[fd]
 
     def _step(self, now: float) -> None:
@@ -351,12 +356,17 @@ class _Loop:
         """Call ``fn()`` in the watcher thread whenever ``fd`` is readable (level-triggered: it
         must drain ``fd``); for as long as the process runs. ``False`` when it cannot be added."""
         with self._lock:
+            # A watched socket on this number was closed behind the loop's back: its entry
+            # goes, or its request's stop would unregister this descriptor. The reader is in
+            # place before the registration (epoll_ctl releases the GIL: see _register).
+            self._watched.pop(fd, None)
+            self._readers[fd] = fn
             try:
                 self._ep.register(fd, _EPOLLIN)
             except (OSError, ValueError):
+                self._readers.pop(fd, None)
                 log.warning("cannot watch a descriptor", exc_info=True)
                 return False
-            self._readers[fd] = fn
         return True
 
     def set_ticker(self, fn: Callable[[], float]) -> None:
@@ -391,6 +401,14 @@ class _Loop:
         try:
             events = self._ep.poll(timeout, _MAX_EVENTS)
         except ValueError:  # closed
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EBADF, errno.EINVAL):
+                raise
+            # The epoll descriptor was closed behind the loop's back (a closerange; EINVAL: its
+            # number is another file's already): this loop ends, and the next watch starts
+            # another. The object is kept, never closed: its number may be another file's.
+            _abandoned.append(self._ep)
             return False
         for fd, ev in events:
             reader = self._readers.get(fd)
@@ -449,6 +467,7 @@ class _Loop:
 
 _state_lock = threading.Lock()
 _loop: _Loop | None = None
+_abandoned: list[Any] = []  # epoll objects whose descriptor was closed behind their back
 
 
 def process_loop() -> _Loop | None:
