@@ -154,8 +154,9 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
         h2.end()
 
 
+@pytest.mark.parametrize("closed", ["doorbell", "doorbell and sender"])
 def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wait(
-        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+        registry, monkeypatch: pytest.MonkeyPatch, closed: str) -> None:
     """A ``closerange`` in a worker closes its doorbell: rings and pokes then reach nobody. The
     next wait that pokes the idle watcher thread finds it refused and makes the doorbell again:
     its cancellation is seen within the looks, and a ring reaches the process again. The idle
@@ -170,6 +171,9 @@ def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wa
         _until_idle()  # ... idles, in a wait of a minute
         old = wake._bells[reg.name][1]
         os.close(old.fileno())  # behind its back: the socket object still has the number
+        if closed != "doorbell":  # a closerange takes the ringing socket too (the next number)
+            assert wake._sender is not None
+            os.close(wake._sender[1].fileno())
         w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
         w1.start()
         _waiting(1, time.monotonic() + 5)
@@ -195,6 +199,32 @@ def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wa
         monkeypatch.undo()
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
+
+
+def test_a_doorbell_of_a_watcher_loop_that_ended_is_made_again(registry, rings_only) -> None:
+    """The watcher loop ends when its epoll descriptor is closed behind its back; the doorbell
+    it read is made again in the new loop by the next wait, and a ring reaches it."""
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    try:
+        assert wake.wait_cancelled({HANDLE_KEY: h}, 0) is False  # the doorbell made
+        loop = disconnect.process_loop()
+        assert loop is not None
+        os.close(loop._ep.fileno())
+        loop.thread.join(5)
+        assert not loop.thread.is_alive()
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        assert c.cancel_if_in_flight(1, "stop", "s")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
+        rang = time.monotonic()
+        assert w.result(timeout=BOUND + 1) is True
+        assert w.done_at - rang < 0.5  # type: ignore[operator]
+    finally:
+        h.end()
 
 
 def test_a_renewal_keeps_a_doorbell_still_open(registry) -> None:

@@ -22,6 +22,7 @@ elsewhere a wait just sleeps.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import math
@@ -54,6 +55,8 @@ WAIT_POLL = 0.005
 least this often (seconds), so a wait sees its cancellation within this, rung or not."""
 _SLICE = 0.1  # seconds a wait sleeps at most between looks of its own (the watcher's fallback)
 _MAX_REFUSED = 1024  # full doorbells remembered (then the expired ones go, or all)
+# A send's errors that say the sending socket's descriptor is gone (closed behind its back)
+_BROKEN = (errno.EBADF, errno.ENOTSOCK)
 
 _lock = threading.RLock()  # guards _waiters (reentrant: a signal handler may wait); a wait's lock
 # is released only under it
@@ -64,6 +67,7 @@ _tls = threading.local()
 # child closes the number: after a closerange() it may be another file's.
 _Bell = tuple[int, socket.socket, int, int]
 _bells: dict[str, _Bell] = {}  # registry name -> this process's bell
+_bell_loops: dict[str, Any] = {}  # registry name -> the watcher loop reading its bell
 _sender: _Bell | None = None  # this process's socket that rings (replaced when refused)
 _sender_lock = threading.RLock()  # reentrant: a signal handler may ring
 _siblings: tuple[float, int, list[int]] = (-1.0, 0, [])  # (read at, pid, pids)
@@ -116,7 +120,7 @@ def wait_cancelled(conn: Mapping[str, Any], seconds: float) -> bool:
         # The watcher thread may be in a long wait: looks start now. A poke refused means the
         # doorbell is gone (its descriptor closed behind this process's back: a closerange),
         # and so are the rings: a new one, else this wait looks for itself.
-        if bell is not None and not _armed and not _poke(bell) \
+        if bell is not None and not _armed and not (_bell_intact(bell) and _poke(bell)) \
                 and not _renew_bell(bell):
             step = WAIT_POLL
         end = time.monotonic() + seconds
@@ -197,7 +201,13 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
             if s is None:
                 s = _sending_socket(None)
             try:
-                s.sendto(b"", socket.MSG_DONTWAIT, addr)
+                try:
+                    s.sendto(b"", socket.MSG_DONTWAIT, addr)
+                except OSError as e:
+                    if e.errno not in _BROKEN:
+                        raise
+                    s = _replace_broken_sender(s)
+                    s.sendto(b"", socket.MSG_DONTWAIT, addr)
             except BlockingIOError:
                 s = _sending_socket(s)
                 try:
@@ -252,6 +262,19 @@ def _sending_socket(refused: socket.socket | None) -> socket.socket:
         return s
 
 
+def _replace_broken_sender(broken: socket.socket) -> socket.socket:
+    """A new ringing socket in place of ``broken``, whose descriptor was closed behind its
+    back (a closerange): let go by number, never closed blindly (the number may be another
+    file's now)."""
+    global _sender
+    with _sender_lock:
+        got = _sender
+        if got is not None and got[1] is broken:
+            _sender = None
+            _let_go(got)
+        return _sending_socket(None)
+
+
 def _bell(s: socket.socket) -> _Bell:
     st = os.fstat(s.fileno())
     return (procinfo.pid(), s, st.st_dev, st.st_ino)
@@ -285,13 +308,13 @@ def _ensure_bell(registry_name: str) -> bool:
     watcher thread then looking at the waits, see :func:`_look_at_waits`); ``False`` when it
     cannot have one (no watcher thread, or its address is taken)."""
     got = _bells.get(registry_name)
-    if got is not None and got[0] == procinfo.pid():
+    if got is not None and got[0] == procinfo.pid() and _bell_loops[registry_name].alive():
         return True
     with _lock:
         got = _bells.get(registry_name)
-        if got is not None and got[0] == procinfo.pid():
+        if got is not None and got[0] == procinfo.pid() and _bell_loops[registry_name].alive():
             return True
-        if got is not None:  # inherited across fork: the parent's
+        if got is not None:  # inherited across fork (the parent's), or its loop ended
             _let_go(got)
             del _bells[registry_name]
         loop = process_loop()
@@ -309,15 +332,22 @@ def _ensure_bell(registry_name: str) -> bool:
             return False
         loop.set_ticker(_look_at_waits)
         _bells[registry_name] = _bell(s)
+        _bell_loops[registry_name] = loop
         return True
 
 
 def _poke(registry_name: str) -> bool:
     """Have the watcher thread turn now: a datagram to this process's doorbell. ``False`` when
     nothing is bound there (the doorbell is gone); a full one has rings to read already."""
+    addr = _address(registry_name, procinfo.pid())
     try:
-        _sending_socket(None).sendto(b"", socket.MSG_DONTWAIT,
-                                     _address(registry_name, procinfo.pid()))
+        s = _sending_socket(None)
+        try:
+            s.sendto(b"", socket.MSG_DONTWAIT, addr)
+        except OSError as e:
+            if e.errno not in _BROKEN:
+                raise
+            _replace_broken_sender(s).sendto(b"", socket.MSG_DONTWAIT, addr)
     except (BlockingIOError, InterruptedError):
         return True
     except (ConnectionRefusedError, FileNotFoundError):
@@ -337,6 +367,13 @@ def _renew_bell(registry_name: str) -> bool:
             del _bells[registry_name]
             _let_go(got)  # its number may be another file's now: closed only if still its own
     return _ensure_bell(registry_name) and _poke(registry_name)
+
+
+def _bell_intact(registry_name: str) -> bool:
+    """Whether this process's doorbell for ``registry_name`` is still its socket (one
+    ``fstat``: a first wait after an idle spell checks, whoever answers at the address)."""
+    got = _bells.get(registry_name)
+    return got is not None and _intact(got)
 
 
 def _intact(b: _Bell) -> bool:
@@ -367,7 +404,7 @@ def _rung(s: socket.socket) -> None:
     """In the watcher thread: drain the doorbell, then wake every cancelled waiter."""
     for _ in range(_DRAIN):
         try:
-            s.recv(1)
+            s.recv(1, socket.MSG_DONTWAIT)  # never blocks, whatever the descriptor is now
         except OSError:  # BlockingIOError: drained
             break
     _wake_cancelled()
@@ -406,6 +443,7 @@ def _after_fork_in_child() -> None:
     for b in _bells.values():
         _let_go(b)
     _bells.clear()
+    _bell_loops.clear()
     if _sender is not None:
         _let_go(_sender)
         _sender = None
