@@ -1013,3 +1013,65 @@ def test_a_loop_whose_epoll_was_closed_behind_its_back_ends_and_a_new_one_watche
         w.stop()
         a.close()
     assert not [r for r in caplog.records if "watcher failed" in r.getMessage()]
+
+
+def test_a_reader_on_a_deferred_watchs_number_is_not_taken_by_its_registration() -> None:
+    """A call started while registrations are deferred, its socket closed behind the loop's
+    back before its registration, the number then a reader's (a doorbell made again): the
+    deferred registration must not take the number from the reader (it went unread, and an
+    empty datagram on it read as the call's client leaving)."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    for _ in range(20):  # until a watch is caught deferred (the machine may be slow)
+        deadline = time.monotonic() + 5
+        while not loop._ticking:  # calls keep starting: registrations are deferred
+            assert time.monotonic() < deadline, "registrations never deferred"
+            x, y = socket.socketpair()
+            d, _ = watch(x)
+            d.stop()
+            x.close()
+            y.close()
+            time.sleep(0.002)
+        a, b = socket.socketpair()
+        v, rec = watch(a, grace=60)
+        n = a.fileno()
+        if v in loop._pending:
+            break
+        v.stop()
+        a.close()
+        b.close()
+    else:
+        pytest.skip("no watch was caught deferred")
+    bell = None
+    try:
+        a.detach()
+        os.close(n)  # behind the loop's back
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        addr = f"\0shmcancel-test-pending-{os.getpid()}-{n}".encode()
+        bell.bind(addr)
+        bell.setblocking(False)
+        if bell.fileno() != n:
+            os.dup2(bell.fileno(), n)
+            bell.close()
+            bell = socket.socket(fileno=n)
+        rung = threading.Event()
+
+        def reader() -> None:
+            with contextlib.suppress(OSError):
+                bell.recv(16, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
+            rung.set()
+
+        assert loop.add_reader(n, reader)
+        deadline = time.monotonic() + 2 * disconnect.LATE + 0.2  # the deferred step is due
+        while time.monotonic() < deadline:
+            assert n in loop._readers and n not in loop._watched
+            time.sleep(disconnect.TICK)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", addr)
+        assert rung.wait(5), "the reader's number went to the stale watch"
+        assert not rec.gone.is_set()
+    finally:
+        v.stop()
+        b.close()
+        if bell is not None:
+            bell.close()

@@ -227,6 +227,116 @@ def test_a_doorbell_of_a_watcher_loop_that_ended_is_made_again(registry, rings_o
         h.end()
 
 
+def _end_the_watcher_loop() -> Any:
+    """Close the watcher loop's epoll descriptor behind its back (a ``closerange``) and wait
+    for its thread to end; the loop."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    os.close(loop._ep.fileno())
+    loop.thread.join(65)  # its wait ends within the idle wait (patched to a minute: at once,
+    assert not loop.thread.is_alive()  # as it was polling every WAIT_POLL for the waits)
+    return loop
+
+
+def test_waits_across_a_watcher_loop_that_ended_are_seen_by_the_new_loops_looks(
+        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait under way when the watcher loop ends, and one begun after: the second's doorbell
+    is made in a new loop and pokes it (the ended loop's last turn left the waits armed), whose
+    looks then see both cancellations, unrung, within ``WAIT_POLL``. The waits' own slices and
+    the idle wait are a minute: nothing else ends them."""
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
+    reg = registry()
+    c = Cancellation(reg)
+    h1, h2 = c.begin(1, "s"), c.begin(2, "s")
+    try:
+        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
+        w1.start()
+        _waiting(1, time.monotonic() + 5)
+        _end_the_watcher_loop()
+        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
+        w2.start()
+        _waiting(2, time.monotonic() + 5)
+        at = _cancel_unrung(reg, 2)
+        assert w2.result(timeout=BOUND + 1) is True
+        assert w2.done_at - at < 0.5  # type: ignore[operator]
+        at = _cancel_unrung(reg, 1)
+        assert w1.result(timeout=BOUND + 1) is True
+        assert w1.done_at - at < 0.5  # type: ignore[operator]
+    finally:
+        h1.end()
+        h2.end()
+        monkeypatch.undo()
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
+
+
+def test_a_fork_child_never_closes_the_number_of_an_ended_loops_epoll(registry, tmp_path) -> None:
+    """The ended loop's epoll number taken by another file (a pipe here): the at-fork hook
+    closes the parent's epoll set in the child, but not that number, which is the pipe's."""
+    c = Cancellation(registry())
+    h = c.begin(1, "s")
+    r = w = -1
+    try:
+        assert wake.wait_cancelled({HANDLE_KEY: h}, 0) is False  # a loop, with a doorbell
+        loop = _end_the_watcher_loop()
+        n = loop._ep.fileno()  # its object still holds the number, now free
+        r, w = os.pipe()
+        if r != n:
+            os.dup2(r, n)
+            os.close(r)
+            r = n
+        ino = os.fstat(r).st_ino
+
+        def in_child(wr: int) -> None:
+            try:
+                ok = os.fstat(r).st_ino == ino
+            except OSError:
+                ok = False
+            os.write(wr, b"1" if ok else b"0")
+
+        assert first_message(in_child)[1] == b"1"
+    finally:
+        h.end()
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_a_ringing_socket_whose_number_is_another_sockets_is_replaced(
+        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ringing socket closed behind its back and its number then a connected stream
+    socket's, where a datagram send fails (or, on TCP, goes out as nothing): a first wait's
+    poke replaces it and reaches the idle thread, whose looks see an unrung cancellation."""
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
+    reg = registry()
+    c = Cancellation(reg)
+    h = c.begin(1, "s")
+    x, y = socket.socketpair()
+    try:
+        assert wake.wait_cancelled({HANDLE_KEY: h}, 0) is False  # doorbell and sender made
+        _until_idle()
+        assert wake._sender is not None
+        n = wake._sender[1].fileno()
+        os.dup2(x.fileno(), n)  # the number is a connected stream socket's now
+        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+        w.start()
+        _waiting(1, time.monotonic() + 5)
+        at = _cancel_unrung(reg, 1)
+        assert w.result(timeout=BOUND + 1) is True
+        assert w.done_at - at < 0.5  # type: ignore[operator]
+        assert wake._sender[1].fileno() != n
+        os.close(n)  # the dup of x
+    finally:
+        h.end()
+        x.close()
+        y.close()
+        monkeypatch.undo()
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
+
+
 def test_a_renewal_keeps_a_doorbell_still_open(registry) -> None:
     """Two waits refused at once both renew: the second finds the first's new doorbell, open,
     and keeps it (closing it would drop the rings already queued there)."""

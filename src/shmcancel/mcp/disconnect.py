@@ -357,9 +357,13 @@ class _Loop:
         must drain ``fd``); for as long as the process runs. ``False`` when it cannot be added."""
         with self._lock:
             # A watched socket on this number was closed behind the loop's back: its entry
-            # goes, or its request's stop would unregister this descriptor. The reader is in
+            # goes (and a deferred one), or its request's stop (or the deferred registration)
+            # would take this descriptor out of the set. The reader is in
             # place before the registration (epoll_ctl releases the GIL: see _register).
             self._watched.pop(fd, None)
+            for w, (pfd, _) in list(self._pending.items()):
+                if pfd == fd:  # a deferred registration on that number: stale too
+                    del self._pending[w]
             self._readers[fd] = fn
             try:
                 self._ep.register(fd, _EPOLLIN)
@@ -488,8 +492,7 @@ def _process_loop() -> _Loop | None:
         # A parent's loop (its epoll set) in a fork child; like procinfo.me(), this relies on
         # the at-fork hooks, which os.fork always runs.
         if loop is not None and loop.pid != procinfo.pid():
-            with contextlib.suppress(OSError, ValueError):
-                loop._ep.close()
+            _close_inherited(loop)
         try:
             _loop = loop = _Loop()
         except (OSError, RuntimeError):
@@ -504,8 +507,16 @@ def _after_fork_in_child() -> None:
     _state_lock = threading.Lock()
     loop, _loop = _loop, None
     if loop is not None:
-        with contextlib.suppress(OSError, ValueError):
-            loop._ep.close()
+        _close_inherited(loop)
+
+
+def _close_inherited(loop: _Loop) -> None:
+    """In a fork child: close the parent's epoll set, unless that loop ended because its
+    descriptor was closed behind its back (the number may be another file's now)."""
+    if any(ep is loop._ep for ep in _abandoned):
+        return
+    with contextlib.suppress(OSError, ValueError):
+        loop._ep.close()
 
 
 if hasattr(os, "register_at_fork"):

@@ -199,7 +199,7 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
                         continue  # its queue was full: it has rings to read (see above)
                     _refused.pop(addr, None)
             if s is None:
-                s = _sending_socket(None)
+                s = _live_sender()
             try:
                 try:
                     s.sendto(b"", socket.MSG_DONTWAIT, addr)
@@ -262,6 +262,17 @@ def _sending_socket(refused: socket.socket | None) -> socket.socket:
         return s
 
 
+def _live_sender() -> socket.socket:
+    """This process's ringing socket, replaced first when its descriptor is no longer its own
+    (closed behind its back; the number may be another socket's, where sends go astray or
+    fail): one ``fstat`` per ring or poke."""
+    s = _sending_socket(None)
+    got = _sender
+    if got is not None and got[1] is s and not _intact(got):
+        s = _replace_broken_sender(s)
+    return s
+
+
 def _replace_broken_sender(broken: socket.socket) -> socket.socket:
     """A new ringing socket in place of ``broken``, whose descriptor was closed behind its
     back (a closerange): let go by number, never closed blindly (the number may be another
@@ -307,6 +318,7 @@ def _ensure_bell(registry_name: str) -> bool:
     """Whether this process has its doorbell for ``registry_name`` (made on first use, its
     watcher thread then looking at the waits, see :func:`_look_at_waits`); ``False`` when it
     cannot have one (no watcher thread, or its address is taken)."""
+    global _armed
     got = _bells.get(registry_name)
     if got is not None and got[0] == procinfo.pid() and _bell_loops[registry_name].alive():
         return True
@@ -331,8 +343,11 @@ def _ensure_bell(registry_name: str) -> bool:
             s.close()
             return False
         loop.set_ticker(_look_at_waits)
+        _bell_loops[registry_name] = loop  # first: _bells' readers look it up
         _bells[registry_name] = _bell(s)
-        _bell_loops[registry_name] = loop
+        # a new loop (the last one ended) has not armed: the next wait must poke it, whatever
+        # the ended loop's last turn left here
+        _armed = False
         return True
 
 
@@ -341,7 +356,7 @@ def _poke(registry_name: str) -> bool:
     nothing is bound there (the doorbell is gone); a full one has rings to read already."""
     addr = _address(registry_name, procinfo.pid())
     try:
-        s = _sending_socket(None)
+        s = _live_sender()
         try:
             s.sendto(b"", socket.MSG_DONTWAIT, addr)
         except OSError as e:
