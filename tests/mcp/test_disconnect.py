@@ -394,6 +394,38 @@ class Recorder:
         self.timed_out = threading.Event()
 
 
+def _a_stale_reader(loop: Any, fn: Any) -> tuple[int, socket.socket]:
+    """A reader ``fn`` added on a socket's number, then that socket closed behind the loop's
+    back (a ``closerange``): ``(the number, free now; the closed socket's peer)``."""
+    r, r_peer = socket.socketpair()
+    assert loop.add_reader(r.fileno(), fn)
+    fd = r.detach()
+    os.close(fd)
+    return fd, r_peer
+
+
+def _socketpair_on(fd: int) -> tuple[socket.socket, socket.socket]:
+    """A connected pair whose first socket has descriptor number ``fd`` (free now)."""
+    a, b = socket.socketpair()
+    if a.fileno() != fd:
+        os.dup2(a.fileno(), fd)
+        a.close()
+        a = socket.socket(fileno=fd)
+    return a, b
+
+
+def _a_leaving_client_is_seen(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Watch the first socket of ``pair``, close the second (the client leaves): seen."""
+    mine, peer = pair
+    w, rec = watch(mine)
+    try:
+        peer.close()
+        assert rec.gone.wait(5)
+    finally:
+        w.stop()
+        mine.close()
+
+
 def watch(sock: socket.socket, grace: float = 30.0) -> tuple[Watcher, Recorder]:
     rec = Recorder()
     w = Watcher(sock, on_disconnect=rec.gone.set, on_timeout=rec.timed_out.set, grace=grace)
@@ -585,13 +617,7 @@ def test_watcher_thread_is_made_again_in_a_forked_child() -> None:
     assert gone and n_after == 1
     # and the parent's own watcher is unaffected by the child's registrations
     assert watcher_threads() == [parent_thread]
-    w2, rec2 = watch(mine)
-    try:
-        peer.close()
-        assert rec2.gone.wait(5)
-    finally:
-        w2.stop()
-        mine.close()
+    _a_leaving_client_is_seen((mine, peer))
     assert not rec.gone.is_set()
 
 
@@ -872,18 +898,11 @@ def test_a_reader_closed_behind_the_loops_back_leaves_its_number_to_a_watched_so
     handed to the stale reader (which, level-triggered, was called forever instead)."""
     loop = disconnect.process_loop()
     assert loop is not None
-    r, r_peer = socket.socketpair()
     stale: list[int] = []
-    assert loop.add_reader(r.fileno(), lambda: stale.append(1))
-    fd = r.detach()
-    os.close(fd)
-    a, b = socket.socketpair()
+    fd, r_peer = _a_stale_reader(loop, lambda: stale.append(1))
+    a, b = _socketpair_on(fd)
     w = None
     try:
-        if a.fileno() != fd:
-            os.dup2(a.fileno(), fd)
-            a.close()
-            a = socket.socket(fileno=fd)
         w, rec = watch(a)
         b.close()
         assert rec.gone.wait(5), "the disconnect went to the closed reader"
@@ -894,6 +913,29 @@ def test_a_reader_closed_behind_the_loops_back_leaves_its_number_to_a_watched_so
         a.close()
         b.close()
         r_peer.close()
+
+
+def _reader_socket_on(n: int, tag: str) -> tuple[socket.socket, bytes, threading.Event,
+                                                  Any]:
+    """A datagram socket on descriptor number ``n`` (free now: closed behind the loop's back),
+    bound to an abstract address of its own; ``(socket, address, event, reader)``: the reader
+    drains it and sets the event."""
+    d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = f"\0shmcancel-test-{tag}-{os.getpid()}-{n}".encode()
+    d.bind(addr)
+    d.setblocking(False)
+    if d.fileno() != n:
+        os.dup2(d.fileno(), n)
+        d.close()
+        d = socket.socket(fileno=n)
+    got = threading.Event()
+
+    def reader() -> None:
+        with contextlib.suppress(OSError):
+            d.recv(16, socket.MSG_DONTWAIT)
+        got.set()
+
+    return d, addr, got, reader
 
 
 class _RegisterSpy:
@@ -919,19 +961,12 @@ def test_a_stale_reader_is_gone_before_its_number_is_registered_for_a_client() -
     hand the client's first event to it in between, and it read the client's bytes."""
     loop = disconnect.process_loop()
     assert loop is not None
-    r, r_peer = socket.socketpair()
-    assert loop.add_reader(r.fileno(), lambda: None)
-    fd = r.detach()
-    os.close(fd)
-    a, b = socket.socketpair()
+    fd, r_peer = _a_stale_reader(loop, lambda: None)
+    a, b = _socketpair_on(fd)
     w = None
     spy = _RegisterSpy(loop)
     loop._ep = spy  # type: ignore[assignment]
     try:
-        if a.fileno() != fd:
-            os.dup2(a.fileno(), fd)
-            a.close()
-            a = socket.socket(fileno=fd)
         w, _ = watch(a)
         deadline = time.monotonic() + 5
         while fd not in loop._watched:  # registered at once, or by the thread within ticks
@@ -964,21 +999,7 @@ def test_a_reader_on_a_watched_sockets_number_keeps_its_registration_past_that_w
             time.sleep(disconnect.TICK)
         fd = a.detach()
         os.close(fd)  # behind the loop's back
-        d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        addr = f"\0shmcancel-test-reader-{os.getpid()}-{fd}".encode()
-        d.bind(addr)
-        d.setblocking(False)
-        if d.fileno() != fd:
-            os.dup2(d.fileno(), fd)
-            d.close()
-            d = socket.socket(fileno=fd)
-        got = threading.Event()
-
-        def reader() -> None:
-            with contextlib.suppress(OSError):
-                d.recv(16, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
-            got.set()
-
+        d, addr, got, reader = _reader_socket_on(fd, "reader")
         assert loop.add_reader(fd, reader)
         w.stop()  # the stale watch's
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -1004,14 +1025,7 @@ def test_a_loop_whose_epoll_was_closed_behind_its_back_ends_and_a_new_one_watche
     assert loop._ep in disconnect._abandoned
     new = disconnect.process_loop()
     assert new is not None and new is not loop and new.thread.is_alive()
-    a, b = socket.socketpair()
-    w, rec = watch(a)
-    try:
-        b.close()
-        assert rec.gone.wait(5)
-    finally:
-        w.stop()
-        a.close()
+    _a_leaving_client_is_seen(socket.socketpair())
     assert not [r for r in caplog.records if "watcher failed" in r.getMessage()]
 
 
@@ -1046,21 +1060,7 @@ def test_a_reader_on_a_deferred_watchs_number_is_not_taken_by_its_registration()
     try:
         a.detach()
         os.close(n)  # behind the loop's back
-        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        addr = f"\0shmcancel-test-pending-{os.getpid()}-{n}".encode()
-        bell.bind(addr)
-        bell.setblocking(False)
-        if bell.fileno() != n:
-            os.dup2(bell.fileno(), n)
-            bell.close()
-            bell = socket.socket(fileno=n)
-        rung = threading.Event()
-
-        def reader() -> None:
-            with contextlib.suppress(OSError):
-                bell.recv(16, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
-            rung.set()
-
+        bell, addr, rung, reader = _reader_socket_on(n, "pending")
         assert loop.add_reader(n, reader)
         deadline = time.monotonic() + 2 * disconnect.LATE + 0.2  # the deferred step is due
         while time.monotonic() < deadline:

@@ -34,6 +34,21 @@ def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(wake, name, value() if callable(value) else value)
 
 
+@pytest.fixture
+def minute_waits(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The waits' own looks and the watcher thread's idle wait a minute apart: what ends a wait
+    in the test is the thread's looks (once poked) or a ring. Afterwards the thread turns once,
+    so that its next idle wait is computed from the restored setting."""
+    monkeypatch.setattr(wake, "_SLICE", 60.0)
+    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
+    yield
+    monkeypatch.undo()
+    for name in list(wake._bells):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX,
+                                                         socket.SOCK_DGRAM) as s:
+            s.sendto(b"", wake.doorbell_address(name, os.getpid()))
+
+
 _RINGS_ONLY = {"WAIT_POLL": 60.0, "_SLICE": 60.0, "_next_look": lambda: time.monotonic() + 60.0,
                "_poke": lambda: lambda registry_name: True}
 
@@ -54,6 +69,36 @@ def _until_idle() -> None:
         time.sleep(0.005)
 
 
+def _ring_own_bell(reg: Registry) -> float:
+    """A datagram to this process's doorbell for ``reg`` (a ring from elsewhere); when."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
+    return time.monotonic()
+
+
+def _long_wait(h: Any, n: int) -> Background:
+    """A wait of ``LONG`` seconds on ``h``'s call, started; returns once ``n`` waits are on."""
+    w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
+    w.start()
+    _waiting(n, time.monotonic() + 5)
+    return w
+
+
+def _ends_cancelled_soon(w: Background, since: float) -> None:
+    """``w``'s wait returned cancelled, within half a second of ``since`` (generous for a
+    loaded machine, far under the minute-long slices these tests set)."""
+    assert w.result(timeout=BOUND + 1) is True
+    assert w.done_at - since < 0.5  # type: ignore[operator]
+
+
+def _a_rung_cancellation_ends_a_wait(c: Cancellation, h: Any) -> None:
+    """A wait on ``h``'s call (id 1 or 2, scope ``"s"``), its cancellation rung at this
+    process's doorbell: the wait ends cancelled at once."""
+    w = _long_wait(h, 1)
+    assert c.cancel_if_in_flight(h.request_id, "stop", "s")
+    _ends_cancelled_soon(w, _ring_own_bell(c.registry))
+
+
 def _cancel_unrung(reg: Registry, rid: int) -> float:
     """Cancel ``rid`` in scope ``"s"`` through another attachment, without a transport: nobody
     rings. When it was recorded (monotonic seconds)."""
@@ -63,6 +108,17 @@ def _cancel_unrung(reg: Registry, rid: int) -> float:
     finally:
         other.registry.close()
     return time.monotonic()
+
+
+def _end_the_watcher_loop() -> Any:
+    """Close the watcher loop's epoll descriptor behind its back (a ``closerange``) and wait
+    for its thread to end; the loop."""
+    loop = disconnect.process_loop()
+    assert loop is not None
+    os.close(loop._ep.fileno())
+    loop.thread.join(65)  # its wait ends within the idle wait (patched to a minute: at once,
+    assert not loop.thread.is_alive()  # as it was polling every WAIT_POLL for the waits)
+    return loop
 
 
 def test_a_ring_wakes_a_cancelled_waiter_and_no_other(registry, rings_only) -> None:
@@ -156,13 +212,11 @@ def test_a_cancellation_nobody_rang_is_seen_by_the_watchers_looks(
 
 @pytest.mark.parametrize("closed", ["doorbell", "doorbell and sender"])
 def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wait(
-        registry, monkeypatch: pytest.MonkeyPatch, closed: str) -> None:
+        registry, monkeypatch: pytest.MonkeyPatch, minute_waits, closed: str) -> None:
     """A ``closerange`` in a worker closes its doorbell: rings and pokes then reach nobody. The
     next wait that pokes the idle watcher thread finds it refused and makes the doorbell again:
     its cancellation is seen within the looks, and a ring reaches the process again. The idle
     wait and the waits' own looks are a minute here: without the new doorbell nothing ends it."""
-    monkeypatch.setattr(wake, "_SLICE", 60.0)
-    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
     reg = registry()
     c = Cancellation(reg)
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
@@ -174,31 +228,17 @@ def test_a_doorbell_closed_behind_the_processs_back_is_made_again_by_the_next_wa
         if closed != "doorbell":  # a closerange takes the ringing socket too (the next number)
             assert wake._sender is not None
             os.close(wake._sender[1].fileno())
-        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
-        w1.start()
-        _waiting(1, time.monotonic() + 5)
+        w1 = _long_wait(h1, 1)
         at = _cancel_unrung(reg, 1)
-        assert w1.result(timeout=BOUND + 1) is True
-        assert w1.done_at - at < 0.5  # type: ignore[operator]
+        _ends_cancelled_soon(w1, at)
         assert wake._bells[reg.name][1] is not old
         # and the new doorbell takes rings: a wait of the idle thread is ended by one
         monkeypatch.setattr(wake, "_poke", lambda registry_name: True)
         _until_idle()
-        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
-        w2.start()
-        _waiting(1, time.monotonic() + 5)
-        assert c.cancel_if_in_flight(2, "stop", "s")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
-        rang = time.monotonic()
-        assert w2.result(timeout=BOUND + 1) is True
-        assert w2.done_at - rang < 0.5  # type: ignore[operator]
+        _a_rung_cancellation_ends_a_wait(c, h2)
     finally:
         h1.end()
         h2.end()
-        monkeypatch.undo()
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
 
 
 def test_a_doorbell_of_a_watcher_loop_that_ended_is_made_again(registry, rings_only) -> None:
@@ -209,66 +249,32 @@ def test_a_doorbell_of_a_watcher_loop_that_ended_is_made_again(registry, rings_o
     h = c.begin(1, "s")
     try:
         assert wake.wait_cancelled({HANDLE_KEY: h}, 0) is False  # the doorbell made
-        loop = disconnect.process_loop()
-        assert loop is not None
-        os.close(loop._ep.fileno())
-        loop.thread.join(5)
-        assert not loop.thread.is_alive()
-        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
-        w.start()
-        _waiting(1, time.monotonic() + 5)
-        assert c.cancel_if_in_flight(1, "stop", "s")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
-        rang = time.monotonic()
-        assert w.result(timeout=BOUND + 1) is True
-        assert w.done_at - rang < 0.5  # type: ignore[operator]
+        _end_the_watcher_loop()
+        _a_rung_cancellation_ends_a_wait(c, h)
     finally:
         h.end()
 
 
-def _end_the_watcher_loop() -> Any:
-    """Close the watcher loop's epoll descriptor behind its back (a ``closerange``) and wait
-    for its thread to end; the loop."""
-    loop = disconnect.process_loop()
-    assert loop is not None
-    os.close(loop._ep.fileno())
-    loop.thread.join(65)  # its wait ends within the idle wait (patched to a minute: at once,
-    assert not loop.thread.is_alive()  # as it was polling every WAIT_POLL for the waits)
-    return loop
-
-
 def test_waits_across_a_watcher_loop_that_ended_are_seen_by_the_new_loops_looks(
-        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+        registry, minute_waits) -> None:
     """A wait under way when the watcher loop ends, and one begun after: the second's doorbell
     is made in a new loop and pokes it (the ended loop's last turn left the waits armed), whose
     looks then see both cancellations, unrung, within ``WAIT_POLL``. The waits' own slices and
     the idle wait are a minute: nothing else ends them."""
-    monkeypatch.setattr(wake, "_SLICE", 60.0)
-    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
     reg = registry()
     c = Cancellation(reg)
     h1, h2 = c.begin(1, "s"), c.begin(2, "s")
     try:
-        w1 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h1}, LONG))
-        w1.start()
-        _waiting(1, time.monotonic() + 5)
+        w1 = _long_wait(h1, 1)
         _end_the_watcher_loop()
-        w2 = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h2}, LONG))
-        w2.start()
-        _waiting(2, time.monotonic() + 5)
+        w2 = _long_wait(h2, 2)
         at = _cancel_unrung(reg, 2)
-        assert w2.result(timeout=BOUND + 1) is True
-        assert w2.done_at - at < 0.5  # type: ignore[operator]
+        _ends_cancelled_soon(w2, at)
         at = _cancel_unrung(reg, 1)
-        assert w1.result(timeout=BOUND + 1) is True
-        assert w1.done_at - at < 0.5  # type: ignore[operator]
+        _ends_cancelled_soon(w1, at)
     finally:
         h1.end()
         h2.end()
-        monkeypatch.undo()
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))  # idle waits: 1 s again
 
 
 def test_a_fork_child_never_closes_the_number_of_an_ended_loops_epoll(registry, tmp_path) -> None:
@@ -304,12 +310,10 @@ def test_a_fork_child_never_closes_the_number_of_an_ended_loops_epoll(registry, 
 
 
 def test_a_ringing_socket_whose_number_is_another_sockets_is_replaced(
-        registry, monkeypatch: pytest.MonkeyPatch) -> None:
+        registry, monkeypatch: pytest.MonkeyPatch, minute_waits) -> None:
     """The ringing socket closed behind its back and its number then a connected stream
     socket's, where a datagram send fails (or, on TCP, goes out as nothing): a first wait's
     poke replaces it and reaches the idle thread, whose looks see an unrung cancellation."""
-    monkeypatch.setattr(wake, "_SLICE", 60.0)
-    monkeypatch.setattr(disconnect, "IDLE_WAIT", 60.0)
     reg = registry()
     c = Cancellation(reg)
     h = c.begin(1, "s")
@@ -320,21 +324,15 @@ def test_a_ringing_socket_whose_number_is_another_sockets_is_replaced(
         assert wake._sender is not None
         n = wake._sender[1].fileno()
         os.dup2(x.fileno(), n)  # the number is a connected stream socket's now
-        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
-        w.start()
-        _waiting(1, time.monotonic() + 5)
+        w = _long_wait(h, 1)
         at = _cancel_unrung(reg, 1)
-        assert w.result(timeout=BOUND + 1) is True
-        assert w.done_at - at < 0.5  # type: ignore[operator]
+        _ends_cancelled_soon(w, at)
         assert wake._sender[1].fileno() != n
         os.close(n)  # the dup of x
     finally:
         h.end()
         x.close()
         y.close()
-        monkeypatch.undo()
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", wake.doorbell_address(reg.name, os.getpid()))
 
 
 def test_a_renewal_keeps_a_doorbell_still_open(registry) -> None:
@@ -397,9 +395,7 @@ def test_a_ring_to_the_owners_wakes_the_waiter_and_a_ring_elsewhere_does_not(
     try:
         assert c.in_flight_pids(1, "s") == {os.getpid()}
         assert c.in_flight_pids(2, "s") == set() and c.in_flight_pids(1.5, "s") is None
-        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
-        w.start()
-        _waiting(1, time.monotonic() + 5)
+        w = _long_wait(h, 1)
         assert c.cancel_if_in_flight(1, "stop", "s")
         wake.ring(reg.name, {os.getppid()})  # not the owner: the waiter sleeps on
         time.sleep(0.2)
@@ -495,9 +491,7 @@ def test_rings_open_no_descriptor_and_a_fork_child_rings_its_parent(registry, ri
         for _ in range(200):
             wake.ring(reg.name, {os.getppid(), os.getpid()})
         assert _open_fds() == before
-        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
-        w.start()
-        _waiting(1, time.monotonic() + 5)
+        w = _long_wait(h, 1)
         assert c.cancel_if_in_flight(1, "stop", "s")
         owner = os.getpid()
         _, got = first_message(lambda wr: (wake.ring(reg.name, {owner}), os.write(wr, b"rang")))
@@ -583,9 +577,7 @@ def test_a_ring_of_this_process_wakes_its_waiter_without_its_doorbell(
     w = None
     try:
         squatter.bind(wake.doorbell_address(reg.name, os.getpid()))
-        w = Background(lambda: wake.wait_cancelled({HANDLE_KEY: h}, LONG))
-        w.start()
-        _waiting(1, time.monotonic() + 5)
+        w = _long_wait(h, 1)
         assert reg.name not in wake._bells  # its address was taken: no bell
         assert c.cancel_if_in_flight(1, "stop", "s")
         rang = time.monotonic()
