@@ -201,13 +201,7 @@ def ring(registry_name: str, pids: Iterable[int] | None = None) -> None:
             if s is None:
                 s = _live_sender()
             try:
-                try:
-                    s.sendto(b"", socket.MSG_DONTWAIT, addr)
-                except OSError as e:
-                    if e.errno not in _BROKEN:
-                        raise
-                    s = _replace_broken_sender(s)
-                    s.sendto(b"", socket.MSG_DONTWAIT, addr)
+                s = _send(s, addr)
             except BlockingIOError:
                 s = _sending_socket(s)
                 try:
@@ -273,6 +267,20 @@ def _live_sender() -> socket.socket:
     return s
 
 
+def _send(s: socket.socket, addr: bytes) -> socket.socket:
+    """One empty datagram from the ringing socket ``s`` to ``addr``, never blocking; the
+    socket it went from: a new one when ``s``'s descriptor turned out gone (EBADF, ENOTSOCK),
+    with the send tried once more on it. Raises what the send raises otherwise."""
+    try:
+        s.sendto(b"", socket.MSG_DONTWAIT, addr)
+    except OSError as e:
+        if e.errno not in _BROKEN:
+            raise
+        s = _replace_broken_sender(s)
+        s.sendto(b"", socket.MSG_DONTWAIT, addr)
+    return s
+
+
 def _replace_broken_sender(broken: socket.socket) -> socket.socket:
     """A new ringing socket in place of ``broken``, whose descriptor was closed behind its
     back (a closerange): let go by number, never closed blindly (the number may be another
@@ -320,11 +328,11 @@ def _ensure_bell(registry_name: str) -> bool:
     cannot have one (no watcher thread, or its address is taken)."""
     global _armed
     got = _bells.get(registry_name)
-    if got is not None and got[0] == procinfo.pid() and _bell_loops[registry_name].alive():
+    if _is_mine(registry_name, got):
         return True
     with _lock:
         got = _bells.get(registry_name)
-        if got is not None and got[0] == procinfo.pid() and _bell_loops[registry_name].alive():
+        if _is_mine(registry_name, got):
             return True
         if got is not None:  # inherited across fork (the parent's), or its loop ended
             _let_go(got)
@@ -351,23 +359,21 @@ def _ensure_bell(registry_name: str) -> bool:
         return True
 
 
+def _is_mine(registry_name: str, got: _Bell | None) -> bool:
+    """Whether the doorbell ``got`` is this process's (not a fork parent's) and read by a live
+    watcher loop."""
+    return (got is not None and got[0] == procinfo.pid()
+            and _bell_loops[registry_name].alive())
+
+
 def _poke(registry_name: str) -> bool:
     """Have the watcher thread turn now: a datagram to this process's doorbell. ``False`` when
     nothing is bound there (the doorbell is gone); a full one has rings to read already."""
-    addr = _address(registry_name, procinfo.pid())
     try:
-        s = _live_sender()
-        try:
-            s.sendto(b"", socket.MSG_DONTWAIT, addr)
-        except OSError as e:
-            if e.errno not in _BROKEN:
-                raise
-            _replace_broken_sender(s).sendto(b"", socket.MSG_DONTWAIT, addr)
-    except (BlockingIOError, InterruptedError):
-        return True
+        _send(_live_sender(), _address(registry_name, procinfo.pid()))
     except (ConnectionRefusedError, FileNotFoundError):
         return False
-    except Exception:
+    except Exception:  # full (BlockingIOError), interrupted: the thread has rings to read
         return True
     return True
 
