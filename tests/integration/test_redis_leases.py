@@ -14,9 +14,9 @@ from shmcancel import Cancellation, Config
 from shmcancel.redis import RedisCancellation, RedisStorage, RedisStore, connect
 
 
-def _storage(url, prefix, *, lease=10.0, host="h1", timeout=2.0):
+def _storage(url, prefix, *, lease=10.0, host="h1", timeout=2.0, auto_renew=True):
     store = RedisStore(connect(url, timeout=timeout), Config(), prefix=prefix)
-    return RedisStorage(store, lease=lease, host=host)
+    return RedisStorage(store, lease=lease, host=host, auto_renew=auto_renew)
 
 
 def test_a_request_of_redis_storage_alone_stays_in_flight_past_its_lease(redis_server,
@@ -44,7 +44,9 @@ def test_a_request_of_redis_storage_alone_stays_in_flight_past_its_lease(redis_s
 def test_begin_never_raises_when_redis_is_unreachable(redis_prefix, caplog):
     """``Cancellation.begin`` never raises (the transport serves the request uncancellable):
     over RedisStorage a refused connection escaped from it as ``redis.ConnectionError``."""
-    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5)
+    # no renewer: its rows never reach Redis, so it would outlive the test, reconnecting
+    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5,
+                  auto_renew=False)
     c = Cancellation(None, backend=st)
     h = c.begin(1, "s")
     assert not h.tracked and h.error is not None
@@ -175,7 +177,9 @@ def test_rows_of_requests_ended_while_redis_is_away_are_bounded(redis_prefix):
     from shmcancel.redis import storage
 
     bound = getattr(storage, "ENDED_MAX", 1024)
-    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5)
+    # no renewer: its rows never reach Redis, so it would outlive the test, reconnecting
+    st = _storage(f"redis://127.0.0.1:{free_port()}/0", redis_prefix, timeout=0.5,
+                  auto_renew=False)
     c = Cancellation(None, backend=st)
     running = c.begin("still-running", "ip:10.0.0.9")
     for i in range(3 * bound):

@@ -1099,7 +1099,8 @@ def test_disconnect_cancels_exactly_that_request(stateless: McpServer, reg: Regi
         t0 = time.monotonic()
         k1.close()
         wait_ev(signals.ev(signals.saw_cancel, "leaver"))
-        assert time.monotonic() - t0 < 0.1
+        # seen within a slice of the watcher (LATE + TICK: 55 ms), slack for a loaded machine
+        assert time.monotonic() - t0 < 0.5
         assert c1.result().json["error"]["code"] == errors.REQUEST_CANCELLED
         assert not signals.ev(signals.saw_cancel, "stayer").is_set()
         signals.ev(signals.release, "stayer").set()
