@@ -120,6 +120,14 @@ def build(sessions: bool, path: str) -> McpServer:
         sent = sum(progress(conn, i, n, f"step {i}") for i in range(1, n + 1))
         return f"{sent} of {n} sent"
 
+    @server.tool("raises")
+    def raises(conn, params):
+        """Raise the named exception: one a tool can raise by mistake (a ``BaseException``)."""
+        import asyncio
+        kinds = {"KeyboardInterrupt": KeyboardInterrupt, "GeneratorExit": GeneratorExit,
+                 "CancelledError": asyncio.CancelledError, "ValueError": ValueError}
+        raise kinds[params["kind"]]("raised by the tool")
+
     @server.tool("stubborn")
     def stubborn(conn, params):
         """Ignore cancellation (but record seeing it) for ``seconds``."""

@@ -583,6 +583,33 @@ def test_a_tool_result_too_deep_for_json_is_an_internal_error_not_a_500(
             not in g.log(), g.log_tail()
 
 
+BASE_EXCEPTIONS = ("KeyboardInterrupt", "GeneratorExit", "CancelledError")
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "gthread"])
+def test_a_tool_raising_a_base_exception_is_a_tool_error_not_a_500(
+        shm_name: str, outdir: str, worker_class: str) -> None:
+    """contract §5: a request that was read gets HTTP 200 carrying its response. A tool's own
+    ``BaseException`` (asyncio's ``CancelledError`` leaking out of an ``asyncio.run``, a stray
+    ``KeyboardInterrupt``: under gunicorn no signal raises one) escaped as gunicorn's HTML 500.
+    It is the tool's error now, as an ``Exception`` is; the workers serve on."""
+    with start(shm_name, outdir, workers=2, worker_class=worker_class, threads=4) as g:
+        pids = set(g.worker_pids())
+        c = Client(g.url)
+        for n, kind in enumerate(BASE_EXCEPTIONS, start=1):
+            r = c.post({"jsonrpc": "2.0", "id": n, "method": "tools/call",
+                        "params": {"name": "raises", "arguments": {"kind": kind}}})
+            assert r.status_code == 200, (kind, r.status_code, r.text[:300])
+            reply = reply_of(r)
+            assert reply["id"] == n and reply["result"]["isError"] is True, reply
+            assert kind in reply["result"]["content"][0]["text"], reply
+        assert c.call(9, "echo", {"text": "still here"})["result"]["content"][0]["text"] \
+            == "still here"
+        assert dump(shm_name)["in_flight"] == []
+        assert set(g.worker_pids()) == pids
+        assert "Internal Server Error" not in g.log(), g.log_tail()
+
+
 def test_workers_survive_bad_input(server: Gunicorn, bad_input_client: Client) -> None:
     """After everything above (this test runs last in the module): same workers, serving."""
     pids = set(server.worker_pids())

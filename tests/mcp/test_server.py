@@ -96,6 +96,10 @@ def make_server(reg: Any, signals: Signals, **kw: Any) -> McpServer:
     def boom(conn, params):
         raise RuntimeError("kaput")
 
+    @server.tool("interrupt")
+    def interrupt(conn, params):
+        raise KeyboardInterrupt
+
     @server.tool("unprintable")
     def unprintable(conn, params):
         """An exception whose ``str()`` raises (its argument's ``repr`` does)."""
@@ -782,6 +786,16 @@ def test_tool_outcomes(stateless: McpServer, reg: Registry, tool: str, args: dic
     r = post(stateless, rpc(1, "tools/call", {"name": tool, "arguments": args}))
     assert r.status == 200
     assert check(r.json), r.json
+    assert tables_empty(reg)
+
+
+def test_ctrl_c_of_a_development_server_is_not_taken_for_the_tools_error(
+        stateless: McpServer, reg: Registry) -> None:
+    """Under gunicorn a tool's ``KeyboardInterrupt`` is its own error (its workers turn SIGINT
+    into ``SystemExit``: tests/integration/test_http.py); outside it, it is Ctrl-C, which
+    stops the server. The call's rows go on the way out."""
+    with pytest.raises(KeyboardInterrupt):
+        post(stateless, rpc(1, "tools/call", {"name": "interrupt", "arguments": {}}))
     assert tables_empty(reg)
 
 

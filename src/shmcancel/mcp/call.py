@@ -105,6 +105,17 @@ class CallLifecycle(ToolRegistry, ServerBase):
                 except Exception as e:
                     outcome = ("crash", e)
                     log.warning("tool %r raised", name, exc_info=True)
+                except (SystemExit, RequestStopped):
+                    raise
+                except BaseException as e:
+                    # The tool's own (asyncio's CancelledError, a stray GeneratorExit): a crash,
+                    # not gunicorn's HTML 500 (contract §5). gunicorn's workers turn SIGINT into
+                    # SystemExit, so a KeyboardInterrupt under gunicorn is the tool's too;
+                    # elsewhere (a development server) it is Ctrl-C, which stops the server.
+                    if isinstance(e, KeyboardInterrupt) and "gunicorn.socket" not in environ:
+                        raise
+                    outcome = ("crash", e)
+                    log.warning("tool %r raised %s", name, type(e).__name__, exc_info=True)
             finally:
                 if watcher is not None:
                     watcher.stop()
