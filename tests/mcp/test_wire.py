@@ -136,6 +136,9 @@ LADDER = [
     (call(), hdrs(MODERN, "tools/call", "=?base64?c2xlZXA?="), errors.HEADER_MISMATCH),
     (call(), hdrs(MODERN, "tools/call", "=?base64?!!!?="), errors.HEADER_MISMATCH),
     (call(name="é"), hdrs(MODERN, "tools/call", "é"), errors.HEADER_MISMATCH),
+    # a body name that is no string disagrees with any header (was: -32602 of tools/call)
+    (call(name=5), hdrs(MODERN, "tools/call", "5"), errors.HEADER_MISMATCH),
+    (call(name=["sleep"]), hdrs(MODERN, "tools/call", "sleep"), errors.HEADER_MISMATCH),
     (call(meta={PV: "2027-01-01", CAPS: {}}), hdrs("2027-01-01", "tools/call", "sleep"),
      errors.UNSUPPORTED_PROTOCOL_VERSION),
     (call(meta={PV: MODERN, CAPS: []}), hdrs(MODERN, "tools/call", "sleep"),
@@ -161,7 +164,9 @@ def test_base64_name_header_matches_after_decoding() -> None:
 
 
 def test_tools_call_without_a_string_name_leaves_it_to_dispatch() -> None:
+    """No header to disagree with: tools/call's own -32602 names the problem."""
     validate_modern(call(name=5), hdrs(MODERN, "tools/call", None))
+    validate_modern(call(name=None), hdrs(MODERN, "tools/call", "sleep"))
 
 
 @pytest.mark.parametrize("value, decoded", [

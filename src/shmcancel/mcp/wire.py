@@ -252,11 +252,14 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
     if headers.method.strip(" \t") != msg.method:
         raise _mismatch("Mcp-Method does not match the request's method", rid)
     name_key = NAME_BEARING_METHODS.get(msg.method)
-    if name_key is not None and params is not None and isinstance(params.get(name_key), str):
+    named = params.get(name_key) if name_key is not None and params is not None else None
+    if isinstance(named, str):
         if headers.name is None:
             raise _mismatch(f"the Mcp-Name header is missing (params.{name_key} is set)", rid)
-        if decode_header_value(headers.name) != params[name_key]:
+        if decode_header_value(headers.name) != named:
             raise _mismatch(f"Mcp-Name does not match params.{name_key}", rid)
+    elif named is not None and headers.name is not None:  # no string: unlike any header
+        raise _mismatch(f"Mcp-Name does not match params.{name_key}", rid)
     if not isinstance(version, str):  # unreachable with a header (a header is a str), kept total
         raise RpcError(codes.INVALID_PARAMS, "Invalid params: the protocol version must be a "
                        "string")
