@@ -223,7 +223,7 @@ class _Poller:
             await asyncio.sleep(POLL_INTERVAL)
             for call in list(self.calls):
                 try:
-                    if call.handle.cancelled():
+                    if call.handle.peek():  # cancelled() may run the janitor's sweep
                         call.cancel_scope.cancel()
                         self.calls.discard(call)
                 except Exception:  # a poll never raises; a cancel scope might, once closed
