@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,41 @@ def test_the_refusal_is_a_public_shmcancel_error() -> None:
     from shmcancel import ShmCancelError
 
     assert issubclass(SocketDirUnsafe, ShmCancelError)
+
+
+# Prints server_dir() of a process with no registry; with "child", its own child's.
+_SERVER_DIR = """
+import subprocess, sys
+from shmcancel.sdk._routing import server_dir
+if sys.argv[1] == "child":
+    sys.stdout.write(subprocess.run([sys.executable, __file__, "self"], capture_output=True,
+                                    text=True, timeout=60).stdout)
+else:
+    print(server_dir())
+"""
+
+
+def _server_dir_of(tmp_path: Path, how: str) -> str:
+    script = tmp_path / "server_dir.py"
+    script.write_text(_SERVER_DIR)
+    env = {k: v for k, v in os.environ.items() if k != "SHMCANCEL_REGISTRY"}
+    env["SHMCANCEL_SDK_SOCKET_DIR"] = str(tmp_path / "socks")
+    out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_servers_without_a_registry_share_a_directory_only_with_their_parents_processes(
+        tmp_path: Path) -> None:
+    """Without a registry the socket directory itself was every such server's: a session id
+    minted by one server was forwarded to it by another of the same user. Now the processes of
+    one parent (a server's workers) share one subdirectory, and another parent's (another
+    server's) have another."""
+    siblings = {_server_dir_of(tmp_path, "self") for _ in range(2)}
+    assert len(siblings) == 1
+    other = _server_dir_of(tmp_path, "child")  # a process of another parent
+    assert other not in siblings
+    for d in (*siblings, other):
+        assert os.path.dirname(d) == str(tmp_path / "socks")
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700

@@ -103,12 +103,14 @@ def _private(d: str) -> str:
 def server_dir() -> str:
     """This server's part of :func:`socket_dir`: a subdirectory per registry (the workers of one
     server share it; another server's sessions are unknown here, never served through this
-    server's port), or the directory itself when the worker has no registry."""
+    server's port). A worker with no registry shares one with the processes of its parent
+    (gunicorn's master, uvicorn's supervisor): two such servers started by one shell share it."""
     from ._calls import process_cancellation
 
     c = process_cancellation()
     reg = getattr(c, "registry", None)
-    return registry_dir(socket_dir(), reg.name) if reg is not None else socket_dir()
+    # "parent:" cannot be a registry name (no colon in one)
+    return registry_dir(socket_dir(), reg.name if reg is not None else f"parent:{os.getppid()}")
 
 
 def registry_dir(base: str, registry_name: str) -> str:
