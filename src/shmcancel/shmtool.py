@@ -4,7 +4,8 @@
 
     shmtool list [--json]            registries in /dev/shm: name, size, bytes allocated,
                                      creator pid, state (alive, stale: creator gone,
-                                     leftover: no segment,
+                                     leftover: no segment, foreign: created in another
+                                     pid namespace (its processes cannot be judged here),
                                      unusable: unreadable, or a worker could not attach it)
                                      and a one-line note: what is wrong, which command removes
                                      it, other users' entries under its names
@@ -82,7 +83,7 @@ from .shm.names import (
 )
 from .shm.names import unlink_names as _unlink_names
 from .shm.registry import Registry
-from .shm.segment import creator_of
+from .shm.segment import ForeignPidNamespace, creator_of
 
 __all__ = ["main"]
 
@@ -319,6 +320,10 @@ def _registry_row(name: str) -> dict[str, Any]:
     row["creator_pid"] = info["creator_pid"]
     row["creator_alive"] = info["creator_alive"]
     row["created_at"] = info["created_at"]
+    if info["creator_alive"] is None:  # another pid namespace's: neither alive nor stale here
+        row["state"] = "foreign"
+        note(["created in another pid namespace: its processes cannot be judged from here"])
+        return row
     if info["creator_alive"]:
         said.update(cannot_attach)
         bad = _bad_own(own, skip=list(said))
@@ -371,13 +376,13 @@ def _dump(reg: Registry) -> dict[str, Any]:
         cancels.append({"scope": scope, "request_id": rid, "reason": reason, "cancelled_at": at})
     cancels.sort(key=lambda r: (r["cancelled_at"] or 0.0, str(r["scope"]), str(r["request_id"])))
     flights = []
-    alive_cache: dict[tuple[int, int], bool] = {}
+    alive_cache: dict[tuple[int, int], bool | None] = {}
     for k, v in ShmBackend(reg).in_flight_rows():
         scope, rid = (k[0], k[1]) if isinstance(k, tuple) and len(k) == 2 else (repr(k), None)
         if isinstance(v, tuple) and len(v) == 4 and all(isinstance(x, int) for x in v):
             pid, start, tid, token = v
             if (pid, start) not in alive_cache:
-                alive_cache[(pid, start)] = procinfo.alive(pid, start)
+                alive_cache[(pid, start)] = reg.alive(pid, start)
             alive: bool | None = alive_cache[(pid, start)]
         else:
             pid = start = tid = token = None
@@ -423,7 +428,7 @@ def _lanes(reg: Registry) -> list[dict[str, Any]]:
     out = []
     for table, lanes in sorted(reg.lanes.items()):
         rows = Counter((o[0], o[1]) for _, o in lanes.rows())
-        out += [{"table": table, "lane": i, "pid": o[0], "alive": procinfo.alive(*o),
+        out += [{"table": table, "lane": i, "pid": o[0], "alive": reg.alive(*o),
                  "rows": rows[o]} for i, o in lanes.lane_owners()]
     return out
 
@@ -473,19 +478,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     lock = s["lock"]
+    unknown = "unknown: another pid namespace"
     holder = ("free" if lock["owner_pid"] is None else
-              f"held by pid {lock['owner_pid']} ({'alive' if lock['owner_alive'] else 'DEAD'})")
+              f"held by pid {lock['owner_pid']} "
+              f"({ {True: 'alive', False: 'DEAD', None: unknown}[lock['owner_alive']]})")
     alloc = "" if s["allocated"] is None else f" ({_size(s['allocated'])} allocated)"
     print(f"registry {s['name']}: {_size(s['size'])}{alloc}, created "
           f"{_age(now, s['created_at'])} "
-          f"by pid {s['creator_pid']} ({'alive' if s['creator_alive'] else 'gone'})")
+          f"by pid {s['creator_pid']} "
+          f"({ {True: 'alive', False: 'gone', None: unknown}[s['creator_alive']]})")
     print(f"limits: max_rows={s['max_rows']} capacity={s['capacity']} "
           f"max_rows_per_scope={s['max_rows_per_scope']} ttl={s['config']['ttl']}s "
           f"janitor_interval={s['config']['janitor_interval']}s")
     print(f"lock: {holder}, generation {lock['generation']}, recoveries {s['recoveries']}")
     last = "never" if s["sweeps"] == 0 else _age(now, s["last_sweep"])
     print(f"evictions {s['evictions']}, sweeps {s['sweeps']} (last {last})")
-    lanes = ", ".join(f"{x['table']} pid {x['pid']}{'' if x['alive'] else ' (DEAD)'}: "
+    lanes = ", ".join(f"{x['table']} pid {x['pid']}{'' if x['alive'] is not False else ' (DEAD)'}: "
                       f"{x['rows']}" for x in s["lanes"]) or "none"
     print(f"lanes claimed (rows written without the lock): {lanes}")
     print()
@@ -572,6 +580,8 @@ def _creator(name: str) -> tuple[bool, tuple[int, int] | None]:
         owner = creator_of(name, any_owner=True)
     except FileNotFoundError:
         return False, None
+    except ForeignPidNamespace:
+        raise  # whether it is in use cannot be judged here: kept
     except ShmCancelError:
         _refuse_unreadable(name)
         return False, None

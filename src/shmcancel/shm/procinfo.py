@@ -160,6 +160,27 @@ def me() -> tuple[int, int]:
 
 
 _pid = os.getpid()
+_pid_ns: int | None = None
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (``/proc/self/ns/pid``), 0 when unknown. A pid
+    and a start time name a process only within one pid namespace: from another (a container
+    sharing ``/dev/shm`` but not the pids), every process of the first looks gone."""
+    global _pid_ns
+    if _pid_ns is None:
+        try:
+            _pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:  # pragma: no cover - no /proc, or namespaces not compiled in
+            _pid_ns = 0
+    return _pid_ns
+
+
+def foreign(pid_ns: int) -> bool:
+    """Whether ``pid_ns`` (a :func:`pid_namespace`, 0: unknown) is known to be another pid
+    namespace than this process's: its processes cannot be told alive or gone from here."""
+    mine = pid_namespace()
+    return pid_ns != 0 and mine != 0 and pid_ns != mine
 
 
 def pid() -> int:
@@ -169,9 +190,10 @@ def pid() -> int:
 
 
 def _reset_after_fork() -> None:
-    global _me, _pid
+    global _me, _pid, _pid_ns
     _me = None
     _pid = os.getpid()
+    _pid_ns = None  # a child of a process that unshared its pids is in the new namespace
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -547,6 +547,17 @@ class Registry:
         return self._seg.created_at
 
     @property
+    def foreign(self) -> bool:
+        """Created in another pid namespace than this process's (only a read-only attach gets
+        one): no pid read from it can be told alive or gone here."""
+        return procinfo.foreign(self._seg.pid_ns)
+
+    def alive(self, pid: int, start: int) -> bool | None:
+        """:func:`procinfo.alive` of a process recorded in this registry; ``None`` (unknown)
+        when the registry is :attr:`foreign`."""
+        return None if self.foreign else procinfo.alive(pid, start)
+
+    @property
     def creator(self) -> tuple[int, int]:
         self._check_open()
         c = self._seg.creator
@@ -727,10 +738,10 @@ class Registry:
             "allocated": self._allocated(),
             "created_at": seg.created_at,
             "creator_pid": creator[0] if creator else None,
-            "creator_alive": bool(creator and procinfo.alive(*creator)),
+            "creator_alive": self.alive(*creator) if creator else False,
             "config": dataclasses.asdict(self._config),
             "lock_owner_pid": owner[0] if owner else None,
-            "lock_owner_alive": bool(owner and procinfo.alive(*owner)),
+            "lock_owner_alive": self.alive(*owner) if owner else False,
             "lock_generation": seg.u64(OFF_LOCK_GENERATION),
             "semaphore_value": sem_value,
             "recoveries": self.recoveries,

@@ -13,6 +13,8 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     40      f64     created_at (time.time() at creation)
     48      16s     hash key (os.urandom(16)) for the tables' keyed hashing
     64      u64     inode of the semaphore file created with this segment
+    72      u64     the creator an adoption replaced (OFF_PREV_CREATOR; 0: none)
+    80      u64     the creator's pid namespace (procinfo.pid_namespace(); 0: unknown)
     256     u64     lock owner: pack_owner of the holder, 0 = none          (see lock.py)
     264     u64     lock generation: +1 on every acquire and every recovery
     320     u64     recoveries (dead holders' units taken over)
@@ -84,11 +86,13 @@ __all__ = [
     "HEADER_SIZE",
     "LAYOUT_VERSION",
     "MAGIC",
+    "ForeignPidNamespace",
     "Segment",
     "TableDesc",
     "TableSpec",
     "check_semaphore",
     "creator_of",
+    "foreign_error",
 ]
 
 MAGIC = b"shmcancl"
@@ -114,6 +118,10 @@ OFF_CREATOR = 32
 # in use while either process lives: after a rollback the new master is gone and the old one
 # serves on. In bytes 72..79, zero in every segment formatted before it was used.
 OFF_PREV_CREATOR = 72
+# The creator's pid namespace: pids and start times in the header and the tables mean nothing in
+# another, where every process of this one looks gone, so no process there may judge liveness
+# (recover the lock, reap rows, replace the registry). Zero in segments formatted before it.
+OFF_PID_NS = 80
 OFF_LOCK_OWNER = 256
 OFF_LOCK_GENERATION = 264
 OFF_RECOVERIES = 320
@@ -187,6 +195,7 @@ class Segment:
         # Parse through struct first, make views last.
         (_magic, self.version, _hs, self.total_size, self.creator_word, self.created_at,
          self.hash_key, self.sem_ino) = _HEAD.unpack_from(mm, 0)
+        (self.pid_ns,) = struct.unpack_from("<Q", mm, OFF_PID_NS)
         (m,) = struct.unpack_from("<Q", mm, OFF_CONFIG)
         self.config: bytes = mm[OFF_CONFIG + 8:OFF_CONFIG + 8 + min(m, CONFIG_MAX)]
         (n,) = struct.unpack_from("<Q", mm, OFF_TABLE_COUNT)
@@ -402,6 +411,7 @@ class Segment:
                                 KINDS[d.kind])
             struct.pack_into("<d", mm, OFF_LAST_SWEEP, created_at)
             struct.pack_into("<QQ", mm, OFF_LANES, lanes_off, lanes_size)
+            struct.pack_into("<Q", mm, OFF_PID_NS, procinfo.pid_namespace())
             _HEAD.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, HEADER_SIZE, total,
                             procinfo.pack_owner(*procinfo.me()), created_at, os.urandom(16),
                             sem_ino)
@@ -485,6 +495,9 @@ class Segment:
             raise
         if readonly:
             return seg
+        if procinfo.foreign(seg.pid_ns):
+            seg.close()
+            raise foreign_error(name, seg.pid_ns)
         try:
             sem = _open_semaphore(name, seg.sem_ino)
         except BaseException:
@@ -597,20 +610,37 @@ def effective_creator(creator: int, previous: int) -> tuple[int, int] | None:
     return c
 
 
+class ForeignPidNamespace(RegistryIncompatible):
+    """The registry was created in another pid namespace than this process's (see
+    :data:`OFF_PID_NS`): whether its processes live cannot be judged from here."""
+
+
+def foreign_error(name: str, pid_ns: int) -> ForeignPidNamespace:
+    return ForeignPidNamespace(
+        f"registry {name} was created in another pid namespace (pid:[{pid_ns}]; this process "
+        f"is in pid:[{procinfo.pid_namespace()}]), where its processes cannot be told alive or "
+        "gone: use it from a process of that namespace (a container sharing /dev/shm must "
+        "share the server's pids too, e.g. docker --pid=container:...)")
+
+
 def creator_of(name: str, *, any_owner: bool = False) -> tuple[int, int] | None:
     """The creator of registry ``name`` (pid, start time) as :func:`effective_creator` reads
     its segment header; ``None`` if the segment holds no complete shmcancel header. Never
     blocks and never follows a link: ``FileNotFoundError`` when there is no segment,
     :class:`RegistryIncompatible` when the entry is not a regular file owned by us
-    (``any_owner``: or by anyone, if readable)."""
+    (``any_owner``: or by anyone, if readable), :class:`ForeignPidNamespace` when it was
+    created in another pid namespace."""
     fd = open_entry("segment", segment_path(check_name(name)), os.O_RDONLY,
                     any_owner=any_owner)
     try:
-        head = os.pread(fd, OFF_PREV_CREATOR + 8, 0)
+        head = os.pread(fd, OFF_PID_NS + 8, 0)
     finally:
         os.close(fd)
-    if len(head) < OFF_PREV_CREATOR + 8 or head[:8] != MAGIC:
+    if len(head) < OFF_PID_NS + 8 or head[:8] != MAGIC:
         return None
+    (pid_ns,) = struct.unpack_from("<Q", head, OFF_PID_NS)
+    if procinfo.foreign(pid_ns):
+        raise foreign_error(name, pid_ns)
     (creator,) = struct.unpack_from("<Q", head, OFF_CREATOR)
     (previous,) = struct.unpack_from("<Q", head, OFF_PREV_CREATOR)
     return effective_creator(creator, previous)
