@@ -306,11 +306,15 @@ def _registry_row(name: str) -> dict[str, Any]:
     except ShmCancelError as e:
         note([_short(e)])
         with contextlib.suppress(ShmCancelError, OSError):
-            owner = creator_of(name)  # a readable header of another layout still has one
+            # a readable header of another layout, or of another user's, still has one
+            owner = creator_of(name, any_owner=True)
             if owner is not None:
                 row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
         if row["creator_alive"] is False:
             row["state"] = "stale"
+        elif row["creator_alive"]:  # not one to remove, whoever can: a server uses it
+            note([f"{_short(e).split(': not using it')[0]}; its creator, pid "
+                  f"{row['creator_pid']}, is alive"])
         return row
     try:
         info = reg.info()

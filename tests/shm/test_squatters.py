@@ -313,6 +313,21 @@ def test_unlink_refuses_another_users_live_registry(shm_name):
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
 
 
+def test_list_never_advises_removing_another_users_live_registry(shm_name):
+    """Root's ``list`` read another user's registry as unusable (not a file of root's) and gave
+    the squatter advice, "remove it (as its owner or root)", for a live server's registry; its
+    creator was not even read. Now it names the live creator and gives no such advice."""
+    with live_registry_of_nobody(shm_name) as pid:
+        p = shmtool_cli("list", "--json")
+        assert p.returncode == 0, p
+        row = next(r for r in json.loads(p.stdout)["registries"] if r["name"] == shm_name)
+        assert (row["creator_pid"], row["creator_alive"]) == (pid, True), row
+        assert "remove it" not in row["error"] and f"pid {pid}, is alive" in row["error"], row
+    p = shmtool_cli("list", "--json")  # its creator is gone now: stale, removable
+    row = next(r for r in json.loads(p.stdout)["registries"] if r["name"] == shm_name)
+    assert (row["creator_alive"], row["state"]) == (False, "stale"), row
+
+
 @pytest.mark.parametrize("command", ["unlink", "cleanup --stale"])
 @pytest.mark.parametrize("mode", [0o000, 0o200])
 def test_a_live_registry_whose_segment_its_user_cannot_read_is_not_removed(shm_name, command,
