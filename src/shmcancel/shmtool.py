@@ -486,6 +486,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     holder = ("free" if lock["owner_pid"] is None else
               f"held by pid {lock['owner_pid']} "
               f"({ {True: 'alive', False: 'DEAD', None: unknown}[lock['owner_alive']]})")
+    if lock["owner_pid"] is None and lock.get("semaphore_value") == 0:
+        # taken between its sem_wait and recording itself, or stopped there (SIGSTOP); a
+        # waiter recovers it once it is known dead (docs/design.md, "The lock and its recovery")
+        holder = "taken by a process that has not recorded itself (semaphore 0)"
     alloc = "" if s["allocated"] is None else f" ({_size(s['allocated'])} allocated)"
     print(f"registry {s['name']}: {_size(s['size'])}{alloc}, created "
           f"{_age(now, s['created_at'])} "

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import posix_ipc
 import pytest
 from helpers.background import lock_held
 from helpers.procs import child, first_message, reap, recv, stuck_mid_write
@@ -157,6 +158,30 @@ def test_stats_json(reg):
     st = os.stat(f"/dev/shm/shmcancel.{reg.name}")  # one large row: its pages were allocated
     assert s["size"] == st.st_size and s["allocated"] == st.st_blocks * 512 < st.st_size
     assert f"({s['allocated'] / 2**20:.1f} MiB allocated)" in text
+
+
+def test_stats_shows_the_semaphore_taken_by_a_process_that_did_not_record_itself(reg):
+    """A process stopped between its ``sem_wait`` and recording itself (or one that takes the
+    semaphore raw) holds the lock with no owner word: every writer waits for it. ``stats``,
+    which attaches read-only without the semaphore, said ``lock: free`` and
+    ``semaphore_value: null``; it reads the value from the semaphore's file now."""
+    def take(w: int) -> None:
+        sem = posix_ipc.Semaphore(f"/shmcancel.{reg.name}")
+        sem.acquire()
+        os.write(w, b"x")
+        time.sleep(60)
+
+    _, msg = first_message(take)  # killed once it holds the unit: it never records itself
+    assert msg == b"x"
+    s = json.loads(shmtool("stats", reg.name, "--json").stdout)
+    assert (s["lock"]["owner_pid"], s["lock"]["semaphore_value"]) == (None, 0), s["lock"]
+    text = shmtool("stats", reg.name).stdout
+    assert "lock: taken by a process that has not recorded itself (semaphore 0)" in text
+    with reg.lock:  # the next writer recovers the dead holder's unit
+        pass
+    s = json.loads(shmtool("stats", reg.name, "--json").stdout)
+    assert s["lock"]["semaphore_value"] == 1
+    assert "lock: free" in shmtool("stats", reg.name).stdout
 
 
 def test_stats_counts_evictions(shm_name):

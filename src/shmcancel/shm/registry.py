@@ -61,6 +61,7 @@ from .segment import (
     TableSpec,
     check_semaphore,
     effective_creator,
+    peek_semaphore,
 )
 from .table import Table
 
@@ -730,6 +731,8 @@ class Registry:
                 sem_value = seg.sem.value
             except Exception:  # pragma: no cover
                 sem_value = None
+        else:  # read-only (shmtool): from the file, so a unit taken unrecorded shows
+            sem_value = peek_semaphore(self._name, seg.sem_ino)
         return {
             "name": self._name,
             "path": segment_path(self._name),

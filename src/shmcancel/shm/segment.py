@@ -93,6 +93,7 @@ __all__ = [
     "check_semaphore",
     "creator_of",
     "foreign_error",
+    "peek_semaphore",
 ]
 
 MAGIC = b"shmcancl"
@@ -562,6 +563,28 @@ def check_semaphore(name: str, expected_ino: int) -> os.stat_result:
     if st.st_ino != expected_ino:
         raise _replaced_semaphore(name, path)
     return st
+
+
+def peek_semaphore(name: str, expected_ino: int) -> int | None:
+    """The value of registry ``name``'s semaphore read from its file, without opening it as a
+    semaphore (what a read-only attach has none of): glibc's ``sem_t`` keeps the value in the
+    low 32 bits of its first (little-endian) word on 64-bit Linux. ``None`` when the entry is
+    not the registry's semaphore (see :func:`check_semaphore`) or cannot be read."""
+    path = sem_path(name)
+    try:
+        check_semaphore(name, expected_ino)
+        fd = open_entry("semaphore", path, os.O_RDONLY | os.O_NONBLOCK)
+    except (ShmCancelError, OSError):
+        return None
+    try:
+        if os.fstat(fd).st_ino != expected_ino:
+            return None
+        data = os.pread(fd, 4, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return int.from_bytes(data, "little") if len(data) == 4 else None
 
 
 def _missing_semaphore(name: str, path: str) -> RegistryIncompatible:
