@@ -29,6 +29,7 @@ from helpers.gunicorn_harness import (
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of
 from helpers.rows import in_flight_rows
 
+from shmcancel import gunicorn as hooks
 from shmcancel.errors import REQUEST_CANCELLED
 from shmcancel.shm.registry import Registry
 
@@ -328,6 +329,48 @@ def _kill_new_master(g: Gunicorn, new: int) -> None:
                 os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not any(alive(p) for p in orphans), time.monotonic() + 20,
                what="the failed master's workers to die")
+
+
+def _a_process_at(pid: int, tries: int = 20) -> int | None:
+    """Fork a child that waits (killed by the caller) at ``pid``, through ``ns_last_pid``
+    (what CRIU restores pids with); ``None`` when the pid could not be had."""
+    for _ in range(tries):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        child = os.fork()
+        if child == 0:  # pragma: no cover - child
+            time.sleep(60)
+            os._exit(0)
+        if child == pid:
+            return child
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    return None
+
+
+def test_a_usr2_upgrade_joins_its_old_masters_registry_after_the_pid_was_reused(shm_name):
+    """A USR2 master whose old master has exited joins the registry that one recorded. When
+    the old master's pid was another process's by then, its start time was read as the old
+    master's and the upgrade was refused as a registry 'created again by' that process."""
+    old = os.fork()
+    if old == 0:  # pragma: no cover - child: the old master, gone without unlinking
+        with contextlib.suppress(BaseException):
+            Registry.create(shm_name)
+        os._exit(0)
+    os.waitpid(old, 0)
+    namesake = _a_process_at(old)
+    if namesake is None:
+        pytest.skip("cannot choose a pid here (/proc/sys/kernel/ns_last_pid)")
+    try:
+        reg = hooks._attach_parents(shm_name, old)
+        assert reg is not None
+        reg.close()
+    finally:
+        os.kill(namesake, signal.SIGKILL)
+        os.waitpid(namesake, 0)
 
 
 def test_failed_usr2_upgrade_old_master_adopts_the_registry_again(shm_name):
