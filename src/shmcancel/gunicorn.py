@@ -221,9 +221,9 @@ def _attach_parents(name: str, parent: int) -> Registry | None:
     ``None`` means the name holds no registry of its, to create as a fresh start would."""
     start = procinfo.start_time(parent)  # None: the old master has exited
     with Registry.attach(name, readonly=True) as ro:
-        # Recorded by pid with another start time: the old master has exited and its pid is
-        # another process's now, joined as when it is free.
-        if not ro.belongs_to(parent, start) and not ro.belongs_to(parent, None):
+        # Matched by pid alone: recorded with another start time than the pid's process now,
+        # the old master has exited and its pid was reused, joined as when it is free.
+        if not ro.belongs_to(parent, None):
             if start is None:
                 return None
             raise replaced_error(name, ro.creator,
