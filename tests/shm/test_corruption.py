@@ -232,6 +232,39 @@ def test_a_full_index_of_garbage_does_not_spin_a_writer(reg: Registry, table: st
         assert t.fsck() == zeros(t)
 
 
+@pytest.mark.parametrize("write", ["insert", "add_held"])
+@pytest.mark.parametrize("value", ["v", BIG], ids=["small", "large"])
+@pytest.mark.parametrize("damage", [(TOP_WORD, 0), (TOP_WORD, 10**6), (TOP_WORD, 2**64 - 1),
+                                    (STAMP_WORD, 2**62), (STAMP_WORD, 2**64 - 1),
+                                    (ROWS_WORD, 10**6)],
+                         ids=["free top 0", "free top past the stack", "free top -1",
+                              "stamp past its range", "stamp -1", "rows past capacity"])
+def test_a_header_word_of_garbage_under_a_new_row(reg: Registry, write: str, value: str,
+                                                  damage: tuple[int, int]) -> None:
+    """The header words a new row's write reads before its first store (its record class's
+    free-stack top, the stamp counter, the row counter) hold garbage: the write repairs the
+    table (fsck, under the lock) and its row goes in, whole and alone, small or large
+    (``add_held`` takes its own path for a small record; it must fall back, never store
+    through a bad top or stamp)."""
+    t = reg.table("cancellations")
+    fresh(t)
+    if value == BIG and not bigs(t):
+        pytest.skip("this table has no large records")
+    word, garbage = damage
+    if word == TOP_WORD and value == BIG:
+        word = LTOP_WORD  # the free stack of the record class the row takes
+    t._hq[word] = garbage
+    with cpu_deadline():
+        if write == "insert":
+            t.insert("k", value)
+        else:
+            assert add_held(t, "k", value)
+    assert t.lookup("k") == [value]
+    assert t.count() == ROWS + bigs(t) + 1 == len(t.scan())
+    with reg.lock:
+        assert t.fsck() == zeros(t)
+
+
 def test_a_spinning_worker_releases_the_lock(reg: Registry) -> None:
     """A forked worker whose in-flight index is garbage tracks and untracks a request; it must
     finish (and so release the lock) instead of spinning with the lock held, as it did."""

@@ -55,7 +55,8 @@ class Writes(Fsck):
         """Fill the record on top of its class's free stack (it is unreferenced), then pop it;
         ``lock.dirty`` is set right before the first store. A large row needs two free large
         records (one stays the spare) unless it replaces the large record ``replacing``: else
-        LargeRowsFull, raised before any store (as TableFull and TableCorrupted are)."""
+        LargeRowsFull, raised before any store (as TableFull and TableCorrupted are).
+        :meth:`add_held` has the small record's path inlined: a change here goes there too."""
         hq = self._hq
         kl = len(kbytes)
         vl = len(vbytes)
@@ -109,7 +110,8 @@ class Writes(Fsck):
 
     def _publish(self, pk: PreparedKey, r: int) -> None:
         """Put record ``r`` in the first empty slot of ``pk``'s probe: record number, then
-        hash (the store that makes the row visible)."""
+        hash (the store that makes the row visible). :meth:`add_held` has the home slot's
+        case inlined: a change here goes there too."""
         idx = self._idx
         ver = self._ver
         j = pk.j
@@ -190,13 +192,46 @@ class Writes(Fsck):
         if key.__class__ is not PreparedKey or key.t is not self:  # _row, inlined: the hot path
             key = self.prepare(key)
         vb = _pack(value)
-        if len(key.kbytes) + len(vb) > self._payload:
-            self._check_size(key.kbytes, vb)
+        kb = key.kbytes
+        kl = len(kb)
+        vl = len(vb)
+        if kl + vl > self._payload:
+            self._check_size(kb, vb)
         try:  # _append, inlined: every new cancellation comes here
-            if self._hq[_ROWS] >= self.capacity:
+            hq = self._hq
+            if hq[_ROWS] >= self.capacity:
                 self._full()
-            self._publish(key, self._write_record(key.kbytes, vb))
-            self._flags.dirty = False
+            top = hq[_TOP]
+            n = self.capacity + 1
+            r = self._free[top - 1] if 0 < top <= n else -1
+            stamp = hq[_STAMP] + 1
+            if kl + vl > self._spayload or not 0 <= r < n or stamp >= _STAMP_MAX:
+                self._publish(key, self._write_record(kb, vb))  # large, or a repair is due
+                self._flags.dirty = False
+                return
+            # a small record into a sound free stack: _write_record and _publish, inlined
+            flags = self._flags
+            flags.dirty = True  # from right before the first store
+            hq[_STAMP] = stamp
+            body = kb + vb
+            self._rss.pack_into(self._buf, self._heap + r * self.small_size,
+                                _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32),
+                                kl, vl, 0, stamp, body)
+            hq[_TOP] = top - 1
+            idx = self._idx
+            j = key.j
+            if idx[j]:  # the home slot is taken: _publish probes on
+                self._publish(key, r)
+            else:
+                ver = self._ver
+                b = j >> 5
+                v = ver[b]
+                ver[b] = v + 1
+                idx[j + 1] = r
+                idx[j] = key.hash
+                ver[b] = v + 2
+                hq[_ROWS] += 1
+            flags.dirty = False
             return
         except TableCorrupted as e:
             self._repair(str(e))
