@@ -307,13 +307,14 @@ class Cancellation:
                 quota: int | None, clock: Callable[[], float]) -> bool:
         """Record row key ``rid`` (already validated: :func:`ids.require_key`), stamped with
         ``clock()``."""
-        if not valid_scope(scope):
-            if not isinstance(scope, str):
-                raise TypeError(f"scope must be a str, got {type(scope).__name__}")
-            raise ValueError(f"scope must be at most {SCOPE_MAX} UTF-8 bytes (and encodable: "
-                             f"no lone surrogate), got {scope[:40]!r}"
-                             + ("..." if len(scope) > 40 else ""))
-        if type(scope) is not str:
+        # valid_scope's common case inlined: every cancellation comes here
+        if type(scope) is not str or not scope.isascii() or len(scope) > SCOPE_MAX:
+            if not valid_scope(scope):
+                if not isinstance(scope, str):
+                    raise TypeError(f"scope must be a str, got {type(scope).__name__}")
+                raise ValueError(f"scope must be at most {SCOPE_MAX} UTF-8 bytes (and "
+                                 f"encodable: no lone surrogate), got {scope[:40]!r}"
+                                 + ("..." if len(scope) > 40 else ""))
             scope = str.__str__(scope)
         text = sanitize(reason)
         if not self._store.record(scope, rid, text, clock, quota=quota, cap=self._cap,
