@@ -71,6 +71,7 @@ from .mcp.session_tables import SESSIONS
 from .shm import procinfo
 from .shm.names import (
     SHM_DIR,
+    NotOurs,
     check_entry,
     check_name,
     describe,
@@ -313,8 +314,8 @@ def _registry_row(name: str) -> dict[str, Any]:
         if row["creator_alive"] is False:
             row["state"] = "stale"
         elif row["creator_alive"]:  # not one to remove, whoever can: a server uses it
-            note([f"{_short(e).split(': not using it')[0]}; its creator, pid "
-                  f"{row['creator_pid']}, is alive"])
+            problem = _short(e.problem if isinstance(e, NotOurs) else e)
+            note([f"{problem}; its creator, pid {row['creator_pid']}, is alive"])
         return row
     try:
         info = reg.info()

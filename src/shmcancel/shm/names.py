@@ -32,7 +32,7 @@ import posix_ipc
 
 from ..exceptions import InvalidRegistryName, RegistryIncompatible, ShmCancelError
 
-__all__ = ["MODE", "SHM_DIR", "check_entry", "check_name", "check_stat", "describe",
+__all__ = ["MODE", "SHM_DIR", "NotOurs", "check_entry", "check_name", "check_stat", "describe",
            "flock_bounded", "lock_path", "name_paths", "not_ours", "open_entry", "open_lockfile",
            "registry_owner", "segment_path", "sem_path", "shm_name", "split_paths", "stat_problem",
            "tmp_path", "unlink_names", "unlink_quiet"]
@@ -111,11 +111,19 @@ def describe(st: os.stat_result) -> str:
     return "not a regular file"
 
 
-def not_ours(what: str, path: str, problem: str) -> RegistryIncompatible:
+class NotOurs(RegistryIncompatible):
+    """An entry of /dev/shm that shmcancel will not use; ``problem`` says what it is without
+    the advice to remove it (not the advice to give when its registry is a live server's)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}: not using it; remove it (as its owner or root) or choose "
+                         "another registry name")
+        self.problem = problem
+
+
+def not_ours(what: str, path: str, problem: str) -> NotOurs:
     """The one-line error for an entry of /dev/shm that shmcancel will not use."""
-    return RegistryIncompatible(
-        f"{what} {path} {problem}: not using it; remove it (as its owner or root) or choose "
-        "another registry name")
+    return NotOurs(f"{what} {path} {problem}")
 
 
 def _os_problem(e: OSError) -> str:
