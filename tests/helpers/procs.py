@@ -194,3 +194,10 @@ def stuck_mid_write(reg: Any) -> Callable[[int], None]:
             select.select([], [], [], 60)
 
     return body
+
+
+def shmtool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m shmcancel.shmtool ARGS`` in a fresh interpreter (this one's), its output
+    captured as text; ``subprocess.TimeoutExpired`` past ``timeout`` seconds (the child killed)."""
+    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
+                          capture_output=True, text=True, timeout=timeout)

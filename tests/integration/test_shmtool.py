@@ -16,6 +16,7 @@ import posix_ipc
 import pytest
 from helpers.background import lock_held
 from helpers.procs import child, first_message, reap, recv, stuck_mid_write
+from helpers.procs import shmtool_cli as shmtool
 from helpers.rows import in_flight_count
 
 from shmcancel import Config
@@ -26,11 +27,6 @@ from shmcancel.shm.registry import Registry
 
 SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
                session_capacity=8)
-
-
-def shmtool(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture

@@ -11,13 +11,12 @@ import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
 import pytest
 from helpers.procs import Chan, proc_state, wait_zombie
+from helpers.procs import shmtool_cli as shmtool
 
 from shmcancel.cancellation import Cancellation
 from shmcancel.shm import lanes, procinfo
@@ -87,11 +86,6 @@ def writer(chan: Chan, name: str, point: str) -> None:
     ln._q = StopAt(ln._q, chan, match, after)  # type: ignore[assignment]
     h.end()
     raise AssertionError("not stopped")
-
-
-def shmtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
-                          capture_output=True, text=True, timeout=60)
 
 
 def lane_row_owners(c: Cancellation) -> list[tuple[str, str, int]]:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from helpers.gunicorn_harness import Gunicorn
-from helpers.procs import fork, wait_exit
+from helpers.procs import fork, shmtool_cli, wait_exit
 
 from shmcancel import Config, shmtool
 from shmcancel.exceptions import ShmCancelError
@@ -97,11 +97,6 @@ except ShmCancelError as e:
     print(e)
     sys.exit(3)
 """
-
-
-def shmtool_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
-                          capture_output=True, text=True, timeout=DEADLINE)
 
 
 def one_line(p: subprocess.CompletedProcess | tuple[int, str, str], path: str) -> str:
