@@ -395,6 +395,34 @@ def test_a_plain_untrack_and_clear_meeting_a_stalled_lock_are_owed_not_lost(
         forget_owed_ends()
 
 
+@pytest.mark.parametrize("owed", ["clear", "end"])
+def test_an_owed_end_landing_late_leaves_a_cancellation_made_since(registry, spawn,
+                                                                 owed: str) -> None:
+    """A clear (or a request's end) that met a stalled lock lands later, as it would have
+    then: the row from before it goes, a cancellation recorded since stays. It used to take
+    whatever row was there: the cancel that landed it (its write settles what is owed) had
+    its own row deleted in the same call, and returned as if recorded."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    h = c.begin(5, "s") if owed == "end" else None
+    c.cancel(5, "old", "s")
+    try:
+        with stalled_lock(spawn, reg.name):
+            if h is None:
+                c.clear(5, "s")
+            else:
+                h.end()  # its untrack needs no lock (a lane row), its clear does
+            assert owed_mod.owed_ends() == 1 and c.reason(5, "s") == "old"
+            assert not c.in_flight(5, "s")
+        c.cancel(5, "new", "s")  # lands the owed clear after its own write
+        assert owed_mod.owed_ends() == 0
+        assert c.cancelled(5, "s") and c.reason(5, "s") == "new"
+        assert list(scope_counts(reg).values()) == [1]
+        assert reg.table("cancellations").count() == 1
+    finally:
+        forget_owed_ends()
+
+
 def test_an_owed_untrack_and_a_new_track_of_the_id_leave_one_row(registry, spawn) -> None:
     """The thread tracks the id again before its owed untrack lands: the row it would remove is
     the new request's too (a thread's rows of one key are one), so the owed untrack is dropped

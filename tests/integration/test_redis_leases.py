@@ -8,6 +8,7 @@ import contextlib
 import os
 import time
 
+import pytest
 from helpers.redis_server import RedisServer, free_port
 
 from shmcancel import Cancellation, Config
@@ -190,3 +191,31 @@ def test_rows_of_requests_ended_while_redis_is_away_are_bounded(redis_prefix):
         assert st.held() <= 2 * bound + 8  # pruned as it doubles: never more
     assert ("ip:10.0.0.9", "still-running") in {(s, r) for s, r, _ in st._mine}
     running.end()
+
+
+@pytest.mark.parametrize("owner", [True, False], ids=["a request's end", "a plain clear"])
+@pytest.mark.parametrize("row_at", [120.0, 200.0], ids=["older", "newer"])
+def test_an_end_landing_late_takes_only_a_row_from_before_it(redis_server, redis_prefix,
+                                                            owner, row_at):
+    """An owed end (or plain clear) asked at 150 lands later (``Storage.end``, what the owed
+    queue runs): the key's cancellation row goes only if it was recorded before 150; one
+    recorded since is a later cancellation's and stays (untrack.lua used to take any row)."""
+    st = _storage(redis_server.url, redis_prefix)
+    now = [100.0]
+    c = Cancellation(None, backend=st, clock=lambda: now[0])
+    h = c.begin(5, "s")
+    try:
+        assert h.tracked
+        now[0] = row_at
+        assert c.cancel_if_in_flight(5, "why", "s")
+        if not owner:
+            h.end()  # the request is over (its end took the row)
+            c.cancel(5, "why", "s")  # recorded again, at row_at
+        st.end("s", "5", h._owner if owner else None, 150.0)
+        assert not c.in_flight(5, "s")
+        assert c.cancelled(5, "s") is (row_at > 150.0)
+        assert st.scope_rows("s") == (1 if row_at > 150.0 else 0)
+    finally:
+        h.end()
+        for k in st.store.client.scan_iter(redis_prefix + "*"):
+            st.store.client.delete(k)

@@ -591,7 +591,7 @@ class ShmBackend:
         with self._lock:
             if owner is not None:
                 self.untrack(scope, rid, owner)
-            clear_ended(self, scope, rid, None if owner is not None else ended_at)
+            clear_ended(self, scope, rid, ended_at, owner is None)
 
     def track(self, scope: str, rid: str, owner: Owner) -> object:
         """Returns the row's receipt for a handle's row (token non-zero): its way (an ``int``)

@@ -103,9 +103,9 @@ class Storage(Protocol):
     def untrack_thread(self, scope: str, rid: str, pid: int, start: int, tid: int) -> bool:
         """Remove one row of this thread for the key (a token-0 row first)."""
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-        """A request's end as one step (an owed end landing late): untrack ``owner``, then
-        clear the key's row (:func:`clear_ended`); ``owner`` ``None``: an owed plain clear,
-        asked at ``ended_at`` (the store's clock)."""
+        """A request's end as one step (an owed end landing late, at ``ended_at``, the store's
+        clock): untrack ``owner``, then clear the key's row from before ``ended_at``
+        (:func:`clear_ended`); ``owner`` ``None``: an owed plain clear, asked then."""
     def in_flight(self, scope: str, rid: str) -> bool: ...
     def in_flight_ids(self, scope: str) -> list[str]:
         """Ids in flight in ``scope`` (a snapshot; callers gate each again in ``record``)."""
@@ -121,18 +121,22 @@ class Storage(Protocol):
         """True for one caller per ``interval`` seconds across every process of the store."""
 
 
-def clear_ended(st: Storage, scope: str, rid: str, asked_at: float | None = None) -> None:
+def clear_ended(st: Storage, scope: str, rid: str, asked_at: float | None = None,
+                plain: bool = False) -> None:
     """The clear after an untrack: the key's row goes, unless a namesake (same scope and id,
-    another request) is still in flight. At a request's end (``asked_at`` ``None``) the row
-    then stays, whenever it was recorded: one recorded while both ran is the namesake's as
-    much as this request's (§6.1: in flight in the caller's scope, so cancelled; taking it
-    here left the namesake's cancellation to which of them polled first), one older than the
-    namesake is not the namesake's (a row older than a request is not its own) but may be
-    another's still running, and stays too; the last of them to end clears it. An owed plain
-    ``clear`` (``asked_at``: when it was asked) takes only a row from before then, as it
-    would have then. What every end
-    runs: a handle's, an owed one's (:meth:`Storage.end`)."""
-    if not st.in_flight(scope, rid):
-        st.clear(scope, rid)
-    elif asked_at is not None:
+    another request) is still in flight. At a request's end the row then stays, whenever it
+    was recorded: one recorded while both ran is the namesake's as much as this request's
+    (§6.1: in flight in the caller's scope, so cancelled; taking it here left the namesake's
+    cancellation to which of them polled first), one older than the namesake is not the
+    namesake's (a row older than a request is not its own) but may be another's still
+    running, and stays too; the last of them to end clears it. What every end runs: a
+    handle's, an owed one's (:meth:`Storage.end`).
+
+    Landing late (``asked_at``: when the end, or an owed ``plain`` clear, was asked) it takes
+    only a row from before then, as it would have then: a cancellation recorded since is a
+    later one's, and stays. A late plain clear does so with a namesake in flight too."""
+    if asked_at is None:
+        if not st.in_flight(scope, rid):
+            st.clear(scope, rid)
+    elif plain or not st.in_flight(scope, rid):
         st.clear_before(scope, rid, asked_at)

@@ -262,9 +262,11 @@ class RedisStorage:
         with self._lock:
             self._mine.pop((scope, rid, owner), None)
 
-    def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
+    def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None, *,
+                before: float | None = None) -> bool:
         """End the row (``receipt`` is ``None``: :meth:`track` gives none); when no namesake
-        runs on, the key's cancellation row goes too (one script). Raises Redis errors or
+        runs on, the key's cancellation row goes too (one script; with ``before``, only a row
+        cancelled before then: an end landing late, :meth:`end`). Raises Redis errors or
         ``LockTimeout``, leaving the row held for :meth:`forget` (a ``track`` row, token 0,
         held as ended after a Redis error: :meth:`reap_ended` ends it)."""
         with self._lock:
@@ -273,7 +275,8 @@ class RedisStorage:
             return False
         self._io_held("untrack")
         try:
-            gone = self.store.untrack(scope, rid, held[0], now_ms=self._now_ms())
+            gone = self.store.untrack(scope, rid, held[0], now_ms=self._now_ms(),
+                                      before=before)
             with self._lock:
                 self._mine.pop((scope, rid, owner), None)
         except Exception:
@@ -318,9 +321,9 @@ class RedisStorage:
             return False
 
     def end(self, scope: str, rid: str, owner: Owner | None, ended_at: float) -> None:
-        if owner is not None and self.untrack(scope, rid, owner):
-            return  # untrack.lua cleared the row when no namesake runs on
-        clear_ended(self, scope, rid, None if owner is not None else ended_at)
+        if owner is not None and self.untrack(scope, rid, owner, before=ended_at):
+            return  # untrack.lua cleared the row from before ended_at when no namesake runs on
+        clear_ended(self, scope, rid, ended_at, owner is None)
 
     def in_flight(self, scope: str, rid: str) -> bool:
         return self.store.in_flight(scope, rid, now_ms=self._now_ms())

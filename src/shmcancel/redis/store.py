@@ -251,10 +251,12 @@ class RedisStore:
                               repr(float(started_at)), self.quota, self.cap,
                               self.batch])) == 2
 
-    def untrack(self, scope: str, rid: str, owner: bytes, *, now_ms: int) -> bool:
+    def untrack(self, scope: str, rid: str, owner: bytes, *, now_ms: int,
+                before: float | None = None) -> bool:
         return bool(self.call("untrack", [self.if_key(scope, rid), *self._row_keys(scope),
                                           self.ifs_key(scope)],
-                              [self.prefix, _b(scope), _b(rid), owner, now_ms]))
+                              [self.prefix, _b(scope), _b(rid), owner, now_ms,
+                               "" if before is None else repr(float(before))]))
 
     def in_flight_ids(self, scope: str) -> list[str]:
         """Request ids that were in flight in ``scope`` (a snapshot; may hold ids whose lease
