@@ -13,7 +13,9 @@ loopback. Every stopped process is continued and killed in a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
+import math
 import os
 import threading
 import time
@@ -175,6 +177,48 @@ def test_a_row_as_old_as_the_request_counts(registry) -> None:
     with c.begin(1, "s") as h:
         c.cancel(1, "now", "s")
         assert h.cancelled() is True
+
+
+@pytest.mark.parametrize("clock", [math.nan, math.inf, -math.inf, "raises"])
+def test_a_request_begun_on_a_clock_that_is_no_time_is_served_untracked(registry,
+                                                                       clock) -> None:
+    """``began`` is what a leftover row is told apart by: a NaN made every row this request's
+    (a comparison with NaN is false), an exception escaped ``begin``, which never raises. Now
+    the request runs untracked with the clock's error (as for a store that fails): a
+    leftover row does not cancel it, ``cancel_local`` still does, and its end is harmless."""
+    reg = registry()
+    c = Cancellation(reg)
+    c.cancel(4, "a leftover", "s")
+
+    def broken() -> float:
+        if clock == "raises":
+            raise OSError("no clock here")
+        return clock
+
+    h = Cancellation(reg, clock=broken).begin(4, "s")
+    assert not h.tracked and h.error is not None and not c.in_flight(4, "s")
+    assert h.cancelled() is False and h.reason() is None
+    h.cancel_local("gone")
+    assert h.cancelled() is True and h.reason() == "gone"
+    h.end()
+    assert c.reason(4, "s") == "a leftover"  # not its row: left alone
+
+
+def test_a_request_begun_with_a_str_subclass_scope_sees_its_cancellation(registry) -> None:
+    """A scope may be a ``str`` subclass (a ``StrEnum`` member): rows are keyed by its text.
+    The handle read its row through the subclass, which the row check refused, so it never
+    saw the cancellation ``c.cancelled`` saw."""
+    class Scope(enum.StrEnum):
+        S = "s"
+
+    reg = registry()
+    c = Cancellation(reg)
+    with c.begin(7, Scope.S) as h:
+        assert h.tracked and c.in_flight(7, "s")
+        assert c.cancel_if_in_flight(7, "stop", Scope.S)
+        assert h.cancelled() is True and h.reason() == "stop"
+        assert type(h.scope) is str
+    assert not c.in_flight(7, "s") and reg.table("cancellations").scan() == []
 
 
 @pytest.mark.slow

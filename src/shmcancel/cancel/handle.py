@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from ..shm.reader import Watch as _Watch
 from . import ids, owed
 from .owed import settle_owed
 from .reasons import sanitize
-from .storage import Owner, Poll, clear_ended
+from .storage import Owner, Poll, bad_clock, clear_ended
 from .tables import SCOPE_MAX
 
 if TYPE_CHECKING:
@@ -75,7 +76,9 @@ class RequestHandle:
 
     ``began`` is the ``clock`` before the row was written: a cancellation is recorded only
     while the request is in flight, hence at or after ``began``; a row with an older
-    ``cancelled_at`` is a leftover of an earlier namesake, never this request's.
+    ``cancelled_at`` is a leftover of an earlier namesake, never this request's. A clock that
+    raises or returns no finite number leaves the request untracked (``error`` says why;
+    ``began`` is NaN), as does an invalid id or scope (``error`` ``None``).
     """
 
     __slots__ = (
@@ -102,10 +105,22 @@ class RequestHandle:
         self._n = POLLS_PER_CLOCK  # polls left before the janitor check
         self._token = 0
         self.error: Exception | None = None
-        self.began = c.clock()
+        self.began = math.nan
         rid = self._rid = ids.key(request_id) if valid_scope(scope) else None
         if rid is None:
             return
+        if type(scope) is not str:  # a str subclass: rows are keyed and read by its text
+            scope = self.scope = str.__str__(scope)
+        try:
+            began = c.clock()
+            if began - began:  # NaN or an infinity: no row could be told older than it
+                raise bad_clock(began)
+        except Exception as e:  # served untracked, as for a store that fails (never raises)
+            self._rid = None
+            self.error = e
+            _log_failed(e)
+            return
+        self.began = began
         token = self._token = next(_tokens)
         # Before the row exists (see owed.running); it stays, rows or not, until end() takes
         # it out, which makes end() idempotent (see there).

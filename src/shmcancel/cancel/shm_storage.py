@@ -291,6 +291,8 @@ class ShmBackend:
         return self._c.member(self._ck(scope, rid))
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
+        if type(scope) is not str:  # a str subclass reads as its text (as _ck keys it)
+            scope = str.__str__(scope)
         v = self._c.get(self._ck(scope, rid))
         row = _cancel_row((scope, rid), v) if v is not None else None
         return None if row is None else (row[2], row[3])
