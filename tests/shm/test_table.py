@@ -25,23 +25,6 @@ from shmcancel.exceptions import RowTooLarge, TableFull
 from shmcancel.shm.layout import _TOP
 from shmcancel.shm.table import PreparedKey, Table
 
-
-@pytest.fixture
-def rig_factory(shm_name):
-    rigs: list[Rig] = []
-
-    def make(specs: list[tuple[str, int, int]]) -> Rig:
-        assert not rigs, "one rig per test (one shm_name)"
-        rigs.append(Rig(shm_name, specs))
-        return rigs[0]
-
-    try:
-        yield make
-    finally:
-        for r in rigs:
-            r.close()
-
-
 # ------------------------------------------------------------------------ model-based
 
 KEYS = [f"k{i}" for i in range(24)] + [("s", 1), ("s", "1"), 1, 1.0, True, b"k1"]
