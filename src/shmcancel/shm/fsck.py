@@ -270,29 +270,38 @@ class Fsck(TableBase):
 def reachability_moves(words: list[int], mask: int) -> list[tuple[int, int, int, int]]:
     """Moves ``(src slot, dst slot, hash, record)`` that leave no empty slot between any entry's
     home and the entry, applied to ``words`` (the index as a list of u64 words) as they are
-    computed; each names the entry it moves (an entry may move twice: into the empty slot the
-    pass starts after, which it reaches last, then on).
+    computed, in order; each names the entry it moves as it is then (an entry may move more
+    than once).
 
-    One pass in probe order, starting after an empty slot: each entry goes to the first empty
-    slot from its home on. Entries passed earlier stay reachable (a move empties only the slot
-    it leaves, which lies after them), so one pass suffices.
+    Passes in probe order, each starting after an empty slot: an entry goes to the first empty
+    slot from its home on. One pass is not always enough: an entry whose probe wraps past the
+    last slot can move into the slot the pass started after, and on again at the pass's end,
+    emptying a slot on the path of an entry placed earlier. So passes repeat until one moves
+    nothing. Every move shortens its entry's probe distance (the slot it takes lies between
+    its home and where it was), so the passes end; their number is bounded by the sum of the
+    distances.
     """
     nslots = mask + 1
     start = next((s for s in range(nslots) if not words[2 * s]), None)
     if start is None:
         return []
-    moves = []
-    for step in range(1, nslots + 1):
-        s = (start + step) & mask
-        h = words[2 * s]
-        if not h:
-            continue
-        e = h & mask
-        while e != s and words[2 * e]:
-            e = (e + 1) & mask
-        if e != s:
-            r = words[2 * s + 1]
-            words[2 * e], words[2 * e + 1] = h, r
-            words[2 * s] = words[2 * s + 1] = 0
-            moves.append((s, e, h, r))
+    moves: list[tuple[int, int, int, int]] = []
+    budget = sum((s - words[2 * s]) & mask for s in range(nslots) if words[2 * s])
+    for _ in range(budget + 1):
+        before = len(moves)
+        for step in range(1, nslots + 1):
+            s = (start + step) & mask
+            h = words[2 * s]
+            if not h:
+                continue
+            e = h & mask
+            while e != s and words[2 * e]:
+                e = (e + 1) & mask
+            if e != s:
+                r = words[2 * s + 1]
+                words[2 * e], words[2 * e + 1] = h, r
+                words[2 * s] = words[2 * s + 1] = 0
+                moves.append((s, e, h, r))
+        if len(moves) == before:
+            break
     return moves
