@@ -473,6 +473,45 @@ def test_two_threads_refreshing_one_watch_never_interleave(rig_factory, monkeypa
     assert events[:2] == ["start A", "end A"] and got == [True]
 
 
+def test_values_decoded_from_a_row_replaced_meanwhile_are_not_kept(rig_factory,
+                                                                   monkeypatch) -> None:
+    """A thread decoding a watch's values when another thread's refresh replaces them (a GIL
+    switch inside the decode) stored the old values beside the new version: every later poll
+    answered the old values until the bucket moved again. The switch is made to happen there
+    (the second thread runs to the end inside the first one's decode)."""
+    import threading
+
+    from shmcancel.shm import reader
+
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    t.insert("k", "a")
+    w = t.watch("k")
+    assert w.member()
+    real = reader._unpack
+    seen: list[tuple[Any, ...]] = []
+    switched: list[bool] = []
+
+    def other() -> None:
+        t.insert("k", "b")
+        seen.append(w.values())
+
+    def unpack(b: bytes) -> Any:
+        if not switched:  # once: the other thread's own decode goes straight through
+            switched.append(True)
+            th = threading.Thread(target=other)
+            th.start()
+            th.join(10)
+            assert not th.is_alive()
+        return real(b)
+
+    monkeypatch.setattr(reader, "_unpack", unpack)
+    assert w.values() == ("a",)  # this thread's answer: the row as it was when it read it
+    monkeypatch.setattr(reader, "_unpack", real)
+    assert seen == [("b",)]
+    assert w.values() == ("b",) and t.lookup("k") == ["b"]
+
+
 def test_prepared_key_of_another_table_is_reprepared(rig_factory) -> None:
     rig = rig_factory([("set", 8, 64), ("set", 100, 64)])
     a, b = rig.tables

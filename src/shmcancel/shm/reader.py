@@ -53,7 +53,9 @@ class Watch:
         self._two: tuple[int, int, int, int, bool] | None = None
         self._member = False
         self._raw: tuple[bytes, ...] = ()
-        self._values: tuple[Any, ...] | None = ()
+        # (the raw tuple they were decoded from, the values): a decode of a _raw that another
+        # thread's refresh replaced meanwhile is never taken for the new one's
+        self._values: tuple[tuple[bytes, ...], tuple[Any, ...]] | None = None
         self._lk = threading.Lock()
 
     @property
@@ -81,10 +83,11 @@ class Watch:
         try:
             if self._ver[self._b] != self._v:
                 self._refresh()
-            vals = self._values
-            if vals is None:
-                vals = self._values = tuple(_unpack(x) for x in self._raw)
-            return vals
+            raw = self._raw
+            got = self._values
+            if got is None or got[0] is not raw:
+                got = self._values = (raw, tuple(_unpack(x) for x in raw))
+            return got[1]
         except Exception:
             self._t._if_closed()
             raise
