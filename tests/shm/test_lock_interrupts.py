@@ -112,11 +112,29 @@ def _assert_free(lk: RegistryLock, seg: Segment) -> None:
     assert seg.sem.value == 1 and st.holder is None
 
 
+class _PastTwoToThe31:
+    """The SemLock of a process past 2**31 acquires: its count (a C int that only grows) reads
+    negative."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def _count(self) -> int:
+        return self._real._count() - 2**32
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("count", ["fresh", "past 2**31"])
 @pytest.mark.parametrize("dirty", [False, True])
 def test_an_exception_at_any_line_of_acquire_or_release_leaves_the_lock_free(
-        seg: Segment, dirty: bool) -> None:
+        seg: Segment, dirty: bool, count: str) -> None:
     repairs: list[int] = []
     lk = RegistryLock(seg, repair=lambda: repairs.append(1), timeout=0.5)
+    if count != "fresh":
+        assert lk._fast is not None
+        lk._fast = _PastTwoToThe31(lk._fast)
 
     wrote = [False]
 

@@ -329,7 +329,10 @@ class RegistryLock:
         tlock = st.tlock
         fast = self._fast
         t0 = None
-        taken = -1  # SemLock's count of its own acquires before this one's (-1: not read yet)
+        # SemLock's count of its own acquires before this one's (None: not read yet). Any int:
+        # the count only grows (units go back through posix_ipc), so past 2**31 acquires in
+        # one process it reads negative; only a change of it says a unit was taken.
+        taken: int | None = None
         # Everything from the thread lock's acquire on is inside the try: a signal handler's
         # exception (raised as a call returns) must not strand the thread lock, nor a unit
         # taken but not recorded yet (SemLock counts its acquires: that tells), nor a repair
@@ -350,7 +353,7 @@ class RegistryLock:
                 w[_OWNER] = st.me  # ordering: see _stamp
             return self
         except BaseException as e:
-            if st.holder == tid or (taken >= 0 and fast._count() != taken):
+            if st.holder == tid or (taken is not None and fast._count() != taken):
                 st.holder = tid
                 if st.dirty:
                     self._repair_again()
