@@ -18,6 +18,7 @@ from helpers.gunicorn_harness import wait_until
 from helpers.redis_server import RedisServer, running, unique_prefix
 
 from shmcancel import Cancellation, Config, RemoteUnavailable
+from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import bridge as bridge_mod
 from shmcancel.redis.bridge import DOWN_AFTER, OWED_MAX, Bridge
 from shmcancel.shm.registry import Registry
@@ -536,3 +537,33 @@ def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thre
             poisoned2.end()
         finally:
             r.close()
+
+
+def test_recovery_after_an_outage_is_tried_again_until_it_is_done(
+        reg: Registry, srv: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis restarts empty; its PING answers first while writes still wait (``CLIENT PAUSE
+    WRITE``, as in a failover), so the renewal that follows gets no answer. The bridge used to
+    count Redis as back at the PING and never try the rest again: the session it published
+    stayed missing (another host answered 404 for a live session) and the call's row with
+    it. Now the recovery is tried each turn until it is done."""
+    caplog.set_level(logging.WARNING, logger="shmcancel.redis")
+    prefix = unique_prefix()
+    with bridge(reg, srv, thread=True, prefix=prefix) as b:
+        s = SessionStore(reg).create("2025-11-25", "ip:1.2.3.4")
+        b.publish_session(s.id, "2025-11-25", "ip:1.2.3.4")
+        assert b.track(7, "session:" + s.id) is not None
+        assert b.store.get_session(s.id) is not None
+        srv.kill()
+        wait_until(lambda: b.down or None, time.monotonic() + 10, what="Redis marked down")
+        srv.start()
+        c = redis.Redis.from_url(srv.url)
+        try:
+            c.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+        finally:
+            c.close()
+        with bridge(reg, srv, prefix=prefix, host="h2") as other:
+            wait_until(lambda: other.lookup_session(s.id) or None, time.monotonic() + 20,
+                       interval=0.05, what="the session stored again")
+        wait_until(lambda: b.remote.in_flight(7, "session:" + s.id) or None,
+                   time.monotonic() + 20, interval=0.05, what="the call's row added back")
+        assert any("answers again" in r.getMessage() for r in caplog.records)

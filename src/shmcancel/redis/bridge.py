@@ -165,6 +165,9 @@ class Bridge:
         self.remote = RedisCancellation(self.store, lease=lease, host=host,
                                         io_wait=timeout / 3)
         self.down = False
+        # Redis answered again after an outage, but the rows and sessions it may have lost are
+        # not all back yet: the thread tries again each turn until they are
+        self._recovering = False
         self.delivered = 0
         self._health = threading.Lock()
         self._failures = 0  # calls in a row that timed out or got an error answer
@@ -534,14 +537,17 @@ class Bridge:
                 # leaves the box in Redis for this turn: taking more out would cost each its own
                 # lock_timeout wait before the next renewal, the registry could take none
                 stalled = bool(self._undelivered or self._unended) and not self._redeliver()
-                if self.down:
-                    self.store.client.ping()
-                    self._answered()
-                    self.down = False
+                if self.down or self._recovering:
+                    if self.down:
+                        self.store.client.ping()
+                        self._answered()
+                        self._recovering = True
+                        self.down = False
                     added = self.remote.renew()
                     republished = self._republish()
                     with self._owed_lock:  # Redis may have lost them: each session's next
                         self._kept.clear()  # request here renews (or stores) it at once
+                    self._recovering = False
                     log.warning("Redis answers again: cross-host cancellation resumed "
                                 "(%d in-flight rows added back, %d sessions stored again, %d "
                                 "writes owed)", added, republished, self.owed())
