@@ -219,3 +219,27 @@ def test_an_end_landing_late_takes_only_a_row_from_before_it(redis_server, redis
         h.end()
         for k in st.store.client.scan_iter(redis_prefix + "*"):
             st.store.client.delete(k)
+
+
+def test_a_track_that_raises_leaves_no_row_behind(redis_prefix):
+    """``Cancellation.track`` over RedisStorage while Redis is down raises to its caller, who
+    then never untracks. Its row stayed held and the renewer added it back once Redis
+    returned, renewing it for the process's life: the id in flight for good, and a gated
+    cancellation of it recorded. Now a failed plain track is let go of."""
+    srv = RedisServer()  # not started yet: Redis is down
+    st = _storage(srv.url, redis_prefix, timeout=0.2, auto_renew=False)
+    c = Cancellation(None, backend=st)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 (a redis-py connection error)
+            c.track(42, "s")
+        assert st.held() == 0
+        srv.start()
+        assert st.renew() == 0  # the renewer's turn: nothing of the failed track to add back
+        assert not c.in_flight(42, "s") and st.held() == 0
+        assert c.cancel_if_in_flight(42, "x", "s") is False
+        h = c.begin(43, "s")  # Redis answers: tracked as ever
+        assert h.tracked and c.in_flight(43, "s")
+        h.end()
+        assert not c.in_flight(43, "s")
+    finally:
+        srv.kill()

@@ -206,8 +206,17 @@ class RedisStorage:
     def track(self, scope: str, rid: str, owner: Owner) -> None:
         """Hold the row of a request started now here and in Redis (a row this owner still
         holds, its end having got no answer, was an earlier request's: replaced). Raises Redis
-        errors or ``LockTimeout`` with the row held here only (:meth:`renew` adds it)."""
-        self._add(scope, rid, self.hold(scope, rid, owner))
+        errors or ``LockTimeout``: a handle's row (a token) stays held here only (:meth:`renew`
+        adds it; it ends with its request, see :meth:`reap_ended`), a plain ``track`` row
+        (token 0) is let go of, as a failed ``track`` writes nothing elsewhere: its caller,
+        told it failed, will not untrack it (a row Redis did take ends with its lease)."""
+        held = self.hold(scope, rid, owner)
+        try:
+            self._add(scope, rid, held)
+        except BaseException:
+            if owner[3] == 0:
+                self.forget(scope, rid, owner)
+            raise
 
     def track_held(self, scope: str, rid: str, owner: Owner) -> None:
         """Add to Redis the row :meth:`hold` holds, with the start it held (held now when it
