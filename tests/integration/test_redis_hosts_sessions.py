@@ -760,3 +760,40 @@ def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str
     finally:
         r.close()
     assert s3.id in held and len(held) == 2, held
+
+
+@pytest.mark.parametrize("how", ["a notification on B", "a DELETE on A"])
+def test_a_cancellation_through_redis_is_reported_once(
+        redis_server: Any, shm_name: str, shm_names: list[str], how: str) -> None:
+    """contract §4.7: one ``request cancelled`` event per cancellation. A call runs on A. A
+    notification landing on B was reported by B (its record in Redis) and again by A (the
+    delivery from its box); a DELETE on A, by A's own pass and again when its box delivered
+    the Redis copy back to A. Each is reported once now: where the request runs, by whoever
+    recorded it there first."""
+    seen: list[str] = []
+    telemetry.attach("test-once", CANCELLED, lambda e, m, md, cfg: seen.append(md["request_id"]))
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        scope = "session:" + "s" * 32
+        c = Cancellation(ra)
+        handle = c.begin(7, scope)  # running on A: its local row and its Redis row
+        token = a.track(7, scope)
+        try:
+            assert handle.tracked and token is not None
+            if how == "a notification on B":
+                assert not Cancellation(rb).cancel_if_in_flight(7, "stop", scope)  # not on B
+                assert b.cancel(7, "stop", scope) is True
+            else:
+                def end() -> bool:
+                    a.cancel_scope(scope, "stop")
+                    return True
+                assert c.cancel_scope_around(scope, "stop", end, reported=[],
+                                             ring=lambda: None) == ["7"]
+            raws = take_box(redis_server, a)
+            assert len(raws) == 1
+            assert a._apply(raws[0])
+            assert handle.cancelled() and handle.reason() == "stop"
+            assert seen == ["7"], seen
+        finally:
+            telemetry.detach("test-once")
+            handle.end()
+            a.untrack(token)

@@ -223,6 +223,11 @@ class Cancellation:
     ``backend`` defaults to :class:`~shmcancel.cancel.shm_storage.ShmBackend` over ``registry``.
     """
 
+    #: Whether the cancellations recorded here are reported (``("shmcancel", "request",
+    #: "cancelled")``); a store that only relays them to where the request runs, which reports
+    #: them itself, says no (the Redis bridge's :class:`~shmcancel.redis.RedisCancellation`).
+    _reports = True
+
     def __init__(
         self,
         registry: Registry | None,
@@ -293,20 +298,22 @@ class Cancellation:
                             self.clock)
 
     def cancel_key_if_in_flight(self, key: str, reason: object = None,
-                                scope: str = "global", at: float | None = None) -> bool:
+                                scope: str = "global", at: float | None = None, *,
+                                report: bool = True) -> bool:
         """:meth:`cancel_if_in_flight` of the request whose row key is ``key``: the text
         :func:`~shmcancel.cancel.ids.key` made of its id, as a store or another host hands it
         back (a long int's key is no valid id itself, so it is not validated as one). ``at``:
         when the cancellation was made (``clock`` seconds; elsewhere, then carried here), the
         row's ``cancelled_at`` instead of now: a request of the id that began after it ignores
-        it. Raises :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
+        it. ``report=False``: no event (the cancellation was reported where it was made).
+        Raises :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
         return self._record(ids.require_row_key(key), reason, scope, True, self._quota,
-                            self.clock if at is None else lambda: at)
+                            self.clock if at is None else lambda: at, report)
 
     def _record(self, rid: str, reason: object, scope: str, only_in_flight: bool,
-                quota: int | None, clock: Callable[[], float]) -> bool:
+                quota: int | None, clock: Callable[[], float], report: bool = True) -> bool:
         """Record row key ``rid`` (already validated: :func:`ids.require_key`), stamped with
-        ``clock()``."""
+        ``clock()``; its event unless ``report`` is False (or this object reports none)."""
         # valid_scope's common case inlined: every cancellation comes here
         if type(scope) is not str or not scope.isascii() or len(scope) > SCOPE_MAX:
             if not valid_scope(scope):
@@ -323,7 +330,7 @@ class Cancellation:
             return False
         if owed.queue:
             settle_owed()  # the lock answered: land what this process owes
-        if _listeners:  # telemetry.listening(), inlined: every cancellation comes here
+        if _listeners and report and self._reports:  # telemetry.listening(), inlined
             telemetry.execute(CANCELLED_EVENT, {"count": 1},
                               {"request_id": rid, "scope": scope, "reason": text})
         now = _now()  # _tick, inlined: every cancellation comes here
@@ -555,9 +562,8 @@ class Cancellation:
                 self.report_cancelled(scope, first + after, reason)
         return first + after
 
-    @staticmethod
-    def _emit_cancelled(scope: str, keys: Collection[str], text: str | None) -> None:
-        if keys and telemetry.listening():
+    def _emit_cancelled(self, scope: str, keys: Collection[str], text: str | None) -> None:
+        if keys and self._reports and telemetry.listening():
             for rid in keys:
                 telemetry.execute(CANCELLED_EVENT, {"count": 1},
                                   {"request_id": rid, "scope": scope, "reason": text})

@@ -641,7 +641,12 @@ class Bridge:
         warning the first time and when given up, retries at debug. False when the lock timed
         out."""
         try:
-            if self.local.cancel_key_if_in_flight(rid, reason, scope, at):  # rid: a row key
+            # A row here already: this host recorded the cancellation too (its own DELETE or
+            # notification, before it went through Redis) and reported it; a leftover row is
+            # replaced, unreported (contract §4.7: each cancellation reported once).
+            fresh = self.local.cancelled_at(rid, scope) is None
+            if self.local.cancel_key_if_in_flight(rid, reason, scope, at,  # rid: a row key
+                                                  report=fresh):
                 self.delivered += 1
                 # its tool may be waiting (wait_cancelled): wake it, as the transport does
                 wake.ring(self.registry.name, self.local.in_flight_pids(rid, scope))

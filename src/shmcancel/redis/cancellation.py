@@ -30,7 +30,13 @@ class RedisCancellation(Cancellation):
     ``clock``: float seconds (``cancelled_at``); ``lease``: seconds an in-flight row lives
     without :meth:`renew`; ``host``: this host's identity (rows are owned by ``host:pid:tag``);
     ``auto_renew``: :class:`RedisStorage`'s renewal thread (off: the bridge calls
-    :meth:`renew` from its own thread); ``pending``: :class:`RedisStorage`'s."""
+    :meth:`renew` from its own thread); ``pending``: :class:`RedisStorage`'s.
+
+    Reports no ``("shmcancel", "request", "cancelled")`` event of its own: the bridge delivers
+    each cancellation recorded here to the host running the request, whose registry reports
+    it, once (contract §4.7)."""
+
+    _reports = False
 
     def __init__(self, store: RedisStore, *, clock: Callable[[], float] = time.time,
                  lease: float = 10.0, host: str | None = None, io_wait: float = 10.0,
