@@ -121,9 +121,12 @@ class Rig:
 
 def index_reachable(t: Table) -> bool:
     """No empty slot between any entry's home and the entry."""
-    words = t._idx.tolist()
-    mask = t.nslots - 1
-    for s in range(t.nslots):
+    return words_reachable(t._idx.tolist(), t.nslots - 1)
+
+
+def words_reachable(words: list[int], mask: int) -> bool:
+    """:func:`index_reachable` of an index given as its u64 words (``mask``: slots - 1)."""
+    for s in range(mask + 1):
         h = words[2 * s]
         if h:
             k = h & mask

@@ -7,24 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers.table_rig import Rig, healthy, index_reachable, same_home_keys
+from helpers.table_rig import Rig, healthy, index_reachable, same_home_keys, words_reachable
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shmcancel.shm.fsck import reachability_moves
 from shmcancel.shm.sweep import SWEEP_BULK
-
-
-def _reachable(words: list[int], mask: int) -> bool:
-    for s in range(mask + 1):
-        h = words[2 * s]
-        if h:
-            k = h & mask
-            while k != s:
-                if not words[2 * k]:
-                    return False
-                k = (k + 1) & mask
-    return True
 
 
 def _index(nslots: int, homes: list[int]) -> list[int]:
@@ -65,7 +53,7 @@ def test_every_kept_entry_is_reachable_after_the_moves(case: tuple[int, list[int
     mask = nslots - 1
     words = list(dropped)
     moves = reachability_moves(words, mask)
-    assert _reachable(words, mask)
+    assert words_reachable(words, mask)
     assert sorted(zip(words[::2], words[1::2], strict=True)) == sorted(
         zip(dropped[::2], dropped[1::2], strict=True))  # the same entries, none lost or doubled
     replay = list(dropped)  # what fsck and a rewrite store: the moves, in order
