@@ -1,8 +1,8 @@
 """gunicorn config of the example MCP server.
 
-From the repository root::
+From the repository root, after the README's set-up (the venv's gunicorn, by path)::
 
-    gunicorn -c examples/gunicorn/gunicorn.conf.py
+    .venv/bin/gunicorn -c examples/gunicorn/gunicorn.conf.py
 
 serves ``POST http://127.0.0.1:8000/mcp``. Command-line flags (``-b``, ``-w``, ``-k``,
 ``--threads``) override what is set here. The registry is named by ``SHMCANCEL_REGISTRY`` when

@@ -44,7 +44,7 @@ broken clock, a garbled header) is ``null``, never ``NaN`` or ``Infinity``.
     {"name": ..., "now": <time.time()>,
      "cancellations": [{"scope", "request_id", "reason", "cancelled_at"}, ...],
      "in_flight": [{"scope", "request_id", "pid", "alive", "start_time", "thread", "token"}, ...],
-     "sessions": <rows>}
+     "sessions": <how many session rows>}
 """
 
 from __future__ import annotations
@@ -535,7 +535,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if len(args.name) != 1:
         raise _UsageError("cleanup needs one registry NAME (or --stale)")
     if args.ttl is not None and not args.ttl >= 0:
-        raise ShmCancelError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
+        raise _UsageError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
     reg = Registry.attach(check_name(args.name[0]))
     try:
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)

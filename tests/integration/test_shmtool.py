@@ -441,7 +441,8 @@ def test_missing_registry_message_names_it(shm_name):
 
 
 @pytest.mark.parametrize("args", [(), ("bogus",), ("dump",), ("stats", "a", "b"),
-                                  ("cleanup", "a", "--ttl", "x")])
+                                  ("cleanup", "a", "--ttl", "x"), ("cleanup", "a", "--ttl", "-5"),
+                                  ("cleanup", "a", "--ttl", "nan")])
 def test_usage_errors_exit_2(args):
     p = shmtool(*args)
     assert p.returncode == 2
