@@ -18,6 +18,7 @@ from helpers.names import SHM_DIR, TEST_PREFIX, fresh_registry_name, unlink_regi
 from helpers.procs import Chan, Child, fork
 from helpers.redis_server import running as running_redis
 from helpers.redis_server import unique_prefix
+from helpers.rings import set_rings_only
 
 from shmcancel import Config
 from shmcancel.shm.registry import Registry
@@ -141,3 +142,10 @@ def redis_server() -> Iterator[object]:
 def redis_prefix() -> str:
     """A key prefix unique to this test."""
     return unique_prefix()
+
+
+@pytest.fixture
+def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No look at the waits of :mod:`shmcancel.mcp.wake` but a ring's (``helpers.rings``):
+    what wakes a wait in the test is a ring or a wake, so a missing ring shows."""
+    set_rings_only(monkeypatch.setattr)

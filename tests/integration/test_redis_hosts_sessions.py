@@ -462,7 +462,7 @@ def test_a_box_nobody_reads_keeps_its_newest_items_only(
 
 def test_a_session_end_stalled_after_cancelling_its_calls_wakes_them(
         redis_server: Any, shm_name: str, shm_names: list[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, rings_only: None) -> None:
     """README: ``wait_cancelled`` returns as soon as its call is cancelled. A session end taken
     from A's box cancels A's calls, then ends A's copy; a lock stall there kept the end for a
     later turn and rang no bell (only an end that got through rang), so a call it had cancelled
@@ -484,7 +484,7 @@ def test_a_session_end_stalled_after_cancelling_its_calls_wakes_them(
         try:
             waiter.start()
             end = time.monotonic() + 10
-            while wake.waiting() < 1:  # its wait registered, so only a ring ends it early
+            while wake.waiting() < 1:  # its wait registered: only a ring ends it (rings_only)
                 assert time.monotonic() < end, "the waiter never waited"
                 time.sleep(0.001)
             b.delete_session(sid)  # B's DELETE tells A through its box

@@ -522,7 +522,8 @@ def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
 
 
 def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
-        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        rings_only: None) -> None:
     """README: ``wait_cancelled`` returns as soon as its call is cancelled (the DELETE rings
     the doorbells). A DELETE that cancelled the calls, ended the session, then met a stalled
     lock in its pass after (503) rang no bell: the retry finds no session (404) and rings
@@ -531,7 +532,7 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
     waiting_tool(app, signals)
     h, call = call_in_a_session(app, signals, "waiter", "w")
     end = time.monotonic() + DEADLINE
-    while wake.waiting() < 1:  # its wait registered, so only a ring ends it
+    while wake.waiting() < 1:  # its wait registered: only a ring ends it (rings_only)
         assert time.monotonic() < end, "the tool never waited"
         time.sleep(0.001)
     with stall_session_delete(monkeypatch, app, after=True):
@@ -544,7 +545,8 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
 
 
 def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
-        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
+        rings_only: None) -> None:
     """README: ``wait_cancelled`` returns as soon as its call is cancelled. A DELETE's first
     pass cancels its calls one lock each; a stall landing after the first of them (503) left
     that call cancelled but rang no bell (only a pass that returned was rung for), so the call
@@ -573,7 +575,7 @@ def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
             calls[str(i)] = start_call(app, i, "waiter", {"tag": f"w{i}"}, h)
             wait_ev(signals.ev(signals.started, f"w{i}"))
         end = time.monotonic() + DEADLINE
-        while wake.waiting() < 2:  # their waits registered, so only a ring ends them
+        while wake.waiting() < 2:  # their waits registered: only a ring ends them (rings_only)
             assert time.monotonic() < end, "the tools never waited"
             time.sleep(0.001)
         monkeypatch.setattr(store, "record", record_then_stall)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from helpers.background import Background
 from helpers.procs import Chan, first_message
+from helpers.rings import set_rings_only
 
 from shmcancel.cancel.policy import Cancellation
 from shmcancel.mcp import disconnect, wake
@@ -23,15 +24,6 @@ from shmcancel.shm.registry import Registry
 
 LONG = 20.0  # seconds a wait would last unwoken
 BOUND = 1.0  # seconds within which a woken wait must return (generous)
-
-
-@pytest.fixture
-def rings_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No look at the waits but a ring's: the watcher thread's are a minute apart (the next
-    one too) and not started by a first wait, the waits' own a minute apart too. What wakes a
-    wait in the test is a ring or a wake."""
-    for name, value in _RINGS_ONLY.items():
-        monkeypatch.setattr(wake, name, value() if callable(value) else value)
 
 
 @pytest.fixture
@@ -47,10 +39,6 @@ def minute_waits(monkeypatch: pytest.MonkeyPatch) -> Any:
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX,
                                                          socket.SOCK_DGRAM) as s:
             s.sendto(b"", wake.doorbell_address(name, os.getpid()))
-
-
-_RINGS_ONLY = {"WAIT_POLL": 60.0, "_SLICE": 60.0, "_next_look": lambda: time.monotonic() + 60.0,
-               "_poke": lambda: lambda registry_name: True}
 
 
 def _waiting(n: int, deadline: float) -> None:
@@ -636,8 +624,7 @@ def test_a_default_socket_timeout_never_makes_a_ring_wait(shm_name: str) -> None
 def _two_waits_on_a_doorbell(chan: Chan, name: str) -> None:
     """A worker with a doorbell: waits for call 1, then for call 2 (each up to ``LONG``), saying
     when each wait is under way and how it ended."""
-    for attr, value in _RINGS_ONLY.items():  # as the fixture rings_only does
-        setattr(wake, attr, value() if callable(value) else value)
+    set_rings_only()  # as the fixture rings_only does
     c = Cancellation(Registry.attach(name))
     for request_id in (1, 2):
         h = c.begin(request_id, "s")
