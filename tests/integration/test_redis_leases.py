@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import time
 
 import pytest
+import redis
+from helpers.procs import child, reap, recv, wait_exit
 from helpers.redis_server import RedisServer, free_port
 
 from shmcancel import Cancellation, Config
@@ -84,8 +87,9 @@ def test_a_request_that_ended_while_redis_was_down_is_not_renewed_back(redis_pre
     """§4.3: a request's end is never lost. It ended while Redis was down (its untrack got no
     answer); Redis came back empty: the row must not be added back as in flight by the lease
     renewal of the process (only the rows of requests it still runs)."""
-    srv = RedisServer().start()
+    srv = RedisServer()
     try:
+        srv.start()
         st = _storage(srv.url, redis_prefix, lease=0.3, timeout=0.5)
         c = Cancellation(None, backend=st)
         h = c.begin(1, "s")
@@ -112,8 +116,9 @@ def test_a_plain_untrack_redis_did_not_answer_is_not_renewed_back(redis_prefix):
     row held: the lease renewal (which ends only ended *handles'* rows) added it back once Redis
     returned and renewed it for as long as the process lived, so the ended request stayed in
     flight and a gated cancellation recorded a row for it."""
-    srv = RedisServer().start()
+    srv = RedisServer()
     try:
+        srv.start()
         st = _storage(srv.url, redis_prefix, lease=0.3, timeout=0.5)
         c = Cancellation(None, backend=st)
         c.track(1, "s")
@@ -140,31 +145,44 @@ def test_a_fork_childs_renewal_thread_does_not_bring_back_the_parents_ended_requ
     multiprocessing worker, say) inherits the parent's held rows; once it tracks a request of
     its own, its renewal thread renewed the parent's rows too: a request the parent had ended
     meanwhile was tracked back in Redis (in flight for good, while the child lives)."""
-    st = _storage(redis_server.url, redis_prefix, lease=0.3)
+    lease = 0.3
+    st = _storage(redis_server.url, redis_prefix, lease=lease)
     c = Cancellation(None, backend=st)
+    end_r, end_w = os.pipe()  # the parent's word to the child: end your request
+    pid = None
     try:
         h = c.begin(1, "s")
         assert h.tracked
-        pid = os.fork()
-        if pid == 0:  # the child: a request of its own, running past a few renewals
-            code = 1
-            try:
-                with c.begin(2, "s"):
-                    time.sleep(1.5)
-                code = 0
-            finally:
-                os._exit(code)
+
+        def in_child(w: int) -> None:  # a request of its own, running until told to end it
+            os.close(end_w)
+            with c.begin(2, "s") as h2:
+                os.write(w, b"1" if h2.tracked else b"0")
+                select.select([end_r], [], [], 30)
+
+        pid, r = child(in_child)
         try:
-            time.sleep(0.2)  # the child tracks its request
-            h.end()
-            assert not c.in_flight(1, "s")
-            time.sleep(0.6)  # the child's renewal thread runs several times
-            assert not c.in_flight(1, "s")
+            assert recv(r, 10) == b"1"  # the child's request is tracked
         finally:
-            _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+            os.close(r)
+        h.end()
+        assert not c.in_flight(1, "s")
+        # past two leases: the child's row lives only by its renewals, which must not bring
+        # the parent's ended request back
+        end = time.monotonic() + 2 * lease
+        while time.monotonic() < end:
+            assert c.in_flight(2, "s") and not c.in_flight(1, "s")
+            time.sleep(0.02)
+        os.write(end_w, b"x")
+        status = wait_exit(pid, 10)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0
+        pid = None
         assert not c.in_flight(1, "s") and not c.in_flight(2, "s")
     finally:
+        os.close(end_r)
+        os.close(end_w)
+        if pid is not None:
+            reap(pid)
         for k in st.store.client.scan_iter(redis_prefix + "*"):
             st.store.client.delete(k)
 
@@ -230,7 +248,7 @@ def test_a_track_that_raises_leaves_no_row_behind(redis_prefix):
     st = _storage(srv.url, redis_prefix, timeout=0.2, auto_renew=False)
     c = Cancellation(None, backend=st)
     try:
-        with pytest.raises(Exception):  # noqa: B017 (a redis-py connection error)
+        with pytest.raises(redis.ConnectionError):
             c.track(42, "s")
         assert st.held() == 0
         srv.start()
@@ -242,4 +260,4 @@ def test_a_track_that_raises_leaves_no_row_behind(redis_prefix):
         h.end()
         assert not c.in_flight(43, "s")
     finally:
-        srv.kill()
+        srv.stop()
