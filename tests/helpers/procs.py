@@ -201,3 +201,33 @@ def shmtool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[
     captured as text; ``subprocess.TimeoutExpired`` past ``timeout`` seconds (the child killed)."""
     return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
                           capture_output=True, text=True, timeout=timeout)
+
+
+_SIGQUIT_BIT = 1 << (signal.SIGQUIT - 1)
+
+
+def waits_for_the_lock(pid: int) -> bool:
+    """Whether process ``pid``'s main thread has SIGQUIT blocked: the registry lock's waits
+    block the signals Python handles, a step at a time."""
+    return pid in sigquit_blockers(pid, [pid])
+
+
+def sigquit_blockers(pid: int, tids: list[int] | None = None) -> set[int]:
+    """The threads of process ``pid`` (of ``tids``, else all) that have SIGQUIT blocked (see
+    :func:`waits_for_the_lock`; a thread may block it for good: compare with a set taken
+    before the wait)."""
+    try:
+        tids = tids if tids is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return set()
+    out = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                mask = next(int(line.split()[1], 16) for line in f
+                            if line.startswith("SigBlk:"))
+        except (OSError, StopIteration):
+            continue
+        if mask & _SIGQUIT_BIT:
+            out.add(tid)
+    return out

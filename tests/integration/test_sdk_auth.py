@@ -17,6 +17,7 @@ from helpers.aio import until
 from helpers.background import lock_held
 from helpers.gunicorn_harness import Gunicorn
 from helpers.mcp_client import open_session
+from helpers.procs import sigquit_blockers
 from helpers.rows import in_flight_rows
 
 from shmcancel import Registry
@@ -97,6 +98,7 @@ def test_a_cancel_waiting_for_the_lock_does_not_stall_the_worker(module_shm_name
                   config="tests/apps/transport_conf.py", workers=1,
                   worker_class="uvicorn_worker.UvicornWorker", env=env) as g, \
             Registry.attach(shm_name) as reg:
+        (worker,) = g.worker_pids()
 
         async def scenario() -> tuple[int, float, float]:
             call = {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
@@ -116,8 +118,10 @@ def test_a_cancel_waiting_for_the_lock_does_not_stall_the_worker(module_shm_name
                     out["cancel"] = (r.status_code, anyio.current_time() - t0)
 
                 with lock_held(reg):
+                    before = sigquit_blockers(worker)
                     tg.start_soon(cancel)
-                    await anyio.sleep(0.3)  # the cancel is waiting for the lock by now
+                    await until(lambda: sigquit_blockers(worker) - before, 10,
+                                "the cancel to wait for the lock")
                     t0 = anyio.current_time()
                     r = await h.post(g.url, headers=mine, json=other)
                     assert r.status_code == 200, r.text

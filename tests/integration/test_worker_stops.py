@@ -26,6 +26,7 @@ import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, alive, wait_until
 from helpers.mcp_client import ACCEPT, LEGACY, MODERN, dump, meta
+from helpers.procs import waits_for_the_lock
 
 from shmcancel.errors import INTERNAL_ERROR
 
@@ -127,20 +128,6 @@ print("held", flush=True)
 time.sleep(120)
 """
 
-_SIGQUIT_BIT = 1 << (signal.SIGQUIT - 1)
-
-
-def _blocks_sigquit(pid: int) -> bool:
-    """Whether process ``pid``'s main thread has SIGQUIT blocked: the registry lock's waits
-    block the signals Python handles, a step at a time."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(mask & _SIGQUIT_BIT)
-
-
 @pytest.fixture
 def stopped_holder(shm_name: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
     """Another process of the user holding registry ``shm_name``'s lock, stopped; killed
@@ -184,7 +171,7 @@ def test_a_request_waiting_for_the_lock_when_its_worker_quits_is_503(
 
         t = threading.Thread(target=initialize, daemon=True)
         t.start()
-        wait_until(lambda: _blocks_sigquit(worker), time.monotonic() + 10,
+        wait_until(lambda: waits_for_the_lock(worker), time.monotonic() + 10,
                    what="the worker to wait for the lock")
         os.kill(worker, signal.SIGQUIT)  # what a quick shutdown sends every worker
         t.join(30)
@@ -228,7 +215,7 @@ def test_a_call_whose_tool_ran_keeps_its_answer_when_its_worker_quits_at_its_end
         wait_until(lambda: (tmp_path / "ended.started").exists(), time.monotonic() + 10,
                    what="the tool to start")
         stopped_holder()  # the tool needs no lock; its end (the session's touch) does
-        wait_until(lambda: _blocks_sigquit(worker), time.monotonic() + 10,
+        wait_until(lambda: waits_for_the_lock(worker), time.monotonic() + 10,
                    what="the call's end to wait for the lock")
         os.kill(worker, signal.SIGQUIT)  # what a quick shutdown sends every worker
         t.join(30)
