@@ -77,7 +77,7 @@ def test_victim_with_fewer_rows_goes_after_the_flooders():
     spec["victim"] = [0.0, 0.001]  # older than anything the flooders hold
     rows = rows_of(spec)
     victims = choose(rows, 100)
-    assert all(s.startswith("flood") for s, _ in victims)
+    assert len(victims) == 100 and all(s.startswith("flood") for s, _ in victims)
 
 
 @given(

@@ -206,6 +206,7 @@ def cleanup_quit_between_its_rewrites(chan: Chan, name: str, at: float, thread: 
     def store(self: Any) -> None:
         if not sent:  # one signal: the store run again to complete it gets none
             sent.append(True)
+            chan.send("between")
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at a bytecode check
             deadline = time.monotonic() + 2  # here, unless this thread holds it back
             while time.monotonic() < deadline:
@@ -213,7 +214,12 @@ def cleanup_quit_between_its_rewrites(chan: Chan, name: str, at: float, thread: 
         real(self)
 
     Uncount.store = store  # type: ignore[method-assign]  # this child only
-    Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+    try:
+        Cancellation(Registry.attach(name), clock=lambda: at).cleanup()
+    except SystemExit:
+        chan.send("quit")
+        raise
+    chan.send("cleanup returned")
 
 
 @pytest.mark.parametrize("thread", [False, True])
@@ -229,7 +235,9 @@ def test_a_cleanup_quit_between_its_rewrites_leaves_the_quota_whole(registry, sp
     reg = registry(max_rows=2000, capacity=2000, max_rows_per_scope=1000)
     c, clock = expired_scope_at_its_quota(reg)
     k = spawn(cleanup_quit_between_its_rewrites, reg.name, clock.t, thread)
-    k.wait()
+    assert k.recv() == "between"  # the signal came between the two stores
+    assert k.recv() == "quit"  # and its SystemExit went on out of the cleanup
+    assert k.wait() != 0
     assert reg.table("cancellations").count() == 0
     c.cancel("one more", None, "ip:big")
     assert c._store.scope_rows("ip:big") == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -553,12 +554,21 @@ def test_recovery_after_an_outage_is_tried_again_until_it_is_done(
         b.publish_session(s.id, "2025-11-25", "ip:1.2.3.4")
         assert b.track(7, "session:" + s.id) is not None
         assert b.store.get_session(s.id) is not None
+        paused = threading.Event()
+        ping = b.store.client.ping
+
+        def ping_once_paused() -> Any:  # the bridge's probe answers only once writes wait
+            assert paused.wait(10)
+            return ping()
+
+        b.store.client.ping = ping_once_paused  # type: ignore[method-assign]
         srv.kill()
         wait_until(lambda: b.down or None, time.monotonic() + 10, what="Redis marked down")
         srv.start()
         c = redis.Redis.from_url(srv.url)
         try:
             c.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+            paused.set()
         finally:
             c.close()
         with bridge(reg, srv, prefix=prefix, host="h2") as other:

@@ -300,33 +300,36 @@ def test_redis_killed_and_restarted(outdir: str, shm_name: str, shm_names: list[
 
             loader = threading.Thread(target=load, daemon=True)
             loader.start()
+            try:
+                def same_host_cancel(rid: str) -> None:
+                    t = tag()
+                    call = Background(lambda: c.call(a.url, rid, "sleep",
+                                                     {"seconds": 20, "tag": t}))
+                    call.start()
+                    wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+                    assert c.cancel(a.url, rid).status_code == 202
+                    rep = call.result()
+                    assert rep["error"]["code"] == errors.REQUEST_CANCELLED, rep
 
-            def same_host_cancel(rid: str) -> None:
-                t = tag()
-                call = Background(lambda: c.call(a.url, rid, "sleep", {"seconds": 20, "tag": t}))
-                call.start()
-                wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
-                assert c.cancel(a.url, rid).status_code == 202
-                rep = call.result()
-                assert rep["error"]["code"] == errors.REQUEST_CANCELLED, rep
+                same_host_cancel("s0")
+                srv.kill()
+                for i in range(1, 6):
+                    same_host_cancel(f"s{i}")
+                before = calls[0]
+                wait_until(lambda: calls[0] >= before + 20 or None, time.monotonic() + 20,
+                           what="requests served while Redis is down")
+                srv.start()
 
-            same_host_cancel("s0")
-            srv.kill()
-            for i in range(1, 6):
-                same_host_cancel(f"s{i}")
-            before = calls[0]
-            wait_until(lambda: calls[0] >= before + 20 or None, time.monotonic() + 20,
-                       what="requests served while Redis is down")
-            srv.start()
-
-            def cross_works() -> bool | None:
-                rep, _ = cross_cancel_short(a, b, outdir, c)
-                return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
-            wait_until(cross_works, time.monotonic() + 30, interval=0.1,
-                       what="cross-host cancellation to resume")
-            same_host_cancel("after")
-            stop.set()
-            loader.join(30)
+                def cross_works() -> bool | None:
+                    rep, _ = cross_cancel_short(a, b, outdir, c)
+                    return rep.get("error", {}).get("code") == errors.REQUEST_CANCELLED or None
+                wait_until(cross_works, time.monotonic() + 30, interval=0.1,
+                           what="cross-host cancellation to resume")
+                same_host_cancel("after")
+            finally:
+                stop.set()
+                loader.join(30)
+            assert not loader.is_alive()
             assert failures == []
             log = a.log() + b.log()
             assert 1 <= log.count("Redis unreachable") <= 4  # once per worker, not per request

@@ -607,6 +607,7 @@ def test_a_session_deleted_while_the_registry_lock_is_stalled_stops_its_sync_cal
         # the lock is free again: the stopped call's end lands (a sleeping one would not end)
         wait_until(lambda: not rows(reg), time.monotonic() + 5, what="the call's row to go")
         call.join(10)
+        assert not call.is_alive(), "the stopped call's request never finished"
 
 
 def test_a_long_cancel_with_an_escaped_method_name_cancels(server):

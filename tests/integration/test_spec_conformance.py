@@ -432,6 +432,7 @@ def test_s4_6_janitor_sweeps_when_only_in_flight_is_polled(shm_name: str) -> Non
     r = make(shm_name, janitor_interval=0.3, ttl=1)
     try:
         track_in_a_process_that_exits(shm_name, [5], "dead")
+        assert r.table("in_flight").count() == 1  # (read without a janitor's turn)
         c = shmcancel.Cancellation(r)
         wait_until(lambda: not c.in_flight(5, "dead"), deadline(),
                    what="in_flight() to sweep a dead owner's row")
