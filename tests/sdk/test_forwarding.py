@@ -225,11 +225,13 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
                 break
             await asyncio.sleep(0.01)
         app.release.set()
-        await asyncio.gather(*calls)
+        async with asyncio.timeout(30):
+            await asyncio.gather(*calls)
         app.stall.clear()
         first.close()  # the worker goes: its socket and its connections
         assert first._task is not None
-        await first._task
+        async with asyncio.timeout(30):
+            await first._task
         for _ in range(500):
             if _dead_peer_sockets(tmp_path) >= 8:
                 break

@@ -24,6 +24,7 @@ import msgpack
 import pytest
 from helpers.gunicorn_harness import REPO_ROOT
 from helpers.opcodes import at_bytecode
+from helpers.procs import wait_exit
 from helpers.table_rig import Rig, healthy, same_home_keys
 from helpers.tools import load_tool
 
@@ -462,6 +463,7 @@ def test_a_bulk_rewrite_killed_between_two_of_its_moves_loses_no_row(shm_name) -
     try:
         while not completed:
             k += 1
+            assert k < 5000, "the store never ran to its end"  # a few hundred bytecodes
             t = rig.reset(0)
             for key in (p, q, r, x, z, y):
                 t.insert(key, key)
@@ -480,7 +482,8 @@ def test_a_bulk_rewrite_killed_between_two_of_its_moves_loses_no_row(shm_name) -
                     os._exit(0)
                 finally:
                     os._exit(1)
-            _, status = os.waitpid(pid, 0)
+            status = wait_exit(pid, 30)
+            assert status is not None, "the child neither finished nor was killed"
             if os.WIFEXITED(status):
                 assert os.WEXITSTATUS(status) == 0
                 completed = True
