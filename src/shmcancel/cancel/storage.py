@@ -74,6 +74,8 @@ class Storage(Protocol):
         Returns ``True`` when a row was written."""
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
         """The row's ``(reason, cancelled_at)``, or ``None``."""
+    def exists(self, scope: str, rid: str) -> bool:
+        """Whether the row exists (lock-free; the cheapest read of the store)."""
     def watch(self, scope: str, rid: str) -> Poll:
         """A poll of whether the row exists (on shared memory a few loads; on a remote store
         it may cost a round trip per ``member()``)."""
@@ -136,7 +138,8 @@ def clear_ended(st: Storage, scope: str, rid: str, asked_at: float | None = None
     only a row from before then, as it would have then: a cancellation recorded since is a
     later one's, and stays. A late plain clear does so with a namesake in flight too."""
     if asked_at is None:
-        if not st.in_flight(scope, rid):
+        # the row first: usually there is none, and then no in-flight read is needed
+        if st.exists(scope, rid) and not st.in_flight(scope, rid):
             st.clear(scope, rid)
     elif plain or not st.in_flight(scope, rid):
         st.clear_before(scope, rid, asked_at)

@@ -178,6 +178,9 @@ class RedisStorage:
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
         return self.store.get(scope, rid)
 
+    def exists(self, scope: str, rid: str) -> bool:
+        return self.store.exists(scope, rid)
+
     def watch(self, scope: str, rid: str) -> Poll:
         return _Exists(self.store, scope, rid)
 
