@@ -223,16 +223,18 @@ class TableBase:
 
     def prepare(self, key: Any) -> PreparedKey:
         """Pack and hash ``key`` once; pass the result to any operation of this table."""
+        h = 0  # no key hashes to 0
         if key.__class__ is PreparedKey:
             if key.t is self:
                 return key
             if key.t._hash_key == self._hash_key:  # same bytes, same keyed hash: new home only
-                return PreparedKey(self, key.key, key.kbytes, key.hash, key.hash & self._mask)
+                kbytes, h = key.kbytes, key.hash
             key = key.key
-        kbytes = _pack(key)
-        b = self._h0.copy()  # _hash, inlined: every new request id comes here
-        b.update(kbytes)
-        h = _from_bytes(b.digest(), "little") or 1
+        if not h:
+            kbytes = _pack(key)
+            b = self._h0.copy()  # _hash, inlined: every new request id comes here
+            b.update(kbytes)
+            h = _from_bytes(b.digest(), "little") or 1
         # PreparedKey(self, key, kbytes, h, h & self._mask), without a Python __init__ frame
         pk = _new(PreparedKey)
         pk.t = self
