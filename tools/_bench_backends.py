@@ -722,5 +722,18 @@ def write_measures(b: Backend, cl: Any) -> list[Measure]:
         loop_clear(r)
         return _NOW() - t0
 
-    return [Measure(lm, mu, lambda: mu(1), n), Measure(lc, cancel, lambda: cancel(1), n),
-            Measure(lx, clear, lambda: clear(1), n)]
+    out = [Measure(lm, mu, lambda: mu(1), n), Measure(lc, cancel, lambda: cancel(1), n),
+           Measure(lx, clear, lambda: clear(1), n)]
+    if b.name == "shmcancel":  # begin + end where the scope holds another request's row
+        busy_scope = "ip:writer-with-a-row"
+        cl.cancel("another request", "bench", busy_scope)
+        begin = cl.begin
+
+        def mu_row(k: int) -> int:
+            r = ids(k)
+            t0 = _NOW()
+            for i in r:
+                begin(i, busy_scope).end()
+            return _NOW() - t0
+        out.insert(1, Measure(f"{lm}, a row in scope", mu_row, lambda: mu_row(1), n))
+    return out

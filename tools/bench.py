@@ -24,8 +24,9 @@ Sections (``--only`` picks some):
 
 - ``poll``: "is this id cancelled?" for an in-flight, uncancelled request, among 5 000 other
   cancellation rows; alone, then while 4 other processes write the same backend;
-- ``write``: mark in flight + unmark (shmcancel: ``begin`` + ``end``), ``cancel``, ``clear``;
-  alone, then while 4 other processes write;
+- ``write``: mark in flight + unmark (shmcancel: ``begin`` + ``end``; and again in a scope
+  holding another request's cancellation row, where ``end`` has a row to look for),
+  ``cancel``, ``clear``; alone, then while 4 other processes write;
 - ``scaling``: 1, 2 and 4 processes doing mark + unmark pairs at once: aggregate pairs/s and
   the ratio to 1 process; 4 threads of one process against 1;
 - ``footprint``: shmcancel's segment bytes (allocated at create, and the file's size) for
@@ -219,7 +220,7 @@ def section_write(backends: list[Backend], floor: Floor, a: argparse.Namespace,
             # two stretches of a noisy machine)
             q = busy[m.label].ratio / alone[m.label].ratio
             if b.name == "shmcancel" and not m.label.endswith("clear"):
-                op = m.label.split(": ")[1]
+                op = m.label.split(": ")[1]  # "begin + end" in an empty scope, and with a row
                 v1 = rep.target(f"write {op} <= 5 us single-process", fmt_ns(x), x <= 5000)
                 v2 = rep.target(f"write {op} with 4 other writers <= 4x alone (x floor)",
                                 f"{q:.2f}x", q <= 4)
