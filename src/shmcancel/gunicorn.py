@@ -149,7 +149,10 @@ def _running(pid: int) -> bool:
     """True while ``pid`` is a live process (a zombie is not)."""
     if pid <= 0:
         return False
-    start = procinfo.start_time(pid)
+    try:
+        start = procinfo.start_time(pid)
+    except OSError:  # cannot tell (out of descriptors): running, as alive() answers then
+        return True
     return start is not None and procinfo.alive(pid, start)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import resource
 import select
 import signal
 import threading
@@ -13,6 +16,8 @@ import posix_ipc
 import pytest
 from helpers.procs import child, fork, reap, recv, wait_exit, wait_zombie
 
+from shmcancel.cancellation import Cancellation
+from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 
 
@@ -245,3 +250,66 @@ def _nobody_asks_about_a_sibling(w: int) -> None:
     finally:
         os.close(ww)
         os.waitpid(sib, 0)
+
+
+def test_a_process_out_of_descriptors_judges_no_live_process_dead(registry) -> None:
+    """A process at its descriptor limit (EMFILE: a loaded worker) cannot open any
+    ``/proc/<pid>/stat``; ``alive()`` took that for "gone", so it took the registry lock over
+    from a live holder (two holders) and its sweep reaped live processes' lane rows (their
+    requests no longer in flight). What cannot be read says nothing: the process is alive."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    h = c.begin(1, "s")  # a row of this live process, in its lane
+    me = procinfo.me()
+    go_r, go_w = os.pipe()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reg.lock:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert holding.wait(10)
+
+    def in_child(w: int) -> None:
+        os.close(go_w)
+        fd = os.open("/dev/null", os.O_RDONLY)
+        os.close(fd)
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd, hard))  # no descriptor left
+        try:
+            os.close(os.open("/dev/null", os.O_RDONLY))
+            out = {"emfile": False}
+        except OSError as e:
+            out = {"emfile": e.errno == errno.EMFILE}
+        out["alive"] = procinfo.alive(*me)
+        try:
+            with reg.lock:
+                out["lock"] = "taken from a live holder"
+        except LockTimeout:
+            out["lock"] = "timed out"
+        os.write(w, b"1")
+        select.select([go_r], [], [], 30)  # the holder lets go
+        Cancellation(reg).cleanup()
+        out["in_flight"] = Cancellation(reg).in_flight(1, "s")
+        os.write(w, json.dumps(out).encode())
+
+    pid, r = child(in_child)
+    try:
+        assert recv(r, 20) == b"1"
+        release.set()
+        holder.join(10)
+        os.write(go_w, b"x")
+        got = json.loads(recv(r, 20))
+        assert got == {"emfile": True, "alive": True, "lock": "timed out", "in_flight": True}
+        assert wait_exit(pid, 10) is not None
+        assert c.in_flight(1, "s") and h.tracked
+    finally:
+        release.set()
+        os.close(r)
+        os.close(go_r)
+        os.close(go_w)
+        reap(pid)
+        h.end()

@@ -17,6 +17,7 @@ A process whose maps are unreadable (not dumpable) counts as mapping when it cou
 
 from __future__ import annotations
 
+import errno
 import os
 
 __all__ = ["PID_BITS", "START_BITS", "alive", "mappers", "me", "pack_owner", "pid", "settled",
@@ -26,16 +27,21 @@ PID_BITS = 22
 START_BITS = 42
 _PID_MASK = (1 << PID_BITS) - 1
 _START_MASK = (1 << START_BITS) - 1
+_GONE = (errno.ENOENT, errno.ESRCH)  # a /proc entry missing: the process (or thread) is gone
 
 
 def _stat(pid: int, task: str = "") -> tuple[str, int] | None:
     """(state, starttime) of ``pid`` (or of its thread ``task/<tid>``), or None when it has no
-    /proc entry (or it is unreadable)."""
+    /proc entry (or an unparsable one). Raises ``OSError`` when the entry could not be read for
+    another reason (this process out of descriptors or memory: EMFILE, ENFILE, ENOMEM; no
+    permission): that says nothing of the process."""
     try:
         with open(f"/proc/{pid}/{task}stat", "rb") as f:
             data = f.read()
-    except OSError:  # FileNotFoundError, ProcessLookupError (ESRCH on a vanishing task), ...
-        return None
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
     # comm (field 2) is in parentheses and may itself contain spaces and ')': split after the
     # LAST ')'. What follows starts at field 3 (state); starttime is field 22, i.e. index 19.
     _, sep, rest = data.rpartition(b")")
@@ -49,7 +55,8 @@ def _stat(pid: int, task: str = "") -> tuple[str, int] | None:
 
 
 def start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
+    """Start time of ``pid`` in clock ticks since boot, or None if there is no such process.
+    Raises ``OSError`` when that cannot be told (see :func:`_stat`)."""
     st = _stat(pid)
     return None if st is None else st[1]
 
@@ -59,11 +66,17 @@ def alive(pid: int, start: int) -> bool:
 
     False when the pid is gone, is a zombie or dead task (state Z or X: ``kill(pid, 0)`` still
     succeeds on an unreaped zombie, but it will never release anything), or now belongs to a
-    different process (its start time differs).
+    different process (its start time differs). True when that cannot be told (its /proc entry
+    unreadable for a reason that is not its absence: this process out of descriptors, say): a
+    process is judged dead only on evidence, or a live lock holder would be robbed and live
+    lanes reaped.
     """
     if pid <= 0:
         return False
-    st = _stat(pid)
+    try:
+        st = _stat(pid)
+    except OSError:
+        return True
     if st is None:
         return False
     state, started = st
@@ -72,11 +85,14 @@ def alive(pid: int, start: int) -> bool:
 
 def thread_states(pid: int) -> list[str] | None:
     """The state letter of every thread of ``pid`` (``R``, ``S``, ``D``, ``T``, ...), or None
-    when the process is gone. A thread that exits during the scan is left out."""
+    when the process is gone. A thread that exits during the scan is left out. Raises
+    ``OSError`` when that cannot be told (see :func:`_stat`)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
     out = []
     for tid in tids:
         st = _stat(pid, f"task/{tid}/")
@@ -93,7 +109,10 @@ def settled(pid: int) -> bool:
     (or the process is gone). A Python thread waiting for the GIL sleeps (S), but then the
     thread holding the GIL is running or runnable: a process that is anywhere inside a critical
     section is never settled, except for an instant."""
-    states = thread_states(pid)
+    try:
+        states = thread_states(pid)
+    except OSError:  # cannot tell: not settled (the caller waits on)
+        return False
     return states is None or all(s in _SETTLED for s in states)
 
 
@@ -132,7 +151,9 @@ def mappers(path_prefix: str, inode: int) -> list[int]:
             if _euid(int(ent)) == euid or int(ent) == ppid:
                 out.append(int(ent))
             continue
-        except OSError:  # gone
+        except OSError as e:
+            if e.errno not in _GONE:  # cannot tell (out of descriptors): it may map it
+                out.append(int(ent))
             continue
         if prefix not in data:
             continue
