@@ -500,6 +500,45 @@ def test_two_racing_deletes_report_each_call_cancelled_once(
     assert [e["request_id"] for e in cancelled_events] == ["1"], cancelled_events
 
 
+def test_a_session_whose_row_a_stalled_writer_holds_is_503_not_404(
+        short_reg: Registry, signals: Signals) -> None:
+    """contract §5: a lock held past ``lock_timeout`` by a live process is 503 with
+    ``Retry-After``; §6.1: 404 is for a session that does not exist. A live writer stopped in
+    the middle of a write to the session's bucket sends the session's lock-free read to the
+    lock, which times out: that was read as "no such session", so the client was told 404 (an
+    SDK client drops its session for good) and a call in it was cancelled "session deleted"."""
+    app = make_server(short_reg, signals)
+    sid = session(app)
+    h = legacy_headers(sid)
+    assert post(app, rpc(1, "ping"), headers=h).status == 200
+    table = app._process_state().sessions._table
+    b = table.prepare(sid).b
+    holding, release = threading.Event(), threading.Event()
+
+    def writer_stopped_mid_write() -> None:
+        with short_reg.lock:
+            v = table._ver[b]
+            table._ver[b] = v + 1  # odd: a write to the session's bucket under way
+            holding.set()
+            release.wait(DEADLINE)
+            table._ver[b] = v + 2  # the write done
+
+    t = threading.Thread(target=writer_stopped_mid_write, daemon=True)
+    t.start()
+    assert holding.wait(DEADLINE)
+    try:
+        for r in (post(app, rpc(2, "ping"), headers=h),
+                  post(app, rpc(3, "tools/call", {"name": "echo", "arguments": {"text": "x"}}),
+                       headers=h),
+                  run(app, environ_for("DELETE", None, headers=h, content_type=None))):
+            assert r.status == 503 and r.headers["retry-after"], r
+    finally:
+        release.set()
+        t.join(DEADLINE)
+    r = post(app, rpc(4, "tools/call", {"name": "echo", "arguments": {"text": "x"}}), headers=h)
+    assert r.status == 200 and r.json["result"]["content"][0]["text"] == "x", r
+
+
 def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
         short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
         cancelled_events: list[dict[str, Any]]) -> None:

@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..exceptions import LockTimeout, ShmCancelError, TableFull
+from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError, TableFull
 from ..shm import procinfo
 from ..shm.base import PreparedKey, ShmFull
 from ..shm.lanes import fence
@@ -460,12 +460,18 @@ class SessionStore:
 
     def get(self, session_id: str | None) -> Session | None:
         """The live session ``session_id`` names, or ``None`` (malformed, unknown, expired).
-        Lock-free unless it finds an expired row, which it removes."""
+        Lock-free unless it finds an expired row, which it removes, or its read keeps meeting
+        a write in progress (then it reads under the lock). Raises
+        :class:`~shmcancel.LockTimeout` when that lock is held past ``lock_timeout`` (a live
+        writer stalled mid-write: the session may well exist, so not ``None``, which a client
+        is told as 404, its session gone) and :class:`~shmcancel.RegistryClosed`."""
         if not valid_session_id(session_id):
             return None
         self._tick()
         try:
             v = self._session_row(self._keys_of(session_id)[2])  # type: ignore[arg-type]
+        except (LockTimeout, RegistryClosed):
+            raise
         except ShmCancelError:
             return None
         r = _row(v)
