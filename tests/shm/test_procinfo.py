@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -14,6 +15,7 @@ from collections.abc import Callable
 
 import posix_ipc
 import pytest
+from helpers.background import lock_held
 from helpers.procs import child, fork, reap, recv, wait_exit, wait_zombie
 
 from shmcancel.cancellation import Cancellation
@@ -262,17 +264,6 @@ def test_a_process_out_of_descriptors_judges_no_live_process_dead(registry) -> N
     h = c.begin(1, "s")  # a row of this live process, in its lane
     me = procinfo.me()
     go_r, go_w = os.pipe()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with reg.lock:
-            holding.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert holding.wait(10)
-
     def in_child(w: int) -> None:
         os.close(go_w)
         fd = os.open("/dev/null", os.O_RDONLY)
@@ -296,18 +287,19 @@ def test_a_process_out_of_descriptors_judges_no_live_process_dead(registry) -> N
         out["in_flight"] = Cancellation(reg).in_flight(1, "s")
         os.write(w, json.dumps(out).encode())
 
+    held = contextlib.ExitStack()  # the lock, by another thread of this live process
+    held.enter_context(lock_held(reg))
     pid, r = child(in_child)
     try:
         assert recv(r, 20) == b"1"
-        release.set()
-        holder.join(10)
+        held.close()  # the child tried: let go
         os.write(go_w, b"x")
         got = json.loads(recv(r, 20))
         assert got == {"emfile": True, "alive": True, "lock": "timed out", "in_flight": True}
         assert wait_exit(pid, 10) is not None
         assert c.in_flight(1, "s") and h.tracked
     finally:
-        release.set()
+        held.close()
         os.close(r)
         os.close(go_r)
         os.close(go_w)
