@@ -686,6 +686,33 @@ def _count(page: mmap.mmap) -> int:
     return struct.unpack_from("<Q", page, 0)[0]
 
 
+def test_a_lane_released_while_a_thread_adds_to_it_keeps_no_row(registry, monkeypatch):
+    """``Registry.close()`` on one thread gives up the process's lane (``Lanes.release``: its
+    rows cleared, its owner word zeroed) while a request thread is inside ``Lanes.add``, past
+    taking a way: the thread's hash stored after the clear stayed in a lane nobody owns, in
+    flight for good (no sweep reaps an unowned lane; only a later claim of it cleared it). The
+    release is made to land right there, between the body's store and the hash's."""
+    reg = registry()
+    c = Cancellation(reg)
+    c.begin("first", SCOPE).end()  # this process's lane is claimed
+    ln = reg.lanes["in_flight"]
+    real = lanes._BODY
+
+    class ReleasingBody:
+        size = real.size
+
+        def pack_into(self, *a: Any) -> None:
+            real.pack_into(*a)
+            ln.release()  # another thread's close, landing in the middle of this add
+
+    monkeypatch.setattr(lanes, "_BODY", ReleasingBody())
+    pk = reg.table("in_flight").prepare((SCOPE, "42"))
+    assert ln.add(pk, 1, 12345) is None  # not published: the lane is not ours any more
+    monkeypatch.undo()
+    assert not ln.member(pk) and owner_pids(reg) == {}
+    assert not c.in_flight("42", SCOPE)
+
+
 def test_processes_killed_mid_write_leave_lanes_that_reap_restores(registry, spawn):
     """SIGKILL at arbitrary points of a begin/end loop (the kill lands inside a lane write more
     often than not): the dead lane's rows are at most the open handles plus one, reap removes

@@ -305,7 +305,16 @@ class Lanes:
                 return None
             self._held[token] = w
             _BODY.pack_into(self._buf, _D + BODY * w, tid, token, len(kb), kb)
-            self._q[_HQ + w] = h  # visible from here
+            q = self._q
+            q[_HQ + w] = h  # visible from here
+            if self._lane < 0:
+                # The lane was released meanwhile (another thread closing the registry): its
+                # clear may have come before this store, which would stay in a lane nobody
+                # owns, in flight for good. Taken back, unless the way is another row's by now.
+                if q[_HQ + w] == h:
+                    q[_HQ + w] = 0
+                self._held.pop(token, None)
+                return None
             return w
         except Exception:
             self._if_closed()
