@@ -468,7 +468,6 @@ class Cancellation:
         rid = ids.key(request_id)
         if rid is None or not valid_scope(scope):
             return
-        scope = str.__str__(scope)  # a str subclass: its text (as an owed clear keeps it)
         self._tick()
         try:
             self._store.clear(scope, rid)
