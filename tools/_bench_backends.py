@@ -37,6 +37,7 @@ _CTX = mp.get_context("fork")
 SCOPE = "ip:198.51.100.7"  # the scope of the polled request
 RID = 42  # its id
 ME = 5  # the writer number of the measuring process's own writes (others: 1..4; scaling: 16+)
+WITH_A_ROW = 6  # the measuring process's scope holding another request's cancellation row
 
 
 def med(xs: list[float]) -> float:
@@ -701,11 +702,15 @@ def write_measures(b: Backend, cl: Any) -> list[Measure]:
 
     loop_mu, loop_cancel, loop_clear = b.write_loops(cl, ME)
 
-    def mu(k: int) -> int:
-        r = ids(k)
-        t0 = _NOW()
-        loop_mu(r)
-        return _NOW() - t0
+    def timed(loop: Loop) -> Callable[[int], int]:
+        def run(k: int) -> int:
+            r = ids(k)
+            t0 = _NOW()
+            loop(r)
+            return _NOW() - t0
+        return run
+
+    mu = timed(loop_mu)
 
     def cancel(k: int) -> int:
         r = ids(k)
@@ -725,15 +730,7 @@ def write_measures(b: Backend, cl: Any) -> list[Measure]:
     out = [Measure(lm, mu, lambda: mu(1), n), Measure(lc, cancel, lambda: cancel(1), n),
            Measure(lx, clear, lambda: clear(1), n)]
     if b.name == "shmcancel":  # begin + end where the scope holds another request's row
-        busy_scope = "ip:writer-with-a-row"
-        cl.cancel("another request", "bench", busy_scope)
-        begin = cl.begin
-
-        def mu_row(k: int) -> int:
-            r = ids(k)
-            t0 = _NOW()
-            for i in r:
-                begin(i, busy_scope).end()
-            return _NOW() - t0
+        cl.cancel("another request", "bench", _scope(WITH_A_ROW))
+        mu_row = timed(b.write_loops(cl, WITH_A_ROW)[0])
         out.insert(1, Measure(f"{lm}, a row in scope", mu_row, lambda: mu_row(1), n))
     return out
