@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers.table_rig import Rig, healthy
+from helpers.table_rig import Rig, healthy, same_home_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +51,6 @@ def test_a_rewrite_deletes_exactly_the_dropped_rows(rig: Rig, rows: dict[int, ob
     _fill(t, rows)
     hashes = {t.prepare(k).hash for k in drop}
     copy = t.copy_index()
-    assert copy is not None
     plan = copy.without(lambda h, r: h in hashes)
     if not drop & rows.keys():
         assert plan is None
@@ -77,46 +76,64 @@ def test_a_rewrite_deletes_exactly_the_dropped_rows(rig: Rig, rows: dict[int, ob
     healthy(t)
 
 
-def test_a_rewrite_is_current_until_the_index_moves(rig: Rig) -> None:
-    """A word stored in place leaves the copy current (it is not the index); an insert or a
-    delete moves a version and makes every rewrite from an older copy stale."""
+def test_a_rewrite_is_current_until_its_buckets_move(rig: Rig) -> None:
+    """A plan touches the buckets from its cluster's first slot to the empty slot ending it.
+    A word stored in place, or an insert or delete in another bucket, leaves it current; an
+    insert at the slot ending the cluster (which lengthens it) or a delete inside it makes it
+    stale."""
     t = rig.tables[0]
-    _fill(t, {k: k for k in range(10)})
-    gone = t.prepare(3).hash
+    assert t.nslots >= 4 * 16  # buckets 0, 1 for the cluster, 3 for the others
+    a, b, c = same_home_keys(t, 3, 14)  # slots 14, 15, 16: a cluster over buckets 0 and 1
+    far, = same_home_keys(t, 1, 50)  # bucket 3
+    for k in (a, b, c, far):
+        t.insert(k, k)
+    gone = t.prepare(b).hash
 
     def plan() -> object:
-        copy = t.copy_index()
-        assert copy is not None
-        p = copy.without(lambda h, r: h == gone)
-        assert p is not None
+        p = t.copy_index().without(lambda h, r: h == gone)
+        assert p is not None and p.rows == 1 and p.buckets == 2  # type: ignore[attr-defined]
         return p
 
     p = plan()
-    t.set_word(4, 99)
+    t.set_word(a, 99)
+    near, = same_home_keys(t, 1, 52)  # bucket 3 as well
+    t.insert(near, near)
+    t.delete(far)
     with rig.lock:
         assert p.current()  # type: ignore[attr-defined]
-    t.insert(11, 11)
+    late, = same_home_keys(t, 1, 16)  # probes 16 and lands on 17, the cluster's end
+    t.insert(late, late)
+    with rig.lock:
+        assert not p.current()  # type: ignore[attr-defined]
+    t.delete(late)
+    p = plan()
+    t.delete(c)
     with rig.lock:
         assert not p.current()  # type: ignore[attr-defined]
     p = plan()
-    t.delete(5)
     with rig.lock:
-        assert not p.current()  # type: ignore[attr-defined]
-    assert t.member(3) and t.word(4) == 99
+        assert p.current()  # type: ignore[attr-defined]
+        p.store()  # type: ignore[attr-defined]
+    assert t.member(a) and t.word(a) == 99 and not t.member(b)
+    assert t.lookup(late) == [] and t.lookup(near) == [near] and t.count() == 2
+    healthy(t)
 
 
 def test_a_copy_finds_a_rows_word_and_words_load_together(rig: Rig) -> None:
     t = rig.tables[0]
     _fill(t, {k: "x" * (50 if k % 3 else 1) for k in range(12)})  # both record classes
     copy = t.copy_index()
-    assert copy is not None
     refs = []
     for k in range(12):
-        hit = copy.find(t.prepare(k))
+        got = copy.find(t.prepare(k))
+        assert got is not None
+        hit, pins = got
         assert hit is not None and hit[0] == t.prepare(k).hash
         assert t.load_word(hit[2]) == k + 7
+        assert pins and all(t._ver[b] == v for b, v in pins)
         refs.append(hit[2])
-    assert copy.find(t.prepare(99)) is None
+    got = copy.find(t.prepare(99))
+    assert got is not None and got[0] is None and got[1]
     assert t.load_words(refs)() == tuple(k + 7 for k in range(12))
     assert t.load_words(refs[5:6])() == (12,)
     with rig.lock:
@@ -169,3 +186,70 @@ def test_sweep_delete_runs_on_chunk_in_each_chunks_hold(rig: Rig,
     assert sorted(seen) == list(range(15)) + list(range(30, 45))  # type: ignore[type-var]
     assert t.count() == 0
     healthy(t)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.dictionaries(st.integers(0, 200), VALUE, min_size=1, max_size=CAPACITY - 8),
+       doomed=st.sets(st.integers(0, 200)), group=st.integers(1, 16),
+       meddle=st.lists(st.tuples(st.booleans(), st.integers(0, 300)), max_size=12),
+       i=st.sampled_from([0, 1]))
+def test_windowed_bulk_deletes_against_writers_between_plan_and_hold(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch, rows: dict[int, object], doomed: set[int],
+        group: int, meddle: list[tuple[bool, int]], i: int) -> None:
+    """A sweep's bulk rewrites go window by window (``SWEEP_BATCH`` rows each, then
+    ``SWEEP_GROUP`` for what writers made them leave), each planned
+    lock-free. Between every plan and its hold (in ``prepare``, which runs there) another
+    writer inserts and deletes rows that are not doomed: a plan whose buckets it touched is
+    made again without them, and whatever is left goes row by row. In the end exactly the
+    doomed rows are gone, every other row (the writer's too) is there with its word, and the
+    table is sound and fills to its capacity again."""
+    monkeypatch.setattr(sweep, "SWEEP_BULK", 1)
+    monkeypatch.setattr(sweep, "SWEEP_BATCH", 2 * group)
+    monkeypatch.setattr(sweep, "SWEEP_GROUP", group)
+    large = [k for k, v in rows.items() if isinstance(v, str)]
+    for k in large[LARGE - 2:]:
+        del rows[k]
+    t = rig.reset(i)
+    _fill(t, rows)
+    model = dict(rows)
+    doomed &= rows.keys()
+    ops = iter(meddle)
+
+    def prepare(deleted: list[tuple[object, object]]) -> object:
+        assert not rig.lock.held_by_me()
+        for add, k in ops:  # one write per plan, while there are any
+            if add and k not in model and len(model) < CAPACITY - 1:
+                t.insert(k, 1)
+                t.set_word(k, k + 7) if t.kind == "set" else None
+                model[k] = 1
+            elif not add and k in model and k not in doomed:
+                t.delete(k)
+                del model[k]
+            break
+        return _Fresh()
+
+    prows = {t.prepare(k).kbytes for k in doomed}
+    chosen = [row for row in t.sweep_rows() if row[2] in prows]
+    assert len(chosen) == len(doomed)
+    assert t.sweep_delete(chosen, prepare=prepare) == len(doomed)
+    left = {k: v for k, v in model.items() if k not in doomed}
+    assert sorted(t.scan(), key=repr) == sorted(left.items(), key=repr)
+    assert t.count() == len(left)
+    if t.kind == "set":
+        assert all(t.word(k) == k + 7 for k in left)
+    healthy(t)
+    n = len(left)
+    while n < CAPACITY:
+        t.insert(1000 + n, "v")
+        n += 1
+    with pytest.raises(TableFull):
+        t.insert(5000, "v")
+    healthy(t)
+
+
+class _Fresh:
+    def current(self) -> bool:
+        return True
+
+    def store(self) -> None:
+        pass

@@ -21,48 +21,64 @@ class Uncount:
     count key, the rows of it deleted) fall by ``n``, computed lock-free at construction from a
     copy of ``counts``' index: a count whose row holds ``n`` or less then loses its row (by one
     rewrite of the index), every other is one store of its word. :meth:`current`, under the
-    lock, says whether that plan still holds: the copy is still the index and no falling-to-0
-    count moved since it was read (a word moves without a version). ``then``, when given, runs
-    in the same hold after the counts (``add_evictions``)."""
+    lock, says whether that plan still holds: no bucket that the keys' probes read (or that the
+    rewrite touches) moved since the copy, and no falling-to-0 count moved since it was read (a
+    word moves without a version). ``then``, when given, runs in the same hold after the counts
+    (``add_evictions``)."""
 
-    __slots__ = ("_copy", "_drop", "_kept", "_load", "_n", "_read", "_set", "_then")
+    __slots__ = ("_drop", "_kept", "_load", "_n", "_ok", "_pins", "_read", "_set", "_then",
+                 "_want")
 
     def __init__(self, counts: Table, keys: list[tuple[PreparedKey, int]],
                  then: Callable[[], None] | None = None) -> None:
         self._n = counts
         self._then = then
-        self._copy = copy = counts.copy_index()
+        self._ok = False  # a plan was made
         self._kept: list[tuple[int, int]] = []  # (word ref, n)
         self._load: Callable[[], tuple[int, ...]] = tuple
         self._read: tuple[int, ...] = ()
+        self._pins: Callable[[], tuple[int, ...]] = tuple
+        self._want: tuple[int, ...] = ()
         self._drop: Rewrite | None = None
         self._set: list[tuple[int, int]] | None = None  # what store() writes: (ref, count)
-        if copy is None:
-            return
+        copy = counts.copy_index()
         load = counts.load_word
+        pins: dict[int, int] = {}
         gone: set[tuple[int, int]] = set()
+        slots: list[int] = []
         zeroed: list[tuple[int, int]] = []  # (word ref, word read) of the rows to drop
         for pk, n in keys:
-            hit = copy.find(pk)
+            got = copy.find(pk)
+            if got is None:  # a bucket moved during the copy: no plan
+                return
+            hit, seen = got
+            pins.update(seen)
             if hit is None:  # no count row (drift a recount repairs): nothing to take down
                 continue
-            h, r, ref = hit
+            h, r, ref, slot = hit
             w = load(ref)
             if w <= n:
                 gone.add((h, r))
+                slots.append(slot)
                 zeroed.append((ref, w))
             else:
                 self._kept.append((ref, n))
         if gone:
-            self._drop = copy.without(lambda h, r: (h, r) in gone)
-            if self._drop is None:  # implausible counters: no plan (the sweep goes row by row)
-                self._copy = None
+            self._drop = copy.without(lambda h, r: (h, r) in gone, slots=slots)
+            if self._drop is None or self._drop.rows != len(gone):
+                return  # implausible, or a cluster reached a bucket copied inconsistently
             self._load = counts.load_words([ref for ref, _ in zeroed])
             self._read = tuple(w for _, w in zeroed)
+        if pins:
+            bs = list(pins)
+            self._pins = counts.load_versions(bs)
+            self._want = tuple(pins[b] for b in bs)
+        self._ok = True
 
     def current(self) -> bool:
-        copy = self._copy
-        if copy is None or not copy.current():
+        if not self._ok or self._pins() != self._want:
+            return False
+        if self._drop is not None and not self._drop.current():
             return False
         return self._load() == self._read
 

@@ -153,6 +153,7 @@ class TableBase:
         self._nlarge = g.nlarge  # large records: L + 1 (one spare), or 0
         self._nrec = capacity + 1 + g.nlarge  # records of both classes
         self.nslots = nslots
+        self._nbuckets = nbuckets
         self._set = kind == "set"
         self._hash_key = bytes(hash_key)
         self._h0 = _blake2b(key=self._hash_key, digest_size=8)

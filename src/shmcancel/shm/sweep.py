@@ -5,17 +5,19 @@ rows, with what else its caller stores in that hold), ``delete_where``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .base import TableCorrupted
-from .layout import _LENS, RECORD_HEADER, _unpack
-from .rewrite import Companion, Rewrite, Rewrites
+from .layout import _LENS, BUCKET_SLOTS, RECORD_HEADER, _unpack
+from .rewrite import Companion, Rewrite, Rewrites, WindowTooSmall
 
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
-SWEEP_BULK = 256  # rows from which a sweep tries one bulk rewrite of the index first
+SWEEP_BULK = 256  # rows from which a sweep tries bulk rewrites of the index first
+SWEEP_BATCH = 2048  # rows a bulk rewrite deletes per hold (about: a window of the index)
+SWEEP_GROUP = 128  # the same, for what the first rewrites left (writers moved their buckets)
+_BS = BUCKET_SLOTS
 _STORE_TRIES = 3  # a bulk rewrite's stores run again when an exception cuts them short
 
 
@@ -82,22 +84,28 @@ class Sweeps(Rewrites):
         before the first deletion, in the same hold: False, and nothing is deleted (a decision
         made before the sweep that another writer's deletions made moot meanwhile).
 
-        With no ``pred``, from ``SWEEP_BULK`` rows, one bulk rewrite of the index is tried
-        first (one short hold for all, :mod:`.rewrite`), unless ``on_chunk`` is given without
-        ``prepare``. ``prepare(deleted)`` then stands for ``on_chunk``: it gets the (key, value)
-        pairs the rewrite will delete, before its hold (outside the lock, so nothing slow runs
-        under it), and returns a :class:`~.rewrite.Companion` whose ``current()`` is asked in
-        that hold before any store (False: the rewrite is computed again) and whose ``store()``
-        runs there right after the rewrite's stores. A writer killed after the rewrite thus
-        leaves no change half made outside any hold (a lock recovery follows a death inside
-        one), and no hold is longer than the two rewrites' stores."""
+        With no ``pred``, from ``SWEEP_BULK`` rows, bulk rewrites of the index are tried first
+        (:mod:`.rewrite`: one short hold per window of about ``SWEEP_GROUP`` rows; rows of a
+        window that writers kept moving go row by row after), unless ``on_chunk`` is given
+        without ``prepare``. ``prepare(deleted)`` then stands for ``on_chunk`` in a rewrite's
+        hold: it gets the (key, value) pairs the rewrite will delete, before its hold (outside
+        the lock, so nothing slow runs under it), and returns a :class:`~.rewrite.Companion`
+        whose ``current()`` is asked in that hold before any store (False: the rewrite is
+        computed again) and whose ``store()`` runs there right after the rewrite's stores. A
+        writer killed after a rewrite thus leaves no change half made outside any hold (a lock
+        recovery follows a death inside one), and no hold is longer than two rewrites' stores.
+        The rows the rewrites leave go row by row, with ``on_chunk``."""
         self._check_open()
         lock = self._lock
+        n = 0
         if pred is None and len(rows) >= SWEEP_BULK and (on_chunk is None or prepare is not None):
             bulk = self._bulk_delete(rows, start=start, prepare=prepare)
-            if bulk is not None:
-                return len(bulk)
-        n = 0
+            if bulk is None:
+                return 0
+            deleted, rows, started = bulk
+            n = len(deleted)
+            if started:
+                start = None
         i = 0
         total = len(rows)
         clock = time.perf_counter
@@ -147,51 +155,96 @@ class Sweeps(Rewrites):
                 n += len(gone)
         return n
 
-    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]], tries: int = 3,
+    def _bulk_delete(self, rows: list[tuple[int, int, bytes, bytes]], tries: int = 8,
                      start: Callable[[], bool] | None = None,
                      prepare: Callable[[list[tuple[Any, Any]]], Companion] | None = None,
-                     ) -> list[tuple[Any, Any]] | None:
-        """Delete those of ``rows`` still present unchanged in one short hold, by a rewrite of
-        the index (:mod:`.rewrite`). Returns the (key, value) pairs deleted, or None when
-        writers kept moving the index (``tries`` times) or the counters are implausible: the
-        caller falls back to deleting row by row."""
+                     ) -> tuple[list[tuple[Any, Any]], list[tuple[int, int, bytes, bytes]],
+                                bool] | None:
+        """Delete those of ``rows`` still present unchanged by rewrites of the index
+        (:mod:`.rewrite`): a window of the index of about ``SWEEP_BATCH`` rows per hold, once;
+        what writers left (they moved a bucket a rewrite touches), by windows of about
+        ``SWEEP_GROUP`` rows (a writer then moves fewer of the buckets each touches), each
+        planned from a fresh copy of its window, ``tries`` times. Returns the (key, value)
+        pairs deleted, the rows left (a window whose buckets writers kept moving, or that is
+        corrupt; and rows gone or changed meanwhile) for the caller to delete row by row, and
+        whether ``start`` was asked (and said True); None when it said False (nothing
+        deleted)."""
+        got = self._bulk_pass(rows, -(-len(rows) // SWEEP_BATCH), 1, start, prepare, False)
+        if got is None or not got[1]:
+            return got
+        out, rest, started = got
+        more = self._bulk_pass(rest, max(1, len(rest) // SWEEP_GROUP), tries, start, prepare,
+                               started)
+        if more is None:
+            return None
+        return out + more[0], more[1], more[2]
+
+    def _bulk_pass(self, rows: list[tuple[int, int, bytes, bytes]], groups: int, tries: int,
+                   start: Callable[[], bool] | None,
+                   prepare: Callable[[list[tuple[Any, Any]]], Companion] | None,
+                   started: bool) -> tuple[list[tuple[Any, Any]],
+                                           list[tuple[int, int, bytes, bytes]], bool] | None:
+        """:meth:`_bulk_delete` in ``groups`` windows of the index (one: the whole index),
+        ``tries`` each; ``started``: ``start`` was asked already."""
         want = {(h, r): kb + vb for h, r, kb, vb in rows}
         buf, offset = self._buf, self._offset
-        for attempt in range(tries):
-            if attempt:
-                os.sched_yield()
-            copy = self.copy_index(1)
-            if copy is None:
-                continue
-            gone: list[tuple[bytes, bytes]] = []
+        lock = self._lock
+        nball = self._nbuckets
+        width = -(-nball // min(nball, groups))
+        out: list[tuple[Any, Any]] = []
+        done: set[tuple[int, int]] = set()
+        for g0 in range(0, nball, width):
+            gn = min(width, nball - g0)
+            pad = 2
+            copy = None
+            for _ in range(tries):
+                gone: list[tuple[int, int, bytes, bytes]] = []
 
-            def drop(h: int, r: int, gone: list[tuple[bytes, bytes]] = gone) -> bool:
-                body = want.get((h, r))
-                off = offset(r) if body is not None else -1
-                if body is None or off < 0:
+                def drop(h: int, r: int, gone: list[tuple[int, int, bytes, bytes]] = gone
+                         ) -> bool:
+                    body = want.get((h, r))
+                    off = offset(r) if body is not None else -1
+                    if body is None or off < 0:
+                        return False
+                    kl, vl = _LENS.unpack_from(buf, off + 4)
+                    if kl + vl == len(body) and \
+                            buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
+                        gone.append((h, r, body[:kl], body[kl:]))
+                        return True
                     return False
-                kl, vl = _LENS.unpack_from(buf, off + 4)
-                if kl + vl == len(body) and \
-                        buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
-                    gone.append((body[:kl], body[kl:]))
-                    return True
-                return False
 
-            plan = copy.without(drop)
-            if plan is None:
-                return [] if not gone else None
-            if not plan.current():  # lock-free: a writer moved the index while we computed
-                continue
-            deleted = [(_unpack(kb), _unpack(vb)) for kb, vb in gone]
-            also = prepare(deleted) if prepare is not None else None
-            with self._lock:
-                if not plan.current() or (also is not None and not also.current()):
+                while True:
+                    if copy is None:
+                        copy = self.copy_window(g0 - 1, gn + 1 + pad)
+                    else:  # planned again from the same copy, less what writers touched
+                        copy.forget_moved()
+                    lo, hi = (g0 * _BS, (g0 + gn) * _BS) if copy.whole else \
+                        (_BS, (gn + 1) * _BS)
+                    try:
+                        plan = copy.without(drop, lo, hi)
+                        break
+                    except WindowTooSmall:  # a cluster runs past it
+                        gone.clear()
+                        copy = None
+                        pad *= 4
+                if plan is None:
+                    break  # nothing of ours here (left), or corrupt: row by row
+                if not plan.current():  # lock-free: a writer moved it while we computed
                     continue
-                if start is not None and not start():
-                    return []
-                _store_both(plan, also)
-            return deleted
-        return None
+                deleted = [(_unpack(kb), _unpack(vb)) for _, _, kb, vb in gone]
+                also = prepare(deleted) if prepare is not None else None
+                with lock:
+                    if not plan.current() or (also is not None and not also.current()):
+                        continue
+                    if start is not None and not started:
+                        if not start():
+                            return None
+                        started = True
+                    _store_both(plan, also)
+                out += deleted
+                done.update((h, r) for h, r, _, _ in gone)
+                break
+        return out, [row for row in rows if (row[0], row[1]) not in done], started
 
     def delete_where(self, pred: Callable[[Any, Any], bool]) -> int:
         """Remove every row for which ``pred(key, value)`` is true; returns how many. ``pred``

@@ -388,6 +388,13 @@ class Writes(Fsck):
             return partial(_one_word, self._u32, refs[0])
         return partial(itemgetter(*refs), self._u32)
 
+    def load_versions(self, buckets: list[int]) -> Callable[[], tuple[int, ...]]:
+        """A function returning the versions of ``buckets`` as one tuple, loaded by one C
+        call (as :meth:`load_words`)."""
+        if len(buckets) == 1:
+            return partial(_one_word, self._ver, buckets[0])
+        return partial(itemgetter(*buckets), self._ver)
+
     def store_word(self, ref: int, word: int) -> None:
         """:meth:`set_word` at ``ref`` (from :meth:`word_ref`, under the same lock hold): one
         aligned u32 store, no probe."""
