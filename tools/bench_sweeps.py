@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How long sweeps hold the registry lock, and what other processes' writes wait meanwhile.
 
-    python tools/bench_sweeps.py [--rows 10000] [--reps 5] [--seconds 3] [--chunks]
+    python tools/bench_sweeps.py [--rows 10000] [--reps 5] [--seconds 3]
+                                 [--chunks | --writer [PAIRS_PER_S]]
 
 Every outermost hold of the registry lock in this process is timed (``RegistryLock.__enter__``
 and ``__exit__`` wrapped here, in the benchmark only). Over a full cancellations table of
@@ -21,11 +22,16 @@ evictions and cleanups, and again with this one idle: their pair latency p50 / p
 (microseconds). Targets (issue #9), each printed ``met`` or ``MISSED`` (medians of the wall
 figures): longest hold <= 1 ms; total lock time per eviction batch and per full sweep <= 10 ms.
 
-A batch or sweep of 256 rows or more deletes its rows by one rewrite of the index, and their scope
-counts by a second one, in one hold; ``--chunks`` measures instead the row-by-row deletion in short
-holds that a sweep falls back to when other writers keep moving either index (the rewrite is
-planned without the lock and stored only if nothing moved meanwhile), judged against the same
-targets: its holds stay short, but a full sweep's total lock time is ~30-130 ms (MISSED).
+A batch or sweep of 256 rows or more deletes its rows by rewrites of the index, a window of about
+2 048 rows per hold, and their scope counts by rewrites of theirs in the same holds; each is
+planned without the lock and stored only if no bucket it touches moved meanwhile. What another
+writer's moves left goes by windows of about 128 rows (planned again without what moved), and
+the rest row by row. ``--writer`` runs the same while another process cancels and clears (as
+fast as it can, or ``PAIRS_PER_S`` pairs a second), which keeps moving both indexes; the
+eviction is then a direct batch of ``rows // 20`` (the cap is left 64 rows above the fill, for
+the writer's), and the report says how many rows the rewrites left to the row-by-row deletion.
+``--chunks`` measures that row-by-row deletion alone, for every row: its holds stay short, but a
+full sweep's total lock time is ~30-130 ms (MISSED).
 """
 
 from __future__ import annotations
@@ -46,12 +52,29 @@ from shmcancel.cancellation import Cancellation
 from shmcancel.shm import sweep
 from shmcancel.shm.lock import RegistryLock
 from shmcancel.shm.registry import Registry
+from shmcancel.shm.sweep import Sweeps
 
 _now = time.perf_counter
 
 _cpu = time.thread_time
 
 holds: list[tuple[float, float]] = []  # (wall, this thread's CPU time) of each hold, seconds
+
+
+bulk = [0, 0]  # rows the bulk rewrites deleted, rows they left to the row-by-row deletion
+
+
+def _count_bulk() -> None:
+    real = Sweeps._bulk_delete
+
+    def counted(self: Sweeps, *a: Any, **kw: Any) -> Any:
+        got = real(self, *a, **kw)
+        if got is not None:
+            bulk[0] += len(got[0])
+            bulk[1] += len(got[1])
+        return got
+
+    Sweeps._bulk_delete = counted  # type: ignore[method-assign]
 
 
 def _instrument() -> None:
@@ -82,7 +105,7 @@ def _registry(rows: int) -> Iterator[Registry]:
     name = f"bench-sweeps-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     # No per-scope quota: the refills after each eviction go round-robin over 60 scopes while
     # the evictions take the largest scopes' rows, so some scope would pass 256 rows in time.
-    reg = Registry.create(name, Config(max_rows=rows, max_rows_per_scope=None,
+    reg = Registry.create(name, Config(max_rows=rows + HEADROOM, max_rows_per_scope=None,
                                        janitor_interval=3600.0))
     try:
         yield reg
@@ -92,6 +115,50 @@ def _registry(rows: int) -> Iterator[Registry]:
 
 
 SHAPES = {"60 scopes": 60, "a scope per row": 0}  # label -> scopes (0: one per row)
+HEADROOM = 0  # rows the cap leaves above the fill (--writer: its rows)
+
+
+def _cancel_and_clear(name: str, stop: Any, out: Connection, rate: float) -> None:
+    """Cancel and clear rows of one scope until ``stop``, ``rate`` pairs a second (0: as fast
+    as it can); send the pairs."""
+    c = Cancellation(Registry.attach(name))
+    i = 0
+    t0 = _now()
+    while not stop.is_set():
+        c.cancel(i, "bench", "ip:writer")
+        c.clear(i, "ip:writer")
+        i += 1
+        if rate and not i % 8:
+            ahead = t0 + i / rate - _now()
+            if ahead > 0:
+                time.sleep(ahead)
+    out.send(i)
+
+
+@contextmanager
+def _writer_beside(name: str | None, pace: float = 0.0) -> Iterator[list[float]]:
+    """With ``name``: another process cancels and clears in that registry meanwhile; yields a
+    list that gets its pairs per second."""
+    rate: list[float] = []
+    if name is None:
+        yield rate
+        return
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_cancel_and_clear, args=(name, stop, w, pace), daemon=True)
+    t = _now()
+    p.start()
+    try:
+        yield rate
+    finally:
+        stop.set()
+        if r.poll(30):
+            rate.append(r.recv() / (_now() - t))
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _fill(c: Cancellation, rows: int, start: int = 0, scopes: int = 60) -> None:
@@ -160,7 +227,8 @@ def _contended(name: str, seconds: float, work: Callable[[], object] | None) -> 
 
 
 def _measure_shape(reg: Registry, clock: list[float], rows: int, scopes: int, shape: str,
-                   reps: int, got: dict[str, tuple[float, ...]]) -> tuple[Cancellation, int]:
+                   reps: int, got: dict[str, tuple[float, ...]], writer: bool = False
+                   ) -> tuple[Cancellation, int]:
     """Print and keep in ``got`` the three operations over a table filled as ``shape``; the
     Cancellation that ran them and the next unused id."""
     c = Cancellation(reg, clock=lambda: clock[0])
@@ -168,8 +236,11 @@ def _measure_shape(reg: Registry, clock: list[float], rows: int, scopes: int, sh
     n = rows
     runs = []
     for _ in range(reps):
-        runs.append(_measure(lambda: c.cancel(n, "bench", "ip:new")))  # noqa: B023
-        _fill(c, rows - reg.table("cancellations").count(), n + 1, scopes)
+        if writer:  # a direct batch: the writer's rows move the count at the cap
+            runs.append(_measure(lambda: c._store.evict(rows // 20)))  # type: ignore[attr-defined]
+        else:
+            runs.append(_measure(lambda: c.cancel(n, "bench", "ip:new")))  # noqa: B023
+        _fill(c, rows - _ours(reg), n + 1, scopes)
         n += rows
     label = f"evict, {shape}"
     got[label] = _row(label, runs)
@@ -179,11 +250,17 @@ def _measure_shape(reg: Registry, clock: list[float], rows: int, scopes: int, sh
     for _ in range(reps):
         clock[0] += 10 * reg.config.ttl
         runs.append(_measure(c.cleanup))
-        _fill(c, rows, n, scopes)
+        _fill(c, rows - _ours(reg), n, scopes)
         n += rows
     label = f"cleanup, all expired, {shape}"
     got[label] = _row(label, runs)
     return c, n
+
+
+def _ours(reg: Registry) -> int:
+    """The rows of the table (the writer's one at most among them: a fill may fall one row
+    short, which changes no figure)."""
+    return reg.table("cancellations").count()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,35 +268,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=10_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--chunks", action="store_true",
-                    help="never one bulk rewrite: row by row in short holds, as a sweep does "
-                         "when other writers keep moving the index (longest hold only)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--chunks", action="store_true",
+                     help="never a bulk rewrite: every row deleted on its own, in short holds "
+                          "(what a sweep does with the rows its rewrites leave)")
+    how.add_argument("--writer", type=float, nargs="?", const=0.0, default=None,
+                     metavar="PAIRS_PER_S",
+                     help="another process cancels and clears meanwhile, PAIRS_PER_S cancel + "
+                          "clear pairs a second (default: as fast as it can)")
     args = ap.parse_args(argv)
     rows = args.rows
+    global HEADROOM
     if args.chunks:
         sweep.SWEEP_BULK = 1 << 62
+    writer = args.writer is not None
+    if writer:
+        HEADROOM = 64
     _instrument()
+    _count_bulk()
     print(f"{rows} rows, ms (median of {args.reps}):                 "
           "wall  max hold   max cpu  total hold  total cpu")
     clock = [1000.0]
     got: dict[str, tuple[float, ...]] = {}
-    with _registry(rows) as reg:
+    rates: list[float] = []
+    with _registry(rows) as reg, \
+            _writer_beside(reg.name if writer else None, args.writer or 0.0) as rate:
         _measure_shape(reg, clock, rows, SHAPES["a scope per row"], "a scope per row",
-                       args.reps, got)
+                       args.reps, got, writer)
+    rates += rate
     with _registry(rows) as reg:
-        c, n = _measure_shape(reg, clock, rows, SHAPES["60 scopes"], "60 scopes", args.reps,
-                              got)
+        with _writer_beside(reg.name if writer else None, args.writer or 0.0) as rate:
+            c, n = _measure_shape(reg, clock, rows, SHAPES["60 scopes"], "60 scopes",
+                                  args.reps, got, writer)
+        rates += rate
+        if writer:
+            print(f"  the writer: {statistics.mean(rates or [0]):,.0f} cancel + clear pairs/s;"
+                  f" the rewrites deleted {bulk[0]} rows, left {bulk[1]} to row by row "
+                  "(changed meanwhile, or in buckets the writer kept moving)")
         for label, (_, longest, _, total, _) in got.items():
             print(f"  target {label}: longest hold {longest:.2f} ms <= 1 ms "
                   f"{'met' if longest <= 1.0 else 'MISSED'}, lock time in all {total:.2f} ms "
                   f"<= 10 ms {'met' if total <= 10.0 else 'MISSED'}"
-                  + (" (row by row: what a sweep does while others write)" if args.chunks
-                     else ""))
+                  + (" (row by row: every row on its own)" if args.chunks else "")
+                  + (" (beside a writer)" if writer else ""))
 
         def sweeps() -> None:
             nonlocal n
-            c.cancel(n, "bench", "ip:new")
-            _fill(c, rows - reg.table("cancellations").count(), n + 1)
+            if writer:
+                c._store.evict(rows // 20)  # type: ignore[attr-defined]
+            else:
+                c.cancel(n, "bench", "ip:new")
+            _fill(c, rows - _ours(reg), n + 1)
             n += rows
             c.cleanup()
 

@@ -225,15 +225,19 @@ def test_cancel_and_table_benches_have_their_writers_write() -> None:
     assert re.search(r"^overall: ", out, re.M) and leftovers(pid) == []
 
 
-@pytest.mark.parametrize("chunks", [False, True])
-def test_sweeps_bench_gives_each_target_a_verdict(chunks: bool) -> None:
+@pytest.mark.parametrize("mode", ["", "--chunks", "--writer"])
+def test_sweeps_bench_gives_each_target_a_verdict(mode: str) -> None:
     rc, out, pid = run_bench("--rows", "400", "--reps", "1", "--seconds", "0.2",
-                             *(["--chunks"] if chunks else []),
+                             *([mode] if mode else []),
                              script=REPO_ROOT / "tools" / "bench_sweeps.py")
     assert rc == 0, out[-3000:]
-    tail = r" \(row by row: .*\)" if chunks else ""
+    tail = {"": "", "--chunks": r" \(row by row: .*\)", "--writer": r" \(beside a writer\)"}[mode]
     verdicts = re.findall(rf"^  target .*<= 1 ms (met|MISSED), .* ms <= 10 ms (?:met|MISSED)"
                           rf"{tail}$", out, re.M)
     assert len(verdicts) == 6, out  # three operations over two shapes of table
     assert "a scope per row" in out and "60 scopes" in out, out
+    if mode == "--writer":
+        m = re.search(r"the writer: ([\d,]+) cancel \+ clear pairs/s; the rewrites deleted "
+                      r"(\d+) rows, left (\d+)", out)
+        assert m and int(m[1].replace(",", "")) > 0 and int(m[2]) > 0, out
     assert leftovers(pid) == []
