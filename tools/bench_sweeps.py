@@ -25,13 +25,13 @@ figures): longest hold <= 1 ms; total lock time per eviction batch and per full 
 A batch or sweep of 256 rows or more deletes its rows by rewrites of the index, a window of about
 2 048 rows per hold, and their scope counts by rewrites of theirs in the same holds; each is
 planned without the lock and stored only if no bucket it touches moved meanwhile. What another
-writer's moves left goes by windows of about 128 rows (planned again without what moved), and
-the rest row by row. ``--writer`` runs the same while another process cancels and clears (as
-fast as it can, or ``PAIRS_PER_S`` pairs a second), which keeps moving both indexes; the
-eviction is then a direct batch of ``rows // 20`` (the cap is left 64 rows above the fill, for
-the writer's), and the report says how many rows the rewrites left to the row-by-row deletion.
-``--chunks`` measures that row-by-row deletion alone, for every row: its holds stay short, but a
-full sweep's total lock time is ~30-130 ms (MISSED).
+writer's moves left goes by windows of about 128 rows, then 16 (planned again without what
+moved), and the rest row by row. ``--writer`` runs the same while another process cancels and
+clears (as fast as it can, or ``PAIRS_PER_S`` pairs a second), which keeps moving both indexes;
+the eviction is then a direct batch of ``rows // 20`` (the cap is left 64 rows above the fill,
+for the writer's), and the report says how many rows the rewrites left to the row-by-row
+deletion. ``--chunks`` measures that row-by-row deletion alone, for every row: its holds stay
+short, but a full sweep's total lock time is ~30-130 ms (MISSED).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from .rewrite import Companion, Rewrite, Rewrites, WindowTooSmall
 SWEEP_HOLD = 0.0003  # seconds a sweep chunk holds the lock for (then it lets writers in)
 SWEEP_BULK = 256  # rows from which a sweep tries bulk rewrites of the index first
 SWEEP_BATCH = 2048  # rows a bulk rewrite deletes per hold (about: a window of the index)
-SWEEP_GROUP = 128  # the same, for what the first rewrites left (writers moved their buckets)
+SWEEP_GROUP = 128  # the same for what the first rewrites left (writers moved their buckets)
 _BS = BUCKET_SLOTS
 _STORE_TRIES = 3  # a bulk rewrite's stores run again when an exception cuts them short
 
@@ -162,22 +162,25 @@ class Sweeps(Rewrites):
                                 bool] | None:
         """Delete those of ``rows`` still present unchanged by rewrites of the index
         (:mod:`.rewrite`): a window of the index of about ``SWEEP_BATCH`` rows per hold, once;
-        what writers left (they moved a bucket a rewrite touches), by windows of about
-        ``SWEEP_GROUP`` rows (a writer then moves fewer of the buckets each touches), each
-        planned from a fresh copy of its window, ``tries`` times. Returns the (key, value)
-        pairs deleted, the rows left (a window whose buckets writers kept moving, or that is
-        corrupt; and rows gone or changed meanwhile) for the caller to delete row by row, and
-        whether ``start`` was asked (and said True); None when it said False (nothing
-        deleted)."""
-        got = self._bulk_pass(rows, -(-len(rows) // SWEEP_BATCH), 1, start, prepare, False)
-        if got is None or not got[1]:
-            return got
-        out, rest, started = got
-        more = self._bulk_pass(rest, max(1, len(rest) // SWEEP_GROUP), tries, start, prepare,
-                               started)
-        if more is None:
-            return None
-        return out + more[0], more[1], more[2]
+        what writers left (they moved a bucket a rewrite touches) by windows of about
+        ``SWEEP_GROUP`` rows, then an eighth of that (a writer moves fewer of the buckets a
+        smaller window touches while it is planned), each planned from a fresh copy of its
+        window, ``tries`` times. Returns the (key, value) pairs deleted, the rows left (in
+        windows whose buckets writers kept moving, or that are corrupt; and rows gone or
+        changed meanwhile) for the caller to delete row by row, and whether ``start`` was
+        asked (and said True); None when it said False (nothing deleted)."""
+        out: list[tuple[Any, Any]] = []
+        started = False
+        for size, n in ((SWEEP_BATCH, 1), (SWEEP_GROUP, tries), (SWEEP_GROUP // 8, tries)):
+            got = self._bulk_pass(rows, -(-len(rows) // max(1, size)), n, start, prepare,
+                                  started)
+            if got is None:
+                return None
+            out += got[0]
+            rows, started = got[1], got[2]
+            if not rows or len(rows) < SWEEP_BULK // 8:
+                break
+        return out, rows, started
 
     def _bulk_pass(self, rows: list[tuple[int, int, bytes, bytes]], groups: int, tries: int,
                    start: Callable[[], bool] | None,
