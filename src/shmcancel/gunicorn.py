@@ -24,7 +24,8 @@ survives the re-reading of the file on ``HUP``.
 - ``child_exit`` (master): recovers the lock from the dead worker, removes its in-flight rows,
   with SIGCHLD blocked (the hook runs inside the SIGCHLD handler on gunicorn ≤ 24); gives up after
   ``LOCK_BUSY_WAIT`` when a live worker holds the lock. Never raises into gunicorn.
-- ``on_exit`` (master): unlinks the registry unless another master (``USR2``) still uses it;
+- ``on_exit`` (master): unlinks the registry unless another master (``USR2``) still uses it
+  and has not begun its own exit (both stopped at once: the later one unlinks);
   only its own segment and semaphore (by inode), never a registry created again under the name.
 
 The traps behind each of these: docs/design.md, "gunicorn traps".
@@ -375,6 +376,13 @@ def on_exit(server: Any) -> None:
                          int(getattr(server, "master_pid", 0) or 0)) if _running(p)]
     try:
         with _sigchld_blocked():
+            if peers:  # a peer stopped at the same time leaves it to us too: the later unlinks
+                try:
+                    leaving = reg.begin_exit()
+                except LockTimeout:
+                    leaving = None
+                if leaving is not None:
+                    peers = [p for p in peers if p != leaving[0]]
             if peers:
                 log.info("shmcancel: registry %r left to master %s", _state.registry_name,
                          peers[0])

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 
 import httpx
@@ -27,6 +28,7 @@ from helpers.gunicorn_harness import (
     wait_until,
 )
 from helpers.mcp_client import ACCEPT, LEGACY, reply_of
+from helpers.procs import reap, recv, wait_exit
 from helpers.rows import in_flight_rows
 
 from shmcancel import gunicorn as hooks
@@ -304,6 +306,72 @@ def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_t
         os.kill(stays, signal.SIGTERM)
         wait_until(lambda: not alive(stays), time.monotonic() + 20, what="the last master")
         assert not segment_exists(shm_name), "the last master to exit unlinks"
+
+
+def _exiting_master(name: str, go: int, done: int, told: int) -> None:
+    """A stand-in master (child): attached to registry ``name``, its peer's pid read from
+    ``go``; runs ``on_exit`` with the peer as its USR2 counterpart, writes ``done``, and lives
+    until ``told`` is written (so that each sees the other alive throughout)."""
+    reg = Registry.attach(name)
+    hooks._state.registry, hooks._state.registry_name = reg, name
+    hooks._state.owner_pid = os.getpid()
+    peer = int(os.read(go, 32))
+    server = types.SimpleNamespace(reexec_pid=peer, master_pid=0, log=hooks._log)
+    hooks.on_exit(server)
+    os.write(done, b"x")
+    os.read(told, 1)
+
+
+def test_two_usr2_masters_exiting_together_unlink_the_registry_once(shm_name):
+    """After a USR2 upgrade, both masters stopped at once (systemd's stop mid-upgrade): each
+    one's on_exit sees the other alive, and each left the registry to the other, so it was
+    never unlinked. Now the later of the two finds the earlier's exit begun and unlinks."""
+    owner = Registry.create(shm_name)
+    pipes = [os.pipe() for _ in range(6)]
+    (go_a, go_a_w), (go_b, go_b_w), (done_a, done_a_w), (done_b, done_b_w), \
+        (told, told_w), (_, _) = pipes
+    pids: list[int] = []
+    try:
+        for go, done in ((go_a, done_a_w), (go_b, done_b_w)):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                code = 1
+                try:
+                    _exiting_master(shm_name, go, done, told)
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_a_w, str(pids[1]).encode())
+        os.write(go_b_w, str(pids[0]).encode())
+        for r in (done_a, done_b):
+            assert recv(r, 30) == b"x"
+        assert all(alive(p) for p in pids)
+        assert not segment_exists(shm_name), "neither master unlinked the registry"
+        os.write(told_w, b"xx")
+        for pid in pids:
+            assert wait_exit(pid, 10) == 0
+        pids.clear()
+    finally:
+        for pid in pids:
+            reap(pid)
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        owner.close()
+        owner.unlink()
+
+
+def test_usr2_masters_stopped_together_leave_no_registry(shm_name):
+    """The same with real gunicorn masters: SIGTERM to the old and the new one at once."""
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        old = g.pid
+        new = g.upgrade(time.monotonic() + 20)
+        for pid in (old, new):
+            os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not alive(old) and not alive(new), time.monotonic() + 30,
+                   what="both masters to exit")
+        assert not segment_exists(shm_name), g.log_tail()
 
 
 def _create_is_refused(name: str, owner: int) -> None:

@@ -50,6 +50,7 @@ from .segment import (
     LAYOUT_VERSION,
     OFF_CREATOR,
     OFF_EVICTIONS,
+    OFF_EXITING,
     OFF_LAST_SWEEP,
     OFF_LAST_SWEEPER,
     OFF_LOCK_GENERATION,
@@ -616,6 +617,25 @@ class Registry:
             # first: a crash between the two stores leaves the old creator recorded, still valid
             self._seg.set_u64(OFF_PREV_CREATOR, replaced)
         self._seg.set_u64(OFF_CREATOR, me)
+
+    def begin_exit(self) -> tuple[int, int] | None:
+        """Record the calling process as the last owner to begin its exit, under the lock, and
+        return the one recorded before it if that process still lives (pid, start time), else
+        None. Of two owners that leave the registry to each other (the masters of a gunicorn
+        ``USR2`` upgrade, stopped together: each sees the other alive), the later to call
+        learns that the other has begun its exit too, and is the one to unlink. LockTimeout
+        when a live holder keeps the lock past its timeout (nothing recorded)."""
+        self._check_open()
+        if self.readonly:
+            raise ShmCancelError(f"registry {self.name} is attached read-only: cannot mark an "
+                                 "exit")
+        me = procinfo.me()
+        with self.lock:
+            before = procinfo.unpack_owner(self._seg.u64(OFF_EXITING))
+            self._seg.set_u64(OFF_EXITING, procinfo.pack_owner(*me))
+        if before is None or before == me or not procinfo.alive(*before):
+            return None
+        return before
 
     def table(self, name: str) -> Table:
         """The table called ``name`` (KeyError naming the tables there are, if none)."""

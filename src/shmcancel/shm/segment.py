@@ -15,6 +15,7 @@ Binary layout (little-endian; every field 8-aligned; sizes in bytes)::
     64      u64     inode of the semaphore file created with this segment
     72      u64     the creator an adoption replaced (OFF_PREV_CREATOR; 0: none)
     80      u64     the creator's pid namespace (procinfo.pid_namespace(); 0: unknown)
+    88      u64     the last process to begin its exit as an owner (OFF_EXITING; 0: none)
     256     u64     lock owner: pack_owner of the holder, 0 = none          (see lock.py)
     264     u64     lock generation: +1 on every acquire and every recovery
     320     u64     recoveries (dead holders' units taken over)
@@ -123,6 +124,10 @@ OFF_PREV_CREATOR = 72
 # another, where every process of this one looks gone, so no process there may judge liveness
 # (recover the lock, reap rows, replace the registry). Zero in segments formatted before it.
 OFF_PID_NS = 80
+# The last owner (a gunicorn master) to begin its exit (``Registry.begin_exit``): of two masters
+# of a USR2 upgrade stopped at once, each sees the other alive; the later one to mark itself
+# here finds the earlier mark and unlinks. Zero in segments formatted before it was used.
+OFF_EXITING = 88
 OFF_LOCK_OWNER = 256
 OFF_LOCK_GENERATION = 264
 OFF_RECOVERIES = 320
