@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgpack
 from helpers.procs import child, reap, recv, wait_exit
-from helpers.table_rig import Rig, healthy
+from helpers.table_rig import Rig, healthy, same_home_keys
 
 from shmcancel.shm.table import Table
 
@@ -114,6 +115,76 @@ def test_a_check_beside_a_writer_reads_no_index_under_the_lock(shm_name: str) ->
                 assert writes() > before, "the writer stopped writing"
         assert len(locked) <= 2, f"{len(locked)} of 20 checks read the index under the lock"
         assert rig.lock.repairs == 0
+        healthy(t)
+    finally:
+        rig.close()
+
+
+def _writes_after_the_snapshot(rig: Rig, t: Table, write: Any) -> None:
+    """Make ``t.check`` run ``write()`` in a forked process right after its snapshot hold,
+    before it looks at the snapshot (as a writer running at that moment would)."""
+    real = t._implausible
+
+    def hooked(locked: bool, deep: bool, snap: Any = None, suspects: Any = None) -> Any:
+        if snap is not None:
+            def writer(out: int) -> None:
+                rig.lock.after_fork_child()
+                write()
+                os.write(out, b"ok")
+
+            pid, r = child(writer)
+            try:
+                assert recv(r, 30) == b"ok"
+                assert wait_exit(pid, 10) == 0
+            finally:
+                os.close(r)
+        return real(locked, deep, snap, suspects)
+
+    t._implausible = hooked  # type: ignore[method-assign]
+
+
+def test_a_duplicate_key_is_repaired_while_a_writer_updates_it(shm_name: str) -> None:
+    """A set key with two valid rows (counters that add up). Right after the check's snapshot
+    another process updates the key (its first row gets a new record) and inserts another key
+    (which takes the freed record): the first row's record read from the snapshot is now the
+    other key's. Telling keys apart by records read later hid the duplicate; by the snapshot's
+    hashes, the check goes under the lock and repairs it."""
+    rig = Rig(shm_name, [("set", 256, 64)])
+    t = rig.tables[0]
+    try:
+        for k in range(100):
+            t.insert(f"d{k}", k)
+        t.insert("K", "first")
+        with rig.lock:  # corruption: a second row of K
+            t._append(t.prepare("K"), msgpack.packb("second"))
+        _writes_after_the_snapshot(rig, t, lambda: (t.insert("K", "updated"),
+                                                    t.insert("L", "other")))
+        rep = t.check(deep=True)
+        assert rep is not None and rep["stale_rows"] == 1, rep
+        assert t.lookup("K") == ["updated"] and t.lookup("L") == ["other"]
+        healthy(t)
+    finally:
+        rig.close()
+
+
+def test_a_corrupt_record_is_repaired_when_a_delete_shifts_its_entry(shm_name: str) -> None:
+    """A record with garbage over it (its crc fails) whose entry a delete of the key before it
+    in the same cluster shifts back one slot, right after the check's snapshot: the entry is
+    still in the index, in another slot, so the check repairs it."""
+    rig = Rig(shm_name, [("set", 256, 64)])
+    t = rig.tables[0]
+    try:
+        for k in range(50):
+            t.insert(f"d{k}", k)
+        a, b, c = same_home_keys(t, 3)
+        for k in (a, b, c):
+            t.insert(k, k)
+        (_, rec, *_), = t._find(t.prepare(c))
+        t._buf[t._offset(rec) + t.RECORD_HEADER] ^= 0xFF
+        _writes_after_the_snapshot(rig, t, lambda: t.delete(b))
+        rep = t.check(deep=True)
+        assert rep is not None and rep["bad_entries"] == 1, rep
+        assert t.lookup(a) == [a] and t.lookup(b) == [] and t.lookup(c) == []
         healthy(t)
     finally:
         rig.close()

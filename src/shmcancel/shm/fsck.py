@@ -121,7 +121,8 @@ class Fsck(TableBase):
         From ``snap`` (:meth:`_frozen`), everything but the records is exact as of the
         snapshot; records are read as they are now, so an entry whose record does not match
         goes into ``suspects`` as (slot, hash, record) rather than into the answer (a writer
-        may have deleted the row and reused its record since)."""
+        may have deleted the row and reused its record since), and a set's keys are told
+        apart by their hashes."""
         if snap is not None:
             (rows, top, ltop, stamp), iw, fw, vw = snap
             words = memoryview(iw).cast("Q").tolist()
@@ -162,7 +163,10 @@ class Fsck(TableBase):
                     suspects.append((s, words[2 * s], r))
                     continue
                 keys.add(kb)
-            if self._set and len(keys) + len(suspects or ()) != rows:
+            # from a snapshot, by hash: a key's rows share it, and a record read after the
+            # snapshot may be another row's by now (a collision is confirmed under the lock)
+            if self._set and (len(keys) if snap is None
+                              else len(set(words[::2])) - (0 in words[::2])) != rows:
                 return "a key has two rows"
             if reachability_moves(list(words), self._mask):
                 return "an entry lies beyond an empty slot of its probe"
@@ -173,7 +177,8 @@ class Fsck(TableBase):
         plausibility against the index; when they are wrong, repair (fsck: recounts them) and
         log once. Returns fsck's repair counts, or None when all was plausible. Lock-free when
         it is; else (a writer mid-operation looks implausible) from a snapshot taken in a
-        short hold, and under the lock only to confirm what the snapshot shows wrong. Only
+        short hold, and under the lock only to confirm what the snapshot shows wrong (an entry
+        whose record failed its check counts while the entry is still in the index). Only
         ``deep`` decodes records (about 3 us a row): it finds whatever fsck would repair, e.g.
         garbage over the hash of an entry, which no counter shows and no lookup meets. Without
         it, a corrupted record is repaired by the first operation that reads it."""
@@ -192,10 +197,8 @@ class Fsck(TableBase):
         with lock:
             if lock.dirty:
                 return None
-            idx = self._idx
-            if why is None and all(idx[2 * s] != h or idx[2 * s + 1] != r
-                                   for s, h, r in suspects):
-                return None  # every suspect entry changed since the snapshot: a writer's
+            if why is None and all(self._locate(h, r) < 0 for _, h, r in suspects):
+                return None  # every suspect entry is gone since the snapshot: a writer's
             why = self._implausible(True, deep)
             return None if why is None else self._repair(f"table {self.name!r}: {why}")
 
