@@ -6,6 +6,7 @@ test_crash.py): a real POSIX shared-memory segment with a minimal lock over a re
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
@@ -471,6 +472,79 @@ def test_two_threads_refreshing_one_watch_never_interleave(rig_factory, monkeypa
     b.join(10)
     assert not a.is_alive() and not b.is_alive()
     assert events[:2] == ["start A", "end A"] and got == [True]
+
+
+def test_a_refresh_that_outwaits_a_slow_one_stores_nothing(rig_factory, monkeypatch) -> None:
+    """A refresh stuck in its read (it fell back to the registry lock behind a writer stalled
+    mid-write) holds the watch's lock past ``_REFRESH_WAIT``. Another thread's refresh then
+    answers from a read of its own, right, and stores nothing: two refreshes storing at once
+    could leave one's member flag beside the other's version (a cancellation seen as absent
+    until the bucket moved again). It used to take a new lock and store beside the first."""
+    import threading
+
+    from shmcancel.shm import reader
+
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    w = t.watch("k")
+    assert w.member() is False
+    t.insert("k", 1)
+    monkeypatch.setattr(reader, "_REFRESH_WAIT", 0.05)
+    inside, go = threading.Event(), threading.Event()
+    real = type(t)._read
+
+    def read(self: Any, pk: Any) -> Any:
+        if threading.current_thread() is slow:
+            inside.set()
+            assert go.wait(10)
+        return real(self, pk)
+
+    monkeypatch.setattr(type(t), "_read", read)
+    slow = threading.Thread(target=w.member)
+    slow.start()
+    try:
+        assert inside.wait(10)
+        before = (w._lk, w._raw, w._v, w._seen, w._member)
+        assert w.member() is True and w.values() == (1,)
+        assert (w._lk, w._raw, w._v, w._seen, w._member) == before  # the lock: by identity
+    finally:
+        go.set()
+        slow.join(10)
+    assert not slow.is_alive()
+    assert w.member() is True and w._member is True
+    t.delete("k")
+    assert w.member() is False
+
+
+def test_a_fork_child_takes_a_new_watch_lock_at_once(rig_factory, monkeypatch) -> None:
+    """A thread of the parent holds a watch's lock when the process forks: in the child that
+    thread does not exist, and the lock stays held. The child's first refresh takes a new lock
+    at once (it waited ``_REFRESH_WAIT`` first, on every watch a fork caught so)."""
+    from helpers.procs import child, reap, recv, wait_exit
+
+    from shmcancel.shm import reader
+
+    rig = rig_factory([("set", 8, 64)])
+    t = rig.tables[0]
+    w = t.watch("k")
+    assert w.member() is False
+    t.insert("k", 1)
+    monkeypatch.setattr(reader, "_REFRESH_WAIT", 30.0)
+    assert w._lk.acquire()  # as a thread inside a refresh at the fork
+
+    def body(out: int) -> None:
+        os.write(out, b"%d" % (w.member() is True and w._member is True))
+
+    pid, r = child(body)
+    try:
+        assert recv(r, 10) == b"1"
+        assert wait_exit(pid, 10) == 0
+        pid = -1
+    finally:
+        os.close(r)
+        if pid > 0:
+            reap(pid)
+        w._lk.release()
 
 
 def test_values_decoded_from_a_row_replaced_meanwhile_are_not_kept(rig_factory,

@@ -34,13 +34,14 @@ class Watch:
     the slow path compares them all.
 
     A watch is shared by threads (the policy caches one per key; a handle's is polled by its
-    tool and by the watcher thread): refreshes of one watch never interleave (``_lk``), else
-    one could leave its ``_member`` beside the other's newer ``_v``. A refresh waits
-    ``_REFRESH_WAIT`` at most for another's (then replaces the lock: its holder may be a
-    thread that did not survive a fork).
+    tool and by the watcher thread): only the holder of ``_lk`` stores a refresh, else two
+    interleaved refreshes could leave one's ``_member`` beside the other's newer ``_v``. A
+    refresh waits ``_REFRESH_WAIT`` at most for another's (slow: it fell back to the registry
+    lock), then answers from a read of its own and stores nothing. In a fork child the lock
+    is replaced first (its holder may be a thread that did not survive the fork).
     """
 
-    __slots__ = ("_b", "_lk", "_member", "_pk", "_raw", "_seen", "_t", "_two", "_v",
+    __slots__ = ("_b", "_lk", "_member", "_pid", "_pk", "_raw", "_seen", "_t", "_two", "_v",
                  "_values", "_ver")
 
     def __init__(self, table: Reads, pk: PreparedKey) -> None:
@@ -57,6 +58,7 @@ class Watch:
         # thread's refresh replaced meanwhile is never taken for the new one's
         self._values: tuple[tuple[bytes, ...], tuple[Any, ...]] | None = None
         self._lk = threading.Lock()
+        self._pid = os.getpid()  # the process _lk was made in
 
     @property
     def key(self) -> PreparedKey:
@@ -73,7 +75,7 @@ class Watch:
                 ver = self._ver
                 if ver[two[0]] == two[1] and ver[two[2]] == two[3]:
                     return two[4]
-            return self._refresh()
+            return bool(self._refresh())
         except Exception:
             self._t._if_closed()
             raise
@@ -81,9 +83,7 @@ class Watch:
     def values(self) -> tuple[Any, ...]:
         """The key's values (at most one for a set), cached like ``member``."""
         try:
-            if self._ver[self._b] != self._v:
-                self._refresh()
-            raw = self._raw
+            raw = self._refresh() if self._ver[self._b] != self._v else self._raw
             got = self._values
             if got is None or got[0] is not raw:
                 got = self._values = (raw, tuple(_unpack(x) for x in raw))
@@ -92,18 +92,20 @@ class Watch:
             self._t._if_closed()
             raise
 
-    def _refresh(self) -> bool:
+    def _refresh(self) -> tuple[bytes, ...]:
+        """The key's raw values, read again and stored (by the holder of ``_lk``)."""
+        if self._pid != os.getpid():
+            self._lk = threading.Lock()
+            self._pid = os.getpid()
         lk = self._lk
-        got = lk.acquire(timeout=_REFRESH_WAIT)
-        if not got:  # held past the wait (a refresh falling back to the registry lock, or a
-            self._lk = threading.Lock()  # holder lost in a fork): go on, and unblock the rest
+        if not lk.acquire(timeout=_REFRESH_WAIT):
+            return tuple(self._t._read(self._pk)[0])  # another's refresh is slow: not stored
         try:
             return self._refresh_held()
         finally:
-            if got:
-                lk.release()
+            lk.release()
 
-    def _refresh_held(self) -> bool:
+    def _refresh_held(self) -> tuple[bytes, ...]:
         ver = self._ver
         seen = self._seen
         if seen:
@@ -111,7 +113,7 @@ class Watch:
                 if ver[b] != v:
                     break
             else:
-                return self._member
+                return self._raw
         rows, seen = self._t._read(self._pk)
         self._raw = raw = tuple(rows)
         self._values = None
@@ -122,7 +124,7 @@ class Watch:
             self._b, self._v = seen[0]
         else:
             self._b, self._v = self._pk.b, -1
-        return m
+        return raw
 
 
 class Reads(Fsck):
