@@ -82,6 +82,7 @@ from ..cancel import ids
 from ..mcp import remote, wake
 from ..mcp.principal import SESSION_KEY
 from ..mcp.sessions import SessionStore
+from ..shm import procinfo
 from .cancellation import RedisCancellation, connect
 from .store import RedisStore, wrong_type
 
@@ -94,6 +95,7 @@ DOWN_AFTER = 3  # calls in a row that time out (or get an error answer) before R
 OWED_MAX = 1024  # writes owed to Redis (and sessions remembered as deleted here)
 SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
 CANCEL_TTL = 10.0  # seconds an owed cross-host cancellation still matters
+_STALLED = "the registry lock is held by a process that stalled holding it"
 KEEP_EVERY = 60.0  # seconds between two renewals of one session's copy by one process, at most
 HELD_MAX = 4096  # sessions a process remembers publishing, and renewal times it keeps
 # The form of the session ids the transport mints (secrets.token_urlsafe): any other id names no
@@ -535,8 +537,12 @@ class Bridge:
             try:
                 # the registry only, Redis down or not; a lock timeout there (a stalled holder)
                 # leaves the box in Redis for this turn: taking more out would cost each its own
-                # lock_timeout wait before the next renewal, the registry could take none
-                stalled = bool(self._undelivered or self._unended) and not self._redeliver()
+                # lock_timeout wait before the next renewal, the registry could take none. A
+                # holder seen stalled is not waited on at all: a lock_timeout per turn (10 s by
+                # default) would outlast the leases this thread renews (10 s)
+                stalled = self._lock_stalled()
+                if not stalled and (self._undelivered or self._unended):
+                    stalled = not self._redeliver()
                 if self.down or self._recovering:
                     if self.down:
                         self.store.client.ping()
@@ -566,8 +572,8 @@ class Bridge:
                 if now >= self._next_sweep:
                     self._next_sweep = now + self._janitor_interval
                     self.remote.cleanup()
-                if stalled:
-                    self._stop.wait(self.retry)
+                if stalled:  # renewals go on every turn: no longer apart than the lease
+                    self._stop.wait(min(self.retry, self.block))
                     continue
                 try:
                     item = self._blocking.client.blpop([box], timeout=self.block)
@@ -594,6 +600,22 @@ class Bridge:
             except Exception:
                 log.exception("shmcancel redis bridge: unexpected error")
                 self._stop.wait(self.retry)
+
+    def _lock_stalled(self) -> bool:
+        """True when a live process has held the registry lock, in one acquisition, for
+        ``block`` seconds (writers hold it for microseconds): a write would wait
+        ``lock_timeout`` for it."""
+        lock = self.registry.lock
+        deadline = time.monotonic() + self.block
+        gen = lock.generation
+        while True:
+            owner = lock.owner()
+            if owner is None or lock.generation != gen or not procinfo.alive(*owner):
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            if self._stop.wait(min(0.01, self.block / 10)):
+                return False
 
     def _republish(self) -> int:
         """After an outage (Redis may have restarted empty): owe a store of every session this
@@ -623,13 +645,16 @@ class Bridge:
         got = RedisStore.decode_box_item(raw)
         if got is None:
             return True
+        stalled = self._lock_stalled()  # kept as at a lock timeout, without its wait (_run)
         if isinstance(got, str):  # a session deleted on another host
-            return self._end_session(got, time.monotonic() + self._session_ttl)
+            return self._end_session(got, time.monotonic() + self._session_ttl,
+                                     stalled=stalled)
         scope, rid, reason, at = got
-        return self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at)
+        return self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at,
+                             stalled=stalled)
 
     def _deliver(self, rid: str, reason: object, scope: str, deadline: float,
-                 at: float | None, retry: bool = False) -> bool:
+                 at: float | None, retry: bool = False, stalled: bool = False) -> bool:
         """Record a cancellation taken from this worker's box, gated on its call being in
         flight here. One the registry cannot take now (its lock held past ``lock_timeout``,
         /dev/shm full) is kept and tried again by the thread every turn (:meth:`_redeliver`,
@@ -639,8 +664,10 @@ class Bridge:
         of the id that began here after it (the one it was for ended before its box was read,
         and the id was reused) ignores it, as it does any row older than itself. Logged as a
         warning the first time and when given up, retries at debug. False when the lock timed
-        out."""
+        out, or ``stalled`` (:meth:`_lock_stalled`, seen before: kept without a wait)."""
         try:
+            if stalled:
+                raise LockTimeout(_STALLED)
             # A row here already: this host recorded the cancellation too (its own DELETE or
             # notification, before it went through Redis) and reported it; a leftover row is
             # replaced, unreported (contract §4.7: each cancellation reported once).
@@ -695,7 +722,7 @@ class Bridge:
         return True
 
     def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
-                     reported: tuple[str, ...] = ()) -> bool:
+                     reported: tuple[str, ...] = (), stalled: bool = False) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
         calls in flight here, as a local ``DELETE`` does (``Cancellation.cancel_scope_around``:
         before the copy goes, and again after for a call begun in between). That DELETE
@@ -705,7 +732,8 @@ class Bridge:
         cannot take now (its lock held past ``lock_timeout``) is kept and tried again by the
         thread every turn (:meth:`_redeliver`) until ``deadline`` (``time.monotonic()``;
         default: a session TTL from now): it was taken out of Redis, so dropping it would leave
-        the session's calls here running. False when the lock timed out.
+        the session's calls here running. False when the lock timed out, or ``stalled`` (seen
+        before: kept without a wait).
 
         Each call is reported cancelled once (contract §4.7): the events come once every write
         is done, and the keys reported (``reported``) are kept with an end retried after a
@@ -719,6 +747,8 @@ class Bridge:
             return True
 
         try:
+            if stalled:
+                raise LockTimeout(_STALLED)
             scope = self.local.scope({SESSION_KEY: sid})
             self.local.cancel_scope_around(scope, "session deleted", end, reported=done,
                                            ring=lambda: wake.ring(self.registry.name))
