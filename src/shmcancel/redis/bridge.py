@@ -14,6 +14,8 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
   the tool's next *local* poll sees it. A box is a list, so what arrives while the thread is busy
   or briefly disconnected waits there: the catch-up read is the next ``BLPOP``. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
+  While a stalled process holds the registry lock (one acquisition held for a renewal period)
+  the thread neither reads its box nor waits ``lock_timeout`` on the lock: its renewals go on.
 
 Polls never touch Redis. Every call gives up after ``timeout`` (one budget: a third waiting for
 this worker's other Redis call, else the call is skipped; a third to connect; a third to read;
