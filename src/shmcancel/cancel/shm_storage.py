@@ -411,8 +411,12 @@ class ShmBackend:
                 gone.update(k for k, _ in chunk)
 
             def prepare(chunk: list[tuple[Any, Any]], gone: set[Any] = gone) -> Uncount:
-                def then() -> None:
-                    self.reg.add_evictions(len(chunk))
+                base: list[int] = []  # the counter, read at then's first run
+
+                def then() -> None:  # run again if an exception cut the stores short
+                    if not base:
+                        base.append(self.reg.evictions)
+                    self.reg.add_evictions(len(chunk), base[0])
                     gone.update(k for k, _ in chunk)
                 return self._bulk_uncount(chunk, then)
 

@@ -85,7 +85,8 @@ class Uncount:
     def store(self) -> None:
         """Every store writes a value fixed before the first (the counts read once, exact
         under the lock), so a store cut short is completed by running it again in the same
-        hold; ``then`` runs once."""
+        hold; ``then`` runs with each, so it must count once however often it runs (the
+        eviction's stores the counter read at its first run plus the batch)."""
         counts = self._n
         if self._set is None:
             load = counts.load_word
@@ -97,6 +98,5 @@ class Uncount:
             # at 0 (rows of the scope cleared since the plan) the row stays, for a sweep's
             # count repair: a delete cut short and run again would meet a half-shifted index
             store(ref, w)
-        then, self._then = self._then, None
-        if then is not None:
-            then()
+        if self._then is not None:
+            self._then()

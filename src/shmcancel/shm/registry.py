@@ -663,11 +663,15 @@ class Registry:
         self._check_open()
         return self._seg.u64(OFF_EVICTIONS)
 
-    def add_evictions(self, n: int) -> None:
-        """Count ``n`` evicted rows (takes the lock; reentrant inside a held one)."""
+    def add_evictions(self, n: int, base: int | None = None) -> None:
+        """Count ``n`` evicted rows (takes the lock; reentrant inside a held one): the counter
+        becomes ``base + n``, ``base`` being the counter as the caller read it in the same hold
+        (so that a store run again after an exception cut it short counts once), by default
+        its value now."""
         self._check_open()
         with self.lock:
-            self._seg.set_u64(OFF_EVICTIONS, self._seg.u64(OFF_EVICTIONS) + n)
+            self._seg.set_u64(OFF_EVICTIONS,
+                              (self._seg.u64(OFF_EVICTIONS) if base is None else base) + n)
 
     @property
     def last_sweep(self) -> float:
