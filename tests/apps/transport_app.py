@@ -128,6 +128,14 @@ def build(sessions: bool, path: str) -> McpServer:
                  "CancelledError": asyncio.CancelledError, "ValueError": ValueError}
         raise kinds[params["kind"]]("raised by the tool")
 
+    @server.tool("leaves_lock")
+    def leaves_lock(conn, params):
+        """Take the registry lock and leave the hold behind, as an exception that lands as
+        the lock's release is entered (a signal handler's) does."""
+        from shmcancel.shm import registry
+        registry.current().lock.__enter__()
+        return str(os.getpid())
+
     @server.tool("stubborn")
     def stubborn(conn, params):
         """Ignore cancellation (but record seeing it) for ``seconds``."""

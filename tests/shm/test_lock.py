@@ -12,6 +12,7 @@ import os
 import select
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -399,6 +400,45 @@ def test_systemexit_from_signal_handler_mid_write_repairs_before_release(seg: Se
     finally:
         ch.stop()
         counter.release()
+        lock.close()
+
+
+def test_a_signal_handled_as_the_release_is_entered_leaves_a_hold_release_leaked_ends(
+        seg: Segment) -> None:
+    """A signal whose handler raises (gunicorn's quit) runs as ``__exit__`` is entered (the
+    check at a function's start), before any line of it: the release never begins, and the
+    hold outlives its block, the unit taken and recorded to this live process. Where no
+    ``with`` of the lock can be running (the end of a request), ``release_leaked`` ends it;
+    elsewhere it does nothing."""
+    lock = RegistryLock(seg)
+
+    def on_usr1(signum: int, frame: object) -> None:
+        raise SystemExit(3)
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is RegistryLock.__exit__.__code__:
+            sys.settrace(None)
+            os.kill(os.getpid(), signal.SIGUSR1)  # handled at __exit__'s first instruction
+        return None
+
+    old = signal.signal(signal.SIGUSR1, on_usr1)
+    try:
+        assert not lock.release_leaked()
+        with pytest.raises(SystemExit), lock:
+            lock.dirty = True
+            sys.settrace(tracer)
+        assert lock.held_by_me() and lock.owner() is not None and seg.sem.value == 0
+        repaired = []
+        lock._repair = lambda: repaired.append(1)
+        assert lock.release_leaked()
+        assert repaired == [1] and not lock.dirty
+        assert not lock.held_by_me() and lock.owner() is None and seg.sem.value == 1
+        assert not lock.release_leaked()
+        with lock:  # usable again
+            assert lock.held_by_me()
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGUSR1, old)
         lock.close()
 
 

@@ -221,6 +221,17 @@ class McpServer(LegacyWire, ModernWire):
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
+            return self._serve(environ, start_response)
+        finally:
+            st = self._state
+            if st is not None and st.registry.lock.held_by_me():  # no hold outlives a request
+                st.registry.lock.release_leaked()
+                log.error("%s %s: a hold of the registry lock outlived its block (an exception "
+                          "as its release began: a signal handler's); released",
+                          environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
+
+    def _serve(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        try:
             reply = self._handle(environ, start_response)
         except _NoRegistry as e:
             log.error("%s", e)

@@ -394,6 +394,20 @@ class RegistryLock:
         if st.recovered:  # a recovery's event, now that the hold's writes are complete
             self._emit_recovered()
 
+    def release_leaked(self) -> bool:
+        """Release a hold of this thread that outlived its ``with`` block; True if there was
+        one. Call it only where this thread is inside no ``with`` of this lock (the end of a
+        request). A signal handler's exception (gunicorn's quit) runs as ``__exit__`` is
+        entered, before any line of it: its release never began, and the unit stayed taken,
+        recorded to a live process, until that process died (forever, if the exception was
+        caught and the process served on). A dirty hold is repaired first, as any release."""
+        st = self._st
+        if st.holder != _get_ident() or st.depth == 0:
+            return False
+        st.depth = 1
+        self.__exit__(SystemExit, None, None)
+        return True
+
     def _wait_local(self, tlock: Any, t0: float) -> None:
         """Take the thread lock held by another thread of this process, by ``t0 +
         lock_timeout`` or raise :class:`LockTimeout`.
