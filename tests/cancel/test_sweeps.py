@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -78,11 +78,39 @@ def rows_of(reg: Registry) -> set[tuple[str, str, float]]:
     return {(k[0], k[1], v[1]) for k, v in reg.table("cancellations").scan()}
 
 
-def counts_match(reg: Registry, c: Cancellation) -> None:
+def counts_match(reg: Registry, c: Cancellation, deep: bool = False) -> None:
+    """Every scope's count is its rows; ``deep``: and both tables pass a deep check."""
     sizes = Counter(k[0] for k, _ in reg.table("cancellations").scan())
     for s, n in sizes.items():
         assert c._store.scope_rows(s) == n
     assert len(reg.table("scope_counts").scan()) == len(sizes)
+    if deep:
+        for name in ("cancellations", "scope_counts"):
+            assert reg.table(name).check(deep=True) is None
+
+
+def quit_at_line(at: int, traced: Callable[[Any], bool], op: Callable[[], object]
+                 ) -> tuple[bool, int]:
+    """Run ``op()`` raising ``SystemExit`` (gunicorn's quit, from a signal handler) at the
+    ``at``-th line it runs in the code objects ``traced`` accepts: (whether it was raised, the
+    lines run there)."""
+    lines = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == at:
+                raise SystemExit("quit")  # the trace is then unset: one signal
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if traced(frame.f_code) else None)
+    try:
+        op()
+        return False, lines[0]
+    except SystemExit:
+        return True, lines[0]
+    finally:
+        sys.settrace(None)
 
 
 def test_cap_eviction_decodes_no_row_under_the_lock(reg: Registry) -> None:
@@ -245,9 +273,7 @@ def test_a_bulk_sweep_of_a_scope_per_row_drops_its_counts_in_one_rewrite(wide: R
         want = {(s, i) for s, i, t in before if clock.t - t <= wide.config.ttl}
     assert n[0] == 0
     assert {(s, i) for s, i, _ in rows_of(wide)} == want
-    counts_match(wide, c)
-    for name in ("cancellations", "scope_counts"):
-        assert wide.table(name).check(deep=True) is None
+    counts_match(wide, c, deep=True)
 
 
 def test_a_count_moved_after_the_bulk_plan_is_not_dropped(reg: Registry) -> None:
@@ -330,37 +356,13 @@ def test_a_bulk_eviction_interrupted_at_any_line_of_its_stores_counts_its_rows_o
             clock.t += 0.001
             c.cancel(f"r{n}-{i}", None, f"ip:s{i % 5}")
         rows, ev = reg.table("cancellations").count(), reg.evictions
-        lines = [0]
-
-        def local(frame: Any, event: str, arg: Any, lines: list[int] = lines,
-                  at: int = n) -> Any:
-            if event == "line":
-                lines[0] += 1
-                if lines[0] == at:
-                    raise SystemExit("quit")
-            return local
-
-        def glob(frame: Any, event: str, arg: Any) -> Any:
-            code = frame.f_code
-            if code in codes or (code.co_name == "then"
-                                 and code.co_filename == shm_storage.__file__):
-                return local
-            return None
-
-        sys.settrace(glob)
-        try:
-            st.evict(20)
-            interrupted = False
-        except SystemExit:
-            interrupted = True
-        finally:
-            sys.settrace(None)
+        interrupted = quit_at_line(n, lambda code: code in codes or (
+            code.co_name == "then" and code.co_filename == shm_storage.__file__),
+            lambda: st.evict(20))[0]
         assert not reg.lock.held_by_me()
         gone = rows - reg.table("cancellations").count()
         assert gone in (0, 20) and reg.evictions - ev == gone, (n, gone, reg.evictions - ev)
-        counts_match(reg, c)
-        for name in ("cancellations", "scope_counts"):
-            assert reg.table(name).check(deep=True) is None
+        counts_match(reg, c, deep=True)
         if not interrupted:
             break
         assert n < 800
@@ -390,34 +392,15 @@ def test_a_bulk_sweep_interrupted_at_any_line_of_its_stores_completes_them(
         for i in range(5):
             c.cancel(f"young{n}-{i}", None, f"ip:y{i}")
         old = {k[1] for k, _ in reg.table("cancellations").scan() if k[1].startswith("old")}
-        lines = [0]
-
-        def local(frame: Any, event: str, arg: Any, lines: list[int] = lines,
-                  at: int = n) -> Any:
-            if event == "line":
-                lines[0] += 1
-                if lines[0] == at:
-                    raise SystemExit("quit")  # the trace is then unset: one signal
-            return local
-
-        sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
-        try:
-            c.cleanup()
-            interrupted = False
-        except SystemExit:
-            interrupted = True
-        finally:
-            sys.settrace(None)
+        interrupted, lines = quit_at_line(n, codes.__contains__, c.cleanup)
         assert not reg.lock.held_by_me()
         assert {k[1] for k, _ in reg.table("cancellations").scan()} >= \
             {f"young{n}-{i}" for i in range(5)}
         left = {k[1] for k, _ in reg.table("cancellations").scan() if k[1].startswith("old")}
         assert left == set() or (interrupted and left == old)
         if left:  # interrupted before the first store: nothing was deleted
-            assert lines[0] <= 3
-        counts_match(reg, c)
-        for name in ("cancellations", "scope_counts"):
-            assert reg.table(name).check(deep=True) is None
+            assert lines <= 3
+        counts_match(reg, c, deep=True)
         if not interrupted:
             break
         assert n < 500

@@ -37,6 +37,17 @@ def _fill(t: Table, rows: dict[int, object]) -> None:
         t.set_word(k, k + 7) if t.kind == "set" else None
 
 
+def _fills_to_capacity(t: Table, n: int) -> None:
+    """``t`` holding ``n`` rows takes rows up to its capacity, and not one more: the free
+    stacks and the row counter a rewrite left are exact."""
+    while n < CAPACITY:
+        t.insert(1000 + n, "v")
+        n += 1
+    with pytest.raises(TableFull):
+        t.insert(5000, "v")
+    healthy(t)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rows=st.dictionaries(st.integers(0, 200), VALUE, max_size=CAPACITY),
        drop=st.sets(st.integers(0, 200)), i=st.sampled_from([0, 1]))
@@ -67,13 +78,7 @@ def test_a_rewrite_deletes_exactly_the_dropped_rows(rig: Rig, rows: dict[int, ob
         if t.kind == "set" and k in left:
             assert t.word(k) == k + 7
     healthy(t)
-    n = len(left)
-    while n < CAPACITY:
-        t.insert(1000 + n, "v")
-        n += 1
-    with pytest.raises(TableFull):
-        t.insert(5000, "v")
-    healthy(t)
+    _fills_to_capacity(t, len(left))
 
 
 def test_a_rewrite_is_current_until_its_buckets_move(rig: Rig) -> None:
@@ -238,13 +243,7 @@ def test_windowed_bulk_deletes_against_writers_between_plan_and_hold(
     if t.kind == "set":
         assert all(t.word(k) == k + 7 for k in left)
     healthy(t)
-    n = len(left)
-    while n < CAPACITY:
-        t.insert(1000 + n, "v")
-        n += 1
-    with pytest.raises(TableFull):
-        t.insert(5000, "v")
-    healthy(t)
+    _fills_to_capacity(t, len(left))
 
 
 class _Fresh:

@@ -425,6 +425,16 @@ def test_a_watch_whose_probe_spans_two_buckets_polls_without_its_lock(rig_factor
     healthy(t)
 
 
+def _stale_watch(rig_factory: Any) -> tuple[Table, Any]:
+    """A table and a watch of ``k`` that read no row, ``k`` inserted since: its next poll
+    refreshes."""
+    t = rig_factory([("set", 8, 64)]).tables[0]
+    w = t.watch("k")
+    assert w.member() is False
+    t.insert("k", 1)
+    return t, w
+
+
 def test_two_threads_refreshing_one_watch_never_interleave(rig_factory, monkeypatch) -> None:
     """A watch is shared by threads: while one thread's refresh is inside its read, another
     thread's refresh of the same watch waits for it (else it could leave its member flag beside
@@ -434,11 +444,7 @@ def test_two_threads_refreshing_one_watch_never_interleave(rig_factory, monkeypa
 
     from shmcancel.shm import reader
 
-    rig = rig_factory([("set", 8, 64)])
-    t = rig.tables[0]
-    w = t.watch("k")
-    assert w.member() is False
-    t.insert("k", 1)  # the version moved: both threads refresh
+    t, w = _stale_watch(rig_factory)  # the version moved: both threads refresh
     monkeypatch.setattr(reader, "_REFRESH_WAIT", 10.0)
     events: list[str] = []
     entered, go = threading.Event(), threading.Event()
@@ -484,11 +490,7 @@ def test_a_refresh_that_outwaits_a_slow_one_stores_nothing(rig_factory, monkeypa
 
     from shmcancel.shm import reader
 
-    rig = rig_factory([("set", 8, 64)])
-    t = rig.tables[0]
-    w = t.watch("k")
-    assert w.member() is False
-    t.insert("k", 1)
+    t, w = _stale_watch(rig_factory)
     monkeypatch.setattr(reader, "_REFRESH_WAIT", 0.05)
     inside, go = threading.Event(), threading.Event()
     real = type(t)._read
@@ -524,11 +526,7 @@ def test_a_fork_child_takes_a_new_watch_lock_at_once(rig_factory, monkeypatch) -
 
     from shmcancel.shm import reader
 
-    rig = rig_factory([("set", 8, 64)])
-    t = rig.tables[0]
-    w = t.watch("k")
-    assert w.member() is False
-    t.insert("k", 1)
+    _, w = _stale_watch(rig_factory)
     monkeypatch.setattr(reader, "_REFRESH_WAIT", 30.0)
     assert w._lk.acquire()  # as a thread inside a refresh at the fork
 
