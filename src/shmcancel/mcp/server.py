@@ -221,17 +221,6 @@ class McpServer(LegacyWire, ModernWire):
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
-            return self._serve(environ, start_response)
-        finally:
-            st = self._state
-            if st is not None and st.registry.lock.held_by_me():  # no hold outlives a request
-                st.registry.lock.release_leaked()
-                log.error("%s %s: a hold of the registry lock outlived its block (an exception "
-                          "as its release began: a signal handler's); released",
-                          environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
-
-    def _serve(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        try:
             reply = self._handle(environ, start_response)
         except _NoRegistry as e:
             log.error("%s", e)
@@ -280,6 +269,7 @@ class McpServer(LegacyWire, ModernWire):
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
             reply = _error_reply(500, None, codes.INTERNAL_ERROR, "Internal error")
+        self._release_leaked(environ)
         if reply is None:  # streamed: everything was written already
             return []
         ex = environ.get(PROGRESS_KEY)
@@ -301,6 +291,16 @@ class McpServer(LegacyWire, ModernWire):
                 headers.append(("Content-Type", "application/json"))  # an empty 202 too
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
         return [reply.body] if reply.body else []
+
+    def _release_leaked(self, environ: dict[str, Any]) -> None:
+        """No hold of the registry lock outlives a request: one left by an exception as its
+        release began (a signal handler's) is released here, and logged."""
+        st = self._state
+        if st is not None and st.registry.lock.held_by_me():
+            st.registry.lock.release_leaked()
+            log.error("%s %s: a hold of the registry lock outlived its block (an exception "
+                      "as its release began: a signal handler's); released",
+                      environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
 
     def _handle(self, environ: dict[str, Any], start_response: StartResponse) -> _Reply | None:
         method = str(environ.get("REQUEST_METHOD") or "GET").upper()
