@@ -381,8 +381,10 @@ def on_exit(server: Any) -> None:
                     leaving = reg.begin_exit()
                 except LockTimeout:
                     leaving = None
-                if leaving is not None:
-                    peers = [p for p in peers if p != leaving[0]]
+                # looked at again: a peer that marked its exit and is gone by now marked it
+                # before ours, and so left the registry to us
+                peers = [p for p in peers
+                         if (leaving is None or p != leaving[0]) and _running(p)]
             if peers:
                 log.info("shmcancel: registry %r left to master %s", _state.registry_name,
                          peers[0])

@@ -16,6 +16,7 @@ import threading
 import time
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -308,18 +309,30 @@ def test_usr2_upgrade_keeps_the_registry_until_the_last_master(shm_name, first_t
         assert not segment_exists(shm_name), "the last master to exit unlinks"
 
 
-def _exiting_master(name: str, go: int, done: int, told: int) -> None:
+def _exiting_master(name: str, go: int, done: int, told: int | None,
+                    paused: tuple[int, int] | None = None) -> None:
     """A stand-in master (child): attached to registry ``name``, its peer's pid read from
     ``go``; runs ``on_exit`` with the peer as its USR2 counterpart, writes ``done``, and lives
-    until ``told`` is written (so that each sees the other alive throughout)."""
+    until ``told`` is written (so that each sees the other alive throughout; None: exits).
+    ``paused``: (write, read) descriptors: it says so on the first and waits on the second
+    between its look at the peer and its exit mark (descheduled there)."""
     reg = Registry.attach(name)
     hooks._state.registry, hooks._state.registry_name = reg, name
     hooks._state.owner_pid = os.getpid()
+    if paused is not None:
+        real = Registry.begin_exit
+
+        def begin_exit(self: Registry) -> Any:
+            os.write(paused[0], b"p")
+            os.read(paused[1], 1)
+            return real(self)
+        Registry.begin_exit = begin_exit  # type: ignore[method-assign]  # this child only
     peer = int(os.read(go, 32))
     server = types.SimpleNamespace(reexec_pid=peer, master_pid=0, log=hooks._log)
     hooks.on_exit(server)
     os.write(done, b"x")
-    os.read(told, 1)
+    if told is not None:
+        os.read(told, 1)
 
 
 def test_two_usr2_masters_exiting_together_unlink_the_registry_once(shm_name):
@@ -352,6 +365,47 @@ def test_two_usr2_masters_exiting_together_unlink_the_registry_once(shm_name):
         for pid in pids:
             assert wait_exit(pid, 10) == 0
         pids.clear()
+    finally:
+        for pid in pids:
+            reap(pid)
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        owner.close()
+        owner.unlink()
+
+
+def test_a_usr2_master_that_looked_at_its_peer_before_the_peer_exited_unlinks(shm_name):
+    """B looks at its peer A (alive) and is descheduled before its exit mark; A marks its own,
+    leaves the registry to B and exits. B then finds A's mark but A gone: it must unlink (it
+    left the registry to a master no longer there)."""
+    owner = Registry.create(shm_name)
+    pipes = [os.pipe() for _ in range(6)]
+    (go_a, go_a_w), (go_b, go_b_w), (done_a, done_a_w), (done_b, done_b_w), \
+        (stop_r, stop_w), (cont_r, cont_w) = pipes
+    pids: list[int] = []
+    try:
+        for go, done, paused in ((go_a, done_a_w, None), (go_b, done_b_w, (stop_w, cont_r))):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                code = 1
+                try:
+                    _exiting_master(shm_name, go, done, None, paused)
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_b_w, str(pids[0]).encode())
+        assert recv(stop_r, 30) == b"p"  # B looked at A (alive) and waits before its mark
+        os.write(go_a_w, str(pids[1]).encode())
+        assert recv(done_a, 30) == b"x"
+        assert wait_exit(pids[0], 10) == 0
+        assert segment_exists(shm_name)  # A left it to B
+        os.write(cont_w, b"c")
+        assert recv(done_b, 30) == b"x"
+        assert wait_exit(pids[1], 10) == 0
+        pids.clear()
+        assert not segment_exists(shm_name), "B left the registry to a master gone"
     finally:
         for pid in pids:
             reap(pid)
