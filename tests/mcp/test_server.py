@@ -251,6 +251,35 @@ def wait_ev(ev: threading.Event) -> None:
 # ------------------------------------------------------------------------------ legacy wire
 
 
+def test_a_hold_around_the_app_is_not_taken_for_one_the_request_left(
+        stateless: McpServer, reg: Registry, caplog: pytest.LogCaptureFixture) -> None:
+    """The transport ends a hold of the registry lock that a request left behind (a signal
+    handler's exception as the release was entered), down to the depth at the request's start:
+    a middleware holding the lock around the app keeps its hold, whether the request left one
+    or not, and only a hold the request left is logged."""
+    @stateless.tool("leaves_lock")
+    def leaves_lock(conn, params):
+        reg.lock.__enter__()
+        return "left"
+
+    def body(tool: str) -> bytes:
+        return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                           "params": {"name": tool, "arguments": {"text": "x"}}}).encode()
+
+    for tool, leaks in (("echo", False), ("leaves_lock", True)):
+        caplog.clear()
+        with reg.lock:
+            reply = run(stateless, environ_for("POST", body(tool)), validate=False)
+            assert reply.status == 200 and "result" in reply.json, reply
+            assert reg.lock.held_by_me() and reg.lock.owner() is not None
+        assert not reg.lock.held_by_me() and reg.lock.owner() is None
+        assert any("outlived its block" in r.getMessage() for r in caplog.records) == leaks
+    caplog.clear()
+    reply = run(stateless, environ_for("POST", body("leaves_lock")), validate=False)
+    assert reply.status == 200 and not reg.lock.held_by_me() and reg.lock.owner() is None
+    assert any("outlived its block" in r.getMessage() for r in caplog.records)
+
+
 def test_legacy_handshake_and_methods(app: McpServer, reg: Registry) -> None:
     r = post(app, INIT)
     assert r.status == 200

@@ -442,6 +442,26 @@ def test_a_signal_handled_as_the_release_is_entered_leaves_a_hold_release_leaked
         lock.close()
 
 
+def test_release_leaked_keeps_the_holds_a_request_began_inside(seg: Segment) -> None:
+    """A hold left inside an outer ``with`` (a middleware's, around the request) ends down to
+    the depth at the request's start: the outer block still holds the lock, and its own exit
+    releases it."""
+    lock = RegistryLock(seg)
+    try:
+        assert lock.depth() == 0
+        with lock:
+            keep = lock.depth()
+            assert keep == 1
+            lock.__enter__()  # the request's hold, left behind
+            assert lock.depth() == 2
+            assert lock.release_leaked(keep)
+            assert lock.depth() == 1 and lock.held_by_me() and seg.sem.value == 0
+            assert not lock.release_leaked(keep)
+        assert lock.depth() == 0 and lock.owner() is None and seg.sem.value == 1
+    finally:
+        lock.close()
+
+
 def test_child_after_fork_takes_lock_parent_does_not_hold(seg: Segment) -> None:
     lock = RegistryLock(seg)
     with lock:

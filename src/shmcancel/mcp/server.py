@@ -220,6 +220,7 @@ class McpServer(LegacyWire, ModernWire):
     # ------------------------------------------------------------------ WSGI
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        held = self._lock_depth()  # holds around this request (a middleware's) go on
         try:
             reply = self._handle(environ, start_response)
         except _NoRegistry as e:
@@ -269,7 +270,7 @@ class McpServer(LegacyWire, ModernWire):
             log.exception("internal error handling %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
             reply = _error_reply(500, None, codes.INTERNAL_ERROR, "Internal error")
-        self._release_leaked(environ)
+        self._release_leaked(environ, held)
         if reply is None:  # streamed: everything was written already
             return []
         ex = environ.get(PROGRESS_KEY)
@@ -292,12 +293,20 @@ class McpServer(LegacyWire, ModernWire):
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
         return [reply.body] if reply.body else []
 
-    def _release_leaked(self, environ: dict[str, Any]) -> None:
-        """No hold of the registry lock outlives a request: one left by an exception as its
-        release began (a signal handler's) is released here, and logged."""
+    def _lock_depth(self) -> int:
+        """This thread's depth in the registry lock (-1: no registry; its error is the
+        request's to answer)."""
+        try:
+            return self._process_state().registry.lock.depth()
+        except Exception:
+            return -1
+
+    def _release_leaked(self, environ: dict[str, Any], held: int) -> None:
+        """No hold of the registry lock taken in a request outlives it: one left by an
+        exception as its release began (a signal handler's) is ended here, down to ``held``
+        (the depth at the request's start, :meth:`_lock_depth`), and logged."""
         st = self._state
-        if st is not None and st.registry.lock.held_by_me():
-            st.registry.lock.release_leaked()
+        if held >= 0 and st is not None and st.registry.lock.release_leaked(held):
             log.error("%s %s: a hold of the registry lock outlived its block (an exception "
                       "as its release began: a signal handler's); released",
                       environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))

@@ -394,16 +394,26 @@ class RegistryLock:
         if st.recovered:  # a recovery's event, now that the hold's writes are complete
             self._emit_recovered()
 
-    def release_leaked(self) -> bool:
-        """Release a hold of this thread that outlived its ``with`` block; True if there was
-        one. Call it only where this thread is inside no ``with`` of this lock (the end of a
-        request). A signal handler's exception (gunicorn's quit) runs as ``__exit__`` is
+    def depth(self) -> int:
+        """How many ``with`` blocks of this lock this thread is inside (0: it holds none)."""
+        st = self._st
+        return st.depth if st.holder == _get_ident() else 0
+
+    def release_leaked(self, keep: int = 0) -> bool:
+        """End the holds of this thread that outlived their ``with`` blocks, down to ``keep``
+        (its :meth:`depth` where those blocks began: the start of a request); True if there
+        were any. A signal handler's exception (gunicorn's quit) runs as ``__exit__`` is
         entered, before any line of it: its release never began, and the unit stayed taken,
         recorded to a live process, until that process died (forever, if the exception was
-        caught and the process served on). A dirty hold is repaired first, as any release."""
+        caught and the process served on). At ``keep`` 0 the lock is released, a dirty hold
+        repaired first, as any release; above, the outer hold goes on (a dirty mark stays for
+        its release)."""
         st = self._st
-        if st.holder != _get_ident() or st.depth == 0:
+        if st.holder != _get_ident() or st.depth <= keep:
             return False
+        if keep:
+            st.depth = keep
+            return True
         st.depth = 1
         self.__exit__(SystemExit, None, None)
         return True
