@@ -584,18 +584,19 @@ def test_leases_are_renewed_while_the_lock_is_stalled(
     """A's registry lock is held by a stopped process past ``lock_timeout``, which is longer
     than A's lease. A's bridge thread waited ``lock_timeout`` on it every turn (to apply the
     cancellation it took out of its box, then to retry it), renewing its leases only between
-    the waits: its calls' rows lapsed in Redis, and a cancellation sent meanwhile found them
-    not in flight and was dropped. It now sees the holder stalled and does not wait on it: the
-    leases stay, and the cancellation lands once the lock is free."""
+    the waits: its calls' rows lapsed in Redis (here a 3 s timeout, a 1.5 s lease), and a
+    cancellation sent meanwhile found them not in flight and was dropped. It now sees the
+    holder stalled and does not wait on it: the leases stay, and the cancellation lands once
+    the lock is free."""
     cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 lock_timeout=2.0)
+                 lock_timeout=3.0)
     prefix = unique_prefix()
     other = shm_name + "b"
     shm_names.append(other)
     ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
     r = redis.Redis.from_url(redis_server.url)
     try:
-        with bridge(ra, redis_server, prefix=prefix, host="A", lease=0.6, thread=True) as a, \
+        with bridge(ra, redis_server, prefix=prefix, host="A", lease=1.5, thread=True) as a, \
                 bridge(rb, redis_server, prefix=prefix, host="B") as b:
             handle = _tracked_on_a(ra, a)
             rows = a.store.if_key("session:s", "7")
@@ -606,7 +607,7 @@ def test_leases_are_renewed_while_the_lock_is_stalled(
 
             with stalled_lock(spawn, shm_name):
                 assert b.cancel(7, "stop", "session:s") is True  # in A's box now
-                until = time.monotonic() + 3 * cfg.lock_timeout
+                until = time.monotonic() + 2 * cfg.lock_timeout
                 while time.monotonic() < until:
                     assert lease_left_ms() > 0, "the row's lease lapsed in Redis"
                     time.sleep(0.02)

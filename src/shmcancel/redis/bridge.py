@@ -14,8 +14,8 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
   the tool's next *local* poll sees it. A box is a list, so what arrives while the thread is busy
   or briefly disconnected waits there: the catch-up read is the next ``BLPOP``. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
-  While a stalled process holds the registry lock (one acquisition held for a renewal period)
-  the thread neither reads its box nor waits ``lock_timeout`` on the lock: its renewals go on.
+  While a stalled process holds the registry lock (one acquisition held for 0.1 s) the thread
+  neither reads its box nor waits ``lock_timeout`` on the lock: its renewals go on.
 
 Polls never touch Redis. Every call gives up after ``timeout`` (one budget: a third waiting for
 this worker's other Redis call, else the call is skipped; a third to connect; a third to read;
@@ -98,6 +98,7 @@ OWED_MAX = 1024  # writes owed to Redis (and sessions remembered as deleted here
 SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
 CANCEL_TTL = 10.0  # seconds an owed cross-host cancellation still matters
 _STALLED = "the registry lock is held by a process that stalled holding it"
+_STALL = 0.1  # seconds one acquisition of the registry lock held means its holder stalled
 KEEP_EVERY = 60.0  # seconds between two renewals of one session's copy by one process, at most
 HELD_MAX = 4096  # sessions a process remembers publishing, and renewal times it keeps
 # The form of the session ids the transport mints (secrets.token_urlsafe): any other id names no
@@ -605,10 +606,12 @@ class Bridge:
 
     def _lock_stalled(self) -> bool:
         """True when a live process has held the registry lock, in one acquisition, for
-        ``block`` seconds (writers hold it for microseconds): a write would wait
-        ``lock_timeout`` for it."""
+        ``_STALL`` seconds (a third of ``block`` at most: a turn may ask twice besides its
+        ``block`` of reading, and still renews well within the lease). Writers hold it for
+        microseconds, a sweep's hold for 1 ms at most: a write would wait ``lock_timeout``."""
         lock = self.registry.lock
-        deadline = time.monotonic() + self.block
+        wait = min(_STALL, self.block / 3)
+        deadline = time.monotonic() + wait
         gen = lock.generation
         while True:
             owner = lock.owner()
@@ -616,7 +619,7 @@ class Bridge:
                 return False
             if time.monotonic() >= deadline:
                 return True
-            if self._stop.wait(min(0.01, self.block / 10)):
+            if self._stop.wait(wait / 10):
                 return False
 
     def _republish(self) -> int:
