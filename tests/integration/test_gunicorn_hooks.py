@@ -335,85 +335,78 @@ def _exiting_master(name: str, go: int, done: int, told: int | None,
         os.read(told, 1)
 
 
-def test_two_usr2_masters_exiting_together_unlink_the_registry_once(shm_name):
-    """After a USR2 upgrade, both masters stopped at once (systemd's stop mid-upgrade): each
-    one's on_exit sees the other alive, and each left the registry to the other, so it was
-    never unlinked. Now the later of the two finds the earlier's exit begun and unlinks."""
-    owner = Registry.create(shm_name)
-    pipes = [os.pipe() for _ in range(6)]
-    (go_a, go_a_w), (go_b, go_b_w), (done_a, done_a_w), (done_b, done_b_w), \
-        (told, told_w), (_, _) = pipes
-    pids: list[int] = []
+@contextlib.contextmanager
+def _stand_in_masters(name: str, pause_b: bool) -> Iterator[types.SimpleNamespace]:
+    """Registry ``name`` and two forked stand-in masters A and B of it (:func:`_exiting_master`),
+    each waiting for its peer's pid (``m.go(i, peer)``). ``m.done[i]`` says its on_exit ran;
+    unless ``pause_b`` both then live until ``m.told`` is written; with it they exit, and B
+    says ``p`` on ``m.paused`` and waits for ``m.cont`` between its look at A and its mark.
+    ``m.pids`` are reaped (the test clears what it reaped itself), the registry unlinked."""
+    owner = Registry.create(name)
+    pipes = [os.pipe() for _ in range(7)]
+    (go_a, go_a_w), (go_b, go_b_w), (done_a, done_a_w), (done_b, done_b_w), (told, told_w), \
+        (paused, paused_w), (cont, cont_w) = pipes
+    m = types.SimpleNamespace(pids=[], done=(done_a, done_b), told=told_w, paused=paused,
+                              cont=cont_w)
+    m.go = lambda i, peer: os.write((go_a_w, go_b_w)[i], str(peer).encode())
     try:
-        for go, done in ((go_a, done_a_w), (go_b, done_b_w)):
+        for go, done, pause in ((go_a, done_a_w, None),
+                                (go_b, done_b_w, (paused_w, cont) if pause_b else None)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 code = 1
                 try:
-                    _exiting_master(shm_name, go, done, told)
+                    _exiting_master(name, go, done, None if pause_b else told, pause)
                     code = 0
                 finally:
                     os._exit(code)
-            pids.append(pid)
-        os.write(go_a_w, str(pids[1]).encode())
-        os.write(go_b_w, str(pids[0]).encode())
-        for r in (done_a, done_b):
-            assert recv(r, 30) == b"x"
-        assert all(alive(p) for p in pids)
-        assert not segment_exists(shm_name), "neither master unlinked the registry"
-        os.write(told_w, b"xx")
-        for pid in pids:
-            assert wait_exit(pid, 10) == 0
-        pids.clear()
+            m.pids.append(pid)
+        yield m
     finally:
-        for pid in pids:
+        for pid in m.pids:
             reap(pid)
         for r, w in pipes:
             os.close(r)
             os.close(w)
         owner.close()
         owner.unlink()
+
+
+def test_two_usr2_masters_exiting_together_unlink_the_registry_once(shm_name):
+    """After a USR2 upgrade, both masters stopped at once (systemd's stop mid-upgrade): each
+    one's on_exit sees the other alive, and each left the registry to the other, so it was
+    never unlinked. Now the later of the two finds the earlier's exit begun and unlinks."""
+    with _stand_in_masters(shm_name, pause_b=False) as m:
+        a, b = m.pids
+        m.go(0, b)
+        m.go(1, a)
+        for r in m.done:
+            assert recv(r, 30) == b"x"
+        assert alive(a) and alive(b)
+        assert not segment_exists(shm_name), "neither master unlinked the registry"
+        os.write(m.told, b"xx")
+        for pid in (a, b):
+            assert wait_exit(pid, 10) == 0
+        m.pids.clear()
 
 
 def test_a_usr2_master_that_looked_at_its_peer_before_the_peer_exited_unlinks(shm_name):
     """B looks at its peer A (alive) and is descheduled before its exit mark; A marks its own,
     leaves the registry to B and exits. B then finds A's mark but A gone: it must unlink (it
     left the registry to a master no longer there)."""
-    owner = Registry.create(shm_name)
-    pipes = [os.pipe() for _ in range(6)]
-    (go_a, go_a_w), (go_b, go_b_w), (done_a, done_a_w), (done_b, done_b_w), \
-        (stop_r, stop_w), (cont_r, cont_w) = pipes
-    pids: list[int] = []
-    try:
-        for go, done, paused in ((go_a, done_a_w, None), (go_b, done_b_w, (stop_w, cont_r))):
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                code = 1
-                try:
-                    _exiting_master(shm_name, go, done, None, paused)
-                    code = 0
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        os.write(go_b_w, str(pids[0]).encode())
-        assert recv(stop_r, 30) == b"p"  # B looked at A (alive) and waits before its mark
-        os.write(go_a_w, str(pids[1]).encode())
-        assert recv(done_a, 30) == b"x"
-        assert wait_exit(pids[0], 10) == 0
+    with _stand_in_masters(shm_name, pause_b=True) as m:
+        a, b = m.pids
+        m.go(1, a)
+        assert recv(m.paused, 30) == b"p"  # B looked at A (alive) and waits before its mark
+        m.go(0, b)
+        assert recv(m.done[0], 30) == b"x"
+        assert wait_exit(a, 10) == 0
         assert segment_exists(shm_name)  # A left it to B
-        os.write(cont_w, b"c")
-        assert recv(done_b, 30) == b"x"
-        assert wait_exit(pids[1], 10) == 0
-        pids.clear()
+        os.write(m.cont, b"c")
+        assert recv(m.done[1], 30) == b"x"
+        assert wait_exit(b, 10) == 0
+        m.pids.clear()
         assert not segment_exists(shm_name), "B left the registry to a master gone"
-    finally:
-        for pid in pids:
-            reap(pid)
-        for r, w in pipes:
-            os.close(r)
-            os.close(w)
-        owner.close()
-        owner.unlink()
 
 
 def test_usr2_masters_stopped_together_leave_no_registry(shm_name):
