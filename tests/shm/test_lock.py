@@ -445,16 +445,21 @@ def test_a_signal_handled_as_the_release_is_entered_leaves_a_hold_release_leaked
 def test_release_leaked_keeps_the_holds_a_request_began_inside(seg: Segment) -> None:
     """A hold left inside an outer ``with`` (a middleware's, around the request) ends down to
     the depth at the request's start: the outer block still holds the lock, and its own exit
-    releases it."""
+    releases it. A write the leaked hold left half done is repaired there and then: the outer
+    block's own writes clear the mark, and its release left the table torn."""
     lock = RegistryLock(seg)
+    repaired: list[int] = []
+    lock._repair = lambda: repaired.append(1)
     try:
         assert lock.depth() == 0
         with lock:
             keep = lock.depth()
             assert keep == 1
-            lock.__enter__()  # the request's hold, left behind
+            lock.__enter__()  # the request's hold, left behind mid-write
+            lock.dirty = True
             assert lock.depth() == 2
             assert lock.release_leaked(keep)
+            assert repaired == [1] and not lock.dirty
             assert lock.depth() == 1 and lock.held_by_me() and seg.sem.value == 0
             assert not lock.release_leaked(keep)
         assert lock.depth() == 0 and lock.owner() is None and seg.sem.value == 1

@@ -306,10 +306,16 @@ class McpServer(LegacyWire, ModernWire):
         exception as its release began (a signal handler's) is ended here, down to ``held``
         (the depth at the request's start, :meth:`_lock_depth`), and logged."""
         st = self._state
-        if held >= 0 and st is not None and st.registry.lock.release_leaked(held):
-            log.error("%s %s: a hold of the registry lock outlived its block (an exception "
-                      "as its release began: a signal handler's); released",
-                      environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
+        try:
+            if held < 0 or st is None or not st.registry.lock.release_leaked(held):
+                return
+        except Exception:  # the registry closed meanwhile, say: the request is answered
+            log.exception("%s %s: ending a hold of the registry lock left by the request "
+                          "failed", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
+            return
+        log.error("%s %s: a hold of the registry lock outlived its block (an exception as its "
+                  "release began: a signal handler's); released",
+                  environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
 
     def _handle(self, environ: dict[str, Any], start_response: StartResponse) -> _Reply | None:
         method = str(environ.get("REQUEST_METHOD") or "GET").upper()

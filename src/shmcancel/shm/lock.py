@@ -405,14 +405,17 @@ class RegistryLock:
         were any. A signal handler's exception (gunicorn's quit) runs as ``__exit__`` is
         entered, before any line of it: its release never began, and the unit stayed taken,
         recorded to a live process, until that process died (forever, if the exception was
-        caught and the process served on). At ``keep`` 0 the lock is released, a dirty hold
-        repaired first, as any release; above, the outer hold goes on (a dirty mark stays for
-        its release)."""
+        caught and the process served on). At ``keep`` 0 the lock is released; above, the
+        outer hold goes on. Either way a write the leaked hold left half done is repaired
+        first, as an exception leaving a nested ``with`` does (the outer hold's own writes
+        would clear the mark before its release could)."""
         st = self._st
         if st.holder != _get_ident() or st.depth <= keep:
             return False
         if keep:
             st.depth = keep
+            if st.dirty:
+                self._run_repair()
             return True
         st.depth = 1
         self.__exit__(SystemExit, None, None)
