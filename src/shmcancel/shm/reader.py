@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import procinfo
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, PreparedKey, TableCorrupted
 from .fsck import Fsck
 from .layout import _LTOP, _ROWS, _TOP, _WORD, BUCKET_SLOTS, _unpack
@@ -58,7 +59,7 @@ class Watch:
         # thread's refresh replaced meanwhile is never taken for the new one's
         self._values: tuple[tuple[bytes, ...], tuple[Any, ...]] | None = None
         self._lk = threading.Lock()
-        self._pid = os.getpid()  # the process _lk was made in
+        self._pid = procinfo.pid()  # the process _lk was made in
 
     @property
     def key(self) -> PreparedKey:
@@ -94,9 +95,10 @@ class Watch:
 
     def _refresh(self) -> tuple[bytes, ...]:
         """The key's raw values, read again and stored (by the holder of ``_lk``)."""
-        if self._pid != os.getpid():
+        pid = procinfo.pid()  # kept by an at-fork hook: no system call
+        if self._pid != pid:
             self._lk = threading.Lock()
-            self._pid = os.getpid()
+            self._pid = pid
         lk = self._lk
         if not lk.acquire(timeout=_REFRESH_WAIT):
             return tuple(self._t._read(self._pk)[0])  # another's refresh is slow: not stored
