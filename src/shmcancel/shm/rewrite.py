@@ -67,22 +67,14 @@ class IndexCopy:
         """Every bucket of the window was copied consistently."""
         return -1 not in self.v0
 
-    def forget_moved(self) -> int:
+    def forget_moved(self) -> None:
         """Mark every bucket of the window whose version moved since the copy as copied
         inconsistently (lock-free): a plan made again leaves out the clusters writers touched
-        meanwhile. Returns how many buckets are marked now."""
-        t = self.t
-        nball = t._nbuckets
-        b0, nb = self.b0, self.nb
-        ver = t._ver
-        now = ver[b0:b0 + nb].tolist()
-        if b0 + nb > nball:
-            now += ver[0:b0 + nb - nball].tolist()
+        meanwhile."""
         v0 = self.v0
-        for i, v in enumerate(now):
+        for i, v in enumerate(self.t._window_versions(self.b0, self.nb)):
             if v != v0[i]:
                 v0[i] = -1
-        return v0.count(-1)
 
     def find(self, pk: PreparedKey) -> tuple[tuple[int, int, int, int] | None,
                                              list[tuple[int, int]]] | None:
@@ -131,12 +123,12 @@ class IndexCopy:
         window's end."""
         words = self.words
         n = len(words) // 2
+        m = n - 1 if self.whole else -1  # window slot k is k & m (-1 masks nothing)
         if slots is not None:
-            m = n - 1 if self.whole else -1
             starts = set()
             for s in slots:
                 for _ in range(n):
-                    p = (s - 1) & m if self.whole else s - 1
+                    p = (s - 1) & m
                     if p < 0:
                         raise WindowTooSmall
                     if not words[2 * p]:
@@ -147,14 +139,13 @@ class IndexCopy:
                 starts.add(s)
             for cs in sorted(starts):
                 e = cs
-                while words[2 * ((e & m) if self.whole else e)]:
+                while words[2 * (e & m)]:
                     e += 1
                     if not self.whole and e >= n:
                         raise WindowTooSmall
                 yield cs, e - cs
             return
         if self.whole:
-            m = n - 1
             empty = next((s for s in range(n) if not words[2 * s]), None)
             if empty is None:  # no empty slot: corrupt (fsck repairs it, row by row)
                 return
@@ -202,7 +193,7 @@ class IndexCopy:
         words, v0 = self.words, self.v0
         n = len(words) // 2
         nbl = len(v0)  # window buckets
-        m = n - 1 if self.whole else -1  # window slot k is k & m (whole), else k
+        m = n - 1 if self.whole else -1  # window slot k is k & m (-1 masks nothing)
         tmask = t._mask
         s0 = self.b0 * _BS
         freed: list[int] = []  # small records
@@ -215,7 +206,7 @@ class IndexCopy:
             lbs = [b % nbl for b in range(first, last + 1)]
             if any(v0[b] < 0 for b in lbs):
                 continue
-            at = [(k & m) if m >= 0 else k for k in range(cs, cs + length)]
+            at = [k & m for k in range(cs, cs + length)]
             local = [(words[2 * w], words[2 * w + 1]) for w in at]
             dropped = [i for i, (h, r) in enumerate(local) if drop(h, r)]
             if not dropped:
@@ -376,21 +367,29 @@ class Rewrites(Writes):
         nball = self._nbuckets
         nb = min(nb, nball)
         b0 = 0 if nb == nball else b0 % nball
-        ver, idx = self._ver, self._idx
-        spans = [(b0, min(b0 + nb, nball))]
-        if b0 + nb > nball:
-            spans.append((0, b0 + nb - nball))
-        v0: list[int] = []
-        for a, b in spans:
-            v0 += ver[a:b].tolist()
+        v0 = self._window_versions(b0, nb)
         # one memcpy per span (a list of the whole default index takes ~1 ms, this ~0.05)
-        raw = b"".join([bytes(idx[a * _BW:b * _BW]) for a, b in spans])
+        idx = self._idx
+        raw = b"".join([bytes(idx[a * _BW:b * _BW]) for a, b in self._spans(b0, nb)])
         words = memoryview(raw).cast("Q")
-        v1: list[int] = []
-        for a, b in spans:
-            v1 += ver[a:b].tolist()
+        v1 = self._window_versions(b0, nb)
         return IndexCopy(self, b0, nb, [v if v == w and not v & 1 else -1
                                         for v, w in zip(v0, v1, strict=True)], words)
+
+    def _spans(self, b0: int, nb: int) -> list[tuple[int, int]]:
+        """Buckets ``b0 .. b0 + nb - 1`` (mod the bucket count) as one or two ranges."""
+        nball = self._nbuckets
+        if b0 + nb <= nball:
+            return [(b0, b0 + nb)]
+        return [(b0, nball), (0, b0 + nb - nball)]
+
+    def _window_versions(self, b0: int, nb: int) -> list[int]:
+        """The versions of buckets ``b0 .. b0 + nb - 1`` (mod the bucket count), in order."""
+        ver = self._ver
+        out: list[int] = []
+        for a, b in self._spans(b0, nb):
+            out += ver[a:b].tolist()
+        return out
 
     def copy_index(self, tries: int = 3) -> IndexCopy:
         """The whole index copied lock-free (see :class:`IndexCopy`): again while a bucket

@@ -84,17 +84,18 @@ class Sweeps(Rewrites):
         before the first deletion, in the same hold: False, and nothing is deleted (a decision
         made before the sweep that another writer's deletions made moot meanwhile).
 
-        With no ``pred``, from ``SWEEP_BULK`` rows, bulk rewrites of the index are tried first
-        (:mod:`.rewrite`: one short hold per window of about ``SWEEP_GROUP`` rows; rows of a
-        window that writers kept moving go row by row after), unless ``on_chunk`` is given
-        without ``prepare``. ``prepare(deleted)`` then stands for ``on_chunk`` in a rewrite's
-        hold: it gets the (key, value) pairs the rewrite will delete, before its hold (outside
-        the lock, so nothing slow runs under it), and returns a :class:`~.rewrite.Companion`
-        whose ``current()`` is asked in that hold before any store (False: the rewrite is
-        computed again) and whose ``store()`` runs there right after the rewrite's stores. A
-        writer killed after a rewrite thus leaves no change half made outside any hold (a lock
-        recovery follows a death inside one), and no hold is longer than two rewrites' stores.
-        The rows the rewrites leave go row by row, with ``on_chunk``."""
+        With no ``pred``, from ``SWEEP_BULK`` rows, bulk rewrites of the index are tried
+        first (:mod:`.rewrite`: one short hold per window of about ``SWEEP_BATCH`` rows, see
+        :meth:`_bulk_delete`; rows of windows that writers kept moving go row by row after),
+        unless ``on_chunk`` is given without ``prepare``. ``prepare(deleted)`` then stands
+        for ``on_chunk`` in a rewrite's hold: it gets the (key, value) pairs the rewrite
+        will delete, before its hold (outside the lock, so nothing slow runs under it), and
+        returns a :class:`~.rewrite.Companion` whose ``current()`` is asked in that hold
+        before any store (False: the rewrite is computed again) and whose ``store()`` runs
+        there right after the rewrite's stores. A writer killed after a rewrite thus leaves
+        no change half made outside any hold (a lock recovery follows a death inside one),
+        and no hold is longer than two rewrites' stores. The rows the rewrites leave go row
+        by row, with ``on_chunk``."""
         self._check_open()
         lock = self._lock
         n = 0
@@ -196,27 +197,27 @@ class Sweeps(Rewrites):
         width = -(-nball // min(nball, groups))
         out: list[tuple[Any, Any]] = []
         done: set[tuple[int, int]] = set()
+        gone: list[tuple[int, int, bytes, bytes]] = []  # what the plan being made drops
+
+        def drop(h: int, r: int) -> bool:
+            body = want.get((h, r))
+            off = offset(r) if body is not None else -1
+            if body is None or off < 0:
+                return False
+            kl, vl = _LENS.unpack_from(buf, off + 4)
+            if kl + vl == len(body) and \
+                    buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
+                gone.append((h, r, body[:kl], body[kl:]))
+                return True
+            return False
+
         for g0 in range(0, nball, width):
             gn = min(width, nball - g0)
             pad = 2
             copy = None
             for _ in range(tries):
-                gone: list[tuple[int, int, bytes, bytes]] = []
-
-                def drop(h: int, r: int, gone: list[tuple[int, int, bytes, bytes]] = gone
-                         ) -> bool:
-                    body = want.get((h, r))
-                    off = offset(r) if body is not None else -1
-                    if body is None or off < 0:
-                        return False
-                    kl, vl = _LENS.unpack_from(buf, off + 4)
-                    if kl + vl == len(body) and \
-                            buf[off + RECORD_HEADER:off + RECORD_HEADER + len(body)] == body:
-                        gone.append((h, r, body[:kl], body[kl:]))
-                        return True
-                    return False
-
                 while True:
+                    gone.clear()
                     if copy is None:
                         copy = self.copy_window(g0 - 1, gn + 1 + pad)
                     else:  # planned again from the same copy, less what writers touched
@@ -227,7 +228,6 @@ class Sweeps(Rewrites):
                         plan = copy.without(drop, lo, hi)
                         break
                     except WindowTooSmall:  # a cluster runs past it
-                        gone.clear()
                         copy = None
                         pad *= 4
                 if plan is None:
