@@ -64,10 +64,12 @@ def test_a_waiting_tool_is_woken_by_a_cancellation_sent_to_another_host(
 
 @contextlib.contextmanager
 def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
-                     config: Config | None = None
+                     config: Config | None = None, *, lease: float = 30.0,
+                     thread_a: bool = False
                      ) -> Iterator[tuple[tuple[Registry, Bridge], tuple[Registry, Bridge]]]:
     """Hosts A and B as two registries, each with a thread-less bridge (only the calls a test
-    makes reach Redis), of one deployment (one key prefix)."""
+    makes reach Redis; ``thread_a``: A's thread runs), of one deployment (one key prefix),
+    their in-flight rows on a ``lease`` of that many seconds."""
     cfg = config or Config(capacity=400, max_rows=200, in_flight_capacity=64,
                            session_capacity=16)
     other = shm_name + "b"
@@ -75,8 +77,8 @@ def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
     prefix = unique_prefix()
     ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
     try:
-        with bridge(ra, srv, prefix=prefix, host="A") as a, \
-                bridge(rb, srv, prefix=prefix, host="B") as b:
+        with bridge(ra, srv, prefix=prefix, host="A", lease=lease, thread=thread_a) as a, \
+                bridge(rb, srv, prefix=prefix, host="B", lease=lease) as b:
             yield (ra, a), (rb, b)
     finally:
         for r in (ra, rb):
@@ -214,31 +216,19 @@ def test_a_cancellation_in_the_box_of_a_host_stalled_past_its_lease_still_lands(
     renewal finds its row's lease run out and must add the row back with the cancellation
     recorded for it: the row was only extended and the cancellation was lost (its row sat in
     Redis, never delivered)."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16)
-    prefix = unique_prefix()
-    other = shm_name + "b"
-    shm_names.append(other)
-    ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
-    try:
-        with bridge(ra, redis_server, prefix=prefix, host="A", lease=0.5) as a, \
-                bridge(rb, redis_server, prefix=prefix, host="B", lease=0.5) as b:
-            handle = Cancellation(ra).begin(7, "session:s")
-            assert handle.tracked and a.track(7, "session:s") is not None
-            assert b.cancel(7, "stop", "session:s") is True  # in A's box now
-            r = redis.Redis.from_url(redis_server.url)
-            box = a.store.box_key(a.remote.box)
-            wait_until(lambda: not r.exists(box) or None, time.monotonic() + 10,
-                       what="A's box to expire while A is cut off")
-            r.close()
-            a.remote.renew()  # A is back: its thread renews, then reads its box
-            for raw in take_box(redis_server, a):
-                a._apply(raw)
-            assert handle.cancelled() and handle.reason() == "stop"
-            handle.end()
-    finally:
-        for reg in (ra, rb):
-            reg.close()
-            reg.unlink()
+    with hosts_in_process(redis_server, shm_name, shm_names, lease=0.5) as ((ra, a), (_, b)):
+        handle = _tracked_on_a(ra, a)
+        assert b.cancel(7, "stop", "session:s") is True  # in A's box now
+        r = redis.Redis.from_url(redis_server.url)
+        box = a.store.box_key(a.remote.box)
+        wait_until(lambda: not r.exists(box) or None, time.monotonic() + 10,
+                   what="A's box to expire while A is cut off")
+        r.close()
+        a.remote.renew()  # A is back: its thread renews, then reads its box
+        for raw in take_box(redis_server, a):
+            a._apply(raw)
+        assert handle.cancelled() and handle.reason() == "stop"
+        handle.end()
 
 
 def test_a_call_on_a_host_stopped_past_its_lease_is_cancelled_when_it_resumes(
@@ -590,14 +580,10 @@ def test_leases_are_renewed_while_the_lock_is_stalled(
     the lock is free."""
     cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
                  lock_timeout=3.0)
-    prefix = unique_prefix()
-    other = shm_name + "b"
-    shm_names.append(other)
-    ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
     r = redis.Redis.from_url(redis_server.url)
     try:
-        with bridge(ra, redis_server, prefix=prefix, host="A", lease=1.5, thread=True) as a, \
-                bridge(rb, redis_server, prefix=prefix, host="B") as b:
+        with hosts_in_process(redis_server, shm_name, shm_names, cfg, lease=1.5,
+                              thread_a=True) as ((ra, a), (_, b)):
             handle = _tracked_on_a(ra, a)
             rows = a.store.if_key("session:s", "7")
 
@@ -617,9 +603,6 @@ def test_leases_are_renewed_while_the_lock_is_stalled(
             handle.end()
     finally:
         r.close()
-        for reg in (ra, rb):
-            reg.close()
-            reg.unlink()
 
 
 def test_a_cancellation_kept_for_a_stalled_lock_lands_while_redis_is_down(
