@@ -527,10 +527,18 @@ class Bridge:
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
+        """End the thread (waiting for it up to ``timeout`` and a turn), then take this worker's
+        box for gone in Redis (see ``BOX_GONE_AFTER``): it leaves the holders of the sessions
+        it served at their next renewal. Never raises."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout + self.block + self.timeout)
+        if t is not None and not t.is_alive():  # else a late beat of its own would undo it
+            try:
+                self.store.beat(self.remote.box, stopping=True)
+            except Exception as e:  # its beats stop: gone after BOX_GONE_AFTER all the same
+                log.debug("marking this worker's box gone: %s", e)
 
     def _run(self) -> None:
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
@@ -552,6 +560,8 @@ class Bridge:
                         self._answered()
                         self._recovering = True
                         self.down = False
+                    # first: after an outage past BOX_GONE_AFTER others take this box for gone
+                    self.store.beat(self.remote.box)
                     added = self.remote.renew()
                     republished = self._republish()
                     with self._owed_lock:  # Redis may have lost them: each session's next
@@ -568,6 +578,7 @@ class Bridge:
                     try:
                         self.remote.renew()
                         self.store.client.pexpire(box, int(self.remote.lease * 1000))
+                        self.store.beat(self.remote.box)
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
