@@ -529,12 +529,14 @@ class Bridge:
     def stop(self, timeout: float = 2.0) -> None:
         """End the thread (waiting for it up to ``timeout`` and a turn), then take this worker's
         box for gone in Redis (see ``BOX_GONE_AFTER``): it leaves the holders of the sessions
-        it served at their next renewal. Never raises."""
+        it served at their next renewal (unless Redis is down: then once its beats are old).
+        Never raises."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout + self.block + self.timeout)
-        if t is not None and not t.is_alive():  # else a late beat of its own would undo it
+        # a thread still running could beat after the mark; Redis down: its beats have ended
+        if t is not None and not t.is_alive() and not self.down:
             try:
                 self.store.beat(self.remote.box, stopping=True)
             except Exception as e:  # its beats stop: gone after BOX_GONE_AFTER all the same
