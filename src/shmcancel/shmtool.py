@@ -312,7 +312,12 @@ def _registry_row(name: str) -> dict[str, Any]:
             if owner is not None:
                 row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
         if row["creator_alive"] is False:
+            # what cleanup --stale does to it (an entry it will not touch: unlink)
             row["state"] = "stale"
+            bad = _bad_own(own, skip=[seg])
+            note([_short(e), *bad.values()],
+                 f"shmtool unlink {name} removes it" if bad else
+                 "shmtool cleanup --stale removes it")
         elif row["creator_alive"]:  # not one to remove, whoever can: a server uses it
             problem = _short(e.problem if isinstance(e, NotOurs) else e)
             note([f"{problem}; its creator, pid {row['creator_pid']}, is alive"])

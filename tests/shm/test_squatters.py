@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +41,8 @@ def paths(name: str) -> dict[str, str]:
 
 @pytest.fixture
 def squat(shm_name, tmp_path) -> Iterator[Callable[[str, str], str]]:
-    """``squat(kind, which)`` puts a ``fifo``, ``symlink`` or ``foreign`` (uid 65534) entry at
+    """``squat(kind, which)`` puts a ``fifo``, ``symlink``, ``dir`` (empty), ``full-dir`` (a file
+    in it) or ``foreign`` (uid 65534) entry at
     ``which`` of ``paths(shm_name)``; returns the path. Removed afterwards (the temporary name
     too, which the shm_name fixture does not know)."""
     made: list[str] = []
@@ -51,6 +53,10 @@ def squat(shm_name, tmp_path) -> Iterator[Callable[[str, str], str]]:
         path = paths(shm_name)[which]
         if kind == "fifo":
             os.mkfifo(path, 0o600)
+        elif kind in ("dir", "full-dir"):
+            os.mkdir(path, 0o700)
+            if kind == "full-dir":
+                (open(os.path.join(path, "inside"), "wb")).close()
         elif kind == "symlink":
             os.symlink(target, path)
         else:
@@ -64,6 +70,9 @@ def squat(shm_name, tmp_path) -> Iterator[Callable[[str, str], str]]:
     try:
         yield make
     finally:
+        for path in made:  # a directory left (the fixture shm_name removes files only)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(paths(shm_name)["temp"])
         assert target.read_bytes() == b"not yours", "a symlink was followed and written through"
@@ -433,6 +442,52 @@ def test_list_advice_for_a_stale_registry_with_a_fifo_of_ours_agrees_with_the_co
     one_line(p, fifo)
     p = shmtool_cli("unlink", shm_name)
     assert p.returncode == 0 and p.stderr == "", p
+    assert not any(os.path.lexists(q) for q in paths(shm_name).values())
+
+
+@pytest.mark.parametrize("which", ["semaphore", "lock", "temp"])
+def test_a_directory_of_ours_under_a_stale_registrys_name_goes_as_list_advises(
+        shm_name, squat, which):
+    """A directory of ours at one of a stale registry's names: ``list`` advised ``shmtool
+    unlink``, which unlinked the rest and then failed on it with "Is a directory (it belongs to
+    uid 0; remove it as its owner or root)", said to uid 0. An empty one now goes with the
+    rest; one with entries is left, with one line saying how to remove it."""
+    stale_registry(shm_name)
+    with contextlib.suppress(FileNotFoundError):  # the stale registry's own entry, replaced
+        os.unlink(paths(shm_name)[which])
+    path = squat("dir", which)
+    row, line = list_row(shm_name)
+    assert row["state"] == "stale" and f"{path} is a directory" in row["error"], row
+    assert path in line, line
+    assert f"shmtool unlink {shm_name} removes it" in row["error"], row
+    p = shmtool_cli("unlink", shm_name)
+    assert p.returncode == 0 and p.stderr == "", p
+    assert not any(os.path.lexists(q) for q in paths(shm_name).values())
+    stale_registry(shm_name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(paths(shm_name)[which])
+    path = squat("full-dir", which)
+    p = shmtool_cli("unlink", shm_name)
+    assert p.returncode == 1, p
+    err = one_line(p, path)
+    assert err.endswith(f"cannot remove {path}: Directory not empty (a directory with "
+                        f"entries; look inside, then remove it: rm -r {path})\n"), err
+    assert os.path.exists(os.path.join(path, "inside"))  # never removed for us
+    assert [q for q in paths(shm_name).values() if os.path.lexists(q)] == [path]
+
+
+def test_list_advises_removing_a_stale_registry_of_another_layout(shm_name):
+    """A stale registry of another layout version (an older shmcancel's, its server gone) was
+    listed ``stale`` with no word of what removes it; ``cleanup --stale`` does."""
+    stale_registry(shm_name)
+    with open(paths(shm_name)["segment"], "r+b") as f:
+        f.seek(8)  # the layout version (u64), after the magic
+        f.write((7).to_bytes(8, "little"))
+    row, _ = list_row(shm_name)
+    assert row["state"] == "stale", row
+    assert row["error"].endswith(": shmtool cleanup --stale removes it"), row
+    p = shmtool_cli("cleanup", "--stale", shm_name)
+    assert p.returncode == 0, p
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
 
 

@@ -87,6 +87,8 @@ def _problem(st: os.stat_result, any_owner: bool = False) -> str | None:
         return "is a symbolic link"
     if stat.S_ISFIFO(st.st_mode):
         return "is a FIFO"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory"
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
     if st.st_uid != os.geteuid() and not any_owner:
@@ -108,6 +110,8 @@ def describe(st: os.stat_result) -> str:
         return "a FIFO"
     if stat.S_ISREG(st.st_mode):
         return "a regular file"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
     return "not a regular file"
 
 
@@ -322,14 +326,17 @@ def split_paths(name: str) -> tuple[list[str], list[tuple[str, os.stat_result]]]
 
 def unlink_names(name: str, paths: Iterable[str] | None = None) -> list[str]:
     """Remove whatever exists of ``name``'s segment, semaphore, lock file and temporaries (the
-    entries themselves: a symbolic link is removed, never followed), or only those of
-    ``paths`` (the own entries :func:`split_paths` gives); the paths removed.
-    Raises one :class:`ShmCancelError` naming the first path that could not be removed, after
-    trying them all."""
+    entries themselves: a symbolic link is removed, never followed; an empty directory too,
+    never one with entries), or only those of ``paths`` (the own entries :func:`split_paths`
+    gives); the paths removed. Raises one :class:`ShmCancelError` naming the first path that
+    could not be removed and what to do about it, after trying them all."""
     removed, failed = [], []
     for path in name_paths(name) if paths is None else paths:
         try:
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except IsADirectoryError:  # a squatter's directory: only an empty one goes
+                os.rmdir(path)
             removed.append(path)
         except FileNotFoundError:
             pass
@@ -338,11 +345,16 @@ def unlink_names(name: str, paths: Iterable[str] | None = None) -> list[str]:
     if failed:
         path, err = failed[0]
         try:
-            owner = f"it belongs to uid {os.lstat(path).st_uid}; "
+            uid = os.lstat(path).st_uid
         except OSError:
-            owner = ""
-        raise ShmCancelError(f"cannot remove {path}: {err.strerror} ({owner}remove it as its "
-                             "owner or root)")
+            uid = None
+        if err.errno == errno.ENOTEMPTY:
+            advice = f"a directory with entries; look inside, then remove it: rm -r {path}"
+        elif uid is not None and uid != os.geteuid():
+            advice = f"it belongs to uid {uid}; remove it as its owner or root"
+        else:
+            advice = f"check {os.path.dirname(path)}'s permissions and mounts"
+        raise ShmCancelError(f"cannot remove {path}: {err.strerror} ({advice})")
     return removed
 
 
