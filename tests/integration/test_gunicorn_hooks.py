@@ -664,8 +664,9 @@ def test_two_instances_side_by_side(shm_name, shm_names):
                 Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1, timeout=15,
                          env={"SHMCANCEL_REGISTRY": names[0]}):
             pass
-        assert f"Error: shmcancel: registry {names[0]} is in use by live pid {a.pid}" \
-            in str(e.value), str(e.value)
+        assert f"Error: shmcancel: registry {names[0]} is in use by live pid {a.pid}, its " \
+            "creator: stop that server first, or give this one another registry name (under " \
+            "gunicorn: SHMCANCEL_REGISTRY)" in str(e.value), str(e.value)
         assert segment_exists(names[0]), "the refused instance left the live registry alone"
 
 

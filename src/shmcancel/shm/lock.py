@@ -148,6 +148,18 @@ _states: weakref.WeakValueDictionary[tuple[str, int], _ProcState] = (
     weakref.WeakValueDictionary())
 
 
+
+def _stopped_advice(pid: int) -> str:
+    """What to do about a holder found stopped (``T``: SIGSTOP, ``t``: a debugger), else ""."""
+    try:
+        states = procinfo.thread_states(pid)
+    except OSError:
+        return ""
+    if not states or not any(s in "Tt" for s in states):
+        return ""
+    return (f"; pid {pid} is stopped (SIGSTOP or a debugger): `kill -CONT {pid}` resumes it; "
+            "if it is killed instead, the lock is recovered")
+
 class RegistryLock:
     """``with lock:`` holds the registry (every table of it). Reentrant per thread.
 
@@ -612,7 +624,8 @@ class RegistryLock:
                     f"{sorted(busy)} that have the semaphore open)" if busy
                else "a process that has not recorded itself yet")
         return (f"registry {self.name}: lock held by {who} for more than {self._timeout:.1f}s "
-                f"(generation {self._w[_GEN]}); a live holder is never robbed")
+                f"(generation {self._w[_GEN]}); a live holder is never robbed"
+                + (_stopped_advice(p[0]) if p is not None else ""))
 
     def _lockfd(self) -> int:
         """The fd the recovery flock is taken on: the kept one while it is still the segment's

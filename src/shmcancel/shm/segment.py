@@ -686,7 +686,10 @@ def _clear_stale(name: str) -> None:
         pass
     else:
         if owner is not None and procinfo.alive(*owner):
-            raise RegistryIncompatible(f"registry {name} is in use by live pid {owner[0]}")
+            raise RegistryIncompatible(
+                f"registry {name} is in use by live pid {owner[0]}, its creator: stop that "
+                "server first, or give this one another registry name (under gunicorn: "
+                "SHMCANCEL_REGISTRY)")
     # Stale (creator gone), truncated or garbage: replace.
     for path in (segment_path(name), sem_path(name), tmp_path(name)):
         unlink_quiet(os.unlink, path)
