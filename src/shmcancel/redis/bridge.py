@@ -60,6 +60,7 @@ flight: it waits in Redis for that row (:class:`~shmcancel.redis.storage.RedisSt
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import itertools
@@ -142,6 +143,7 @@ def _connection_failure(e: BaseException) -> bool:
 
 _current: Bridge | None = None
 _current_lock = threading.Lock()
+_exit_hooked = False  # _at_exit registered (once per process; a fork child inherits it)
 
 
 class Bridge:
@@ -198,6 +200,7 @@ class Bridge:
         self.owed_expired = 0
         self.owed_dropped = 0
         self._pid = os.getpid()
+        self._marked = False  # this worker's box marked stopped in Redis (_box_stopped)
         self._sessions: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -527,20 +530,26 @@ class Bridge:
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
-        """End the thread (waiting for it up to ``timeout`` and a turn), then take this worker's
-        box for gone in Redis (see ``BOX_GONE_AFTER``): it leaves the holders of the sessions
-        it served at their next renewal (unless Redis is down: then once its beats are old).
-        Never raises."""
+        """End the thread (waiting for it up to ``timeout`` and a turn) and mark this worker's
+        box stopped (:meth:`_box_stopped`). Never raises."""
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout + self.block + self.timeout)
-        # a thread still running could beat after the mark; Redis down: its beats have ended
-        if t is not None and not t.is_alive() and not self.down:
-            try:
-                self.store.beat(self.remote.box, stopping=True)
-            except Exception as e:  # its beats stop: gone after BOX_GONE_AFTER all the same
-                log.debug("marking this worker's box gone: %s", e)
+        self._box_stopped()
+
+    def _box_stopped(self) -> None:
+        """Tell Redis this worker's box is read no more (``RedisStore.box_stopped``): it leaves
+        the holders of the sessions it served, which a ``DELETE`` tells. Once, after the
+        thread was told to stop, never while Redis is marked down (the call would wait out its
+        timeout; the box stays listed then, as a killed worker's does). Never raises."""
+        if self._marked or self.down or self._thread is None:
+            return
+        self._marked = True
+        try:
+            self.store.box_stopped(self.remote.box)
+        except Exception as e:
+            log.debug("marking this worker's Redis box stopped: %s", e)
 
     def _run(self) -> None:
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
@@ -562,8 +571,6 @@ class Bridge:
                         self._answered()
                         self._recovering = True
                         self.down = False
-                    # first: after an outage past BOX_GONE_AFTER others take this box for gone
-                    self.store.beat(self.remote.box)
                     added = self.remote.renew()
                     republished = self._republish()
                     with self._owed_lock:  # Redis may have lost them: each session's next
@@ -580,7 +587,6 @@ class Bridge:
                     try:
                         self.remote.renew()
                         self.store.client.pexpire(box, int(self.remote.lease * 1000))
-                        self.store.beat(self.remote.box)
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
@@ -799,13 +805,27 @@ remote.install(current)  # the transport asks this bridge where the local regist
 
 
 def start(registry: Any, url: str, **kw: Any) -> Bridge:
-    """Start this process's bridge (replacing one inherited or started before)."""
-    global _current
+    """Start this process's bridge (replacing one inherited or started before). When the
+    process exits (a recycled or stopped worker), its box is marked stopped."""
+    global _current, _exit_hooked
     with _current_lock:
         b = Bridge(registry, url, **kw)
         b.start()
         _current = b
+        if not _exit_hooked:
+            atexit.register(_at_exit)
+            _exit_hooked = True
         return b
+
+
+def _at_exit() -> None:
+    """The process exits: its bridge's box is read no more. Marked without joining the thread
+    (in a ``BLPOP`` it would hold the exit up to a second): nothing the thread still does can
+    undo the mark."""
+    b = _current
+    if b is not None and b._pid == os.getpid():
+        b._stop.set()
+        b._box_stopped()
 
 
 def stop() -> None:

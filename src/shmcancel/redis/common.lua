@@ -11,8 +11,7 @@
 --   Pbox:<host>:<pid>:<tag>     list   cancellations for one worker to apply to its host's segment
 --   Psess:<sid>                 string a session for other hosts to adopt (msgpack [version, client])
 --   Psess:<sid>:boxes           set    the boxes of the workers holding it (told of its DELETE)
---   P{g}:up                     zset   box -> Redis time of its bridge's last beat (ms): holders'
---                                      liveness (set_holder)
+--   P{g}:stopped                zset   box -> Redis time (ms) its bridge stopped (stopped.lua)
 --   Psess:<sid>:gone            string it was deleted lately: never stored again meanwhile
 --   P{cl:<sha1(client)>}:s      zset   a client's sessions (per_client bound)
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
@@ -136,29 +135,19 @@ local function live(ifk, now_ms)
   redis.call('ZREMRANGEBYSCORE', ifk, '-inf', '(' .. now_ms)
   return redis.call('ZRANGE', ifk, 0, -1)
 end
--- Redis's own clock (ms): one clock for every host's beats.
-local function redis_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Whether a box's bridge stopped (its worker exited): nobody reads that box again. A worker killed
+-- without stopping stays listed until the session ends. An error reading the mark (a key of
+-- another type at P{g}:stopped) counts as not stopped: the box is kept, and told.
+local function stopped_box(stopped, box)
+  return type(redis.pcall('ZSCORE', stopped, box)) == 'string'
 end
--- Whether a box's bridge last beat more than gone_ms ago (its worker was killed, or stopped: a
--- stopping bridge beats as if gone_ms ago). A box that never beat (a worker of an older
--- version, which does not) is never taken for gone.
-local function gone_box(up, box, now, gone_ms)
-  local beat = redis.call('ZSCORE', up, box)
-  return beat ~= false and tonumber(beat) < now - gone_ms
-end
--- List `box` among a session's holders. Above HOLDERS_KEPT holders, the gone among (up to)
--- HOLDERS_LOOKED of them leave: each worker that ever served a long-lived session stayed
--- listed, recycled ones too, and a DELETE told them all.
-local HOLDERS_KEPT = 8
+-- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
+-- each worker that ever served a long-lived session stayed listed, recycled ones too, and a
+-- DELETE told them all.
 local HOLDERS_LOOKED = 32
-local function set_holder(boxes, box, up, gone_ms)
+local function set_holder(boxes, box, stopped)
   redis.call('SADD', boxes, box)
-  if redis.call('SCARD', boxes) > HOLDERS_KEPT then
-    local now = redis_ms()
-    for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
-      if b ~= box and gone_box(up, b, now, gone_ms) then redis.call('SREM', boxes, b) end
-    end
+  for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
+    if b ~= box and stopped_box(stopped, b) then redis.call('SREM', boxes, b) end
   end
 end

@@ -1,4 +1,4 @@
--- KEYS: sess, boxes, gone, client_set ("" : none), up. ARGV: ttl_ms, box, gone_ms
+-- KEYS: sess, boxes, gone, client_set ("" : none), stopped. ARGV: ttl_ms, box
 -- A worker serving a session renews its copy's lifetime (and its client's set's, when given)
 -- and lists its box among the holders a DELETE tells (session_delete.lua): a host's copy lives
 -- in its registry for every worker there, so the one that adopted it may have died since.
@@ -6,7 +6,7 @@
 -- Redis holds no copy, 1 when renewed.
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
-set_holder(KEYS[2], ARGV[2], KEYS[5], tonumber(ARGV[3]))
+set_holder(KEYS[2], ARGV[2], KEYS[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 if KEYS[4] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[1]) end
 return 1

@@ -1,5 +1,5 @@
--- KEYS: sess, client_set, boxes, gone, up. ARGV: P, sid, value, ttl_ms, per_client, now_ms, box,
--- gone_ms
+-- KEYS: sess, client_set, boxes, gone, stopped. ARGV: P, sid, value, ttl_ms, per_client, now_ms,
+-- box
 -- Stores a session for other hosts to adopt (returns 1), unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here
@@ -17,7 +17,7 @@ local function busy(sid)
 end
 if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
-set_holder(KEYS[3], ARGV[7], KEYS[5], tonumber(ARGV[8]))
+set_holder(KEYS[3], ARGV[7], KEYS[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])

@@ -32,10 +32,10 @@ import msgpack
 
 from ..config import Config
 
-__all__ = ["BOX_GONE_AFTER", "BOX_MAX", "GONE_TTL", "RedisStore", "wrong_type"]
+__all__ = ["BOX_MAX", "GONE_TTL", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete", "claim", "keep", "beat")
+            "session_delete", "claim", "keep", "stopped")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
@@ -44,12 +44,6 @@ BOX_MAX = 4096
 #: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
 #: holder stores it again after the outage) is refused its store and ends its copy.
 GONE_TTL = 300.0
-#: Seconds after a worker's bridge last beat (every renewal, at most a second apart) past which
-#: its box is taken for gone: it leaves the holders of the sessions it served (each listed every
-#: worker that ever served it, until the session ended) and a DELETE tells it no more. A worker
-#: stopped (SIGSTOP) longer may miss a DELETE told meanwhile: its next renewal of that session,
-#: within GONE_TTL, ends its copy. A stopping bridge's box is gone at once.
-BOX_GONE_AFTER = 300.0
 
 
 def _b(s: str) -> bytes:
@@ -120,9 +114,7 @@ class RedisStore:
         self._all = _b(prefix + "{g}:all")
         self._scopes = _b(prefix + "{g}:scopes")
         self._pend = _b(prefix + "{g}:pend")
-        self._up = _b(prefix + "{g}:up")
-        #: :data:`BOX_GONE_AFTER` (seconds; tests shorten it).
-        self.box_gone_after = BOX_GONE_AFTER
+        self._stopped = _b(prefix + "{g}:stopped")
         common = resources.files(__package__).joinpath("common.lua").read_text()
         self._src = {n: common + resources.files(__package__).joinpath(f"{n}.lua").read_text()
                      for n in _SCRIPTS}
@@ -340,10 +332,11 @@ class RedisStore:
         cl = self._client_key(client)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
-        return int(self.call("session", [key, cl, key + b":boxes", key + b":gone", self._up],
+        return int(self.call("session",
+                             [key, cl, key + b":boxes", key + b":gone", self._stopped],
                              [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
                               int(self.config.sessions_per_client or 32), now_ms,
-                              _b(box), self._gone_ms()])) == 1
+                              _b(box)])) == 1
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
         """``(version, client)`` of a stored session; None when there is none (a key of
@@ -375,24 +368,23 @@ class RedisStore:
         key = self._sess_key(sid)
         return int(self.call("keep", [key, key + b":boxes", key + b":gone",
                                       b"" if client is None else self._client_key(client),
-                                      self._up],
-                             [int(self.config.session_ttl * 1000), _b(box), self._gone_ms()]))
+                                      self._stopped],
+                             [int(self.config.session_ttl * 1000), _b(box)]))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
         key = self._sess_key(sid)
         gone_ms = int(min(self.config.session_ttl, GONE_TTL) * 1000)
         return int(self.call("session_delete",
-                             [key, key + b":boxes", key + b":gone", self._up],
+                             [key, key + b":boxes", key + b":gone", self._stopped],
                              [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
-                              _b(own_box), gone_ms, self._gone_ms()]))
+                              _b(own_box), gone_ms]))
 
-    def _gone_ms(self) -> int:
-        return max(1, int(self.box_gone_after * 1000))
-
-    def beat(self, box: str, *, stopping: bool = False) -> None:
-        """Worker ``box`` is live (its bridge beats at every renewal), or with ``stopping`` gone
-        from now on. Beats are kept a session TTL past the time a box is taken for gone: a
-        session in use that long has had every renewal drop its gone holders."""
-        keep_ms = int((self.config.session_ttl + 2 * self.box_gone_after) * 1000)
-        self.call("beat", [self._up], [_b(box), keep_ms, self._gone_ms() if stopping else 0])
+    def box_stopped(self, box: str) -> None:
+        """Worker ``box``'s bridge stopped: nobody reads that box again. It leaves the holders
+        of every session at the session's next renewal or store (each listed every worker that
+        ever served it, recycled ones too, until the session ended), and a ``DELETE`` skips it.
+        The mark is kept a session TTL and a minute: a session still listing the box has been
+        renewed since, and a mark forgotten only keeps a box listed, as before the marks."""
+        keep_ms = int((self.config.session_ttl + 60) * 1000)
+        self.call("stopped", [self._stopped], [_b(box), keep_ms])
