@@ -94,9 +94,12 @@ from shmcancel.shm.registry import Registry
 reg = Registry.create(sys.argv[2], Config(capacity=400, max_rows=200, in_flight_capacity=64,
                                           session_capacity=16))
 try:
-    b = bridge.start(reg, sys.argv[1], prefix=sys.argv[3], lease=3.0)
-    b.store.touch_session("s-exit", box=b.remote.box)
-    print(b.remote.box, flush=True)
+    boxes = []
+    for _ in range(2 if sys.argv[4] == "twice" else 1):  # twice: the first bridge replaced
+        b = bridge.start(reg, sys.argv[1], prefix=sys.argv[3], lease=3.0)
+        b.store.touch_session("s-exit", box=b.remote.box)
+        boxes.append(b.remote.box)
+    print(" ".join(boxes), flush=True)
     if sys.argv[4] == "kill":
         time.sleep(60)
 finally:
@@ -105,29 +108,31 @@ finally:
 """
 
 
-@pytest.mark.parametrize("how", ["exit", "kill"])
+@pytest.mark.parametrize("how", ["exit", "twice", "kill"])
 def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed(
         redis_server: Any, store: RedisStore, shm_name: str, how: str) -> None:
     """A process with a bridge exits as a recycled worker does (normally, its bridge never
     stopped by hand): its box is marked stopped, and it leaves the session at the next
-    renewal. A SIGKILLed one cannot mark: it stays listed and told (the session's TTL ends
-    it), never dropped for what another process guesses."""
+    renewal; so does a bridge the process replaced (its thread read its box to the end). A
+    SIGKILLed one cannot mark: it stays listed and told (the session's TTL ends it), never
+    dropped for what another process guesses."""
     put(store, "s-exit", "live")
     proc = subprocess.Popen([sys.executable, "-c", EXITING, redis_server.url, shm_name,
                              store.prefix, how], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        box = proc.stdout.readline().strip()
-        assert box and box in holders(store, "s-exit")
+        boxes = set(proc.stdout.readline().split())
+        assert len(boxes) == (2 if how == "twice" else 1)
+        assert boxes <= holders(store, "s-exit")
         if how == "kill":
             os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == (0 if how == "exit" else -signal.SIGKILL)
+        assert proc.wait(timeout=30) == (-signal.SIGKILL if how == "kill" else 0)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert store.touch_session("s-exit", box="live") == 1
-    if how == "exit":  # marked before the process ended
+    if how == "kill":
+        assert holders(store, "s-exit") == {"live", *boxes}
+    else:  # marked before the process ended
         assert holders(store, "s-exit") == {"live"}
-    else:
-        assert holders(store, "s-exit") == {"live", box}

@@ -68,6 +68,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ def _connection_failure(e: BaseException) -> bool:
 _current: Bridge | None = None
 _current_lock = threading.Lock()
 _exit_hooked = False  # _at_exit registered (once per process; a fork child inherits it)
+_started: weakref.WeakSet[Bridge] = weakref.WeakSet()  # bridges started (a child's: the parent's)
 
 
 class Bridge:
@@ -526,8 +528,16 @@ class Bridge:
     # ------------------------------------------------------------------ the thread
 
     def start(self) -> None:
+        """Start the thread. When the process exits, this worker's box is marked stopped
+        (:meth:`_box_stopped`), whichever bridge is the process's current one then."""
+        global _exit_hooked
         self._thread = threading.Thread(target=self._run, name="shmcancel-redis", daemon=True)
         self._thread.start()
+        with _current_lock:
+            _started.add(self)
+            if not _exit_hooked:
+                atexit.register(_at_exit)
+                _exit_hooked = True
 
     def stop(self, timeout: float = 2.0) -> None:
         """End the thread (waiting for it up to ``timeout`` and a turn) and mark this worker's
@@ -807,23 +817,21 @@ remote.install(current)  # the transport asks this bridge where the local regist
 def start(registry: Any, url: str, **kw: Any) -> Bridge:
     """Start this process's bridge (replacing one inherited or started before). When the
     process exits (a recycled or stopped worker), its box is marked stopped."""
-    global _current, _exit_hooked
+    global _current
+    b = Bridge(registry, url, **kw)
+    b.start()
     with _current_lock:
-        b = Bridge(registry, url, **kw)
-        b.start()
         _current = b
-        if not _exit_hooked:
-            atexit.register(_at_exit)
-            _exit_hooked = True
-        return b
+    return b
 
 
 def _at_exit() -> None:
-    """The process exits: its bridge's box is read no more. Marked without joining the thread
-    (in a ``BLPOP`` it would hold the exit up to a second): nothing the thread still does can
-    undo the mark."""
-    b = _current
-    if b is not None and b._pid == os.getpid():
+    """The process exits: the boxes of the bridges it started are read no more. Marked without
+    joining their threads (in a ``BLPOP`` one would hold the exit up to a second): nothing a
+    thread still does can undo a mark."""
+    with _current_lock:
+        started = [b for b in _started if b._pid == os.getpid()]
+    for b in started:
         b._stop.set()
         b._box_stopped()
 
