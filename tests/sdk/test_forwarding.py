@@ -251,3 +251,35 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
     left, after_new_worker, after = asyncio.run(main())
     assert left >= 8
     assert after_new_worker == 0 and after == 0, (left, after_new_worker, after)
+
+
+def test_a_forward_carries_the_clients_headers_only_and_adds_none_to_the_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hop is invisible: httpx's default headers (``Accept: */*``, ``Accept-Encoding``,
+    ``User-Agent``, ``Connection``) were merged into every forward, so a request without
+    ``Accept``, which its own worker refuses 406, was served when another worker forwarded it;
+    and the owner's internal server added its ``Date`` and ``Server`` to the answer, which the
+    public server then doubled."""
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(list(scope["headers"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+    async def main() -> list[Any]:
+        owner, here = Router(app), Router(app)
+        await owner.ensure()
+        try:
+            return await _forward(here, owner.token, "POST", asyncio.Event())
+        finally:
+            owner.close()
+
+    sent = asyncio.run(main())
+    names = sorted(k.lower() for k, _ in seen[0])
+    assert not {b"accept", b"accept-encoding", b"user-agent", b"connection"} & set(names), names
+    assert b"host" in names and b"content-length" in names
+    head = sent[0]
+    assert head["status"] == 200
+    assert not {b"date", b"server"} & {k.lower() for k, _ in head["headers"]}, head["headers"]

@@ -196,6 +196,10 @@ class Router:
             h = self._clients[path] = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
                 timeout=httpx.Timeout(FORWARD_TIMEOUT, read=None))
+            # httpx's own defaults (Accept: */*, Accept-Encoding, User-Agent, Connection) would
+            # be merged into every forward: a request without Accept, refused 406 by its own
+            # worker, was served once forwarded. Only the client's headers go.
+            h.headers.clear()
         return h
 
     async def _prune(self) -> None:
@@ -232,6 +236,7 @@ class Router:
         self._started = started = asyncio.Event()
         config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
                                 interface="asgi3", proxy_headers=False,
+                                server_header=False, date_header=False,  # the public one's go
                                 access_log=False, timeout_graceful_shutdown=1,
                                 timeout_keep_alive=INTERNAL_KEEPALIVE)
         self._server = server = _QuietServer.make(config)
