@@ -141,10 +141,12 @@ def _session(g: Gunicorn) -> dict[str, str]:
 
 
 def _refused_while_a_call_runs(stateful, rid: int, note: bytes,
-                               content_type: str | None = None) -> httpx.Response:
+                               content_type: str | None = None,
+                               token: str | None = None) -> httpx.Response:
     """Run ``sleep`` (1.5 s) as call ``rid`` of a new session; once it is in flight, POST the
-    cancel ``note`` in that session (with ``content_type`` when given). Returns the cancel's
-    reply, having checked that the call was not cancelled (it slept its 1.5 s)."""
+    cancel ``note`` in that session (with ``content_type`` when given; ``token``: its session
+    id with that worker token instead of its own). Returns the cancel's reply, having checked
+    that the call was not cancelled (it slept its 1.5 s)."""
     import threading
 
     g, reg = stateful
@@ -163,9 +165,13 @@ def _refused_while_a_call_runs(stateful, rid: int, note: bytes,
     t.start()
     try:
         assert _wait(lambda: (scope, str(rid)) in _rows(reg), 10), _rows(reg)
+        sent = dict(hdrs)
+        if content_type is not None:
+            sent["content-type"] = content_type
+        if token is not None:
+            sent["mcp-session-id"] = token + "-" + hdrs["mcp-session-id"].split("-", 1)[1]
         with httpx.Client(timeout=10) as h:
-            r = h.post(g.url, content=note, headers=dict(hdrs) if content_type is None
-                       else dict(hdrs, **{"content-type": content_type}))
+            r = h.post(g.url, content=note, headers=sent)
     finally:
         t.join(20)
     assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text
@@ -193,3 +199,14 @@ def test_a_cancel_with_a_content_type_the_sdk_refuses_is_its_415(stateful, conte
     note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 8}}
     r = _refused_while_a_call_runs(stateful, 8, json.dumps(note).encode(), content_type)
     assert r.status_code == 415, (r.status_code, r.text)
+
+
+def test_a_cancel_in_a_session_id_naming_no_worker_is_a_404_and_cancels_nothing(stateful):
+    """A session id whose worker token names no worker (never issued: forged, or of a worker
+    long gone) is an unknown session: 404 for every request, contract §5 and §9 ("session
+    existence" still applies). A ``notifications/cancelled`` carrying one was answered 202 from
+    the registry, and cancelled the call of the session whose SDK id it carried."""
+    note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 9}}
+    r = _refused_while_a_call_runs(stateful, 9, json.dumps(note).encode(),
+                                   token="ffffffffx000000000000")
+    assert r.status_code == 404, (r.status_code, r.text)

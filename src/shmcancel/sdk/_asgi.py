@@ -182,8 +182,10 @@ class Layer:
         if body is None:
             return
         if owner is not None and router is not None:
-            # a cancel is answered here from the registry (no hop); anything else goes to the owner
-            if (modern or not _may_cancel(body)
+            # a cancel is answered here from the registry (no hop); anything else goes to the
+            # owner, as does a cancel whose id names no worker (answered 404 there, as any
+            # request of a session nobody holds: it used to be answered 202 here)
+            if (modern or not _may_cancel(body) or not router.names_worker(owner)
                     or not await self._cancel(router.with_sdk_id(scope), body, send,
                                               local=False)):
                 await router.forward(owner, scope, body, receive, send)

@@ -322,13 +322,18 @@ class Router:
             headers.append((k, v))
         message["headers"] = headers
 
+    @staticmethod
+    def names_worker(token: str) -> bool:
+        """Whether ``token`` (from :meth:`route`) names a worker serving now (its socket)."""
+        return os.path.exists(os.path.join(server_dir(), f"{token}.sock"))
+
     # --- forwarding -------------------------------------------------------------------------
 
     async def forward(self, token: str, scope: MutableMapping[str, Any], body: bytes | None,
                       receive: Any, send: Any) -> None:
         """Serve the request by the worker ``token`` (see the module docstring)."""
         path = os.path.join(server_dir(), f"{token}.sock")
-        if not os.path.exists(path):
+        if not self.names_worker(token):
             # No such worker (gone and swept, or a token anyone can forge): answered before a
             # client is built for it, which would cost milliseconds of this event loop (an SSL
             # context), where every call's cancellation poll runs too.
