@@ -289,19 +289,24 @@ def _registry_row(name: str) -> dict[str, Any]:
         left = [_left(p, st) for p, st in others if p not in said]
         row["error"] = "; ".join([x for x in (parts, *left) if x]) or None
 
+    def removable(state: str, problem: str, skip: Sequence[str]) -> dict[str, Any]:
+        # ``cleanup --stale`` removes it unless an entry of ours (but ``skip``) is a link, a
+        # FIFO or a directory (it removes regular files only); ``unlink`` removes those too.
+        # Other users' entries are left alone by both and block neither.
+        row["state"] = state
+        bad = _bad_own(own, skip=skip)
+        note([problem, *bad.values()],
+             f"shmtool unlink {name} removes it" if bad else "shmtool cleanup --stale removes it")
+        return row
+
     try:
         st = check_entry("segment", seg)
         if st is None:
-            row["state"] = "leftover"
             if not own:
+                row["state"] = "leftover"
                 note(["no segment, nothing of ours"])
                 return row
-            bad = _bad_own(own)
-            files = _basenames(own)
-            note([f"no segment, only {files}", *bad.values()],
-                 f"shmtool unlink {name} removes it" if bad else
-                 "shmtool cleanup --stale removes it")
-            return row
+            return removable("leftover", f"no segment, only {_basenames(own)}", ())
         row["size"], row["allocated"] = st.st_size, st.st_blocks * 512
         reg = _attach_ro(name)
     except ShmCancelError as e:
@@ -312,12 +317,7 @@ def _registry_row(name: str) -> dict[str, Any]:
             if owner is not None:
                 row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
         if row["creator_alive"] is False:
-            # what cleanup --stale does to it (an entry it will not touch: unlink)
-            row["state"] = "stale"
-            bad = _bad_own(own, skip=[seg])
-            note([_short(e), *bad.values()],
-                 f"shmtool unlink {name} removes it" if bad else
-                 "shmtool cleanup --stale removes it")
+            removable("stale", _short(e), [seg])
         elif row["creator_alive"]:  # not one to remove, whoever can: a server uses it
             problem = _short(e.problem if isinstance(e, NotOurs) else e)
             note([f"{problem}; its creator, pid {row['creator_pid']}, is alive"])
@@ -347,14 +347,7 @@ def _registry_row(name: str) -> dict[str, Any]:
             row["state"] = "alive"
             note(list(bad.values()))
         return row
-    # Stale. ``cleanup --stale`` removes it unless an entry of ours is a link or a FIFO (it
-    # removes regular files only); ``unlink`` removes those too. Other users' entries are
-    # left alone by both and block neither.
-    row["state"] = "stale"
-    bad = _bad_own(own, skip=[seg])
-    note(["creator gone", *bad.values()],
-         f"shmtool unlink {name} removes it" if bad else "shmtool cleanup --stale removes it")
-    return row
+    return removable("stale", "creator gone", [seg])
 
 
 def _registries() -> list[dict[str, Any]]:
