@@ -122,6 +122,11 @@ def registry_dir(base: str, registry_name: str) -> str:
     return _private(os.path.join(base, f"r-{digest}"))
 
 
+def _socket_path(token: str) -> str:
+    """The socket of the worker whose token is ``token``, in :func:`server_dir`."""
+    return os.path.join(server_dir(), f"{token}.sock")
+
+
 class SocketDirUnsafe(ShmCancelError, RuntimeError):
     """The workers' socket directory is not a private directory of this user (see
     :func:`socket_dir`)."""
@@ -232,7 +237,7 @@ class Router:
 
         self.pid = os.getpid()
         self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
-        self.path = os.path.join(server_dir(), f"{self.token}.sock")
+        self.path = _socket_path(self.token)
         self._started = started = asyncio.Event()
         config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
                                 interface="asgi3", proxy_headers=False,
@@ -325,15 +330,15 @@ class Router:
     @staticmethod
     def names_worker(token: str) -> bool:
         """Whether ``token`` (from :meth:`route`) names a worker serving now (its socket)."""
-        return os.path.exists(os.path.join(server_dir(), f"{token}.sock"))
+        return os.path.exists(_socket_path(token))
 
     # --- forwarding -------------------------------------------------------------------------
 
     async def forward(self, token: str, scope: MutableMapping[str, Any], body: bytes | None,
                       receive: Any, send: Any) -> None:
         """Serve the request by the worker ``token`` (see the module docstring)."""
-        path = os.path.join(server_dir(), f"{token}.sock")
-        if not self.names_worker(token):
+        path = _socket_path(token)
+        if not os.path.exists(path):
             # No such worker (gone and swept, or a token anyone can forge): answered before a
             # client is built for it, which would cost milliseconds of this event loop (an SSL
             # context), where every call's cancellation poll runs too.
