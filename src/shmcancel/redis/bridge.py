@@ -144,7 +144,6 @@ def _connection_failure(e: BaseException) -> bool:
 
 _current: Bridge | None = None
 _current_lock = threading.Lock()
-_exit_hooked = False  # _at_exit registered (once per process; a fork child inherits it)
 _started: weakref.WeakSet[Bridge] = weakref.WeakSet()  # bridges started (a child's: the parent's)
 
 
@@ -530,14 +529,10 @@ class Bridge:
     def start(self) -> None:
         """Start the thread. When the process exits, this worker's box is marked stopped
         (:meth:`_box_stopped`), whichever bridge is the process's current one then."""
-        global _exit_hooked
         self._thread = threading.Thread(target=self._run, name="shmcancel-redis", daemon=True)
         self._thread.start()
         with _current_lock:
             _started.add(self)
-            if not _exit_hooked:
-                atexit.register(_at_exit)
-                _exit_hooked = True
 
     def stop(self, timeout: float = 2.0) -> None:
         """End the thread (waiting for it up to ``timeout`` and a turn) and mark this worker's
@@ -834,6 +829,9 @@ def _at_exit() -> None:
     for b in started:
         b._stop.set()
         b._box_stopped()
+
+
+atexit.register(_at_exit)  # a process that started no bridge looks at an empty set
 
 
 def stop() -> None:
