@@ -148,17 +148,13 @@ _states: weakref.WeakValueDictionary[tuple[str, int], _ProcState] = (
     weakref.WeakValueDictionary())
 
 
-
 def _stopped_advice(pid: int) -> str:
-    """What to do about a holder found stopped (``T``: SIGSTOP, ``t``: a debugger), else ""."""
-    try:
-        states = procinfo.thread_states(pid)
-    except OSError:
-        return ""
-    if not states or not any(s in "Tt" for s in states):
+    """What to do about a holder found stopped (SIGSTOP, a debugger), else ""."""
+    if not procinfo.stopped(pid):
         return ""
     return (f"; pid {pid} is stopped (SIGSTOP or a debugger): `kill -CONT {pid}` resumes it; "
             "if it is killed instead, the lock is recovered")
+
 
 class RegistryLock:
     """``with lock:`` holds the registry (every table of it). Reentrant per thread.

@@ -116,6 +116,16 @@ def settled(pid: int) -> bool:
     return states is None or all(s in _SETTLED for s in states)
 
 
+def stopped(pid: int) -> bool:
+    """True when a thread of ``pid`` is stopped (``T``: SIGSTOP, ``t``: a debugger); False
+    when none is, the process is gone, or that cannot be told."""
+    try:
+        states = thread_states(pid)
+    except OSError:
+        return False
+    return states is not None and any(s in "Tt" for s in states)
+
+
 def _euid(pid: int) -> int | None:
     """Effective uid of ``pid`` (``/proc/<pid>/status`` is readable for any process)."""
     try:
