@@ -4,6 +4,7 @@ a private directory of this user; another local user's squat is refused, never u
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shmcancel.sdk import SocketDirUnsafe
-from shmcancel.sdk._routing import _checked, registry_dir, socket_dir
+from shmcancel.sdk._routing import Router, _checked, registry_dir, server_dir, socket_dir
 
 
 @pytest.fixture
@@ -140,3 +141,63 @@ def test_servers_without_a_registry_share_a_directory_only_with_their_parents_pr
     for d in (*siblings, other):
         assert os.path.dirname(d) == str(tmp_path / "socks")
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+
+
+async def _noop_app(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 204, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_the_last_workers_close_removes_the_servers_directory(
+        tmp_path: Path, use_dir) -> None:
+    """Each server's directory is named by its registry, and CI's registries have random
+    names: a directory left at every stop was one more empty directory per run, forever. The
+    worker whose close leaves it empty removes it; one that leaves another's socket does not."""
+    use_dir(tmp_path / "socks")
+
+    async def main() -> None:
+        first, last = Router(_noop_app), Router(_noop_app)
+        await first.ensure()
+        await last.ensure()
+        tasks = [t for t in (first._task, last._task) if t is not None]
+        d = os.path.dirname(first.path)
+        assert os.path.dirname(last.path) == d and d.startswith(str(tmp_path / "socks"))
+        first.close()
+        assert os.listdir(d) == [os.path.basename(last.path)]
+        last.close()
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks)
+        assert not os.path.exists(d)
+        assert os.listdir(tmp_path / "socks") == []
+
+    asyncio.run(main())
+
+
+def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
+        tmp_path: Path, use_dir) -> None:
+    """During a HUP the old workers exit (the last one removing the emptied directory) while
+    the new ones start: a new worker that checked the directory before that removal bound
+    into nothing, and its socket server failed to start. It makes the directory again."""
+    use_dir(tmp_path / "socks")
+    d = server_dir()  # checked: this process will not look at it again
+    os.rmdir(d)
+
+    async def main() -> None:
+        r = Router(_noop_app)
+        await r.ensure()
+        try:
+            assert os.path.dirname(r.path) == d
+            assert stat.S_ISSOCK(os.lstat(r.path).st_mode)
+            assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+            reader, writer = await asyncio.open_unix_connection(r.path)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(10):
+                assert (await reader.readline()).startswith(b"HTTP/1.1 204")
+            writer.close()
+        finally:
+            r.close()
+            if r._task is not None:
+                async with asyncio.timeout(10):
+                    await r._task
+
+    asyncio.run(main())

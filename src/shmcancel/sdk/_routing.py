@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import stat
 import tempfile
 from collections.abc import Iterator, MutableMapping
@@ -125,6 +126,32 @@ def registry_dir(base: str, registry_name: str) -> str:
 def _socket_path(token: str) -> str:
     """The socket of the worker whose token is ``token``, in :func:`server_dir`."""
     return os.path.join(server_dir(), f"{token}.sock")
+
+
+def _bind(token: str) -> tuple[socket.socket, str]:
+    """A unix socket bound at the socket path of ``token`` (:func:`_socket_path`), and that path.
+    A worker of the same server that exits removes the directory once it holds no socket
+    (:meth:`Router.close`); when that happens between this process's check of the directory and
+    its bind, the bind finds no directory: it is made and checked again, up to
+    :data:`_BIND_TRIES` times (each try needs another worker's exit in that window)."""
+    for _ in range(_BIND_TRIES):
+        path = _socket_path(token)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+        except FileNotFoundError:
+            sock.close()
+            _checked.pop(os.path.dirname(path), None)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock, path
+    raise RuntimeError(f"shmcancel.sdk: the worker's socket directory kept vanishing before its "
+                       f"bind ({_BIND_TRIES} tries): is something removing {server_dir()}?")
+
+
+_BIND_TRIES = 8
 
 
 class SocketDirUnsafe(ShmCancelError, RuntimeError):
@@ -237,15 +264,19 @@ class Router:
 
         self.pid = os.getpid()
         self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
-        self.path = _socket_path(self.token)
         self._started = started = asyncio.Event()
-        config = uvicorn.Config(self._internal, uds=self.path, lifespan="off", log_config=None,
+        try:
+            sock, self.path = _bind(self.token)
+        except BaseException:
+            started.set()
+            raise
+        config = uvicorn.Config(self._internal, lifespan="off", log_config=None,
                                 interface="asgi3", proxy_headers=False,
                                 server_header=False, date_header=False,  # the public one's go
                                 access_log=False, timeout_graceful_shutdown=1,
                                 timeout_keep_alive=INTERNAL_KEEPALIVE)
         self._server = server = _QuietServer.make(config)
-        self._task = asyncio.get_running_loop().create_task(server.serve())
+        self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         try:
             for _ in range(500):  # up to ~5 s
                 if server.started:
@@ -260,15 +291,19 @@ class Router:
         _sweep(os.path.dirname(self.path))
 
     def close(self) -> None:
-        """Stop this worker's socket server and remove its socket (the app's lifespan shutdown).
-        A worker killed outright leaves its socket: the next worker to start, or the first
-        forward that finds no listener on it, removes it."""
+        """Stop this worker's socket server and remove its socket (the app's lifespan shutdown),
+        and the server's socket directory when that leaves it empty (the last worker of a server
+        stopped: the directory is named by the registry, which the next run may not share). A
+        worker killed outright leaves its socket: the next worker to start, or the first forward
+        that finds no listener on it, removes it."""
         if self.pid != os.getpid() or not self.path:
             return
         if self._server is not None:
             self._server.should_exit = True
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        with contextlib.suppress(OSError):  # not empty: another worker's socket is in it
+            os.rmdir(os.path.dirname(self.path))
 
     async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """The app as served on the socket: a forwarded request, its client address restored."""
@@ -487,8 +522,6 @@ def _route_path(scope: MutableMapping[str, Any]) -> bytes:
 
 
 def _refused(path: str) -> bool:
-    import socket
-
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
