@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shmcancel.sdk import SocketDirUnsafe
+from shmcancel.sdk import SocketDirUnsafe, _routing
 from shmcancel.sdk._routing import Router, _checked, registry_dir, server_dir, socket_dir
 
 
@@ -201,3 +201,53 @@ def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
                     await r._task
 
     asyncio.run(main())
+
+
+def test_a_worker_binds_when_the_directory_goes_between_its_making_and_its_check(
+        tmp_path: Path, use_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race one step earlier: the directory made, then removed by the last old
+    worker's close before this worker's check of it. The check found nothing, and the
+    FileNotFoundError stopped the worker's start (under gunicorn: the whole server, as a
+    worker that failed to boot). Only this removal is injected: the rest is the real code."""
+    use_dir(tmp_path / "socks")
+    base = socket_dir()
+    made: list[str] = []
+    real_makedirs = os.makedirs
+
+    def makedirs_then_a_close(d, *args, **kwargs):
+        real_makedirs(d, *args, **kwargs)
+        if os.path.dirname(d) == base and not made:
+            made.append(d)
+            os.rmdir(d)  # an exiting worker's close, which found the directory empty
+
+    monkeypatch.setattr(os, "makedirs", makedirs_then_a_close)
+    sock, path = _routing._bind("1x000000000001")
+    try:
+        assert made and os.path.dirname(path) == made[0]
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.lstat(made[0]).st_mode) == 0o700
+    finally:
+        sock.close()
+
+
+def test_a_retry_checks_the_base_directory_again(tmp_path: Path, use_dir) -> None:
+    """Both directories removed after this process checked them (a tmp cleaner's rm -r): the
+    bind's retry made the base again with the umask's mode (0755), never checked, as the
+    server's own 0700 one under it was."""
+    use_dir(tmp_path / "socks")
+    base = socket_dir()
+    d = server_dir()
+    os.rmdir(d)
+    os.rmdir(base)
+    old = os.umask(0o022)
+    try:
+        sock, path = _routing._bind("1x000000000002")
+    finally:
+        os.umask(old)
+    try:
+        assert os.path.dirname(path) == d
+        assert stat.S_IMODE(os.lstat(base).st_mode) == 0o700
+        assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+    finally:
+        sock.close()

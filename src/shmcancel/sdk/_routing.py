@@ -129,19 +129,22 @@ def _socket_path(token: str) -> str:
 
 
 def _bind(token: str) -> tuple[socket.socket, str]:
-    """A unix socket bound at the socket path of ``token`` (:func:`_socket_path`), and that path.
-    A worker of the same server that exits removes the directory once it holds no socket
-    (:meth:`Router.close`); when that happens between this process's check of the directory and
-    its bind, the bind finds no directory: it is made and checked again, up to
-    :data:`_BIND_TRIES` times (each try needs another worker's exit in that window)."""
+    """A unix socket bound at the socket path of ``token`` (:func:`_socket_path`), and that path;
+    the socket file is its owner's only (0600, in a 0700 directory). A worker of the same server
+    that exits removes the directory once it holds no socket (:meth:`Router.close`): when that
+    happens between this process's making or check of the directory and its bind, the bind or
+    the check finds no directory, and every directory is made and checked again (the base too:
+    ``makedirs`` re-makes a missing parent with the umask's mode), up to :data:`_BIND_TRIES`
+    times (each try needs another worker's exit in that window)."""
     for _ in range(_BIND_TRIES):
-        path = _socket_path(token)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            path = _socket_path(token)
             sock.bind(path)
+            os.chmod(path, 0o600)
         except FileNotFoundError:
             sock.close()
-            _checked.pop(os.path.dirname(path), None)
+            _checked.clear()
             continue
         except BaseException:
             sock.close()
