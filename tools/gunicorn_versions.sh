@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the gunicorn tests (hooks, SDK) against other gunicorn versions, each in its own venv
+# Run the gunicorn tests (hooks, SDK, refused bodies) against other gunicorn versions, each in its own venv
 # (build/venv-gunicorn-VERSION, git-ignored): by default 23.0.0, the oldest supported, where
 # child_exit still runs inside the master's SIGCHLD handler.
 # Usage: tools/gunicorn_versions.sh [VERSION...] [-- PYTEST_ARGS]
@@ -24,6 +24,7 @@ for v in "${versions[@]}"; do
         exit 1
     fi
     echo "== gunicorn $v"
-    "$venv/bin/python" -m pytest tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py "$@" || rc=1
+    "$venv/bin/python" -m pytest tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py \
+        tests/integration/test_refused_bodies.py "$@" || rc=1
 done
 exit "$rc"

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ..shm import procinfo
@@ -27,7 +28,7 @@ from . import codes
 from .reply import _error_reply, _Reply
 from .wire import RequestHeaders, is_json_content_type
 
-__all__ = ["read_body"]
+__all__ = ["EndingConnection", "end_connection", "read_body"]
 
 log = logging.getLogger("shmcancel.server")
 
@@ -52,8 +53,8 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
         digits = text.lstrip("0")
         length = int(digits or "0") if len(digits) <= 18 else limit + 1
         if length > limit:
-            return _error_reply(413, None, codes.INVALID_REQUEST,
-                                f"Request body too large (limit {limit} bytes)")
+            return _unread(_error_reply(413, None, codes.INVALID_REQUEST,
+                                        f"Request body too large (limit {limit} bytes)"))
     if not is_json_content_type(headers.content_type):
         return _error_reply(415, None, codes.INVALID_REQUEST,
                             "Unsupported Media Type: Content-Type must be application/json")
@@ -89,13 +90,13 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
                 timed.settimeout(left)
             try:
                 chunk = stream.read(min(_READ_CHUNK, want - got))
-            except TimeoutError:  # the client stalled mid-body (gunicorn then closes it)
+            except TimeoutError:  # the client stalled mid-body
                 return _body_timed_out(timeout)
             except Exception:  # the client went away mid-body, or a malformed chunk
                 if armed is not None and armed.fired:
                     return _body_timed_out(timeout)
-                return _error_reply(400, None, codes.INVALID_REQUEST,
-                                    "Could not read the body")
+                return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
+                                            "Could not read the body"))
             if not chunk:
                 break
             chunks.append(chunk)
@@ -109,10 +110,11 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     if armed is not None and armed.fired:  # even a body read whole just then: its
         return _body_timed_out(timeout)  # socket reads EOF now (a disconnect)
     if length is not None and got < length:  # EOF before Content-Length: not a request
-        return _error_reply(400, None, codes.INVALID_REQUEST, "Could not read the body")
+        return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
+                                    "Could not read the body"))
     if got > limit:
-        return _error_reply(413, None, codes.INVALID_REQUEST,
-                            f"Request body too large (limit {limit} bytes)")
+        return _unread(_error_reply(413, None, codes.INVALID_REQUEST,
+                                    f"Request body too large (limit {limit} bytes)"))
     return b"".join(chunks)
 
 
@@ -233,5 +235,75 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _body_timed_out(seconds: float | None) -> _Reply:
-    return _error_reply(408, None, codes.INVALID_REQUEST,
-                        f"Request Timeout: the body did not arrive within {seconds:g} s")
+    return _unread(_error_reply(408, None, codes.INVALID_REQUEST,
+                                f"Request Timeout: the body did not arrive within {seconds:g} s"))
+
+
+def _unread(reply: _Reply) -> _Reply:
+    reply.ends_connection = True
+    return reply
+
+
+class EndingConnection:
+    """A reply's body (a WSGI iterable) whose ``close()``, which the server calls once the reply
+    is written, ends the client connection (:func:`end_connection`)."""
+
+    def __init__(self, body: bytes, sock: Any) -> None:
+        self._body = body
+        self._sock = sock
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._body:
+            yield self._body
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            end_connection(sock)
+
+
+def end_connection(sock: Any) -> None:
+    """End the connection of ``sock`` (gunicorn's, whose reply is written), taken away from the
+    server: a refused body was not read to its end, and the server would read a next request
+    where it stopped (keep-alive: a 408's socket read side was shut, and gunicorn takes the
+    early end of stream for the body's end), running the body's rest as a request.
+
+    The server's descriptor is pointed at a fresh unconnected socket: its next read fails
+    (``ENOTCONN``, which gunicorn ignores, closing the connection) and its close closes that
+    socket. The connection itself, kept on a descriptor of ours, gets an end of stream after
+    the reply, then is read and discarded until the client closes it, for at most
+    :data:`_LINGER` seconds and :data:`_LINGER_BYTES` bytes (closing a socket with unread bytes
+    sends a reset, which can destroy the reply before the client reads it). Plain sockets
+    only (a TLS layer cannot be taken over): others are left as they are."""
+    if type(sock) is not socket.socket:
+        return
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return
+        own = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        with socket.socket(own.family, own.type) as dead:
+            os.dup2(dead.fileno(), fd)  # atomic: the number never names another file
+        own.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + _LINGER
+        drained = 0
+        while drained < _LINGER_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            own.settimeout(left)
+            data = own.recv(4096)
+            if not data:
+                break
+            drained += len(data)
+    except OSError:  # the client reset it, or the linger timed out
+        pass
+    finally:
+        own.close()
+
+
+_LINGER = 1.0
+_LINGER_BYTES = 65536

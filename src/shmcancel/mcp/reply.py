@@ -42,15 +42,18 @@ def progress(conn: Mapping[str, Any], progress: float, total: float | None = Non
 
 
 class _Reply:
-    """What the WSGI callable sends: a status, headers and a body (or a streamed exchange)."""
+    """What the WSGI callable sends: a status, headers and a body (or a streamed exchange).
+    ``ends_connection``: the request's body was not read to its end, so where a next request
+    would start on the connection is unknown; the connection ends after this reply."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("body", "ends_connection", "headers", "status")
 
     def __init__(self, status: int, body: bytes = b"",
                  headers: list[tuple[str, str]] | None = None) -> None:
         self.status = status
         self.body = body
         self.headers = headers or []
+        self.ends_connection = False
 
 
 class _Exchange:

@@ -1,0 +1,102 @@
+"""A request whose body is refused before it was read to its end (408 past ``body_timeout``, 413
+over the limit) ends its connection after the reply, on a real gunicorn: where a next request
+would start on it is unknown. Before, a ``gthread`` worker kept the connection (the reply said
+``keep-alive``) and ran whatever came next on it as a request, the refused body's own rest
+included (request smuggling, behind a proxy that streams bodies and reuses connections)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import tempfile
+import time
+
+import pytest
+from helpers.gunicorn_harness import Gunicorn
+from helpers.mcp_client import ACCEPT, MODERN, meta
+
+pytestmark = pytest.mark.integration
+
+APP = "tests.apps.transport_app:app"
+CONF = "tests/apps/transport_conf.py"
+BODY_TIMEOUT = 1.0  # seconds, the server's body_timeout here
+ENDED_WITHIN = 3.0  # seconds from the refusal to the connection's end (a linger of 1 s)
+
+
+def _call(text: str, rid: int) -> bytes:
+    body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                       "params": {"name": "echo", "arguments": {"text": text},
+                                  "_meta": meta("refused")}}).encode()
+    return (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: {ACCEPT}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\nMcp-Name: echo\r\n"
+            f"\r\n").encode() + body
+
+
+def _response_head(s: socket.socket, within: float) -> tuple[bytes, bytes]:
+    """The first response's status line and whatever came after its head."""
+    s.settimeout(within)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, buf
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], rest
+
+
+def _rest_of_connection(s: socket.socket, within: float) -> tuple[bytes, float]:
+    """Everything read until the connection ends (EOF or reset), and when it ended (monotonic);
+    fails if it has not ended ``within`` seconds."""
+    s.settimeout(within)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"the connection was still open {within} s on; read: {out[:300]!r}")
+    return out, time.monotonic()
+
+
+@pytest.fixture(params=["sync", "gthread"])
+def server(request, shm_name: str):
+    with tempfile.TemporaryDirectory(prefix="shmcancel-refused-") as d, \
+            Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1,
+                     worker_class=request.param, threads=2,
+                     env={"SHMCANCEL_TEST_DIR": d,
+                          "SHMCANCEL_TEST_BODY_TIMEOUT": str(BODY_TIMEOUT)}) as g:
+        yield g
+
+
+@pytest.mark.parametrize("refusal", ["408", "413"])
+def test_nothing_after_a_refused_body_is_run_as_a_request(server: Gunicorn, refusal: str) -> None:
+    refused = _call("x" * 50, 1)
+    head, _, body = refused.partition(b"\r\n\r\n")
+    pid = server.worker_pids()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        if refusal == "408":  # part of the body, then a stall past body_timeout
+            s.sendall(head + b"\r\n\r\n" + body[:10])
+        else:  # a declared length over the limit: nothing of the body is read
+            declared = f"Content-Length: {len(body)}".encode()
+            s.sendall(head.replace(declared, b"Content-Length: 2000000") + b"\r\n\r\n" + body)
+        status, _ = _response_head(s, 10 * BODY_TIMEOUT)
+        refused_at = time.monotonic()
+        assert status.split(b" ")[1] == refusal.encode(), status
+        # the client (or a proxy relaying it) goes on: the body's rest, as a request (unless
+        # the connection has ended already)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(_call("smuggled", 666))
+        rest, ended_at = _rest_of_connection(s, 10.0)
+    assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest[:500]
+    assert ended_at - refused_at < ENDED_WITHIN, ended_at - refused_at
+    # the worker is fine and serves the next connection
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(_call("next", 2))
+        status, rest = _response_head(s, 10.0)
+        assert status.split(b" ")[1] == b"200", status
+    assert server.worker_pids() == pid
+    log = server.log()
+    assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
