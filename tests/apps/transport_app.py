@@ -39,7 +39,8 @@ def _seconds(params: dict) -> float:
 
 def build(sessions: bool, path: str) -> McpServer:
     server = McpServer(name="transport-test", version="1.0", sessions=sessions, path=path,
-                       body_timeout=float(os.environ.get("SHMCANCEL_TEST_BODY_TIMEOUT", "10")))
+                       body_timeout=float(os.environ.get("SHMCANCEL_TEST_BODY_TIMEOUT", "10")),
+                       max_body_bytes=int(os.environ.get("SHMCANCEL_TEST_MAX_BODY", "1000000")))
 
     @server.tool("echo", input_schema={"type": "object",
                                        "properties": {"text": {"type": "string"}}})

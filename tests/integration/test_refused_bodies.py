@@ -1,8 +1,10 @@
-"""A request whose body is refused before it was read to its end (408 past ``body_timeout``, 413
-over the limit) ends its connection after the reply, on a real gunicorn: where a next request
-would start on it is unknown. Before, a ``gthread`` worker kept the connection (the reply said
-``keep-alive``) and ran whatever came next on it as a request, the refused body's own rest
-included (request smuggling, behind a proxy that streams bodies and reuses connections)."""
+"""Refused bodies on a real gunicorn, ``sync`` and ``gthread``. A body cut off at ``body_timeout``
+(408) ends its connection after the reply: where a next request would start on it is unknown.
+Before, a ``gthread`` worker kept the connection (the reply said ``keep-alive``) and ran whatever
+came next on it as a request, the refused body's own rest included (request smuggling, behind a
+proxy that streams bodies and reuses connections). A body over the limit (413, from its
+declared length) is left to gunicorn, which knows where it ends: its rest is never a request, and
+a ``gthread`` connection serves the next request after it."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.integration
 APP = "tests.apps.transport_app:app"
 CONF = "tests/apps/transport_conf.py"
 BODY_TIMEOUT = 1.0  # seconds, the server's body_timeout here
+MAX_BODY = 2000  # bytes, the server's max_body_bytes here
 ENDED_WITHIN = 3.0  # seconds from the refusal to the connection's end (a linger of 1 s)
 
 
@@ -67,24 +70,31 @@ def server(request, shm_name: str):
             Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1,
                      worker_class=request.param, threads=2,
                      env={"SHMCANCEL_TEST_DIR": d,
-                          "SHMCANCEL_TEST_BODY_TIMEOUT": str(BODY_TIMEOUT)}) as g:
+                          "SHMCANCEL_TEST_BODY_TIMEOUT": str(BODY_TIMEOUT),
+                          "SHMCANCEL_TEST_MAX_BODY": str(MAX_BODY)}) as g:
         yield g
 
 
-@pytest.mark.parametrize("refusal", ["408", "413"])
-def test_nothing_after_a_refused_body_is_run_as_a_request(server: Gunicorn, refusal: str) -> None:
-    refused = _call("x" * 50, 1)
-    head, _, body = refused.partition(b"\r\n\r\n")
+def _served_after(server: Gunicorn, pid: list[int]) -> None:
+    """The worker is the same, serves a new connection, and logged no error."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(_call("next", 2))
+        status, _ = _response_head(s, 10.0)
+        assert status.split(b" ")[1] == b"200", status
+    assert server.worker_pids() == pid
+    log = server.log()
+    assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
+
+
+def test_nothing_after_a_body_cut_off_at_its_deadline_is_run_as_a_request(
+        server: Gunicorn) -> None:
+    head, _, body = _call("x" * 50, 1).partition(b"\r\n\r\n")
     pid = server.worker_pids()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        if refusal == "408":  # part of the body, then a stall past body_timeout
-            s.sendall(head + b"\r\n\r\n" + body[:10])
-        else:  # a declared length over the limit: nothing of the body is read
-            declared = f"Content-Length: {len(body)}".encode()
-            s.sendall(head.replace(declared, b"Content-Length: 2000000") + b"\r\n\r\n" + body)
+        s.sendall(head + b"\r\n\r\n" + body[:10])  # part of the body, then a stall
         status, _ = _response_head(s, 10 * BODY_TIMEOUT)
         refused_at = time.monotonic()
-        assert status.split(b" ")[1] == refusal.encode(), status
+        assert status.split(b" ")[1] == b"408", status
         # the client (or a proxy relaying it) goes on: the body's rest, as a request (unless
         # the connection has ended already)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -92,11 +102,32 @@ def test_nothing_after_a_refused_body_is_run_as_a_request(server: Gunicorn, refu
         rest, ended_at = _rest_of_connection(s, 10.0)
     assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest[:500]
     assert ended_at - refused_at < ENDED_WITHIN, ended_at - refused_at
-    # the worker is fine and serves the next connection
+    _served_after(server, pid)
+
+
+def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> None:
+    """Its declared length is over the limit, and its tail is a whole request: gunicorn
+    drains it as the body it is. On ``gthread`` the connection then serves a real next
+    request (``sync`` closes every connection after its reply)."""
+    smuggled = _call("smuggled", 666)
+    head, _, _ = _call("x", 1).partition(b"\r\n\r\n")
+    pad = b" " * (MAX_BODY + 100)
+    declared = head.split(b"Content-Length: ")[1].split(b"\r\n")[0]
+    head = head.replace(b"Content-Length: " + declared,
+                        b"Content-Length: %d" % (len(pad) + len(smuggled)))
+    pid = server.worker_pids()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(_call("next", 2))
+        s.sendall(head + b"\r\n\r\n" + pad + smuggled)
         status, rest = _response_head(s, 10.0)
-        assert status.split(b" ")[1] == b"200", status
-    assert server.worker_pids() == pid
-    log = server.log()
-    assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
+        assert status.split(b" ")[1] == b"413", status
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(_call("next on the connection", 3))
+        s.settimeout(10.0)
+        out = rest
+        with contextlib.suppress(ConnectionResetError):
+            while b"next on the connection" not in out and (chunk := s.recv(65536)):
+                out += chunk
+    assert b"smuggled" not in out, out[:800]
+    if server.worker_class == "gthread":
+        assert b"next on the connection" in out, out[:800]
+    _served_after(server, pid)

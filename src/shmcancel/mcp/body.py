@@ -52,9 +52,9 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
         # leading zeros are no digits of the value (1*DIGIT: "000150" is 150)
         digits = text.lstrip("0")
         length = int(digits or "0") if len(digits) <= 18 else limit + 1
-        if length > limit:
-            return _unread(_error_reply(413, None, codes.INVALID_REQUEST,
-                                        f"Request body too large (limit {limit} bytes)"))
+        if length > limit:  # the server knows where the body ends: it drains the rest
+            return _error_reply(413, None, codes.INVALID_REQUEST,
+                                f"Request body too large (limit {limit} bytes)")
     if not is_json_content_type(headers.content_type):
         return _error_reply(415, None, codes.INVALID_REQUEST,
                             "Unsupported Media Type: Content-Type must be application/json")
@@ -112,9 +112,9 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     if length is not None and got < length:  # EOF before Content-Length: not a request
         return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
                                     "Could not read the body"))
-    if got > limit:
-        return _unread(_error_reply(413, None, codes.INVALID_REQUEST,
-                                    f"Request body too large (limit {limit} bytes)"))
+    if got > limit:  # (chunked: the server's reader knows where the body ends)
+        return _error_reply(413, None, codes.INVALID_REQUEST,
+                            f"Request body too large (limit {limit} bytes)")
     return b"".join(chunks)
 
 
@@ -240,6 +240,8 @@ def _body_timed_out(seconds: float | None) -> _Reply:
 
 
 def _unread(reply: _Reply) -> _Reply:
+    """``reply``, ending its connection: the body was cut off where the server cannot tell its
+    end (a read side shut at the deadline, a read that failed), so what follows is no request."""
     reply.ends_connection = True
     return reply
 
@@ -264,17 +266,19 @@ class EndingConnection:
 
 def end_connection(sock: Any) -> None:
     """End the connection of ``sock`` (gunicorn's, whose reply is written), taken away from the
-    server: a refused body was not read to its end, and the server would read a next request
-    where it stopped (keep-alive: a 408's socket read side was shut, and gunicorn takes the
-    early end of stream for the body's end), running the body's rest as a request.
+    server: a refused body was cut off where the server cannot tell its end, and it would read
+    a next request where the body stopped (keep-alive: a 408's socket read side was shut, and
+    gunicorn takes the early end of stream for the body's end), running the body's rest as a
+    request.
 
     The server's descriptor is pointed at a fresh unconnected socket: its next read fails
     (``ENOTCONN``, which gunicorn ignores, closing the connection) and its close closes that
     socket. The connection itself, kept on a descriptor of ours, gets an end of stream after
     the reply, then is read and discarded until the client closes it, for at most
     :data:`_LINGER` seconds and :data:`_LINGER_BYTES` bytes (closing a socket with unread bytes
-    sends a reset, which can destroy the reply before the client reads it). Plain sockets
-    only (a TLS layer cannot be taken over): others are left as they are."""
+    sends a reset, which can destroy the reply before the client reads it); a read side shut
+    at the deadline reads as ended at once, and bytes that come after the close are reset.
+    Plain sockets only (a TLS layer cannot be taken over): others are left as they are."""
     if type(sock) is not socket.socket:
         return
     try:
