@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import tempfile
 import time
 
 import pytest
 from helpers.gunicorn_harness import Gunicorn
-from helpers.mcp_client import ACCEPT, MODERN, meta
+from helpers.mcp_client import ACCEPT, MODERN, meta, tag
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +28,21 @@ MAX_BODY = 2000  # bytes, the server's max_body_bytes here
 ENDED_WITHIN = 3.0  # seconds from the refusal to the connection's end (a linger of 1 s)
 
 
-def _call(text: str, rid: int) -> bytes:
+def _call(text: str, rid: int, tool: str = "echo", args: dict | None = None) -> bytes:
     body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
-                       "params": {"name": "echo", "arguments": {"text": text},
+                       "params": {"name": tool, "arguments": args or {"text": text},
                                   "_meta": meta("refused")}}).encode()
     return (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: {ACCEPT}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\nMcp-Name: echo\r\n"
+            f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\nMcp-Name: {tool}\r\n"
             f"\r\n").encode() + body
+
+
+def _smuggled() -> tuple[bytes, str]:
+    """A request whose tool, if it ever runs, leaves ``<tag>.started`` in the app's directory
+    (whether or not its answer could be written), and that tag."""
+    t = tag()
+    return _call("smuggled", 666, "sleep", {"seconds": 0, "tag": t}), t
 
 
 def _response_head(s: socket.socket, within: float) -> tuple[bytes, bytes]:
@@ -66,17 +74,20 @@ def _rest_of_connection(s: socket.socket, within: float) -> tuple[bytes, float]:
 
 @pytest.fixture(params=["sync", "gthread"])
 def server(request, shm_name: str):
+    """The test app on one worker of each class; its tools' files go to ``server.outdir``."""
     with tempfile.TemporaryDirectory(prefix="shmcancel-refused-") as d, \
             Gunicorn(APP, registry_name=shm_name, config=CONF, workers=1,
                      worker_class=request.param, threads=2,
                      env={"SHMCANCEL_TEST_DIR": d,
                           "SHMCANCEL_TEST_BODY_TIMEOUT": str(BODY_TIMEOUT),
                           "SHMCANCEL_TEST_MAX_BODY": str(MAX_BODY)}) as g:
+        g.outdir = d  # type: ignore[attr-defined]
         yield g
 
 
-def _served_after(server: Gunicorn, pid: list[int]) -> None:
-    """The worker is the same, serves a new connection, and logged no error."""
+def _served_after(server: Gunicorn, pid: list[int], smuggled_tag: str) -> None:
+    """The worker is the same, serves a new connection, and logged no error; the smuggled
+    request's tool never ran (its answer may not have been writable: run all the same)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(_call("next", 2))
         status, _ = _response_head(s, 10.0)
@@ -84,6 +95,7 @@ def _served_after(server: Gunicorn, pid: list[int]) -> None:
     assert server.worker_pids() == pid
     log = server.log()
     assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
+    assert not os.path.exists(os.path.join(server.outdir, f"{smuggled_tag}.started"))
 
 
 def test_nothing_after_a_body_cut_off_at_its_deadline_is_run_as_a_request(
@@ -97,19 +109,20 @@ def test_nothing_after_a_body_cut_off_at_its_deadline_is_run_as_a_request(
         assert status.split(b" ")[1] == b"408", status
         # the client (or a proxy relaying it) goes on: the body's rest, as a request (unless
         # the connection has ended already)
+        smuggled, t = _smuggled()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            s.sendall(_call("smuggled", 666))
+            s.sendall(smuggled)
         rest, ended_at = _rest_of_connection(s, 10.0)
-    assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest[:500]
+    assert b"HTTP/1.1" not in rest, rest[:500]
     assert ended_at - refused_at < ENDED_WITHIN, ended_at - refused_at
-    _served_after(server, pid)
+    _served_after(server, pid, t)
 
 
 def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> None:
     """Its declared length is over the limit, and its tail is a whole request: gunicorn
     drains it as the body it is. On ``gthread`` the connection then serves a real next
     request (``sync`` closes every connection after its reply)."""
-    smuggled = _call("smuggled", 666)
+    smuggled, t = _smuggled()
     head, _, _ = _call("x", 1).partition(b"\r\n\r\n")
     pad = b" " * (MAX_BODY + 100)
     declared = head.split(b"Content-Length: ")[1].split(b"\r\n")[0]
@@ -127,7 +140,7 @@ def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> No
         with contextlib.suppress(ConnectionResetError):
             while b"next on the connection" not in out and (chunk := s.recv(65536)):
                 out += chunk
-    assert b"smuggled" not in out, out[:800]
+    assert b'"id":666' not in out, out[:800]
     if server.worker_class == "gthread":
         assert b"next on the connection" in out, out[:800]
-    _served_after(server, pid)
+    _served_after(server, pid, t)
