@@ -1,7 +1,7 @@
-"""What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, sending a
-request as a real client does (a 503 with ``Retry-After`` is retried), reading the JSON-RPC reply
-out of a JSON or SSE response, opening a session, waiting for a file a test tool writes, unique
-tags, and ``shmtool dump --json`` of a registry."""
+"""What the HTTP tests' MCP clients share: the protocol versions and ``_meta`` they send, a raw
+2026-07-28 call, sending a request as a real client does (a 503 with ``Retry-After`` is
+retried), reading the JSON-RPC reply out of a JSON or SSE response, opening a session, waiting
+for a file a test tool writes, unique tags, and ``shmtool dump --json`` of a registry."""
 
 from __future__ import annotations
 
@@ -27,6 +27,19 @@ def meta(client: str) -> dict[str, Any]:
     return {"io.modelcontextprotocol/protocolVersion": MODERN,
             "io.modelcontextprotocol/clientInfo": {"name": client, "version": "1"},
             "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+def modern_call_bytes(tool: str, arguments: dict[str, Any], rid: int = 1, *,
+                      client: str = "t", host: str = "127.0.0.1") -> bytes:
+    """A 2026-07-28 ``tools/call`` of ``tool`` as raw HTTP/1.1 bytes, for tests that need the
+    socket itself (its close, what else is sent on it)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                       "params": {"name": tool, "arguments": arguments,
+                                  "_meta": meta(client)}}).encode()
+    return (f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nAccept: {ACCEPT}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\nMcp-Name: {tool}\r\n"
+            f"\r\n").encode() + body
 
 
 RETRY_FOR = 20.0  # seconds a client keeps retrying a 503 that carries Retry-After

@@ -5,7 +5,6 @@ worker's rows, a 2026-07-28 disconnect)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,7 +14,7 @@ from typing import Any
 import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
-from helpers.mcp_client import ACCEPT, MODERN, meta, tag, wait_file
+from helpers.mcp_client import modern_call_bytes, tag, wait_file
 from helpers.redis_server import running
 from test_redis_hosts import (
     LEASE,
@@ -136,15 +135,10 @@ def test_a_modern_disconnect_on_a_cancels_and_leaves_no_redis_row(
     r = redis.Redis.from_url(redis_server.url)
     with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, _b, prefix):
         t = tag()
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                           "params": {"name": "sleep", "arguments": {"seconds": 25, "tag": t},
-                                      "_meta": meta("audit")}}).encode()
         host, port = a.url.split("//")[1].split("/")[0].split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(f"POST /mcp HTTP/1.1\r\nHost: {host}\r\nAccept: {ACCEPT}\r\n"
-                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                      f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\n"
-                      f"Mcp-Name: sleep\r\n\r\n".encode() + body)
+            s.sendall(modern_call_bytes("sleep", {"seconds": 25, "tag": t}, client="audit",
+                                        host=host))
             wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
             wait_until(lambda: list(r.scan_iter(match=prefix + "*:if:*")) or None,
                        time.monotonic() + 5, what="the in-flight row")

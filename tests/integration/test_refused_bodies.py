@@ -9,7 +9,6 @@ a ``gthread`` connection serves the next request after it."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import tempfile
@@ -17,7 +16,7 @@ import time
 
 import pytest
 from helpers.gunicorn_harness import Gunicorn
-from helpers.mcp_client import ACCEPT, MODERN, meta, tag
+from helpers.mcp_client import modern_call_bytes, tag
 
 pytestmark = pytest.mark.integration
 
@@ -28,21 +27,15 @@ MAX_BODY = 2000  # bytes, the server's max_body_bytes here
 ENDED_WITHIN = 3.0  # seconds from the refusal to the connection's end (a linger of 1 s)
 
 
-def _call(text: str, rid: int, tool: str = "echo", args: dict | None = None) -> bytes:
-    body = json.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
-                       "params": {"name": tool, "arguments": args or {"text": text},
-                                  "_meta": meta("refused")}}).encode()
-    return (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: {ACCEPT}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"MCP-Protocol-Version: {MODERN}\r\nMcp-Method: tools/call\r\nMcp-Name: {tool}\r\n"
-            f"\r\n").encode() + body
+def _echo(text: str, rid: int) -> bytes:
+    return modern_call_bytes("echo", {"text": text}, rid, client="refused")
 
 
 def _smuggled() -> tuple[bytes, str]:
     """A request whose tool, if it ever runs, leaves ``<tag>.started`` in the app's directory
     (whether or not its answer could be written), and that tag."""
     t = tag()
-    return _call("smuggled", 666, "sleep", {"seconds": 0, "tag": t}), t
+    return modern_call_bytes("sleep", {"seconds": 0, "tag": t}, 666, client="refused"), t
 
 
 def _response_head(s: socket.socket, within: float) -> tuple[bytes, bytes]:
@@ -89,7 +82,7 @@ def _served_after(server: Gunicorn, pid: list[int], smuggled_tag: str) -> None:
     """The worker is the same, serves a new connection, and logged no error; the smuggled
     request's tool never ran (its answer may not have been writable: run all the same)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        s.sendall(_call("next", 2))
+        s.sendall(_echo("next", 2))
         status, _ = _response_head(s, 10.0)
         assert status.split(b" ")[1] == b"200", status
     assert server.worker_pids() == pid
@@ -100,7 +93,7 @@ def _served_after(server: Gunicorn, pid: list[int], smuggled_tag: str) -> None:
 
 def test_nothing_after_a_body_cut_off_at_its_deadline_is_run_as_a_request(
         server: Gunicorn) -> None:
-    head, _, body = _call("x" * 50, 1).partition(b"\r\n\r\n")
+    head, _, body = _echo("x" * 50, 1).partition(b"\r\n\r\n")
     pid = server.worker_pids()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(head + b"\r\n\r\n" + body[:10])  # part of the body, then a stall
@@ -123,7 +116,7 @@ def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> No
     drains it as the body it is. On ``gthread`` the connection then serves a real next
     request (``sync`` closes every connection after its reply)."""
     smuggled, t = _smuggled()
-    head, _, _ = _call("x", 1).partition(b"\r\n\r\n")
+    head, _, _ = _echo("x", 1).partition(b"\r\n\r\n")
     pad = b" " * (MAX_BODY + 100)
     declared = head.split(b"Content-Length: ")[1].split(b"\r\n")[0]
     head = head.replace(b"Content-Length: " + declared,
@@ -134,7 +127,7 @@ def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> No
         status, rest = _response_head(s, 10.0)
         assert status.split(b" ")[1] == b"413", status
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            s.sendall(_call("next on the connection", 3))
+            s.sendall(_echo("next on the connection", 3))
         s.settimeout(10.0)
         out = rest
         with contextlib.suppress(ConnectionResetError):
