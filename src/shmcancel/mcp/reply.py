@@ -43,8 +43,9 @@ def progress(conn: Mapping[str, Any], progress: float, total: float | None = Non
 
 class _Reply:
     """What the WSGI callable sends: a status, headers and a body (or a streamed exchange).
-    ``ends_connection``: the request's body was not read to its end, so where a next request
-    would start on the connection is unknown; the connection ends after this reply."""
+    ``ends_connection``: the request's body was cut off where the server cannot tell its end,
+    so where a next request would start on the connection is unknown; the connection ends
+    after this reply."""
 
     __slots__ = ("body", "ends_connection", "headers", "status")
 

@@ -268,19 +268,16 @@ class Router:
         self.pid = os.getpid()
         self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
         self._started = started = asyncio.Event()
-        try:
+        try:  # whatever happens, requests waiting for the start go on
             sock, self.path = _bind(self.token)
-        except BaseException:
-            started.set()
-            raise
-        config = uvicorn.Config(self._internal, lifespan="off", log_config=None,
-                                interface="asgi3", proxy_headers=False,
-                                server_header=False, date_header=False,  # the public one's go
-                                access_log=False, timeout_graceful_shutdown=1,
-                                timeout_keep_alive=INTERNAL_KEEPALIVE)
-        self._server = server = _QuietServer.make(config)
-        self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-        try:
+            # no Server or Date header: the public server's go back to the client
+            config = uvicorn.Config(self._internal, lifespan="off", log_config=None,
+                                    interface="asgi3", proxy_headers=False,
+                                    server_header=False, date_header=False,
+                                    access_log=False, timeout_graceful_shutdown=1,
+                                    timeout_keep_alive=INTERNAL_KEEPALIVE)
+            self._server = server = _QuietServer.make(config)
+            self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
             for _ in range(500):  # up to ~5 s
                 if server.started:
                     break
