@@ -10,6 +10,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,6 +48,18 @@ def shm_names() -> Iterator[list[str]]:
     finally:
         for name in names:
             unlink_registry_names(name)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory right under the system's temporary directory, removed afterwards: short
+    enough for an SDK worker's socket directory (pytest's ``tmp_path`` under pytest-xdist is
+    not: a unix socket's path holds 107 bytes)."""
+    d = tempfile.mkdtemp(prefix="sc-")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 _SDK_SOCKETS: list[str] = []  # the socket directory this run made for SDK servers

@@ -52,8 +52,8 @@ def _sessions_served(url: str, n: int = 6) -> None:
             assert "sleep" in r.text, r.text
 
 
-def test_hups_keep_the_socket_directory_and_a_stop_removes_it(tmp_path: Path) -> None:
-    sockets = tmp_path / "socks"
+def test_hups_keep_the_socket_directory_and_a_stop_removes_it(short_tmp: Path) -> None:
+    sockets = short_tmp / "socks"
     name = f"sdkhup-{uuid.uuid4().hex[:10]}"
     with Gunicorn(None, registry_name=name, config=CONF, workers=2,
                   worker_class="uvicorn_worker.UvicornWorker",

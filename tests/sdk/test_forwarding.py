@@ -62,8 +62,8 @@ async def _forward(router: Router, token: str, method: str, gone: asyncio.Event)
 
 
 def test_a_forward_after_many_held_streams_is_served_at_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
 
     async def main() -> None:
         app = _Owner()
@@ -92,13 +92,13 @@ def test_a_forward_after_many_held_streams_is_served_at_once(
 
 
 @pytest.mark.parametrize("dies", ["before its answer", "mid-stream"])
-def test_an_owner_that_dies_during_a_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytest.MonkeyPatch,
                                             dies: str) -> None:
     """The owner's socket closes as a killed worker's does. Before the response head the
     forwarding worker answers 503 with ``Retry-After`` (nothing for the server to turn into a
     500); after it, the forward raises, so the server drops the client's connection as the
     owner dropped its own (a clean end would pass a broken stream off as complete)."""
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
     token = "1x000000000000"
 
     async def main() -> None:
@@ -131,13 +131,13 @@ def test_an_owner_that_dies_during_a_forward(tmp_path: Path, monkeypatch: pytest
 
 
 def test_a_token_naming_no_worker_is_a_404_without_a_client(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A session id shaped like one this server mints but naming no worker (a random token, as
     anyone can forge, or a worker gone and swept) is a plain 404, answered before a forwarding
     client is built for it: building one takes ~16 ms of the worker's event loop (an SSL
     context), which also runs every call's cancellation poll, so a flood of forged ids would
     hold up cancellations."""
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
 
     def no_client(*a: object, **kw: object) -> None:
         raise AssertionError("a forwarding client was built for a worker that is not there")
@@ -153,12 +153,12 @@ def test_a_token_naming_no_worker_is_a_404_without_a_client(
 
 
 def test_the_forwarding_client_gives_up_an_idle_connection_before_the_owner_closes_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pooled connection reused just as the owner's server closes it for idleness fails the
     forward (``ReadError``: a 503 for a live session); with equal timeouts (httpx's and
     uvicorn's 5 s defaults) that race was open at every connection's edge. The client's
     ``keepalive_expiry`` must be well under the server's ``timeout_keep_alive``, as built."""
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
 
     async def main() -> tuple[float, float]:
         owner, here = Router(_Owner()), Router(_Owner())
@@ -202,7 +202,7 @@ def _dead_peer_sockets(under: Path) -> int:
 
 
 def test_connections_to_a_worker_that_is_gone_are_closed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounded everything (descriptors): forwards to a worker keep pooled connections to it
     (up to 32). Once that worker was gone (recycled by ``max_requests``, a ``HUP``, a crash),
     they stayed open in every worker that had forwarded to it: the client was kept until 64
@@ -210,7 +210,7 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
     without being closed, its sockets left to the cyclic garbage collector. Now a client for a
     worker whose socket is gone is closed (once its forwards under way end) when it is
     dropped, and when a client for a new worker is made."""
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
 
     async def main() -> tuple[int, int, int]:
         app = _Owner()
@@ -233,16 +233,16 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
         async with asyncio.timeout(30):
             await first._task
         for _ in range(500):
-            if _dead_peer_sockets(tmp_path) >= 8:
+            if _dead_peer_sockets(short_tmp) >= 8:
                 break
             await asyncio.sleep(0.01)
-        left_by_the_gone_worker = _dead_peer_sockets(tmp_path)
+        left_by_the_gone_worker = _dead_peer_sockets(short_tmp)
         await second.ensure()  # its replacement, forwarded to
         await _forward(here, second.token, "POST", gone)
-        after_new_worker = _dead_peer_sockets(tmp_path)
+        after_new_worker = _dead_peer_sockets(short_tmp)
         sent = await _forward(here, first.token, "POST", gone)  # a gone worker's session
         assert sent[0]["status"] == 404
-        after = _dead_peer_sockets(tmp_path)
+        after = _dead_peer_sockets(short_tmp)
         second.close()
         for c in here._clients.values():
             await c.aclose()
@@ -254,13 +254,13 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
 
 
 def test_a_forward_carries_the_clients_headers_only_and_adds_none_to_the_answer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hop is invisible: httpx's default headers (``Accept: */*``, ``Accept-Encoding``,
     ``User-Agent``, ``Connection``) were merged into every forward, so a request without
     ``Accept``, which its own worker refuses 406, was served when another worker forwarded it;
     and the owner's internal server added its ``Date`` and ``Server`` to the answer, which the
     public server then doubled."""
-    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
     seen: list[list[tuple[bytes, bytes]]] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:

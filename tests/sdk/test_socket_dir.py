@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shmcancel.sdk import SocketDirUnsafe, _routing
+from shmcancel.sdk import SocketDirTooLong, SocketDirUnsafe, _routing
 from shmcancel.sdk._routing import Router, _checked, registry_dir, server_dir, socket_dir
 
 
@@ -25,15 +25,15 @@ def use_dir(monkeypatch: pytest.MonkeyPatch):
     return _use
 
 
-def test_a_new_directory_is_made_private(tmp_path: Path, use_dir) -> None:
-    d = tmp_path / "socks"
+def test_a_new_directory_is_made_private(short_tmp: Path, use_dir) -> None:
+    d = short_tmp / "socks"
     use_dir(d)
     assert socket_dir() == str(d)
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
 
 
-def test_an_open_directory_of_ours_is_closed(tmp_path: Path, use_dir) -> None:
-    d = tmp_path / "open"
+def test_an_open_directory_of_ours_is_closed(short_tmp: Path, use_dir) -> None:
+    d = short_tmp / "open"
     d.mkdir()
     d.chmod(0o777)
     use_dir(d)
@@ -41,15 +41,15 @@ def test_an_open_directory_of_ours_is_closed(tmp_path: Path, use_dir) -> None:
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
 
 
-def test_a_symlink_or_a_file_is_refused(tmp_path: Path, use_dir) -> None:
-    real = tmp_path / "real"
+def test_a_symlink_or_a_file_is_refused(short_tmp: Path, use_dir) -> None:
+    real = short_tmp / "real"
     real.mkdir(mode=0o700)
-    link = tmp_path / "link"
+    link = short_tmp / "link"
     link.symlink_to(real)
     use_dir(link)
     with pytest.raises(SocketDirUnsafe, match="symlink"):
         socket_dir()
-    f = tmp_path / "file"
+    f = short_tmp / "file"
     f.write_text("")
     use_dir(f)
     with pytest.raises(SocketDirUnsafe, match="not a directory"):
@@ -57,8 +57,8 @@ def test_a_symlink_or_a_file_is_refused(tmp_path: Path, use_dir) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
-def test_another_users_directory_is_refused_and_left_alone(tmp_path: Path, use_dir) -> None:
-    d = tmp_path / "squat"
+def test_another_users_directory_is_refused_and_left_alone(short_tmp: Path, use_dir) -> None:
+    d = short_tmp / "squat"
     d.mkdir()
     d.chmod(0o777)
     os.chown(d, 65534, 65534)  # nobody
@@ -68,27 +68,50 @@ def test_another_users_directory_is_refused_and_left_alone(tmp_path: Path, use_d
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o777 and os.listdir(d) == []
 
 
-def test_a_registrys_subdirectory_fits_a_socket_path_and_is_private(tmp_path: Path,
+def test_a_registrys_subdirectory_fits_a_socket_path_and_is_private(short_tmp: Path,
                                                                      use_dir) -> None:
     """The longest registry name still leaves a worker's socket path under the 107 bytes a unix
     socket address holds (a path naming the registry did not: the worker failed to start), and
     the subdirectory is made 0700."""
-    use_dir(tmp_path)
+    use_dir(short_tmp)
     d = registry_dir(socket_dir(), "n" * 64)
     longest_token = f"{2**32 - 1:x}x{'0' * 12}"
-    added = len(os.path.join(d, f"{longest_token}.sock")) - len(str(tmp_path))
+    added = len(os.path.join(d, f"{longest_token}.sock")) - len(str(short_tmp))
     default_base = f"/tmp/shmcancel-sdk-{2**32 - 1}"  # the longest default directory
     assert len(default_base) + added < 108, added
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
 
 
-def test_a_planted_subdirectory_is_refused(tmp_path: Path, use_dir) -> None:
+def test_a_directory_too_long_for_a_socket_path_is_refused_clearly(short_tmp: Path,
+                                                                   use_dir) -> None:
+    """One byte past SOCKET_DIR_MAX: SocketDirTooLong, naming the variable to set, and nothing
+    made (not the bare ``OSError: AF_UNIX path too long`` of a worker's bind); at
+    SOCKET_DIR_MAX the worker with the longest token binds."""
+    longest_token = f"{2**32 - 1:x}x{'0' * 12}"
+    at_most = short_tmp / ("d" * (_routing.SOCKET_DIR_MAX - len(str(short_tmp)) - 1))
+    assert len(str(at_most)) == _routing.SOCKET_DIR_MAX
+    too_long = Path(str(at_most) + "x")
+    use_dir(too_long)
+    with pytest.raises(SocketDirTooLong, match="SHMCANCEL_SDK_SOCKET_DIR") as e:
+        _routing._bind(longest_token)
+    assert str(too_long) in str(e.value)
+    assert not too_long.exists()
+    use_dir(at_most)
+    sock, path = _routing._bind(longest_token)
+    try:
+        assert path.startswith(str(at_most) + "/") and stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        sock.close()
+        os.unlink(path)
+
+
+def test_a_planted_subdirectory_is_refused(short_tmp: Path, use_dir) -> None:
     """A registry's subdirectory planted by someone else (a symlink, while the base was open to
     others) is refused, not bound into."""
-    base = tmp_path / "socks"
+    base = short_tmp / "socks"
     base.mkdir(mode=0o700)
     use_dir(base)
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = short_tmp / "elsewhere"
     elsewhere.mkdir()
     name = "planted"
     real = Path(registry_dir(socket_dir(), name))
@@ -103,6 +126,8 @@ def test_the_refusal_is_a_public_shmcancel_error() -> None:
     from shmcancel import ShmCancelError
 
     assert issubclass(SocketDirUnsafe, ShmCancelError)
+    assert issubclass(SocketDirTooLong, ShmCancelError) and issubclass(SocketDirTooLong,
+                                                                      ValueError)
 
 
 # Prints server_dir() of a process with no registry; with "child", its own child's.
@@ -117,11 +142,11 @@ else:
 """
 
 
-def _server_dir_of(tmp_path: Path, how: str) -> str:
-    script = tmp_path / "server_dir.py"
+def _server_dir_of(short_tmp: Path, how: str) -> str:
+    script = short_tmp / "server_dir.py"
     script.write_text(_SERVER_DIR)
     env = {k: v for k, v in os.environ.items() if k != "SHMCANCEL_REGISTRY"}
-    env["SHMCANCEL_SDK_SOCKET_DIR"] = str(tmp_path / "socks")
+    env["SHMCANCEL_SDK_SOCKET_DIR"] = str(short_tmp / "socks")
     out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
                          env=env, timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
@@ -129,17 +154,17 @@ def _server_dir_of(tmp_path: Path, how: str) -> str:
 
 
 def test_servers_without_a_registry_share_a_directory_only_with_their_parents_processes(
-        tmp_path: Path) -> None:
+        short_tmp: Path) -> None:
     """Without a registry the socket directory itself was every such server's: a session id
     minted by one server was forwarded to it by another of the same user. Now the processes of
     one parent (a server's workers) share one subdirectory, and another parent's (another
     server's) have another."""
-    siblings = {_server_dir_of(tmp_path, "self") for _ in range(2)}
+    siblings = {_server_dir_of(short_tmp, "self") for _ in range(2)}
     assert len(siblings) == 1
-    other = _server_dir_of(tmp_path, "child")  # a process of another parent
+    other = _server_dir_of(short_tmp, "child")  # a process of another parent
     assert other not in siblings
     for d in (*siblings, other):
-        assert os.path.dirname(d) == str(tmp_path / "socks")
+        assert os.path.dirname(d) == str(short_tmp / "socks")
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
 
 
@@ -149,11 +174,11 @@ async def _noop_app(scope, receive, send) -> None:
 
 
 def test_the_last_workers_close_removes_the_servers_directory(
-        tmp_path: Path, use_dir) -> None:
+        short_tmp: Path, use_dir) -> None:
     """Each server's directory is named by its registry, and CI's registries have random
     names: a directory left at every stop was one more empty directory per run, forever. The
     worker whose close leaves it empty removes it; one that leaves another's socket does not."""
-    use_dir(tmp_path / "socks")
+    use_dir(short_tmp / "socks")
 
     async def main() -> None:
         first, last = Router(_noop_app), Router(_noop_app)
@@ -161,24 +186,24 @@ def test_the_last_workers_close_removes_the_servers_directory(
         await last.ensure()
         tasks = [t for t in (first._task, last._task) if t is not None]
         d = os.path.dirname(first.path)
-        assert os.path.dirname(last.path) == d and d.startswith(str(tmp_path / "socks"))
+        assert os.path.dirname(last.path) == d and d.startswith(str(short_tmp / "socks"))
         first.close()
         assert os.listdir(d) == [os.path.basename(last.path)]
         last.close()
         async with asyncio.timeout(10):
             await asyncio.gather(*tasks)
         assert not os.path.exists(d)
-        assert os.listdir(tmp_path / "socks") == []
+        assert os.listdir(short_tmp / "socks") == []
 
     asyncio.run(main())
 
 
 def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
-        tmp_path: Path, use_dir) -> None:
+        short_tmp: Path, use_dir) -> None:
     """During a HUP the old workers exit (the last one removing the emptied directory) while
     the new ones start: a new worker that checked the directory before that removal bound
     into nothing, and its socket server failed to start. It makes the directory again."""
-    use_dir(tmp_path / "socks")
+    use_dir(short_tmp / "socks")
     d = server_dir()  # checked: this process will not look at it again
     os.rmdir(d)
 
@@ -204,12 +229,12 @@ def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
 
 
 def test_a_worker_binds_when_the_directory_goes_between_its_making_and_its_check(
-        tmp_path: Path, use_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, use_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same race one step earlier: the directory made, then removed by the last old
     worker's close before this worker's check of it. The check found nothing, and the
     FileNotFoundError stopped the worker's start (under gunicorn: the whole server, as a
     worker that failed to boot). Only this removal is injected: the rest is the real code."""
-    use_dir(tmp_path / "socks")
+    use_dir(short_tmp / "socks")
     base = socket_dir()
     made: list[str] = []
     real_makedirs = os.makedirs
@@ -231,11 +256,11 @@ def test_a_worker_binds_when_the_directory_goes_between_its_making_and_its_check
         sock.close()
 
 
-def test_a_retry_checks_the_base_directory_again(tmp_path: Path, use_dir) -> None:
+def test_a_retry_checks_the_base_directory_again(short_tmp: Path, use_dir) -> None:
     """Both directories removed after this process checked them (a tmp cleaner's rm -r): the
     bind's retry made the base again with the umask's mode (0755), never checked, as the
     server's own 0700 one under it was."""
-    use_dir(tmp_path / "socks")
+    use_dir(short_tmp / "socks")
     base = socket_dir()
     d = server_dir()
     os.rmdir(d)

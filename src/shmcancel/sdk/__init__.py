@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ._asgi import asgi
 from ._calls import RequestCancelled, cancelled, current_handle, raise_if_cancelled
-from ._routing import SocketDirUnsafe
+from ._routing import SocketDirTooLong, SocketDirUnsafe
 
-__all__ = ["RequestCancelled", "SocketDirUnsafe", "asgi", "cancelled", "current_handle",
-           "raise_if_cancelled"]
+__all__ = ["RequestCancelled", "SocketDirTooLong", "SocketDirUnsafe", "asgi", "cancelled",
+           "current_handle", "raise_if_cancelled"]

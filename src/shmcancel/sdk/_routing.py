@@ -77,6 +77,12 @@ def socket_dir() -> str:
     once per process and directory."""
     d = os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
         tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}")
+    if _checked.get(d) != os.getpid() and len(os.fsencode(d)) > SOCKET_DIR_MAX:
+        raise SocketDirTooLong(
+            f"shmcancel.sdk: the socket directory {d} is {len(os.fsencode(d))} bytes long; "
+            f"a worker's socket in it would pass the {_SUN_PATH_MAX} bytes a unix socket's "
+            f"path holds: set SHMCANCEL_SDK_SOCKET_DIR to a directory of at most "
+            f"{SOCKET_DIR_MAX} bytes")
     return _private(d)
 
 
@@ -155,11 +161,20 @@ def _bind(token: str) -> tuple[socket.socket, str]:
 
 
 _BIND_TRIES = 8
+# A unix socket's path: 108 bytes on Linux with the terminating NUL. Below the base directory
+# come "/r-" + 12 hex + "/" + a token of at most 21 characters + ".sock".
+_SUN_PATH_MAX = 107
+SOCKET_DIR_MAX = _SUN_PATH_MAX - len("/r-") - 12 - len("/") - 21 - len(".sock")
 
 
 class SocketDirUnsafe(ShmCancelError, RuntimeError):
     """The workers' socket directory is not a private directory of this user (see
     :func:`socket_dir`)."""
+
+
+class SocketDirTooLong(ShmCancelError, ValueError):
+    """The workers' socket directory's path is longer than :data:`SOCKET_DIR_MAX` bytes: a
+    worker's unix socket in it could not be bound."""
 
 
 _checked: dict[str, int] = {}  # socket directory -> the pid that checked it
