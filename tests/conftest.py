@@ -74,26 +74,53 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["SHMCANCEL_SDK_SOCKET_DIR"] = d
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail loudly if this run left anything of its own in /dev/shm, or a gunicorn's
-    temporary directory in /tmp; remove this run's SDK socket directory."""
-    for d in _SDK_SOCKETS:
-        shutil.rmtree(d, ignore_errors=True)
+def _left_behind() -> list[str]:
+    """What this process's tests left: gunicorn temporary directories, files of its registry
+    names in /dev/shm; each removed, and said in a line."""
+    said = []
     dirs = sorted(d for d in gunicorn_harness.MADE_DIRS if os.path.exists(d))
     if dirs:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-        print(f"\nshmcancel tests left {len(dirs)} gunicorn directories: {dirs[:5]}")
-        session.exitstatus = 1
+        said.append(f"shmcancel tests left {len(dirs)} gunicorn directories: {dirs[:5]}")
     try:
         left = [f for f in os.listdir(SHM_DIR) if TEST_PREFIX in f]
     except OSError:
-        return
+        left = []
     if left:
         for f in left:
             name = f.split(TEST_PREFIX, 1)[1]
             unlink_registry_names(TEST_PREFIX + name)
-        print(f"\nshmcancel tests left {len(left)} file(s) in {SHM_DIR}: {sorted(left)[:10]}")
+        said.append(f"shmcancel tests left {len(left)} file(s) in {SHM_DIR}: {sorted(left)[:10]}")
+    return said
+
+
+_WORKERS_LEFT: list[str] = []  # under pytest-xdist: what the workers' tests left
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist, in the controller: a worker's report of what its tests left (a worker's own
+    exit status does not reach the run's)."""
+    _WORKERS_LEFT.extend(getattr(node, "workeroutput", {}).get("shmcancel_left", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail loudly if this run left anything of its own in /dev/shm, or a gunicorn's
+    temporary directory in /tmp; remove this run's SDK socket directory. Each process checks
+    (and cleans) its own registry names; a pytest-xdist worker hands its findings to the
+    controller, which fails the run."""
+    for d in _SDK_SOCKETS:
+        shutil.rmtree(d, ignore_errors=True)
+    said = _left_behind()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["shmcancel_left"] = said
+        return
+    said += _WORKERS_LEFT
+    for line in said:
+        print(f"\n{line}")
+    if said:
         session.exitstatus = 1
 
 

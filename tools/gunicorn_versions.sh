@@ -24,7 +24,8 @@ for v in "${versions[@]}"; do
         exit 1
     fi
     echo "== gunicorn $v"
-    "$venv/bin/python" -m pytest tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py \
+    "$venv/bin/python" -m pytest -n auto --maxprocesses 4 --dist loadfile \
+        tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py \
         tests/integration/test_refused_bodies.py "$@" || rc=1
 done
 exit "$rc"

@@ -22,8 +22,10 @@ fi
 .venv/bin/mypy src/shmcancel
 .venv/bin/lint-imports
 set +e
-# The suite runs the installed console scripts (shmtool) the way a user of the venv would.
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pytest "$@"
+# The suite runs the installed console scripts (shmtool) the way a user of the venv would. It
+# runs in a pytest-xdist worker per core (at most 4), a test file per worker at a time (a
+# module's gunicorn starts once); `-n 0` among the arguments runs it in this one process.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pytest -n auto --maxprocesses 4 --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
