@@ -373,7 +373,7 @@ print(json.dumps(out))
 def test_a_session_that_needs_a_large_row_with_dev_shm_full_is_refused_saying_why(
         shm_name: str) -> None:
     """A client's ninth session makes its session list large: with /dev/shm full (once the
-    pages backed already are used) that is ``SessionsFull`` (503 with Retry-After at the
+    pages backed already are used) that is ``SessionsFull`` (-32000 with Retry-After at the
     transport) naming /dev/shm, not "table full"; the clients' sessions stay, and another
     client's first session is served."""
     out = run_small(SESSIONS_FULL, "40m", shm_name)

@@ -177,7 +177,9 @@ class LegacyWire(CallLifecycle):
             try:
                 session = self._process_state().sessions.create(version, client)
             except SessionsFull as e:
-                return _error_reply(503, msg.id, codes.SERVER_ERROR,
+                # a request the client could read: 200 with its error (contract §5), which an
+                # SDK client raises as such, not a transport failure; Retry-After says when
+                return _error_reply(200, msg.id, codes.SERVER_ERROR,
                                     f"Server busy: no session available ({e})",
                                     headers=[("Retry-After", str(e.retry_after))])
             extra.append(("Mcp-Session-Id", session.id))

@@ -14,7 +14,7 @@ Keys and values as msgpack packs them:
 
 ``sessions`` and ``session_clients`` keep a small record for the common row and a worst-case one
 for every row, whose memory is allocated only when a row needs it (``shm/layout.py``): every
-row may be large, so only a full table refuses a session (``SessionsFull``, HTTP 503).
+row may be large, so only a full table refuses a session (``SessionsFull``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Policy (contract §6.1):
   ``sessions_per_client`` sessions (or minting into a full table) gives up its own least
   recently seen session that has no call in flight. It never displaces another client's
   session: when it has none to give up, :class:`SessionsFull` is raised (the transport answers
-  503 with ``Retry-After``).
+  its ``initialize`` with the JSON-RPC error -32000 and ``Retry-After``).
 - A mint reads one client row; one that must give up a session of its own also reads that
   client's session rows (at most ``sessions_per_client``, lock-free) to find the least recently
   seen; under the lock it re-checks only what it decided on. Nothing scans the table at mint:
