@@ -358,7 +358,7 @@ BAD = [
     ("object id", {}, _rpc(id={"a": 1}, method="ping"), 400, errors.INVALID_REQUEST),
     ("over-long id", {}, _rpc(id="i" * 257, method="ping"), 400, errors.INVALID_REQUEST),
     ("method not a string", {}, _rpc(id=1, method=["ping"]), 400, errors.INVALID_REQUEST),
-    ("params not an object", {}, _rpc(id=1, method="tools/list", params=[1]), 400,
+    ("params not an object", {}, _rpc(id=1, method="tools/list", params=[1]), 200,
      errors.INVALID_PARAMS),
     ("tool name not a string", {}, _call({"name": 5}), 200, errors.INVALID_PARAMS),
     ("unknown tool", {}, _call({"name": "nope", "arguments": {}}), 200, errors.INVALID_PARAMS),

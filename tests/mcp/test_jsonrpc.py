@@ -88,16 +88,26 @@ REJECTED = [
     (req(id="x" * 257, method="ping"), errors.INVALID_REQUEST),
     (req(id="é" * 129, method="ping"), errors.INVALID_REQUEST),
     (req(id="\ud800", method="ping"), errors.INVALID_REQUEST),
-    (req(id=1, method="ping", params=[1, 2]), errors.INVALID_PARAMS),
-    (req(id=1, method="ping", params="x"), errors.INVALID_PARAMS),
-    (req(id=1, method="ping", params=None), errors.INVALID_PARAMS),
-    (req(id=1, method="ping", params=3), errors.INVALID_PARAMS),
+    (req(method="ping", params=[1, 2]), errors.INVALID_PARAMS),
     (req(method="notifications/cancelled", params=[1]), errors.INVALID_PARAMS),
     (req(method="notifications/cancelled", params="1"), errors.INVALID_PARAMS),
     (req(id=1, result={}, error={}), errors.INVALID_REQUEST),
     (req(result={}), errors.INVALID_REQUEST),
     (req(), errors.INVALID_REQUEST),
 ]
+
+
+@pytest.mark.parametrize("params", [[1, 2], "x", None, 3, []])
+@pytest.mark.parametrize("rid", [1, "a"])
+def test_a_request_whose_params_is_not_an_object_is_answered_for_its_id(params: object,
+                                                                       rid: object) -> None:
+    """A request was read (its id is valid): its -32602 is for that id with HTTP 200, as SPEC §5
+    asks of every request the server could read (it was 400 with ``"id": null``)."""
+    with pytest.raises(RpcError) as ei:
+        parse(req(id=rid, method="tools/list", params=params))
+    e = ei.value
+    assert (e.code, e.id, e.status) == (errors.INVALID_PARAMS, rid, 200)
+    assert e.body()["id"] == rid and "must be an object" in e.message
 
 
 @pytest.mark.parametrize("obj, code", REJECTED)

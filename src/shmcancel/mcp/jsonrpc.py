@@ -115,7 +115,8 @@ def _valid_id(value: Any) -> bool:
 
 def parse(obj: Any) -> Message:
     """Classify a decoded body as a :class:`Request`, :class:`Notification` or client
-    :class:`Response`, validating the envelope. Raises :class:`RpcError` (HTTP 400)."""
+    :class:`Response`, validating the envelope. Raises :class:`RpcError`: HTTP 400, but for a
+    request (a valid id) whose ``params`` is not an object, its ``-32602`` for that id (200)."""
     if isinstance(obj, list):
         raise RpcError(codes.INVALID_REQUEST,
                        "Batch requests are not supported: send one JSON-RPC message per POST")
@@ -139,8 +140,10 @@ def parse(obj: Any) -> Message:
         raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
+        # a request was read (its id is valid): answered for that id, HTTP 200 (contract §5)
         raise RpcError(codes.INVALID_PARAMS,
-                       f'Invalid params: "params" must be an object, got {_json_type(params)}')
+                       f'Invalid params: "params" must be an object, got {_json_type(params)}',
+                       id=echo if has_id else None, status=200 if has_id else 400)
     if has_id:
         return Request(echo, method, params)  # type: ignore[arg-type]
     return Notification(method, params)

@@ -352,9 +352,6 @@ class McpServer(LegacyWire, ModernWire):
         try:
             msg = jsonrpc.parse(jsonrpc.decode(body_or_reply))
             wire = detect(msg, headers)
-        except RpcError as e:
-            return _error_reply(e.status, e.id, e.code, e.message, e.data)
-        try:
             if wire is Wire.MODERN:
                 return self._modern(environ, start_response, headers, msg, json_ok, sse_ok)
             return self._legacy(environ, start_response, headers, msg, json_ok, sse_ok)
