@@ -553,12 +553,15 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
     its entries are removed. A lock file that is not ours cannot be what a creator of ours
     holds: nothing is locked then. Nor is anything for another user's registry (root removing
     it): its creators refuse a lock file of ours, and one made here would be left behind, not
-    part of their registry. ``force``: go on even if the flock stays held."""
+    part of their registry. A lock file this made is removed again on leaving (a registry kept,
+    a segment without a header skipped: the name is left as found). ``force``: go on even if
+    the flock stays held."""
     fd = None
+    made = False
     lockable = registry_owner(name) == os.geteuid()
     if lockable:
         try:
-            check_entry("lock file", lock_path(name))
+            made = check_entry("lock file", lock_path(name)) is None
         except RegistryIncompatible:
             lockable = False
     if lockable:
@@ -571,6 +574,10 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
+            if made:  # under the flock: a creator waiting on this file retries on a new one
+                with contextlib.suppress(OSError):
+                    if os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino:
+                        os.unlink(lock_path(name))
             os.close(fd)
 
 

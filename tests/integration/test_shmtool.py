@@ -377,6 +377,18 @@ def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_remove
     Registry.attach(reg.name).close()  # the live one is untouched
 
 
+@pytest.mark.parametrize("lock_file", ["kept", "removed"])
+def test_cleanup_stale_leaves_a_live_registry_as_it_found_it(reg, lock_file):
+    """A live registry is kept, and its entries stay as they were: a lock file that was not
+    there is not left behind by the flock ``--stale`` takes while it looks."""
+    if lock_file == "removed":
+        os.unlink(f"/dev/shm/shmcancel-lock.{reg.name}")
+    before = _entries(reg.name)
+    p = shmtool("cleanup", "--stale", reg.name)
+    assert p.returncode == 1 and "is alive" in p.stderr, p
+    assert _entries(reg.name) == before
+
+
 @pytest.mark.parametrize("content", [b"", b"SHMTBL\x00\x03" + bytes(4088), os.urandom(4096)],
                          ids=["empty", "a bare table", "garbage"])
 def test_cleanup_stale_keeps_a_segment_without_a_registry_header(shm_name, content):
@@ -392,6 +404,9 @@ def test_cleanup_stale_keeps_a_segment_without_a_registry_header(shm_name, conte
     assert len(p.stderr.splitlines()) == 1
     with open(path, "rb") as f:
         assert f.read() == content
+    # nothing made either: it left a lock file of its own behind (shmcancel-lock.NAME), which
+    # `list` then showed and a test run's check of /dev/shm found as litter
+    assert _entries(shm_name) == [f"shmcancel.{shm_name}"]
     p = shmtool("unlink", shm_name)
     assert p.returncode == 0, p.stderr
     assert _entries(shm_name) == []
