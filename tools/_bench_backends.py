@@ -37,6 +37,7 @@ _CTX = mp.get_context("fork")
 SCOPE = "ip:198.51.100.7"  # the scope of the polled request
 RID = 42  # its id
 ME = 5  # the writer number of the measuring process's own writes (others: 1..4; scaling: 16+)
+UNTIL_SECONDS = 10.0  # the longest interleaved() measures on, waiting for its `until`
 WITH_A_ROW = 6  # the measuring process's scope holding another request's cancellation row
 
 
@@ -78,7 +79,8 @@ class Floor:
     :meth:`close`)."""
 
     def __init__(self) -> None:
-        self.name = f"/shmcancel.bench-floor-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # not under the registries' "shmcancel." prefix: shmtool would take it for one
+        self.name = f"/shmcancel-bench-floor-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, 0o600, size=1 << 16)
         try:
             self.mm = mmap.mmap(shm.fd, 1 << 16)
@@ -108,19 +110,24 @@ class Floor:
 
 
 def interleaved(measures: list[Measure], floor: Measure, rounds: int,
-                per_op: int, min_seconds: float = 0.0) -> dict[str, Result]:
+                per_op: int, min_seconds: float = 0.0,
+                until: Callable[[], bool] | None = None) -> dict[str, Result]:
     """Each round, for each measure: a floor batch, the measure's batch (their ratio), then
     ``per_op`` single operations of the measure timed one by one; at least ``rounds`` rounds,
-    and more until ``min_seconds`` have passed (at most ``20 * rounds``). The floor is also
-    reported (label of ``floor``), its ratio 1 by construction."""
+    and more until ``min_seconds`` have passed (at most ``20 * rounds``); with ``until``, more
+    again while it returns False, up to ``UNTIL_SECONDS`` in all. The floor is also reported
+    (label of ``floor``), its ratio 1 by construction."""
     ns: dict[str, list[float]] = {m.label: [] for m in [floor, *measures]}
     ratio: dict[str, list[float]] = {m.label: [] for m in measures}
     ones: dict[str, list[float]] = {m.label: [] for m in [floor, *measures]}
     for m in [floor, *measures]:  # warm up
         m.batch(min(m.n, 20))
-    until = time.monotonic() + min_seconds
-    for r in range(20 * rounds):
-        if r >= rounds and time.monotonic() >= until:
+    t0 = time.monotonic()
+    r = 0
+    while True:
+        took = time.monotonic() - t0
+        if (r >= 20 * rounds or (r >= rounds and took >= min_seconds)) and (
+                until is None or took >= UNTIL_SECONDS or until()):
             break
         order = measures if r % 2 == 0 else measures[::-1]
         for m in order:
@@ -132,6 +139,7 @@ def interleaved(measures: list[Measure], floor: Measure, rounds: int,
             for _ in range(per_op):
                 ones[m.label].append(m.one())
                 ones[floor.label].append(floor.one())
+        r += 1
     out = {floor.label: Result(med(ns[floor.label]), 1.0, med(ones[floor.label]),
                                pct(ones[floor.label], 99), ones[floor.label])}
     for m in measures:

@@ -150,8 +150,11 @@ def _alone_and_busy(b: Backend, ms: list[Measure], floor: Floor, a: argparse.Nam
     with other_writers(b, OTHER_WRITERS) as rate:
         # long enough for every writer to be scheduled (5 processes on 2 cores: a phase of a
         # few ms could end before one of them ran, and read as a writer that wrote nothing)
+        # and on, up to UNTIL_SECONDS, until each writer has written: a lock that is not
+        # fair (sqlite's busy handler sleeps and retries) can starve one for a second
         busy = interleaved(ms, floor.measure, max(3, a.rounds // 2), a.per_op,
-                           min_seconds=BUSY_SECONDS)
+                           min_seconds=BUSY_SECONDS,
+                           until=lambda: not any("wrote nothing" in t for t in rate()[2]))
         wrate, werr, trouble = rate()
     if werr:
         trouble.append(f"{werr} write rounds failed")

@@ -80,7 +80,8 @@ class _SemLock:
 
 @contextmanager
 def _segment(size: int) -> Iterator[tuple[str, mmap.mmap]]:
-    name = f"/shmcancel.bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # a bare table, not a registry: not under the registries' "shmcancel." prefix
+    name = f"/shmcancel-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, size=size)
     try:
         mm = mmap.mmap(shm.fd, size)
