@@ -1118,3 +1118,19 @@ def test_a_cancel_interrupted_at_any_bytecode_of_its_row_keeps_its_count_and_is_
                     raise AssertionError(f"interrupted at {k}/{n}: {t.name} left unrepaired") from e
         rows = sum(1 for s, *_ in store.cancellations() if s == "s")
         assert rows <= store.scope_rows("s") <= rows + 1, (k, n, rows, store.scope_rows("s"))
+
+
+@pytest.mark.parametrize("registry", ["prod", 5, object()], ids=["a name", "an int", "an object"])
+def test_a_registry_that_is_not_one_is_a_clear_type_error(registry):
+    """``Cancellation("prod")`` (a name where the Registry goes) failed with ``AttributeError:
+    'str' object has no attribute 'table'``; it is a TypeError saying what to pass."""
+    with pytest.raises(TypeError, match=r"Cancellation needs a Registry .*got "
+                                        + type(registry).__name__):
+        shmcancel.Cancellation(registry)
+
+
+def test_a_clock_that_is_not_callable_is_a_type_error_at_once(registry):
+    """A clock given as a value (``clock=time.time()``) failed only at the first write, deep in
+    the store; it is refused where it is given."""
+    with pytest.raises(TypeError, match="clock must be callable, got float"):
+        shmcancel.Cancellation(registry(), clock=time.time())

@@ -235,6 +235,11 @@ class Cancellation:
         *,
         backend: Storage | None = None,
     ) -> None:
+        if registry is not None and not isinstance(registry, Registry):
+            raise TypeError(f"Cancellation needs a Registry (Registry.create or attach), got "
+                            f"{type(registry).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be callable, got {type(clock).__name__}")
         if backend is None:
             if registry is None:
                 raise TypeError("Cancellation needs a registry or a backend")
