@@ -372,6 +372,12 @@ BAD = [
      errors.INVALID_REQUEST),
     ("unknown session", {"Mcp-Session-Id": "A" * 32}, _rpc(id=1, method="ping"), 404,
      errors.INVALID_REQUEST),
+    # one that cannot name a session (no minted id has a space, none is over 128 characters) is
+    # unknown too: 404, on which a client opens a new session (it was 400, a transport failure)
+    ("malformed session", {"Mcp-Session-Id": "bad id"}, _rpc(id=1, method="ping"), 404,
+     errors.INVALID_REQUEST),
+    ("over-long session", {"Mcp-Session-Id": "A" * 129}, _rpc(id=1, method="ping"), 404,
+     errors.INVALID_REQUEST),
     # contract §6.1 "unknown → 404" holds for a client's JSON-RPC response too (it was 202)
     ("response, no session", {"Mcp-Session-Id": None}, _rpc(id=1, result={}), 400,
      errors.INVALID_REQUEST),

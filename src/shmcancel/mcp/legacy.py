@@ -247,9 +247,9 @@ def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:
     if sid is None:
         return RpcError(codes.INVALID_REQUEST, "Bad Request: missing Mcp-Session-Id header",
                         id=rid, status=400)
-    if not valid_session_id(sid):
-        return RpcError(codes.INVALID_REQUEST, "Bad Request: malformed Mcp-Session-Id header",
-                        id=rid, status=400)
+    if not valid_session_id(sid):  # names no session: unknown, as contract §5 answers those
+        return RpcError(codes.INVALID_REQUEST, "Session not found (a malformed Mcp-Session-Id)",
+                        id=rid, status=404)
     return None
 
 
