@@ -329,9 +329,10 @@ def test_session_errors(app: McpServer) -> None:
     assert (r.status, r.json["error"]["code"], r.json["id"]) == (400, errors.INVALID_REQUEST, 1)
     r = post(app, call, headers=legacy_headers("nope-" + "0" * 30))
     assert (r.status, r.json["error"]["code"]) == (404, errors.INVALID_REQUEST)
-    for bad in ("x" * 129, "has space", "é"):
+    for bad in ("x" * 129, "has space", "é"):  # names no session: unknown, 404 (§5), not 400
         r = post(app, call, headers=legacy_headers(bad))
-        assert r.status == 400, bad
+        assert (r.status, r.json["error"]["code"], r.json["id"]) == (404, errors.INVALID_REQUEST,
+                                                                     1), bad
     # notifications need the session too
     r = post(app, note("notifications/cancelled", {"requestId": 1}), headers=legacy_headers(None))
     assert r.status == 400
