@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import posix_ipc
 import pytest
 from helpers.gunicorn_harness import Gunicorn
 from helpers.procs import fork, shmtool_cli, wait_exit
@@ -573,6 +574,24 @@ def test_unlink_of_another_users_registry_leaves_no_lock_file_of_its_own(shm_nam
     assert p.stderr == "", p
     left = [q for q in paths(shm_name).values() if os.path.lexists(q)]
     assert left == [], f"left behind: {left}"
+
+
+def test_unlink_of_a_squatted_segment_removes_our_own_entries_too(shm_name, squat):
+    """Defect: root's ``shmtool unlink NAME`` where another user's file squats the segment name
+    and the semaphore is root's own (a creation the squatter beat): the squatter's segment went
+    (root removes it, as ``list`` advises), but root's own semaphore was "another user's entry"
+    ("belongs to uid 0 ... left alone", from uid 0), judged against the segment's owner, and
+    stayed behind. The caller's own entries are the registry's too."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's entry needs root")
+    squat("foreign", "segment")
+    sem = posix_ipc.Semaphore(f"/shmcancel.{shm_name}", posix_ipc.O_CREX, 0o600, 1)
+    sem.close()
+    assert os.stat(paths(shm_name)["semaphore"]).st_uid == 0
+    p = shmtool_cli("unlink", shm_name)
+    assert p.returncode == 0, p
+    assert p.stderr == "", p
+    assert not [q for q in paths(shm_name).values() if os.path.lexists(q)]
 
 
 # A name another user can give an entry under a registry's temporary pattern: a line break that

@@ -303,10 +303,11 @@ def registry_owner(name: str) -> int:
 
 def split_paths(name: str) -> tuple[list[str], list[tuple[str, os.stat_result]]]:
     """:func:`name_paths` split into the registry's own entries (its owner's, see
-    :func:`registry_owner`) and other users' entries, each with its ``lstat``. Those are not
-    part of the registry (another user's FIFO under ``shmcancel.NAME~x``, say): tools report
-    them and leave them alone, and they must not block removing the registry."""
-    owner = registry_owner(name)
+    :func:`registry_owner`, and the caller's own) and other users' entries, each with its
+    ``lstat``. Those are not part of the registry (another user's FIFO under
+    ``shmcancel.NAME~x``, say): tools report them and leave them alone, and they must not block
+    removing the registry."""
+    owners = {registry_owner(name), os.geteuid()}
     own: list[str] = []
     others: list[tuple[str, os.stat_result]] = []
     for path in name_paths(name):
@@ -317,7 +318,7 @@ def split_paths(name: str) -> tuple[list[str], list[tuple[str, os.stat_result]]]
         except OSError:
             own.append(path)  # whoever uses it gets the error naming it
             continue
-        if st.st_uid == owner:
+        if st.st_uid in owners:
             own.append(path)
         else:
             others.append((path, st))
