@@ -49,6 +49,7 @@ from ._calls import (
     modern_wire,
     process_cancellation,
     stop_calls_in_scope,
+    stop_running_calls,
 )
 from ._routing import Router
 
@@ -97,8 +98,7 @@ def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
             wrapped = True
     if not wrapped:  # pragma: no cover - the SDK always makes that route
         raise RuntimeError(f"shmcancel.sdk.asgi: no route {path!r} in the SDK's app")
-    if router is not None:
-        _with_router(app, router)
+    _with_shutdown(app, router)
     return app
 
 
@@ -112,19 +112,26 @@ def _is_auth(endpoint: Any) -> bool:
     return isinstance(endpoint, RequireAuthMiddleware)
 
 
-def _with_router(app: Any, router: Router) -> None:
-    """Start the worker's socket server with the app's lifespan and stop it (removing the
-    socket) at its shutdown, around the SDK's own lifespan."""
+def _with_shutdown(app: Any, router: Router | None) -> None:
+    """Around the SDK's own lifespan: start the worker's socket server (if it routes sessions)
+    and, at the shutdown, stop the calls still running (:func:`stop_running_calls`), then the
+    socket server (removing the socket)."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any) -> AsyncIterator[Any]:
         async with inner(a) as state:
-            await router.ensure()
+            if router is not None:
+                await router.ensure()
             try:
                 yield state
             finally:
-                router.close()
+                try:
+                    if n := stop_running_calls("the worker is stopping"):
+                        log.info("stopped %d call(s) still running at the worker's shutdown", n)
+                finally:
+                    if router is not None:
+                        router.close()
 
     app.router.lifespan_context = lifespan
 
