@@ -252,10 +252,12 @@ def stop_calls_in_scope(scope: str, reason: str) -> int:
 def stop_running_calls(reason: str) -> int:
     """Stop, in this process only, every call running on the current event loop
     (:meth:`Call.stop`): what the calls still running at the app's lifespan shutdown get. By
-    then no response of theirs can arrive: the server has drained its connections, and an SSE
-    stream ended as the server's exit began (``sse_starlette`` ends them all at once), its
-    session dying with this worker; a sync tool would run on, unheard, for up to gunicorn's
-    ``graceful_timeout``. Call from the event loop's thread. Returns how many were stopped."""
+    then the server has drained its connections, and an SSE stream ended as the server's exit
+    began (``sse_starlette`` ends them all at once), its session dying with this worker: a
+    sync tool would run on, unheard, for up to gunicorn's ``graceful_timeout``. (A call
+    forwarded from another worker with a JSON response, whose socket server drains only after
+    this, for 1 s, gets its ``-32800`` there instead of that second.) Call from the event
+    loop's thread. Returns how many were stopped."""
     p = _pollers.get(id(asyncio.get_running_loop()))
     if p is None:
         return 0
