@@ -240,13 +240,7 @@ def stop_calls_in_scope(scope: str, reason: str) -> int:
     session's calls get when the registry could not record their cancellations (a stalled
     lock). A stateful session's calls all run in the worker that owns it, which serves its
     ``DELETE``. Call from the event loop's thread. Returns how many were stopped."""
-    p = _pollers.get(id(asyncio.get_running_loop()))
-    if p is None:
-        return 0
-    stopped = [call for call in list(p.calls) if call.handle.scope == scope]
-    for call in stopped:
-        call.stop(reason)
-    return len(stopped)
+    return _stop_calls(reason, scope)
 
 
 def stop_running_calls(reason: str) -> int:
@@ -258,13 +252,19 @@ def stop_running_calls(reason: str) -> int:
     forwarded from another worker with a JSON response, whose socket server drains only after
     this, for 1 s, gets its ``-32800`` there instead of that second.) Call from the event
     loop's thread. Returns how many were stopped."""
+    return _stop_calls(reason)
+
+
+def _stop_calls(reason: str, scope: str | None = None) -> int:
+    """:meth:`Call.stop` every call running on the current event loop (of ``scope`` only,
+    unless None); how many."""
     p = _pollers.get(id(asyncio.get_running_loop()))
     if p is None:
         return 0
-    calls = list(p.calls)
-    for call in calls:
+    stopped = [call for call in list(p.calls) if scope is None or call.handle.scope == scope]
+    for call in stopped:
         call.stop(reason)
-    return len(calls)
+    return len(stopped)
 
 
 def _poller() -> _Poller:
