@@ -75,6 +75,7 @@ from .shm.names import (
     check_entry,
     check_name,
     describe,
+    drop_lockfile,
     flock_bounded,
     lock_path,
     registry_owner,
@@ -574,10 +575,8 @@ def _creation_lock(name: str, force: bool) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
-            if made:  # under the flock: a creator waiting on this file retries on a new one
-                with contextlib.suppress(OSError):
-                    if os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino:
-                        os.unlink(lock_path(name))
+            if made:
+                drop_lockfile(name, fd)
             os.close(fd)
 
 

@@ -33,9 +33,9 @@ import posix_ipc
 from ..exceptions import InvalidRegistryName, RegistryIncompatible, ShmCancelError
 
 __all__ = ["MODE", "SHM_DIR", "NotOurs", "check_entry", "check_name", "check_stat", "describe",
-           "flock_bounded", "lock_path", "name_paths", "not_ours", "open_entry", "open_lockfile",
-           "registry_owner", "segment_path", "sem_path", "shm_name", "split_paths", "stat_problem",
-           "tmp_path", "unlink_names", "unlink_quiet"]
+           "drop_lockfile", "flock_bounded", "lock_path", "name_paths", "not_ours", "open_entry",
+           "open_lockfile", "registry_owner", "segment_path", "sem_path", "shm_name", "split_paths",
+           "stat_problem", "tmp_path", "unlink_names", "unlink_quiet"]
 
 SHM_DIR = "/dev/shm"
 MODE = 0o600
@@ -241,6 +241,15 @@ def open_lockfile(name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def drop_lockfile(name: str, fd: int) -> None:
+    """Under the flock held on ``fd``: remove ``name``'s lock file if its path still names the
+    file open at ``fd`` (a creator waiting on it then finds the path changed and retries on a
+    new one, see :func:`flock_bounded`); best effort, never raises."""
+    with contextlib.suppress(OSError):
+        if os.lstat(lock_path(name)).st_ino == os.fstat(fd).st_ino:
+            os.unlink(lock_path(name))
 
 
 def flock_bounded(name: str, timeout: float) -> int:

@@ -70,9 +70,9 @@ from .names import (
     check_name,
     check_stat,
     close_with,
+    drop_lockfile,
     flock_bounded,
     kept_by,
-    lock_path,
     not_ours,
     open_entry,
     open_on,
@@ -701,9 +701,7 @@ def _drop_lockfile(name: str, lockfd: int) -> None:
     with contextlib.suppress(ShmCancelError, OSError):
         if check_entry("segment", segment_path(name)) is not None:
             return
-    with contextlib.suppress(OSError):
-        if os.lstat(lock_path(name)).st_ino == os.fstat(lockfd).st_ino:
-            os.unlink(lock_path(name))
+    drop_lockfile(name, lockfd)
 
 
 def _describe(e: BaseException) -> str:
