@@ -140,10 +140,11 @@ def parse(obj: Any) -> Message:
         raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
-        # a request was read (its id is valid): answered for that id, HTTP 200 (contract §5)
+        # a request (its id valid by now: echo) is answered for its id with HTTP 200 (contract
+        # §5); a notification, 400 with "id": null (echo is None)
         raise RpcError(codes.INVALID_PARAMS,
                        f'Invalid params: "params" must be an object, got {_json_type(params)}',
-                       id=echo if has_id else None, status=200 if has_id else 400)
+                       id=echo, status=200 if has_id else 400)
     if has_id:
         return Request(echo, method, params)  # type: ignore[arg-type]
     return Notification(method, params)
