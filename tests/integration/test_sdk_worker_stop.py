@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, alive, wait_until
+from helpers.mcp_client import open_session
 from helpers.rows import in_flight_count
 
 from shmcancel.shm.registry import Registry
@@ -25,9 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::Depre
 CONF = "examples/sdk/gunicorn.conf.py"
 HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream",
            "mcp-protocol-version": "2025-11-25"}
-INIT = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                   "clientInfo": {"name": "stop", "version": "0"}}}
 TOOL_SECONDS = 60  # far past gunicorn's graceful_timeout: only the stop ends it in time
 
 
@@ -39,19 +37,15 @@ def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path
                        "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
             Registry.attach(name, readonly=True) as reg:
         [old] = g.worker_pids()
-        with httpx.Client(timeout=10) as h:
-            r = h.post(g.url, headers=HEADERS, json=INIT)
-            assert r.status_code == 200, r.text
-            sid = r.headers["mcp-session-id"]
+        session = open_session(g.url, HEADERS, "stop")
         done: dict[str, Any] = {}
 
         def call() -> None:
             try:
                 with httpx.Client(timeout=TOOL_SECONDS + 30) as h:
-                    done["r"] = h.post(g.url, headers=dict(HEADERS, **{"mcp-session-id": sid}),
-                                       json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                                             "params": {"name": "sleep_sync",
-                                                        "arguments": {"seconds": TOOL_SECONDS}}})
+                    done["r"] = h.post(g.url, headers=session, json={
+                        "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                        "params": {"name": "sleep_sync", "arguments": {"seconds": TOOL_SECONDS}}})
             except httpx.HTTPError as e:
                 done["error"] = e
 
