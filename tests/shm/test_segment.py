@@ -204,7 +204,18 @@ def test_a_registry_of_the_lock_file_recovery_protocol_is_refused(shm_name: str)
     other layout's is; it was attached, its layout number unchanged."""
     Segment.create(shm_name, CFG, SPECS).close()
     _patch(shm_name, 8, "<Q", 7)
-    with pytest.raises(RegistryIncompatible, match="layout version 7, this shmcancel speaks 8"):
+    with pytest.raises(RegistryIncompatible, match="layout version 7, this shmcancel speaks 9"):
+        Segment.attach(shm_name)
+
+
+def test_a_registry_of_blake2b_index_hashes_is_refused(shm_name: str) -> None:
+    """Layout 8's processes hash a row's key with keyed blake2b, this code's with SipHash-2-4:
+    side by side on one registry each would find none of the other's rows (a cancellation
+    recorded by one, never seen by the other's poll). Such a registry is refused, naming the
+    versions."""
+    Segment.create(shm_name, CFG, SPECS).close()
+    _patch(shm_name, 8, "<Q", 8)
+    with pytest.raises(RegistryIncompatible, match="layout version 8, this shmcancel speaks 9"):
         Segment.attach(shm_name)
 
 

@@ -27,7 +27,7 @@ from ..exceptions import (
     TableFull,
 )
 from . import layout
-from .hashing import blake2b
+from .hashing import siphash, table_key
 from .layout import (
     _CLS,
     _CLS_OFF,
@@ -47,10 +47,9 @@ READ_RETRIES = 64  # optimistic attempts before a reader falls back to the lock
 BACK_CHUNK = 1 << 16  # bytes of large records backed at once (layout.py: backing on demand)
 _SPIN_BEFORE_YIELD = 4
 
-_blake2b = blake2b
+_siphash = siphash
 _crc32 = zlib.crc32
 _new = object.__new__
-_from_bytes = int.from_bytes
 
 
 class TableCorrupted(ShmCancelError):
@@ -156,7 +155,7 @@ class TableBase:
         self._nbuckets = nbuckets
         self._set = kind == "set"
         self._hash_key = bytes(hash_key)
-        self._h0 = _blake2b(key=self._hash_key, digest_size=8)
+        self._sip_key = table_key(self._hash_key)
         self._lock = lock
         self._flags: Any = getattr(lock, "flags", lock)  # where writers set ``dirty``
         # A read-only attachment's lock cannot be taken: readers fall back to a best-effort
@@ -216,11 +215,9 @@ class TableBase:
 
     # ---------------------------------------------------------------- keys
     def _hash(self, kbytes: bytes) -> int:
-        # keyed blake2b: copying the keyed state skips the key block. prepare() has these lines
-        # inlined (every new request id): the two must give the same hash, or fsck rejects rows
-        h = self._h0.copy()
-        h.update(kbytes)
-        return _from_bytes(h.digest(), "little") or 1
+        # prepare() has this line inlined (every new request id): the two must give the same
+        # hash, or fsck rejects rows
+        return _siphash(self._sip_key, kbytes) or 1
 
     def prepare(self, key: Any) -> PreparedKey:
         """Pack and hash ``key`` once; pass the result to any operation of this table."""
@@ -233,9 +230,7 @@ class TableBase:
             key = key.key
         if not h:
             kbytes = _pack(key)
-            b = self._h0.copy()  # _hash, inlined: every new request id comes here
-            b.update(kbytes)
-            h = _from_bytes(b.digest(), "little") or 1
+            h = _siphash(self._sip_key, kbytes) or 1  # _hash, inlined: every new request id
         # PreparedKey(self, key, kbytes, h, h & self._mask), without a Python __init__ frame
         pk = _new(PreparedKey)
         pk.t = self

@@ -19,7 +19,7 @@ u64 store through a ``memoryview.cast("Q")`` is one machine store (never seen to
               56  u64 large_top         (record numbers on the large class's free stack)
     64      8 x nbuckets (pad to 64)  bucket versions: u64 seqlock per bucket of 16 index slots;
                                       odd while a writer changes a slot of the bucket
-    V       16 x nslots               index: per slot u64 hash (keyed blake2b of the packed key,
+    V       16 x nslots               index: per slot u64 hash (SipHash-2-4 of the packed key,
                                       never 0; 0 = empty slot) then u64 record number
     I       small_size x (capacity+1) small class: records 0 .. capacity
     J       record_size x nlarge      large class: records capacity+1 .. capacity+nlarge, where

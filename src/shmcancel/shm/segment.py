@@ -98,7 +98,7 @@ __all__ = [
 ]
 
 MAGIC = b"shmcancl"
-LAYOUT_VERSION = 8  # 2: sessions_per_client in the config; session_clients, session_calls
+LAYOUT_VERSION = 9  # 2: sessions_per_client in the config; session_clients, session_calls
 # 3: table names in the descriptors; the config as an opaque length-prefixed blob; tables of
 #    two record size classes (their geometry in each table's own region header)
 # 4: the lanes region (per-process rows written without the lock)
@@ -109,6 +109,7 @@ LAYOUT_VERSION = 8  # 2: sessions_per_client in the config; session_clients, ses
 # 8: the lock's dead-holder recovery flocks the segment's own file, not the lock file: a
 #    process of layout 7 recovering beside one of 8 (a USR2 upgrade's old and new workers)
 #    would take its flock on another file, and both could take the same dead holder's unit
+# 9: the index hash is SipHash-2-4 (was keyed blake2b): a process of 8 would find no row
 HEADER_SIZE = 4096
 PAGE = 4096
 SEM_MIN_SIZE = 32  # sizeof(sem_t) on Linux; a shorter file would SIGBUS inside sem_wait
