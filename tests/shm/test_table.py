@@ -310,13 +310,17 @@ def test_model(rig_factory, kind: str, capacity: int) -> None:
 
 
 def test_the_index_hash_is_siphash_2_4_keyed_by_the_segment_key(rig_factory) -> None:
-    """SipHash-2-4 (its reference vector), of the packed key, under a key derived from the
-    table's hash key alone: every process attaching the segment computes the same hash. Another
-    hash key sends the same keys to other homes (a client who does not know the segment's
-    random key cannot aim ids at one bucket)."""
+    """SipHash-2-4 (its reference vector) of the packed key, under a 16-byte key derived from
+    the table's hash key alone, pinned by known answers: every process attaching a segment must
+    compute exactly these (a change to the hash or its key's derivation is a new layout,
+    ``LAYOUT_VERSION``). Another hash key sends the same keys to other homes (a client who does
+    not know the segment's random key cannot aim ids at one bucket)."""
     assert siphash(bytes(range(16)), bytes(range(15))) == 0xA129CA6149BE45E5
+    assert table_key(HASH_KEY) == bytes.fromhex("12a071105404a9e43bfd89c36d8da301")
+    assert table_key(b"k") == bytes.fromhex("9d680d17fde1aeda85a24b32329e97d4")
     rig = rig_factory([("set", 1024, 64)])
     t = rig.tables[0]
+    assert t.prepare(("ip:1", "n:0")).hash == 0x1830AA3A52A30CAE
     keys = [("ip:1", f"n:{i}") for i in range(64)]
     for k in keys:
         assert t.prepare(k).hash == (siphash(table_key(HASH_KEY), packed(k)) or 1)
@@ -327,6 +331,22 @@ def test_the_index_hash_is_siphash_2_4_keyed_by_the_segment_key(rig_factory) -> 
     finally:
         other.close()
     assert moved >= 60  # 2048 slots: a key keeps its home by chance 1 time in 2048
+
+
+@pytest.mark.parametrize("hash_key", [b"k", bytes(range(16)), bytes(range(64))])
+def test_a_hash_key_of_any_allowed_length_keys_the_index(rig_factory, hash_key) -> None:
+    """A table's hash key is 1..64 bytes; SipHash takes exactly 16, derived from it: rows
+    written and found under each length, the table sound."""
+    rig = rig_factory([("set", 64, 64)])
+    rig.tables[0].close()
+    t = rig.tables[0] = Table("t0", rig.region(0), kind="set", capacity=64, record_size=64,
+                              hash_key=hash_key, lock=rig.lock)
+    rig.lock.tables = rig.tables
+    for i in range(40):
+        t.insert(("s", str(i)), i)
+    assert all(t.lookup(("s", str(i))) == [i] for i in range(40))
+    assert t.lookup(("s", "40")) == []
+    healthy(t)
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (2, 0, 4, 1, 3), (4, 3, 2, 1, 0)])
