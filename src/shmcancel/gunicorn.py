@@ -33,6 +33,7 @@ The traps behind each of these: docs/design.md, "gunicorn traps".
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -203,6 +204,18 @@ def when_ready(server: Any) -> None:
     _state.registry, _state.registry_name, _state.owner_pid = reg, name, os.getpid()
     _pass_name_to_upgrades(server, name)
     _state.identity = reg.identity
+    atexit.register(_exit_fallback, server, os.getpid())
+
+
+def _exit_fallback(server: Any, master: int) -> None:
+    """At the master's interpreter exit: :func:`on_exit`, when gunicorn never called it. Its
+    arbiter skips the hook when it ends by an exception: an error in its main loop (a hook's,
+    say) exits -1 without it, and several workers failing to boot together raise ``HaltServer``
+    a second time inside ``halt()``, before the hook. The registry would stay in ``/dev/shm``.
+    A no-op once ``on_exit`` ran, and in every other process (workers inherit the registration
+    over fork, and their registry is their own attachment: only the master unlinks)."""
+    if os.getpid() == master and registry() is not None:
+        on_exit(server)
 
 
 def _pass_name_to_upgrades(server: Any, name: str) -> None:

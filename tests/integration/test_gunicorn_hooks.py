@@ -21,10 +21,12 @@ from typing import Any
 import httpx
 import pytest
 from helpers.gunicorn_harness import (
+    REPO_ROOT,
     Gunicorn,
     alive,
     booted,
     children,
+    gunicorn_command,
     upgraded_masters,
     wait_until,
 )
@@ -624,6 +626,45 @@ def test_worker_stopped_while_it_boots(shm_name, tmp_path):
         assert get(base(g) + "/whoami")["registry"] == shm_name, "its replacement serves"
         os.kill(g.pid, signal.SIGTERM)
         wait_until(lambda: not alive(g.pid), time.monotonic() + 10, what="the master to exit")
+
+
+_FAILING_MASTER_CONF = """
+import shmcancel.gunicorn
+from shmcancel.gunicorn import child_exit, on_exit, post_fork, when_ready  # noqa: F401
+
+control_socket_disable = True
+
+
+def pre_fork(server, worker):
+    raise RuntimeError("a hook of the master fails")
+"""
+
+
+def test_a_master_ended_by_an_exception_still_unlinks_its_registry(shm_name, tmp_path):
+    """gunicorn skips ``on_exit`` when its arbiter ends by an exception: here a hook of the
+    master failing in its main loop ("Unhandled exception in main loop", exit -1); several
+    workers failing to boot together do the same (``HaltServer`` raised again inside
+    ``halt()``). The registry it created must not stay in /dev/shm: the hooks unlink it at
+    the master's exit."""
+    conf = tmp_path / "failing.conf.py"
+    conf.write_text(_FAILING_MASTER_CONF)
+    log = tmp_path / "gunicorn.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([*gunicorn_command(), "-c", str(conf), "-b", "127.0.0.1:0",
+                              "-w", "2", APP], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, "SHMCANCEL_REGISTRY": shm_name},
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        status = p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    text = log.read_text()
+    assert f"created registry {shm_name!r}" in text, text[-3000:]
+    assert "Unhandled exception in main loop" in text and status != 0, text[-3000:]
+    assert f"registry {shm_name!r} unlinked" in text, text[-3000:]
+    assert not segment_exists(shm_name)
 
 
 def test_gthread_workers_serve_and_cancel(shm_name):
