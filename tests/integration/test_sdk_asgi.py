@@ -234,6 +234,39 @@ def test_cancel_on_a_fresh_connection(server, tool):
     assert cancellation_rows(reg) == []
 
 
+def test_an_id_the_registry_cannot_key_is_refused_and_its_cancel_is_a_400(server):
+    """A string id over 256 UTF-8 bytes: the SDK takes it, the registry cannot key it (contract
+    §4.1), so the call ran untracked, deaf to every cancellation, while a cancel naming it got
+    202. The call is refused with ``-32600`` before its tool runs; its cancel is 400 ``-32602``
+    (contract §6.1). An id of 256 bytes is served as any other."""
+    kind, g, reg = server
+    headers, _ = _legacy_client(kind, g)
+
+    def answer(r: httpx.Response) -> dict:
+        text = r.text  # JSON, or one SSE event
+        return json.loads(text[text.index("{"):text.rindex("}") + 1])
+
+    long_id, ok_id = "x" * 257, "é" * 128  # 257 bytes; 256 bytes
+    with httpx.Client(timeout=20) as h:
+        r = h.post(g.url, headers=headers, json={
+            "jsonrpc": "2.0", "id": long_id, "method": "tools/call",
+            "params": {"name": "sleep", "arguments": {"seconds": 5}}})
+        assert r.status_code == 200, r.text
+        body = answer(r)
+        assert body["id"] == long_id and body["error"]["code"] == -32600, body
+        r = h.post(g.url, headers=headers, json={
+            "jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": long_id}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text
+        r = h.post(g.url, headers=headers, json={
+            "jsonrpc": "2.0", "id": ok_id, "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"text": "kept"}}})
+        body = answer(r)
+        assert body["id"] == ok_id and body["result"]["content"][0]["text"] == "kept", body
+    assert rows(reg) == []
+    assert cancellation_rows(reg) == []
+
+
 def _legacy_client(kind: str, g: Gunicorn) -> tuple[dict[str, str], str]:
     """A 2025-era client's headers and the scope its calls run in: a fresh session's when the
     server is stateful, else its address's."""

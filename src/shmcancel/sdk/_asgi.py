@@ -33,12 +33,14 @@ from mcp.server.streamable_http import CONTENT_TYPE_JSON
 
 from .. import (
     CancellationLimitReached,
+    InvalidRequestId,
     LockTimeout,
     ShmCancelError,
     TableFull,
     errors,
     principal,
 )
+from ..cancel import ids
 from ._calls import (
     EXCHANGE_KEY,
     SESSION_HEADER,
@@ -319,7 +321,12 @@ class Layer:
                                               "left; retry later",
                                               [(b"retry-after", RETRY_AFTER.encode())]))
             return True
-        except ShmCancelError:  # an id the registry refuses (too long): the SDK answers it
+        except InvalidRequestId:  # a string over MAX_ID_BYTES: no call runs with it (Tracker)
+            await _respond(send, *_json_error(
+                400, errors.INVALID_PARAMS, 'Invalid params: "requestId" must be an integer or '
+                f"a string of at most {ids.MAX_ID_BYTES} bytes"))
+            return True
+        except ShmCancelError:  # the registry closed in this worker, say: the SDK answers it
             return False
         if not recorded:
             return False

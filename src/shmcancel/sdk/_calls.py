@@ -28,6 +28,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from .. import Cancellation, Registry, RequestHandle, errors, principal
+from ..cancel import ids
 
 __all__ = ["RequestCancelled", "cancelled", "current_handle", "raise_if_cancelled"]
 
@@ -321,6 +322,13 @@ class Tracker:
         c = process_cancellation()
         if c is None:
             return await call_next(ctx)
+        if ids.key(ctx.request_id) is None:
+            # A string id over MAX_ID_BYTES, which the SDK takes: the registry cannot key it, so
+            # the call would run untracked, deaf to every cancellation (contract §9: every call
+            # is tracked, within §4's bounds). Refused, as the WSGI transport refuses it.
+            raise MCPError(errors.INVALID_REQUEST,
+                           f"Invalid Request: the request id is longer than {ids.MAX_ID_BYTES} "
+                           "UTF-8 bytes (or not UTF-8)")
         scope = getattr(ctx.request, "scope", None)
         conn = conn_of(scope, self.stateful)
         handle = await _registry_write(c, c.begin, ctx.request_id, principal.scope(conn))
