@@ -34,6 +34,7 @@ from helpers.stalled_lock import stalled_lock
 from mcp import Client
 
 from shmcancel import Registry
+from shmcancel.sdk._routing import registry_dir, socket_dir
 
 CONF = "examples/sdk/gunicorn.conf.py"
 SLEEP = 30.0  # what the abandoned call asks for
@@ -395,6 +396,32 @@ def test_worker_killed_with_its_sessions(server):
         time.sleep(0.02)
     assert rows(reg) == []
     g.wait_workers(3, time.monotonic() + 30)
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_a_workers_socket_removed_behind_its_back_is_bound_again(server):
+    """An operator, or a cleaner of old files under /tmp, removes a worker's socket while it
+    serves: the worker binds it again within a few seconds, so the sessions it holds stay
+    reachable from every worker. It never did: those sessions were 404 on the other workers
+    for the rest of the worker's life, and it kept minting more."""
+    _kind, g, _reg = server
+    with httpx.Client(timeout=10) as h0:
+        hdrs = _initialize(h0, g.url)
+    token = hdrs["mcp-session-id"].split("-")[0]
+    path = os.path.join(registry_dir(socket_dir(), g.registry_name), f"{token}.sock")
+    assert os.path.exists(path)
+    os.unlink(path)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the worker's socket was not bound again"
+        time.sleep(0.05)
+    for i in range(12):  # fresh connections: most land on the other two workers
+        with httpx.Client(timeout=10) as h1:
+            r = h1.post(g.url, headers=hdrs, json={"jsonrpc": "2.0", "id": 100 + i,
+                                                   "method": "tools/list"})
+            assert r.status_code == 200, r.text
+    # the SDK's rich log handler wraps long lines
+    assert "was removed while it served; bound again" in " ".join(g.log().split()), g.log_tail()
 
 
 @pytest.mark.parametrize("server", ["stateless"], indirect=True)

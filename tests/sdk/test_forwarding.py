@@ -166,8 +166,8 @@ def test_the_forwarding_client_gives_up_an_idle_connection_before_the_owner_clos
         try:
             client = here._client(owner.path)
             expiry = client._transport._pool._keepalive_expiry  # httpcore's pool
-            assert owner._server is not None
-            return expiry, owner._server.config.timeout_keep_alive
+            assert owner._servers
+            return expiry, owner._servers[-1].config.timeout_keep_alive
         finally:
             owner.close()
             for c in here._clients.values():
@@ -221,7 +221,7 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
         calls = [asyncio.create_task(_forward(here, first.token, "POST", gone))
                  for _ in range(8)]
         for _ in range(500):
-            if len(first._server.server_state.connections) >= 8:
+            if len(first._servers[-1].server_state.connections) >= 8:
                 break
             await asyncio.sleep(0.01)
         app.release.set()
@@ -229,9 +229,9 @@ def test_connections_to_a_worker_that_is_gone_are_closed(
             await asyncio.gather(*calls)
         app.stall.clear()
         first.close()  # the worker goes: its socket and its connections
-        assert first._task is not None
+        assert first._tasks
         async with asyncio.timeout(30):
-            await first._task
+            await asyncio.gather(*first._tasks)
         for _ in range(500):
             if _dead_peer_sockets(short_tmp) >= 8:
                 break

@@ -184,7 +184,7 @@ def test_the_last_workers_close_removes_the_servers_directory(
         first, last = Router(_noop_app), Router(_noop_app)
         await first.ensure()
         await last.ensure()
-        tasks = [t for t in (first._task, last._task) if t is not None]
+        tasks = [*first._tasks, *last._tasks]
         d = os.path.dirname(first.path)
         assert os.path.dirname(last.path) == d and d.startswith(str(short_tmp / "socks"))
         first.close()
@@ -221,9 +221,8 @@ def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
             writer.close()
         finally:
             r.close()
-            if r._task is not None:
-                async with asyncio.timeout(10):
-                    await r._task
+            async with asyncio.timeout(10):
+                await asyncio.gather(*r._tasks)
 
     asyncio.run(main())
 

@@ -59,6 +59,8 @@ FORWARD_ORIGIN = "http://shmcancel-worker"
 # Seconds to connect to the owner. No bound on its response head: a JSON response starts only
 # when the call ends.
 FORWARD_TIMEOUT = 10.0
+# Seconds between a worker's looks at its own socket (bound again when found removed)
+KEEP_BOUND_EVERY = 1.0
 # Seconds a pooled connection to another worker is reused after its last answer, and seconds the
 # worker's socket server keeps an idle connection: the client must always give up first. With
 # both at 5 s (httpx's and uvicorn's defaults) a reuse at the edge raced the server's close, and
@@ -223,8 +225,10 @@ class Router:
         self.pid = 0
         self.token = ""
         self.path = ""
-        self._server: Any = None
-        self._task: asyncio.Task[None] | None = None
+        # this worker's socket servers (the last one's socket is bound) and their tasks
+        self._servers: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._keeper: asyncio.Task[None] | None = None
         self._started: asyncio.Event | None = None
         self._clients: dict[str, Any] = {}  # socket path -> httpx.AsyncClient (this process's)
         self._uses: dict[Any, int] = {}  # client -> forwards under way through it
@@ -278,32 +282,60 @@ class Router:
         if self.pid == os.getpid() and self._started is not None:
             await self._started.wait()
             return
-        import uvicorn
-
         self.pid = os.getpid()
         self.token = f"{self.pid:x}x{secrets.token_hex(6)}"
+        self._servers, self._tasks = [], []
         self._started = started = asyncio.Event()
         try:  # whatever happens, requests waiting for the start go on
             sock, self.path = _bind(self.token)
-            # no Server or Date header: the public server's go back to the client
-            config = uvicorn.Config(self._internal, lifespan="off", log_config=None,
-                                    interface="asgi3", proxy_headers=False,
-                                    server_header=False, date_header=False,
-                                    access_log=False, timeout_graceful_shutdown=1,
-                                    timeout_keep_alive=INTERNAL_KEEPALIVE)
-            self._server = server = _QuietServer.make(config)
-            self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-            for _ in range(500):  # up to ~5 s
-                if server.started:
-                    break
-                if self._task.done():
-                    raise RuntimeError(f"the worker's socket server stopped: {self._task!r}")
-                await asyncio.sleep(0.01)
-            else:
-                raise RuntimeError("the worker's socket server did not start within 5 s")
+            await self._serve(sock)
         finally:
             started.set()
         _sweep(os.path.dirname(self.path))
+        self._keeper = asyncio.get_running_loop().create_task(self._keep_bound())
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """Serve the app on the bound ``sock`` with a uvicorn server of its own; return once it
+        listens (within ~5 s, else RuntimeError)."""
+        import uvicorn
+
+        # no Server or Date header: the public server's go back to the client
+        config = uvicorn.Config(self._internal, lifespan="off", log_config=None,
+                                interface="asgi3", proxy_headers=False,
+                                server_header=False, date_header=False,
+                                access_log=False, timeout_graceful_shutdown=1,
+                                timeout_keep_alive=INTERNAL_KEEPALIVE)
+        server = _QuietServer.make(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        self._servers.append(server)
+        self._tasks.append(task)
+        for _ in range(500):  # up to ~5 s
+            if server.started:
+                return
+            if task.done():
+                raise RuntimeError(f"the worker's socket server stopped: {task!r}")
+            await asyncio.sleep(0.01)
+        raise RuntimeError("the worker's socket server did not start within 5 s")
+
+    async def _keep_bound(self) -> None:
+        """While the worker serves, every :data:`KEEP_BOUND_EVERY` seconds: its socket bound
+        again when it is gone (removed behind its back: an operator, a cleaner of old files
+        under ``/tmp``), else every session it holds is 404 from the other workers for good.
+        The earlier server goes on serving the connections it has (it cannot get new ones)."""
+        while True:
+            await asyncio.sleep(KEEP_BOUND_EVERY)
+            if os.path.exists(self.path):
+                continue
+            try:
+                sock, _ = _bind(self.token)
+                await self._serve(sock)
+            except Exception:
+                log.warning("shmcancel.sdk: this worker's socket %s is gone and could not be "
+                            "bound again; tried again in %g s", self.path, KEEP_BOUND_EVERY,
+                            exc_info=True)
+            else:
+                log.warning("shmcancel.sdk: this worker's socket %s was removed while it served; "
+                            "bound again", self.path)
 
     def close(self) -> None:
         """Stop this worker's socket server and remove its socket (the app's lifespan shutdown),
@@ -313,8 +345,11 @@ class Router:
         that finds no listener on it, removes it."""
         if self.pid != os.getpid() or not self.path:
             return
-        if self._server is not None:
-            self._server.should_exit = True
+        if self._keeper is not None:
+            self._keeper.cancel()
+            self._keeper = None
+        for server in self._servers:
+            server.should_exit = True
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         with contextlib.suppress(OSError):  # not empty: another worker's socket is in it
