@@ -499,6 +499,49 @@ def test_a_full_redis_does_not_stop_the_bridge_reading_its_box(reg: Registry,
         r.close()
 
 
+def test_an_item_whose_read_lost_its_reply_is_still_delivered(reg: Registry,
+                                                              srv: RedisServer) -> None:
+    """Redis slower than the client's timeout still runs the read it was sent: the bridge's
+    drain popped a cancellation whose reply then never came, and it was lost for good (its
+    notification answered 202, the row recorded in Redis, the call ran to its end). Reads now
+    move each item to the worker's taken list, dropped only once applied: after the failed
+    call the thread applies what that list holds. The lost reply is made here by raising the
+    client's own timeout error after the real command ran (a pause of Redis that long, at that
+    moment, is a matter of luck)."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        handles = {rid: c.begin(rid, "session:x") for rid in (7, 8)}
+        for rid, h in handles.items():
+            assert h.tracked and a.track(rid, "session:x") is not None
+            assert b.cancel(rid, "stop", "session:x") is True  # in A's box
+        lost: list[bytes] = []
+
+        def losing(real: Any) -> Any:
+            def call(*args: Any, **kw: Any) -> Any:
+                got = real(*args, **kw)
+                if got is not None and not lost:  # the first item read without blocking
+                    lost.append(got)
+                    raise redis.exceptions.TimeoutError("Timeout reading from socket")
+                return got
+            return call
+
+        for name in ("lmove", "rpop"):  # the drain's read (rpop: before the taken list)
+            setattr(a.store.client, name, losing(getattr(a.store.client, name)))
+        a.start()
+        for rid, h in handles.items():
+            wait_until(lambda h=h: h.cancelled() or None, time.monotonic() + 10,
+                       interval=0.02, what=f"call {rid} cancelled on A")
+        assert len(lost) == 1, "the drain's read lost its reply once"
+        assert a.delivered == 2
+        taken = a.store.taken_key(a.remote.box)
+        wait_until(lambda: a.store.client.llen(taken) == 0 or None, time.monotonic() + 5,
+                   interval=0.02, what="the taken list emptied")
+        for h in handles.values():
+            h.end()
+
+
 def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thread(
         reg: Registry, srv: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """The thread renews every row its worker holds in one script before it reads its box. A

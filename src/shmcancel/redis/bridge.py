@@ -9,10 +9,15 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
 - a ``notifications/cancelled`` that finds nothing in flight on this host asks Redis
   (:meth:`cancel`): one script gates on that index, applies the quota / cap / eviction rules and
   pushes the cancellation into the box (a list) of each worker running the request;
-- its thread ``BLPOP``\\s the worker's box and writes each cancellation into the local registry
+- its thread moves each item of the worker's box (``BLMOVE``, then ``LMOVE`` for the rest) to
+  the worker's *taken* list, writes the cancellation into the local registry
   (``cancel_if_in_flight``: local gating again, so a call that ended meanwhile gets no row), then
-  the tool's next *local* poll sees it. A box is a list, so what arrives while the thread is busy
-  or briefly disconnected waits there: the catch-up read is the next ``BLPOP``. The thread also
+  drops the item from the taken list; the tool's next *local* poll sees it. A box is a list, so
+  what arrives while the thread is busy or briefly disconnected waits there: the catch-up read
+  is the next ``BLMOVE``. A move whose reply was lost (Redis slower than the client's timeout:
+  it ran the move all the same) leaves the item in the taken list, which the thread applies
+  again after any failed call (applying one twice changes nothing). A full Redis refuses moves
+  (they may add data): the thread then pops, as it did before the taken list. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
   While a stalled process holds the registry lock (one acquisition held for 0.1 s) the thread
   neither reads its box nor waits ``lock_timeout`` on the lock: its renewals go on.
@@ -101,6 +106,7 @@ SETTLE_BATCH = 256  # owed writes the thread applies per turn, at most
 CANCEL_TTL = 10.0  # seconds an owed cross-host cancellation still matters
 _STALLED = "the registry lock is held by a process that stalled holding it"
 _STALL = 0.1  # seconds one acquisition of the registry lock held means its holder stalled
+TAKEN_MAX = 4096  # items of the taken list applied again at once (a box holds at most as many)
 KEEP_EVERY = 60.0  # seconds between two renewals of one session's copy by one process, at most
 HELD_MAX = 4096  # sessions a process remembers publishing, and renewal times it keeps
 # The form of the session ids the transport mints (secrets.token_urlsafe): any other id names no
@@ -161,7 +167,7 @@ class Bridge:
         self.local = Cancellation(registry)
         self.timeout = float(timeout)
         self.retry = float(retry)
-        self.block = max(0.05, min(1.0, lease / 3))  # BLPOP wait, and the renew period floor
+        self.block = max(0.05, min(1.0, lease / 3))  # BLMOVE wait, and the renew period floor
         cfg = config or registry.config
         # One budget of `timeout` per call: a third waiting for this process's other Redis
         # call (RedisStorage's I/O lock), a third connecting, a third reading.
@@ -559,6 +565,8 @@ class Bridge:
     def _run(self) -> None:
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
         box = self.store.box_key(self.remote.box)
+        taken = self.store.taken_key(self.remote.box)
+        unconfirmed = True  # the taken list may hold items (a failed call, or a restart)
         next_renew = 0.0
         while not self._stop.is_set():
             try:
@@ -591,7 +599,8 @@ class Bridge:
                 if now >= next_renew:
                     try:
                         self.remote.renew()
-                        self.store.client.pexpire(box, int(self.remote.lease * 1000))
+                        for k in (box, taken):
+                            self.store.client.pexpire(k, int(self.remote.lease * 1000))
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
@@ -603,7 +612,23 @@ class Bridge:
                     self._stop.wait(min(self.retry, self.block))
                     continue
                 try:
-                    item = self._blocking.client.blpop([box], timeout=self.block)
+                    if unconfirmed:
+                        self._apply_taken(taken)
+                        unconfirmed = False
+                    try:
+                        raw = self._blocking.client.blmove(box, taken, self.block, "LEFT",
+                                                           "RIGHT")
+                        moved = True
+                    except OutOfMemoryError:  # a full Redis refuses a move (it may add data):
+                        got = self._blocking.client.blpop([box], timeout=self.block)
+                        raw, moved = (got[1] if got else None), False  # read as pops, then
+                    # then what else waits, without blocking; up to a lock timeout (see above)
+                    for _ in range(1000):
+                        if raw is None or not (self._take(taken, raw) if moved
+                                               else self._apply(raw)):
+                            break
+                        raw = (self.store.client.lmove(box, taken, "LEFT", "RIGHT") if moved
+                               else self.store.client.rpop(box))
                 except ResponseError as e:
                     if not wrong_type(e):
                         raise
@@ -611,15 +636,10 @@ class Bridge:
                     # calls would fail (on every host) and its renewals keep the key alive
                     log.warning("this worker's Redis box was not a list (written by another "
                                 "client): dropped")
-                    self.store.client.delete(box)
+                    self.store.client.delete(box, taken)
                     continue
-                if item is not None and self._apply(item[1]):
-                    # drain what else waits, without blocking; up to a lock timeout (see above)
-                    for _ in range(1000):
-                        raw = self.store.client.rpop(box)
-                        if raw is None or not self._apply(raw):
-                            break
             except (RedisError, OSError) as e:
+                unconfirmed = True
                 self._failed("bridge thread", e)
                 self._stop.wait(self.retry)
             except LockTimeout:
@@ -667,6 +687,23 @@ class Bridge:
         if self._sessions is None:
             self._sessions = SessionStore(self.registry)
         return self._sessions
+
+    def _take(self, taken: bytes, raw: bytes) -> bool:
+        """Apply an item moved to the ``taken`` list, then drop it from there (one round trip,
+        with the list's lease: a worker killed in between leaves no list behind for good).
+        :meth:`_apply`'s answer."""
+        ok = self._apply(raw)
+        pipe = self.store.client.pipeline(transaction=False)
+        pipe.lrem(taken, 1, raw)
+        pipe.pexpire(taken, int(self.remote.lease * 1000))
+        pipe.execute()
+        return ok
+
+    def _apply_taken(self, taken: bytes) -> None:
+        """Apply again what the ``taken`` list holds: items moved out of the box whose move's
+        reply, or whose drop's, was lost (oldest first; at most a box's worth)."""
+        for raw in self.store.client.lrange(taken, 0, TAKEN_MAX - 1):
+            self._take(taken, raw)
 
     def _apply(self, raw: bytes) -> bool:
         """Apply one item of this worker's box; False when the registry's lock timed out (the
@@ -822,7 +859,7 @@ def start(registry: Any, url: str, **kw: Any) -> Bridge:
 
 def _at_exit() -> None:
     """The process exits: the boxes of the bridges it started are read no more. Marked without
-    joining their threads (in a ``BLPOP`` one would hold the exit up to a second): nothing a
+    joining their threads (in a ``BLMOVE`` one would hold the exit up to a second): nothing a
     thread still does can undo a mark."""
     with _current_lock:
         started = [b for b in _started if b._pid == os.getpid()]

@@ -290,6 +290,11 @@ class RedisStore:
     def box_key(self, box: str) -> bytes:
         return _b(f"{self.prefix}box:{box}")
 
+    def taken_key(self, box: str) -> bytes:
+        """The list of items moved out of ``box`` by its reader and not yet applied (see
+        ``bridge.py``: a reply lost to a timeout leaves the item there, not nowhere)."""
+        return _b(f"{self.prefix}taken:{box}")
+
     @staticmethod
     def decode_box_item(raw: bytes) -> tuple[str, str, str | None, float | None] | str | None:
         """``(scope, rid, reason, at)`` of a cancellation (``at``: its ``cancelled_at``; None
