@@ -288,6 +288,44 @@ def test_readonly(shm_name: str) -> None:
         reg.unlink()
 
 
+def test_a_readonly_scan_of_a_torn_index_lists_each_key_once_with_its_latest_write(
+        shm_name: str) -> None:
+    """A read-only attachment has no lock to fall back to when the index keeps moving (writers
+    at work, or one that died mid-write leaving a version odd): it reads the index as it is,
+    then the records. A slot copied before an overwrite still names the key's old record
+    (intact until reused): ``shmtool dump`` listed the key twice, with two ``cancelled_at``
+    (6 runs in 150 beside two busy writers). Staged here for certain: a version left odd and
+    such a stale entry. Each key comes once, its latest write; a stale entry whose record
+    another key took since (its hash not the slot's) is not that key's row either."""
+    with Registry.create(shm_name, SMALL) as reg:
+        t = reg.table("cancellations")
+        a, b = ("global", "7"), ("global", "8")
+        t.insert(a, ("old", 1.0))
+        with reg.lock:
+            (_, r_old, *_), = t._find(t.prepare(a))
+        t.insert(a, ("new", 2.0))  # a new record; the old one freed, intact
+        h = t.prepare(a).hash
+        free = [s for s in range(t.nslots) if not t._idx[2 * s]]
+        t._idx[2 * free[0] + 1] = r_old  # the stale entry a torn copy sees: (A's hash, old)
+        t._idx[2 * free[0]] = h
+        t._ver[0] += 1  # a writer died mid-write: no consistent copy, no lock to wait for
+        try:
+            with Registry.attach(shm_name, readonly=True) as ro:
+                assert ro.table("cancellations").scan() == [(a, ("new", 2.0))]
+            t.insert(b, ("b", 3.0))  # takes the freed record: the stale entry names B's now
+            with reg.lock:
+                (_, r_b, *_), = t._find(t.prepare(b))
+            assert r_b == r_old
+            with Registry.attach(shm_name, readonly=True) as ro:
+                assert sorted(ro.table("cancellations").scan()) == [
+                    (a, ("new", 2.0)), (b, ("b", 3.0))]
+        finally:
+            t._ver[0] += 1
+            t._idx[2 * free[0]] = 0
+            t._idx[2 * free[0] + 1] = 0
+        reg.unlink()
+
+
 def test_counters_and_info(shm_name: str) -> None:
     with Registry.create(shm_name, SMALL) as reg:
         assert reg.evictions == 0 and reg.recoveries == 0

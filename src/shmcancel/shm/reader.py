@@ -362,14 +362,28 @@ class Reads(Fsck):
             return ents
         if self._lockless:
             # No lock to fall back to (a writer died mid-write and left a version odd, or
-            # keeps writing): the rows that validate, each record once (a writer killed mid
-            # backward shift leaves one entry twice).
+            # keeps writing): the index as copied now, not consistent with the records read
+            # after it. Kept: the entries whose record validates and holds a key of the slot's
+            # hash (a slot copied before its record was freed and written again for another
+            # key names that key's record), each record once (a writer killed mid backward
+            # shift leaves one entry twice), and in a set each key once, its latest write (a
+            # slot copied before an overwrite names the old record, intact until reused). A row
+            # moved between slots while the index was copied may be missed: best effort.
+            words = self._idx.tolist()
             seen: set[int] = set()
-            out = []
-            for e in self._entries(self._idx.tolist()):
-                if e[4] >= 0 and e[1] not in seen:
-                    seen.add(e[1])
+            out: list[tuple[int, int, bytes, bytes, int]] = []
+            latest: dict[bytes, int] = {}  # a set's key -> its entry's place in out
+            for e in self._entries(words):
+                if e[4] < 0 or e[1] in seen or self._hash(e[2]) != words[2 * e[0]]:
+                    continue
+                seen.add(e[1])
+                if not self._set:
                     out.append(e)
+                elif (i := latest.get(e[2])) is None:
+                    latest[e[2]] = len(out)
+                    out.append(e)
+                elif e[4] > out[i][4]:  # stamps grow with every write of the table
+                    out[i] = e
             return out
         with self._lock:
             ents = self._entries(self._idx.tolist())
