@@ -309,6 +309,8 @@ def child_exit(server: Any, worker: Any) -> None:
         return
     pid = int(worker.pid)
     log = _logger(server)
+    if _truncated(reg, log):
+        return
     try:
         with _sigchld_blocked():
             recovered = reg.lock.recover_from(pid)
@@ -379,6 +381,19 @@ def _reap(reg: Any, pid: int | None) -> int:
     return removed
 
 
+def _truncated(reg: Any, log: Any) -> bool:
+    """Whether the registry's file was truncated under the server (logged): then the master
+    touches none of its mapping, whose pages past the file's end would kill it with SIGBUS
+    (its workers die of it already, and a worker started now fails to attach: gunicorn stops,
+    with the error in its log)."""
+    short = reg.short_by()
+    if short:
+        log.error("shmcancel: registry %r: its file in /dev/shm was truncated under the server "
+                  "(%d bytes short): the server cannot go on with it; restart it",
+                  _state.registry_name, short)
+    return bool(short)
+
+
 def on_exit(server: Any) -> None:
     """Master: unlink the registry unless another master (a ``USR2`` peer) still uses it."""
     reg = registry()
@@ -387,6 +402,12 @@ def on_exit(server: Any) -> None:
     log = _logger(server)
     peers = [p for p in (int(getattr(server, "reexec_pid", 0) or 0),
                          int(getattr(server, "master_pid", 0) or 0)) if _running(p)]
+    if _truncated(reg, log):  # its names only (no lock, no close: both touch the mapping)
+        if not peers:
+            with contextlib.suppress(Exception):
+                reg.unlink()
+        _state.registry = None
+        return
     try:
         with _sigchld_blocked():
             if peers:  # a peer stopped at the same time leaves it to us too: the later unlinks

@@ -25,6 +25,7 @@ from helpers.gunicorn_harness import (
     Gunicorn,
     alive,
     booted,
+    carrying,
     children,
     gunicorn_command,
     upgraded_masters,
@@ -665,6 +666,25 @@ def test_a_master_ended_by_an_exception_still_unlinks_its_registry(shm_name, tmp
     assert "Unhandled exception in main loop" in text and status != 0, text[-3000:]
     assert f"registry {shm_name!r} unlinked" in text, text[-3000:]
     assert not segment_exists(shm_name)
+
+
+def test_a_registry_truncated_under_the_server_stops_it_without_orphans(shm_name):
+    """An operator truncates the live segment's file. A worker touching a page past its end
+    dies of SIGBUS; the master's ``child_exit`` then reaped through the same mapping and died
+    of it too: no ``on_exit``, the registry left behind, and the other workers orphaned,
+    serving on over the broken mapping. Now the master touches none of it: the replacement
+    worker cannot attach (one line), gunicorn stops, the registry's names go, nothing runs."""
+    with Gunicorn(APP, registry_name=shm_name, config=CONF, workers=2) as g:
+        os.truncate(f"{SEGMENT_DIR}/shmcancel.{shm_name}", 8192)
+        victim = g.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)  # the master's child_exit runs for it
+        assert g._proc is not None
+        code = g._proc.wait(30)
+        assert code != -signal.SIGBUS, g.log_tail()
+        assert "was truncated under the server" in g.log(), g.log_tail()
+        wait_until(lambda: not carrying(shm_name) or None, time.monotonic() + 15,
+                   what="every worker of the stopped server to exit")
+        assert not segment_exists(shm_name)
 
 
 def test_gthread_workers_serve_and_cancel(shm_name):

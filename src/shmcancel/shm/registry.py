@@ -573,6 +573,13 @@ class Registry:
         Pass it to :meth:`attach` as ``expect``."""
         return self._ino, self._seg.hash_key
 
+    def short_by(self) -> int:
+        """How many bytes of the segment its file lacks now: 0 while intact (or not known, on a
+        read-only attachment). Not 0 after a ``truncate`` behind the server's back, when every
+        touch of a page past the file's end is a SIGBUS: a process that must survive such a
+        registry (gunicorn's master) asks before it touches the mapping."""
+        return self._seg.short_by()
+
     def at_name(self) -> bool:
         """True while this registry's segment is the one at its name (not unlinked, nor
         replaced by a registry created again under the name)."""

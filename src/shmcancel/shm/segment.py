@@ -287,6 +287,15 @@ class Segment:
         self._fd, self._fd_closer = fd, close_with(self, fd)
         return fd
 
+    def short_by(self) -> int:
+        """How many bytes of the segment its file lacks now (0: intact, or not known: a
+        read-only attachment keeps no fd). A file truncated behind the server's back (an
+        operator's ``truncate``) makes every touch of a page past its end a SIGBUS."""
+        try:
+            return max(0, self.total_size - os.fstat(self._file()).st_size)
+        except OSError:
+            return 0
+
     def reopen(self) -> int:
         """A new read-only open file description of this segment's file (so an ``flock`` on it
         is the caller's own), opened through the kept fd: the segment's own file even when its
