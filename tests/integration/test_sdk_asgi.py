@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -422,6 +424,44 @@ def test_a_workers_socket_removed_behind_its_back_is_bound_again(server):
             assert r.status_code == 200, r.text
     # the SDK's rich log handler wraps long lines
     assert "was removed while it served; bound again" in " ".join(g.log().split()), g.log_tail()
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_a_socket_directory_replaced_by_a_symlink_is_refused_when_binding_again(server,
+                                                                                 tmp_path):
+    """Whoever removed the sockets may have replaced their directory: a worker binding again
+    checks it afresh (it trusted its first check, and bound into a symlinked, world-writable
+    directory, where another user could swap in a socket of their own and read every request
+    the other workers forward). Refused, logged once; bound again once the directory is
+    sound."""
+    _kind, g, _reg = server
+    with httpx.Client(timeout=10) as h0:
+        hdrs = _initialize(h0, g.url)
+    token = hdrs["mcp-session-id"].split("-")[0]
+    d = registry_dir(socket_dir(), g.registry_name)
+    path = os.path.join(d, f"{token}.sock")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o777)
+    shutil.rmtree(d)
+    os.symlink(elsewhere, d)
+    try:
+        deadline = time.monotonic() + 10
+        while "cannot be bound again" not in " ".join(g.log().split()):
+            assert time.monotonic() < deadline, g.log_tail()
+            time.sleep(0.05)
+        time.sleep(2.5)  # more looks of every worker's keeper: none binds there
+        assert os.listdir(elsewhere) == []
+    finally:
+        os.unlink(d)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "not bound again once the directory was sound"
+        time.sleep(0.05)
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and not os.path.islink(d)
+    with httpx.Client(timeout=10) as h1:
+        r = h1.post(g.url, headers=hdrs, json={"jsonrpc": "2.0", "id": 9,
+                                               "method": "tools/list"})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("server", ["stateless"], indirect=True)

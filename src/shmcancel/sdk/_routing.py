@@ -321,21 +321,39 @@ class Router:
         """While the worker serves, every :data:`KEEP_BOUND_EVERY` seconds: its socket bound
         again when it is gone (removed behind its back: an operator, a cleaner of old files
         under ``/tmp``), else every session it holds is 404 from the other workers for good.
-        The earlier server goes on serving the connections it has (it cannot get new ones)."""
+        The directories are checked again first (whoever removed the socket may have replaced
+        them: a symlink, another user's directory); a refusal is logged once, and tried again.
+        The earlier server stops listening (its socket is unreachable) and goes on serving the
+        connections it has."""
+        failing = False
         while True:
             await asyncio.sleep(KEEP_BOUND_EVERY)
             if os.path.exists(self.path):
                 continue
+            _checked.clear()
             try:
                 sock, _ = _bind(self.token)
+            except Exception as e:
+                if not failing:
+                    log.warning("shmcancel.sdk: this worker's socket %s is gone and cannot be "
+                                "bound again (%s); tried again every %g s", self.path, e,
+                                KEEP_BOUND_EVERY)
+                failing = True
+                continue
+            failing = False
+            for old in self._servers:
+                for listener in getattr(old, "servers", None) or ():
+                    listener.close()  # no more accepts; its connections go on
+            try:
                 await self._serve(sock)
-            except Exception:
-                log.warning("shmcancel.sdk: this worker's socket %s is gone and could not be "
-                            "bound again; tried again in %g s", self.path, KEEP_BOUND_EVERY,
-                            exc_info=True)
-            else:
-                log.warning("shmcancel.sdk: this worker's socket %s was removed while it served; "
-                            "bound again", self.path)
+            except Exception as e:
+                log.warning("shmcancel.sdk: this worker's socket %s was bound again, but its "
+                            "server did not start (%s)", self.path, e)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)  # the next look binds again
+                continue
+            log.warning("shmcancel.sdk: this worker's socket %s was removed while it served; "
+                        "bound again", self.path)
 
     def close(self) -> None:
         """Stop this worker's socket server and remove its socket (the app's lifespan shutdown),
