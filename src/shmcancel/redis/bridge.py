@@ -9,14 +9,15 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
 - a ``notifications/cancelled`` that finds nothing in flight on this host asks Redis
   (:meth:`cancel`): one script gates on that index, applies the quota / cap / eviction rules and
   pushes the cancellation into the box (a list) of each worker running the request;
-- its thread moves each item of the worker's box (``BLMOVE``, then ``LMOVE`` for the rest) to
-  the worker's *taken* list, writes the cancellation into the local registry
+- its thread waits for the worker's box to hold an item (``BLMOVE`` of the box onto itself: the
+  item stays), moves each item to the worker's *taken* list (``take.lua``, which leases that
+  list in the same step), writes the cancellation into the local registry
   (``cancel_if_in_flight``: local gating again, so a call that ended meanwhile gets no row), then
   drops the item from the taken list; the tool's next *local* poll sees it. A box is a list, so
-  what arrives while the thread is busy or briefly disconnected waits there: the catch-up read
-  is the next ``BLMOVE``. A move whose reply was lost (Redis slower than the client's timeout:
-  it ran the move all the same) leaves the item in the taken list, which the thread applies
-  again after any failed call (applying one twice changes nothing). A full Redis refuses moves
+  what arrives while the thread is busy or briefly disconnected waits there. A move whose reply
+  was lost (Redis slower than the client's timeout: it ran the move all the same) leaves the
+  item in the taken list, which the thread applies after any failed call; one applied whose
+  drop got no answer is only dropped (this process remembers it). A full Redis refuses moves
   (they may add data): the thread then pops, as it did before the taken list. The thread also
   renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
   While a stalled process holds the registry lock (one acquisition held for 0.1 s) the thread
@@ -197,6 +198,8 @@ class Bridge:
         # gone) the registry could not take yet: sid -> (deadline, the keys of its calls whose
         # cancellation was reported already), oldest first, at most OWED_MAX
         self._unended: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
+        # items of the taken list applied whose drop got no answer (only the thread touches it)
+        self._applied: OrderedDict[bytes, None] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
         # sessions published by this process: sid -> (version, client), newest last; and when
         # this process last renewed a session's copy (keep_session)
@@ -615,19 +618,22 @@ class Bridge:
                     if unconfirmed:
                         self._apply_taken(taken)
                         unconfirmed = False
-                    try:
-                        raw = self._blocking.client.blmove(box, taken, self.block, "LEFT",
-                                                           "RIGHT")
+                    lease_ms = int(self.remote.lease * 1000)
+                    try:  # wait for an item, leaving it in the box (a rotation of one end)
+                        waited = self._blocking.client.blmove(box, box, self.block, "RIGHT",
+                                                              "RIGHT")
                         moved = True
-                    except OutOfMemoryError:  # a full Redis refuses a move (it may add data):
+                    except OutOfMemoryError:  # a full Redis refuses moves (they may add data):
                         got = self._blocking.client.blpop([box], timeout=self.block)
-                        raw, moved = (got[1] if got else None), False  # read as pops, then
-                    # then what else waits, without blocking; up to a lock timeout (see above)
+                        waited, moved = (got[1] if got else None), False  # pops, as before
+                    raw = (self.store.take(box, taken, lease_ms) if moved and waited is not None
+                           else waited)
+                    # and what else waits, without blocking; up to a lock timeout (see above)
                     for _ in range(1000):
                         if raw is None or not (self._take(taken, raw) if moved
                                                else self._apply(raw)):
                             break
-                        raw = (self.store.client.lmove(box, taken, "LEFT", "RIGHT") if moved
+                        raw = (self.store.take(box, taken, lease_ms) if moved
                                else self.store.client.rpop(box))
                 except ResponseError as e:
                     if not wrong_type(e):
@@ -689,19 +695,23 @@ class Bridge:
         return self._sessions
 
     def _take(self, taken: bytes, raw: bytes) -> bool:
-        """Apply an item moved to the ``taken`` list, then drop it from there (one round trip,
-        with the list's lease: a worker killed in between leaves no list behind for good).
-        :meth:`_apply`'s answer."""
-        ok = self._apply(raw)
-        pipe = self.store.client.pipeline(transaction=False)
-        pipe.lrem(taken, 1, raw)
-        pipe.pexpire(taken, int(self.remote.lease * 1000))
-        pipe.execute()
+        """Apply an item moved to the ``taken`` list (``take.lua``), then drop it from there.
+        One applied whose drop got no answer (its item still listed) is not applied again:
+        a session's end would report its calls cancelled once more. :meth:`_apply`'s answer."""
+        if raw in self._applied:
+            ok = True
+        else:
+            ok = self._apply(raw)
+            self._applied[raw] = None
+            while len(self._applied) > TAKEN_MAX:
+                self._applied.popitem(last=False)
+        self.store.client.lrem(taken, 1, raw)
+        self._applied.pop(raw, None)
         return ok
 
     def _apply_taken(self, taken: bytes) -> None:
-        """Apply again what the ``taken`` list holds: items moved out of the box whose move's
-        reply, or whose drop's, was lost (oldest first; at most a box's worth)."""
+        """Apply what the ``taken`` list holds: items moved out of the box whose move's reply
+        was lost, or whose drop's (oldest first; at most a box's worth)."""
         for raw in self.store.client.lrange(taken, 0, TAKEN_MAX - 1):
             self._take(taken, raw)
 

@@ -35,7 +35,7 @@ from ..config import Config
 __all__ = ["BOX_MAX", "GONE_TTL", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete", "claim", "keep", "stopped")
+            "session_delete", "claim", "keep", "stopped", "take")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
@@ -289,6 +289,11 @@ class RedisStore:
 
     def box_key(self, box: str) -> bytes:
         return _b(f"{self.prefix}box:{box}")
+
+    def take(self, box: bytes, taken: bytes, lease_ms: int) -> bytes | None:
+        """Move the newest item of ``box`` to ``taken`` (leased ``lease_ms``); None when empty."""
+        got: bytes | None = self.call("take", [box, taken], [lease_ms])
+        return got
 
     def taken_key(self, box: str) -> bytes:
         """The list of items moved out of ``box`` by its reader and not yet applied (see
