@@ -590,6 +590,47 @@ def test_the_taken_list_is_leased_as_it_is_made(reg: Registry, srv: RedisServer)
         handle.end()
 
 
+def _clock_moves(c: Cancellation) -> None:
+    """Until ``c``'s clock reads later than now (rows and calls are told apart by it)."""
+    t0 = c.clock()
+    wait_until(lambda: c.clock() > t0 or None, time.monotonic() + 1, interval=0.001,
+               what="the clock to move")
+
+
+def test_two_cancellations_of_a_reused_id_land_oldest_first(reg: Registry,
+                                                            srv: RedisServer) -> None:
+    """A call ends before its worker reads its box, the next call reuses its id and is
+    cancelled too: the box holds both cancellations. Applied newest first, the old one then
+    replaced the row's stamp with its own, older than the new call, which ignored it and ran
+    to its end (a reviewer's repro). Oldest first, the later cancellation's row is the one
+    left, and the call is cancelled."""
+    prefix = unique_prefix()
+    c = Cancellation(reg)
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        first = c.begin(7, "session:x")
+        t1 = a.track(7, "session:x")
+        assert first.tracked and t1 is not None
+        assert b.cancel(7, "first call", "session:x") is True
+        first.end()
+        a.untrack(t1)
+        _clock_moves(c)
+        second = c.begin(7, "session:x")
+        t2 = a.track(7, "session:x")
+        assert second.tracked and t2 is not None
+        _clock_moves(c)
+        assert b.cancel(7, "second call", "session:x") is True
+        box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
+        assert a.store.client.llen(box) == 2
+        a.start()
+        wait_until(lambda: (a.delivered == 2 and a.store.client.llen(box) == 0
+                            and a.store.client.llen(taken) == 0) or None,
+                   time.monotonic() + 10, interval=0.02, what="both items applied")
+        assert second.cancelled() and second.reason() == "second call"
+        second.end()
+        a.untrack(t2)
+
+
 def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thread(
         reg: Registry, srv: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """The thread renews every row its worker holds in one script before it reads its box. A

@@ -624,8 +624,8 @@ class Bridge:
                                                               "RIGHT")
                         moved = True
                     except OutOfMemoryError:  # a full Redis refuses moves (they may add data):
-                        got = self._blocking.client.blpop([box], timeout=self.block)
-                        waited, moved = (got[1] if got else None), False  # pops, as before
+                        got = self._blocking.client.brpop([box], timeout=self.block)
+                        waited, moved = (got[1] if got else None), False  # pops, oldest first
                     raw = (self.store.take(box, taken, lease_ms) if moved and waited is not None
                            else waited)
                     # and what else waits, without blocking; up to a lock timeout (see above)

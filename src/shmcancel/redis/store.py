@@ -291,7 +291,7 @@ class RedisStore:
         return _b(f"{self.prefix}box:{box}")
 
     def take(self, box: bytes, taken: bytes, lease_ms: int) -> bytes | None:
-        """Move the newest item of ``box`` to ``taken`` (leased ``lease_ms``); None when empty."""
+        """Move the oldest item of ``box`` to ``taken`` (leased ``lease_ms``); None when empty."""
         got: bytes | None = self.call("take", [box, taken], [lease_ms])
         return got
 
