@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -442,19 +443,42 @@ def test_a_socket_directory_replaced_by_a_symlink_is_refused_when_binding_again(
     path = os.path.join(d, f"{token}.sock")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o777)
+    deadline = time.monotonic() + 15  # every worker started (a start refused stops gunicorn)
+    while len(names := sorted(n for n in os.listdir(d) if n.endswith(".sock"))) < 3:
+        assert time.monotonic() < deadline, os.listdir(d)
+        time.sleep(0.05)
     shutil.rmtree(d)
     os.symlink(elsewhere, d)
+    planted = []  # what the other user binds there: sockets named after the workers' tokens
     try:
+        for n in names:
+            p = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            p.bind(str(elsewhere / n))
+            p.listen(16)
+            p.setblocking(False)
+            planted.append(p)
         deadline = time.monotonic() + 10
         while "cannot be bound again" not in " ".join(g.log().split()):
             assert time.monotonic() < deadline, g.log_tail()
             time.sleep(0.05)
-        time.sleep(2.5)  # more looks of every worker's keeper: none binds there
-        assert os.listdir(elsewhere) == []
+        statuses = set()
+        for i in range(9):  # fresh connections: most land on another worker than the owner
+            with httpx.Client(timeout=10) as h1:
+                statuses.add(h1.post(g.url, headers=hdrs, json={
+                    "jsonrpc": "2.0", "id": 20 + i, "method": "tools/list"}).status_code)
+        assert statuses <= {200, 404}, statuses
+        for p in planted:  # nothing was forwarded to them
+            with pytest.raises(BlockingIOError):
+                p.accept()
+        assert sorted(os.listdir(elsewhere)) == names  # no worker bound there
     finally:
+        for p in planted:
+            p.close()
         os.unlink(d)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(path):
+    deadline = time.monotonic() + 15
+    # every worker's (the tests after this one mint sessions on all three)
+    while not (os.path.exists(path) and len(g.worker_pids()) == 3 and len(
+            [n for n in os.listdir(d) if n.endswith(".sock")]) == 3):
         assert time.monotonic() < deadline, "not bound again once the directory was sound"
         time.sleep(0.05)
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700 and not os.path.islink(d)

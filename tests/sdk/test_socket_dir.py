@@ -275,3 +275,38 @@ def test_a_retry_checks_the_base_directory_again(short_tmp: Path, use_dir) -> No
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
     finally:
         sock.close()
+
+
+def test_servers_replaced_by_binds_again_are_retired(short_tmp: Path, use_dir,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each removal of a worker's socket makes its keeper bind a new one and serve it with a
+    server of its own; the earlier ones, unreachable, stopped only at the worker's close and
+    piled up (41 servers and tasks after 40 removals, each ticking 10 times a second). An
+    earlier server serving no connection is stopped and forgotten at the keeper's next look."""
+    use_dir(short_tmp / "socks")
+    monkeypatch.setattr(_routing, "KEEP_BOUND_EVERY", 0.05)
+
+    async def main() -> None:
+        r = Router(_noop_app)
+        await r.ensure()
+        try:
+            for _ in range(5):
+                first = os.lstat(r.path).st_ino
+                os.unlink(r.path)
+                async with asyncio.timeout(10):
+                    while not (os.path.exists(r.path) and os.lstat(r.path).st_ino != first):
+                        await asyncio.sleep(0.01)
+            async with asyncio.timeout(10):
+                while len(r._servers) > 1 or len(r._tasks) > 1:
+                    await asyncio.sleep(0.01)
+            reader, writer = await asyncio.open_unix_connection(r.path)  # the last one serves
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(10):
+                assert (await reader.readline()).startswith(b"HTTP/1.1 204")
+            writer.close()
+        finally:
+            r.close()
+            async with asyncio.timeout(10):
+                await asyncio.gather(*r._tasks)
+
+    asyncio.run(main())

@@ -136,6 +136,53 @@ def _socket_path(token: str) -> str:
     return os.path.join(server_dir(), f"{token}.sock")
 
 
+def _reachable(path: str) -> bool:
+    """Whether ``path`` (:func:`_socket_path`) is a socket of this user's in directories of
+    this user's that nobody else can enter, each looked at now without following a symlink.
+    A forward must not trust this process's first check of the directories: removed since (a
+    cleaner of old files under ``/tmp``), another local user may have made them again, planted
+    a socket named after a worker's token (every client sees the tokens), and would read the
+    requests forwarded to it. Answered as a worker gone (404), logged once per process."""
+    global _unsafe_logged
+    uid = os.getuid()
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            return False
+        ok = st.st_uid == uid
+        d = os.path.dirname(path)
+        for _ in range(2):  # the registry's directory, then the base
+            dst = os.lstat(d)
+            ok = ok and stat.S_ISDIR(dst.st_mode) and dst.st_uid == uid \
+                and not dst.st_mode & 0o077
+            d = os.path.dirname(d)
+    except OSError:
+        return False
+    if not ok and not _unsafe_logged:
+        _unsafe_logged = True
+        log.error("shmcancel.sdk: %s is not a socket of uid %d in directories of its own: not "
+                  "forwarded to (its sessions answer 404); was the socket directory replaced? "
+                  "Restart the server", path, uid)
+    return ok
+
+
+_unsafe_logged = False
+
+
+def _peer_path(token: str) -> str | None:
+    """:func:`_socket_path` of another worker's ``token`` for a forward, or None when the
+    socket directory is refused now (:class:`SocketDirUnsafe`: replaced since this process
+    checked it; logged once), which makes the worker unreachable, never an HTTP 500."""
+    global _unsafe_logged
+    try:
+        return _socket_path(token)
+    except ShmCancelError as e:
+        if not _unsafe_logged:
+            _unsafe_logged = True
+            log.error("%s; nothing is forwarded (sessions of other workers answer 404)", e)
+        return None
+
+
 def _bind(token: str) -> tuple[socket.socket, str]:
     """A unix socket bound at the socket path of ``token`` (:func:`_socket_path`), and that path;
     the socket file is its owner's only (0600, in a 0700 directory). A worker of the same server
@@ -229,6 +276,7 @@ class Router:
         self._servers: list[Any] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._keeper: asyncio.Task[None] | None = None
+        self._ino = 0  # the inode of the socket this worker bound last
         self._started: asyncio.Event | None = None
         self._clients: dict[str, Any] = {}  # socket path -> httpx.AsyncClient (this process's)
         self._uses: dict[Any, int] = {}  # client -> forwards under way through it
@@ -288,6 +336,7 @@ class Router:
         self._started = started = asyncio.Event()
         try:  # whatever happens, requests waiting for the start go on
             sock, self.path = _bind(self.token)
+            self._ino = os.lstat(self.path).st_ino
             await self._serve(sock)
         finally:
             started.set()
@@ -328,11 +377,16 @@ class Router:
         failing = False
         while True:
             await asyncio.sleep(KEEP_BOUND_EVERY)
-            if os.path.exists(self.path):
-                continue
+            self._retire()
+            try:  # its own socket still, in directories still this user's own
+                if os.lstat(self.path).st_ino == self._ino and _reachable(self.path):
+                    continue
+            except OSError:
+                pass
             _checked.clear()
             try:
                 sock, _ = _bind(self.token)
+                self._ino = os.lstat(self.path).st_ino
             except Exception as e:
                 if not failing:
                     log.warning("shmcancel.sdk: this worker's socket %s is gone and cannot be "
@@ -354,6 +408,18 @@ class Router:
                 continue
             log.warning("shmcancel.sdk: this worker's socket %s was removed while it served; "
                         "bound again", self.path)
+
+    def _retire(self) -> None:
+        """Stop the earlier servers (replaced by a bind again) once they serve no connection,
+        and forget those stopped: one per removal of the socket would pile up otherwise."""
+        kept = [(self._servers[-1], self._tasks[-1])] if self._servers else []
+        for server, task in zip(self._servers[:-1], self._tasks[:-1], strict=True):
+            if not getattr(getattr(server, "server_state", None), "connections", None):
+                server.should_exit = True
+            if not task.done():
+                kept.insert(-1, (server, task))
+        self._servers = [srv for srv, _ in kept]
+        self._tasks = [task for _, task in kept]
 
     def close(self) -> None:
         """Stop this worker's socket server and remove its socket (the app's lifespan shutdown),
@@ -432,20 +498,24 @@ class Router:
 
     @staticmethod
     def names_worker(token: str) -> bool:
-        """Whether ``token`` (from :meth:`route`) names a worker serving now (its socket)."""
-        return os.path.exists(_socket_path(token))
+        """Whether ``token`` (from :meth:`route`) names a worker serving now (its socket, in
+        directories still this user's own: :func:`_reachable`)."""
+        path = _peer_path(token)
+        return path is not None and _reachable(path)
 
     # --- forwarding -------------------------------------------------------------------------
 
     async def forward(self, token: str, scope: MutableMapping[str, Any], body: bytes | None,
                       receive: Any, send: Any) -> None:
         """Serve the request by the worker ``token`` (see the module docstring)."""
-        path = _socket_path(token)
-        if not os.path.exists(path):
-            # No such worker (gone and swept, or a token anyone can forge): answered before a
-            # client is built for it, which would cost milliseconds of this event loop (an SSL
-            # context), where every call's cancellation poll runs too.
-            await self._drop(path)
+        path = _peer_path(token)
+        if path is None or not _reachable(path):
+            # No such worker (gone and swept, or a token anyone can forge), or one not safely
+            # reachable: answered before a client is built for it, which would cost
+            # milliseconds of this event loop (an SSL context), where every call's
+            # cancellation poll runs too.
+            if path is not None:
+                await self._drop(path)
             await _not_found(send)
             return
         headers = [(k, v) for k, v in scope.get("headers") or () if k.lower() not in HOP_BY_HOP]
