@@ -508,10 +508,7 @@ def test_an_item_whose_read_lost_its_reply_is_still_delivered(reg: Registry,
     call the thread applies what that list holds. The lost reply is made here by raising the
     client's own timeout error after the real command ran (a pause of Redis that long, at that
     moment, is a matter of luck)."""
-    prefix = unique_prefix()
-    c = Cancellation(reg)
-    with bridge(reg, srv, prefix=prefix, host="A") as a, \
-            bridge(reg, srv, prefix=prefix, host="B") as b:
+    with _hosts(reg, srv) as (a, b, c):
         handles = {rid: c.begin(rid, "session:x") for rid in (7, 8)}
         for rid, h in handles.items():
             assert h.tracked and a.track(rid, "session:x") is not None
@@ -542,19 +539,37 @@ def test_an_item_whose_read_lost_its_reply_is_still_delivered(reg: Registry,
             h.end()
 
 
+@contextlib.contextmanager
+def _hosts(reg: Registry, srv: RedisServer) -> Iterator[tuple[Bridge, Bridge, Cancellation]]:
+    """Hosts A and B of one deployment (bridges without threads yet), and a Cancellation of
+    the registry both stand on here."""
+    prefix = unique_prefix()
+    with bridge(reg, srv, prefix=prefix, host="A") as a, \
+            bridge(reg, srv, prefix=prefix, host="B") as b:
+        yield a, b, Cancellation(reg)
+
+
+@contextlib.contextmanager
+def _cancelled_through_b(reg: Registry, srv: RedisServer) -> Iterator[tuple[Bridge, Any]]:
+    """Host A (its bridge, no thread yet) running call 7 in ``session:x``, which host B
+    cancelled: the cancellation waits in A's box. Yields A's bridge and the call's handle."""
+    with _hosts(reg, srv) as (a, b, c):
+        handle = c.begin(7, "session:x")
+        assert handle.tracked and a.track(7, "session:x") is not None
+        assert b.cancel(7, "stop", "session:x") is True  # in A's box
+        try:
+            yield a, handle
+        finally:
+            handle.end()
+
+
 def test_an_item_applied_whose_drop_got_no_answer_is_not_applied_again(
         reg: Registry, srv: RedisServer) -> None:
     """An item applied, then its drop from the taken list fails (no answer: Redis stalled
     writes): the item is still listed, and the thread looks at the list after the failure. It
     only drops it: applied again, a session's end reported its calls cancelled once more per
     turn (4 reports from one 600 ms stall, in a reviewer's run), a cancellation rang again."""
-    prefix = unique_prefix()
-    c = Cancellation(reg)
-    with bridge(reg, srv, prefix=prefix, host="A") as a, \
-            bridge(reg, srv, prefix=prefix, host="B") as b:
-        handle = c.begin(7, "session:x")
-        assert handle.tracked and a.track(7, "session:x") is not None
-        assert b.cancel(7, "stop", "session:x") is True  # in A's box
+    with _cancelled_through_b(reg, srv) as (a, handle):
         real, failed = a.store.client.lrem, []
 
         def lrem(*args: Any, **kw: Any) -> Any:
@@ -569,25 +584,17 @@ def test_an_item_applied_whose_drop_got_no_answer_is_not_applied_again(
         wait_until(lambda: (failed and a.store.client.llen(taken) == 0) or None,
                    time.monotonic() + 10, interval=0.02, what="the item dropped after all")
         assert handle.cancelled() and a.delivered == 1
-        handle.end()
 
 
 def test_the_taken_list_is_leased_as_it_is_made(reg: Registry, srv: RedisServer) -> None:
     """A worker killed between taking an item and dropping it leaves its taken list behind:
     the move that makes the list leases it in the same step (take.lua), so it goes with the
     worker's box, never stays for good."""
-    prefix = unique_prefix()
-    c = Cancellation(reg)
-    with bridge(reg, srv, prefix=prefix, host="A") as a, \
-            bridge(reg, srv, prefix=prefix, host="B") as b:
-        handle = c.begin(7, "session:x")
-        assert handle.tracked and a.track(7, "session:x") is not None
-        assert b.cancel(7, "stop", "session:x") is True
+    with _cancelled_through_b(reg, srv) as (a, _):
         box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
         assert a.store.take(box, taken, 3000) is not None  # what the thread does first
         assert 0 < a.store.client.pttl(taken) <= 3000
         assert a.store.take(box, taken, 3000) is None  # the box is empty now
-        handle.end()
 
 
 def _clock_moves(c: Cancellation) -> None:
@@ -604,10 +611,7 @@ def test_two_cancellations_of_a_reused_id_land_oldest_first(reg: Registry,
     replaced the row's stamp with its own, older than the new call, which ignored it and ran
     to its end (a reviewer's repro). Oldest first, the later cancellation's row is the one
     left, and the call is cancelled."""
-    prefix = unique_prefix()
-    c = Cancellation(reg)
-    with bridge(reg, srv, prefix=prefix, host="A") as a, \
-            bridge(reg, srv, prefix=prefix, host="B") as b:
+    with _hosts(reg, srv) as (a, b, c):
         first = c.begin(7, "session:x")
         t1 = a.track(7, "session:x")
         assert first.tracked and t1 is not None

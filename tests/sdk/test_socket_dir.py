@@ -168,6 +168,22 @@ def test_servers_without_a_registry_share_a_directory_only_with_their_parents_pr
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
 
 
+async def _answers_204(path: str) -> None:
+    """A request on the socket at ``path`` is answered by ``_noop_app`` (204)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    async with asyncio.timeout(10):
+        assert (await reader.readline()).startswith(b"HTTP/1.1 204")
+    writer.close()
+
+
+async def _closed(r: Router) -> None:
+    """Close ``r`` and wait for its socket servers to end."""
+    r.close()
+    async with asyncio.timeout(10):
+        await asyncio.gather(*r._tasks)
+
+
 async def _noop_app(scope, receive, send) -> None:
     await send({"type": "http.response.start", "status": 204, "headers": []})
     await send({"type": "http.response.body", "body": b""})
@@ -214,15 +230,9 @@ def test_a_worker_binds_when_its_checked_directory_was_removed_meanwhile(
             assert os.path.dirname(r.path) == d
             assert stat.S_ISSOCK(os.lstat(r.path).st_mode)
             assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
-            reader, writer = await asyncio.open_unix_connection(r.path)
-            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            async with asyncio.timeout(10):
-                assert (await reader.readline()).startswith(b"HTTP/1.1 204")
-            writer.close()
+            await _answers_204(r.path)
         finally:
-            r.close()
-            async with asyncio.timeout(10):
-                await asyncio.gather(*r._tasks)
+            await _closed(r)
 
     asyncio.run(main())
 
@@ -299,14 +309,8 @@ def test_servers_replaced_by_binds_again_are_retired(short_tmp: Path, use_dir,
             async with asyncio.timeout(10):
                 while len(r._servers) > 1 or len(r._tasks) > 1:
                     await asyncio.sleep(0.01)
-            reader, writer = await asyncio.open_unix_connection(r.path)  # the last one serves
-            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            async with asyncio.timeout(10):
-                assert (await reader.readline()).startswith(b"HTTP/1.1 204")
-            writer.close()
+            await _answers_204(r.path)  # the last one serves
         finally:
-            r.close()
-            async with asyncio.timeout(10):
-                await asyncio.gather(*r._tasks)
+            await _closed(r)
 
     asyncio.run(main())
