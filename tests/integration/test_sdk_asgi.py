@@ -458,7 +458,7 @@ def test_a_socket_directory_replaced_by_a_symlink_is_refused_when_binding_again(
             p.setblocking(False)
             planted.append(p)
         deadline = time.monotonic() + 10
-        while "cannot be bound again" not in " ".join(g.log().split()):
+        while "cannot be served" not in " ".join(g.log().split()):
             assert time.monotonic() < deadline, g.log_tail()
             time.sleep(0.05)
         statuses = set()
@@ -486,6 +486,48 @@ def test_a_socket_directory_replaced_by_a_symlink_is_refused_when_binding_again(
         r = h1.post(g.url, headers=hdrs, json={"jsonrpc": "2.0", "id": 9,
                                                "method": "tools/list"})
         assert r.status_code == 200, r.text
+
+
+def _all_bound(g: Gunicorn, d: str, within: float = 15) -> list[str]:
+    """The socket names in ``d`` once each of ``g``'s three workers has bound its own."""
+    deadline = time.monotonic() + within
+    while True:
+        with contextlib.suppress(OSError):
+            names = sorted(n for n in os.listdir(d) if n.endswith(".sock"))
+            if len(names) == 3 and len(g.worker_pids()) == 3:
+                return names
+        assert time.monotonic() < deadline, "not every worker's socket is bound"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_a_socket_directory_replaced_by_a_file_is_a_404_not_a_500(server):
+    """The socket directory removed and a file made in its place: a request naming another
+    worker (any client can make up a token) made the forward's check of the directory fail
+    with an OSError (its makedirs), an HTTP 500 and a traceback each. It is that worker
+    unreachable: 404. Once the file goes, the workers bind again."""
+    _kind, g, _reg = server
+    base = socket_dir()
+    d = registry_dir(base, g.registry_name)
+    _all_bound(g, d)
+    shutil.rmtree(base)
+    with open(base, "w"):
+        pass
+    try:
+        deadline = time.monotonic() + 10
+        while "cannot be served" not in " ".join(g.log().split()):
+            assert time.monotonic() < deadline, g.log_tail()
+            time.sleep(0.05)
+        statuses = set()
+        for i in range(6):
+            with httpx.Client(timeout=10) as h1:
+                statuses.add(h1.post(g.url, headers={
+                    **LEGACY_HEADERS, "mcp-session-id": f"{i + 1:x}x0123456789ab-abc"},
+                    json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).status_code)
+        assert statuses == {404}, statuses
+    finally:
+        os.unlink(base)
+    _all_bound(g, d)
 
 
 @pytest.mark.parametrize("server", ["stateless"], indirect=True)

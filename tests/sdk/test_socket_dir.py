@@ -314,3 +314,39 @@ def test_servers_replaced_by_binds_again_are_retired(short_tmp: Path, use_dir,
             await _closed(r)
 
     asyncio.run(main())
+
+
+def test_a_trailing_slash_does_not_let_a_symlinked_directory_through(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dir/`` is lstat'ed through a symlink ``dir``: the directory passed the start's check,
+    then every forward's check (of ``dir``) refused it, and the workers' sessions were 404 from
+    the others. The setting is normalised: the symlink is refused at the start, as ``dir``."""
+    real = short_tmp / "real"
+    real.mkdir(mode=0o700)
+    (short_tmp / "lnk").symlink_to(real)
+    monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", f"{short_tmp / 'lnk'}/")  # (a Path drops it)
+    with pytest.raises(SocketDirUnsafe, match="symlink"):
+        socket_dir()
+
+
+def test_a_socket_directory_opened_to_reading_stays_reachable(short_tmp: Path, use_dir) -> None:
+    """A deploy step's ``chmod 750`` of the base lets nobody else plant a socket there (no
+    write bits): forwards go on (they answered 404 until the keeper took the bits back, and a
+    404 ends a client's session). Write bits for others are refused."""
+    use_dir(short_tmp / "socks")
+
+    async def main() -> None:
+        r = Router(_noop_app)
+        await r.ensure()
+        try:
+            base = os.path.dirname(os.path.dirname(r.path))
+            os.chmod(base, 0o750)
+            assert Router.names_worker(r.token)
+            os.chmod(base, 0o770)
+            assert not Router.names_worker(r.token)
+            os.chmod(base, 0o700)
+            assert Router.names_worker(r.token)
+        finally:
+            await _closed(r)
+
+    asyncio.run(main())

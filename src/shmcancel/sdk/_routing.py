@@ -77,8 +77,9 @@ def socket_dir() -> str:
     or other bits gets them cleared; a symlink, another user's directory or a file raises
     :class:`SocketDirUnsafe` (another local user squatting the name under ``/tmp``). Checked
     once per process and directory."""
-    d = os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
-        tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}")
+    # normalised: "dir/" would lstat what a symlink "dir" points to, and pass
+    d = os.path.normpath(os.environ.get("SHMCANCEL_SDK_SOCKET_DIR") or os.path.join(
+        tempfile.gettempdir(), f"shmcancel-sdk-{os.getuid()}"))
     if _checked.get(d) != os.getpid() and len(os.fsencode(d)) > SOCKET_DIR_MAX:
         raise SocketDirTooLong(
             f"shmcancel.sdk: the socket directory {d} is {len(os.fsencode(d))} bytes long; "
@@ -138,11 +139,13 @@ def _socket_path(token: str) -> str:
 
 def _reachable(path: str) -> bool:
     """Whether ``path`` (:func:`_socket_path`) is a socket of this user's in directories of
-    this user's that nobody else can enter, each looked at now without following a symlink.
+    this user's that nobody else can write to, each looked at now without following a symlink.
     A forward must not trust this process's first check of the directories: removed since (a
     cleaner of old files under ``/tmp``), another local user may have made them again, planted
     a socket named after a worker's token (every client sees the tokens), and would read the
-    requests forwarded to it. Answered as a worker gone (404), logged once per process."""
+    requests forwarded to it. (Read and search bits for others plant nothing: a ``chmod 750``
+    of the base is not refused.) Answered as a worker gone (404), logged once until a forward
+    finds the directories sound again."""
     global _unsafe_logged
     uid = os.getuid()
     try:
@@ -154,15 +157,17 @@ def _reachable(path: str) -> bool:
         for _ in range(2):  # the registry's directory, then the base
             dst = os.lstat(d)
             ok = ok and stat.S_ISDIR(dst.st_mode) and dst.st_uid == uid \
-                and not dst.st_mode & 0o077
+                and not dst.st_mode & 0o022
             d = os.path.dirname(d)
     except OSError:
         return False
-    if not ok and not _unsafe_logged:
+    if ok:
+        _unsafe_logged = False
+    elif not _unsafe_logged:
         _unsafe_logged = True
-        log.error("shmcancel.sdk: %s is not a socket of uid %d in directories of its own: not "
-                  "forwarded to (its sessions answer 404); was the socket directory replaced? "
-                  "Restart the server", path, uid)
+        log.error("shmcancel.sdk: %s is not a socket of uid %d in directories only it can "
+                  "write to: not forwarded to (its sessions answer 404); was the socket "
+                  "directory replaced? Restart the server", path, uid)
     return ok
 
 
@@ -171,12 +176,13 @@ _unsafe_logged = False
 
 def _peer_path(token: str) -> str | None:
     """:func:`_socket_path` of another worker's ``token`` for a forward, or None when the
-    socket directory is refused now (:class:`SocketDirUnsafe`: replaced since this process
-    checked it; logged once), which makes the worker unreachable, never an HTTP 500."""
+    socket directory is refused now (:class:`SocketDirUnsafe`, or an OSError making it:
+    replaced since this process checked it; logged once), which makes the worker unreachable,
+    never an HTTP 500."""
     global _unsafe_logged
     try:
         return _socket_path(token)
-    except ShmCancelError as e:
+    except (ShmCancelError, OSError) as e:  # OSError: a makedirs on what replaced it
         if not _unsafe_logged:
             _unsafe_logged = True
             log.error("%s; nothing is forwarded (sessions of other workers answer 404)", e)
@@ -378,19 +384,24 @@ class Router:
         while True:
             await asyncio.sleep(KEEP_BOUND_EVERY)
             self._retire()
-            try:  # its own socket still, in directories still this user's own
-                if os.lstat(self.path).st_ino == self._ino and _reachable(self.path):
-                    continue
-            except OSError:
-                pass
-            _checked.clear()
             try:
+                ours = os.lstat(self.path).st_ino == self._ino
+            except OSError:
+                ours = False
+            if ours and _reachable(self.path):
+                failing = False
+                continue
+            _checked.clear()  # the directories are checked again, by the next two calls
+            try:
+                if ours:  # still there, its directories not sound: put right, or refused
+                    _socket_path(self.token)
+                    continue
                 sock, _ = _bind(self.token)
                 self._ino = os.lstat(self.path).st_ino
             except Exception as e:
                 if not failing:
-                    log.warning("shmcancel.sdk: this worker's socket %s is gone and cannot be "
-                                "bound again (%s); tried again every %g s", self.path, e,
+                    log.warning("shmcancel.sdk: this worker's socket %s cannot be served "
+                                "(%s); tried again every %g s", self.path, e,
                                 KEEP_BOUND_EVERY)
                 failing = True
                 continue
