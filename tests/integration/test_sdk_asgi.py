@@ -500,34 +500,36 @@ def _all_bound(g: Gunicorn, d: str, within: float = 15) -> list[str]:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("server", ["stateful"], indirect=True)
-def test_a_socket_directory_replaced_by_a_file_is_a_404_not_a_500(server):
+def test_a_socket_directory_replaced_by_a_file_is_a_404_not_a_500(shm_name, short_tmp):
     """The socket directory removed and a file made in its place: a request naming another
     worker (any client can make up a token) made the forward's check of the directory fail
     with an OSError (its makedirs), an HTTP 500 and a traceback each. It is that worker
-    unreachable: 404. Once the file goes, the workers bind again."""
-    _kind, g, _reg = server
-    base = socket_dir()
-    d = registry_dir(base, g.registry_name)
-    _all_bound(g, d)
-    shutil.rmtree(base)
-    with open(base, "w"):
-        pass
-    try:
-        deadline = time.monotonic() + 10
-        while "cannot be served" not in " ".join(g.log().split()):
-            assert time.monotonic() < deadline, g.log_tail()
-            time.sleep(0.05)
-        statuses = set()
-        for i in range(6):
-            with httpx.Client(timeout=10) as h1:
-                statuses.add(h1.post(g.url, headers={
-                    **LEGACY_HEADERS, "mcp-session-id": f"{i + 1:x}x0123456789ab-abc"},
-                    json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).status_code)
-        assert statuses == {404}, statuses
-    finally:
-        os.unlink(base)
-    _all_bound(g, d)
+    unreachable: 404. Once the file goes, the workers bind again. (A server of its own, with
+    a socket directory of its own: the run's is shared by the servers of other test files.)"""
+    base = str(short_tmp / "socks")
+    env = {"SHMCANCEL_SDK_STATELESS": "0", "SHMCANCEL_SDK_SOCKET_DIR": base}
+    with Gunicorn(None, registry_name=shm_name, config=CONF, workers=3,
+                  worker_class="uvicorn_worker.UvicornWorker", env=env) as g:
+        d = registry_dir(base, shm_name)
+        _all_bound(g, d)
+        shutil.rmtree(base)
+        with open(base, "w"):
+            pass
+        try:
+            deadline = time.monotonic() + 10
+            while "cannot be served" not in " ".join(g.log().split()):
+                assert time.monotonic() < deadline, g.log_tail()
+                time.sleep(0.05)
+            statuses = set()
+            for i in range(6):
+                with httpx.Client(timeout=10) as h1:
+                    statuses.add(h1.post(g.url, headers={
+                        **LEGACY_HEADERS, "mcp-session-id": f"{i + 1:x}x0123456789ab-abc"},
+                        json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).status_code)
+            assert statuses == {404}, statuses
+        finally:
+            os.unlink(base)
+        _all_bound(g, d)
 
 
 @pytest.mark.parametrize("server", ["stateless"], indirect=True)
