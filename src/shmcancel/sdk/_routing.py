@@ -341,13 +341,18 @@ class Router:
         self._servers, self._tasks = [], []
         self._started = started = asyncio.Event()
         try:  # whatever happens, requests waiting for the start go on
-            sock, self.path = _bind(self.token)
-            self._ino = os.lstat(self.path).st_ino
-            await self._serve(sock)
+            await self._serve(self._bind_own())
         finally:
             started.set()
         _sweep(os.path.dirname(self.path))
         self._keeper = asyncio.get_running_loop().create_task(self._keep_bound())
+
+    def _bind_own(self) -> socket.socket:
+        """This worker's socket bound at its path (:func:`_bind`), its inode kept for the
+        keeper's looks."""
+        sock, self.path = _bind(self.token)
+        self._ino = os.lstat(self.path).st_ino
+        return sock
 
     async def _serve(self, sock: socket.socket) -> None:
         """Serve the app on the bound ``sock`` with a uvicorn server of its own; return once it
@@ -396,8 +401,7 @@ class Router:
                 if ours:  # still there, its directories not sound: put right, or refused
                     _socket_path(self.token)
                     continue
-                sock, _ = _bind(self.token)
-                self._ino = os.lstat(self.path).st_ino
+                sock = self._bind_own()
             except Exception as e:
                 if not failing:
                     log.warning("shmcancel.sdk: this worker's socket %s cannot be served "
