@@ -569,6 +569,7 @@ class Bridge:
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
         box = self.store.box_key(self.remote.box)
         taken = self.store.taken_key(self.remote.box)
+        lease_ms = int(self.remote.lease * 1000)  # the box's and the taken list's
         unconfirmed = True  # the taken list may hold items (a failed call, or a restart)
         next_renew = 0.0
         while not self._stop.is_set():
@@ -603,7 +604,7 @@ class Bridge:
                     try:
                         self.remote.renew()
                         for k in (box, taken):
-                            self.store.client.pexpire(k, int(self.remote.lease * 1000))
+                            self.store.client.pexpire(k, lease_ms)
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
@@ -618,7 +619,6 @@ class Bridge:
                     if unconfirmed:
                         self._apply_taken(taken)
                         unconfirmed = False
-                    lease_ms = int(self.remote.lease * 1000)
                     try:  # wait for an item, leaving it in the box (a rotation of one end)
                         waited = self._blocking.client.blmove(box, box, self.block, "RIGHT",
                                                               "RIGHT")
