@@ -68,9 +68,10 @@ class Config:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"Config.{name} must be a positive int or None, got {v!r}")
-        if self.max_rows is not None and self.max_rows > _MAX_CAPACITY:
-            raise ValueError(f"Config.max_rows must be at most {_MAX_CAPACITY} (the largest "
-                             f"capacity), got {self.max_rows!r}")
+            if v is not None and v > _MAX_CAPACITY:  # more than a table holds; and the header
+                raise ValueError(  # stores it as msgpack, whose ints end at 2**64
+                    f"Config.{name} must be at most {_MAX_CAPACITY} (the largest capacity), "
+                    f"got {v!r}")
         if self.capacity is None:
             object.__setattr__(self, "capacity", max(10_000, self.max_rows or 0))
         for name in ("capacity", "in_flight_capacity", "session_capacity"):

@@ -43,6 +43,9 @@ def test_capacity_follows_max_rows(kwargs: dict, capacity: int, effective: int) 
         {"max_rows": 1.5},
         {"max_rows": True},
         {"max_rows_per_scope": 0},
+        {"max_rows_per_scope": 10_000_001},
+        {"max_rows_per_scope": 2**64},  # was accepted, then Registry.create: OverflowError
+        {"max_rows": 10**30},
         {"max_rows": 100, "capacity": 50},
         {"capacity": 0},
         {"in_flight_capacity": 0},
