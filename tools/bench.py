@@ -594,6 +594,9 @@ def _header(a: argparse.Namespace) -> None:
     print(f"shmcancel bench ({'quick' if a.quick else 'full'}): {rev or '?'}, "
           f"CPython {platform.python_version()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+    from shmcancel.shm import writer
+    print("  a new row's write: " + ("C (shmcancel.shm._cwrite)" if writer._add_small else
+                                     "Python (the C part is not built, or SHMCANCEL_PURE_PYTHON)"))
 
 
 def main(argv: list[str] | None = None) -> int:

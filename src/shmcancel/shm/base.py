@@ -169,6 +169,9 @@ class TableBase:
         self._rs = struct.Struct(f"<IIIIQ{self._payload}s")  # a whole record, zero padded
         self._rss = struct.Struct(f"<IIIIQ{self._spayload}s")  # a whole small record
         self._heap = g.heap_off
+        # what _cwrite.add_small needs of the geometry, as one tuple (see writer.py)
+        self._geo = (g.heap_off, g.small_size, self._spayload, capacity, HEADER_SIZE, g.idx_off,
+                     g.free_off, nslots)
         # record r > capacity lies at _lbase + r * record_size (so r = capacity + 1 is first)
         self._lbase = g.large_off - (capacity + 1) * record_size
         self._buf = buf[:size]

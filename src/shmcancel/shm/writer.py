@@ -25,6 +25,8 @@ process and table) and the operation retried once; still corrupt, it raises ``Ta
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
@@ -36,6 +38,14 @@ from .fsck import Fsck
 from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _WORD, _pack
 
 _T = TypeVar("_T")
+
+# add_held's common case in C (_cwrite.c), unless it was not built or SHMCANCEL_PURE_PYTHON is
+# set (non-empty): then every write takes the Python path, which stores the same bytes
+_add_small: Callable[[memoryview, tuple[int, ...], int, int, bytes, bytes], int] | None = None
+if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
+    with contextlib.suppress(ImportError):
+        from ._cwrite import add_small as _add_small
+
 _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
 
 
@@ -197,6 +207,9 @@ class Writes(Fsck):
         vl = len(vb)
         if kl + vl > self._payload:
             self._check_size(kb, vb)
+        if _add_small is not None and _add_small(self._buf, self._geo, key.j, key.hash, kb,
+                                                 vb) >= 0:
+            return  # written and published; else nothing was stored: the Python path below
         try:  # _append, inlined: every new cancellation comes here
             hq = self._hq
             if hq[_ROWS] >= self.capacity:

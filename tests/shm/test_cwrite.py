@@ -1,0 +1,206 @@
+"""The C write path (``shm/_cwrite.c``, a new small row of ``add_held``) against the Python
+path: the same operations on twin tables, one written through C and one through Python, leave
+byte-identical regions, whatever the probe, the record class, a full table or a declined case.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from helpers.table_rig import Rig, healthy, same_home_keys
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmcancel.exceptions import TableFull
+from shmcancel.shm import writer
+from shmcancel.shm.table import Table
+
+pytestmark = pytest.mark.skipif(writer._add_small is None and bool(
+    os.environ.get("SHMCANCEL_PURE_PYTHON")), reason="SHMCANCEL_PURE_PYTHON is set")
+
+C_ADD = writer._add_small
+# (kind, capacity, record_size, small_size, large_count): 16 index slots, two record classes
+SPEC = ("set", 7, 160, 48, 3)
+KEYS = [f"k{i}" for i in range(12)]
+VALUES = st.one_of(st.integers(-3, 3), st.text("ab", max_size=4),
+                   st.text("z", min_size=40, max_size=90))  # large records, some too large
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(KEYS), VALUES),
+    st.tuples(st.just("delete"), st.sampled_from(KEYS), st.none()),
+    st.tuples(st.just("insert"), st.sampled_from(KEYS), VALUES)), max_size=40)
+
+
+def test_the_c_path_is_built_where_a_compiler_is() -> None:
+    """A machine with a C compiler builds the extension (``pip install`` with setup.py's
+    optional Extension): without it every new row takes the slower Python path, silently."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the Python path is the only one")
+    assert C_ADD is not None, "shmcancel.shm._cwrite was not built (see the pip install log)"
+
+
+def test_shmcancel_pure_python_selects_the_python_path() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "from shmcancel.shm import writer; print(writer._add_small)"],
+        env={**os.environ, "SHMCANCEL_PURE_PYTHON": "1"}, capture_output=True, text=True,
+        timeout=60, check=True)
+    assert out.stdout.strip() == "None"
+
+
+def _apply(t: Table, op: str, key: Any, value: Any, c_add: Any) -> object:
+    """``op`` on ``t`` with ``writer._add_small`` set to ``c_add``; what it returned or
+    raised (its type)."""
+    saved = writer._add_small
+    writer._add_small = c_add
+    try:
+        with t._lock:
+            if op == "add":
+                if t.member(key):
+                    return "member"
+                t.add_held(t.prepare(key), value)
+                return "added"
+            if op == "delete":
+                return t.delete(key)
+            t.insert(key, value)
+            return "inserted"
+    except Exception as e:  # TableFull, RowTooLarge: the same in both
+        return type(e)
+    finally:
+        writer._add_small = saved
+
+
+def _twins(rig_factory: Any) -> tuple[Table, Table, Rig]:
+    rig = rig_factory([SPEC, SPEC])
+    return rig.tables[0], rig.tables[1], rig
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+def test_c_and_python_write_the_same_bytes(rig_factory: Any) -> None:
+    rig = rig_factory([SPEC, SPEC])
+    written = [0, 0]  # rows the C path wrote, declined
+
+    def c_add(*args: Any) -> int:
+        r = C_ADD(*args)
+        written[r < 0] += 1
+        return r
+
+    @settings(max_examples=300, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=OPS)
+    def run(ops: list[Any]) -> None:
+        a, b = rig.reset(0), rig.reset(1)
+        for op, key, value in ops:
+            got_c = _apply(a, op, key, value, c_add)
+            got_py = _apply(b, op, key, value, None)
+            assert got_c == got_py, (op, key, value)
+            assert bytes(a._buf) == bytes(b._buf), (op, key, value)
+        healthy(a)
+        assert sorted(a.scan(), key=repr) == sorted(b.scan(), key=repr)
+
+    run()
+    assert written[0] > 100 and written[1] > 10, written  # both ways were taken, often
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+def test_probes_past_the_home_slot_and_around_the_index_end(rig_factory: Any) -> None:
+    """Keys sharing the last home slot: the C path probes on, wrapping to slot 0, as the
+    Python path does; a full table is refused by both (TableFull), nothing stored."""
+    a, b, _ = _twins(rig_factory)
+    keys = same_home_keys(a, SPEC[1] + 1, home=a.nslots - 1)
+    for k in keys:
+        got = [_apply(t, "add", k, "v", c) for t, c in ((a, C_ADD), (b, None))]
+        assert got[0] == got[1]
+        assert bytes(a._buf) == bytes(b._buf)
+    assert got[0] is TableFull
+    assert [a._idx[2 * s] != 0 for s in (a.nslots - 1, 0, 1)] == [True] * 3
+    healthy(a)
+    assert sorted(k for k, _ in a.scan()) == sorted(keys[:SPEC[1]])
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+def test_the_c_path_stores_nothing_on_a_closed_table(rig_factory: Any) -> None:
+    a, _, rig = _twins(rig_factory)
+    pk = a.prepare("k")
+    before = bytes(rig.region(0))
+    a.close()
+    with pytest.raises(ValueError):
+        C_ADD(a._buf, a._geo, pk.j, pk.hash, pk.kbytes, b"\xa1v")
+    assert bytes(rig.region(0)) == before
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.parametrize("bad", ["geometry past the region", "odd j", "hash 0",
+                                 "payload too large"])
+def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) -> None:
+    """Arguments a caller could get wrong (the Python path checks or repairs each): -1, and
+    not one byte of the region stored."""
+    a, _, rig = _twins(rig_factory)
+    pk = a.prepare("k")
+    geo, j, h, vb = a._geo, pk.j, pk.hash, b"\xa1v"
+    if bad == "geometry past the region":
+        geo = (geo[0] + 10**6, *geo[1:])
+    elif bad == "odd j":
+        j += 1
+    elif bad == "hash 0":
+        h = 0
+    else:
+        vb = b"x" * 200
+    before = bytes(rig.region(0))
+    assert C_ADD(a._buf, geo, j, h, pk.kbytes, vb) == -1
+    assert bytes(rig.region(0)) == before
+
+
+C_STORES = 12  # the stores of add_small's write, in order (see _cwrite.c)
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.parametrize("home", ["free", "taken"])
+def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: Any,
+                                                                   home: str) -> None:
+    """For every n: fork; the child, holding the lock, makes only the first n stores of a new
+    row's C write and SIGKILLs itself (a writer killed right there); the parent takes the dead
+    holder's unit over and repairs (fsck), and requires exactly the rows before or after the
+    write, a clean second fsck, and every record usable (the table fills to its capacity, no
+    more). Catches a store order fsck cannot repair (the slot published before its record)."""
+    rig = rig_factory([SPEC])
+    outcome = []
+    for n in range(C_STORES + 1):
+        t = rig.reset(0)
+        first, new = same_home_keys(t, 2) if home == "taken" else ("k0", "k1")
+        t.insert(first, 1)
+        t.insert("other", "x")
+        before = sorted(t.scan(), key=repr)
+        after = sorted([*before, (new, "v")], key=repr)
+        pk = t.prepare(new)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                with t._lock:
+                    C_ADD(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, b"\xa1v", n)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            finally:
+                os._exit(7)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, n
+        assert rig.lock.sem.value == 0  # it died holding the lock: take its unit over
+        rig.lock.sem.release()
+        with rig.lock:
+            t.fsck()
+            got = sorted(t.scan(), key=repr)
+            assert got in (before, after), f"killed after store {n}: {got}"
+            outcome.append(got == after)
+            healthy(t)
+            i = 0
+            while t.count() < t.capacity:  # no record leaked
+                t.insert(("fill", i), i)
+                i += 1
+            with pytest.raises(TableFull):
+                t.insert(("fill", "one more"), 0)
+            healthy(t)
+    # the row is in from its slot's hash store on (the store that publishes it)
+    assert outcome == [False] * 10 + [True] * 3, outcome
