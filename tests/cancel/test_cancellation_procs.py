@@ -178,6 +178,31 @@ def test_a_cancel_from_a_child_reaches_the_parents_handle(registry, spawn):
     assert child.wait() == 0
 
 
+@pytest.mark.parametrize("other_row", [False, True], ids=["alone", "beside-another-row"])
+def test_an_unpolled_request_ends_and_clears_the_row_another_process_recorded(
+        registry, spawn, other_row):
+    """The usual way a cancellation lands: another worker records it, the tool never polls
+    (its handle keeps no watch) and ends. The end clears the row, which this process never
+    prepared a key for (``ShmBackend.exists`` asks through the request's own in-flight key),
+    and leaves the scope's other row."""
+    reg = registry()
+    c = Cancellation(reg)
+    scope = "ip:192.0.2.7"
+    if other_row:
+        c.cancel("another", None, scope)
+    h = c.begin(3, scope)
+    child = spawn(canceller, reg.name, [3], scope, "from child")
+    assert child.recv() == "ready"
+    child.send("go")
+    assert child.recv() == {"refused": 0}
+    assert child.wait() == 0
+    rows = reg.table("cancellations")
+    assert sorted(k for k, _ in rows.scan()) == [(scope, "3")] + [(scope, "another")] * other_row
+    h.end()
+    assert [k for k, _ in rows.scan()] == [(scope, "another")] * other_row
+    assert not c.in_flight(3, scope)
+
+
 def test_concurrent_duplicates_of_one_id_across_processes(registry, spawn):
     reg = registry()
     c = Cancellation(reg)

@@ -286,6 +286,18 @@ class TableMachine(RuleBasedStateMachine):
             assert self.t.word(k) == (self.words.get(kb, 0) if kb in self.model else None), k
 
     @invariant()
+    def absent_only_where_the_model_has_no_row(self) -> None:
+        """``absent`` (by the hash alone) is never True for a key with a row, and is True for
+        a key without one whose home slot is empty."""
+        for k in KEYS:
+            pk = self.t.prepare(k)
+            there = packed(k) in self.model
+            if self.t.absent(pk.hash):
+                assert not there, k
+            elif not self.t._idx[pk.j]:
+                assert there, k
+
+    @invariant()
     def fsck_noop_and_stats(self) -> None:
         healthy(self.t)
         s = self.t.stats()

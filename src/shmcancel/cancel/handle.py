@@ -297,10 +297,9 @@ class RequestHandle:
             if self._owner is not None:
                 st.untrack(self.scope, rid, self._owner, self._receipt)
             # Skip the clear's own read when cheaper evidence says there is no row: a polled
-            # handle's watch (one load), else the scope's count, never below its rows (a row
-            # left by a wrong count is a leftover the next namesake's first poll removes).
+            # handle's watch (one load), else the store's cheapest read of the row.
             w = self._watch
-            if w.member() if w is not None else st.scope_has_rows(self.scope):
+            if w.member() if w is not None else st.exists(self.scope, rid):
                 # a namesake's in-flight row is read after the untrack's barrier, like the row
                 clear_ended(st, self.scope, rid)
         except LockTimeout as e:

@@ -288,6 +288,11 @@ class ShmBackend:
         return False
 
     def exists(self, scope: str, rid: str) -> bool:
+        # A request's end asks this of its own key, kept prepared for its in-flight row: the
+        # same hash (one hash key), so a sure miss needs no key prepared for this table.
+        fk = self._fkeys.get((scope, rid)) if type(scope) is str else None
+        if fk is not None and self._c.absent(fk.hash):
+            return False
         return self._c.member(self._ck(scope, rid))
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:

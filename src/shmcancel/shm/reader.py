@@ -271,6 +271,31 @@ class Reads(Fsck):
             self._if_closed()
             raise
 
+    def absent(self, h: int) -> bool:
+        """True when no key of keyed hash ``h`` has a row: :meth:`member`'s miss path by the hash
+        alone (the ``hash`` of a key prepared for a table of the same hash key), so a caller
+        holding such a key needs no key prepared for this table to learn that. False means
+        only "maybe": :meth:`member` answers."""
+        try:
+            home = h & self._mask
+            ver = self._ver
+            b = home >> 4
+            v = ver[b]
+            j = 2 * home
+            idx = self._idx
+            sh = idx[j]
+            while sh != h:
+                if not sh:  # an empty slot first: a sure miss if no writer moved the bucket
+                    return ver[b] == v & -2
+                j += 2
+                if not j & 31:
+                    return False  # the probe goes on into the next bucket
+                sh = idx[j]
+            return False
+        except Exception:
+            self._if_closed()
+            raise
+
     def lookup(self, key: Any) -> list[Any]:
         """The values of ``key``'s rows: ``[]``, ``[value]`` for a set, any number for a bag."""
         try:
