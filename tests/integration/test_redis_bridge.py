@@ -19,6 +19,7 @@ from helpers.gunicorn_harness import wait_until
 from helpers.redis_server import RedisServer, running, unique_prefix
 
 from shmcancel import Cancellation, Config, RemoteUnavailable
+from shmcancel.exceptions import LockTimeout
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import bridge as bridge_mod
 from shmcancel.redis.bridge import DOWN_AFTER, OWED_MAX, Bridge
@@ -633,6 +634,68 @@ def test_two_cancellations_of_a_reused_id_land_oldest_first(reg: Registry,
         assert second.cancelled() and second.reason() == "second call"
         second.end()
         a.untrack(t2)
+
+
+def test_a_cancellation_kept_after_a_lost_take_reply_still_lands_before_a_newer_one(
+        reg: Registry, srv: RedisServer) -> None:
+    """take.lua: oldest first, the later cancellation's row last. The move of the older of two
+    cancellations of a reused id lost its reply (it ran: the item waits in the taken list), and
+    applying it from there on the next turn hit a registry lock timeout (kept for
+    ``_redeliver``). That turn went on to read the box all the same: the newer one was applied,
+    then the next turn's ``_redeliver`` wrote the older one over it, its stamp older than the
+    running call, which ignored it and ran to its end (a reviewer's repro, 3 of 3). The items
+    of the taken list stop at a lock timeout, as the box's do: what was kept lands first."""
+    with _hosts(reg, srv) as (a, b, c):
+        first = c.begin(7, "session:x")
+        t1 = a.track(7, "session:x")
+        assert first.tracked and t1 is not None
+        assert b.cancel(7, "first call", "session:x") is True
+        first.end()
+        a.untrack(t1)
+        _clock_moves(c)
+        second = c.begin(7, "session:x")
+        t2 = a.track(7, "session:x")
+        assert second.tracked and t2 is not None
+        _clock_moves(c)
+        assert b.cancel(7, "second call", "session:x") is True
+        box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
+        assert a.store.client.llen(box) == 2
+        lost: list[bytes] = []
+        real_take = a.store.take
+
+        def take(*args: Any, **kw: Any) -> Any:  # the first move runs, its reply is lost
+            got = real_take(*args, **kw)
+            if got is not None and not lost:
+                lost.append(got)
+                raise redis.exceptions.TimeoutError("Timeout reading from socket")
+            return got
+
+        stalls: list[str] = []
+        landed: list[str] = []  # the reasons recorded (or refused), in order
+        real_cancel = a.local.cancel_key_if_in_flight
+
+        def cancel_key_if_in_flight(rid: str, reason: object, *args: Any, **kw: Any) -> bool:
+            if reason == "first call" and not stalls:  # a stalled holder, once
+                stalls.append(reason)
+                raise LockTimeout("the registry lock held past lock_timeout (forced once)")
+            got = real_cancel(rid, reason, *args, **kw)
+            landed.append(str(reason))
+            return got
+
+        a.store.take = take  # type: ignore[method-assign]
+        a.local.cancel_key_if_in_flight = cancel_key_if_in_flight  # type: ignore[method-assign]
+        try:
+            a.start()
+            wait_until(lambda: (len(landed) == 2 and a.undelivered() == 0
+                                and a.store.client.llen(box) == 0
+                                and a.store.client.llen(taken) == 0) or None,
+                       time.monotonic() + 10, interval=0.02, what="both items applied")
+            assert lost and stalls, (lost, stalls)
+            assert second.cancelled() and second.reason() == "second call"
+            assert landed == ["first call", "second call"]  # oldest first
+        finally:
+            second.end()
+            a.untrack(t2)
 
 
 def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thread(

@@ -827,3 +827,115 @@ def test_a_cancellation_through_redis_is_reported_once(
             telemetry.detach("test-once")
             handle.end()
             a.untrack(token)
+
+
+@pytest.mark.parametrize("workers", ["one worker on A", "two workers on A"])
+def test_a_session_end_does_not_report_again_a_call_whose_cancellation_it_follows(
+        redis_server: Any, shm_name: str, shm_names: list[str], workers: str) -> None:
+    """contract §4.7: one ``request cancelled`` event per cancellation. A session minted on A
+    is adopted by B, a call runs on A, and the client's DELETE lands on B (legacy._delete):
+    B's copy goes, its cancel_scope through Redis pushes the call's cancellation into the box
+    of the worker running it, its delete_session pushes the session's end into the box of the
+    worker holding A's copy (the same worker, or another). A's bridge applies the first
+    (reported: it makes A's row), then the session's end, whose scope cancellation
+    (cancel_scope_around) wrote the call's row again and reported it a second time (a
+    reviewer's repro, 3 of 3). A row already there was reported when it was written."""
+    seen: list[str] = []
+    telemetry.attach("test-end-once", CANCELLED,
+                     lambda e, m, md, cfg: seen.append(md["request_id"]))
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)), \
+            contextlib.ExitStack() as stack:
+        holder = a if workers == "one worker on A" else stack.enter_context(
+            bridge(ra, redis_server, prefix=a.store.prefix, host="A"))
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        sid, scope = adopted(holder, sa, b, sb)  # the holder stored it, B adopted it
+        handle = Cancellation(ra).begin(7, scope)  # the call runs in worker `a` on A
+        token = a.track(7, scope)
+        try:
+            assert handle.tracked and token is not None
+
+            def end() -> bool:  # B's DELETE (legacy.LegacyWire._delete)
+                if not sb.delete(sid):
+                    return False
+                b.cancel_scope(scope, "session deleted")
+                b.delete_session(sid)
+                return True
+
+            assert Cancellation(rb).cancel_scope_around(scope, "session deleted", end,
+                                                        reported=[], ring=lambda: None) == []
+            items = [(a, raw) for raw in take_box(redis_server, a)]
+            if holder is not a:
+                items += [(holder, raw) for raw in take_box(redis_server, holder)]
+            assert len(items) == 2  # the call's cancellation, then the session's end
+            for br, raw in items:  # each worker's bridge thread
+                assert br._apply(raw)
+            assert sa.get(sid) is None
+            assert handle.cancelled() and handle.reason() == "session deleted"
+            assert seen == ["7"], seen
+        finally:
+            telemetry.detach("test-end-once")
+            handle.end()
+            a.untrack(token)
+
+
+@pytest.mark.parametrize("stall", ["ending the copy", "after the copy went"])
+def test_a_session_end_retried_after_a_stall_does_not_report_again_a_call_cancelled_before(
+        redis_server: Any, shm_name: str, shm_names: list[str], stall: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, the session's end stalling (the registry lock held past ``lock_timeout``)
+    once its first pass has rewritten the call's row, stamped as new as the end: the retry on
+    the thread's next turn must still know the call was reported when its cancellation was
+    delivered (contract §4.7), and cancels it again all the same."""
+    seen: list[str] = []
+    telemetry.attach("test-end-once-retried", CANCELLED,
+                     lambda e, m, md, cfg: seen.append(md["request_id"]))
+    with hosts_in_process(redis_server, shm_name, shm_names, STALLS) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        sid, scope = adopted(a, sa, b, sb)
+        handle = Cancellation(ra).begin(7, scope)
+        token = a.track(7, scope)
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with ra.lock:
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        store = a._session_store()
+        delete = store.delete
+
+        def delete_with_a_stall(sid: str) -> bool:
+            if stall == "ending the copy":
+                holder.start()
+                assert holding.wait(10)
+            done = delete(sid)
+            if stall == "after the copy went":
+                holder.start()
+                assert holding.wait(10)
+            return done
+
+        try:
+            assert handle.tracked and token is not None
+            assert sb.delete(sid)  # B's DELETE (legacy.LegacyWire._delete)
+            b.cancel_scope(scope, "session deleted")
+            b.delete_session(sid)
+            raws = take_box(redis_server, a)
+            assert len(raws) == 2  # the call's cancellation, then the session's end
+            assert a._apply(raws[0])
+            assert seen == ["7"], seen
+            monkeypatch.setattr(store, "delete", delete_with_a_stall)
+            assert a._apply(raws[1]) is False  # the lock timed out: the thread waits a turn
+            assert a.undelivered() == 1
+            release.set()
+            holder.join(10)
+            monkeypatch.setattr(store, "delete", delete)
+            assert a._redeliver()  # the bridge thread's next turn
+            assert a.undelivered() == 0 and sa.get(sid) is None
+            assert handle.cancelled() and handle.reason() == "session deleted"
+            assert seen == ["7"], seen
+        finally:
+            release.set()
+            telemetry.detach("test-end-once-retried")
+            handle.end()
+            a.untrack(token)

@@ -16,10 +16,12 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
   drops the item from the taken list; the tool's next *local* poll sees it. A box is a list, so
   what arrives while the thread is busy or briefly disconnected waits there. A move whose reply
   was lost (Redis slower than the client's timeout: it ran the move all the same) leaves the
-  item in the taken list, which the thread applies after any failed call; one applied whose
-  drop got no answer is only dropped (this process remembers it). A full Redis refuses moves
-  (they may add data): the thread then pops, as it did before the taken list. The thread also
-  renews the worker's leases every ``lease / 3`` and expires old rows every ``janitor_interval``.
+  item in the taken list, which the thread applies after any failed call, before it reads the
+  box again (stopping, as there, at a lock timeout: what it kept is tried again first, oldest
+  first); one applied whose drop got no answer is only dropped (this process remembers it). A
+  full Redis refuses moves (they may add data): the thread then pops, as it did before the
+  taken list. The thread also renews the worker's leases every ``lease / 3`` and expires old
+  rows every ``janitor_interval``.
   While a stalled process holds the registry lock (one acquisition held for 0.1 s) the thread
   neither reads its box nor waits ``lock_timeout`` on the lock: its renewals go on.
 
@@ -196,8 +198,9 @@ class Bridge:
                                        tuple[object, float, float | None]] = OrderedDict()
         # sessions deleted on another host whose end (their calls cancelled, this host's copy
         # gone) the registry could not take yet: sid -> (deadline, the keys of its calls whose
-        # cancellation was reported already), oldest first, at most OWED_MAX
-        self._unended: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
+        # cancellation was reported already, when the end was first tried: local clock),
+        # oldest first, at most OWED_MAX
+        self._unended: OrderedDict[str, tuple[float, tuple[str, ...], float]] = OrderedDict()
         # items of the taken list applied whose drop got no answer (only the thread touches it)
         self._applied: OrderedDict[bytes, None] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
@@ -617,7 +620,10 @@ class Bridge:
                     continue
                 try:
                     if unconfirmed:
-                        self._apply_taken(taken)
+                        if not self._apply_taken(taken):
+                            # one kept at a lock timeout: _redeliver applies it first, next
+                            # turn, before anything newer is taken (oldest first: take.lua)
+                            continue
                         unconfirmed = False
                     try:  # wait for an item, leaving it in the box (a rotation of one end)
                         waited = self._blocking.client.blmove(box, box, self.block, "RIGHT",
@@ -709,11 +715,17 @@ class Bridge:
         self._applied.pop(raw, None)
         return ok
 
-    def _apply_taken(self, taken: bytes) -> None:
+    def _apply_taken(self, taken: bytes) -> bool:
         """Apply what the ``taken`` list holds: items moved out of the box whose move's reply
-        was lost, or whose drop's (oldest first; at most a box's worth)."""
+        was lost, or whose drop's (oldest first; at most a box's worth). Stops at one the
+        registry's lock timed out on (:meth:`_apply` kept it for :meth:`_redeliver`), the rest
+        left listed, and returns False: as the box's reading does, so that what was kept lands
+        before anything newer (an older cancellation of a reused id applied after the newer
+        would leave the running call uncancelled)."""
         for raw in self.store.client.lrange(taken, 0, TAKEN_MAX - 1):
-            self._take(taken, raw)
+            if not self._take(taken, raw):
+                return False
+        return True
 
     def _apply(self, raw: bytes) -> bool:
         """Apply one item of this worker's box; False when the registry's lock timed out (the
@@ -787,18 +799,20 @@ class Bridge:
                 return False
         with self._owed_lock:
             ends = list(self._unended.items())
-        for sid, (deadline, reported) in ends:
+        for sid, (deadline, reported, since) in ends:
             if self._stop.is_set():
                 return True
             with self._owed_lock:
                 if self._unended.pop(sid, None) is None:
                     continue
-            if not self._end_session(sid, deadline, retry=True, reported=reported):
+            if not self._end_session(sid, deadline, retry=True, reported=reported,
+                                     since=since):
                 return False
         return True
 
     def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
-                     reported: tuple[str, ...] = (), stalled: bool = False) -> bool:
+                     reported: tuple[str, ...] = (), stalled: bool = False,
+                     since: float | None = None) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
         calls in flight here, as a local ``DELETE`` does (``Cancellation.cancel_scope_around``:
         before the copy goes, and again after for a call begun in between). That DELETE
@@ -813,9 +827,15 @@ class Bridge:
 
         Each call is reported cancelled once (contract §4.7): the events come once every write
         is done, and the keys reported (``reported``) are kept with an end retried after a
-        stall. The bells ring for whatever was recorded, a step stalling or not."""
+        stall, as is when the end was first tried (``since``, the local clock; default now): a
+        call whose row was there before it (a cancellation delivered from this worker's box or
+        another's, a notification here) was reported when that row was written, and is not
+        again (``Cancellation.cancel_scope_around``). The bells ring for whatever was
+        recorded, a step stalling or not."""
         if deadline is None:
             deadline = time.monotonic() + self._session_ttl
+        if since is None:
+            since = self.local.clock()
         done = list(reported)
 
         def end() -> bool:  # this host's copy, whether or not it is still here
@@ -827,7 +847,8 @@ class Bridge:
                 raise LockTimeout(_STALLED)
             scope = self.local.scope({SESSION_KEY: sid})
             self.local.cancel_scope_around(scope, "session deleted", end, reported=done,
-                                           ring=lambda: wake.ring(self.registry.name))
+                                           ring=lambda: wake.ring(self.registry.name),
+                                           since=since)
         except LockTimeout as e:  # the calls cancelled before the stall were rung already
             left = deadline - time.monotonic()
             if left > 0:
@@ -835,7 +856,7 @@ class Bridge:
                     self._unended.pop(sid, None)
                     if len(self._unended) >= OWED_MAX:
                         self._unended.popitem(last=False)
-                    self._unended[sid] = (deadline, tuple(done))
+                    self._unended[sid] = (deadline, tuple(done), since)
             log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
                     "could not end a session deleted on another host now: %s (%s)", e,
                     f"tried again for {left:.1f} s" if left > 0 else "given up")
