@@ -595,7 +595,8 @@ def _header(a: argparse.Namespace) -> None:
           f"CPython {platform.python_version()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     from shmcancel.shm import writer
-    print("  a new row's write: " + ("C (shmcancel.shm._cwrite)" if writer._add_small else
+    c_part = getattr(writer, "_add_small", None)  # absent before the C part existed
+    print("  a new row's write: " + ("C (shmcancel.shm._cwrite)" if c_part else
                                      "Python (the C part is not built, or SHMCANCEL_PURE_PYTHON)"))
 
 
