@@ -73,13 +73,6 @@ _WATCH_CACHE = 1024
 # After a lost claim_sweep, look again after this fraction of the interval.
 _RECHECK_FRACTION = 0.125
 
-
-class _Newer(Exception):
-    """Raised by the clock a carried cancellation is recorded with (read in the store's step
-    that writes, before it writes anything): the row there is newer than the stamp carried, so
-    nothing is written (:meth:`Cancellation.cancel_key_if_in_flight`)."""
-
-
 class ConnReader(Protocol):
     """How a conn (a mapping) names its request and its caller. The transport provides one
     (:mod:`shmcancel.mcp.conn`); the package installs it at import (:func:`read_conns_with`).
@@ -317,30 +310,10 @@ class Cancellation:
         back (a long int's key is no valid id itself, so it is not validated as one). ``at``:
         when the cancellation was made (``clock`` seconds; elsewhere, then carried here), the
         row's ``cancelled_at`` instead of now: a request of the id that began after it ignores
-        it. A row of the key newer than ``at`` stays as it is (nothing written, ``False``):
-        it cancels every request the older cancellation would, and those begun since, which
-        the older stamp would leave running (two of a reused id applied out of order).
-        ``report=False``: no event (the cancellation was reported where it was made).
+        it. ``report=False``: no event (the cancellation was reported where it was made).
         Raises :class:`~shmcancel.InvalidRequestId` for a text no valid id is keyed by."""
-        rid = ids.require_row_key(key)
-        if at is None:
-            return self._record(rid, reason, scope, True, self._quota, self.clock, report)
-        store = self._store
-        sc = str.__str__(scope) if isinstance(scope, str) else scope  # as _record keys it
-
-        def stamp() -> float:
-            # Read in the store's step that writes (Storage.record), before it writes: on
-            # shared memory under the lock, so a newer row written meanwhile is seen too
-            row = store.get(sc, rid)
-            if row is not None and row[1] > at:
-                raise _Newer
-            return at
-
-        try:
-            return self._record(rid, reason, scope, True, self._quota, stamp, report)
-        except _Newer:
-            self._tick()
-            return False
+        return self._record(ids.require_row_key(key), reason, scope, True, self._quota,
+                            self.clock if at is None else lambda: at, report)
 
     def _record(self, rid: str, reason: object, scope: str, only_in_flight: bool,
                 quota: int | None, clock: Callable[[], float], report: bool = True) -> bool:
@@ -524,51 +497,25 @@ class Cancellation:
         return len(self.cancel_scope_keys(scope, reason, reported=reported))
 
     def cancel_scope_keys(self, scope: str, reason: object = None, *,
-                          reported: Collection[str] = (), emit: bool = True,
-                          since: float | None = None,
-                          found: list[str] | None = None) -> list[str]:
+                          reported: Collection[str] = (), emit: bool = True) -> list[str]:
         """:meth:`cancel_scope`, returning the row keys (``str(id)``) it cancelled, those in
         ``reported`` left out. ``emit=False``: their events are not emitted here but by
         :meth:`report_cancelled` once the caller knows the pass counts (a DELETE's pass before
         its session goes: one answered 404 or 503 reports nothing, the one that ends the
-        session reports each call once).
-
-        ``since`` (``clock`` seconds: when the session's end began, a retry's too): a key whose
-        row is there already, stamped before it, was cancelled, and reported, when that row was
-        written (a notification, a cancellation delivered from another host): its row is
-        recorded again, stamped now as ever, but neither counted nor emitted (contract §4.7:
-        each cancellation reported once); its key is appended to ``found`` as the pass goes
-        (the rewrite makes the row look as new as the pass: a retry of the end must be told).
-        Without ``since`` every row recorded counts (a row a pass wrote and did not report, a
-        DELETE's that stalled, looks the same)."""
+        session reports each call once)."""
         if not valid_scope(scope):
             return []
         if type(scope) is not str:
             scope = str.__str__(scope)
         text = sanitize(reason)
         done = []
-        store, clock = self._store, self.clock
-        for rid in store.in_flight_ids(scope):
-            older = [False]
-
-            def stamp(rid: str = rid, older: list[bool] = older) -> float:
-                # Read in the store's step that writes (Storage.record), before it writes (on
-                # shared memory under the lock): a row there already, older than the end.
-                # Rewritten all the same, stamped now (a namesake begun since the row is
-                # cancelled too), but counted and reported when it was written
-                row = store.get(scope, rid)
-                older[0] = row is not None and since is not None and row[1] < since
-                return clock()
-
+        for rid in self._store.in_flight_ids(scope):
             # each one atomically: a request that ended since the scan gets no row. rid is a
             # row key, not an id: a long int's is no valid id, so it is not validated again
-            if store.record(scope, rid, text, clock if since is None else stamp, quota=None,
-                            cap=self._cap, batch=self._batch, only_in_flight=True):
-                if older[0]:
-                    if found is not None:
-                        found.append(rid)
-                elif rid not in reported:
-                    done.append(rid)
+            if self._store.record(scope, rid, text, self.clock, quota=None, cap=self._cap,
+                                  batch=self._batch, only_in_flight=True) \
+                    and rid not in reported:
+                done.append(rid)
         # What _record does after its row, once for all: every row is written before the first
         # event, so a handler's BaseException (a signal's SystemExit) cannot leave the rest of
         # the scope running uncancelled.
@@ -586,8 +533,7 @@ class Cancellation:
             self._emit_cancelled(str.__str__(scope), keys, sanitize(reason))
 
     def cancel_scope_around(self, scope: str, reason: object, end: Callable[[], bool], *,
-                            reported: list[str], ring: Callable[[], None],
-                            since: float | None = None) -> list[str] | None:
+                            reported: list[str], ring: Callable[[], None]) -> list[str] | None:
         """Cancel every request in flight in ``scope`` around ``end()`` (what stops requests
         joining the scope: a session's end), as a session's ``DELETE`` does: before it, and
         again after it for a request begun in between (one beginning later finds ``end``'s
@@ -596,32 +542,25 @@ class Cancellation:
         between if the pass after stalls. ``ring()`` (wake the waiting tools) runs when a pass
         recorded a row or a step raised. The events come last, once every write is done, and
         only when ``end()`` returned True: each request once, also across calls sharing
-        ``reported`` (the keys reported so far, extended here: a retry). ``since``: when the
-        end began (a retry passes the first try's): a request whose row was there already,
-        older than that, was reported when it was written (:meth:`cancel_scope_keys`); its key
-        goes into ``reported`` whatever ``end()`` does. Returns the keys reported, or ``None``
-        when ``end()`` returned False (nothing reported)."""
+        ``reported`` (the keys reported so far, extended here: a retry). Returns the keys
+        reported, or ``None`` when ``end()`` returned False (nothing reported)."""
         first: list[str] = []
         after: list[str] = []
-        found: list[str] = []  # reported when their rows were written, before the end began
         ended = finished = False
         try:
             try:
-                first = self.cancel_scope_keys(scope, reason, reported=reported, emit=False,
-                                               since=since, found=found)
+                first = self.cancel_scope_keys(scope, reason, reported=reported, emit=False)
                 if not end():
                     finished = True
                     return None
                 ended = True
-                after = self.cancel_scope_keys(scope, reason,
-                                               reported=[*reported, *found, *first],
-                                               emit=False, since=since, found=found)
+                after = self.cancel_scope_keys(scope, reason, reported=[*reported, *first],
+                                               emit=False)
                 finished = True
             finally:
-                if first or after or found or not finished:
+                if first or after or not finished:
                     ring()
         finally:
-            reported += [k for k in dict.fromkeys(found) if k not in reported]
             if ended:  # whatever a later step raised: a retry's end() is not this one's
                 reported += first + after
                 self.report_cancelled(scope, first + after, reason)

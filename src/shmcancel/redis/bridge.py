@@ -198,9 +198,8 @@ class Bridge:
                                        tuple[object, float, float | None]] = OrderedDict()
         # sessions deleted on another host whose end (their calls cancelled, this host's copy
         # gone) the registry could not take yet: sid -> (deadline, the keys of its calls whose
-        # cancellation was reported already, when the end was first tried: local clock),
-        # oldest first, at most OWED_MAX
-        self._unended: OrderedDict[str, tuple[float, tuple[str, ...], float]] = OrderedDict()
+        # cancellation was reported already), oldest first, at most OWED_MAX
+        self._unended: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
         # items of the taken list applied whose drop got no answer (only the thread touches it)
         self._applied: OrderedDict[bytes, None] = OrderedDict()
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions deleted here, newest last
@@ -799,20 +798,18 @@ class Bridge:
                 return False
         with self._owed_lock:
             ends = list(self._unended.items())
-        for sid, (deadline, reported, since) in ends:
+        for sid, (deadline, reported) in ends:
             if self._stop.is_set():
                 return True
             with self._owed_lock:
                 if self._unended.pop(sid, None) is None:
                     continue
-            if not self._end_session(sid, deadline, retry=True, reported=reported,
-                                     since=since):
+            if not self._end_session(sid, deadline, retry=True, reported=reported):
                 return False
         return True
 
     def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
-                     reported: tuple[str, ...] = (), stalled: bool = False,
-                     since: float | None = None) -> bool:
+                     reported: tuple[str, ...] = (), stalled: bool = False) -> bool:
         """Session ``sid`` was deleted on another host: end this host's copy and cancel its
         calls in flight here, as a local ``DELETE`` does (``Cancellation.cancel_scope_around``:
         before the copy goes, and again after for a call begun in between). That DELETE
@@ -827,15 +824,9 @@ class Bridge:
 
         Each call is reported cancelled once (contract §4.7): the events come once every write
         is done, and the keys reported (``reported``) are kept with an end retried after a
-        stall, as is when the end was first tried (``since``, the local clock; default now): a
-        call whose row was there before it (a cancellation delivered from this worker's box or
-        another's, a notification here) was reported when that row was written, and is not
-        again (``Cancellation.cancel_scope_around``). The bells ring for whatever was
-        recorded, a step stalling or not."""
+        stall. The bells ring for whatever was recorded, a step stalling or not."""
         if deadline is None:
             deadline = time.monotonic() + self._session_ttl
-        if since is None:
-            since = self.local.clock()
         done = list(reported)
 
         def end() -> bool:  # this host's copy, whether or not it is still here
@@ -847,8 +838,7 @@ class Bridge:
                 raise LockTimeout(_STALLED)
             scope = self.local.scope({SESSION_KEY: sid})
             self.local.cancel_scope_around(scope, "session deleted", end, reported=done,
-                                           ring=lambda: wake.ring(self.registry.name),
-                                           since=since)
+                                           ring=lambda: wake.ring(self.registry.name))
         except LockTimeout as e:  # the calls cancelled before the stall were rung already
             left = deadline - time.monotonic()
             if left > 0:
@@ -856,7 +846,7 @@ class Bridge:
                     self._unended.pop(sid, None)
                     if len(self._unended) >= OWED_MAX:
                         self._unended.popitem(last=False)
-                    self._unended[sid] = (deadline, tuple(done), since)
+                    self._unended[sid] = (deadline, tuple(done))
             log.log(logging.DEBUG if retry and left > 0 else logging.WARNING,
                     "could not end a session deleted on another host now: %s (%s)", e,
                     f"tried again for {left:.1f} s" if left > 0 else "given up")
