@@ -135,7 +135,8 @@ def test_the_c_path_stores_nothing_on_a_closed_table(rig_factory: Any) -> None:
 
 @pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
 @pytest.mark.parametrize("bad", ["geometry past the region", "odd j", "hash 0",
-                                 "payload too large"])
+                                 "payload too large", "record size times records overflows",
+                                 "fewer than 16 slots"])
 def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) -> None:
     """Arguments a caller could get wrong (the Python path checks or repairs each): -1, and
     not one byte of the region stored."""
@@ -148,6 +149,11 @@ def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) ->
         j += 1
     elif bad == "hash 0":
         h = 0
+    elif bad == "record size times records overflows":  # wrapped to 0: it passed the bound
+        geo = (geo[0], 2**62, geo[2], 3, *geo[4:])
+    elif bad == "fewer than 16 slots":  # its versions' bound was 0 bytes
+        geo = (*geo[:4], len(rig.region(0)), *geo[5:7], 8)
+        j = 0
     else:
         vb = b"x" * 200
     before = bytes(rig.region(0))
@@ -204,3 +210,34 @@ def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: 
             healthy(t)
     # the row is in from its slot's hash store on (the store that publishes it)
     assert outcome == [False] * 10 + [True] * 3, outcome
+
+
+@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.parametrize("where, value", [
+    ("stamp", 2**64 - 1), ("stamp", 2**62 - 1), ("stamp", 2**62 - 2),
+    ("version", 2**64 - 1), ("version", 2**64 - 2), ("version", 2**63)])
+def test_garbage_counters_take_the_same_course_on_both_paths(rig_factory: Any, where: str,
+                                                            value: int) -> None:
+    """A stamp counter or a bucket version at the edge of its range (what a crashed writer or a
+    hostile user with the segment's file leaves): the C path declines where the Python path
+    repairs (a stamp counter past its bound: it wrapped to 0 and reused stamps of rows in the
+    table), and a version wraps at 2**64 on both (the Python path raised ValueError part-way
+    through a write, and so did the fsck that was to repair it)."""
+    a, b, _ = _twins(rig_factory)
+    for t in (a, b):
+        t.insert("other", 1)
+        if where == "stamp":
+            t._hq[5] = value
+        else:
+            t._ver[t.prepare("k").b] = value
+    got = [_apply(t, "add", "k", "v", c) for t, c in ((a, C_ADD), (b, None))]
+    assert got == ["added", "added"]
+    assert bytes(a._buf) == bytes(b._buf)
+    for t in (a, b):
+        with t._lock:
+            t.fsck()
+        healthy(t)
+        assert sorted(t.scan(), key=repr) == [("k", "v"), ("other", 1)]
+        assert t.delete("k") == 1 and t.lookup("k") == []
+        assert max(s for *_, s, _ in (t._record(r) or (0, 0, 0, 0) for r in range(8))) < 2**62
+    assert bytes(a._buf) == bytes(b._buf)

@@ -5,6 +5,8 @@
  * not the common one (table full, a large row, a damaged free stack, a stamp counter past its
  * bound, a probe without an empty slot, an offset past the region): then nothing was stored and
  * the caller takes the Python path, which handles (or repairs, or raises for) each of those.
+ * A bucket version wraps at 2**64, as the Python path's (garbage only: 2**64 writes never
+ * happen).
  * The stores are the Python path's, in its order (layout.py, writer.py); the caller holds the
  * registry lock. No Python code runs between the first store and the last, so no exception can
  * cut the write short and `lock.dirty` is not needed here; a process killed in between leaves
@@ -49,6 +51,13 @@ static uint32_t crc32_update(uint32_t seed, const uint8_t *p, size_t n) {
     return c ^ 0xFFFFFFFFu;
 }
 
+/* off + n * size <= len, none of it negative or overflowing */
+static int fits(Py_ssize_t off, Py_ssize_t n, Py_ssize_t size, Py_ssize_t len) {
+    Py_ssize_t span, end;
+    return off >= 0 && n >= 0 && size >= 0 && !__builtin_mul_overflow(n, size, &span)
+           && !__builtin_add_overflow(off, span, &end) && end <= len;
+}
+
 static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
     if (nargs != 6 && nargs != 7) {
@@ -90,22 +99,24 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     uint8_t *p = (uint8_t *)view.buf;
     Py_ssize_t len = view.len;
     long r = -1;
-    if (((uintptr_t)p & 7) || h == 0 || nslots <= 0 || (nslots & (nslots - 1))
-            || j < 0 || j >= 2 * nslots || (j & 1) || kl + vl > spayload
-            || 64 > len || idx_off + 16 * nslots > len || ver_off + 8 * (nslots / 16) > len
-            || free_off + 4 * (cap + 1) > len || heap + ssize * (cap + 1) > len
-            || REC_HEADER + spayload > ssize || (heap & 7) || (ssize & 7) || (idx_off & 7)
-            || (ver_off & 7) || (free_off & 3))
+    if (((uintptr_t)p & 7) || h == 0 || nslots < 16 || nslots > (PY_SSIZE_T_MAX >> 5)
+            || (nslots & (nslots - 1)) || j < 0 || j >= 2 * nslots || (j & 1)
+            || cap >= PY_SSIZE_T_MAX || spayload > PY_SSIZE_T_MAX - REC_HEADER
+            || kl + vl > spayload || REC_HEADER + spayload > ssize || !fits(0, 8, 8, len)
+            || !fits(idx_off, nslots, 16, len) || !fits(ver_off, nslots / 16, 8, len)
+            || !fits(free_off, cap + 1, 4, len) || !fits(heap, cap + 1, ssize, len)
+            || (heap & 7) || (ssize & 7) || (idx_off & 7) || (ver_off & 7) || (free_off & 3))
         goto done;
     uint64_t *hq = (uint64_t *)p;
     uint64_t *ver = (uint64_t *)(p + ver_off);
     uint64_t *idx = (uint64_t *)(p + idx_off);
     uint32_t *freest = (uint32_t *)(p + free_off);
     uint64_t top = hq[HDR_TOP];
-    uint64_t stamp = hq[HDR_STAMP] + 1;
+    uint64_t stamp = hq[HDR_STAMP]; /* + 1 below: a counter of 2**64 - 1 must not wrap to 0 */
     if (hq[HDR_ROWS] >= (uint64_t)cap || top == 0 || top > (uint64_t)cap + 1
-            || stamp >= STAMP_MAX)
+            || stamp >= STAMP_MAX - 1)
         goto done;
+    stamp += 1;
     uint32_t rec = freest[top - 1];
     if ((Py_ssize_t)rec > cap)
         goto done;

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableBase
-from .layout import _CLS, _CLS_OFF, _LTOP, _ROWS, _STAMP, _STAMP_MAX, _TOP
+from .layout import _CLS, _CLS_OFF, _LTOP, _M64, _ROWS, _STAMP, _STAMP_MAX, _TOP
 
 T = TypeVar("T")
 Snapshot = tuple[tuple[int, int, int, int], bytes, bytes, bytes]
@@ -133,7 +133,7 @@ class Fsck(TableBase):
         if rows > cap or top > cap + 1 or ltop > self._nlarge or rows + top + ltop != nrec:
             return (f"row count {rows} and free-stack tops {top}, {ltop} do not add up to "
                     f"{nrec} records")
-        if stamp >= _STAMP_MAX:
+        if stamp >= _STAMP_MAX - 1:  # the next stamp would be past its bound
             return f"stamp counter {stamp}"
         if self._class_header() is not None:
             return f"class geometry {self._class_header()} in the header"
@@ -263,7 +263,7 @@ class Fsck(TableBase):
         if drop or moves:
             for b, v in enumerate(versions):  # readers retry (or wait on our lock) meanwhile
                 if not v & 1:
-                    ver[b] = v + 1
+                    ver[b] = (v + 1) & _M64
             for s in drop:
                 idx[2 * s] = 0
                 idx[2 * s + 1] = 0
@@ -295,12 +295,12 @@ class Fsck(TableBase):
         if hq[_ROWS] != len(by_rec):
             hq[_ROWS] = len(by_rec)
             rep["rows"] = 1
-        if hq[_STAMP] < newest or hq[_STAMP] >= _STAMP_MAX:
+        if hq[_STAMP] < newest or hq[_STAMP] >= _STAMP_MAX - 1:
             hq[_STAMP] = newest
         for b in odd:
             v = ver[b]
             if v & 1:
-                ver[b] = v + 1
+                ver[b] = (v + 1) & _M64
         return rep
 
 

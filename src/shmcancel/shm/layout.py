@@ -77,6 +77,7 @@ _WORD = 12  # byte offset of the word in a record
 _LENS = struct.Struct("<II")  # klen, vlen
 _SEED = 0x5EED5EED  # crc seed: (stamp ^ klen << 16 ^ vlen ^ _SEED) & _M32
 _M32 = 0xFFFF_FFFF
+_M64 = 0xFFFF_FFFF_FFFF_FFFF  # bucket versions wrap here (garbage only: 2**64 writes never come)
 # u64 word numbers in the header
 _ROWS, _TOP, _STAMP, _CLASSES, _LTOP = 3, 4, 5, 6, 7
 _STAMP_MAX = 1 << 62  # a stamp counter above this is garbage (2**62 writes never happen)

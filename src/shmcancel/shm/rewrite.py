@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from .base import PreparedKey
-from .layout import _LTOP, _ROWS, _TOP, _WORD, BUCKET_SLOTS
+from .layout import _LTOP, _M64, _ROWS, _TOP, _WORD, BUCKET_SLOTS
 from .writer import Writes
 
 _BS = BUCKET_SLOTS
@@ -273,8 +273,8 @@ class Rewrite:
                  moves: array[int], freed: array[int], lfreed: array[int]) -> None:
         self.t = t
         self.parts = [(b, nb, v0, array("Q", words)) for b, nb, v0, words in parts]
-        self.odd = [array("Q", [v + 1 for v in v0]) for _, _, v0, _ in parts]
-        self.even = [array("Q", [v + 2 for v in v0]) for _, _, v0, _ in parts]
+        self.odd = [array("Q", [(v + 1) & _M64 for v in v0]) for _, _, v0, _ in parts]
+        self.even = [array("Q", [(v + 2) & _M64 for v in v0]) for _, _, v0, _ in parts]
         self.moves = moves
         self.freed = freed
         self.lfreed = lfreed

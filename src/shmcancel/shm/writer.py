@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from ..exceptions import TableFull
 from .base import LargeRowsFull, PreparedKey, TableCorrupted, _crc32
 from .fsck import Fsck
-from .layout import _LTOP, _M32, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _WORD, _pack
+from .layout import _LTOP, _M32, _M64, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _WORD, _pack
 
 _T = TypeVar("_T")
 
@@ -134,10 +134,10 @@ class Writes(Fsck):
                 raise TableCorrupted(f"table {self.name!r}: a probe met no empty slot")
         b = j >> 5
         v = ver[b]  # read once: versions move only under the lock, which this writer holds
-        ver[b] = v + 1
+        ver[b] = (v + 1) & _M64
         idx[j + 1] = r
         idx[j] = pk.hash
-        ver[b] = v + 2
+        ver[b] = (v + 2) & _M64
         self._hq[_ROWS] += 1
 
     def _delete_slot(self, s: int) -> None:
@@ -147,7 +147,7 @@ class Writes(Fsck):
         mask = self._mask
         r = idx[2 * s + 1]
         marked = [s >> 4]
-        ver[s >> 4] += 1
+        ver[s >> 4] = (ver[s >> 4] + 1) & _M64
         i = j = s
         for _ in range(self.nslots):
             j = (j + 1) & mask
@@ -160,7 +160,7 @@ class Writes(Fsck):
                 continue
             bj = j >> 4
             if bj not in marked:
-                ver[bj] += 1
+                ver[bj] = (ver[bj] + 1) & _M64
                 marked.append(bj)
             idx[2 * i + 1] = idx[2 * j + 1]  # a half-copied slot fails fsck's hash check
             idx[2 * i] = hj  # now a duplicate of slot j: fsck keeps one
@@ -170,7 +170,7 @@ class Writes(Fsck):
         idx[2 * i] = 0
         idx[2 * i + 1] = 0
         for b in marked:
-            ver[b] += 1
+            ver[b] = (ver[b] + 1) & _M64
         hq = self._hq
         rows = hq[_ROWS]
         if rows:  # else the counter is garbage (check() recounts it); never store -1
@@ -239,10 +239,10 @@ class Writes(Fsck):
                 ver = self._ver
                 b = j >> 5
                 v = ver[b]
-                ver[b] = v + 1
+                ver[b] = (v + 1) & _M64
                 idx[j + 1] = r
                 idx[j] = key.hash
-                ver[b] = v + 2
+                ver[b] = (v + 2) & _M64
                 hq[_ROWS] += 1
             flags.dirty = False
             return
@@ -286,9 +286,9 @@ class Writes(Fsck):
             new = self._write_record(key.kbytes, vb, old, word)  # the word stays the row's
             b = s >> 4
             ver = self._ver
-            ver[b] += 1
+            ver[b] = (ver[b] + 1) & _M64
             self._idx[2 * s + 1] = new  # the commit: one aligned store
-            ver[b] += 1
+            ver[b] = (ver[b] + 1) & _M64
             self._free_record(old)
             lock.dirty = False
             return
