@@ -5,10 +5,14 @@ checks a table's invariants; ``same_home_keys`` makes colliding keys."""
 from __future__ import annotations
 
 import mmap
+import os
+import signal
 import threading
+from collections.abc import Callable
 
 import posix_ipc
 
+from shmcancel.exceptions import TableFull
 from shmcancel.shm.table import Table
 
 HASH_KEY = bytes(range(32))
@@ -156,3 +160,33 @@ def same_home_keys(t: Table, n: int, home: int | None = None) -> list[str]:
         if h == home:
             out.append(k)
     return out
+
+
+def killed_holding(rig: Rig, body: Callable[[], object]) -> None:
+    """Fork a child that runs ``body()``, which ends in a SIGKILL of the child while it holds
+    the rig's lock (a writer killed mid-write); wait for it, require the SIGKILL, and take the
+    dead holder's unit of the semaphore over, as a recovering waiter does."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            body()
+        finally:
+            os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    assert rig.lock.sem.value == 0  # it died holding the lock: take its unit over
+    rig.lock.sem.release()
+
+
+def fills_to_capacity(t: Table) -> None:
+    """No small record leaked: ``t`` takes new rows up to its capacity and refuses one more
+    (``TableFull``)."""
+    i = 0
+    while t.count() < t.capacity:
+        t.insert(("fill", i), i)
+        i += 1
+    try:
+        t.insert(("fill", "one more"), 0)
+    except TableFull:
+        return
+    raise AssertionError(f"table {t.name!r} took a row past its capacity {t.capacity}")

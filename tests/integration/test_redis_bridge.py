@@ -605,6 +605,27 @@ def _clock_moves(c: Cancellation) -> None:
                what="the clock to move")
 
 
+def _two_cancellations_of_a_reused_id(a: Any, b: Any, c: Cancellation) -> tuple[Any, ...]:
+    """Host A's call 7 is cancelled from host B and ends before A's bridge runs; A's next call
+    reuses id 7 and is cancelled from B too: A's box holds both cancellations, oldest first.
+    Returns the second call's handle, its Redis row's token, and A's box and taken-list keys."""
+    first = c.begin(7, "session:x")
+    t1 = a.track(7, "session:x")
+    assert first.tracked and t1 is not None
+    assert b.cancel(7, "first call", "session:x") is True
+    first.end()
+    a.untrack(t1)
+    _clock_moves(c)
+    second = c.begin(7, "session:x")
+    t2 = a.track(7, "session:x")
+    assert second.tracked and t2 is not None
+    _clock_moves(c)
+    assert b.cancel(7, "second call", "session:x") is True
+    box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
+    assert a.store.client.llen(box) == 2
+    return second, t2, box, taken
+
+
 def test_two_cancellations_of_a_reused_id_land_oldest_first(reg: Registry,
                                                             srv: RedisServer) -> None:
     """A call ends before its worker reads its box, the next call reuses its id and is
@@ -613,20 +634,7 @@ def test_two_cancellations_of_a_reused_id_land_oldest_first(reg: Registry,
     to its end (a reviewer's repro). Oldest first, the later cancellation's row is the one
     left, and the call is cancelled."""
     with _hosts(reg, srv) as (a, b, c):
-        first = c.begin(7, "session:x")
-        t1 = a.track(7, "session:x")
-        assert first.tracked and t1 is not None
-        assert b.cancel(7, "first call", "session:x") is True
-        first.end()
-        a.untrack(t1)
-        _clock_moves(c)
-        second = c.begin(7, "session:x")
-        t2 = a.track(7, "session:x")
-        assert second.tracked and t2 is not None
-        _clock_moves(c)
-        assert b.cancel(7, "second call", "session:x") is True
-        box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
-        assert a.store.client.llen(box) == 2
+        second, t2, box, taken = _two_cancellations_of_a_reused_id(a, b, c)
         a.start()
         wait_until(lambda: (a.delivered == 2 and a.store.client.llen(box) == 0
                             and a.store.client.llen(taken) == 0) or None,
@@ -646,20 +654,7 @@ def test_a_cancellation_kept_after_a_lost_take_reply_still_lands_before_a_newer_
     running call, which ignored it and ran to its end (a reviewer's repro, 3 of 3). The items
     of the taken list stop at a lock timeout, as the box's do: what was kept lands first."""
     with _hosts(reg, srv) as (a, b, c):
-        first = c.begin(7, "session:x")
-        t1 = a.track(7, "session:x")
-        assert first.tracked and t1 is not None
-        assert b.cancel(7, "first call", "session:x") is True
-        first.end()
-        a.untrack(t1)
-        _clock_moves(c)
-        second = c.begin(7, "session:x")
-        t2 = a.track(7, "session:x")
-        assert second.tracked and t2 is not None
-        _clock_moves(c)
-        assert b.cancel(7, "second call", "session:x") is True
-        box, taken = a.store.box_key(a.remote.box), a.store.taken_key(a.remote.box)
-        assert a.store.client.llen(box) == 2
+        second, t2, box, taken = _two_cancellations_of_a_reused_id(a, b, c)
         lost: list[bytes] = []
         real_take = a.store.take
 

@@ -25,10 +25,15 @@ import pytest
 from helpers.gunicorn_harness import REPO_ROOT
 from helpers.opcodes import at_bytecode
 from helpers.procs import wait_exit
-from helpers.table_rig import Rig, healthy, same_home_keys
+from helpers.table_rig import (
+    Rig,
+    fills_to_capacity,
+    healthy,
+    killed_holding,
+    same_home_keys,
+)
 from helpers.tools import load_tool
 
-from shmcancel.exceptions import TableFull
 from shmcancel.shm.table import LargeRowsFull, Table
 
 crash_loop = load_tool("crash_loop")
@@ -256,17 +261,12 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
         for k in range(1, n + 1):
             t = rig.reset(0)
             op = KILL_SCENARIOS[scenario](t)
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - child
-                try:
-                    kill_at_bytecode(rig.lock, k, every)
-                    op()
-                finally:
-                    os._exit(7)
-            _, status = os.waitpid(pid, 0)
-            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, k
-            assert rig.lock.sem.value == 0  # it died holding the lock: take its unit over
-            rig.lock.sem.release()
+
+            def killed_at(k: int = k, op: Callable[[], object] = op) -> None:
+                kill_at_bytecode(rig.lock, k, every)
+                op()
+
+            killed_holding(rig, killed_at)
             with rig.lock:
                 t.fsck()
                 got = rows(t)
@@ -279,12 +279,7 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str) 
                         for n in range(t.large_count + 1):
                             t.insert(("big", n), BIG)
                     assert n == t.large_count - held
-                i = 0
-                while t.count() < t.capacity:  # no record leaked
-                    t.insert(("fill", i), i)
-                    i += 1
-                with pytest.raises(TableFull):
-                    t.insert(("fill", "one more"), 0)
+                fills_to_capacity(t)  # no record leaked
                 if kind == "set":
                     t.insert(("fill", 0), "updated")  # a full set updates with the spare record
                 healthy(t)

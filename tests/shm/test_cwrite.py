@@ -13,7 +13,13 @@ import sys
 from typing import Any
 
 import pytest
-from helpers.table_rig import Rig, healthy, same_home_keys
+from helpers.table_rig import (
+    Rig,
+    fills_to_capacity,
+    healthy,
+    killed_holding,
+    same_home_keys,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -183,30 +189,20 @@ def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: 
         before = sorted(t.scan(), key=repr)
         after = sorted([*before, (new, "v")], key=repr)
         pk = t.prepare(new)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                with t._lock:
-                    C_ADD(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, b"\xa1v", n)
-                    os.kill(os.getpid(), signal.SIGKILL)
-            finally:
-                os._exit(7)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, n
-        assert rig.lock.sem.value == 0  # it died holding the lock: take its unit over
-        rig.lock.sem.release()
+
+        def write_then_die(t: Table = t, pk: Any = pk, n: int = n) -> None:
+            with t._lock:
+                C_ADD(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, b"\xa1v", n)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        killed_holding(rig, write_then_die)
         with rig.lock:
             t.fsck()
             got = sorted(t.scan(), key=repr)
             assert got in (before, after), f"killed after store {n}: {got}"
             outcome.append(got == after)
             healthy(t)
-            i = 0
-            while t.count() < t.capacity:  # no record leaked
-                t.insert(("fill", i), i)
-                i += 1
-            with pytest.raises(TableFull):
-                t.insert(("fill", "one more"), 0)
+            fills_to_capacity(t)  # no record leaked
             healthy(t)
     # the row is in from its slot's hash store on (the store that publishes it)
     assert outcome == [False] * 10 + [True] * 3, outcome
