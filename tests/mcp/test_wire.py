@@ -159,6 +159,18 @@ def test_validate_modern_rejects(msg: Request, headers: RequestHeaders, code: in
         assert ei.value.data == {"supported": list(SUPPORTED_VERSIONS), "requested": "2027-01-01"}
 
 
+def test_a_2025_version_in_the_modern_envelope_is_refused_saying_why() -> None:
+    """data.supported lists every revision served, 2025-11-25 too: the message must not
+    read as if that version were not served at all."""
+    with pytest.raises(RpcError) as ei:
+        validate_modern(call(meta={PV: "2025-11-25", CAPS: {}}),
+                        hdrs("2025-11-25", "tools/call", "sleep"))
+    e = ei.value
+    assert (e.code, e.status, e.id) == (errors.UNSUPPORTED_PROTOCOL_VERSION, 400, 1)
+    assert "2025-11-25" in e.data["supported"]
+    assert "negotiated by initialize" in e.message and MODERN in e.message
+
+
 def test_base64_name_header_matches_after_decoding() -> None:
     validate_modern(call(), hdrs(MODERN, "tools/call", B64_SLEEP))
 

@@ -143,11 +143,11 @@ def _meta_of(msg: Message) -> Any:
     return params.get("_meta") if isinstance(params, dict) else None
 
 
-def _unsupported(requested: str, id: int | str | None) -> RpcError:
+def _unsupported(requested: str, id: int | str | None, why: str = "") -> RpcError:
     shown = requested if len(requested) <= 128 else requested[:128] + "..."
     return RpcError(
         codes.UNSUPPORTED_PROTOCOL_VERSION,
-        f"Unsupported protocol version: {shown!r}",
+        f"Unsupported protocol version: {shown!r}{why}",
         id=id,
         data={"supported": list(SUPPORTED_VERSIONS), "requested": shown},
     )
@@ -264,7 +264,11 @@ def validate_modern(msg: Request, headers: RequestHeaders) -> Envelope:
         raise RpcError(codes.INVALID_PARAMS, "Invalid params: the protocol version must be a "
                        "string")
     if version not in MODERN_VERSIONS:
-        raise _unsupported(version, rid)
+        # data.supported lists every revision served; one of the 2025 wire is not one this
+        # envelope names (it is negotiated by initialize), which the message says
+        raise _unsupported(version, rid, (
+            f" in params._meta (this envelope carries {', '.join(MODERN_VERSIONS)}; "
+            f"{version} is negotiated by initialize)") if version in LEGACY_VERSIONS else "")
     caps = meta[CLIENT_CAPABILITIES_META_KEY]
     if not isinstance(caps, dict):
         raise RpcError(codes.INVALID_PARAMS,
