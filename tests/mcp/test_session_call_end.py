@@ -138,6 +138,56 @@ def test_an_owed_end_keeps_its_session(reg_short: Registry, shm_name: str) -> No
     assert store.get(sid) is not None and not lane_row(reg, sid)
 
 
+def test_while_a_live_hold_outlasts_lock_timeout_only_the_first_end_waits(
+        shm_name: str) -> None:
+    """A reviewer's server answered a finished 2025-wire session call lock_timeout late while
+    another live process held the lock, every such call: its end waited for the lock to touch
+    the session. The first end of a process learns the hold is long (it waits, times out, is
+    owed); the ends after it are owed at once, and all of them land once the hold ends."""
+    with small_registry(shm_name, lock_timeout=2.0) as reg:
+        now = [T0]
+        store = SessionStore(reg, clock=lambda: now[0])
+        calls = []
+        for client in (CLIENT, "ip:192.0.2.42"):  # two long calls (their ends touch sessions)
+            s = store.create("2025-06-18", client)
+            calls.append(store.begin_call(s))
+            assert calls[-1] is not None
+        sid = s.id
+        first, second = calls
+        now[0] += 2 * store.ttl
+        go_r, go_w = os.pipe()
+
+        def holder(w: int) -> None:
+            os.close(go_w)
+            r = Registry.attach(shm_name)
+            with r.lock:
+                os.write(w, b"held")
+                recv(go_r, 60)
+
+        pid, r = child(holder)
+        os.close(go_r)
+        try:
+            assert recv(r, 30) == b"held"
+            t0 = time.monotonic()
+            store.end_call(first)  # type: ignore[arg-type]  # waits lock_timeout: owed
+            assert time.monotonic() - t0 >= 2.0 and len(store._owed) == 1
+            t0 = time.monotonic()
+            store.end_call(second)  # type: ignore[arg-type]
+            assert time.monotonic() - t0 < 1.5, "the second end waited for the lock again"
+            assert len(store._owed) == 2
+        finally:
+            os.write(go_w, b"go")
+            os.close(go_w)
+            os.close(r)
+            reap(pid)
+        deadline = time.monotonic() + 10
+        while store._owed:  # settled by the store's later calls, once the lock is free
+            assert time.monotonic() < deadline
+            store.sweep()
+            time.sleep(0.01)
+        assert store.get(sid) is not None and not lane_row(reg, sid)
+
+
 def test_an_end_that_cannot_be_owed_still_removes_its_row(reg_short: Registry, shm_name: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The owed ends are bounded: one past the bound loses its touch, never its row (a row left

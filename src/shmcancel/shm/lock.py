@@ -449,6 +449,12 @@ class RegistryLock:
                 f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
                 f"held the lock for more than {self._timeout:.1f}s")
 
+    def timed_out_lately(self) -> bool:
+        """Whether a wait of this process for the lock timed out within the last
+        ``lock_timeout`` seconds (a live holder's long hold, likely still on): work that can be
+        owed instead of done now skips its own wait (:meth:`stalled` says more)."""
+        return time.monotonic() < self._st.stalled_until
+
     def stalled(self) -> bool:
         """Whether work that can wait (sweeps, settling owed ends on a request's or a poll's
         way) should skip its turn: a wait of this process for the lock timed out within the
