@@ -30,7 +30,7 @@ from shmcancel.exceptions import (
     ShmCancelError,
 )
 from shmcancel.mcp import session_tables as st
-from shmcancel.shm import procinfo, registry, schema
+from shmcancel.shm import procinfo, registry, schema, writer
 from shmcancel.shm.names import lock_path, segment_path, sem_path
 from shmcancel.shm.registry import Registry, record_sizes
 
@@ -410,11 +410,13 @@ class _Interrupt(Exception):
 
 @pytest.mark.parametrize("op", ["insert", "delete"])
 def test_a_registry_write_interrupted_mid_mutation_is_repaired_before_the_lock_goes(
-        shm_name: str, op: str) -> None:
+        shm_name: str, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tables mark a mutation in progress on the registry lock's own ``dirty`` (through
     ``lock.flags``): an exception raised at any bytecode between a write's first and last
     store is repaired (fsck) before the lock is released, so the next reader finds the row
-    wholly there or wholly gone and a clean table."""
+    wholly there or wholly gone and a clean table. The Python path's bytecodes: a new small
+    row's C path runs none between its first store and its last."""
+    monkeypatch.setattr(writer, "_add_small", None)
     reg = Registry.create(shm_name, Config(max_rows=100, in_flight_capacity=64))
     try:
         t = reg.table(ct.CANCELLATIONS)

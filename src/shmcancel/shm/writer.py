@@ -39,8 +39,8 @@ from .layout import _LTOP, _M32, _M64, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _
 
 _T = TypeVar("_T")
 
-# add_held's common case in C (_cwrite.c), unless it was not built or SHMCANCEL_PURE_PYTHON is
-# set (non-empty): then every write takes the Python path, which stores the same bytes
+# A new small row's common case in C (_cwrite.c: add_held, _append, _add), unless it was not
+# built or SHMCANCEL_PURE_PYTHON is set (non-empty): then the Python path stores the same bytes
 _add_small: Callable[[memoryview, tuple[int, ...], int, int, bytes, bytes], int] | None = None
 if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
     with contextlib.suppress(ImportError):
@@ -301,6 +301,9 @@ class Writes(Fsck):
         """Publish the new row ``key -> vb`` (its word ``word``); the caller holds the lock and
         found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``.
         :meth:`add_held` has these lines inlined: a change here goes there too."""
+        if not word and _add_small is not None and _add_small(
+                self._buf, self._geo, key.j, key.hash, key.kbytes, vb) >= 0:
+            return  # written by the C path (it writes a word of 0); else nothing stored
         if self._hq[_ROWS] >= self.capacity:
             self._full()
         self._publish(key, self._write_record(key.kbytes, vb, -1, word))
@@ -465,6 +468,10 @@ class Writes(Fsck):
         return self._write(self._add, *self._row(key, value))
 
     def _add(self, key: PreparedKey, vb: bytes) -> tuple[int, int]:
+        if _add_small is not None:
+            r = _add_small(self._buf, self._geo, key.j, key.hash, key.kbytes, vb)
+            if r >= 0:
+                return r, self._hq[_STAMP]  # the stamp the C path gave r (the lock is held)
         if self._hq[_ROWS] >= self.capacity:
             self._full()
         r = self._write_record(key.kbytes, vb)
