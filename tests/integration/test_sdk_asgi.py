@@ -367,13 +367,19 @@ def test_worker_killed_with_its_sessions(server):
         async def start_call() -> None:
             async with httpx.AsyncClient(timeout=20) as ah, anyio.create_task_group() as tg:
                 async def call() -> None:
-                    # The worker dies under it: the connection breaks (also when another
-                    # worker forwards it); a 503 when the owner died before its answer began.
+                    # The worker dies under it: the connection breaks; forwarded by another
+                    # worker, a 503 when the owner died before its answer began, else the
+                    # call's JSON-RPC error as the last event of the stream it had begun.
                     try:
                         r = await ah.post(g.url, headers=victim, json={
                             "jsonrpc": "2.0", "id": 5, "method": "tools/call",
                             "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
                     except httpx.HTTPError:
+                        return
+                    if r.status_code == 200:
+                        last = r.text.rstrip().rsplit("data: ", 1)[-1]
+                        error = json.loads(last)
+                        assert (error["id"], error["error"]["code"]) == (5, -32000), r.text
                         return
                     assert r.status_code == 503, r.text
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ class _Owner:
         await send({"type": "http.response.body", "body": b"ok", "more_body": False})
 
 
-async def _forward(router: Router, token: str, method: str, gone: asyncio.Event) -> list[Any]:
+async def _forward(router: Router, token: str, method: str, gone: asyncio.Event,
+                   body: bytes = b"{}") -> list[Any]:
     sent: list[Any] = []
 
     async def receive() -> dict[str, Any]:
@@ -56,7 +58,7 @@ async def _forward(router: Router, token: str, method: str, gone: asyncio.Event)
     async def send(message: Any) -> None:
         sent.append(message)
 
-    await router.forward(token, _scope(method), b"{}" if method == "POST" else None, receive,
+    await router.forward(token, _scope(method), body if method == "POST" else None, receive,
                          send)
     return sent
 
@@ -91,22 +93,35 @@ def test_a_forward_after_many_held_streams_is_served_at_once(
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("dies", ["before its answer", "mid-stream"])
+CALL = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"sleep"}}'
+EVENT = b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress"}\n\n'
+
+
+@pytest.mark.parametrize("dies", ["before its answer", "mid-body", "between events",
+                                  "mid-event"])
 def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytest.MonkeyPatch,
                                             dies: str) -> None:
     """The owner's socket closes as a killed worker's does. Before the response head the
     forwarding worker answers 503 with ``Retry-After`` (nothing for the server to turn into a
-    500); after it, the forward raises, so the server drops the client's connection as the
-    owner dropped its own (a clean end would pass a broken stream off as complete)."""
+    500). After it, an event stream stopped between two events gets the call's JSON-RPC error
+    as one more event and ends (a reviewer's SDK client got a dropped stream, and the server
+    logged two tracebacks per forward); any other answer is left incomplete, so the server
+    drops the client's connection as the owner dropped its own (a clean end would pass a body,
+    or an event, cut short off as whole). Never raises into the server."""
     monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
     token = "1x000000000000"
+    sse = dies in ("between events", "mid-event")
+    sent_by_owner = {"mid-body": b"hello", "between events": EVENT,
+                     "mid-event": EVENT + EVENT[:30]}.get(dies)
 
-    async def main() -> None:
+    async def main() -> list[Any]:
         async def owner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readuntil(b"\r\n\r\n")
-            if dies == "mid-stream":
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                             b"5\r\nhello\r\n")
+            if sent_by_owner is not None:
+                ctype = b"content-type: text/event-stream\r\n" if sse else b""
+                writer.write(b"HTTP/1.1 200 OK\r\n" + ctype + b"transfer-encoding: chunked\r\n"
+                             b"\r\n" + f"{len(sent_by_owner):x}\r\n".encode() + sent_by_owner
+                             + b"\r\n")
                 await writer.drain()
             writer.transport.abort()
 
@@ -115,19 +130,29 @@ def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytes
         gone = asyncio.Event()
         try:
             async with asyncio.timeout(15):
-                if dies == "mid-stream":
-                    with pytest.raises(httpx.HTTPError):
-                        await _forward(Router(_Owner()), token, "POST", gone)
-                    return
-                sent = await _forward(Router(_Owner()), token, "POST", gone)
+                return await _forward(Router(_Owner()), token, "POST", gone, CALL)
         finally:
             gone.set()
             server.close()
-        head = sent[0]
+
+    sent = asyncio.run(main())
+    head = sent[0]
+    if dies == "before its answer":
         assert head["status"] == 503 and (b"retry-after", b"1") in head["headers"]
         assert b"-32000" in sent[-1]["body"]
-
-    asyncio.run(main())
+        return
+    assert head["status"] == 200
+    bodies = b"".join(m.get("body", b"") for m in sent[1:])
+    assert bodies.startswith(sent_by_owner)
+    if dies == "between events":
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        last = bodies[len(sent_by_owner):]
+        assert last.startswith(b"event: message\ndata: ") and last.endswith(b"\n\n")
+        error = json.loads(last.split(b"data: ", 1)[1])
+        assert error["id"] == 7 and error["error"]["code"] == -32000
+    else:  # incomplete: the server drops the connection
+        assert bodies == sent_by_owner
+        assert all(m.get("more_body", True) for m in sent[1:])
 
 
 def test_a_token_naming_no_worker_is_a_404_without_a_client(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -210,6 +211,34 @@ def test_the_last_workers_close_removes_the_servers_directory(
             await asyncio.gather(*tasks)
         assert not os.path.exists(d)
         assert os.listdir(short_tmp / "socks") == []
+
+    asyncio.run(main())
+
+
+def test_the_last_close_sweeps_the_sockets_of_killed_workers(short_tmp: Path, use_dir) -> None:
+    """Workers SIGKILLed leave their sockets (a quick stop of uvicorn workers, which ignore
+    SIGQUIT until gunicorn kills them; an upgrade's old workers killed after the new ones
+    swept): the last worker to close found them, kept the directory, and it outlived the server
+    (a reviewer's 3 of 3). The close removes dead workers' sockets, then the directory; a live
+    worker's socket stays, and so does the directory."""
+    use_dir(short_tmp / "socks")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: a worker that dies at once
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+    async def main() -> None:
+        live, last = Router(_noop_app), Router(_noop_app)
+        await live.ensure()
+        await last.ensure()
+        d = os.path.dirname(last.path)
+        dead = os.path.join(d, f"{pid:x}x{'0' * 12}.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(dead)  # a killed worker's socket file, left behind
+        await _closed(last)
+        assert sorted(os.listdir(d)) == [os.path.basename(live.path)]  # live: kept
+        await _closed(live)
+        assert not os.path.exists(d)
 
     asyncio.run(main())
 

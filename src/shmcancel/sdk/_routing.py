@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -439,9 +440,10 @@ class Router:
     def close(self) -> None:
         """Stop this worker's socket server and remove its socket (the app's lifespan shutdown),
         and the server's socket directory when that leaves it empty (the last worker of a server
-        stopped: the directory is named by the registry, which the next run may not share). A
-        worker killed outright leaves its socket: the next worker to start, or the first forward
-        that finds no listener on it, removes it."""
+        stopped: the directory is named by the registry, which the next run may not share), the
+        sockets of dead workers in it removed first. A worker killed outright leaves its socket:
+        a worker that closes later, the next worker to start, or the first forward that finds no
+        listener on it removes it."""
         if self.pid != os.getpid() or not self.path:
             return
         if self._keeper is not None:
@@ -451,8 +453,10 @@ class Router:
             server.should_exit = True
         with contextlib.suppress(OSError):
             os.unlink(self.path)
-        with contextlib.suppress(OSError):  # not empty: another worker's socket is in it
-            os.rmdir(os.path.dirname(self.path))
+        here = os.path.dirname(self.path)
+        _sweep(here)  # dead workers' sockets (killed ones': a quick stop, an upgrade's old ones)
+        with contextlib.suppress(OSError):  # not empty: a live worker's socket is in it
+            os.rmdir(here)
 
     async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """The app as served on the socket: a forwarded request, its client address restored."""
@@ -574,8 +578,7 @@ class Router:
             await _not_found(send)
             return
         except httpx.HTTPError as e:  # the owner broke the exchange before its answer began
-            # (it stopped), or the connection timed out. Once the answer began, such an error
-            # propagates: the server then drops the client's connection, as the owner's did.
+            # (it stopped), or the connection timed out. Once the answer began: _cut_short.
             log.warning("shmcancel.sdk: forwarding to worker %s failed: %r", token, e)
             await _busy(send)
             return
@@ -591,6 +594,7 @@ class Router:
                 gone.set()
 
             watcher = asyncio.get_running_loop().create_task(watch())
+            tail = b"\n\n"  # the stream's last bytes so far (an event stream ends events so)
             try:
                 chunks = resp.aiter_raw().__aiter__()
                 while True:
@@ -608,6 +612,10 @@ class Router:
                         chunk = nxt.result()
                     except StopAsyncIteration:
                         break
+                    except httpx.HTTPError as e:
+                        await _cut_short(send, token, e, resp, tail, body)
+                        return
+                    tail = (tail + chunk)[-4:]
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -685,6 +693,37 @@ def _refused(path: str) -> bool:
     finally:
         s.close()
     return False
+
+
+async def _cut_short(send: Any, token: str, e: Exception, resp: Any, tail: bytes,
+                     body: bytes | None) -> None:
+    """The owner broke a forwarded answer it had begun (it was killed). An event stream that
+    stopped between events gets one more, the request's JSON-RPC error (-32000), and ends: its
+    client learns that its call failed. Any other answer is left incomplete (uvicorn then drops
+    the client's connection, as the owner's was dropped): ended cleanly, a body cut short would
+    pass for whole, and an event cut mid-way would be dispatched with its data cut."""
+    log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: %r",
+                token, e)
+    sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
+    rid = _request_id(body)
+    if not (sse and rid is not None and tail.endswith((b"\n\n", b"\r\r"))):
+        return
+    error = {"jsonrpc": "2.0", "id": rid[0], "error": {
+        "code": -32000, "message": "the worker holding the session stopped before answering"}}
+    event = b"event: message\ndata: " + json.dumps(error).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _request_id(body: bytes | None) -> tuple[int | str] | None:
+    """``(id,)`` of the JSON-RPC request in ``body``, or None (a notification, no JSON)."""
+    try:
+        msg = json.loads(body or b"")
+    except ValueError:
+        return None
+    if isinstance(msg, dict) and "method" in msg and type(msg.get("id")) in (int, str):
+        return (msg["id"],)
+    return None
 
 
 async def _busy(send: Any) -> None:
