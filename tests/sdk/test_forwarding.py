@@ -95,10 +95,13 @@ def test_a_forward_after_many_held_streams_is_served_at_once(
 
 CALL = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"sleep"}}'
 EVENT = b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress"}\n\n'
+CRLF_EVENT = EVENT.replace(b"\n", b"\r\n")  # as the SDK's server (sse-starlette) ends lines
+ANSWER = b'event: message\r\ndata: {"jsonrpc":"2.0","id":7,"result":{}}\r\n\r\n'
 
 
 @pytest.mark.parametrize("dies", ["before its answer", "mid-body", "between events",
-                                  "mid-event"])
+                                  "between CRLF events", "mid-event", "mid-CRLF-event",
+                                  "after its answer"])
 def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytest.MonkeyPatch,
                                             dies: str) -> None:
     """The owner's socket closes as a killed worker's does. Before the response head the
@@ -110,9 +113,12 @@ def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytes
     or an event, cut short off as whole). Never raises into the server."""
     monkeypatch.setenv("SHMCANCEL_SDK_SOCKET_DIR", str(short_tmp))
     token = "1x000000000000"
-    sse = dies in ("between events", "mid-event")
+    sse = dies not in ("before its answer", "mid-body")
     sent_by_owner = {"mid-body": b"hello", "between events": EVENT,
-                     "mid-event": EVENT + EVENT[:30]}.get(dies)
+                     "between CRLF events": CRLF_EVENT + b": ping\r\n\r\n" + CRLF_EVENT,
+                     "mid-event": EVENT + EVENT[:30],
+                     "mid-CRLF-event": CRLF_EVENT + CRLF_EVENT[:-2],  # its blank line cut
+                     "after its answer": CRLF_EVENT + ANSWER}.get(dies)
 
     async def main() -> list[Any]:
         async def owner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -144,10 +150,13 @@ def test_an_owner_that_dies_during_a_forward(short_tmp: Path, monkeypatch: pytes
     assert head["status"] == 200
     bodies = b"".join(m.get("body", b"") for m in sent[1:])
     assert bodies.startswith(sent_by_owner)
-    if dies == "between events":
+    if dies.startswith("between") or dies == "after its answer":
         assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
         last = bodies[len(sent_by_owner):]
-        assert last.startswith(b"event: message\ndata: ") and last.endswith(b"\n\n")
+        if dies == "after its answer":  # answered: ended as it stood, no second answer
+            assert last == b""
+            return
+        assert last.startswith(b"event: message\r\ndata: ") and last.endswith(b"\r\n\r\n")
         error = json.loads(last.split(b"data: ", 1)[1])
         assert error["id"] == 7 and error["error"]["code"] == -32000
     else:  # incomplete: the server drops the connection

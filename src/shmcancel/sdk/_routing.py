@@ -594,7 +594,7 @@ class Router:
                 gone.set()
 
             watcher = asyncio.get_running_loop().create_task(watch())
-            tail = b"\n\n"  # the stream's last bytes so far (an event stream ends events so)
+            tail = b""  # the answer's last TAIL_MAX bytes so far (its last event, for _cut_short)
             try:
                 chunks = resp.aiter_raw().__aiter__()
                 while True:
@@ -615,7 +615,7 @@ class Router:
                     except httpx.HTTPError as e:
                         await _cut_short(send, token, e, resp, tail, body)
                         return
-                    tail = (tail + chunk)[-4:]
+                    tail = (tail + chunk)[-TAIL_MAX:]
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -695,24 +695,46 @@ def _refused(path: str) -> bool:
     return False
 
 
+TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if it is cut short
+
+
 async def _cut_short(send: Any, token: str, e: Exception, resp: Any, tail: bytes,
                      body: bytes | None) -> None:
     """The owner broke a forwarded answer it had begun (it was killed). An event stream that
-    stopped between events gets one more, the request's JSON-RPC error (-32000), and ends: its
-    client learns that its call failed. Any other answer is left incomplete (uvicorn then drops
-    the client's connection, as the owner's was dropped): ended cleanly, a body cut short would
-    pass for whole, and an event cut mid-way would be dispatched with its data cut."""
+    stopped between events ends there: with one more event, the request's JSON-RPC error
+    (-32000), so that its client learns the call failed, unless its last event was the
+    request's answer already (or cannot be read: longer than ``TAIL_MAX``). Any other answer
+    is left incomplete (uvicorn then drops the client's connection, as the owner's was
+    dropped): ended cleanly, a body cut short would pass for whole, and an event cut mid-way
+    would be dispatched with its data cut."""
     log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: %r",
                 token, e)
     sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
+    lines = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # SSE's three line ends
+    if not sse or (tail and not lines.endswith(b"\n\n")):
+        return  # not an event stream, or cut inside an event: incomplete
+    events = lines.rstrip(b"\n").split(b"\n\n")
+    whole = len(events) > 1 or len(tail) < TAIL_MAX  # the last event's start is in the tail
     rid = _request_id(body)
-    if not (sse and rid is not None and tail.endswith((b"\n\n", b"\r\r"))):
-        return
-    error = {"jsonrpc": "2.0", "id": rid[0], "error": {
-        "code": -32000, "message": "the worker holding the session stopped before answering"}}
-    event = b"event: message\ndata: " + json.dumps(error).encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": event, "more_body": True})
+    if rid is not None and whole and not _answers(events[-1], rid):
+        error = {"jsonrpc": "2.0", "id": rid[0], "error": {
+            "code": -32000, "message": "the worker holding the session stopped before answering"}}
+        event = b"event: message\r\ndata: " + json.dumps(error).encode() + b"\r\n\r\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _answers(event: bytes, rid: tuple[int | str]) -> bool:
+    """Whether ``event`` (an event stream's event, its lines ended by ``\\n``) carries the
+    JSON-RPC response to the request ``rid``."""
+    data = b"\n".join(line[5:].removeprefix(b" ") for line in event.split(b"\n")
+                      if line.startswith(b"data:"))
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        return False
+    return (isinstance(msg, dict) and msg.get("id") == rid[0]
+            and ("result" in msg or "error" in msg))
 
 
 def _request_id(body: bytes | None) -> tuple[int | str] | None:
