@@ -143,17 +143,21 @@ def test_while_a_live_hold_outlasts_lock_timeout_only_the_first_end_waits(
     """A reviewer's server answered a finished 2025-wire session call lock_timeout late while
     another live process held the lock, every such call: its end waited for the lock to touch
     the session. The first end of a process learns the hold is long (it waits, times out, is
-    owed); the ends after it are owed at once, and all of them land once the hold ends."""
+    owed); the ends after it, while the hold goes on, are owed at once; an end after the hold,
+    even within lock_timeout of the timeout, lands then and there (a second review: owed, it
+    waited for this process's next request, and the session of a worker that served none
+    expired); the owed ones land later."""
     with small_registry(shm_name, lock_timeout=2.0) as reg:
         now = [T0]
         store = SessionStore(reg, clock=lambda: now[0])
-        calls = []
-        for client in (CLIENT, "ip:192.0.2.42"):  # two long calls (their ends touch sessions)
-            s = store.create("2025-06-18", client)
+        calls, sids = [], []
+        for n in range(3):  # three long calls (their ends touch their sessions)
+            s = store.create("2025-06-18", f"ip:192.0.2.{42 + n}")
+            sids.append(s.id)
             calls.append(store.begin_call(s))
             assert calls[-1] is not None
-        sid = s.id
-        first, second = calls
+        sid = sids[0]
+        first, second, third = calls
         now[0] += 2 * store.ttl
         go_r, go_w = os.pipe()
 
@@ -180,6 +184,9 @@ def test_while_a_live_hold_outlasts_lock_timeout_only_the_first_end_waits(
             os.close(go_w)
             os.close(r)
             reap(pid)
+        store.end_call(third)  # type: ignore[arg-type]  # the hold is over: it lands
+        assert len(store._owed) == 2 and not lane_row(reg, sids[2])
+        assert store.get(sids[2]) is not None  # touched: untouched, it expires at this get
         deadline = time.monotonic() + 10
         while store._owed:  # settled by the store's later calls, once the lock is free
             assert time.monotonic() < deadline

@@ -413,9 +413,9 @@ class SessionStore:
         if lane and now - call.seen < self._touch_every:  # last_seen is fresh: no touch due
             self._lanes.remove(call.way, call.owner[3])  # type: ignore[index]  # (again: no-op)
             return
-        if self._lock.timed_out_lately():
-            # A wait of this process ran out moments ago: owed at once (end_call) rather than
-            # hold the call's answer back another lock_timeout to learn the hold goes on.
+        if self._lock.still_stalled():
+            # A wait of this process ran out moments ago and the hold goes on: owed at once
+            # (end_call) rather than hold the call's answer back another lock_timeout.
             raise LockTimeout("the registry lock's holder outlasted lock_timeout lately")
         pk, ck, watch = self._keys_of(call.session_id)
         with self._lock:

@@ -449,11 +449,21 @@ class RegistryLock:
                 f"registry {self.name}: another thread of this process (pid {os.getpid()}) "
                 f"held the lock for more than {self._timeout:.1f}s")
 
-    def timed_out_lately(self) -> bool:
-        """Whether a wait of this process for the lock timed out within the last
-        ``lock_timeout`` seconds (a live holder's long hold, likely still on): work that can be
-        owed instead of done now skips its own wait (:meth:`stalled` says more)."""
-        return time.monotonic() < self._st.stalled_until
+    def still_stalled(self) -> bool:
+        """Whether a hold that outlasted ``lock_timeout`` goes on: a wait of this process timed
+        out within the last ``lock_timeout`` seconds and another live process holds the lock
+        right now. Work that can be owed instead of done now skips its own wait then; once the
+        holder lets go, it waits (briefly) as ever."""
+        return time.monotonic() < self._st.stalled_until and self._held_elsewhere()
+
+    def _held_elsewhere(self) -> bool:
+        """Another live process holds the lock right now (a lock-free read of the owner word);
+        ``True`` on a closed registry (there is nothing to do)."""
+        try:
+            owner = self._w[_OWNER]
+        except (ValueError, IndexError, TypeError):  # the mapping is gone: registry closed
+            return True
+        return owner != 0 and owner != self._st.me and not self._owner_dead(owner)
 
     def stalled(self) -> bool:
         """Whether work that can wait (sweeps, settling owed ends on a request's or a poll's
@@ -463,14 +473,7 @@ class RegistryLock:
         ``lock_timeout`` first, and a poll must not wait at all). A busy moment only defers the
         work to its next turn. A dead holder does not count: the work's own wait recovers the
         lock from it. On a closed registry: ``True`` (there is nothing to do)."""
-        st = self._st
-        if time.monotonic() < st.stalled_until:
-            return True
-        try:
-            owner = self._w[_OWNER]
-        except (ValueError, IndexError, TypeError):  # the mapping is gone: registry closed
-            return True
-        return owner != 0 and owner != st.me and not self._owner_dead(owner)
+        return time.monotonic() < self._st.stalled_until or self._held_elsewhere()
 
     def _stamp(self) -> None:
         w = self._w
