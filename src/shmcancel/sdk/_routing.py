@@ -594,7 +594,8 @@ class Router:
                 gone.set()
 
             watcher = asyncio.get_running_loop().create_task(watch())
-            tail = b""  # the answer's last TAIL_MAX bytes so far (its last event, for _cut_short)
+            tail = b""  # an event stream's last TAIL_MAX bytes so far (for _cut_short)
+            sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
             try:
                 chunks = resp.aiter_raw().__aiter__()
                 while True:
@@ -613,9 +614,10 @@ class Router:
                     except StopAsyncIteration:
                         break
                     except httpx.HTTPError as e:
-                        await _cut_short(send, token, e, resp, tail, body)
+                        await _cut_short(send, token, e, sse, tail, body)
                         return
-                    tail = (tail + chunk)[-TAIL_MAX:]
+                    if sse:
+                        tail = (tail + chunk)[-TAIL_MAX:]
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -698,7 +700,7 @@ def _refused(path: str) -> bool:
 TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if it is cut short
 
 
-async def _cut_short(send: Any, token: str, e: Exception, resp: Any, tail: bytes,
+async def _cut_short(send: Any, token: str, e: Exception, sse: bool, tail: bytes,
                      body: bytes | None) -> None:
     """The owner broke a forwarded answer it had begun (it was killed). An event stream that
     stopped between events ends there: with one more event, the request's JSON-RPC error
@@ -709,7 +711,6 @@ async def _cut_short(send: Any, token: str, e: Exception, resp: Any, tail: bytes
     would be dispatched with its data cut."""
     log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: %r",
                 token, e)
-    sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
     lines = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # SSE's three line ends
     if not sse or (tail and not lines.endswith(b"\n\n")):
         return  # not an event stream, or cut inside an event: incomplete
