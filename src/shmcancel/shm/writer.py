@@ -65,8 +65,7 @@ class Writes(Fsck):
         """Fill the record on top of its class's free stack (it is unreferenced), then pop it;
         ``lock.dirty`` is set right before the first store. A large row needs two free large
         records (one stays the spare) unless it replaces the large record ``replacing``: else
-        LargeRowsFull, raised before any store (as TableFull and TableCorrupted are).
-        :meth:`add_held` has the small record's path inlined: a change here goes there too."""
+        LargeRowsFull, raised before any store (as TableFull and TableCorrupted are)."""
         hq = self._hq
         kl = len(kbytes)
         vl = len(vbytes)
@@ -120,8 +119,7 @@ class Writes(Fsck):
 
     def _publish(self, pk: PreparedKey, r: int) -> None:
         """Put record ``r`` in the first empty slot of ``pk``'s probe: record number, then
-        hash (the store that makes the row visible). :meth:`add_held` has the home slot's
-        case inlined: a change here goes there too."""
+        hash (the store that makes the row visible)."""
         idx = self._idx
         ver = self._ver
         j = pk.j
@@ -202,50 +200,10 @@ class Writes(Fsck):
         if key.__class__ is not PreparedKey or key.t is not self:  # _row, inlined: the hot path
             key = self.prepare(key)
         vb = _pack(value)
-        kb = key.kbytes
-        kl = len(kb)
-        vl = len(vb)
-        if kl + vl > self._payload:
-            self._check_size(kb, vb)
-        if _add_small is not None and _add_small(self._buf, self._geo, key.j, key.hash, kb,
-                                                 vb) >= 0:
-            return  # written and published; else nothing was stored: the Python path below
-        try:  # _append, inlined: every new cancellation comes here
-            hq = self._hq
-            if hq[_ROWS] >= self.capacity:
-                self._full()
-            top = hq[_TOP]
-            n = self.capacity + 1
-            r = self._free[top - 1] if 0 < top <= n else -1
-            stamp = hq[_STAMP] + 1
-            if kl + vl > self._spayload or not 0 <= r < n or stamp >= _STAMP_MAX:
-                self._publish(key, self._write_record(kb, vb))  # large, or a repair is due
-                self._flags.dirty = False
-                return
-            # a small record into a sound free stack: _write_record and _publish, inlined
-            flags = self._flags
-            flags.dirty = True  # from right before the first store
-            hq[_STAMP] = stamp
-            body = kb + vb
-            self._rss.pack_into(self._buf, self._heap + r * self.small_size,
-                                _crc32(body, (stamp ^ kl << 16 ^ vl ^ _SEED) & _M32),
-                                kl, vl, 0, stamp, body)
-            hq[_TOP] = top - 1
-            idx = self._idx
-            j = key.j
-            if idx[j]:  # the home slot is taken: _publish probes on
-                self._publish(key, r)
-            else:
-                ver = self._ver
-                b = j >> 5
-                v = ver[b]
-                ver[b] = (v + 1) & _M64
-                idx[j + 1] = r
-                idx[j] = key.hash
-                ver[b] = (v + 2) & _M64
-                hq[_ROWS] += 1
-            flags.dirty = False
-            return
+        if len(key.kbytes) + len(vb) > self._payload:
+            self._check_size(key.kbytes, vb)
+        try:
+            return self._append(key, vb)  # its common case in one C call (_cwrite.c)
         except TableCorrupted as e:
             self._repair(str(e))
         return self._insert(key, vb)
@@ -299,8 +257,8 @@ class Writes(Fsck):
 
     def _append(self, key: PreparedKey, vb: bytes, word: int = 0) -> None:
         """Publish the new row ``key -> vb`` (its word ``word``); the caller holds the lock and
-        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``.
-        :meth:`add_held` has these lines inlined: a change here goes there too."""
+        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``. Its
+        common case (a small row, word 0, a sound table) is one C call where _cwrite is built."""
         if not word and _add_small is not None and _add_small(
                 self._buf, self._geo, key.j, key.hash, key.kbytes, vb) >= 0:
             return  # written by the C path (it writes a word of 0); else nothing stored
