@@ -296,10 +296,10 @@ class RequestHandle:
             ended_at = c.clock()
             if self._owner is not None:
                 st.untrack(self.scope, rid, self._owner, self._receipt)
-            # Skip the clear's own read when cheaper evidence says there is no row: a polled
-            # handle's watch (one load), else the store's cheapest read of the row.
+            # A polled handle's watch says in one load when there is no row; else clear_ended
+            # reads the row first (the store's cheapest read), and stops there without one.
             w = self._watch
-            if w.member() if w is not None else st.exists(self.scope, rid):
+            if w is None or w.member():
                 # a namesake's in-flight row is read after the untrack's barrier, like the row
                 clear_ended(st, self.scope, rid)
         except LockTimeout as e:
