@@ -1,8 +1,9 @@
-/* The common case of Writes.add_held in C: a small record written from the top of the small
- * class's free stack and published in the first empty index slot of the key's probe.
+/* The common case of a table's new row in C (Writes._append, so add_held, insert and a bag's
+ * add): a small record written from the top of the small class's free stack and published in
+ * the first empty index slot of the key's probe, its word 0.
  *
- * add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 when the case is
- * not the common one (table full, a large row, a damaged free stack, a stamp counter past its
+ * add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 when
+ * the case is not the common one (table full, a large row, a damaged free stack, a stamp counter past its
  * bound, a probe without an empty slot, an offset past the region): then nothing was stored and
  * the caller takes the Python path, which handles (or repairs, or raises for) each of those.
  * A bucket version wraps at 2**64, as the Python path's (garbage only: 2**64 writes never

@@ -39,7 +39,7 @@ from .layout import _LTOP, _M32, _M64, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _
 
 _T = TypeVar("_T")
 
-# A new small row's common case in C (_cwrite.c: add_held, _append, _add), unless it was not
+# A new small row's common case in C (_cwrite.c: _append, so add_held, and _add), unless it was not
 # built or SHMCANCEL_PURE_PYTHON is set (non-empty): then the Python path stores the same bytes
 _add_small: Callable[[memoryview, tuple[int, ...], int, int, bytes, bytes], int] | None = None
 if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
