@@ -15,7 +15,7 @@ from helpers.background import lock_held
 from helpers.clock import Clock
 from helpers.opcodes import at_bytecode
 from helpers.rows import in_flight_count, in_flight_rows
-from helpers.table_rig import healthy
+from helpers.table_rig import healthy, python_writes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1077,10 +1077,10 @@ def test_a_cancel_interrupted_at_any_bytecode_of_its_row_keeps_its_count_and_is_
     not in (the exception may come after the row's publishing store), and undoing it, which
     deletes a count row fallen to 0 (more count rows than ``zero_counts_kept``), must not
     end the interrupted row write's dirty mark: the lock would then be released over a
-    half-written table without fsck. The row is written by the Python path: the C path
-    (``shm/_cwrite.c``) runs no bytecode between its first store and its last, so an
-    exception comes before it or after it, as it does around ``_add_row``'s other calls."""
-    monkeypatch.setattr(shmcancel.shm.writer, "_add_small", None)
+    half-written table without fsck. The row is written by the Python path (python_writes):
+    an exception comes before a C write or after it, as it does around ``_add_row``'s other
+    calls."""
+    python_writes(monkeypatch)
     reg = registry(max_rows=8, janitor_interval=3600.0)
     c = Cancellation(reg)
     store = c._store

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import posix_ipc
 
@@ -190,3 +191,13 @@ def fills_to_capacity(t: Table) -> None:
     except TableFull:
         return
     raise AssertionError(f"table {t.name!r} took a row past its capacity {t.capacity}")
+
+
+def python_writes(monkeypatch: Any) -> None:
+    """Every write takes the Python path, whose bytecodes a test interrupts one by one: the C
+    paths (``shm/_cwrite.c``: a new small row, a key's small rows removed) run none between
+    their first store and their last, so an exception or a kill lands before or after them."""
+    from shmcancel.shm import writer
+
+    monkeypatch.setattr(writer, "_add_small", None)
+    monkeypatch.setattr(writer, "_delete_small", None)

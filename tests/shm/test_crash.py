@@ -30,11 +30,11 @@ from helpers.table_rig import (
     fills_to_capacity,
     healthy,
     killed_holding,
+    python_writes,
     same_home_keys,
 )
 from helpers.tools import load_tool
 
-from shmcancel.shm import writer
 from shmcancel.shm.table import LargeRowsFull, Table
 
 crash_loop = load_tool("crash_loop")
@@ -245,9 +245,9 @@ def test_writer_killed_at_every_bytecode_of_a_mutation(shm_name, scenario: str,
     child at bytecode k, repair (fsck), and require exactly the state before or after the
     op, a clean second fsck, and every record still usable. Catches a wrong store order
     (hash before record number, record written after publishing) and fsck steps skipped.
-    The Python path's bytecodes: a new small row's C path (test_cwrite.py kills a writer
-    after each of its stores) runs none."""
-    monkeypatch.setattr(writer, "_add_small", None)
+    The Python path's bytecodes (python_writes; test_cwrite.py kills a writer after each
+    store of the C paths)."""
+    python_writes(monkeypatch)
     kind = "bag" if scenario.startswith("bag") else "set"
     classed = "classes" in scenario
     rig = Rig(shm_name, [(kind, *CLASSED) if classed else (kind, 16, 64)])

@@ -1,11 +1,13 @@
-"""The C write path (``shm/_cwrite.c``, a new small row of ``add_held``) against the Python
-path: the same operations on twin tables, one written through C and one through Python, leave
-byte-identical regions, whatever the probe, the record class, a full table or a declined case.
+"""The C write paths (``shm/_cwrite.c``: a new small row, a key's small rows removed) against the
+Python path: the same operations on twin tables, one written through C and one through Python,
+leave byte-identical regions, whatever the probe, the record class, a full table, a backward
+shift or a declined case.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.skipif(writer._add_small is None and bool(
     os.environ.get("SHMCANCEL_PURE_PYTHON")), reason="SHMCANCEL_PURE_PYTHON is set")
 
 C_ADD = writer._add_small
+C_DELETE = writer._delete_small
 # (kind, capacity, record_size, small_size, large_count): 16 index slots, two record classes
 SPEC = ("set", 7, 160, 48, 3)
 KEYS = [f"k{i}" for i in range(12)]
@@ -59,11 +62,12 @@ def test_shmcancel_pure_python_selects_the_python_path() -> None:
     assert out.stdout.strip() == "None"
 
 
-def _apply(t: Table, op: str, key: Any, value: Any, c_add: Any) -> object:
-    """``op`` on ``t`` with ``writer._add_small`` set to ``c_add``; what it returned or
-    raised (its type)."""
-    saved = writer._add_small
-    writer._add_small = c_add
+def _apply(t: Table, op: str, key: Any, value: Any, c_add: Any,
+           c_delete: Any = None) -> object:
+    """``op`` on ``t`` with ``writer._add_small`` set to ``c_add`` and ``writer._delete_small``
+    to ``c_delete``; what it returned or raised (its type)."""
+    saved = writer._add_small, writer._delete_small
+    writer._add_small, writer._delete_small = c_add, c_delete
     try:
         with t._lock:
             if op == "add":
@@ -80,7 +84,7 @@ def _apply(t: Table, op: str, key: Any, value: Any, c_add: Any) -> object:
     except Exception as e:  # TableFull, RowTooLarge: the same in both
         return type(e)
     finally:
-        writer._add_small = saved
+        writer._add_small, writer._delete_small = saved
 
 
 def _twins(rig_factory: Any) -> tuple[Table, Table, Rig]:
@@ -88,19 +92,26 @@ def _twins(rig_factory: Any) -> tuple[Table, Table, Rig]:
     return rig.tables[0], rig.tables[1], rig
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 @pytest.mark.parametrize("kind", ["set", "bag"])
 def test_c_and_python_write_the_same_bytes(rig_factory: Any, kind: str) -> None:
-    """A cancellation's new row (``add_held``), a new key's ``insert`` and a bag's ``add``
-    (which answers a receipt) take the C path where they can."""
+    """A cancellation's new row (``add_held``), a new key's ``insert``, a bag's ``add``
+    (which answers a receipt) and a ``delete`` take the C paths where they can."""
     spec = (kind, *SPEC[1:])
     rig = rig_factory([spec, spec])
     written = [0, 0]  # rows the C path wrote, declined
+    deleted = [0, 0]  # deletes of a row or more by the C path, declined
 
     def c_add(*args: Any) -> int:
         r = C_ADD(*args)
         written[r < 0] += 1
         return r
+
+    def c_delete(*args: Any) -> int:
+        n = C_DELETE(*args)
+        if n:
+            deleted[n < 0] += 1
+        return n
 
     @settings(max_examples=300, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
@@ -108,7 +119,7 @@ def test_c_and_python_write_the_same_bytes(rig_factory: Any, kind: str) -> None:
     def run(ops: list[Any]) -> None:
         a, b = rig.reset(0), rig.reset(1)
         for op, key, value in ops:
-            got_c = _apply(a, op, key, value, c_add)
+            got_c = _apply(a, op, key, value, c_add, c_delete)
             got_py = _apply(b, op, key, value, None)
             assert got_c == got_py, (op, key, value)
             assert bytes(a._buf) == bytes(b._buf), (op, key, value)
@@ -117,9 +128,47 @@ def test_c_and_python_write_the_same_bytes(rig_factory: Any, kind: str) -> None:
 
     run()
     assert written[0] > 100 and written[1] > 10, written  # both ways were taken, often
+    assert deleted[0] > 10 and deleted[1] > 3, deleted
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("kind", ["set", "bag"])
+def test_c_and_python_delete_the_same_way_across_buckets(rig_factory: Any, kind: str) -> None:
+    """Long clusters (keys sharing a few homes, the last home slot among them: the probe wraps
+    around the index end) whose backward shifts cross buckets: 3000 seeded inserts and deletes
+    on twin tables of 128 slots (8 buckets) leave byte-identical regions after each."""
+    spec = (kind, 60, 160, 48, 3)
+    rig = rig_factory([spec, spec])
+    a, b = rig.reset(0), rig.reset(1)
+    assert a.nslots >= 128
+    homes = [15, 16, 31, a.nslots - 1]
+    keys = [k for h in homes for k in same_home_keys(a, 8, home=h)]
+    rng = random.Random(51)
+    shifted = 0  # C deletes that moved an entry back across a bucket boundary
+    deleted = [0, 0]  # deletes of a row or more by the C path, declined
+
+    def c_delete(*args: Any) -> int:
+        n = C_DELETE(*args)
+        if n:
+            deleted[n < 0] += 1
+        return n
+
+    for _ in range(3000):
+        key = rng.choice(keys)
+        op = rng.choice(["insert", "insert", "delete"])
+        value = rng.choice([1, "ab", "z" * 60])  # some large
+        before = [a._idx[i] for i in range(0, 2 * a.nslots, 2)]
+        got = [_apply(t, op, key, value, C_ADD, c_delete if t is a else None) for t in (a, b)]
+        assert got[0] == got[1], (op, key, value)
+        assert bytes(a._buf) == bytes(b._buf), (op, key, value)
+        after = [a._idx[i] for i in range(0, 2 * a.nslots, 2)]
+        moved = [s for s in range(a.nslots) if after[s] and after[s] != before[s]]
+        shifted += op == "delete" and any(s % 16 == 15 for s in moved)
+    healthy(a)
+    assert shifted > 20 and deleted[0] > 300 and deleted[1] > 30, (shifted, deleted)
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 def test_probes_past_the_home_slot_and_around_the_index_end(rig_factory: Any) -> None:
     """Keys sharing the last home slot: the C path probes on, wrapping to slot 0, as the
     Python path does; a full table is refused by both (TableFull), nothing stored."""
@@ -135,7 +184,7 @@ def test_probes_past_the_home_slot_and_around_the_index_end(rig_factory: Any) ->
     assert sorted(k for k, _ in a.scan()) == sorted(keys[:SPEC[1]])
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 def test_the_c_path_stores_nothing_on_a_closed_table(rig_factory: Any) -> None:
     a, _, rig = _twins(rig_factory)
     pk = a.prepare("k")
@@ -146,7 +195,7 @@ def test_the_c_path_stores_nothing_on_a_closed_table(rig_factory: Any) -> None:
     assert bytes(rig.region(0)) == before
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 @pytest.mark.parametrize("bad", ["geometry past the region", "odd j", "hash 0",
                                  "payload too large", "record size times records overflows",
                                  "fewer than 16 slots"])
@@ -177,7 +226,7 @@ def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) ->
 C_STORES = 12  # the stores of add_small's write, in order (see _cwrite.c)
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 @pytest.mark.parametrize("home", ["free", "taken"])
 def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: Any,
                                                                    home: str) -> None:
@@ -215,7 +264,7 @@ def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: 
     assert outcome == [False] * 10 + [True] * 3, outcome
 
 
-@pytest.mark.skipif(C_ADD is None, reason="the C path is not built")
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 @pytest.mark.parametrize("where, value", [
     ("stamp", 2**64 - 1), ("stamp", 2**62 - 1), ("stamp", 2**62 - 2),
     ("version", 2**64 - 1), ("version", 2**64 - 2), ("version", 2**63)])
@@ -244,3 +293,96 @@ def test_garbage_counters_take_the_same_course_on_both_paths(rig_factory: Any, w
         assert t.delete("k") == 1 and t.lookup("k") == []
         assert max(s for *_, s, _ in (t._record(r) or (0, 0, 0, 0) for r in range(8))) < 2**62
     assert bytes(a._buf) == bytes(b._buf)
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_writer_killed_after_any_store_of_the_c_delete_is_repaired(rig_factory: Any,
+                                                                     which: str) -> None:
+    """A delete whose backward shift moves three entries back, one across a bucket boundary
+    (``first``), or none (``last``): for every n, a child holding the lock makes only the
+    first n stores of the C delete and SIGKILLs itself; the parent takes the unit over and
+    repairs (fsck), and requires exactly the rows before or after the delete (after, from some
+    store on), a clean second fsck and every record usable (the table fills to capacity)."""
+    rig = rig_factory([("set", 60, 160, 48, 3)])
+    t = rig.reset(0)
+    keys = same_home_keys(t, 4, home=14)  # slots 14, 15 | 16, 17: buckets 0 and 1
+    gone = keys[0] if which == "first" else keys[-1]
+
+    def fresh() -> Table:
+        t = rig.reset(0)
+        for i, k in enumerate(keys):
+            t.insert(k, i)
+        t.insert("other", "x")
+        return t
+
+    stores = None
+    for n in range(200):  # how many stores the delete makes: the first n that completes it
+        t = fresh()
+        pk = t.prepare(gone)
+        with t._lock:
+            if C_DELETE(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, n) == 1:
+                stores = n
+                break
+    assert stores is not None and stores >= (14 if which == "first" else 7), stores
+    before = sorted(fresh().scan(), key=repr)
+    after = sorted([r for r in before if r[0] != gone], key=repr)
+    outcome = []
+    for n in range(stores + 1):
+        t = fresh()
+        pk = t.prepare(gone)
+
+        def delete_then_die(t: Table = t, pk: Any = pk, n: int = n) -> None:
+            with t._lock:
+                C_DELETE(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, n)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        killed_holding(rig, delete_then_die)
+        with rig.lock:
+            t.fsck()
+            got = sorted(t.scan(), key=repr)
+            assert got in (before, after), f"killed after store {n}: {got}"
+            outcome.append(got == after)
+            healthy(t)
+            fills_to_capacity(t)  # no record leaked
+            healthy(t)
+    assert outcome[0] is False and outcome[-1] is True, outcome
+    assert outcome == sorted(outcome), outcome  # once gone, gone
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("case", ["a large row", "a record failing validation",
+                                  "no empty slot", "geometry past the region", "odd j",
+                                  "hash 0", "fewer than 16 slots"])
+def test_the_c_delete_declines_what_the_python_path_handles(rig_factory: Any,
+                                                            case: str) -> None:
+    """-1 and not one byte stored; then the Python path takes the delete as before (a large
+    row removed; a corrupt record or a full probe: TableCorrupted, which the write repairs)."""
+    a, _, rig = _twins(rig_factory)
+    a.insert("other", 1)
+    a.insert("k", "z" * 60 if case == "a large row" else "v")
+    pk = a.prepare("k")
+    geo, j, h = a._geo, pk.j, pk.hash
+    if case == "a record failing validation":
+        r = a._idx[a._find(pk)[0][0] * 2 + 1]
+        a._buf[a._heap + r * a.small_size + 24] ^= 1  # a byte of its key: the crc fails
+    elif case == "no empty slot":
+        for s in range(a.nslots):
+            if not a._idx[2 * s]:
+                a._idx[2 * s] = 1 << 40 | s  # a hash whose home is s
+    elif case == "geometry past the region":
+        geo = (geo[0] + 10**6, *geo[1:])
+    elif case == "odd j":
+        j += 1
+    elif case == "hash 0":
+        h = 0
+    elif case == "fewer than 16 slots":
+        geo = (*geo[:4], len(rig.region(0)), *geo[5:7], 8)
+        j = 0
+    before = bytes(rig.region(0))
+    with a._lock:
+        assert C_DELETE(a._buf, geo, j, h, pk.kbytes) == -1
+    assert bytes(rig.region(0)) == before
+    if case == "a large row":
+        assert a.delete("k") == 1 and a.lookup("k") == []
+        healthy(a)

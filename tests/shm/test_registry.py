@@ -16,7 +16,7 @@ from helpers import procs
 from helpers.names import leftovers
 from helpers.opcodes import at_bytecode
 from helpers.procs import child, reap, recv, stuck_mid_write
-from helpers.table_rig import healthy
+from helpers.table_rig import healthy, python_writes
 
 import shmcancel
 from shmcancel.cancel import tables as ct
@@ -30,7 +30,7 @@ from shmcancel.exceptions import (
     ShmCancelError,
 )
 from shmcancel.mcp import session_tables as st
-from shmcancel.shm import procinfo, registry, schema, writer
+from shmcancel.shm import procinfo, registry, schema
 from shmcancel.shm.names import lock_path, segment_path, sem_path
 from shmcancel.shm.registry import Registry, record_sizes
 
@@ -414,9 +414,9 @@ def test_a_registry_write_interrupted_mid_mutation_is_repaired_before_the_lock_g
     """The tables mark a mutation in progress on the registry lock's own ``dirty`` (through
     ``lock.flags``): an exception raised at any bytecode between a write's first and last
     store is repaired (fsck) before the lock is released, so the next reader finds the row
-    wholly there or wholly gone and a clean table. The Python path's bytecodes: a new small
-    row's C path runs none between its first store and its last."""
-    monkeypatch.setattr(writer, "_add_small", None)
+    wholly there or wholly gone and a clean table. The Python path's bytecodes
+    (python_writes)."""
+    python_writes(monkeypatch)
     reg = Registry.create(shm_name, Config(max_rows=100, in_flight_capacity=64))
     try:
         t = reg.table(ct.CANCELLATIONS)

@@ -1,11 +1,20 @@
-/* The common case of a table's new row in C (Writes._append, so add_held, insert and a bag's
- * add): a small record written from the top of the small class's free stack and published in
- * the first empty index slot of the key's probe, its word 0.
+/* The common cases of a table's writes in C: a new row (Writes._append, so add_held, insert and
+ * a bag's add), a small record written from the top of the small class's free stack and
+ * published in the first empty index slot of the key's probe, its word 0; and the removal of a
+ * key's rows (Writes._delete) when each is a small record.
  *
  * add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 when
- * the case is not the common one (table full, a large row, a damaged free stack, a stamp counter past its
- * bound, a probe without an empty slot, an offset past the region): then nothing was stored and
- * the caller takes the Python path, which handles (or repairs, or raises for) each of those.
+ * the case is not the common one (table full, a large row, a damaged free stack, a stamp
+ * counter past its bound, a probe without an empty slot, an offset past the region): then
+ * nothing was stored and the caller takes the Python path, which handles (or repairs, or raises for) each of those.
+ *
+ * delete_small(region, geometry, j, hash, kbytes[, stores]) -> rows removed, or -1 when the
+ * case is not the common one (a row of the key in a large record, a record failing validation,
+ * a probe without an empty slot, more than MAX_FOUND rows, a backward shift that could span
+ * more than MAX_SHIFT slots, an offset past the region): then nothing was stored. Each row goes
+ * as Writes._delete_slot removes it (backward shift, record freed), from the far end of the
+ * probe.
+ *
  * A bucket version wraps at 2**64, as the Python path's (garbage only: 2**64 writes never
  * happen).
  * The stores are the Python path's, in its order (layout.py, writer.py); the caller holds the
@@ -32,6 +41,8 @@
 #define SEED 0x5EED5EEDu
 #define STAMP_MAX (UINT64_C(1) << 62)
 #define NGEO 8
+#define MAX_FOUND 16   /* rows of one key delete_small removes (a set has one) */
+#define MAX_SHIFT 1000 /* slots a backward shift may span: its buckets fit `marked` */
 
 static uint32_t crc_table[256];
 
@@ -59,21 +70,23 @@ static int fits(Py_ssize_t off, Py_ssize_t n, Py_ssize_t size, Py_ssize_t len) {
            && !__builtin_add_overflow(off, span, &end) && end <= len;
 }
 
-static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    (void)mod;
-    if (nargs != 6 && nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "add_small takes 6 or 7 arguments");
-        return NULL;
-    }
-    long limit = -1, done = 0; /* stores to make (-1: all), stores made */
-    if (nargs == 7 && (limit = PyLong_AsLong(args[6])) == -1 && PyErr_Occurred())
-        return NULL;
-#define STORE(stmt) do { if (done++ == limit) goto stopped; stmt; } while (0)
+/* A call's region (a writable view), table geometry, probe start and hash */
+typedef struct {
+    Py_buffer view;
+    uint8_t *p;
+    Py_ssize_t heap, ssize, spayload, cap, ver_off, idx_off, free_off, nslots, j;
+    uint64_t h;
+} Call;
+
+/* Parse (region, geometry, j, hash, kbytes, ...): 1 with c->view held (release it), 0 when the
+   geometry is not one this code can check (nothing held: the caller returns -1), -1 with an
+   exception set. A geometry item below 0 is such a geometry; anything else is checked below. */
+static int call_open(Call *c, const char *name, PyObject *const *args) {
     PyObject *geo = args[1];
     if (!PyTuple_CheckExact(geo) || PyTuple_GET_SIZE(geo) != NGEO
-            || !PyBytes_CheckExact(args[4]) || !PyBytes_CheckExact(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "add_small: a geometry tuple and two bytes expected");
-        return NULL;
+            || !PyBytes_CheckExact(args[4])) {
+        PyErr_Format(PyExc_TypeError, "%s: a geometry tuple and bytes expected", name);
+        return -1;
     }
     /* heap offset, small record size, small payload, capacity, versions offset, index offset,
        free stacks offset, index slots */
@@ -81,37 +94,70 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     for (int i = 0; i < NGEO; i++) {
         g[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(geo, i));
         if (g[i] < 0)
-            return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+            return PyErr_Occurred() ? -1 : 0;
     }
-    Py_ssize_t heap = g[0], ssize = g[1], spayload = g[2], cap = g[3], ver_off = g[4],
-               idx_off = g[5], free_off = g[6], nslots = g[7];
-    Py_ssize_t j = PyLong_AsSsize_t(args[2]);
-    if (j < 0 && PyErr_Occurred())
-        return NULL;
+    c->heap = g[0], c->ssize = g[1], c->spayload = g[2], c->cap = g[3], c->ver_off = g[4],
+    c->idx_off = g[5], c->free_off = g[6], c->nslots = g[7];
+    c->j = PyLong_AsSsize_t(args[2]);
+    if (c->j < 0 && PyErr_Occurred())
+        return -1;
     unsigned long long h = PyLong_AsUnsignedLongLong(args[3]);
     if (h == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    c->h = h;
+    if (PyObject_GetBuffer(args[0], &c->view, PyBUF_WRITABLE) < 0)
+        return -1; /* a released view: the table is closed */
+    c->p = (uint8_t *)c->view.buf;
+    Py_ssize_t len = c->view.len, nslots = c->nslots, j = c->j, cap = c->cap;
+    if (((uintptr_t)c->p & 7) || h == 0 || nslots < 16 || nslots > (PY_SSIZE_T_MAX >> 5)
+            || (nslots & (nslots - 1)) || j < 0 || j >= 2 * nslots || (j & 1)
+            || cap >= PY_SSIZE_T_MAX || c->spayload > PY_SSIZE_T_MAX - REC_HEADER
+            || REC_HEADER + c->spayload > c->ssize || !fits(0, 8, 8, len)
+            || !fits(c->idx_off, nslots, 16, len) || !fits(c->ver_off, nslots / 16, 8, len)
+            || !fits(c->free_off, cap + 1, 4, len) || !fits(c->heap, cap + 1, c->ssize, len)
+            || (c->heap & 7) || (c->ssize & 7) || (c->idx_off & 7) || (c->ver_off & 7)
+            || (c->free_off & 3)) {
+        PyBuffer_Release(&c->view);
+        return 0;
+    }
+    return 1;
+}
+
+static int stores_limit(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, long *limit) {
+    *limit = -1; /* stores to make (-1: all) */
+    return nargs == n + 1 && (*limit = PyLong_AsLong(args[n])) == -1 && PyErr_Occurred();
+}
+
+#define STORE(stmt) do { if (done++ == limit) goto stopped; stmt; } while (0)
+
+static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "add_small takes 6 or 7 arguments");
         return NULL;
+    }
+    long limit, done = 0; /* stores to make (-1: all), stores made */
+    if (stores_limit(args, nargs, 6, &limit))
+        return NULL;
+    if (!PyBytes_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "add_small: a geometry tuple and two bytes expected");
+        return NULL;
+    }
+    Call c;
+    int ok = call_open(&c, "add_small", args);
+    if (ok <= 0)
+        return ok < 0 ? NULL : PyLong_FromLong(-1);
     const char *kb = PyBytes_AS_STRING(args[4]), *vb = PyBytes_AS_STRING(args[5]);
     Py_ssize_t kl = PyBytes_GET_SIZE(args[4]), vl = PyBytes_GET_SIZE(args[5]);
-
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
-        return NULL; /* a released view: the table is closed */
-    uint8_t *p = (uint8_t *)view.buf;
-    Py_ssize_t len = view.len;
+    uint8_t *p = c.p;
+    Py_ssize_t cap = c.cap, spayload = c.spayload, nslots = c.nslots;
     long r = -1;
-    if (((uintptr_t)p & 7) || h == 0 || nslots < 16 || nslots > (PY_SSIZE_T_MAX >> 5)
-            || (nslots & (nslots - 1)) || j < 0 || j >= 2 * nslots || (j & 1)
-            || cap >= PY_SSIZE_T_MAX || spayload > PY_SSIZE_T_MAX - REC_HEADER
-            || kl + vl > spayload || REC_HEADER + spayload > ssize || !fits(0, 8, 8, len)
-            || !fits(idx_off, nslots, 16, len) || !fits(ver_off, nslots / 16, 8, len)
-            || !fits(free_off, cap + 1, 4, len) || !fits(heap, cap + 1, ssize, len)
-            || (heap & 7) || (ssize & 7) || (idx_off & 7) || (ver_off & 7) || (free_off & 3))
+    if (kl + vl > spayload)
         goto done;
     uint64_t *hq = (uint64_t *)p;
-    uint64_t *ver = (uint64_t *)(p + ver_off);
-    uint64_t *idx = (uint64_t *)(p + idx_off);
-    uint32_t *freest = (uint32_t *)(p + free_off);
+    uint64_t *ver = (uint64_t *)(p + c.ver_off);
+    uint64_t *idx = (uint64_t *)(p + c.idx_off);
+    uint32_t *freest = (uint32_t *)(p + c.free_off);
     uint64_t top = hq[HDR_TOP];
     uint64_t stamp = hq[HDR_STAMP]; /* + 1 below: a counter of 2**64 - 1 must not wrap to 0 */
     if (hq[HDR_ROWS] >= (uint64_t)cap || top == 0 || top > (uint64_t)cap + 1
@@ -121,7 +167,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     uint32_t rec = freest[top - 1];
     if ((Py_ssize_t)rec > cap)
         goto done;
-    Py_ssize_t s = j, wmask = 2 * nslots - 1, n;
+    Py_ssize_t s = c.j, wmask = 2 * nslots - 1, n;
     if (idx[s]) { /* the home slot is taken: the first empty one after it */
         for (n = 0; n < nslots; n++) {
             s = (s + 2) & wmask;
@@ -132,7 +178,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
             goto done;
     }
 
-    uint8_t *rp = p + heap + (Py_ssize_t)rec * ssize;
+    uint8_t *rp = p + c.heap + (Py_ssize_t)rec * c.ssize;
     uint32_t seed = (uint32_t)((stamp ^ ((uint64_t)kl << 16) ^ (uint64_t)vl ^ SEED)
                                & 0xFFFFFFFFu);
     uint32_t crc = crc32_update(crc32_update(seed, (const uint8_t *)kb, (size_t)kl),
@@ -150,7 +196,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     STORE(__atomic_store_n(&ver[b], v + 1, __ATOMIC_RELAXED));
     __atomic_thread_fence(__ATOMIC_RELEASE); /* the record and the odd version, then the slot */
     STORE(__atomic_store_n(&idx[s + 1], (uint64_t)rec, __ATOMIC_RELAXED));
-    STORE(__atomic_store_n(&idx[s], (uint64_t)h, __ATOMIC_RELEASE));
+    STORE(__atomic_store_n(&idx[s], c.h, __ATOMIC_RELEASE));
     STORE(__atomic_store_n(&ver[b], v + 2, __ATOMIC_RELEASE));
     STORE(hq[HDR_ROWS] += 1);
     r = (long)rec;
@@ -158,7 +204,130 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 stopped:
     r = -2;
 done:
-    PyBuffer_Release(&view);
+    PyBuffer_Release(&c.view);
+    return PyLong_FromLong(r);
+}
+
+/* Whether small record rec (<= cap) passes Table._record's validation and holds key kb */
+static int small_record_is(const Call *c, uint64_t rec, const char *kb, Py_ssize_t kl,
+                           int *valid) {
+    const uint8_t *rp = c->p + c->heap + (Py_ssize_t)rec * c->ssize;
+    uint32_t lens[4];
+    uint64_t stamp;
+    memcpy(lens, rp, 16);
+    memcpy(&stamp, rp + 16, 8);
+    uint64_t n = (uint64_t)lens[1] + lens[2];
+    *valid = 0;
+    if (n > (uint64_t)c->spayload)
+        return 0;
+    uint32_t seed = (uint32_t)((stamp ^ ((uint64_t)lens[1] << 16) ^ (uint64_t)lens[2] ^ SEED)
+                               & 0xFFFFFFFFu);
+    if (crc32_update(seed, rp + REC_HEADER, (size_t)n) != lens[0])
+        return 0;
+    *valid = 1;
+    return (Py_ssize_t)lens[1] == kl && memcmp(rp + REC_HEADER, kb, (size_t)kl) == 0;
+}
+
+static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "delete_small takes 5 or 6 arguments");
+        return NULL;
+    }
+    long limit, done = 0;
+    if (stores_limit(args, nargs, 5, &limit))
+        return NULL;
+    Call c;
+    int ok = call_open(&c, "delete_small", args);
+    if (ok <= 0)
+        return ok < 0 ? NULL : PyLong_FromLong(-1);
+    const char *kb = PyBytes_AS_STRING(args[4]);
+    Py_ssize_t kl = PyBytes_GET_SIZE(args[4]);
+    uint8_t *p = c.p;
+    Py_ssize_t cap = c.cap, nslots = c.nslots, mask = nslots - 1, wmask = 2 * nslots - 1;
+    uint64_t *hq = (uint64_t *)p;
+    uint64_t *ver = (uint64_t *)(p + c.ver_off);
+    uint64_t *idx = (uint64_t *)(p + c.idx_off);
+    uint32_t *freest = (uint32_t *)(p + c.free_off);
+    long r = -1;
+
+    /* Table._find: the key's rows in probe order, up to the empty slot that ends the probe */
+    Py_ssize_t found[MAX_FOUND], nfound = 0, w = c.j, n;
+    for (n = 0; n < nslots; n++) {
+        uint64_t sh = idx[w];
+        if (!sh)
+            break;
+        if (sh == c.h) {
+            uint64_t rec = idx[w + 1];
+            int valid;
+            if (rec > (uint64_t)cap) /* a large record, or a bad one: the Python path's */
+                goto done;
+            if (small_record_is(&c, rec, kb, kl, &valid)) {
+                if (nfound == MAX_FOUND)
+                    goto done;
+                found[nfound++] = w >> 1;
+            } else if (!valid) {
+                goto done; /* Python raises TableCorrupted (and the write repairs) */
+            }
+        }
+        w = (w + 2) & wmask;
+    }
+    if (n == nslots)
+        goto done;
+    if (nfound && (((w >> 1) - found[0]) & mask) > MAX_SHIFT)
+        goto done; /* every shift below ends at or before slot w >> 1, empty now */
+
+    /* Writes._delete_slot of each, from the far end */
+    for (Py_ssize_t f = nfound - 1; f >= 0; f--) {
+        Py_ssize_t s = found[f], i = s, jj = s;
+        uint64_t rec = idx[2 * s + 1];
+        Py_ssize_t marked[MAX_SHIFT / 16 + 4]; /* the buckets of the span (see MAX_SHIFT) */
+        int nmarked = 0;
+        marked[nmarked++] = s >> 4;
+        STORE(__atomic_store_n(&ver[s >> 4], ver[s >> 4] + 1, __ATOMIC_RELAXED));
+        __atomic_thread_fence(__ATOMIC_RELEASE); /* the odd version, then the slots */
+        for (;;) {
+            jj = (jj + 1) & mask;
+            uint64_t hj = idx[2 * jj];
+            if (!hj)
+                break;
+            Py_ssize_t k = (Py_ssize_t)(hj & (uint64_t)mask);
+            /* the entry at jj stays if its home lies cyclically in (i, jj] */
+            if (i <= jj ? (i < k && k <= jj) : (i < k || k <= jj))
+                continue;
+            Py_ssize_t bj = jj >> 4;
+            int seen = 0;
+            for (int m = 0; m < nmarked; m++)
+                seen |= marked[m] == bj;
+            if (!seen) {
+                STORE(__atomic_store_n(&ver[bj], ver[bj] + 1, __ATOMIC_RELAXED));
+                __atomic_thread_fence(__ATOMIC_RELEASE);
+                marked[nmarked++] = bj;
+            }
+            STORE(__atomic_store_n(&idx[2 * i + 1], idx[2 * jj + 1], __ATOMIC_RELAXED));
+            STORE(__atomic_store_n(&idx[2 * i], hj, __ATOMIC_RELAXED));
+            i = jj;
+        }
+        STORE(__atomic_store_n(&idx[2 * i], 0, __ATOMIC_RELAXED));
+        STORE(__atomic_store_n(&idx[2 * i + 1], 0, __ATOMIC_RELAXED));
+        __atomic_thread_fence(__ATOMIC_RELEASE); /* the slots, then the even versions */
+        for (int m = 0; m < nmarked; m++)
+            STORE(__atomic_store_n(&ver[marked[m]], ver[marked[m]] + 1, __ATOMIC_RELAXED));
+        uint64_t rows = hq[HDR_ROWS];
+        if (rows) /* else the counter is garbage (check() recounts it); never store -1 */
+            STORE(hq[HDR_ROWS] = rows - 1);
+        uint64_t top = hq[HDR_TOP];
+        if (top <= (uint64_t)cap) { /* else the stack is damaged; fsck rebuilds it */
+            STORE(freest[top] = (uint32_t)rec);
+            STORE(hq[HDR_TOP] = top + 1);
+        }
+    }
+    r = (long)nfound;
+    goto done;
+stopped:
+    r = -2;
+done:
+    PyBuffer_Release(&c.view);
     return PyLong_FromLong(r);
 }
 
@@ -166,12 +335,15 @@ static PyMethodDef methods[] = {
     {"add_small", (PyCFunction)(void (*)(void))add_small, METH_FASTCALL,
      "add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 "
      "(nothing stored): see the module's source."},
+    {"delete_small", (PyCFunction)(void (*)(void))delete_small, METH_FASTCALL,
+     "delete_small(region, geometry, j, hash, kbytes[, stores]) -> rows removed, or -1 "
+     "(nothing stored): see the module's source."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "shmcancel.shm._cwrite",
-    "The common case of a table's new small row, in C (see writer.py).", -1, methods,
+    "The common cases of a table's writes, in C (see writer.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -39,12 +39,15 @@ from .layout import _LTOP, _M32, _M64, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _
 
 _T = TypeVar("_T")
 
-# A new small row's common case in C (_cwrite.c: _append, so add_held, and _add), unless it was not
-# built or SHMCANCEL_PURE_PYTHON is set (non-empty): then the Python path stores the same bytes
+# The common cases in C (_cwrite.c): a new small row (_append, so add_held, and _add) and a key's
+# small rows removed (_delete), unless it was not built or SHMCANCEL_PURE_PYTHON is set
+# (non-empty): then the Python path stores the same bytes
 _add_small: Callable[[memoryview, tuple[int, ...], int, int, bytes, bytes], int] | None = None
+_delete_small: Callable[[memoryview, tuple[int, ...], int, int, bytes], int] | None = None
 if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
     with contextlib.suppress(ImportError):
         from ._cwrite import add_small as _add_small
+        from ._cwrite import delete_small as _delete_small
 
 _BY_RECEIPT: Any = object()  # remove() without a value: by its receipt only
 
@@ -388,6 +391,10 @@ class Writes(Fsck):
         return self._write(self._delete, key)
 
     def _delete(self, key: PreparedKey) -> int:
+        if _delete_small is not None:  # its common case in one C call (_cwrite.c)
+            n = _delete_small(self._buf, self._geo, key.j, key.hash, key.kbytes)
+            if n >= 0:
+                return n
         lock = self._flags
         found = self._find(key)
         if found:
