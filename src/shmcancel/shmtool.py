@@ -296,8 +296,9 @@ def _registry_row(name: str) -> dict[str, Any]:
         # Other users' entries are left alone by both and block neither.
         row["state"] = state
         bad = _bad_own(own, skip=skip)
+        # the command for this registry alone: --stale without a NAME removes every stale one
         note([problem, *bad.values()],
-             f"shmtool unlink {name} removes it" if bad else "shmtool cleanup --stale removes it")
+             f"shmtool {'unlink' if bad else 'cleanup --stale'} {name} removes it")
         return row
 
     try:

@@ -486,7 +486,8 @@ def test_list_advises_removing_a_stale_registry_of_another_layout(shm_name):
         f.write((7).to_bytes(8, "little"))
     row, _ = list_row(shm_name)
     assert row["state"] == "stale", row
-    assert row["error"].endswith(": shmtool cleanup --stale removes it"), row
+    # the command for this registry alone (--stale without a NAME removes every stale one)
+    assert row["error"].endswith(f": shmtool cleanup --stale {shm_name} removes it"), row
     p = shmtool_cli("cleanup", "--stale", shm_name)
     assert p.returncode == 0, p
     assert not any(os.path.lexists(q) for q in paths(shm_name).values())
@@ -518,7 +519,7 @@ def test_another_users_entry_neither_blocks_nor_fails_removing_our_stale_registr
     before = os.lstat(foreign_fifo)
     row, line = list_row(shm_name)
     assert row["state"] == "stale", row
-    assert "shmtool cleanup --stale removes it" in row["error"], row
+    assert f"shmtool cleanup --stale {shm_name} removes it" in row["error"], row
     assert foreign_fifo in row["error"] and foreign_fifo in line, row  # reported, one line
     p = shmtool_cli(*command.split(), shm_name)
     assert p.returncode == 0, p
