@@ -12,7 +12,10 @@ What MCP narrows in JSON-RPC (and what this module therefore rejects):
 Every rejection of :func:`decode` and :func:`parse` is an :class:`RpcError` with HTTP 400 and
 ``"id": null`` (contract §5: a message that is not a valid envelope is not a request the server
 read, whatever id it carries; the official SDK's server answers the same); errors of requests
-that were read carry their id. No input makes this module raise anything else.
+that were read carry their id, with HTTP 200: a ``params`` that is not an object, and a string id
+past shmcancel's cap (a valid JSON-RPC and MCP id, which the official SDK's server would serve:
+answered ``-32600`` for that id, as the SDK integration answers it). No input makes this module
+raise anything else.
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ def _valid_id(value: Any) -> bool:
 def parse(obj: Any) -> Message:
     """Classify a decoded body as a :class:`Request`, :class:`Notification` or client
     :class:`Response`, validating the envelope. Raises :class:`RpcError`: HTTP 400, but for a
-    request (a valid id) whose ``params`` is not an object, its ``-32602`` for that id (200)."""
+    request (a valid id) whose ``params`` is not an object, its ``-32602`` for that id (200),
+    and for a request whose string id is past the cap, its ``-32600`` for that id (200)."""
     if isinstance(obj, list):
         raise RpcError(codes.INVALID_REQUEST,
                        "Batch requests are not supported: send one JSON-RPC message per POST")
@@ -137,6 +141,9 @@ def parse(obj: Any) -> Message:
     if not isinstance(method, str):
         raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "method" must be a string')
     if has_id and echo is None:
+        if isinstance(raw_id, str):  # a request all the same: answered for its id (§5)
+            raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id),
+                           id=raw_id, status=200)
         raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
