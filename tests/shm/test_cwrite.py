@@ -226,29 +226,20 @@ def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) ->
 C_STORES = 12  # the stores of add_small's write, in order (see _cwrite.c)
 
 
-@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
-@pytest.mark.parametrize("home", ["free", "taken"])
-def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: Any,
-                                                                   home: str) -> None:
-    """For every n: fork; the child, holding the lock, makes only the first n stores of a new
-    row's C write and SIGKILLs itself (a writer killed right there); the parent takes the dead
-    holder's unit over and repairs (fsck), and requires exactly the rows before or after the
-    write, a clean second fsck, and every record usable (the table fills to its capacity, no
-    more). Catches a store order fsck cannot repair (the slot published before its record)."""
-    rig = rig_factory([SPEC])
+def _killed_after_each_store(rig: Rig, fresh: Any, stores: int, write: Any,
+                             before: list[Any], after: list[Any]) -> list[bool]:
+    """For every n up to ``stores``: on ``fresh()``'s table a forked child, holding the lock,
+    runs ``write(t, n)`` (a C write making only its first n stores) and SIGKILLs itself; the
+    parent takes the dead holder's unit over, repairs (fsck) and requires exactly the rows
+    ``before`` or ``after``, a clean second fsck and every record usable (the table fills to
+    its capacity, no more). Whether each n ended with the rows ``after``."""
     outcome = []
-    for n in range(C_STORES + 1):
-        t = rig.reset(0)
-        first, new = same_home_keys(t, 2) if home == "taken" else ("k0", "k1")
-        t.insert(first, 1)
-        t.insert("other", "x")
-        before = sorted(t.scan(), key=repr)
-        after = sorted([*before, (new, "v")], key=repr)
-        pk = t.prepare(new)
+    for n in range(stores + 1):
+        t = fresh()
 
-        def write_then_die(t: Table = t, pk: Any = pk, n: int = n) -> None:
+        def write_then_die(t: Table = t, n: int = n) -> None:
             with t._lock:
-                C_ADD(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, b"\xa1v", n)
+                write(t, n)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         killed_holding(rig, write_then_die)
@@ -260,6 +251,35 @@ def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: 
             healthy(t)
             fills_to_capacity(t)  # no record leaked
             healthy(t)
+    return outcome
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("home", ["free", "taken"])
+def test_a_writer_killed_after_any_store_of_the_c_path_is_repaired(rig_factory: Any,
+                                                                   home: str) -> None:
+    """For every n: fork; the child, holding the lock, makes only the first n stores of a new
+    row's C write and SIGKILLs itself (a writer killed right there); the parent takes the dead
+    holder's unit over and repairs (fsck), and requires exactly the rows before or after the
+    write, a clean second fsck, and every record usable (the table fills to its capacity, no
+    more). Catches a store order fsck cannot repair (the slot published before its record)."""
+    rig = rig_factory([SPEC])
+    t = rig.reset(0)
+    first, new = same_home_keys(t, 2) if home == "taken" else ("k0", "k1")
+
+    def fresh() -> Table:
+        t = rig.reset(0)
+        t.insert(first, 1)
+        t.insert("other", "x")
+        return t
+
+    before = sorted(fresh().scan(), key=repr)
+    after = sorted([*before, (new, "v")], key=repr)
+    outcome = _killed_after_each_store(
+        rig, fresh, C_STORES,
+        lambda t, n: C_ADD(t._buf, t._geo, (pk := t.prepare(new)).j, pk.hash, pk.kbytes,
+                           b"\xa1v", n),
+        before, after)
     # the row is in from its slot's hash store on (the store that publishes it)
     assert outcome == [False] * 10 + [True] * 3, outcome
 
@@ -327,25 +347,10 @@ def test_a_writer_killed_after_any_store_of_the_c_delete_is_repaired(rig_factory
     assert stores is not None and stores >= (14 if which == "first" else 7), stores
     before = sorted(fresh().scan(), key=repr)
     after = sorted([r for r in before if r[0] != gone], key=repr)
-    outcome = []
-    for n in range(stores + 1):
-        t = fresh()
-        pk = t.prepare(gone)
-
-        def delete_then_die(t: Table = t, pk: Any = pk, n: int = n) -> None:
-            with t._lock:
-                C_DELETE(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, n)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        killed_holding(rig, delete_then_die)
-        with rig.lock:
-            t.fsck()
-            got = sorted(t.scan(), key=repr)
-            assert got in (before, after), f"killed after store {n}: {got}"
-            outcome.append(got == after)
-            healthy(t)
-            fills_to_capacity(t)  # no record leaked
-            healthy(t)
+    outcome = _killed_after_each_store(
+        rig, fresh, stores,
+        lambda t, n: C_DELETE(t._buf, t._geo, (pk := t.prepare(gone)).j, pk.hash, pk.kbytes, n),
+        before, after)
     assert outcome[0] is False and outcome[-1] is True, outcome
     assert outcome == sorted(outcome), outcome  # once gone, gone
 
