@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from shmcancel.exceptions import TableFull
 from shmcancel.shm import writer
+from shmcancel.shm.base import TableCorrupted
 from shmcancel.shm.table import Table
 
 pytestmark = pytest.mark.skipif(writer._add_small is None and bool(
@@ -391,3 +392,48 @@ def test_the_c_delete_declines_what_the_python_path_handles(rig_factory: Any,
     if case == "a large row":
         assert a.delete("k") == 1 and a.lookup("k") == []
         healthy(a)
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("nslots", [16, 128])
+def test_a_delete_whose_index_changes_under_it_stops_and_is_repaired(rig_factory: Any,
+                                                                     nslots: int) -> None:
+    """Another process writes the slot a delete's probe found empty before the backward shift
+    reaches it (a hostile user with the segment's file, or a bug). The shift ran on past it
+    without a bound: on a full small index it never ended (the lock held), on a large one it
+    marked more buckets than its array holds (a crash). Now it stops at that slot, leaving what
+    a killed writer leaves; the delete raises TableCorrupted at once, and the write's repair
+    restores a sound table."""
+    cap = 7 if nslots == 16 else 60
+    rig = rig_factory([("set", cap, 160, 48, 3)])
+    t = rig.reset(0)
+    assert t.nslots == nslots
+    keys = same_home_keys(t, cap, home=3)  # one cluster from slot 3 on
+    for i, k in enumerate(keys):
+        t.insert(k, i)
+    empty = (3 + cap) % nslots  # the slot that ends the cluster's probe
+    assert not t._idx[2 * empty] and t._idx[2 * (empty - 1)]
+    pk = t.prepare(keys[0])
+    with t._lock:
+        got = C_DELETE(t._buf, t._geo, pk.j, pk.hash, pk.kbytes, -1, 2 * empty, pk.hash)
+        assert got == -3
+        assert any(v % 2 for v in t._ver), "stopped mid-shift: a version left odd"
+        t.fsck()
+    healthy(t)
+    assert sorted(k for k, _ in t.scan()) in (sorted(keys[1:]), sorted(keys))
+    # through the table: the index changed under the delete, TableCorrupted, repaired (fsck)
+    t = rig.reset(0)
+    for i, k in enumerate(keys):
+        t.insert(k, i)
+    saved = writer._delete_small
+    writer._delete_small = lambda *a: C_DELETE(*a, -1, 2 * empty, pk.hash) \
+        if a[3] == pk.hash else C_DELETE(*a)
+    try:
+        with pytest.raises(TableCorrupted, match="the index changed under a delete"), t._lock:
+            t._delete(t.prepare(keys[0]))
+    finally:
+        writer._delete_small = saved
+    with t._lock:
+        t.fsck()
+    healthy(t)
+    fills_to_capacity(t)

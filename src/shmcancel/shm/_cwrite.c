@@ -6,14 +6,18 @@
  * add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 when
  * the case is not the common one (table full, a large row, a damaged free stack, a stamp
  * counter past its bound, a probe without an empty slot, an offset past the region): then
- * nothing was stored and the caller takes the Python path, which handles (or repairs, or raises for) each of those.
+ * nothing was stored and the caller takes the Python path, which handles (or repairs, or
+ * raises for) each of those.
  *
- * delete_small(region, geometry, j, hash, kbytes[, stores]) -> rows removed, or -1 when the
+ * delete_small(region, geometry, j, hash, kbytes[, stores[, scribble_word, scribble_value]])
+ * -> rows removed, or -1 when the
  * case is not the common one (a row of the key in a large record, a record failing validation,
  * a probe without an empty slot, more than MAX_FOUND rows, a backward shift that could span
  * more than MAX_SHIFT slots, an offset past the region): then nothing was stored. Each row goes
  * as Writes._delete_slot removes it (backward shift, record freed), from the far end of the
- * probe.
+ * probe. -3: a shift found the index changed under it (only another process writing without
+ * the lock does that) and stopped part-way, leaving what a killed writer leaves; the caller
+ * raises TableCorrupted, whose repair (fsck) restores a sound table.
  *
  * A bucket version wraps at 2**64, as the Python path's (garbage only: 2**64 writes never
  * happen).
@@ -24,6 +28,8 @@
  *
  * `stores` (tests only): make only the first `stores` of its stores and return -2, as a writer
  * killed there would leave the region (tests/shm/test_cwrite.py kills itself right after).
+ * delete_small's `scribble_word, scribble_value` (tests only): store that index word between
+ * the probe and the first store, as another process writing without the lock could.
  *
  * Memory ordering: every store into the index and the versions is an atomic store, and a
  * release fence orders the record and the odd version before the slot, the slot before the even
@@ -129,6 +135,9 @@ static int stores_limit(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, l
 }
 
 #define STORE(stmt) do { if (done++ == limit) goto stopped; stmt; } while (0)
+/* One read of a shared word: another process may write the segment meanwhile (a hostile one,
+   or a bug), so a value checked is the value used, never read again by the compiler. */
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 
 static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
@@ -158,20 +167,20 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     uint64_t *ver = (uint64_t *)(p + c.ver_off);
     uint64_t *idx = (uint64_t *)(p + c.idx_off);
     uint32_t *freest = (uint32_t *)(p + c.free_off);
-    uint64_t top = hq[HDR_TOP];
-    uint64_t stamp = hq[HDR_STAMP]; /* + 1 below: a counter of 2**64 - 1 must not wrap to 0 */
-    if (hq[HDR_ROWS] >= (uint64_t)cap || top == 0 || top > (uint64_t)cap + 1
+    uint64_t top = LOAD(hq[HDR_TOP]);
+    uint64_t stamp = LOAD(hq[HDR_STAMP]); /* + 1 below: 2**64 - 1 must not wrap to 0 */
+    if (LOAD(hq[HDR_ROWS]) >= (uint64_t)cap || top == 0 || top > (uint64_t)cap + 1
             || stamp >= STAMP_MAX - 1)
         goto done;
     stamp += 1;
-    uint32_t rec = freest[top - 1];
+    uint32_t rec = LOAD(freest[top - 1]);
     if ((Py_ssize_t)rec > cap)
         goto done;
     Py_ssize_t s = c.j, wmask = 2 * nslots - 1, n;
-    if (idx[s]) { /* the home slot is taken: the first empty one after it */
+    if (LOAD(idx[s])) { /* the home slot is taken: the first empty one after it */
         for (n = 0; n < nslots; n++) {
             s = (s + 2) & wmask;
-            if (!idx[s])
+            if (!LOAD(idx[s]))
                 break;
         }
         if (n == nslots)
@@ -185,7 +194,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
                                 (const uint8_t *)vb, (size_t)vl);
     uint32_t lens[4] = {crc, (uint32_t)kl, (uint32_t)vl, 0};
     Py_ssize_t b = s >> 5;
-    uint64_t v = __atomic_load_n(&ver[b], __ATOMIC_RELAXED);
+    uint64_t v = LOAD(ver[b]);
     STORE(hq[HDR_STAMP] = stamp);
     STORE(memcpy(rp, lens, 16));
     STORE(memcpy(rp + 16, &stamp, 8));
@@ -198,7 +207,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     STORE(__atomic_store_n(&idx[s + 1], (uint64_t)rec, __ATOMIC_RELAXED));
     STORE(__atomic_store_n(&idx[s], c.h, __ATOMIC_RELEASE));
     STORE(__atomic_store_n(&ver[b], v + 2, __ATOMIC_RELEASE));
-    STORE(hq[HDR_ROWS] += 1);
+    STORE(hq[HDR_ROWS] = LOAD(hq[HDR_ROWS]) + 1);
     r = (long)rec;
     goto done;
 stopped:
@@ -212,10 +221,9 @@ done:
 static int small_record_is(const Call *c, uint64_t rec, const char *kb, Py_ssize_t kl,
                            int *valid) {
     const uint8_t *rp = c->p + c->heap + (Py_ssize_t)rec * c->ssize;
-    uint32_t lens[4];
-    uint64_t stamp;
-    memcpy(lens, rp, 16);
-    memcpy(&stamp, rp + 16, 8);
+    const uint64_t *hw = (const uint64_t *)rp; /* crc | kl, vl | word, stamp: 8-aligned */
+    uint64_t w0 = LOAD(hw[0]), w1 = LOAD(hw[1]), stamp = LOAD(hw[2]);
+    uint32_t lens[3] = {(uint32_t)w0, (uint32_t)(w0 >> 32), (uint32_t)w1};
     uint64_t n = (uint64_t)lens[1] + lens[2];
     *valid = 0;
     if (n > (uint64_t)c->spayload)
@@ -230,13 +238,21 @@ static int small_record_is(const Call *c, uint64_t rec, const char *kb, Py_ssize
 
 static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     (void)mod;
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "delete_small takes 5 or 6 arguments");
+    if (nargs != 5 && nargs != 6 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "delete_small takes 5, 6 or 8 arguments");
         return NULL;
     }
     long limit, done = 0;
-    if (stores_limit(args, nargs, 5, &limit))
+    if (stores_limit(args, nargs < 6 ? nargs : 6, 5, &limit))
         return NULL;
+    Py_ssize_t scribble = -1; /* tests only: the index word another process writes (below) */
+    unsigned long long scribbled = 0;
+    if (nargs == 8) {
+        scribble = PyLong_AsSsize_t(args[6]);
+        scribbled = PyLong_AsUnsignedLongLong(args[7]);
+        if (PyErr_Occurred())
+            return NULL;
+    }
     Call c;
     int ok = call_open(&c, "delete_small", args);
     if (ok <= 0)
@@ -253,18 +269,20 @@ static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t n
 
     /* Table._find: the key's rows in probe order, up to the empty slot that ends the probe */
     Py_ssize_t found[MAX_FOUND], nfound = 0, w = c.j, n;
+    uint64_t recs[MAX_FOUND];
     for (n = 0; n < nslots; n++) {
-        uint64_t sh = idx[w];
+        uint64_t sh = LOAD(idx[w]);
         if (!sh)
             break;
         if (sh == c.h) {
-            uint64_t rec = idx[w + 1];
+            uint64_t rec = LOAD(idx[w + 1]);
             int valid;
             if (rec > (uint64_t)cap) /* a large record, or a bad one: the Python path's */
                 goto done;
             if (small_record_is(&c, rec, kb, kl, &valid)) {
                 if (nfound == MAX_FOUND)
                     goto done;
+                recs[nfound] = rec;
                 found[nfound++] = w >> 1;
             } else if (!valid) {
                 goto done; /* Python raises TableCorrupted (and the write repairs) */
@@ -274,23 +292,31 @@ static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t n
     }
     if (n == nslots)
         goto done;
-    if (nfound && (((w >> 1) - found[0]) & mask) > MAX_SHIFT)
-        goto done; /* every shift below ends at or before slot w >> 1, empty now */
+    Py_ssize_t empty = w >> 1; /* every shift below ends at or before this slot, empty now */
+    if (nfound && ((empty - found[0]) & mask) > MAX_SHIFT)
+        goto done;
+    if (scribble >= 0 && scribble < 2 * nslots) /* as another process would, right now */
+        __atomic_store_n(&idx[scribble], (uint64_t)scribbled, __ATOMIC_RELAXED);
 
     /* Writes._delete_slot of each, from the far end */
     for (Py_ssize_t f = nfound - 1; f >= 0; f--) {
-        Py_ssize_t s = found[f], i = s, jj = s;
-        uint64_t rec = idx[2 * s + 1];
+        Py_ssize_t s = found[f], i = s, jj = s, steps = ((empty - s) & mask) - 1;
+        uint64_t rec = recs[f];
         Py_ssize_t marked[MAX_SHIFT / 16 + 4]; /* the buckets of the span (see MAX_SHIFT) */
         int nmarked = 0;
         marked[nmarked++] = s >> 4;
-        STORE(__atomic_store_n(&ver[s >> 4], ver[s >> 4] + 1, __ATOMIC_RELAXED));
+        STORE(__atomic_store_n(&ver[s >> 4], LOAD(ver[s >> 4]) + 1, __ATOMIC_RELAXED));
         __atomic_thread_fence(__ATOMIC_RELEASE); /* the odd version, then the slots */
         for (;;) {
             jj = (jj + 1) & mask;
-            uint64_t hj = idx[2 * jj];
+            uint64_t hj = LOAD(idx[2 * jj]);
             if (!hj)
                 break;
+            /* Past the slot the probe found empty, or out of room to mark: another process
+               wrote the index meanwhile. Stopped mid-shift (marked versions odd), the state a
+               killed writer leaves: the caller raises TableCorrupted and the write repairs. */
+            if (steps-- <= 0 || nmarked == (int)(sizeof marked / sizeof marked[0]))
+                goto corrupt;
             Py_ssize_t k = (Py_ssize_t)(hj & (uint64_t)mask);
             /* the entry at jj stays if its home lies cyclically in (i, jj] */
             if (i <= jj ? (i < k && k <= jj) : (i < k || k <= jj))
@@ -300,11 +326,11 @@ static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t n
             for (int m = 0; m < nmarked; m++)
                 seen |= marked[m] == bj;
             if (!seen) {
-                STORE(__atomic_store_n(&ver[bj], ver[bj] + 1, __ATOMIC_RELAXED));
+                STORE(__atomic_store_n(&ver[bj], LOAD(ver[bj]) + 1, __ATOMIC_RELAXED));
                 __atomic_thread_fence(__ATOMIC_RELEASE);
                 marked[nmarked++] = bj;
             }
-            STORE(__atomic_store_n(&idx[2 * i + 1], idx[2 * jj + 1], __ATOMIC_RELAXED));
+            STORE(__atomic_store_n(&idx[2 * i + 1], LOAD(idx[2 * jj + 1]), __ATOMIC_RELAXED));
             STORE(__atomic_store_n(&idx[2 * i], hj, __ATOMIC_RELAXED));
             i = jj;
         }
@@ -312,17 +338,21 @@ static PyObject *delete_small(PyObject *mod, PyObject *const *args, Py_ssize_t n
         STORE(__atomic_store_n(&idx[2 * i + 1], 0, __ATOMIC_RELAXED));
         __atomic_thread_fence(__ATOMIC_RELEASE); /* the slots, then the even versions */
         for (int m = 0; m < nmarked; m++)
-            STORE(__atomic_store_n(&ver[marked[m]], ver[marked[m]] + 1, __ATOMIC_RELAXED));
-        uint64_t rows = hq[HDR_ROWS];
+            STORE(__atomic_store_n(&ver[marked[m]], LOAD(ver[marked[m]]) + 1,
+                                   __ATOMIC_RELAXED));
+        uint64_t rows = LOAD(hq[HDR_ROWS]);
         if (rows) /* else the counter is garbage (check() recounts it); never store -1 */
             STORE(hq[HDR_ROWS] = rows - 1);
-        uint64_t top = hq[HDR_TOP];
+        uint64_t top = LOAD(hq[HDR_TOP]);
         if (top <= (uint64_t)cap) { /* else the stack is damaged; fsck rebuilds it */
             STORE(freest[top] = (uint32_t)rec);
             STORE(hq[HDR_TOP] = top + 1);
         }
     }
     r = (long)nfound;
+    goto done;
+corrupt:
+    r = -3;
     goto done;
 stopped:
     r = -2;

@@ -391,11 +391,14 @@ class Writes(Fsck):
         return self._write(self._delete, key)
 
     def _delete(self, key: PreparedKey) -> int:
+        lock = self._flags
         if _delete_small is not None:  # its common case in one C call (_cwrite.c)
             n = _delete_small(self._buf, self._geo, key.j, key.hash, key.kbytes)
             if n >= 0:
                 return n
-        lock = self._flags
+            if n == -3:  # stopped mid-shift: the index changed under it (see _cwrite.c)
+                lock.dirty = True
+                raise TableCorrupted(f"table {self.name!r}: the index changed under a delete")
         found = self._find(key)
         if found:
             lock.dirty = True
