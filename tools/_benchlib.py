@@ -49,8 +49,9 @@ class GunicornServer:
         self.kind = kind
         self.registry = f"{registry_prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         full_env = {**os.environ, "SHMCANCEL_REGISTRY": self.registry, **env}
-        if src:
-            full_env["PYTHONPATH"] = os.path.abspath(src)
+        if src:  # first on the path, before what PYTHONPATH held (a bench's own additions)
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (os.path.abspath(src), os.environ.get("PYTHONPATH")) if p)
         gunicorn = Path(sys.executable).parent / "gunicorn"
         self.log = os.path.join(pythonpath, f"{label}.log")
         with open(self.log, "wb") as out:
@@ -92,18 +93,23 @@ class GunicornServer:
             total += int(stat[11]) + int(stat[12])
         return total / os.sysconf("SC_CLK_TCK")
 
-    def worker_run_ns(self) -> int:
+    def worker_run_ns(self, by_name: dict[str, int] | None = None) -> int:
         """Nanoseconds the workers' live threads have run on a CPU (``/proc/<pid>/task/*/
         schedstat``): finer than :meth:`worker_cpu`'s clock ticks, for spans of milliseconds,
         but a thread that ended within the span loses its time (gunicorn's threads live as
-        long as their worker)."""
+        long as their worker). ``by_name``: also summed there by thread name (``comm``; a
+        worker's main thread as ``"main"``)."""
         total = 0
         for pid in self.worker_pids():
             with contextlib.suppress(OSError):
                 for task in os.listdir(f"/proc/{pid}/task"):
                     with contextlib.suppress(OSError, ValueError, IndexError):
-                        total += int(Path(f"/proc/{pid}/task/{task}/schedstat")
-                                     .read_text().split()[0])
+                        ns = int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+                        total += ns
+                        if by_name is not None:
+                            name = "main" if task == pid else \
+                                Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()
+                            by_name[name] = by_name.get(name, 0) + ns
         return total
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 
     python tools/bench_burst.py [--calls 50] [--rounds 5] [--seq 20] [--workers 4]
                                 [--threads 16] [--wire legacy|modern|both] [--target-ms 15]
-                                [--check]
+                                [--by-thread] [--check]
 
 The example app (``examples/gunicorn``, as shipped) under gunicorn ``gthread`` (``--workers`` x
 ``--threads``, ``--reuse-port``: a listening socket per worker, so that the kernel spreads the
@@ -28,6 +28,9 @@ call (a thread blocked on a datagram socket of its own) until a request of its o
 connection, sends it one datagram: what a burst costs gunicorn and this machine with the
 cheapest cross-worker cancellation there is, no MCP and no registry.
 ``sequential``: the same as the burst, one call at a time (``--seq`` per round).
+``--by-thread``: the workers' CPU a burst also by thread (``pool``: gunicorn's request threads,
+``main``: its main threads, ``disconnect``: our watcher threads, ...), each thread of the two
+gunicorns named by its role (``prctl``) by a ``sitecustomize`` given to them only.
 Prints p50/p99/max of the latencies over all rounds (ms), the range of the rounds' p99, and
 whether the burst p99 meets ``--target-ms`` (``--check``: exit 1 when it does not). A run that
 measured no burst, or in which a cancelled call was not answered ``-32800`` (legacy) or did not
@@ -106,6 +109,29 @@ def app(environ, start_response):
                 pass
     start_response("202 Accepted", [("Content-Length", "0")])  # else: gunicorn alone
     return [b""]
+"""
+
+
+# --by-thread: names each thread of the gunicorns by its role, for /proc/<pid>/task/*/comm
+_THREAD_NAMES = """import ctypes
+import threading
+
+try:
+    _prctl = ctypes.CDLL(None).prctl
+except (OSError, AttributeError):
+    _prctl = None
+_run = threading.Thread._bootstrap_inner
+
+
+def _named(self):
+    if _prctl is not None:
+        n = self.name
+        role = "pool" if n.startswith("ThreadPoolExecutor") else n.removeprefix("shmcancel-")
+        _prctl(15, role[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+    _run(self)
+
+
+threading.Thread._bootstrap_inner = _named
 """
 
 
@@ -274,6 +300,8 @@ class Bench:
         # per burst / floor: (workers' CPU, this process's CPU, wall), seconds, from the first
         # send to the last answer
         self.cpu: dict[str, list[tuple[float, float, float]]] = {}
+        self.by_thread: dict[str, list[dict[str, int]]] | None = None  # mode -> per burst
+        self._names0: dict[str, int] = {}  # by thread name, at the span's start
 
     def close(self) -> None:
         self.reader.close()
@@ -294,7 +322,9 @@ class Bench:
         return max(per_pid.values(), default=0) >= self.threads
 
     def _cpu0(self, server: GunicornServer | None = None) -> tuple[int, float, float]:
-        return (server or self.server).worker_run_ns(), time.process_time(), _now()
+        self._names0 = {}
+        names = self._names0 if self.by_thread is not None else None
+        return (server or self.server).worker_run_ns(names), time.process_time(), _now()
 
     def _cpu1(self, mode: str | None, t0: tuple[int, float, float] | None,
               last: list[float | None], server: GunicornServer | None = None) -> None:
@@ -303,10 +333,14 @@ class Bench:
         if mode is None or t0 is None:
             return
         client = time.process_time() - t0[1]
-        workers = ((server or self.server).worker_run_ns() - t0[0]) / 1e9
+        names: dict[str, int] | None = {} if self.by_thread is not None else None
+        workers = ((server or self.server).worker_run_ns(names) - t0[0]) / 1e9
         ends = [t for t in last if t is not None]
         if ends:
             self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
+            if names is not None and self.by_thread is not None:
+                self.by_thread.setdefault(mode, []).append(
+                    {k: v - self._names0.get(k, 0) for k, v in names.items()})
 
     def _notify(self, rid: int, port: int | None = None) -> _Call:
         port = self.port if port is None else port
@@ -459,6 +493,19 @@ def _print_cpu(cpu: dict[str, list[tuple[float, float, float]]]) -> None:
               f"{wall:6.2f}")
 
 
+def _print_by_thread(by_thread: dict[str, list[dict[str, int]]]) -> None:
+    """Per mode, the median CPU one burst cost each kind of the workers' threads (ms)."""
+    print("  the workers' CPU per burst by thread (--by-thread; medians, ms):")
+    for mode in ("sequential", "burst", "floor", "bare", "bare burst"):
+        spans = by_thread.get(mode)
+        if not spans:
+            continue
+        names = sorted({k for d in spans for k in d})
+        med = {k: statistics.median(d.get(k, 0) for d in spans) / 1e6 for k in names}
+        print(f"  {mode:10s} " + "  ".join(f"{k} {med[k]:.2f}" for k in
+                                           sorted(names, key=lambda k: -med[k])))
+
+
 def run(a: argparse.Namespace) -> tuple[bool, bool]:
     """Run and print the benchmark; ``(every target met, every run valid)``: a run is not
     valid when it measured nothing or a cancelled call was lost."""
@@ -466,6 +513,12 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
         write_wrapper(tmp)
         Path(tmp, "bench_burst_bare.py").write_text(_BARE_APP)
+        saved_path = os.environ.get("PYTHONPATH")
+        if a.by_thread:  # the gunicorns only: this process started without it
+            Path(tmp, "names").mkdir()
+            Path(tmp, "names", "sitecustomize.py").write_text(_THREAD_NAMES)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(Path(tmp, "names")), saved_path) if p)
         servers: list[GunicornServer] = []
         try:  # the first one stopped too when the second does not start
             servers.append(Server(tmp, "gthread", True, a.src, threads=a.threads,
@@ -476,6 +529,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
             server, bare = servers
             for wire in (["legacy", "modern"] if a.wire == "both" else [a.wire]):
                 b = Bench(server, wire, a.threads)
+                if a.by_thread:
+                    b.by_thread = {}
                 try:
                     # warm every worker up, never with all of one worker's threads: its
                     # notifications would queue behind the calls they cancel (gthread accepts
@@ -529,6 +584,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                         print(f"  (notifications answered 202: p50 {_pct(ans, 0.5) * 1e3:.2f}"
                               f" p99 {_pct(ans, 0.99) * 1e3:.2f} ms)")
                     _print_cpu(b.cpu)
+                    if b.by_thread is not None:
+                        _print_by_thread(b.by_thread)
                     flat = [x for r in got["burst"] for x in r]
                     if b.lost:
                         valid = False  # a cancelled call not answered -32800: a failure
@@ -557,6 +614,10 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
         finally:
             for s in servers:
                 s.close()
+            if saved_path is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved_path
     return ok, valid
 
 
@@ -570,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wire", choices=["legacy", "modern", "both"], default="both")
     ap.add_argument("--target-ms", type=float, default=15.0)
     ap.add_argument("--src", help="the src directory gunicorn serves (default: this checkout)")
+    ap.add_argument("--by-thread", action="store_true",
+                    help="also the workers' CPU per burst by thread (request, main, watcher)")
     ap.add_argument("--check", action="store_true", help="exit 1 when the target is missed")
     a = ap.parse_args(argv)
     if not 1 <= a.calls <= 1000 or not 1 <= a.rounds <= 100 or not 0 <= a.seq <= 1000:

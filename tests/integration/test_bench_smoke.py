@@ -113,6 +113,21 @@ def test_burst_bench_measures_the_modern_wire_with_every_thread_taken() -> None:
     assert leftovers(pid) == []
 
 
+def test_burst_bench_by_thread_names_each_kind_of_thread() -> None:
+    """``--by-thread`` names the gunicorns' threads by role and splits the workers' CPU a burst
+    by them: request threads (``pool``), main threads, and our watcher threads (``disconnect``),
+    which the bare app has none of."""
+    rc, out, pid = run_bench("--calls", "3", "--rounds", "1", "--seq", "1", "--workers", "2",
+                             "--threads", "4", "--wire", "legacy", "--by-thread", script=BURST)
+    assert rc == 0, out[-3000:]
+    block = out.split("by thread (--by-thread", 1)[1].split("target burst", 1)[0]
+    lines = {m[1]: m[2] for m in re.finditer(r"^  (burst|bare burst|floor) +(.*)$", block, re.M)}
+    cpu = {mode: dict(re.findall(r"([\w-]+) ([\d.]+)", text)) for mode, text in lines.items()}
+    assert float(cpu["burst"]["pool"]) > 0 and "main" in cpu["burst"], block
+    assert "disconnect" in cpu["burst"] and "disconnect" not in cpu["bare burst"], block
+    assert leftovers(pid) == []
+
+
 def test_burst_bench_check_fails_a_missed_target() -> None:
     """``--check`` turns a missed target into exit 1 (a target no burst can meet here)."""
     rc, out, pid = run_bench("--calls", "2", "--rounds", "1", "--seq", "1", "--workers", "2",
