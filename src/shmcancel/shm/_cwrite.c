@@ -10,13 +10,13 @@
  * raises for) each of those.
  *
  * delete_small(region, geometry, j, hash, kbytes[, stores[, scribble_word, scribble_value]])
- * -> rows removed, or -1 when the
- * case is not the common one (a row of the key in a large record, a record failing validation,
- * a probe without an empty slot, more than MAX_FOUND rows, a backward shift that could span
- * more than MAX_SHIFT slots, an offset past the region): then nothing was stored. Each row goes
- * as Writes._delete_slot removes it (backward shift, record freed), from the far end of the
- * probe. -3: a shift found the index changed under it (only another process writing without
- * the lock does that) and stopped part-way, leaving what a killed writer leaves; the caller
+ * -> rows removed, or -1 when the case is not the common one (a row of the key in a large
+ * record, a record failing validation, a probe without an empty slot, more than MAX_FOUND
+ * rows, a backward shift that could span more than MAX_SHIFT slots, an offset past the
+ * region): then nothing was stored. Each row goes as Writes._delete_slot removes it
+ * (backward shift, record freed), from the far end of the probe. -3: a shift found the index
+ * changed under it (only another process writing without the lock does that) and stopped
+ * part-way, leaving what a killed writer leaves; the caller
  * raises TableCorrupted, whose repair (fsck) restores a sound table.
  *
  * A bucket version wraps at 2**64, as the Python path's (garbage only: 2**64 writes never
@@ -67,6 +67,11 @@ static uint32_t crc32_update(uint32_t seed, const uint8_t *p, size_t n) {
     while (n--)
         c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
     return c ^ 0xFFFFFFFFu;
+}
+
+/* A record's crc seed: (stamp ^ klen << 16 ^ vlen ^ SEED) & 0xFFFFFFFF (layout.py's _SEED) */
+static uint32_t record_seed(uint64_t stamp, uint64_t kl, uint64_t vl) {
+    return (uint32_t)((stamp ^ (kl << 16) ^ vl ^ SEED) & 0xFFFFFFFFu);
 }
 
 /* off + n * size <= len, none of it negative or overflowing */
@@ -129,6 +134,12 @@ static int call_open(Call *c, const char *name, PyObject *const *args) {
     return 1;
 }
 
+/* A call's end: the view released, ``r`` returned */
+static PyObject *call_close(Call *c, long r) {
+    PyBuffer_Release(&c->view);
+    return PyLong_FromLong(r);
+}
+
 static int stores_limit(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n, long *limit) {
     *limit = -1; /* stores to make (-1: all) */
     return nargs == n + 1 && (*limit = PyLong_AsLong(args[n])) == -1 && PyErr_Occurred();
@@ -188,8 +199,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     }
 
     uint8_t *rp = p + c.heap + (Py_ssize_t)rec * c.ssize;
-    uint32_t seed = (uint32_t)((stamp ^ ((uint64_t)kl << 16) ^ (uint64_t)vl ^ SEED)
-                               & 0xFFFFFFFFu);
+    uint32_t seed = record_seed(stamp, (uint64_t)kl, (uint64_t)vl);
     uint32_t crc = crc32_update(crc32_update(seed, (const uint8_t *)kb, (size_t)kl),
                                 (const uint8_t *)vb, (size_t)vl);
     uint32_t lens[4] = {crc, (uint32_t)kl, (uint32_t)vl, 0};
@@ -213,8 +223,7 @@ static PyObject *add_small(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 stopped:
     r = -2;
 done:
-    PyBuffer_Release(&c.view);
-    return PyLong_FromLong(r);
+    return call_close(&c, r);
 }
 
 /* Whether small record rec (<= cap) passes Table._record's validation and holds key kb */
@@ -228,9 +237,8 @@ static int small_record_is(const Call *c, uint64_t rec, const char *kb, Py_ssize
     *valid = 0;
     if (n > (uint64_t)c->spayload)
         return 0;
-    uint32_t seed = (uint32_t)((stamp ^ ((uint64_t)lens[1] << 16) ^ (uint64_t)lens[2] ^ SEED)
-                               & 0xFFFFFFFFu);
-    if (crc32_update(seed, rp + REC_HEADER, (size_t)n) != lens[0])
+    if (crc32_update(record_seed(stamp, lens[1], lens[2]), rp + REC_HEADER, (size_t)n)
+            != lens[0])
         return 0;
     *valid = 1;
     return (Py_ssize_t)lens[1] == kl && memcmp(rp + REC_HEADER, kb, (size_t)kl) == 0;
@@ -357,8 +365,7 @@ corrupt:
 stopped:
     r = -2;
 done:
-    PyBuffer_Release(&c.view);
-    return PyLong_FromLong(r);
+    return call_close(&c, r);
 }
 
 static PyMethodDef methods[] = {

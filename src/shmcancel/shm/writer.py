@@ -206,7 +206,8 @@ class Writes(Fsck):
         if len(key.kbytes) + len(vb) > self._payload:
             self._check_size(key.kbytes, vb)
         try:
-            return self._append(key, vb)  # its common case in one C call (_cwrite.c)
+            self._append(key, vb)  # its common case in one C call (_cwrite.c)
+            return
         except TableCorrupted as e:
             self._repair(str(e))
         return self._insert(key, vb)
@@ -258,17 +259,21 @@ class Writes(Fsck):
                 return
         self._append(key, vb)
 
-    def _append(self, key: PreparedKey, vb: bytes, word: int = 0) -> None:
-        """Publish the new row ``key -> vb`` (its word ``word``); the caller holds the lock and
-        found no row of ``key`` (a bag's: none equal to it). TableFull at ``capacity``. Its
-        common case (a small row, word 0, a sound table) is one C call where _cwrite is built."""
-        if not word and _add_small is not None and _add_small(
-                self._buf, self._geo, key.j, key.hash, key.kbytes, vb) >= 0:
-            return  # written by the C path (it writes a word of 0); else nothing stored
+    def _append(self, key: PreparedKey, vb: bytes, word: int = 0) -> int:
+        """Publish the new row ``key -> vb`` (its word ``word``); its record. The caller holds
+        the lock and found no row of ``key`` (a bag's: none equal to it). TableFull at
+        ``capacity``. Its common case (a small row, word 0, a sound table) is one C call where
+        _cwrite is built."""
+        if not word and _add_small is not None:
+            r = _add_small(self._buf, self._geo, key.j, key.hash, key.kbytes, vb)
+            if r >= 0:
+                return r  # written by the C path (it writes a word of 0); else nothing stored
         if self._hq[_ROWS] >= self.capacity:
             self._full()
-        self._publish(key, self._write_record(key.kbytes, vb, -1, word))
+        r = self._write_record(key.kbytes, vb, -1, word)
+        self._publish(key, r)
         self._flags.dirty = False
+        return r
 
     def _full(self) -> None:
         """The row counter says full: raise TableFull, unless the counters are implausible
@@ -436,16 +441,8 @@ class Writes(Fsck):
         return self._write(self._add, *self._row(key, value))
 
     def _add(self, key: PreparedKey, vb: bytes) -> tuple[int, int]:
-        if _add_small is not None:
-            r = _add_small(self._buf, self._geo, key.j, key.hash, key.kbytes, vb)
-            if r >= 0:
-                return r, self._hq[_STAMP]  # the stamp the C path gave r (the lock is held)
-        if self._hq[_ROWS] >= self.capacity:
-            self._full()
-        r = self._write_record(key.kbytes, vb)
-        self._publish(key, r)
-        self._flags.dirty = False
-        return r, self._hq[_STAMP]  # the stamp _write_record gave r (the lock is held)
+        r = self._append(key, vb)
+        return r, self._hq[_STAMP]  # the stamp the write gave r (the lock is held)
 
     def remove(self, key: Any, receipt: tuple[int, int] | None, value: Any = _BY_RECEIPT) -> bool:
         """Remove the row that :meth:`add` returned ``receipt`` for, if it is still there: a
