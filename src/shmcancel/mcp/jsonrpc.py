@@ -141,10 +141,9 @@ def parse(obj: Any) -> Message:
     if not isinstance(method, str):
         raise RpcError(codes.INVALID_REQUEST, 'Invalid Request: "method" must be a string')
     if has_id and echo is None:
-        if isinstance(raw_id, str):  # a request all the same: answered for its id (§5)
-            raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id),
-                           id=raw_id, status=200)
-        raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id))
+        long_id = isinstance(raw_id, str)  # a request all the same: answered for its id (§5)
+        raise RpcError(codes.INVALID_REQUEST, "Invalid Request: " + _describe_bad_id(raw_id),
+                       id=raw_id if long_id else None, status=200 if long_id else 400)
     params = obj.get("params")
     if "params" in obj and not isinstance(params, dict):
         # a request (its id valid by now: echo) is answered for its id with HTTP 200 (contract
