@@ -196,16 +196,15 @@ def test_the_c_path_stores_nothing_on_a_closed_table(rig_factory: Any) -> None:
     assert bytes(rig.region(0)) == before
 
 
-@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
-@pytest.mark.parametrize("bad", ["geometry past the region", "odd j", "hash 0",
-                                 "payload too large", "record size times records overflows",
-                                 "fewer than 16 slots"])
-def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) -> None:
-    """Arguments a caller could get wrong (the Python path checks or repairs each): -1, and
-    not one byte of the region stored."""
-    a, _, rig = _twins(rig_factory)
-    pk = a.prepare("k")
-    geo, j, h, vb = a._geo, pk.j, pk.hash, b"\xa1v"
+# Arguments a caller could get wrong, which both C writes check alike (_cwrite.c's call_open)
+BAD_ARGUMENTS = ["geometry past the region", "odd j", "hash 0",
+                 "record size times records overflows", "fewer than 16 slots"]
+
+
+def _bad_arguments(t: Table, rig: Rig, pk: Any, bad: str) -> tuple[tuple[int, ...], int, int]:
+    """``(geometry, j, hash)`` of a call on ``t`` for ``pk``, made ``bad`` (:data:`BAD_ARGUMENTS`;
+    any other: as they are)."""
+    geo, j, h = t._geo, pk.j, pk.hash
     if bad == "geometry past the region":
         geo = (geo[0] + 10**6, *geo[1:])
     elif bad == "odd j":
@@ -217,8 +216,18 @@ def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) ->
     elif bad == "fewer than 16 slots":  # its versions' bound was 0 bytes
         geo = (*geo[:4], len(rig.region(0)), *geo[5:7], 8)
         j = 0
-    else:
-        vb = b"x" * 200
+    return geo, j, h
+
+
+@pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
+@pytest.mark.parametrize("bad", [*BAD_ARGUMENTS, "payload too large"])
+def test_the_c_path_declines_what_it_cannot_check(rig_factory: Any, bad: str) -> None:
+    """Arguments a caller could get wrong (the Python path checks or repairs each): -1, and
+    not one byte of the region stored."""
+    a, _, rig = _twins(rig_factory)
+    pk = a.prepare("k")
+    geo, j, h = _bad_arguments(a, rig, pk, bad)
+    vb = b"x" * 200 if bad == "payload too large" else b"\xa1v"
     before = bytes(rig.region(0))
     assert C_ADD(a._buf, geo, j, h, pk.kbytes, vb) == -1
     assert bytes(rig.region(0)) == before
@@ -358,8 +367,7 @@ def test_a_writer_killed_after_any_store_of_the_c_delete_is_repaired(rig_factory
 
 @pytest.mark.skipif(C_ADD is None or C_DELETE is None, reason="the C path is not built")
 @pytest.mark.parametrize("case", ["a large row", "a record failing validation",
-                                  "no empty slot", "geometry past the region", "odd j",
-                                  "hash 0", "fewer than 16 slots"])
+                                  "no empty slot", *BAD_ARGUMENTS])
 def test_the_c_delete_declines_what_the_python_path_handles(rig_factory: Any,
                                                             case: str) -> None:
     """-1 and not one byte stored; then the Python path takes the delete as before (a large
@@ -368,7 +376,7 @@ def test_the_c_delete_declines_what_the_python_path_handles(rig_factory: Any,
     a.insert("other", 1)
     a.insert("k", "z" * 60 if case == "a large row" else "v")
     pk = a.prepare("k")
-    geo, j, h = a._geo, pk.j, pk.hash
+    geo, j, h = _bad_arguments(a, rig, pk, case)
     if case == "a record failing validation":
         r = a._idx[a._find(pk)[0][0] * 2 + 1]
         a._buf[a._heap + r * a.small_size + 24] ^= 1  # a byte of its key: the crc fails
@@ -376,15 +384,6 @@ def test_the_c_delete_declines_what_the_python_path_handles(rig_factory: Any,
         for s in range(a.nslots):
             if not a._idx[2 * s]:
                 a._idx[2 * s] = 1 << 40 | s  # a hash whose home is s
-    elif case == "geometry past the region":
-        geo = (geo[0] + 10**6, *geo[1:])
-    elif case == "odd j":
-        j += 1
-    elif case == "hash 0":
-        h = 0
-    elif case == "fewer than 16 slots":
-        geo = (*geo[:4], len(rig.region(0)), *geo[5:7], 8)
-        j = 0
     before = bytes(rig.region(0))
     with a._lock:
         assert C_DELETE(a._buf, geo, j, h, pk.kbytes) == -1
