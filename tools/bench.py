@@ -596,7 +596,7 @@ def _header(a: argparse.Namespace) -> None:
           f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     from shmcancel.shm import writer
     c_part = getattr(writer, "_add_small", None)  # absent before the C part existed
-    print("  a new row's write: " + ("C (shmcancel.shm._cwrite)" if c_part else
+    print("  a new row's write and a key's removal: " + ("C (shmcancel.shm._cwrite)" if c_part else
                                      "Python (the C part is not built, or SHMCANCEL_PURE_PYTHON)"))
 
 
