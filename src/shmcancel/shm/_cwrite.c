@@ -1,7 +1,7 @@
 /* The common cases of a table's writes in C: a new row (Writes._append, so add_held, insert and
  * a bag's add), a small record written from the top of the small class's free stack and
  * published in the first empty index slot of the key's probe, its word 0; and the removal of a
- * key's rows (Writes._delete) when each is a small record.
+ * key's rows (Writes._delete) when each is a small record. Also the index hash (siphash).
  *
  * add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 when
  * the case is not the common one (table full, a large row, a damaged free stack, a stamp
@@ -30,6 +30,9 @@
  * killed there would leave the region (tests/shm/test_cwrite.py kills itself right after).
  * delete_small's `scribble_word, scribble_value` (tests only): store that index word between
  * the probe and the first store, as another process writing without the lock could.
+ *
+ * siphash(key, data) -> int: SipHash-2-4 of data under the 16-byte key, the index hash of a
+ * row's packed key (hashing.py, which has the same function in Python where this is not built).
  *
  * Memory ordering: every store into the index and the versions is an atomic store, and a
  * release fence orders the record and the odd version before the slot, the slot before the even
@@ -67,6 +70,51 @@ static uint32_t crc32_update(uint32_t seed, const uint8_t *p, size_t n) {
     while (n--)
         c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
     return c ^ 0xFFFFFFFFu;
+}
+
+/* SipHash-2-4 (Aumasson, Bernstein), its 64-bit result; whole words loaded as they lie (the
+ * module is built only little-endian, see PyInit__cwrite), the tail byte by byte */
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                           \
+    do {                                                                                   \
+        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                          \
+        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                             \
+        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                             \
+        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                          \
+    } while (0)
+
+static uint64_t load_le(const uint8_t *p, size_t n) {
+    uint64_t v = 0;
+    while (n--)
+        v = (v << 8) | p[n];
+    return v;
+}
+
+static uint64_t siphash24(const uint8_t *k, const uint8_t *p, size_t n) {
+    uint64_t k0, k1, m;
+    memcpy(&k0, k, 8);
+    memcpy(&k1, k + 8, 8);
+    uint64_t v0 = k0 ^ UINT64_C(0x736f6d6570736575), v1 = k1 ^ UINT64_C(0x646f72616e646f6d);
+    uint64_t v2 = k0 ^ UINT64_C(0x6c7967656e657261), v3 = k1 ^ UINT64_C(0x7465646279746573);
+    size_t whole = n & ~(size_t)7;
+    for (size_t i = 0; i < whole; i += 8) {
+        memcpy(&m, p + i, 8);
+        v3 ^= m;
+        SIPROUND;
+        SIPROUND;
+        v0 ^= m;
+    }
+    uint64_t last = ((uint64_t)(n & 0xFF) << 56) | load_le(p + whole, n - whole);
+    v3 ^= last;
+    SIPROUND;
+    SIPROUND;
+    v0 ^= last;
+    v2 ^= 0xFF;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
 }
 
 /* A record's crc seed: (stamp ^ klen << 16 ^ vlen ^ SEED) & 0xFFFFFFFF (layout.py's _SEED) */
@@ -368,6 +416,34 @@ done:
     return call_close(&c, r);
 }
 
+static PyObject *siphash(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer key, data;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "siphash(key, data) takes exactly 2 arguments");
+        return NULL;
+    }
+    if (PyBytes_CheckExact(args[0]) && PyBytes_CheckExact(args[1])
+            && PyBytes_GET_SIZE(args[0]) == 16)  /* every call of the tables: no buffers */
+        return PyLong_FromUnsignedLongLong(siphash24(
+            (const uint8_t *)PyBytes_AS_STRING(args[0]),
+            (const uint8_t *)PyBytes_AS_STRING(args[1]), (size_t)PyBytes_GET_SIZE(args[1])));
+    if (PyObject_GetBuffer(args[0], &key, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (key.len != 16) {
+        PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_ValueError, "siphash: the key is 16 bytes");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &data, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    uint64_t h = siphash24(key.buf, data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&key);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef methods[] = {
     {"add_small", (PyCFunction)(void (*)(void))add_small, METH_FASTCALL,
      "add_small(region, geometry, j, hash, kbytes, vbytes[, stores]) -> record number, or -1 "
@@ -375,12 +451,15 @@ static PyMethodDef methods[] = {
     {"delete_small", (PyCFunction)(void (*)(void))delete_small, METH_FASTCALL,
      "delete_small(region, geometry, j, hash, kbytes[, stores]) -> rows removed, or -1 "
      "(nothing stored): see the module's source."},
+    {"siphash", (PyCFunction)(void (*)(void))siphash, METH_FASTCALL,
+     "siphash(key, data) -> SipHash-2-4 of data under the 16-byte key, an int."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "shmcancel.shm._cwrite",
-    "The common cases of a table's writes, in C (see writer.py).", -1, methods,
+    "The common cases of a table's writes, and the index hash, in C (writer.py, hashing.py).",
+    -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
