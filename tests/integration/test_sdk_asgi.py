@@ -242,7 +242,8 @@ def test_an_id_the_registry_cannot_key_is_refused_and_its_cancel_is_a_400(server
     """A string id over 256 UTF-8 bytes: the SDK takes it, the registry cannot key it (contract
     §4.1), so the call ran untracked, deaf to every cancellation, while a cancel naming it got
     202. The call is refused with ``-32600`` before its tool runs; its cancel is 400 ``-32602``
-    (contract §6.1). An id of 256 bytes is served as any other."""
+    (contract §6.1), as is one whose id is no id at all (a float, a bool, an array, an object:
+    the SDK answered those 202). An id of 256 bytes is served as any other."""
     kind, g, reg = server
     headers, _ = _legacy_client(kind, g)
 
@@ -262,6 +263,14 @@ def test_an_id_the_registry_cannot_key_is_refused_and_its_cancel_is_a_400(server
             "jsonrpc": "2.0", "method": "notifications/cancelled",
             "params": {"requestId": long_id}})
         assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text
+        for bad in (1.5, True, [1], {"a": 1}):  # no request has such an id: 400, as WSGI's
+            r = h.post(g.url, headers=headers, json={
+                "jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": bad}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602, (bad, r.text)
+        r = h.post(g.url, headers=headers, json={
+            "jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}})
+        assert r.status_code == 202, r.text  # naming nothing: nothing to cancel
         r = h.post(g.url, headers=headers, json={
             "jsonrpc": "2.0", "id": ok_id, "method": "tools/call",
             "params": {"name": "echo", "arguments": {"text": "kept"}}})

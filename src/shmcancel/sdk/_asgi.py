@@ -145,6 +145,12 @@ def _json_error(status: int, code: int, message: str,
     return status, body, [(b"content-type", b"application/json"), *(headers or [])]
 
 
+def _invalid_request_id() -> tuple[int, bytes, list]:
+    """A ``notifications/cancelled`` naming no possible request: 400 ``-32602`` (§6.1)."""
+    return _json_error(400, errors.INVALID_PARAMS, 'Invalid params: "requestId" must be an '
+                       f"integer or a string of at most {ids.MAX_ID_BYTES} bytes")
+
+
 async def _respond(send: Send, status: int, body: bytes = b"",
                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
     hdrs = [*(headers or []), (b"content-length", str(len(body)).encode())]
@@ -281,8 +287,8 @@ class Layer:
             return False
         params = msg["params"]
         rid = params.get("requestId")
-        if isinstance(rid, bool) or not isinstance(rid, int | str):
-            return False
+        if rid is None:
+            return False  # nothing named to cancel: the SDK answers it (202)
         c = process_cancellation()
         if c is None:
             return False
@@ -299,6 +305,11 @@ class Layer:
             return True
         if self.stateful and not self._creator_asks(scope, local):
             return False  # the SDK answers it: 404, or (another worker's session) forwarded
+        if isinstance(rid, bool) or not isinstance(rid, int | str):
+            # a float, a bool, an array, an object: no request has that id (contract §6.1), as
+            # the WSGI transport answers it (the SDK answers 202 and records nothing)
+            await _respond(send, *_invalid_request_id())
+            return True
         conn = conn_of(scope, self.stateful)
         reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
         try:
@@ -322,9 +333,7 @@ class Layer:
                                               [(b"retry-after", RETRY_AFTER.encode())]))
             return True
         except InvalidRequestId:  # a string over MAX_ID_BYTES: no call runs with it (Tracker)
-            await _respond(send, *_json_error(
-                400, errors.INVALID_PARAMS, 'Invalid params: "requestId" must be an integer or '
-                f"a string of at most {ids.MAX_ID_BYTES} bytes"))
+            await _respond(send, *_invalid_request_id())
             return True
         except ShmCancelError:  # the registry closed in this worker, say: the SDK answers it
             return False
