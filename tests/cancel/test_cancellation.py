@@ -9,6 +9,8 @@ import os
 import sys
 import threading
 import time
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from helpers.background import lock_held
@@ -181,11 +183,16 @@ def test_an_int_id_of_any_size_is_cancelled_tracked_and_cleared(rc_any, events):
     assert len(md) == 3 and all(256 < len(m["request_id"]) <= 320 for m in md)
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, True, 10**400, "12", None,
+                                 Decimal("1.5"), Fraction(1, 3)],
+                         ids=["nan", "inf", "-inf", "True", "int-past-float", "str", "None",
+                              "Decimal", "Fraction"])
 def test_a_clock_that_is_not_a_finite_time_is_refused(make_any, bad, events):
     """A row stamped NaN never expires (``now - nan > ttl`` is false) and breaks eviction's
     order, and ``shmtool dump --json`` would print it as non-JSON: ``cancel`` raises instead,
-    writing nothing, and so does ``cleanup`` with such a ``now``."""
+    writing nothing, and so does ``cleanup`` with such a ``now``. So for a value that is no
+    number of seconds (a bool was stored as such, and sorted out of §4.4's order; a Decimal or
+    a str raised msgpack's or Python's own error, an int past a float's range OverflowError)."""
     clock = Clock()
     view, c = make_any(clock=clock, max_rows=20)
     for i in range(20):  # at the cap: a new row would evict a batch first
@@ -204,6 +211,33 @@ def test_a_clock_that_is_not_a_finite_time_is_refused(make_any, bad, events):
     assert not c.cancelled(2, "global") and c.reason(1, "global") == "kept"
     assert [e for e, _, _ in events].count(CANCELLED_EVENT) == 21
     assert c.cleanup(0) == 20
+
+
+class _Seconds(float):
+    pass
+
+
+@pytest.mark.parametrize("at", [5, _Seconds(5.0)], ids=["int", "float-subclass"])
+def test_a_clock_giving_an_int_stamps_rows_with_floats(make_any, at):
+    """An int (as a test's clock may give) or a float subclass (numpy's) stamps a float:
+    ``cancelled_at`` is "the clock's value (float seconds)" (contract §4.3), and it sorts among
+    the float stamps for eviction (§4.4) and expires by ``cleanup``."""
+    clock = Clock()
+    _, c = make_any(clock=clock, max_rows=3)
+    clock.t = 4.5
+    c.cancel("older", None, "a")
+    clock.t = at
+    c.cancel("int", None, "a")
+    got = c.cancelled_at("int", "a")
+    assert got == 5.0 and type(got) is float
+    clock.t = 6.0
+    c.cancel("newer", None, "b")
+    c.cancel("newest", None, "b")  # at the cap: scope a (2 rows) gives its oldest
+    assert not c.cancelled("older", "a") and c.cancelled("int", "a")
+    clock.t = at
+    assert c.cleanup(0) == 0  # now = 5: no row older than 0 s (the int one is 0 s old)
+    clock.t = 100.0
+    assert c.cleanup(10) == 3
 
 
 @pytest.mark.parametrize(
@@ -1137,3 +1171,4 @@ def test_a_clock_that_is_not_callable_is_a_type_error_at_once(registry):
     the store; it is refused where it is given."""
     with pytest.raises(TypeError, match="clock must be callable, got float"):
         shmcancel.Cancellation(registry(), clock=time.time())
+

@@ -23,7 +23,7 @@ from ..shm.reader import Watch as _Watch
 from . import ids, owed
 from .owed import settle_owed
 from .reasons import sanitize
-from .storage import Owner, Poll, bad_clock, clear_ended
+from .storage import Owner, Poll, clear_ended, clock_seconds
 from .tables import SCOPE_MAX
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ class RequestHandle:
             scope = self.scope = str.__str__(scope)
         try:
             began = c.clock()
-            if began - began:  # NaN or an infinity: no row could be told older than it
-                raise bad_clock(began)
+            if began.__class__ is not float or began - began:  # NaN, an infinity: no row
+                began = clock_seconds(began)  # could be told older than it
         except Exception as e:  # served untracked, as for a store that fails (never raises)
             self._rid = None
             self.error = e

@@ -50,7 +50,7 @@ from .handle import CANCELLED_EVENT, POLLS_PER_CLOCK, RequestHandle, valid_scope
 from .owed import owed_ends, settle_owed
 from .reasons import sanitize
 from .shm_storage import ShmBackend
-from .storage import Poll, Storage, bad_clock
+from .storage import Poll, Storage, clock_seconds
 from .tables import SCOPE_MAX
 
 __all__ = [
@@ -685,8 +685,8 @@ class Cancellation:
         if self.registry is not None:  # header counters plausible, else recounted (fsck)
             self.registry.check()
         now = self.clock()
-        if now - now:  # NaN or an infinity: no row's age can be told
-            raise bad_clock(now)
+        if now.__class__ is not float or now - now:  # NaN, an infinity: no row's age can be told
+            now = clock_seconds(now)
         settle_owed()  # this process's request ends owed to a stalled lock land first (§4.3)
         removed = self._store.expire(now, float(ttl))
         in_flight_removed = self._store.reap() + self._reap_ended()

@@ -20,7 +20,7 @@ from ..shm.reader import Watch
 from ..shm.registry import Registry
 from ..shm.table import PreparedKey, ShmFull, Table, _unpack
 from . import eviction
-from .storage import Owner, Poll, Storage, bad_clock, clear_ended
+from .storage import Owner, Poll, Storage, clear_ended, clock_seconds
 from .tables import CANCELLATIONS, IN_FLIGHT, SCOPE_COUNTS, zero_counts_kept
 from .uncount import Uncount
 
@@ -207,8 +207,8 @@ class ShmBackend:
             if not in_table and not self._lanes.member(fk):
                 return False
         at = clock()
-        if at - at:  # NaN or an infinity: not a time a row can be sorted by; checked
-            raise bad_clock(at)  # before anything is evicted for the row
+        if at.__class__ is not float or at - at:  # NaN, an infinity, not a float: checked
+            at = clock_seconds(at)  # before anything is evicted for the row
         full = False
         counted = None  # the scope's count (_count), read only for a new row
         if not c.member(ck):

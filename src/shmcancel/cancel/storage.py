@@ -35,6 +35,23 @@ def bad_clock(at: object) -> ValueError:
     return ValueError(f"clock() returned {at!r:.80}: a cancellation is stamped with a finite "
                       f"number of seconds")
 
+
+def clock_seconds(at: object) -> float:
+    """A ``clock()`` value that is not already a finite ``float`` (callers test that inline,
+    the common case), as the float a row is stamped with: an ``int`` (not a ``bool``) or a
+    ``float`` subclass converted; anything else, or a value not finite as a float, raises
+    :func:`bad_clock`'s error. Every stamp stays a float (contract §4.3): a bool or a huge int
+    stored as such would sort, print and encode unlike the others."""
+    if isinstance(at, bool) or not isinstance(at, int | float):
+        raise bad_clock(at)
+    try:
+        f = float(at)
+    except OverflowError:
+        raise bad_clock(at) from None
+    if f - f:  # NaN or an infinity
+        raise bad_clock(at)
+    return f
+
 #: Who runs an in-flight request: ``(pid, start_time, thread_ident, token)``. ``token`` tells
 #: apart two requests of one thread (0 for plain ``track``; unique per ``RequestHandle``).
 Owner = tuple[int, int, int, int]

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Container
 
 from ..cancel import owed
-from ..cancel.storage import Owner, Poll, bad_clock, clear_ended
+from ..cancel.storage import Owner, Poll, clear_ended, clock_seconds
 from ..config import Config
 from ..exceptions import CancellationLimitReached, LockTimeout
 from ..shm import procinfo
@@ -162,8 +162,8 @@ class RedisStorage:
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
                quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
         at = clock()
-        if at - at:  # NaN or an infinity
-            raise bad_clock(at)
+        if at.__class__ is not float or at - at:  # NaN, an infinity, not a float
+            at = clock_seconds(at)
         status, evicted = self.store.cancel(
             scope, rid, reason, at, gate=only_in_flight, now_ms=self._now_ms(),
             box_lease_ms=int(self.lease * 1000),
