@@ -6,6 +6,7 @@ injected clock, several scopes, small ``max_rows`` (or ``None``: the physical ca
 from __future__ import annotations
 
 import socket
+from collections import Counter
 
 from helpers.clock import Clock
 from helpers.names import fresh_registry_name
@@ -92,7 +93,7 @@ class CancellationModel(RuleBasedStateMachine):
         self.batch = max(1, self.cap // 20)
         self.quota, self.ttl = quota, ttl
         self.rows: dict[tuple[str, str], tuple[str | None, float]] = {}
-        self.flying: set[tuple[str, str]] = set()
+        self.flying: Counter[tuple[str, str]] = Counter()  # rows: one per track (§4.5)
 
     def teardown(self) -> None:
         if self.reg is not None:
@@ -141,24 +142,24 @@ class CancellationModel(RuleBasedStateMachine):
     @rule(rid=IDS, scope=SCOPES)
     def track(self, rid, scope):
         k = model_key(rid)
-        total = len(self.flying)
+        total = self.flying.total()
         try:
             self.c.track(rid, scope)
         except shmcancel.TableFull:
-            assert k is not None and total >= 6 and (scope, k) not in self.flying
+            assert k is not None and total >= 6
             return
         if k is not None:
-            # one thread's plain track rows of one key are one row (docstring of track)
-            assert total < 6 or (scope, k) in self.flying
-            self.flying.add((scope, k))
+            # a row per track, the same thread's again too (contract §4.5): full at 6 rows
+            assert total < 6
+            self.flying[scope, k] += 1
 
     @precondition(lambda self: self.reg is not None)
     @rule(rid=IDS, scope=SCOPES)
     def untrack(self, rid, scope):
         self.c.untrack(rid, scope)
         k = model_key(rid)
-        if k is not None:
-            self.flying.discard((scope, k))
+        if k is not None and self.flying[scope, k]:
+            self.flying[scope, k] -= 1  # one of them: the namesake stays in flight
 
     @precondition(lambda self: self.reg is not None)
     @rule(ttl=st.one_of(st.none(), st.sampled_from([0, 0.25, 1.0, 100])))
@@ -177,7 +178,7 @@ class CancellationModel(RuleBasedStateMachine):
         row = None if k is None else self.rows.get((scope, k))
         assert self.c.cancelled(rid, scope) is (row is not None)
         assert self.c.reason(rid, scope) == (None if row is None else row[0])
-        assert self.c.in_flight(rid, scope) is (k is not None and (scope, k) in self.flying)
+        assert self.c.in_flight(rid, scope) is (k is not None and self.flying[scope, k] > 0)
 
     @invariant()
     def all_reads_agree(self):
@@ -186,8 +187,8 @@ class CancellationModel(RuleBasedStateMachine):
         for (scope, k), (reason, _) in self.rows.items():
             assert self.c.cancelled(k, scope)
             assert self.c.reason(k, scope) == reason
-        for scope, k in self.flying:
-            assert self.c.in_flight(k, scope)
+        for (scope, k), n in self.flying.items():
+            assert self.c.in_flight(k, scope) is (n > 0)
 
 
 CancellationModel.TestCase.settings = settings(
@@ -256,7 +257,7 @@ class TwoProcessModel(RuleBasedStateMachine):
         self.batch = max(1, self.cap // 20)
         self.quota = quota
         self.rows: dict[tuple[str, str], tuple[str | None, float]] = {}
-        self.flying: set[tuple[int, str, str]] = set()
+        self.flying: Counter[tuple[int, str, str]] = Counter()  # one row per track (§4.5)
 
     def teardown(self) -> None:
         if self.kid is not None:
@@ -307,16 +308,17 @@ class TwoProcessModel(RuleBasedStateMachine):
         got = self._do(where, "track", rid, scope)
         row = (where, scope, str(rid))
         if got == "TableFull":
-            assert len(self.flying) >= 4 and row not in self.flying
+            assert self.flying.total() >= 4
             return
-        assert got is None and (len(self.flying) < 4 or row in self.flying)
-        self.flying.add(row)
+        assert got is None and self.flying.total() < 4
+        self.flying[row] += 1
 
     @precondition(lambda self: self.reg is not None)
     @rule(where=st.integers(0, 1), rid=PROC_IDS, scope=SCOPES)
     def untrack(self, where, rid, scope):
         assert self._do(where, "untrack", rid, scope) is None
-        self.flying.discard((where, scope, str(rid)))
+        if self.flying[where, scope, str(rid)]:
+            self.flying[where, scope, str(rid)] -= 1
 
     @precondition(lambda self: self.reg is not None)
     @rule(where=st.integers(0, 1), ttl=st.one_of(st.none(), st.sampled_from([0, 0.5])))
@@ -331,7 +333,7 @@ class TwoProcessModel(RuleBasedStateMachine):
     @rule(where=st.integers(0, 1), rid=PROC_IDS, scope=SCOPES)
     def read(self, where, rid, scope):
         row = self.rows.get((scope, str(rid)))
-        flying = any(s == scope and k == str(rid) for _, s, k in self.flying)
+        flying = any(s == scope and k == str(rid) and n for (_, s, k), n in self.flying.items())
         assert self._do(where, "read", rid, scope) == [
             row is not None, None if row is None else row[0], flying]
 

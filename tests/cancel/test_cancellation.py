@@ -1172,3 +1172,20 @@ def test_a_clock_that_is_not_callable_is_a_type_error_at_once(registry):
     with pytest.raises(TypeError, match="clock must be callable, got float"):
         shmcancel.Cancellation(registry(), clock=time.time())
 
+
+
+def test_two_requests_of_one_id_in_one_thread_hold_a_row_each(rc):
+    """As asyncio runs them: one thread, the same id and scope. Each ``track`` is a row of its
+    own (contract §4.5: "Concurrent requests with the same id in one scope each hold their own
+    row"); the first ``untrack`` left the other request out of flight, and a cancellation of it
+    was no longer recorded."""
+    reg, c = rc
+    c.track(1, "ip:192.0.2.9")
+    c.track(1, "ip:192.0.2.9")
+    c.untrack(1, "ip:192.0.2.9")  # the short one ends
+    assert c.in_flight(1, "ip:192.0.2.9")
+    assert c.cancel_if_in_flight(1, "stop", "ip:192.0.2.9")
+    c.untrack(1, "ip:192.0.2.9")
+    assert not c.in_flight(1, "ip:192.0.2.9")
+    c.untrack(1, "ip:192.0.2.9")  # no row left: nothing to do
+    assert reg.table("in_flight").count() == 0

@@ -468,9 +468,9 @@ def test_an_owed_end_landing_late_leaves_a_cancellation_made_since(registry, spa
 
 
 def test_an_owed_untrack_and_a_new_track_of_the_id_leave_one_row(registry, spawn) -> None:
-    """The thread tracks the id again before its owed untrack lands: the row it would remove is
-    the new request's too (a thread's rows of one key are one), so the owed untrack is dropped
-    and the new request stays in flight until its own untrack."""
+    """The thread tracks the id again before its owed untrack lands: the new request has a row
+    of its own (a row per ``track``, contract §4.5), and the owed untrack, landing after it,
+    takes one of the two: the new request stays in flight until its own untrack."""
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
     c.track(7, "s")

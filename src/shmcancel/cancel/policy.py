@@ -247,6 +247,7 @@ class Cancellation:
         self.registry = registry
         self.clock = clock
         self._store: Storage = backend
+        self._forgo_owed_untrack = not getattr(backend, "track_rows_per_call", False)
         cfg = backend.config
         self.config = cfg
         self._quota: int | None = cfg.max_rows_per_scope
@@ -574,7 +575,10 @@ class Cancellation:
 
     # --- in-flight rows
     def track(self, request_id: object, scope: str = "global") -> None:
-        """Mark ``request_id`` in flight in ``scope`` for the calling process and thread.
+        """Mark ``request_id`` in flight in ``scope`` for the calling process and thread: one
+        row per call, the same thread's again too (two requests of one id, asyncio's in one
+        thread, hold a row each; :meth:`untrack` removes one). The Redis store keeps one row per
+        thread and key.
 
         Raises :class:`~shmcancel.TableFull` when ``in_flight_capacity`` rows are held even after
         dead owners' rows are removed. Invalid ids are ignored. Prefer :meth:`begin`.
@@ -584,9 +588,9 @@ class Cancellation:
             return
         pid, start = procinfo.me()
         owner = (pid, start, threading.get_ident(), 0)
-        if owed.queue:
-            # an untrack of this thread's row of the key, owed to a stalled lock, must not land
-            # after this track: it would end the new request (the row is the same)
+        if owed.queue and self._forgo_owed_untrack:
+            # a store keeping one row per thread and key (Redis): an untrack of it, owed to a
+            # stalled lock, must not land after this track: it would end the new request
             owed.forgo_untrack(self._store, scope, rid, owner)
         self._store.track(scope, rid, owner)
         if owed.queue:

@@ -604,10 +604,15 @@ class ShmBackend:
                 self.untrack(scope, rid, owner)
             clear_ended(self, scope, rid, ended_at, owner is None)
 
+    #: A plain ``track`` (token 0) adds a row each call, the same thread's too (contract §4.5:
+    #: two requests of one id hold a row each, asyncio's in one thread as well); ``untrack``
+    #: removes one. The policy then has no owed untrack to forgo on a new ``track``.
+    track_rows_per_call = True
+
     def track(self, scope: str, rid: str, owner: Owner) -> object:
         """Returns the row's receipt for a handle's row (token non-zero): its way (an ``int``)
         in this process's lane, else ``Table.add``'s (no other row equals it, so none is read
-        first); ``None`` for a plain ``track`` row."""
+        first); ``None`` for a plain ``track`` row (added as a bag's row too: one per call)."""
         key = self._fk(scope, rid)
         # A handle's row goes to this process's lane while the shared table has room (so a
         # full table still refuses every new request, as contract §4.5 says); see lanes.py.
@@ -615,13 +620,13 @@ class ShmBackend:
             w = self._lanes.add(key, owner[2], owner[3])
             if w is not None:
                 return w
-        write = self._f.add if owner[3] else self._f.insert
         try:
-            return write(key, owner)
+            receipt = self._f.add(key, owner)
         except TableFull:
             if not self.reap():
                 raise
-            return write(key, owner)
+            receipt = self._f.add(key, owner)
+        return receipt if owner[3] else None
 
     def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
         if type(receipt) is int:  # a lane's way

@@ -115,7 +115,10 @@ class Storage(Protocol):
     # --- in-flight rows
     def track(self, scope: str, rid: str, owner: Owner) -> object:
         """Add a row; when full, drop dead owners' rows and retry; ``TableFull`` if still full.
-        Returns a receipt for :meth:`untrack` (opaque; ``None`` when the store keeps none)."""
+        Returns a receipt for :meth:`untrack` (opaque; ``None`` when the store keeps none). A
+        store whose plain rows (token 0) are one per call, the same thread's again included,
+        says so with a true ``track_rows_per_call`` attribute; without it a thread's plain
+        rows of one key are one row (Redis's)."""
     def untrack(self, scope: str, rid: str, owner: Owner, receipt: object = None) -> bool:
         """Remove the row of ``owner``; ``receipt`` (what :meth:`track` returned, or ``None``)
         may let the store find it at once."""
