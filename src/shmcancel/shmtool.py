@@ -147,18 +147,22 @@ def _print_json(obj: Any) -> None:
 
 
 def _age(now: float, t: float) -> str:
-    if not math.isfinite(t):
-        return "-"
+    """How long ago ``t`` was (``now``, ``t``: seconds), or how far ahead ("in ..."): a short
+    word whatever the stamp (an injected clock's 1e308 too)."""
     d = now - t
-    if d < 0:
-        return f"in {-d:.1f}s"
+    if not math.isfinite(d):
+        return "-"
+    return f"in {_span(-d)}" if d < 0 else f"{_span(d)} ago"
+
+
+def _span(d: float) -> str:
     if d < 120:
-        return f"{d:.1f}s ago"
+        return f"{d:.1f}s"
     if d < 7200:
-        return f"{d / 60:.1f}m ago"
+        return f"{d / 60:.1f}m"
     if d < 172800:
-        return f"{d / 3600:.1f}h ago"
-    return f"{d / 86400:.1f}d ago"
+        return f"{d / 3600:.1f}h"
+    return f"{d / 86400:.1f}d" if d < 8.64e10 else f"{d / 86400:.3g}d"  # past a million days
 
 
 def _size(n: int) -> str:

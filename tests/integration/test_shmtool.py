@@ -581,6 +581,17 @@ def test_json_output_is_strict_json_with_a_non_finite_timestamp(reg, bad):
     assert "nan" not in row.lower() and "inf" not in row.lower(), row
 
 
+@pytest.mark.parametrize("at", [1e308, -1e308, 1e15])
+def test_the_text_dump_of_a_far_off_timestamp_is_one_short_age(reg, at):
+    """An injected clock's far-off stamp printed its age in full: a row "in 9999...9.0s" ~310
+    characters wide. It is a short number of days, ahead or ago."""
+    reg.table("cancellations").insert(("s", "far"), ("far clock", at))
+    p = shmtool("dump", reg.name)
+    assert p.returncode == 0, p.stderr
+    row = next(line for line in p.stdout.splitlines() if "far clock" in line)
+    assert len(row) < 120 and ("d ago" in row or "in " in row), row
+
+
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
 @pytest.mark.parametrize("command", ["dump", "stats"])
 def test_text_output_survives_a_terminal_that_cannot_show_client_text(reg, encoding, command):
