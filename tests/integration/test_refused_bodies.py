@@ -2,9 +2,10 @@
 (408) ends its connection after the reply: where a next request would start on it is unknown.
 Before, a ``gthread`` worker kept the connection (the reply said ``keep-alive``) and ran whatever
 came next on it as a request, the refused body's own rest included (request smuggling, behind a
-proxy that streams bodies and reuses connections). A body over the limit (413, from its
-declared length) is left to gunicorn, which knows where it ends: its rest is never a request, and
-a ``gthread`` connection serves the next request after it."""
+proxy that streams bodies and reuses connections). A body refused before it was read (413 from
+its declared length, 415, 403, 405) ends its connection too: left to gunicorn, a ``gthread``
+worker drained it before the connection's next request, with a deadline it looked at only
+between 1 KiB reads, so a client trickling such bodies held every thread."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import os
 import socket
 import tempfile
+import threading
 import time
 
 import pytest
@@ -112,9 +114,9 @@ def test_nothing_after_a_body_cut_off_at_its_deadline_is_run_as_a_request(
 
 
 def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> None:
-    """Its declared length is over the limit, and its tail is a whole request: gunicorn
-    drains it as the body it is. On ``gthread`` the connection then serves a real next
-    request (``sync`` closes every connection after its reply)."""
+    """Its declared length is over the limit, and its tail is a whole request: neither that
+    tail nor a request sent after the 413 is run, and the connection ends after the reply
+    (``gthread`` too: see the module docstring)."""
     smuggled, t = _smuggled()
     head, _, _ = _echo("x", 1).partition(b"\r\n\r\n")
     pad = b" " * (MAX_BODY + 100)
@@ -125,15 +127,77 @@ def test_the_rest_of_a_body_over_the_limit_is_no_request(server: Gunicorn) -> No
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(head + b"\r\n\r\n" + pad + smuggled)
         status, rest = _response_head(s, 10.0)
+        refused_at = time.monotonic()
         assert status.split(b" ")[1] == b"413", status
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(_echo("next on the connection", 3))
-        s.settimeout(10.0)
-        out = rest
-        with contextlib.suppress(ConnectionResetError):
-            while b"next on the connection" not in out and (chunk := s.recv(65536)):
-                out += chunk
-    assert b'"id":666' not in out, out[:800]
-    if server.worker_class == "gthread":
-        assert b"next on the connection" in out, out[:800]
+        out, ended_at = _rest_of_connection(s, 10.0)
+    out = rest + out
+    assert b'"id":666' not in out and b"next on the connection" not in out, out[:800]
+    assert b"HTTP/1.1" not in out, out[:800]
+    assert ended_at - refused_at < ENDED_WITHIN, ended_at - refused_at
     _served_after(server, pid, t)
+
+
+def _refused_head(kind: str) -> bytes:
+    """The head of a request refused before its body is read: 413 (a declared length over the
+    limit), 415 (a Content-Type), 403 (an Origin), 405 (a method); its body (within the
+    limit but for the 413) is for the client to trickle."""
+    head, _, _ = _echo("x", 1).partition(b"\r\n\r\n")
+    declared = head.split(b"Content-Length: ")[1].split(b"\r\n")[0]
+    length = b"2000000" if kind == "413" else b"%d" % (MAX_BODY - 500)
+    head = head.replace(b"Content-Length: " + declared, b"Content-Length: " + length)
+    if kind == "415":
+        head = head.replace(b"Content-Type: application/json", b"Content-Type: text/plain")
+    elif kind == "403":
+        head += b"\r\nOrigin: http://evil.example"
+    elif kind == "405":
+        head = b"PUT" + head[len(b"POST"):]
+    return head + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("kind", ["413", "415", "403", "405"])
+def test_clients_trickling_refused_bodies_hold_no_thread(server: Gunicorn, kind: str) -> None:
+    """More connections than the worker has threads, each sending a request refused before its
+    body is read, then trickling the body a byte every 0.2 s: each gets its refusal and its
+    connection ends, and a request on a new connection is served meanwhile. Before, a
+    ``gthread`` worker answered the refusals and then drained each body for as long as it
+    trickled (gunicorn's drain deadline is looked at between 1 KiB reads): the server served
+    nothing more until the clients let go."""
+    conns = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+             for _ in range(4)]  # the worker has 2 threads
+    stop = threading.Event()
+
+    def trickle(s: socket.socket) -> None:
+        end = time.monotonic() + 20.0
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                s.sendall(b" ")
+            except OSError:
+                return  # the server ended the connection
+            stop.wait(0.2)
+
+    trickling = []
+    try:
+        for s in conns:
+            s.sendall(_refused_head(kind))
+            t = threading.Thread(target=trickle, args=(s,), daemon=True)
+            t.start()
+            trickling.append(t)
+        for s in conns:
+            status, _ = _response_head(s, 10.0)
+            assert status.split(b" ")[1] == kind.encode(), status
+        t0 = time.monotonic()
+        for s in conns:
+            _rest_of_connection(s, ENDED_WITHIN + 2.0)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(_echo("served", 2))
+            status, _ = _response_head(s, 5.0)
+            assert status.split(b" ")[1] == b"200", status
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        stop.set()
+        for t in trickling:
+            t.join(5)
+        for s in conns:
+            s.close()

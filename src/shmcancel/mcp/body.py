@@ -28,7 +28,9 @@ from . import codes
 from .reply import _error_reply, _Reply
 from .wire import RequestHeaders, is_json_content_type
 
-__all__ = ["EndingConnection", "end_connection", "read_body"]
+__all__ = ["EndingConnection", "body_left_unread", "end_connection", "read_body"]
+
+BODY_READ_KEY = "shmcancel.body_read"  # environ: True once read_body read the body to its end
 
 log = logging.getLogger("shmcancel.server")
 
@@ -52,7 +54,7 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
         # leading zeros are no digits of the value (1*DIGIT: "000150" is 150)
         digits = text.lstrip("0")
         length = int(digits or "0") if len(digits) <= 18 else limit + 1
-        if length > limit:  # the server knows where the body ends: it drains the rest
+        if length > limit:  # its body unread: the reply ends the connection
             return _error_reply(413, None, codes.INVALID_REQUEST,
                                 f"Request body too large (limit {limit} bytes)")
     if not is_json_content_type(headers.content_type):
@@ -63,6 +65,7 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
                             "Not Acceptable: accept application/json or text/event-stream")
     stream = environ.get("wsgi.input")
     if stream is None:
+        environ[BODY_READ_KEY] = True
         return b""
     if length is None:
         if not environ.get("wsgi.input_terminated"):
@@ -112,10 +115,27 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     if length is not None and got < length:  # EOF before Content-Length: not a request
         return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
                                     "Could not read the body"))
-    if got > limit:  # (chunked: the server's reader knows where the body ends)
+    if got > limit:  # chunked: its rest unread (body_left_unread ends the connection)
         return _error_reply(413, None, codes.INVALID_REQUEST,
                             f"Request body too large (limit {limit} bytes)")
+    environ[BODY_READ_KEY] = True
     return b"".join(chunks)
+
+
+def body_left_unread(environ: dict[str, Any]) -> bool:
+    """Whether the request has a body that :func:`read_body` did not read to its end: refused
+    before it (413 by its declared length, 415, 406, 403, 404, 405) or part-way. Its reply
+    then ends the connection (:class:`EndingConnection`): left to the server, a ``gthread``
+    worker reads and discards it before the connection's next request, with a deadline it looks
+    at only between 1 KiB reads, so a client trickling it held the thread for good."""
+    if environ.get(BODY_READ_KEY) is True:
+        return False
+    if "chunked" in str(environ.get("HTTP_TRANSFER_ENCODING") or "").lower():
+        return True
+    text = str(environ.get("CONTENT_LENGTH") or "").strip()
+    if not text:
+        return False  # neither a length nor chunked: no body
+    return not (text.isascii() and text.isdigit()) or text.strip("0") != ""
 
 
 class _Deadline:

@@ -101,7 +101,7 @@ from typing import Any
 from ..exceptions import LockTimeout, RegistryClosed, RemoteUnavailable, TableFull
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
-from .body import EndingConnection, read_body
+from .body import EndingConnection, body_left_unread, read_body
 from .call import _hang_up
 from .jsonrpc import RpcError
 from .legacy import LegacyWire
@@ -291,7 +291,7 @@ class McpServer(LegacyWire, ModernWire):
             else:
                 headers.append(("Content-Type", "application/json"))  # an empty 202 too
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
-        if reply.ends_connection:
+        if reply.ends_connection or body_left_unread(environ):
             return EndingConnection(reply.body, environ.get("gunicorn.socket"))
         return [reply.body] if reply.body else []
 
