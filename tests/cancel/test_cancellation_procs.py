@@ -351,6 +351,38 @@ def test_reap_pid_drops_only_that_workers_rows(registry, spawn):
     assert c.reap() == 2
 
 
+def test_reaping_a_dead_request_takes_its_cancellation_with_it(registry, spawn):
+    """A request cancelled, then its process killed before it ended (a tool that does not
+    poll, a worker killed): its in-flight row was reaped, but its cancellation row stayed for
+    ``ttl`` (300 s), counted against its scope's quota (contract §4.3: "a cancellation never
+    outlives its request"). It goes with the reap, a handle's (lane) row's and a plain
+    track's alike; a key whose namesake still runs keeps its row (the cancellation is that
+    namesake's too)."""
+    reg = registry()
+    c = Cancellation(reg)
+    handle = spawn(poller, reg.name, 1, "s")  # a lane row
+    hp = handle.recv()["pid"]
+    plain = spawn(tracker, reg.name, [2, 3], "s")  # shared-table rows
+    plain.recv()
+    live = spawn(poller, reg.name, 3, "s")  # a namesake of 3 that lives on
+    live.recv()
+    for rid in (1, 2, 3):
+        assert c.cancel_if_in_flight(rid, "stop", "s")
+    c.cancel(9, "not a request's", "other")  # no in-flight row: the reap leaves it
+    handle.kill()
+    plain.kill()
+    assert c.reap(hp) == 1  # as gunicorn's child_exit does, one worker at a time
+    assert not c.cancelled(1, "s") and c.cancelled(2, "s")
+    assert c.reap() == 2
+    assert not c.cancelled(2, "s")
+    assert c.cancelled(3, "s") and c.in_flight(3, "s")  # the namesake's
+    assert c.cancelled(9, "other")
+    assert c._store.scope_rows("s") == 1 and reg.table("cancellations").count() == 2
+    assert reg.check() == {}
+    live.send("exit")
+    assert live.wait() == 0
+
+
 def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
     reg = registry(in_flight_capacity=4)
     c = Cancellation(reg)

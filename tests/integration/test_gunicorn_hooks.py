@@ -35,6 +35,7 @@ from helpers.mcp_client import ACCEPT, LEGACY, reply_of
 from helpers.procs import reap, recv, wait_exit
 from helpers.rows import in_flight_rows
 
+from shmcancel import Cancellation
 from shmcancel import gunicorn as hooks
 from shmcancel.errors import REQUEST_CANCELLED
 from shmcancel.shm.registry import Registry
@@ -164,22 +165,32 @@ def lane_pids(reg: Registry) -> set[int]:
 
 
 def test_killed_worker_leaves_no_in_flight_row(sync_server):
-    """Nor a lane: its session-call row (the 2025 wire) is freed with its in-flight row."""
+    """Nor a lane: its session-call row (the 2025 wire) is freed with its in-flight row. Nor
+    the cancellation recorded for its call before it died (the worker stopped first, so that
+    its tool never sees it): it went only at its ``ttl``."""
     g, reg = sync_server
     s = Session(g.url)
     with background(s.call, "sleep", {"seconds": 30}, 7, 30):
         rows = wait_until(lambda: [r for r in in_flight(reg) if r[1] == "7"],
                           time.monotonic() + 5, what="the sleep call to be in flight")
-        victim = rows[0][2]
+        scope, victim = rows[0][0], rows[0][2]
         assert victim in g.worker_pids()
         assert {"in_flight", "session_calls"} <= {
             t for t, lanes in reg.lanes.items() for _, o in lanes.lane_owners() if o[0] == victim}
-        os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
-        wait_until(lambda: not any(r[2] == victim for r in in_flight(reg))
-                   and victim not in lane_pids(reg),
-                   time.monotonic() + 5, what="the dead worker's rows and lanes to go")
-        took = time.monotonic() - t0
+        os.kill(victim, signal.SIGSTOP)
+        writable = Registry.attach(reg.name)  # the fixture's is read-only
+        try:
+            c = Cancellation(writable)
+            assert c.cancel_if_in_flight(7, "user stop", scope)
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            wait_until(lambda: not any(r[2] == victim for r in in_flight(reg))
+                       and victim not in lane_pids(reg) and not c.cancelled(7, scope),
+                       time.monotonic() + 5, what="the dead worker's rows, lanes and "
+                       "cancellation to go")
+            took = time.monotonic() - t0
+        finally:
+            writable.close()
     # The janitor sweeps once a minute: only the master's child_exit can have been this quick.
     assert took < 2.0, took
     g.wait_workers(3, time.monotonic() + 10)

@@ -687,6 +687,10 @@ class ShmBackend:
         return out
 
     def reap(self, pid: int | None = None) -> int:
+        """Remove the in-flight rows of dead owners (``pid``'s only, when given), then the
+        cancellation rows of their keys that no namesake still in flight holds: a request whose
+        process died ends there, and its cancellation with it (contract §4.3: a cancellation
+        never outlives its request), not one ``ttl`` later."""
         # Liveness reads /proc: decide before taking the lock, then delete under it.
         rows = self._f.scan()
         owners = {(o[0], o[1]) for o in (_owner(v) for _, v in rows) if o is not None}
@@ -694,15 +698,30 @@ class ShmBackend:
             owners = {o for o in owners if o[0] == pid}
         dead = {o for o in owners if not self._alive(*o)}
         malformed = pid is None and any(_owner(v) is None for _, v in rows)
-        lanes = self._lanes.reap(pid)
-        if not dead and not malformed:
-            return lanes
+        dead_lanes = {o for _, o in self._lanes.lane_owners()
+                      if (pid is None or o[0] == pid) and not self._alive(*o)}
+        keys = [k for k, o in self.lane_rows() if o[:2] in dead_lanes] if dead_lanes else []
+        n = self._lanes.reap(pid)
+        if dead or malformed:
+            def gone(key: Any, value: Any) -> bool:
+                o = _owner(value)
+                return pid is None if o is None else (o[0], o[1]) in dead
 
-        def gone(key: Any, value: Any) -> bool:
-            o = _owner(value)
-            return pid is None if o is None else (o[0], o[1]) in dead
+            keys += [k for k, v in rows if gone(k, v)]
+            n += self._f.delete_where(gone)
+        if n:
+            self._clear_orphaned(keys)
+        return n
 
-        return lanes + self._f.delete_where(gone)
+    def _clear_orphaned(self, keys: list[Any]) -> None:
+        """The cancellation rows of ``keys`` (of in-flight rows just reaped), each cleared
+        unless a namesake is in flight: under the lock, so that a cancellation of a namesake
+        (recorded under it, only while that namesake is in flight) is never the one taken."""
+        for k in dict.fromkeys(keys):
+            if (type(k) is tuple and len(k) == 2 and type(k[0]) is str and type(k[1]) is str
+                    and self.exists(*k)):
+                with self._lock:
+                    clear_ended(self, k[0], k[1])
 
     def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
         def ended(key: Any, value: Any) -> bool:
