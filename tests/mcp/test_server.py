@@ -827,6 +827,16 @@ def test_cancel_quota_is_429(app: McpServer, reg: Registry, signals: Signals) ->
     assert tables_empty(reg)
 
 
+def test_a_head_is_answered_as_its_get_without_a_body(app: McpServer) -> None:
+    """HEAD /mcp: a 405 as a GET's, its Content-Length, and no body (gunicorn logged "WSGI app
+    sent body bytes on a no-body response" for each)."""
+    get = run(app, environ_for("GET", None, content_type=None, content_length=None))
+    head = run(app, environ_for("HEAD", None, content_type=None, content_length=None))
+    assert head.status == get.status == 405
+    assert head.body == b"" and get.body
+    assert int(head.headers["content-length"]) > 0  # its GET's body names the method
+
+
 def test_other_notifications_are_202(app: McpServer) -> None:
     sid = session(app)
     for m in ("notifications/progress", "notifications/roots/list_changed", "x/y"):
@@ -858,6 +868,20 @@ def test_tool_outcomes(stateless: McpServer, reg: Registry, tool: str, args: dic
     assert r.status == 200
     assert check(r.json), r.json
     assert tables_empty(reg)
+
+
+@pytest.mark.parametrize("value, said", [
+    ({"a": {1, 2}}, "returned a dict that is not JSON-serialisable"),
+    ([1], "returned list, not a str or dict"),
+])
+def test_a_tool_result_that_cannot_be_sent_is_logged_as_what_it_is(
+        stateless: McpServer, caplog: pytest.LogCaptureFixture, value: Any, said: str) -> None:
+    """A dict that JSON cannot encode was logged as "returned dict, not a str or dict"."""
+    stateless.add_tool(lambda conn, params: value, "unsendable")
+    with caplog.at_level("ERROR", logger="shmcancel.server"):
+        r = post(stateless, rpc(1, "tools/call", {"name": "unsendable", "arguments": {}}))
+    assert r.status == 200 and r.json["error"]["code"] == errors.INTERNAL_ERROR
+    assert any(said in rec.getMessage() for rec in caplog.records), caplog.text
 
 
 def test_ctrl_c_of_a_development_server_is_not_taken_for_the_tools_error(

@@ -172,7 +172,9 @@ class CallLifecycle(ToolRegistry, ServerBase):
         else:
             result = _tool_result(value)
             if result is None:
-                log.error("tool %r returned %s, not a str or dict", name, type(value).__name__)
+                log.error("tool %r returned %s", name, "a dict that is not JSON-serialisable"
+                          if isinstance(value, dict) else
+                          f"{type(value).__name__}, not a str or dict")
                 body = jsonrpc.error_body(msg.id, codes.INTERNAL_ERROR,
                                           "Internal error: the tool returned an invalid result")
                 return self._finish(ex, wire, 200, body)

@@ -291,9 +291,11 @@ class McpServer(LegacyWire, ModernWire):
             else:
                 headers.append(("Content-Type", "application/json"))  # an empty 202 too
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
+        # a HEAD's reply has the headers of its GET's and no body (RFC 9110 §9.3.2)
+        body = b"" if environ.get("REQUEST_METHOD") == "HEAD" else reply.body
         if reply.ends_connection or body_left_unread(environ):
-            return EndingConnection(reply.body, environ.get("gunicorn.socket"))
-        return [reply.body] if reply.body else []
+            return EndingConnection(body, environ.get("gunicorn.socket"))
+        return [body] if body else []
 
     def _lock_depth(self) -> int:
         """This thread's depth in the registry lock (-1: no registry; its error is the
