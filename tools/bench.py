@@ -596,8 +596,9 @@ def _header(a: argparse.Namespace) -> None:
           f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     from shmcancel.shm import writer
     c_part = getattr(writer, "_add_small", None)  # absent before the C part existed
-    print("  a new row's write and a key's removal: " + ("C (shmcancel.shm._cwrite)" if c_part else
-                                     "Python (the C part is not built, or SHMCANCEL_PURE_PYTHON)"))
+    print("  a new row's write, a key's removal and the index hash: "
+          + ("C (shmcancel.shm._cwrite)" if c_part else
+             "Python (the C part is not built, or SHMCANCEL_PURE_PYTHON)"))
 
 
 def main(argv: list[str] | None = None) -> int:
