@@ -383,6 +383,27 @@ def test_reaping_a_dead_request_takes_its_cancellation_with_it(registry, spawn):
     assert live.wait() == 0
 
 
+def test_a_lane_claimed_from_a_dead_owner_takes_its_cancellations_with_it(registry, spawn):
+    """No reap needed: a process's first ``begin`` claims a dead owner's lane, clearing its
+    rows, and the cancellations of those requests go with them (a reviewer's case: they
+    stayed for ``ttl``, the reap that clears them finding nothing dead any more)."""
+    reg = registry()
+    c = Cancellation(reg)
+    dead = spawn(poller, reg.name, 42, "s")  # begin: a row in the first lane
+    dead_pid = dead.recv()["pid"]
+    assert c.cancel_if_in_flight(42, "stop", "s")
+    c.cancel(43, "kept", "s")  # no request's: no in-flight row cleared it
+    dead.kill()
+    nxt = spawn(poller, reg.name, 7, "s")  # its begin claims the dead owner's lane
+    nxt_pid = nxt.recv()["pid"]
+    assert [o[0] for _, o in reg.lanes["in_flight"].lane_owners()] == [nxt_pid] != [dead_pid]
+    assert not c.in_flight(42, "s") and not c.cancelled(42, "s")
+    assert c.cancelled(43, "s") and c._store.scope_rows("s") == 1
+    assert reg.check() == {}
+    nxt.send("exit")
+    assert nxt.wait() == 0
+
+
 def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
     reg = registry(in_flight_capacity=4)
     c = Cancellation(reg)

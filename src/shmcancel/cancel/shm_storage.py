@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Container
@@ -40,6 +41,9 @@ def _cancel_row(key: Any, value: Any) -> tuple[str, str, str | None, float] | No
     ):
         return key[0], key[1], value[0], float(value[1])
     return None
+
+
+log = logging.getLogger("shmcancel.cancellation")
 
 
 def _owner(value: Any) -> Owner | None:
@@ -96,6 +100,8 @@ class ShmBackend:
         self._n = reg.table(SCOPE_COUNTS)
         self._zeros_kept = zero_counts_kept(reg.config)
         self._lanes = reg.lanes[IN_FLIGHT]  # a handle's row, when its process's lane has room
+        if self._lanes.orphans is None:  # a dead owner's rows a lane claim clears: see track
+            self._lanes.orphans = []
         self._lock = reg.lock
         # the registry's lock recoveries when this process last recounted the scopes (see
         # record): -1, none yet, so a death before it attached is covered too
@@ -618,6 +624,8 @@ class ShmBackend:
         # full table still refuses every new request, as contract §4.5 says); see lanes.py.
         if owner[3] and self._f.count() < self._f.capacity:
             w = self._lanes.add(key, owner[2], owner[3])
+            if self._lanes.orphans:  # its lane was a dead owner's: their cancellations go
+                self._clear_orphaned(self._take_orphans())
             if w is not None:
                 return w
         try:
@@ -713,15 +721,28 @@ class ShmBackend:
             self._clear_orphaned(keys)
         return n
 
-    def _clear_orphaned(self, keys: list[Any]) -> None:
-        """The cancellation rows of ``keys`` (of in-flight rows just reaped), each cleared
-        unless a namesake is in flight: under the lock, so that a cancellation of a namesake
-        (recorded under it, only while that namesake is in flight) is never the one taken."""
-        for k in dict.fromkeys(keys):
-            if (type(k) is tuple and len(k) == 2 and type(k[0]) is str and type(k[1]) is str
-                    and self.exists(*k)):
-                with self._lock:
-                    clear_ended(self, k[0], k[1])
+    def _take_orphans(self) -> list[bytes]:
+        got = self._lanes.orphans or []
+        self._lanes.orphans = []
+        return got
+
+    def _clear_orphaned(self, keys: list[Any]) -> None:  # keys: (scope, rid), or packed
+        """The cancellation rows of ``keys`` (of in-flight rows just reaped, or cleared from a
+        dead owner's lane this process claimed), each cleared unless a namesake is in flight:
+        under the lock, so that a cancellation of a namesake (recorded under it, only while
+        that namesake is in flight) is never the one taken. Never raises: a lock not had in
+        time, a closed registry, leave the rest to their ``ttl``, and the caller's work (a
+        reap's count, a ``begin``) stands."""
+        try:
+            for k in dict.fromkeys(keys):
+                if type(k) is bytes:  # a lane row's packed key
+                    k = _unpack(k)
+                if (type(k) is tuple and len(k) == 2 and type(k[0]) is str
+                        and type(k[1]) is str and self.exists(*k)):
+                    with self._lock:
+                        clear_ended(self, k[0], k[1])
+        except Exception as e:
+            log.debug("clearing the cancellations of ended requests: %s", e)
 
     def reap_ended(self, pid: int, start: int, running: Container[int]) -> int:
         def ended(key: Any, value: Any) -> bool:

@@ -80,6 +80,7 @@ _OQ = _OWNERS >> 3
 _HWQ = _HW >> 3
 _SQ = _SEAL >> 3
 _CLAIM_RETRY = 1.0  # seconds between claims after none was free
+_MAX_ORPHANS = 4096  # orphaned keys kept for the table's owner (more: theirs go at their ttl)
 _fences = [threading.Lock() for _ in range(4)]
 
 
@@ -148,6 +149,9 @@ class Lanes:
         self._retry_at = 0.0
         self._free: list[list[int]] = []  # per bucket: this lane's ways without a row
         self._held: dict[int, int] = {}  # token -> way of this process's rows
+        # The key bytes of the rows a claim cleared from a dead owner's lane, for the table's
+        # owner to act on (the in-flight store clears their cancellations); None: not kept
+        self.orphans: list[bytes] | None = None
         _open.add(self)
 
     def _forget(self) -> None:
@@ -368,6 +372,9 @@ class Lanes:
                 word = q[_OQ + i]
                 owner = procinfo.unpack_owner(word)
                 if owner is None or not self._alive(*owner):
+                    if owner is not None and self.orphans is not None \
+                            and len(self.orphans) < _MAX_ORPHANS:
+                        self.orphans += [self._body(w)[2] for w in self._ways(i)]
                     self._clear(i)
                     self._free = [list(range((b * LANES + i) * WAYS, (b * LANES + i + 1) * WAYS))
                                   for b in range(BUCKETS)]
@@ -384,13 +391,17 @@ class Lanes:
         """Under the registry lock, of a lane no live process writes: zero its rows."""
         q = self._q
         n = 0
-        for b in range(BUCKETS):
-            w0 = _HQ + (b * LANES + lane) * WAYS
-            for w in range(w0, w0 + WAYS):
-                if q[w]:
-                    q[w] = 0
-                    n += 1
+        for w in self._ways(lane):
+            q[_HQ + w] = 0
+            n += 1
         return n
+
+    def _ways(self, lane: int) -> list[int]:
+        """The ways of ``lane`` that hold a row."""
+        q = self._q
+        return [w for b in range(BUCKETS)
+                for w in range((b * LANES + lane) * WAYS, (b * LANES + lane + 1) * WAYS)
+                if q[_HQ + w]]
 
     def reap(self, pid: int | None = None) -> int:
         """Clear and free the lanes of dead owners (of ``pid`` only, when given); returns the
