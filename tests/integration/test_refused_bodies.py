@@ -3,9 +3,11 @@
 Before, a ``gthread`` worker kept the connection (the reply said ``keep-alive``) and ran whatever
 came next on it as a request, the refused body's own rest included (request smuggling, behind a
 proxy that streams bodies and reuses connections). A body refused before it was read (413 from
-its declared length, 415, 403, 405) ends its connection too: left to gunicorn, a ``gthread``
-worker drained it before the connection's next request, with a deadline it looked at only
-between 1 KiB reads, so a client trickling such bodies held every thread."""
+its declared length, 415, 403, 405) is read and discarded within a quarter of a second, and
+the connection kept; one that does not arrive by then ends its connection too: left to
+gunicorn, a worker drained it before the connection's next request (or its end), with a
+deadline it looked at only between 1 KiB reads, so a client trickling such bodies held every
+thread."""
 
 from __future__ import annotations
 
@@ -201,3 +203,26 @@ def test_clients_trickling_refused_bodies_hold_no_thread(server: Gunicorn, kind:
             t.join(5)
         for s in conns:
             s.close()
+
+
+@pytest.mark.parametrize("kind", ["415", "403", "405"])
+def test_a_refused_request_whose_body_is_all_there_keeps_its_connection(
+        server: Gunicorn, kind: str) -> None:
+    """A client's refused request, its body sent whole (the common case): answered, and on
+    ``gthread`` its connection serves the next request (a reviewer's ``http.client`` got
+    ``RemoteDisconnected`` there, the reply having said keep-alive). A ``sync`` worker may
+    close the connection after any reply (gunicorn 23 does)."""
+    head = _refused_head(kind)
+    declared = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head + b" " * declared)
+        status, out = _response_head(s, 10.0)
+        assert status.split(b" ")[1] == kind.encode(), status
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(_echo("next on the connection", 3))
+        s.settimeout(10.0)
+        with contextlib.suppress(ConnectionResetError):
+            while b"next on the connection" not in out and (chunk := s.recv(65536)):
+                out += chunk
+    if server.worker_class == "gthread":
+        assert b"next on the connection" in out, out[:800]

@@ -44,19 +44,12 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     """The body, or the reply refusing the request (``acceptable``: the client accepts
     JSON or SSE; ``limit``: the most bytes taken, ``max_body_bytes``; ``timeout``: the seconds
     the whole body may take, ``body_timeout``, ``None`` for no bound)."""
-    raw_len = environ.get("CONTENT_LENGTH")
-    length: int | None = None
-    if raw_len not in (None, ""):
-        text = str(raw_len).strip()
-        if not (text.isascii() and text.isdigit()):
-            return _error_reply(400, None, codes.INVALID_REQUEST, "Invalid Content-Length")
-        # a valid length of any size: more than 18 digits is over any limit (not parsed);
-        # leading zeros are no digits of the value (1*DIGIT: "000150" is 150)
-        digits = text.lstrip("0")
-        length = int(digits or "0") if len(digits) <= 18 else limit + 1
-        if length > limit:  # its body unread: the reply ends the connection
-            return _error_reply(413, None, codes.INVALID_REQUEST,
-                                f"Request body too large (limit {limit} bytes)")
+    length = _declared_length(environ, limit)
+    if length == _INVALID:
+        return _error_reply(400, None, codes.INVALID_REQUEST, "Invalid Content-Length")
+    if length is not None and length > limit:  # its body unread: body_left_unread
+        return _error_reply(413, None, codes.INVALID_REQUEST,
+                            f"Request body too large (limit {limit} bytes)")
     if not is_json_content_type(headers.content_type):
         return _error_reply(415, None, codes.INVALID_REQUEST,
                             "Unsupported Media Type: Content-Type must be application/json")
@@ -67,13 +60,46 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     if stream is None:
         environ[BODY_READ_KEY] = True
         return b""
-    if length is None:
-        if not environ.get("wsgi.input_terminated"):
-            return _error_reply(411, None, codes.INVALID_REQUEST,
-                                "Length Required: send Content-Length")
-        want = limit + 1  # read to EOF, but never more than one byte past the limit
-    else:
-        want = length
+    if length is None and not environ.get("wsgi.input_terminated"):
+        return _error_reply(411, None, codes.INVALID_REQUEST,
+                            "Length Required: send Content-Length")
+    # chunked: read to EOF, but never more than one byte past the limit
+    body, how = _read(environ, stream, limit + 1 if length is None else length, timeout)
+    if how == "timed out":
+        return _body_timed_out(timeout)
+    if how == "failed" or (length is not None and len(body) < length):
+        # the client went away mid-body, a malformed chunk; EOF before Content-Length
+        return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
+                                    "Could not read the body"))
+    if len(body) > limit:  # chunked: its rest unread (body_left_unread)
+        return _error_reply(413, None, codes.INVALID_REQUEST,
+                            f"Request body too large (limit {limit} bytes)")
+    environ[BODY_READ_KEY] = True
+    return body
+
+
+_INVALID = -1  # _declared_length of a Content-Length that is no length
+
+
+def _declared_length(environ: dict[str, Any], limit: int) -> int | None:
+    """The request's ``Content-Length`` (``None`` without one; :data:`_INVALID` when it is
+    not a length; ``limit + 1`` for one of more than 18 digits, over any limit)."""
+    raw_len = environ.get("CONTENT_LENGTH")
+    if raw_len in (None, ""):
+        return None
+    text = str(raw_len).strip()
+    if not (text.isascii() and text.isdigit()):
+        return _INVALID
+    # leading zeros are no digits of the value (1*DIGIT: "000150" is 150)
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= 18 else limit + 1
+
+
+def _read(environ: dict[str, Any], stream: Any, want: int,
+          timeout: float | None) -> tuple[bytes, str]:
+    """Up to ``want`` bytes of ``stream`` (fewer at its end) within ``timeout`` seconds in all
+    (``None``: no bound): ``(bytes, "ok")``, or what was read and ``"timed out"`` or
+    ``"failed"`` (the client went away mid-body, a malformed chunk)."""
     chunks: list[bytes] = []
     got = 0
     sock = environ.get("gunicorn.socket") if timeout is not None else None
@@ -84,22 +110,23 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
     timed = sock if armed is None and hasattr(sock, "gettimeout") \
         and hasattr(sock, "settimeout") else None  # the fallback's socket
     prior = timed.gettimeout() if timed is not None else None
+    how = "ok"
     try:
         while got < want:
             if timed is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return _body_timed_out(timeout)
+                    how = "timed out"
+                    break
                 timed.settimeout(left)
             try:
                 chunk = stream.read(min(_READ_CHUNK, want - got))
             except TimeoutError:  # the client stalled mid-body
-                return _body_timed_out(timeout)
+                how = "timed out"
+                break
             except Exception:  # the client went away mid-body, or a malformed chunk
-                if armed is not None and armed.fired:
-                    return _body_timed_out(timeout)
-                return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
-                                            "Could not read the body"))
+                how = "failed"
+                break
             if not chunk:
                 break
             chunks.append(chunk)
@@ -111,31 +138,38 @@ def read_body(environ: dict[str, Any], headers: RequestHeaders, acceptable: bool
             with contextlib.suppress(OSError):
                 timed.settimeout(prior)
     if armed is not None and armed.fired:  # even a body read whole just then: its
-        return _body_timed_out(timeout)  # socket reads EOF now (a disconnect)
-    if length is not None and got < length:  # EOF before Content-Length: not a request
-        return _unread(_error_reply(400, None, codes.INVALID_REQUEST,
-                                    "Could not read the body"))
-    if got > limit:  # chunked: its rest unread (body_left_unread ends the connection)
-        return _error_reply(413, None, codes.INVALID_REQUEST,
-                            f"Request body too large (limit {limit} bytes)")
-    environ[BODY_READ_KEY] = True
-    return b"".join(chunks)
+        how = "timed out"  # socket reads EOF now (a disconnect)
+    return b"".join(chunks), how
 
 
-def body_left_unread(environ: dict[str, Any]) -> bool:
-    """Whether the request has a body that :func:`read_body` did not read to its end: refused
-    before it (413 by its declared length, 415, 406, 403, 404, 405) or part-way. Its reply
-    then ends the connection (:class:`EndingConnection`): left to the server, a ``gthread``
-    worker reads and discards it before the connection's next request, with a deadline it looks
-    at only between 1 KiB reads, so a client trickling it held the thread for good."""
+DRAIN_WITHIN = 0.25
+"""Seconds a refused request's unread body may take to be read and discarded before its reply
+(:func:`body_left_unread`); longer, or over ``max_body_bytes``, the reply ends the connection."""
+
+
+def body_left_unread(environ: dict[str, Any], limit: int) -> bool:
+    """Whether the request's body is still unread once what :func:`read_body` left of it (all
+    of it, when the request was refused before: 413 by its declared length, 415, 406, 403, 404,
+    405) was read and discarded within :data:`DRAIN_WITHIN` seconds, up to ``limit`` bytes.
+    Its reply then ends the connection (:class:`EndingConnection`): left to the server, a
+    ``gthread`` or ``sync`` worker reads and discards it before the connection ends or serves
+    its next request, with a deadline it looks at only between 1 KiB reads, so a client
+    trickling it held the thread for good. A body that is all there already (a refused
+    request's, the common case) is read at once, and the connection kept."""
     if environ.get(BODY_READ_KEY) is True:
         return False
-    if "chunked" in str(environ.get("HTTP_TRANSFER_ENCODING") or "").lower():
+    stream = environ.get("wsgi.input")
+    length = _declared_length(environ, limit)
+    chunked = "chunked" in str(environ.get("HTTP_TRANSFER_ENCODING") or "").lower()
+    if stream is None or (length is None and not chunked) or length == 0:
+        return False  # no body
+    if length == _INVALID or (length is not None and length > limit):
         return True
-    text = str(environ.get("CONTENT_LENGTH") or "").strip()
-    if not text:
-        return False  # neither a length nor chunked: no body
-    return not (text.isascii() and text.isdigit()) or text.strip("0") != ""
+    body, how = _read(environ, stream, limit + 1 if length is None else length, DRAIN_WITHIN)
+    if how != "ok" or len(body) > limit or (length is not None and len(body) < length):
+        return True
+    environ[BODY_READ_KEY] = True
+    return False
 
 
 class _Deadline:

@@ -293,7 +293,7 @@ class McpServer(LegacyWire, ModernWire):
         start_response(_STATUS.get(reply.status, f"{reply.status} Error"), headers)
         # a HEAD's reply has the headers of its GET's and no body (RFC 9110 §9.3.2)
         body = b"" if environ.get("REQUEST_METHOD") == "HEAD" else reply.body
-        if reply.ends_connection or body_left_unread(environ):
+        if reply.ends_connection or body_left_unread(environ, self.max_body_bytes):
             return EndingConnection(body, environ.get("gunicorn.socket"))
         return [body] if body else []
 
