@@ -96,6 +96,8 @@ def test_siphash_refuses_bad_arguments(fn: Any) -> None:
     for data in ("text", None, 5):
         with pytest.raises(TypeError):
             fn(b"k" * 16, data)
+    with pytest.raises(BufferError):  # as the C one's buffer protocol refuses it
+        fn(b"k" * 16, memoryview(b"abcdef")[::2])
 
 
 def test_processes_hashing_in_c_and_in_python_share_a_registry(shm_name: str) -> None:

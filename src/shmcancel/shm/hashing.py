@@ -31,8 +31,7 @@ _M = 0xFFFFFFFFFFFFFFFF
 def siphash_py(key: bytes, data: bytes) -> int:
     """SipHash-2-4 of ``data`` under the 16-byte ``key`` (Aumasson and Bernstein), its 64-bit
     result as an int: the C extension's ``siphash``, in Python."""
-    key = memoryview(key).tobytes()  # bytes-likes only, as the C one (bytes(5) is 5 zeros)
-    data = memoryview(data).tobytes()
+    key, data = _contiguous(key), _contiguous(data)
     if len(key) != 16:
         raise ValueError("siphash: the key is 16 bytes")
     k0 = int.from_bytes(key[:8], "little")
@@ -65,6 +64,15 @@ def siphash_py(key: bytes, data: bytes) -> int:
         if r == 2:
             v0 ^= words[i]
     return v0 ^ v1 ^ v2 ^ v3
+
+
+def _contiguous(b: bytes) -> bytes:
+    """``b``'s bytes, if it is a contiguous bytes-like object, as the C one takes it (not an
+    int: ``bytes(5)`` is five zeros); else ``TypeError`` or ``BufferError``."""
+    m = memoryview(b)
+    if not m.contiguous:
+        raise BufferError("siphash: a contiguous buffer is needed")
+    return m.tobytes()
 
 
 siphash: Callable[[bytes, bytes], int] = siphash_py
