@@ -14,6 +14,7 @@ import time
 
 import anyio
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 
 import shmcancel.sdk
 
@@ -24,8 +25,12 @@ mcp = MCPServer("shmcancel-sdk-example")
 
 
 def _seconds(seconds: float) -> float:
-    if not 0 <= seconds <= MAX_SLEEP:
-        raise ValueError(f"seconds must be between 0 and {MAX_SLEEP:g}")
+    """``seconds`` when it is a sleep this server does (0 to MAX_SLEEP); else the SDK's
+    ``ToolError``, whose message the client reads (any other exception is logged as the
+    tool's crash, traceback and all, and the client learns nothing of it)."""
+    if not 0 <= seconds <= MAX_SLEEP:  # NaN too
+        raise ToolError(f"Invalid arguments for tool sleep: seconds must be between 0 and "
+                        f"{MAX_SLEEP:g}, got {seconds!r}")
     return seconds
 
 

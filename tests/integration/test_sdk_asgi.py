@@ -81,6 +81,26 @@ def test_echo(server, wire):
     assert rows(reg) == []
 
 
+@pytest.mark.parametrize("seconds", [-1, 60.5, 1e308])
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_a_sleep_out_of_range_names_the_problem_without_a_traceback(server, tool, seconds):
+    """A client's out-of-range ``seconds`` is a tool execution error naming the problem
+    (contract §5), not the SDK's anonymous "Error executing tool" with two tracebacks logged
+    at ERROR for each such request (the example raised a plain ValueError)."""
+    _, g, reg = server
+    before = len(g.log())
+
+    async def main() -> Any:
+        async with Client(g.url, mode="legacy") as c:
+            return await c.call_tool(tool, {"seconds": seconds})
+
+    r = anyio.run(main)
+    assert r.is_error and "seconds must be between 0 and 60" in r.content[0].text, r
+    log = g.log()[before:]
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert rows(reg) == []
+
+
 @pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
 @pytest.mark.parametrize("wire", list(MODES))
 def test_abandoned_call_stops(server, wire, tool):
