@@ -140,13 +140,17 @@ def _session(g: Gunicorn) -> dict[str, str]:
     return open_session(g.url, LEGACY)
 
 
+OTHER_WORKER = "another live worker's token"  # for _refused_while_a_call_runs(token=...)
+
+
 def _refused_while_a_call_runs(stateful, rid: int, note: bytes,
                                content_type: str | None = None,
-                               token: str | None = None) -> httpx.Response:
+                               token: str | None = None, tries: int = 1) -> httpx.Response:
     """Run ``sleep`` (1.5 s) as call ``rid`` of a new session; once it is in flight, POST the
     cancel ``note`` in that session (with ``content_type`` when given; ``token``: its session
-    id with that worker token instead of its own). Returns the cancel's reply, having checked
-    that the call was not cancelled (it slept its 1.5 s)."""
+    id with that worker token instead of its own; ``tries`` times, each on a new connection,
+    so on whichever worker accepts it). Returns the cancel's reply (each reply the same
+    status), having checked that the call was not cancelled (it slept its 1.5 s)."""
     import threading
 
     g, reg = stateful
@@ -169,13 +173,19 @@ def _refused_while_a_call_runs(stateful, rid: int, note: bytes,
         if content_type is not None:
             sent["content-type"] = content_type
         if token is not None:
-            sent["mcp-session-id"] = token + "-" + hdrs["mcp-session-id"].split("-", 1)[1]
-        with httpx.Client(timeout=10) as h:
-            r = h.post(g.url, content=note, headers=sent)
+            own, sdk_id = hdrs["mcp-session-id"].split("-", 1)
+            if token == OTHER_WORKER:
+                token = sorted(_worker_tokens(g) - {own})[0]
+            sent["mcp-session-id"] = token + "-" + sdk_id
+        replies = []
+        for _ in range(tries):
+            with httpx.Client(timeout=10) as h:
+                replies.append(h.post(g.url, content=note, headers=sent))
     finally:
         t.join(20)
     assert answer and "slept 1.5 s" in answer[0].text, answer and answer[0].text
-    return r
+    assert len({r.status_code for r in replies}) == 1, [(r.status_code, r.text) for r in replies]
+    return replies[-1]
 
 
 def test_a_cancel_the_sdk_cannot_parse_is_its_400_and_cancels_nothing(stateful):
@@ -209,4 +219,15 @@ def test_a_cancel_in_a_session_id_naming_no_worker_is_a_404_and_cancels_nothing(
     note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 9}}
     r = _refused_while_a_call_runs(stateful, 9, json.dumps(note).encode(),
                                    token="ffffffffx000000000000")
+    assert r.status_code == 404, (r.status_code, r.text)
+
+
+def test_a_cancel_pairing_another_workers_token_with_the_sdk_id_is_a_404(stateful):
+    """A session id made of a live worker's token and the SDK id of a session another worker
+    holds names no session (a reviewer's forgery): every request with it is 404, and so is a
+    ``notifications/cancelled``, whichever worker accepts it. It was 202, cancelling the
+    call, when a worker other than the token's accepted it."""
+    note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 11}}
+    r = _refused_while_a_call_runs(stateful, 11, json.dumps(note).encode(),
+                                   token=OTHER_WORKER, tries=8)
     assert r.status_code == 404, (r.status_code, r.text)

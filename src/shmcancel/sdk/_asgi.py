@@ -53,7 +53,7 @@ from ._calls import (
     stop_calls_in_scope,
     stop_running_calls,
 )
-from ._routing import Router
+from ._routing import Router, token_pid
 
 __all__ = ["asgi"]
 
@@ -202,7 +202,7 @@ class Layer:
             # request of a session nobody holds: it used to be answered 202 here)
             if (modern or not _may_cancel(body) or not router.names_worker(owner)
                     or not await self._cancel(router.with_sdk_id(scope), body, send,
-                                              local=False)):
+                                              local=False, owner=owner)):
                 await router.forward(owner, scope, body, receive, send)
             return
         if (not modern and _may_cancel(body)
@@ -273,9 +273,12 @@ class Layer:
             if not msg.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _cancel(self, scope: Scope, body: bytes, send: Send, *, local: bool) -> bool:
+    async def _cancel(self, scope: Scope, body: bytes, send: Send, *, local: bool,
+                      owner: str | None = None) -> bool:
         """Answer a ``notifications/cancelled`` whose request is in flight in the caller's scope.
-        Returns ``False`` (nothing sent) for anything else: the SDK answers it."""
+        Returns ``False`` (nothing sent) for anything else: the SDK answers it. ``owner``: the
+        token of the worker the session id names, when not this one (the call must run
+        there: a session's calls run in the worker holding it)."""
         try:
             # The SDK's own parser: a body it refuses (a lone surrogate escape, say, which
             # json.loads takes) is its 400, never a cancel answered here.
@@ -311,6 +314,13 @@ class Layer:
             await _respond(send, *_invalid_request_id())
             return True
         conn = conn_of(scope, self.stateful)
+        if owner is not None:
+            # A session id pairing another worker's token with this SDK id names no session
+            # (the SDK ids are the workers' own): it is not the one running the call. Left to
+            # the forward, whose worker answers 404 as for any request of that id.
+            pids = c.in_flight_pids(rid, principal.scope(conn))
+            if pids is not None and token_pid(owner) not in pids:
+                return False
         reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
         try:
             # In a thread: a stopped lock holder makes this wait up to lock_timeout, which on

@@ -242,6 +242,15 @@ def split(session_id: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
+def token_pid(token: str) -> int | None:
+    """The pid of the worker whose token is ``token`` (``{pid:x}x{random}``), else ``None``."""
+    head, sep, _ = token.partition("x")
+    try:
+        return int(head, 16) if sep else None
+    except ValueError:
+        return None
+
+
 def _set_header(scope: MutableMapping[str, Any], name: bytes, value: bytes | None) -> None:
     headers = [(k, v) for k, v in scope.get("headers") or () if k != name]
     if value is not None:
