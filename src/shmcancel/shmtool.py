@@ -4,7 +4,8 @@
 
     shmtool list [--json]            registries in /dev/shm: name, size, bytes allocated,
                                      creator pid, state (alive, stale: creator gone,
-                                     leftover: no segment, foreign: created in another
+                                     orphaned: creator gone, other processes still using
+                                     it, leftover: no segment, foreign: created in another
                                      pid namespace (its processes cannot be judged here),
                                      unusable: unreadable, or a worker could not attach it)
                                      and a one-line note: what is wrong, which command removes
@@ -16,7 +17,8 @@
     shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
     shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
                                      named); a live one is never removed (named: exit 1), nor
-                                     a segment without a shmcancel header (exit 1)
+                                     an orphaned one or a segment without a shmcancel header
+                                     (exit 1)
     shmtool unlink NAME [--force]    remove whatever exists of the registry's segment, semaphore,
                                      lock file and temporaries (attached processes keep their
                                      mapping until they exit); refused while its creator lives
@@ -278,7 +280,8 @@ def _bad_own(own: list[str], skip: Sequence[str] = ()) -> dict[str, str]:
 
 
 def _registry_row(name: str) -> dict[str, Any]:
-    """One row of ``list``; ``state``: alive, stale (creator gone), leftover (no segment, only
+    """One row of ``list``; ``state``: alive, stale (creator gone), orphaned (creator gone,
+    other processes still mapping it: a killed master's workers), leftover (no segment, only
     a semaphore / lock file / temporary), or unusable (unreadable, or a worker could not attach
     it: its semaphore missing, replaced, a link, a FIFO, another user's). ``error``
     is one line: what is wrong, the command that removes the registry when one would, then
@@ -353,7 +356,29 @@ def _registry_row(name: str) -> dict[str, Any]:
             row["state"] = "alive"
             note(list(bad.values()))
         return row
+    users = _users(seg)
+    if users:  # the creator gone, its workers not (a master killed): not for cleanup --stale
+        row["state"] = "orphaned"
+        note([f"creator gone, but {_pid_list(users)} still use it"],
+             f"shmtool unlink {name} removes it under them")
+        return row
     return removable("stale", "creator gone", [seg])
+
+
+def _users(seg: str) -> list[int]:
+    """Pids of other processes seen to map the segment file ``seg`` (their ``/proc`` maps
+    readable: a process whose are not, which may map it or not, is not counted, so a stale
+    registry is not kept for pid 1); empty when it is gone. A ``/proc`` scan: milliseconds."""
+    try:
+        ino = os.stat(seg, follow_symlinks=False).st_ino
+    except OSError:
+        return []
+    return sorted(procinfo.mappers(seg, ino, seen_only=True))
+
+
+def _pid_list(pids: list[int]) -> str:
+    shown = ", ".join(map(str, pids[:5])) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
+    return f"pid{'s' if len(pids) > 1 else ''} {shown}"
 
 
 def _registries() -> list[dict[str, Any]]:
@@ -659,6 +684,13 @@ def _cleanup_stale(only: list[str]) -> int:
                         print(f"shmtool: kept {name}: its creator, pid {owner[0]}, is alive",
                               file=sys.stderr)
                         skipped += 1
+                    continue
+                users = _users(segment_path(name))
+                if users:  # its creator is gone, its workers are not (a master killed)
+                    print(f"shmtool: kept {name}: its creator is gone, but {_pid_list(users)} "
+                          f"still use it (shmtool unlink {name} removes it under them)",
+                          file=sys.stderr)
+                    skipped += 1
                     continue
                 if headerless:
                     print(f"shmtool: skipped {name}: its segment has no shmcancel header, so "

@@ -377,6 +377,33 @@ def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_remove
     Registry.attach(reg.name).close()  # the live one is untouched
 
 
+def test_a_registry_whose_creator_died_but_whose_users_live_is_orphaned_not_stale(shm_name):
+    """A killed master's workers serve on (uvicorn workers for a minute or more): its registry
+    was listed stale, and ``cleanup --stale`` advised and removed it from under them. It is
+    listed orphaned, naming who uses it, and ``cleanup --stale`` keeps it (exit 1) until they
+    are gone; ``unlink`` removes it."""
+    _stale(shm_name)
+    user = Registry.attach(shm_name)  # this process: a worker of the dead master
+    try:
+        rows = {r["name"]: r for r in json.loads(shmtool("list", "--json").stdout)["registries"]}
+        assert rows[shm_name]["state"] == "orphaned", rows[shm_name]
+        assert f"pid {os.getpid()}" in rows[shm_name]["error"], rows[shm_name]
+        assert "cleanup --stale" not in rows[shm_name]["error"]
+        p = shmtool("cleanup", "--stale", shm_name)
+        assert p.returncode == 1 and p.stdout == "", p
+        assert p.stderr == (f"shmtool: kept {shm_name}: its creator is gone, but pid "
+                            f"{os.getpid()} still use it (shmtool unlink {shm_name} removes it "
+                            f"under them)\n"), p.stderr
+        assert _entries(shm_name) != []
+    finally:
+        user.close()
+    rows = {r["name"]: r for r in json.loads(shmtool("list", "--json").stdout)["registries"]}
+    assert rows[shm_name]["state"] == "stale"
+    p = shmtool("cleanup", "--stale", shm_name)
+    assert p.returncode == 0 and p.stdout.startswith(f"removed stale registry {shm_name} "), p
+    assert _entries(shm_name) == []
+
+
 @pytest.mark.parametrize("lock_file", ["kept", "removed"])
 def test_cleanup_stale_leaves_a_live_registry_as_it_found_it(reg, lock_file):
     """A live registry is kept, and its entries stay as they were: a lock file that was not

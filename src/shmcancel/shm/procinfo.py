@@ -138,14 +138,14 @@ def _euid(pid: int) -> int | None:
     return None
 
 
-def mappers(path_prefix: str, inode: int) -> list[int]:
+def mappers(path_prefix: str, inode: int, *, seen_only: bool = False) -> list[int]:
     """Pids, other than the caller's, that map the file ``inode`` under ``path_prefix`` (a POSIX
     semaphore: ``/dev/shm/sem.``; its creator's mapping names the temporary file glibc linked
     to the semaphore's name, `` (deleted)``, so only the inode identifies it), or may: a process
     whose maps are unreadable (made non-dumpable, e.g. by dropping privileges) counts when it
     runs as the caller's effective uid or is the caller's parent (a gunicorn master that stayed
-    root). Another user's process cannot open an owner-only file. Scans ``/proc``: milliseconds,
-    for a slow path only."""
+    root), unless ``seen_only``. Another user's process cannot open an owner-only file. Scans
+    ``/proc``: milliseconds, for a slow path only."""
     me_ = os.getpid()
     euid, ppid = os.geteuid(), os.getppid()
     prefix = path_prefix.encode()
@@ -158,11 +158,11 @@ def mappers(path_prefix: str, inode: int) -> list[int]:
             with open(f"/proc/{ent}/maps", "rb") as f:
                 data = f.read()
         except PermissionError:
-            if _euid(int(ent)) == euid or int(ent) == ppid:
+            if not seen_only and (_euid(int(ent)) == euid or int(ent) == ppid):
                 out.append(int(ent))
             continue
         except OSError as e:
-            if e.errno not in _GONE:  # cannot tell (out of descriptors): it may map it
+            if not seen_only and e.errno not in _GONE:  # cannot tell (out of descriptors)
                 out.append(int(ent))
             continue
         if prefix not in data:
