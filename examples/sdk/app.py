@@ -24,12 +24,12 @@ POLL = 0.005  # seconds between two looks at the cancellation flag (the contract
 mcp = MCPServer("shmcancel-sdk-example")
 
 
-def _seconds(seconds: float) -> float:
+def _seconds(tool: str, seconds: float) -> float:
     """``seconds`` when it is a sleep this server does (0 to MAX_SLEEP); else the SDK's
     ``ToolError``, whose message the client reads (any other exception is logged as the
     tool's crash, traceback and all, and the client learns nothing of it)."""
     if not 0 <= seconds <= MAX_SLEEP:  # NaN too
-        raise ToolError(f"Invalid arguments for tool sleep: seconds must be between 0 and "
+        raise ToolError(f"Invalid arguments for tool {tool}: seconds must be between 0 and "
                         f"{MAX_SLEEP:g}, got {seconds!r}")
     return seconds
 
@@ -43,14 +43,14 @@ def echo(text: str) -> str:
 @mcp.tool()
 async def sleep(seconds: float) -> str:
     """Sleep for `seconds` (0 to 60); a cancellation interrupts it at once."""
-    await anyio.sleep(_seconds(seconds))
+    await anyio.sleep(_seconds("sleep", seconds))
     return f"slept {seconds:g} s"
 
 
 @mcp.tool()
 def sleep_sync(seconds: float) -> str:
     """Sleep for `seconds` (0 to 60) in a worker thread, polling for cancellation every 5 ms."""
-    deadline = time.monotonic() + _seconds(seconds)
+    deadline = time.monotonic() + _seconds("sleep_sync", seconds)
     while (left := deadline - time.monotonic()) > 0:
         shmcancel.sdk.raise_if_cancelled()
         time.sleep(min(POLL, left))

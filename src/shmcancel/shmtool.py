@@ -359,7 +359,7 @@ def _registry_row(name: str) -> dict[str, Any]:
     users = _users(seg)
     if users:  # the creator gone, its workers not (a master killed): not for cleanup --stale
         row["state"] = "orphaned"
-        note([f"creator gone, but {_pid_list(users)} still use it"],
+        note([f"creator gone, but {_pid_list(users)} still {_use(users)} it"],
              f"shmtool unlink {name} removes it under them")
         return row
     return removable("stale", "creator gone", [seg])
@@ -374,6 +374,10 @@ def _users(seg: str) -> list[int]:
     except OSError:
         return []
     return sorted(procinfo.mappers(seg, ino, seen_only=True))
+
+
+def _use(pids: list[int]) -> str:
+    return "uses" if len(pids) == 1 else "use"
 
 
 def _pid_list(pids: list[int]) -> str:
@@ -688,7 +692,8 @@ def _cleanup_stale(only: list[str]) -> int:
                 users = _users(segment_path(name))
                 if users:  # its creator is gone, its workers are not (a master killed)
                     print(f"shmtool: kept {name}: its creator is gone, but {_pid_list(users)} "
-                          f"still use it (shmtool unlink {name} removes it under them)",
+                          f"still {_use(users)} it (shmtool unlink {name} removes it under "
+                          f"them)",
                           file=sys.stderr)
                     skipped += 1
                     continue

@@ -95,7 +95,8 @@ def test_a_sleep_out_of_range_names_the_problem_without_a_traceback(server, tool
             return await c.call_tool(tool, {"seconds": seconds})
 
     r = anyio.run(main)
-    assert r.is_error and "seconds must be between 0 and 60" in r.content[0].text, r
+    assert r.is_error and (f"Invalid arguments for tool {tool}: seconds must be between 0 "
+                           "and 60") in r.content[0].text, r
     log = g.log()[before:]
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
     assert rows(reg) == []

@@ -392,7 +392,7 @@ def test_a_registry_whose_creator_died_but_whose_users_live_is_orphaned_not_stal
         p = shmtool("cleanup", "--stale", shm_name)
         assert p.returncode == 1 and p.stdout == "", p
         assert p.stderr == (f"shmtool: kept {shm_name}: its creator is gone, but pid "
-                            f"{os.getpid()} still use it (shmtool unlink {shm_name} removes it "
+                            f"{os.getpid()} still uses it (shmtool unlink {shm_name} removes it "
                             f"under them)\n"), p.stderr
         assert _entries(shm_name) != []
     finally:

@@ -98,6 +98,8 @@ def test_siphash_refuses_bad_arguments(fn: Any) -> None:
             fn(b"k" * 16, data)
     with pytest.raises(BufferError):  # as the C one's buffer protocol refuses it
         fn(b"k" * 16, memoryview(b"abcdef")[::2])
+    grid = memoryview(bytearray(6)).cast("B", shape=[2, 3])  # two dimensions, C order: taken
+    assert fn(b"k" * 16, grid) == hashing.siphash_py(b"k" * 16, bytes(6))
 
 
 def test_processes_hashing_in_c_and_in_python_share_a_registry(shm_name: str) -> None:

@@ -693,7 +693,10 @@ class Cancellation:
             now = clock_seconds(now)
         settle_owed()  # this process's request ends owed to a stalled lock land first (§4.3)
         removed = self._store.expire(now, float(ttl))
+        # a dead request's cancellation goes with its reaped row: removed by this sweep too
+        cleared = getattr(self._store, "orphans_cleared", 0)
         in_flight_removed = self._store.reap() + self._reap_ended()
+        removed += getattr(self._store, "orphans_cleared", 0) - cleared
         telemetry.execute(
             CLEANUP_EVENT, {"removed": removed, "in_flight_removed": in_flight_removed}, {}
         )

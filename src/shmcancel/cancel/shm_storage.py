@@ -614,6 +614,9 @@ class ShmBackend:
     #: two requests of one id hold a row each, asyncio's in one thread as well); ``untrack``
     #: removes one. The policy then has no owed untrack to forgo on a new ``track``.
     track_rows_per_call = True
+    #: Cancellation rows cleared with their dead requests' in-flight rows, ever, in this
+    #: process (``cleanup`` counts those its reap cleared among the rows it removed)
+    orphans_cleared = 0
 
     def track(self, scope: str, rid: str, owner: Owner) -> object:
         """Returns the row's receipt for a handle's row (token non-zero): its way (an ``int``)
@@ -741,6 +744,8 @@ class ShmBackend:
                         and type(k[1]) is str and self.exists(*k)):
                     with self._lock:
                         clear_ended(self, k[0], k[1])
+                        if not self.exists(*k):
+                            self.orphans_cleared += 1
         except Exception as e:
             log.debug("clearing the cancellations of ended requests: %s", e)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import io
 import itertools
 import logging
 import math
@@ -144,18 +145,21 @@ def _read(environ: dict[str, Any], stream: Any, want: int,
 
 DRAIN_WITHIN = 0.25
 """Seconds a refused request's unread body may take to be read and discarded before its reply
-(:func:`body_left_unread`); longer, or over ``max_body_bytes``, the reply ends the connection."""
+(:func:`body_left_unread`); longer, or more than :data:`DRAIN_OVER` bytes over
+``max_body_bytes``, the reply ends the connection."""
+DRAIN_OVER = 65536  # bytes past max_body_bytes an over-limit body may have and still be drained
 
 
 def body_left_unread(environ: dict[str, Any], limit: int) -> bool:
     """Whether the request's body is still unread once what :func:`read_body` left of it (all
     of it, when the request was refused before: 413 by its declared length, 415, 406, 403, 404,
-    405) was read and discarded within :data:`DRAIN_WITHIN` seconds, up to ``limit`` bytes.
-    Its reply then ends the connection (:class:`EndingConnection`): left to the server, a
-    ``gthread`` or ``sync`` worker reads and discards it before the connection ends or serves
-    its next request, with a deadline it looks at only between 1 KiB reads, so a client
-    trickling it held the thread for good. A body that is all there already (a refused
-    request's, the common case) is read at once, and the connection kept."""
+    405) was read and discarded within :data:`DRAIN_WITHIN` seconds, up to :data:`DRAIN_OVER`
+    bytes past ``limit``. Its reply then ends the connection (:class:`EndingConnection`): left
+    to the server, a ``gthread`` or ``sync`` worker reads and discards it before the connection
+    ends or serves its next request, with a deadline it looks at only between 1 KiB reads, so
+    a client trickling it held the thread for good. A body that is all there already (a
+    refused request's, the common case, a modest 413's too) is read at once, and the
+    connection kept: the server then serves a next request already sent on it."""
     if environ.get(BODY_READ_KEY) is True:
         return False
     stream = environ.get("wsgi.input")
@@ -163,10 +167,11 @@ def body_left_unread(environ: dict[str, Any], limit: int) -> bool:
     chunked = "chunked" in str(environ.get("HTTP_TRANSFER_ENCODING") or "").lower()
     if stream is None or (length is None and not chunked) or length == 0:
         return False  # no body
-    if length == _INVALID or (length is not None and length > limit):
+    cap = limit + DRAIN_OVER
+    if length == _INVALID or (length is not None and length > cap):
         return True
-    body, how = _read(environ, stream, limit + 1 if length is None else length, DRAIN_WITHIN)
-    if how != "ok" or len(body) > limit or (length is not None and len(body) < length):
+    body, how = _read(environ, stream, cap + 1 if length is None else length, DRAIN_WITHIN)
+    if how != "ok" or len(body) > cap or (length is not None and len(body) < length):
         return True
     environ[BODY_READ_KEY] = True
     return False
@@ -302,11 +307,13 @@ def _unread(reply: _Reply) -> _Reply:
 
 class EndingConnection:
     """A reply's body (a WSGI iterable) whose ``close()``, which the server calls once the reply
-    is written, ends the client connection (:func:`end_connection`)."""
+    is written, ends the client connection (:func:`end_connection`) and drops what the server
+    read ahead on it (:func:`_drop_read_ahead`)."""
 
-    def __init__(self, body: bytes, sock: Any) -> None:
+    def __init__(self, body: bytes, sock: Any, stream: Any = None) -> None:
         self._body = body
         self._sock = sock
+        self._stream = stream
 
     def __iter__(self) -> Iterator[bytes]:
         if self._body:
@@ -315,7 +322,22 @@ class EndingConnection:
     def close(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
+            _drop_read_ahead(self._stream)
             end_connection(sock)
+
+
+def _drop_read_ahead(stream: Any) -> None:
+    """Empty the buffer of bytes gunicorn read from the connection past the request (its
+    ``wsgi.input``'s reader's unreader, a ``BytesIO``): a ``gthread`` worker runs a next
+    request found there at once, even on a connection :func:`end_connection` took away, where
+    its reply is lost though it ran (a client pipelining a request after a refused body would
+    retry it, running it twice). Nothing for another server, or a gunicorn laid out otherwise."""
+    reader = getattr(stream, "reader", None)
+    unreader = getattr(reader, "unreader", None)
+    if unreader is None:  # a chunked body's reader keeps its request, which has the unreader
+        unreader = getattr(getattr(reader, "req", None), "unreader", None)
+    if unreader is not None and isinstance(getattr(unreader, "buf", None), io.BytesIO):
+        unreader.buf = io.BytesIO()
 
 
 def end_connection(sock: Any) -> None:

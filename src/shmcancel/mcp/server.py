@@ -294,7 +294,8 @@ class McpServer(LegacyWire, ModernWire):
         # a HEAD's reply has the headers of its GET's and no body (RFC 9110 §9.3.2)
         body = b"" if environ.get("REQUEST_METHOD") == "HEAD" else reply.body
         if reply.ends_connection or body_left_unread(environ, self.max_body_bytes):
-            return EndingConnection(body, environ.get("gunicorn.socket"))
+            return EndingConnection(body, environ.get("gunicorn.socket"),
+                                    environ.get("wsgi.input"))
         return [body] if body else []
 
     def _lock_depth(self) -> int:

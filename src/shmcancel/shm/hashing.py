@@ -70,7 +70,7 @@ def _contiguous(b: bytes) -> bytes:
     """``b``'s bytes, if it is a contiguous bytes-like object, as the C one takes it (not an
     int: ``bytes(5)`` is five zeros); else ``TypeError`` or ``BufferError``."""
     m = memoryview(b)
-    if not m.contiguous:
+    if not m.c_contiguous:  # (contiguous is C or Fortran order; the C one takes C order only)
         raise BufferError("siphash: a contiguous buffer is needed")
     return m.tobytes()
 
