@@ -107,3 +107,53 @@ def test_reads_one_after_another_do_not_wake_the_watchdog() -> None:
     finally:
         a.close()
         b.close()
+
+
+class _Req:
+    must_close = False
+
+    def __init__(self, unreader: object) -> None:
+        self.unreader = unreader
+
+
+def _gunicorn_like_input(chunked: bool) -> tuple[object, object, object]:
+    """A ``wsgi.input`` laid out as gunicorn's (``Body.reader``: a length reader's
+    ``.unreader``, a chunked reader's ``.req.unreader``), its unreader (bytes read ahead in
+    ``.buf``) and its request."""
+    import io
+    import types
+
+    unreader = types.SimpleNamespace(buf=io.BytesIO(b"POST /mcp HTTP/1.1\r\n..."))
+    req = _Req(unreader)
+    reader = types.SimpleNamespace(req=req) if chunked else types.SimpleNamespace(
+        unreader=unreader)
+    return types.SimpleNamespace(reader=reader), unreader, req
+
+
+def test_an_ended_connection_drops_what_gunicorn_read_ahead_and_closes() -> None:
+    """A reply that takes its connection away leaves gunicorn nothing to run on it: the bytes
+    it read past the request are dropped, and a chunked body's request is marked to close
+    (its chunk parser holds read-ahead bytes of its own)."""
+    for chunked in (False, True):
+        stream, unreader, req = _gunicorn_like_input(chunked)
+        a, b = socket.socketpair()
+        try:
+            ending = body.EndingConnection(b"reply", a, stream)
+            assert list(ending) == [b"reply"]
+            b.close()  # the client leaves: the linger ends at once
+            ending.close()
+        finally:
+            a.close()
+        assert unreader.buf.getvalue() == b""
+        assert req.must_close is chunked
+
+
+def test_a_connection_that_cannot_be_taken_away_keeps_its_read_ahead() -> None:
+    """A TLS socket (anything not a plain socket) is not taken over: gunicorn goes on with the
+    connection, so what it read ahead is its next request's and must stay (a reviewer's TLS
+    client lost its pipelined request when it was dropped)."""
+    for chunked in (False, True):
+        stream, unreader, req = _gunicorn_like_input(chunked)
+        body.EndingConnection(b"reply", object(), stream).close()
+        assert unreader.buf.getvalue().startswith(b"POST /mcp")
+        assert req.must_close is False

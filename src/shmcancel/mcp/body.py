@@ -148,6 +148,7 @@ DRAIN_WITHIN = 0.25
 (:func:`body_left_unread`); longer, or more than :data:`DRAIN_OVER` bytes over
 ``max_body_bytes``, the reply ends the connection."""
 DRAIN_OVER = 65536  # bytes past max_body_bytes an over-limit body may have and still be drained
+# (a chunked one's: past the max_body_bytes + 1 read_body read of it)
 
 
 def body_left_unread(environ: dict[str, Any], limit: int) -> bool:
@@ -321,26 +322,29 @@ class EndingConnection:
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        if sock is not None:
+        if sock is not None and end_connection(sock):
             _drop_read_ahead(self._stream)
-            end_connection(sock)
 
 
 def _drop_read_ahead(stream: Any) -> None:
-    """Empty the buffer of bytes gunicorn read from the connection past the request (its
-    ``wsgi.input``'s reader's unreader, a ``BytesIO``): a ``gthread`` worker runs a next
-    request found there at once, even on a connection :func:`end_connection` took away, where
-    its reply is lost though it ran (a client pipelining a request after a refused body would
-    retry it, running it twice). Nothing for another server, or a gunicorn laid out otherwise."""
+    """Keep gunicorn from serving a next request on a connection :func:`end_connection` took
+    away, where its reply would be lost though it ran (a client pipelining a request after a
+    refused body would retry it, running it twice): empty the buffer of bytes it read past the
+    request (its ``wsgi.input``'s reader's unreader, a ``BytesIO``: a ``gthread`` worker runs a
+    next request found there at once), and mark a chunked body's request ``must_close`` (its
+    chunk parser holds bytes read ahead of its own, which it would hand back once the body
+    ended: the connection is closed after the reply instead). Nothing for another server, or
+    a gunicorn laid out otherwise."""
     reader = getattr(stream, "reader", None)
-    unreader = getattr(reader, "unreader", None)
-    if unreader is None:  # a chunked body's reader keeps its request, which has the unreader
-        unreader = getattr(getattr(reader, "req", None), "unreader", None)
+    req = getattr(reader, "req", None)  # a chunked body's reader keeps its request
+    if req is not None and hasattr(req, "must_close"):
+        req.must_close = True
+    unreader = getattr(reader, "unreader", None) or getattr(req, "unreader", None)
     if unreader is not None and isinstance(getattr(unreader, "buf", None), io.BytesIO):
         unreader.buf = io.BytesIO()
 
 
-def end_connection(sock: Any) -> None:
+def end_connection(sock: Any) -> bool:
     """End the connection of ``sock`` (gunicorn's, whose reply is written), taken away from the
     server: a refused body was cut off where the server cannot tell its end, and it would read
     a next request where the body stopped (keep-alive: a 408's socket read side was shut, and
@@ -354,19 +358,22 @@ def end_connection(sock: Any) -> None:
     :data:`_LINGER` seconds and :data:`_LINGER_BYTES` bytes (closing a socket with unread bytes
     sends a reset, which can destroy the reply before the client reads it); a read side shut
     at the deadline reads as ended at once, and bytes that come after the close are reset.
-    Plain sockets only (a TLS layer cannot be taken over): others are left as they are."""
+    Plain sockets only (a TLS layer cannot be taken over): others are left as they are.
+    Whether the connection was taken away (``False``: the server goes on with it)."""
     if type(sock) is not socket.socket:
-        return
+        return False
     try:
         fd = sock.fileno()
         if fd < 0:
-            return
+            return False
         own = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return
+        return False
+    taken = False
     try:
         with socket.socket(own.family, own.type) as dead:
             os.dup2(dead.fileno(), fd)  # atomic: the number never names another file
+        taken = True
         own.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + _LINGER
         drained = 0
@@ -383,6 +390,7 @@ def end_connection(sock: Any) -> None:
         pass
     finally:
         own.close()
+    return taken
 
 
 _LINGER = 1.0
