@@ -100,7 +100,7 @@ class ShmBackend:
         self._n = reg.table(SCOPE_COUNTS)
         self._zeros_kept = zero_counts_kept(reg.config)
         self._lanes = reg.lanes[IN_FLIGHT]  # a handle's row, when its process's lane has room
-        if self._lanes.orphans is None:  # a dead owner's rows a lane claim clears: see track
+        if self._lanes.orphans is None:  # dead owners' rows a claim or reap clears: see reap
             self._lanes.orphans = []
         self._lock = reg.lock
         # the registry's lock recoveries when this process last recounted the scopes (see
@@ -709,10 +709,8 @@ class ShmBackend:
             owners = {o for o in owners if o[0] == pid}
         dead = {o for o in owners if not self._alive(*o)}
         malformed = pid is None and any(_owner(v) is None for _, v in rows)
-        dead_lanes = {o for _, o in self._lanes.lane_owners()
-                      if (pid is None or o[0] == pid) and not self._alive(*o)}
-        keys = [k for k, o in self.lane_rows() if o[:2] in dead_lanes] if dead_lanes else []
         n = self._lanes.reap(pid)
+        keys: list[Any] = self._take_orphans()  # the dead lanes' rows' (and a claim's since)
         if dead or malformed:
             def gone(key: Any, value: Any) -> bool:
                 o = _owner(value)
@@ -720,7 +718,7 @@ class ShmBackend:
 
             keys += [k for k, v in rows if gone(k, v)]
             n += self._f.delete_where(gone)
-        if n:
+        if keys:
             self._clear_orphaned(keys)
         return n
 

@@ -149,8 +149,9 @@ class Lanes:
         self._retry_at = 0.0
         self._free: list[list[int]] = []  # per bucket: this lane's ways without a row
         self._held: dict[int, int] = {}  # token -> way of this process's rows
-        # The key bytes of the rows a claim cleared from a dead owner's lane, for the table's
-        # owner to act on (the in-flight store clears their cancellations); None: not kept
+        # The key bytes of the rows cleared from dead owners' lanes (a claim, a reap), for the
+        # table's owner to act on (the in-flight store clears their cancellations); None: not
+        # kept
         self.orphans: list[bytes] | None = None
         _open.add(self)
 
@@ -372,10 +373,10 @@ class Lanes:
                 word = q[_OQ + i]
                 owner = procinfo.unpack_owner(word)
                 if owner is None or not self._alive(*owner):
-                    if owner is not None and self.orphans is not None \
-                            and len(self.orphans) < _MAX_ORPHANS:
-                        self.orphans += [self._body(w)[2] for w in self._ways(i)]
-                    self._clear(i)
+                    if owner is None:
+                        self._clear(i)
+                    else:
+                        self._clear_dead(i)
                     self._free = [list(range((b * LANES + i) * WAYS, (b * LANES + i + 1) * WAYS))
                                   for b in range(BUCKETS)]
                     self._held = {}
@@ -395,6 +396,13 @@ class Lanes:
             q[_HQ + w] = 0
             n += 1
         return n
+
+    def _clear_dead(self, lane: int) -> int:
+        """:meth:`_clear` of a dead owner's lane, its rows' keys kept in :attr:`orphans` (when
+        kept, up to :data:`_MAX_ORPHANS`): a claim's and a reap's alike."""
+        if self.orphans is not None and len(self.orphans) < _MAX_ORPHANS:
+            self.orphans += [self._body(w)[2] for w in self._ways(lane)]
+        return self._clear(lane)
 
     def _ways(self, lane: int) -> list[int]:
         """The ways of ``lane`` that hold a row."""
@@ -416,7 +424,7 @@ class Lanes:
             with self._lock:
                 for i, o in dead:
                     if procinfo.unpack_owner(q[_OQ + i]) == o:
-                        n += self._clear(i)
+                        n += self._clear_dead(i)
                         q[_OQ + i] = 0
             return n
         except Exception:
