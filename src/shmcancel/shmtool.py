@@ -359,7 +359,7 @@ def _registry_row(name: str) -> dict[str, Any]:
     users = _users(seg)
     if users:  # the creator gone, its workers not (a master killed): not for cleanup --stale
         row["state"] = "orphaned"
-        note([f"creator gone, but {_pid_list(users)} still {_use(users)} it"],
+        note([f"creator gone, but {_still_used(users)}"],
              f"shmtool unlink {name} removes it under them")
         return row
     return removable("stale", "creator gone", [seg])
@@ -376,13 +376,10 @@ def _users(seg: str) -> list[int]:
     return sorted(procinfo.mappers(seg, ino, seen_only=True))
 
 
-def _use(pids: list[int]) -> str:
-    return "uses" if len(pids) == 1 else "use"
-
-
-def _pid_list(pids: list[int]) -> str:
+def _still_used(pids: list[int]) -> str:
+    """"pid 12 still uses it", "pids 12, 13 still use it" (five named at most)."""
     shown = ", ".join(map(str, pids[:5])) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
-    return f"pid{'s' if len(pids) > 1 else ''} {shown}"
+    return f"pid {shown} still uses it" if len(pids) == 1 else f"pids {shown} still use it"
 
 
 def _registries() -> list[dict[str, Any]]:
@@ -691,10 +688,8 @@ def _cleanup_stale(only: list[str]) -> int:
                     continue
                 users = _users(segment_path(name))
                 if users:  # its creator is gone, its workers are not (a master killed)
-                    print(f"shmtool: kept {name}: its creator is gone, but {_pid_list(users)} "
-                          f"still {_use(users)} it (shmtool unlink {name} removes it under "
-                          f"them)",
-                          file=sys.stderr)
+                    print(f"shmtool: kept {name}: its creator is gone, but {_still_used(users)} "
+                          f"(shmtool unlink {name} removes it under them)", file=sys.stderr)
                     skipped += 1
                     continue
                 if headerless:

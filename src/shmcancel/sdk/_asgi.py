@@ -313,12 +313,12 @@ class Layer:
             # the WSGI transport answers it (the SDK answers 202 and records nothing)
             await _respond(send, *_invalid_request_id())
             return True
-        conn = conn_of(scope, self.stateful)
+        where = principal.scope(conn_of(scope, self.stateful))
         if owner is not None:
             # A session id pairing another worker's token with this SDK id names no session
             # (the SDK ids are the workers' own): it is not the one running the call. Left to
             # the forward, whose worker answers 404 as for any request of that id.
-            pids = c.in_flight_pids(rid, principal.scope(conn))
+            pids = c.in_flight_pids(rid, where)
             if pids is not None and token_pid(owner) not in pids:
                 return False
         reason = params.get("reason")  # any JSON value: cancel() makes a non-str its repr
@@ -326,7 +326,7 @@ class Layer:
             # In a thread: a stopped lock holder makes this wait up to lock_timeout, which on
             # the event loop would stall every request of the worker.
             recorded = await asyncio.to_thread(
-                c.cancel_if_in_flight, rid, reason, principal.scope(conn))
+                c.cancel_if_in_flight, rid, reason, where)
         except CancellationLimitReached as e:
             await _respond(send, *_json_error(429, errors.SERVER_ERROR, str(e)))
             return True
