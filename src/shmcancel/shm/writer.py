@@ -433,9 +433,10 @@ class Writes(Fsck):
 
     # ------------------------------------------------------------ rows by receipt (bags)
     def add(self, key: Any, value: Any) -> tuple[int, int]:
-        """Bag: add the row ``(key, value)`` that the caller knows differs from every row of
-        ``key`` (its value holds a token no other row has), without reading them. Returns the
-        receipt ``(record, stamp)`` that :meth:`remove` takes. Raises as :meth:`insert`."""
+        """Bag: add the row ``(key, value)`` without reading ``key``'s rows: a row equal to
+        one there is one more of it (a thread's plain ``track`` rows of one key), which
+        :meth:`delete_object` takes one at a time. Returns the receipt ``(record, stamp)``
+        that :meth:`remove` takes. Raises as :meth:`insert`."""
         if self._set:
             raise TypeError(f"table {self.name!r} is a set: add() is for bags")
         return self._write(self._add, *self._row(key, value))
