@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -76,13 +77,14 @@ class RequestHandle:
 
     ``began`` is the ``clock`` before the row was written: a cancellation is recorded only
     while the request is in flight, hence at or after ``began``; a row with an older
-    ``cancelled_at`` is a leftover of an earlier namesake, never this request's. A clock that
+    ``cancelled_at`` is a leftover of an earlier namesake, never this request's (unless the wall
+    clock stepped back since ``began``: :meth:`_predates`). A clock that
     raises or returns no finite number leaves the request untracked (``error`` says why;
     ``began`` is NaN), as does an invalid id or scope (``error`` ``None``).
     """
 
     __slots__ = (
-        "_b", "_c", "_local", "_local_reason", "_n", "_owner", "_polled", "_receipt",
+        "_b", "_c", "_local", "_local_reason", "_mono", "_n", "_owner", "_polled", "_receipt",
         "_rid", "_token", "_v", "_ver", "_watch", "began", "error", "request_id",
         "scope", "tracked",
     )
@@ -121,6 +123,7 @@ class RequestHandle:
             _log_failed(e)
             return
         self.began = began
+        self._mono = time.monotonic()
         token = self._token = next(_tokens)
         # Before the row exists (see owed.running); it stays, rows or not, until end() takes
         # it out, which makes end() idempotent (see there).
@@ -237,7 +240,7 @@ class RequestHandle:
             else:
                 if row is None:
                     return False
-        if row is not None and row[1] < self.began:
+        if row is not None and self._predates(row[1]):
             # Not removed: while a namesake that began before it runs, it is that one's (which
             # may not have polled yet); else the last end of the key's requests clears it.
             return False
@@ -245,6 +248,20 @@ class RequestHandle:
         self._local = True
         self._v = -1
         return True
+
+    def _predates(self, stamp: float) -> bool:
+        """Whether a row stamped ``stamp`` was recorded before this request began: older than
+        ``began``, and, with the default clock (``time.time``), older than ``began`` less any
+        step back the wall clock took since (the monotonic clock's elapsed time less the wall
+        clock's; an NTP step). A cancellation recorded after such a step is stamped before
+        ``began`` and would be ignored; a leftover stamped within the step before ``began`` is
+        taken as this request's instead: a cancellation is never ignored for a clock step."""
+        if stamp >= self.began:
+            return False
+        if self._c.clock != time.time:
+            return True
+        back = (time.monotonic() - self._mono) - (time.time() - self.began)
+        return back <= 0 or stamp < self.began - back
 
     def cancel_local(self, reason: object = None) -> None:
         """Cancel exactly this request, in this process only (a client disconnect). Emits the
@@ -269,7 +286,7 @@ class RequestHandle:
                 row = self._c._store.get(self.scope, self._rid)
             except Exception:
                 row = None
-            if row is not None and row[1] >= self.began:
+            if row is not None and not self._predates(row[1]):
                 return row[0]
         return self._local_reason
 
