@@ -495,6 +495,8 @@ def _stats(reg: Registry) -> dict[str, Any]:
         "top_scopes": [{"scope": s, "rows": n} for s, n in per_scope.most_common(TOP_SCOPES)],
         "scopes": len(per_scope),
         "lock": {"owner_pid": info["lock_owner_pid"], "owner_alive": info["lock_owner_alive"],
+                 "owner_stopped": (info["lock_owner_alive"] is True
+                                   and procinfo.stopped(info["lock_owner_pid"])),
                  "generation": info["lock_generation"],
                  "semaphore_value": info["semaphore_value"]},
         "lanes": _lanes(reg),
@@ -517,6 +519,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     holder = ("free" if lock["owner_pid"] is None else
               f"held by pid {lock['owner_pid']} "
               f"({ {True: 'alive', False: 'DEAD', None: unknown}[lock['owner_alive']]})")
+    if lock.get("owner_stopped"):
+        holder += (f" but STOPPED (SIGSTOP or a debugger): `kill -CONT {lock['owner_pid']}` "
+                   "resumes it, else every write waits out lock_timeout")
     if lock["owner_pid"] is None and lock.get("semaphore_value") == 0:
         # taken between its sem_wait and recording itself, or stopped there (SIGSTOP); a
         # waiter recovers it once it is known dead (docs/design.md, "The lock and its recovery")

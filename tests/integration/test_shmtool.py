@@ -18,6 +18,7 @@ from helpers.background import lock_held
 from helpers.procs import child, first_message, reap, recv, stuck_mid_write
 from helpers.procs import shmtool_cli as shmtool
 from helpers.rows import in_flight_count
+from helpers.stalled_lock import stalled_lock
 
 from shmcancel import Config
 from shmcancel.cancel.tables import SMALL_CANCELLATION
@@ -178,6 +179,19 @@ def test_stats_shows_the_semaphore_taken_by_a_process_that_did_not_record_itself
     s = json.loads(shmtool("stats", reg.name, "--json").stdout)
     assert s["lock"]["semaphore_value"] == 1
     assert "lock: free" in shmtool("stats", reg.name).stdout
+
+
+def test_stats_says_a_lock_holder_is_stopped(reg, spawn):
+    """A holder stopped by SIGSTOP is alive, and every write waits ``lock_timeout`` behind it:
+    ``stats`` says it is stopped and how to resume it, as a writer's ``LockTimeout`` does."""
+    with stalled_lock(spawn, reg.name) as holder:
+        s = json.loads(shmtool("stats", reg.name, "--json").stdout)["lock"]
+        assert (s["owner_pid"], s["owner_alive"], s["owner_stopped"]) == (holder.pid, True, True)
+        text = shmtool("stats", reg.name).stdout
+        assert f"held by pid {holder.pid} (alive) but STOPPED" in text
+        assert f"kill -CONT {holder.pid}" in text
+    s = json.loads(shmtool("stats", reg.name, "--json").stdout)["lock"]
+    assert (s["owner_pid"], s["owner_stopped"]) == (None, False)
 
 
 def test_stats_counts_evictions(shm_name):
