@@ -783,6 +783,38 @@ def test_cancel_scope_cancels_every_request_in_flight_there(rc_any):
     assert c.cancel_scope("session:A") == 0
 
 
+def test_cancel_scope_at_the_cap_evicts_other_scopes_before_its_own_rows(make_any):
+    """contract §6.1 over §4.4: a session's DELETE cancels every call in flight in it. At the
+    cap each of its rows made its scope the largest, so the next one evicted it before its tool
+    had looked: the DELETE answered, and that call ran on. Its rows now go last."""
+    _reg, c = make_any(max_rows=20, max_rows_per_scope=None)  # batch 1
+    for i in range(20):  # the table at its cap: older rows of smaller scopes
+        c.clock.tick()
+        c.cancel(i, None, f"other{i % 5}")
+    hs = [c.begin(i, "session:A") for i in range(6)]
+    c.clock.tick()
+    assert c.cancel_scope("session:A", "session deleted") == 6
+    assert [c.cancelled(i, "session:A") for i in range(6)] == [True] * 6
+    assert all(h.cancelled() for h in hs)
+    # the others' oldest went, in §4.4's order among them (4 rows each: age decides)
+    assert [c.cancelled(i, f"other{i % 5}") for i in range(20)] == [False] * 6 + [True] * 14
+    for h in hs:
+        h.end()
+
+
+def test_cancel_scope_evicts_its_own_rows_only_when_nothing_else_is_left(make_any):
+    """A session with more calls in flight than ``max_rows``: the table cannot hold a row for
+    each, so its oldest go (the rows of other scopes are gone first)."""
+    _reg, c = make_any(max_rows=3, max_rows_per_scope=None)  # batch 1
+    c.cancel(0, None, "other")
+    hs = [c.begin(i, "session:A") for i in range(4)]
+    assert c.cancel_scope("session:A", "session deleted") == 4
+    assert not c.cancelled(0, "other")
+    assert [c.cancelled(i, "session:A") for i in range(4)] == [False, True, True, True]
+    for h in hs:
+        h.end()
+
+
 def test_a_second_pass_of_cancel_scope_counts_and_reports_only_what_is_new(rc_any, events):
     """A session's DELETE cancels its calls, ends the session, then cancels again for a call
     begun in between: the second pass records every row again (a namesake begun since is

@@ -8,6 +8,11 @@ them); ``scope`` and ``request_id`` only break exact ties, so the choice is dete
 sizes are counted once, before any row goes. The batch is always full (``min(batch, rows)``), so
 a lone writer pays for the full scan at most once per ``batch`` inserts.
 
+A session's ``DELETE`` cancels every call in flight in it (contract §6.1), which §4.4's order
+would defeat: each of its rows makes that scope the largest, so the next one evicts it before its
+tool has seen it. Its inserts ``spare`` their scope: its rows rank after every other scope's
+(the order otherwise the same), so they go only when nothing else is left.
+
 This module knows nothing of storage: backends hand it the rows and delete what it picks. The
 shared-memory backend ranks a lock-free read of the rows and deletes the batch in short holds,
 re-validating each row under the lock (see ``ShmBackend.evict``): without concurrent writers the
@@ -39,15 +44,17 @@ def rank(rows: Sequence[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (-sizes[r[0]], r[2], r[0], r[1]))
 
 
-def choose(rows: Iterable[Row], batch: int) -> list[tuple[str, str]]:
-    """The ``(scope, request_id)`` keys of the first ``batch`` rows in eviction order."""
+def choose(rows: Iterable[Row], batch: int, spare: str | None = None
+           ) -> list[tuple[str, str]]:
+    """The ``(scope, request_id)`` keys of the first ``batch`` rows in eviction order, the rows
+    of scope ``spare`` (a ``DELETE``'s, see above) last."""
     rows = list(rows)
     if batch <= 0 or not rows:
         return []
     sizes = Counter(r[0] for r in rows)
 
-    def order(r: Row) -> tuple[int, float, str, str]:
-        return (-sizes[r[0]], r[2], r[0], r[1])
+    def order(r: Row) -> tuple[bool, int, float, str, str]:
+        return (r[0] == spare, -sizes[r[0]], r[2], r[0], r[1])
 
     if batch >= len(rows):
         picked = sorted(rows, key=order)

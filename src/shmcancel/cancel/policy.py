@@ -514,7 +514,7 @@ class Cancellation:
             # each one atomically: a request that ended since the scan gets no row. rid is a
             # row key, not an id: a long int's is no valid id, so it is not validated again
             if self._store.record(scope, rid, text, self.clock, quota=None, cap=self._cap,
-                                  batch=self._batch, only_in_flight=True) \
+                                  batch=self._batch, only_in_flight=True, spare=True) \
                     and rid not in reported:
                 done.append(rid)
         # What _record does after its row, once for all: every row is written before the first

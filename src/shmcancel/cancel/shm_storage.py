@@ -169,7 +169,8 @@ class ShmBackend:
 
     # --- cancellation rows
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
-               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+               quota: int | None, cap: int, batch: int, only_in_flight: bool,
+               spare: bool = False) -> bool:
         """:meth:`Storage.record` under the lock. Not in flight by a lock-free read: answered
         without the lock (a flood of notifications for ids nobody runs never contends with the
         writers); in flight: checked again under it. At the cap the batch is evicted outside
@@ -185,23 +186,24 @@ class ShmBackend:
         ck = self._ck(scope, rid)
         fk = self._fk(scope, rid) if only_in_flight else None
         lock = self._lock
+        keep = scope if spare else None
         for attempt in _ROUNDS:
             lock.__enter__()  # not a with: its two calls from C cost a tenth of a cancel's lock
             try:
                 got = self._record_held(scope, rid, ck, fk, reason, clock, quota, cap, batch,
-                                        attempt)
+                                        attempt, keep)
             except BaseException as e:
                 lock.__exit__(type(e), e, e.__traceback__)
                 raise
             lock.__exit__(None, None, None)
             if got is not None:
                 return got
-            self.evict(batch, cap)
+            self.evict(batch, cap, keep)
         raise AssertionError("unreachable: the last round evicts under the lock")
 
     def _record_held(self, scope: str, rid: str, ck: PreparedKey, fk: PreparedKey | None,
                      reason: str | None, clock: Callable[[], float], quota: int | None,
-                     cap: int, batch: int, attempt: int) -> bool | None:
+                     cap: int, batch: int, attempt: int, keep: str | None) -> bool | None:
         """One round of :meth:`record` under the held lock: its answer, or None when the table
         is at the cap (the caller evicts outside the lock and tries again)."""
         c = self._c
@@ -229,7 +231,7 @@ class ShmBackend:
                 if attempt < _ROUNDS[-1]:
                     full = True  # evicted below, outside the lock; then checked again
                 else:
-                    self.evict(batch)
+                    self.evict(batch, spare=keep)
                     counted = None  # the eviction may have taken rows of this scope
         if not full:
             try:
@@ -244,7 +246,7 @@ class ShmBackend:
                 # its counts' left high (their rows gone): recounted, not evicted for (§4.4)
                 if not (self._recount_after_recovery() and self._put_if_room(ck, scope, reason,
                                                                              at)):
-                    self.evict(batch)
+                    self.evict(batch, spare=keep)
                     self._put(ck, scope, reason, at, None)
             return in_table or (fk is not None and self._still_in_lane(scope, rid, fk))
         return None
@@ -381,8 +383,9 @@ class ShmBackend:
             if dirty:
                 lock.dirty = True
 
-    def evict(self, batch: int, cap: int | None = None) -> int:
-        """Remove the first ``batch`` rows in contract §4.4's order. Unless the caller holds the
+    def evict(self, batch: int, cap: int | None = None, spare: str | None = None) -> int:
+        """Remove the first ``batch`` rows in contract §4.4's order (``spare``'s last:
+        :func:`eviction.choose`). Unless the caller holds the
         lock, the batch is chosen from a lock-free read of every row and deleted in short
         holds, each row re-validated under the lock (a row cleared or re-cancelled meanwhile is
         left alone: it is no longer the row that was ranked); scope counts and the eviction
@@ -393,7 +396,7 @@ class ShmBackend:
         (another insert that found the cap at the same time may have evicted its batch since:
         a second batch would be one no order of the two inserts removes, contract §4.4)."""
         if self._lock.held_by_me():
-            return self._evict_locked(batch)
+            return self._evict_locked(batch, spare)
         total = 0
         refused: list[bool] = []
 
@@ -412,7 +415,7 @@ class ShmBackend:
                 if r is not None:
                     raw[r[0], r[1]] = row
                     ranked.append((r[0], r[1], r[3]))
-            keys = eviction.choose(ranked, batch)
+            keys = eviction.choose(ranked, batch, spare)
             if not keys:
                 break
             gone: set[Any] = set()
@@ -478,9 +481,10 @@ class ShmBackend:
                 per_scope[r[0]] += 1
         return per_scope
 
-    def _evict_locked(self, batch: int) -> int:
+    def _evict_locked(self, batch: int, spare: str | None = None) -> int:
         with self._lock:
-            victims = eviction.choose(((s, i, t) for s, i, _, t in self.cancellations()), batch)
+            victims = eviction.choose(((s, i, t) for s, i, _, t in self.cancellations()), batch,
+                                      spare)
             per_scope: Counter[str] = Counter()
             for key in victims:
                 if self._c.delete(key):

@@ -79,7 +79,8 @@ class Storage(Protocol):
 
     # --- cancellation rows
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
-               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+               quota: int | None, cap: int, batch: int, only_in_flight: bool,
+               spare: bool = False) -> bool:
         """Record a cancellation, contract §4.3 as one step: (when ``only_in_flight``) the key
         is in flight, else ``False`` and nothing written → an existing row is overwritten in
         place (reason and time) → a new row: the scope holds ``quota`` rows already →
@@ -88,7 +89,9 @@ class Storage(Protocol):
         after the in-flight check, in the step that writes (so a row recorded for a running
         request is never older than that request's begin); a value that is not a finite number
         raises :func:`bad_clock`'s ``ValueError`` before anything is written or evicted.
-        Returns ``True`` when a row was written."""
+        ``spare``: the eviction takes ``scope``'s own rows last (a session's ``DELETE``: its
+        pass must not evict the rows it wrote, :mod:`.eviction`). Returns ``True`` when a row
+        was written."""
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
         """The row's ``(reason, cancelled_at)``, or ``None``."""
     def exists(self, scope: str, rid: str) -> bool:

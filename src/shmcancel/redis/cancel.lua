@@ -1,6 +1,7 @@
 -- KEYS: c, t, all, scopes, ifk, pc, pend
 -- ARGV: P, scope, rid, reason_enc, at, quota (-1: none), cap, batch, gate ("1": only in flight),
---       now_ms, box_lease_ms, pending_ms (0: none), pending_max (per scope), pending_cap (all)
+--       now_ms, box_lease_ms, pending_ms (0: none), pending_max (per scope), pending_cap (all),
+--       spare ("1": the eviction takes this scope's rows last, a session's DELETE)
 -- Returns {0} not in flight, {-1} quota refused, {1, evicted} inserted, {2, 0} overwritten.
 -- When gated, the cancellation is pushed to the box of every worker running the request; one
 -- that finds none waits pending_ms in pc (at most pending_max per scope and pending_cap in all;
@@ -34,7 +35,7 @@ if ARGV[9] == '1' then
   end
 end
 local result = record(P, c, t, all, scopes, scope, rid, reason, at, tonumber(ARGV[6]),
-                      tonumber(ARGV[7]), tonumber(ARGV[8]))
+                      tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[15] == '1')
 if result[1] == -1 then return result end
 local seen = {}
 for _, owner in ipairs(owners) do

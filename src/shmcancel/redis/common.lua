@@ -42,9 +42,21 @@ local function bytes_before(x, y)
 end
 -- contract 4.4: rank rows by (-rows_in_scope, cancelled_at, scope, rid), remove the first `batch`.
 -- Scopes are visited largest first; scopes of one size are merged by age; from each scope at most
--- the rows still wanted are read (ZRANGE orders by score, then rid bytewise).
-local function evict(P, all, scopes, batch)
+-- the rows still wanted are read (ZRANGE orders by score, then rid bytewise). The rows of scope
+-- `spare` (a session's DELETE: its pass must not evict the rows it wrote) are taken last.
+local function evict(P, all, scopes, batch, spare)
   local groups = redis.call('ZREVRANGE', scopes, 0, -1, 'WITHSCORES')
+  if spare then
+    local kept = {}
+    for i = 1, #groups, 2 do
+      if groups[i] ~= spare then kept[#kept + 1] = groups[i]; kept[#kept + 1] = groups[i + 1] end
+    end
+    if #kept < #groups then
+      kept[#kept + 1] = spare
+      kept[#kept + 1] = '-1'  -- a size no scope has: its own group, visited last
+    end
+    groups = kept
+  end
   local victims = {}
   local i = 1
   while i <= #groups and #victims < batch do
@@ -71,7 +83,7 @@ local function evict(P, all, scopes, batch)
 end
 -- Record a cancellation (contract 4.3: quota, then cap eviction, then insert; an existing row
 -- is overwritten in place). Returns {-1} quota refused, {1, evicted} inserted, {2, 0} overwritten.
-local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, batch)
+local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, batch, spare)
   if redis.call('HEXISTS', c, rid) == 1 then
     redis.call('HSET', c, rid, reason)
     redis.call('ZADD', t, at, rid)
@@ -80,7 +92,9 @@ local function record(P, c, t, all, scopes, scope, rid, reason, at, quota, cap, 
   end
   if quota >= 0 and redis.call('HLEN', c) >= quota then return {-1} end
   local evicted = 0
-  if redis.call('ZCARD', all) >= cap then evicted = evict(P, all, scopes, batch) end
+  if redis.call('ZCARD', all) >= cap then
+    evicted = evict(P, all, scopes, batch, spare and scope or nil)
+  end
   redis.call('HSET', c, rid, reason)
   redis.call('ZADD', t, at, rid)
   redis.call('ZADD', all, at, member(scope, rid))

@@ -160,7 +160,8 @@ class RedisStorage:
 
     # --- cancellation rows
     def record(self, scope: str, rid: str, reason: str | None, clock: Callable[[], float], *,
-               quota: int | None, cap: int, batch: int, only_in_flight: bool) -> bool:
+               quota: int | None, cap: int, batch: int, only_in_flight: bool,
+               spare: bool = False) -> bool:
         at = clock()
         if at.__class__ is not float or at - at:  # NaN, an infinity, not a float
             at = clock_seconds(at)
@@ -168,7 +169,7 @@ class RedisStorage:
             scope, rid, reason, at, gate=only_in_flight, now_ms=self._now_ms(),
             box_lease_ms=int(self.lease * 1000),
             limits=(-1 if quota is None else quota, cap, batch),
-            pending_ms=int(self.pending * 1000) if only_in_flight else 0)
+            pending_ms=int(self.pending * 1000) if only_in_flight else 0, spare=spare)
         self.evictions += evicted
         if status == -1:
             raise CancellationLimitReached(

@@ -162,21 +162,22 @@ class RedisStore:
 
     def cancel(self, scope: str, rid: str, reason: str | None, at: float, *, gate: bool,
                now_ms: int, box_lease_ms: int, limits: tuple[int, int, int] | None = None,
-               pending_ms: int = 0) -> tuple[int, int]:
+               pending_ms: int = 0, spare: bool = False) -> tuple[int, int]:
         """Record a cancellation (contract §4.3 order: quota, then cap eviction, then insert).
         Returns ``(status, evicted)``: status 0 not in flight (gated), -1 quota refused, 1
         inserted, 2 overwritten. Gated: the cancellation goes to each running worker's box; with
         ``pending_ms``, one that finds nothing in flight waits that long (milliseconds; at most
         :attr:`pending_max` per scope and :attr:`pending_cap` in all) for a row of a request
         started by ``at`` that its host adds back (:meth:`track`). ``limits``: ``(quota (-1:
-        none), cap, batch)``, default this store's."""
+        none), cap, batch)``, default this store's. ``spare``: the eviction takes ``scope``'s
+        own rows last (a session's ``DELETE``)."""
         quota, cap, batch = limits if limits is not None else (self.quota, self.cap, self.batch)
         keys = [*self._row_keys(scope), self.if_key(scope, rid), self.pc_key(scope), self._pend]
         r = self.call("cancel", keys, [self.prefix, _b(scope), _b(rid), encode_reason(reason),
                                        repr(float(at)), quota, cap, batch,
                                        "1" if gate else "0", now_ms, box_lease_ms,
                                        max(0, int(pending_ms)), self.pending_max,
-                                       self.pending_cap])
+                                       self.pending_cap, "1" if spare else "0"])
         return int(r[0]), int(r[1]) if len(r) > 1 else 0
 
     def get(self, scope: str, rid: str) -> tuple[str | None, float] | None:
