@@ -14,10 +14,13 @@ from typing import Any
 
 import pytest
 from helpers import procs
+from helpers.gunicorn_harness import wait_until
 from helpers.procs import TIMEOUT, Chan, Child, fork, wait_exit, wait_zombie
 from helpers.rows import in_flight_count, in_flight_rows
+from helpers.stalled_lock import stalled_lock
 
 from shmcancel import CancellationLimitReached, TableFull, telemetry
+from shmcancel.cancel import owed
 from shmcancel.cancellation import CLEANUP_EVENT, Cancellation
 from shmcancel.shm.registry import Registry
 
@@ -488,3 +491,36 @@ def test_a_writer_killed_between_count_and_row_leaves_the_quota_whole(registry, 
         if writer is not None:
             assert wait_exit(writer, TIMEOUT) == 0
         os.close(stop_r)
+
+
+def owing_tracker(chan: Chan, name: str, rid: Any, scope: str) -> None:
+    """Track ``rid`` and cancel it; on "end", untrack and clear it (meeting a stalled lock: both
+    owed) and report how many ends are owed; then sit idle, making no call, until "exit"."""
+    c = Cancellation(Registry.attach(name))
+    c.track(rid, scope)
+    c.cancel(rid, "stop", scope)
+    chan.send("tracked")
+    assert chan.recv() == "end"
+    c.untrack(rid, scope)
+    c.clear(rid, scope)
+    chan.send(owed.owed_ends())
+    assert chan.recv() == "exit"
+
+
+def test_an_idle_process_lands_its_owed_ends_once_the_lock_is_free(registry, spawn):
+    """contract §4.3: a request's end is never lost. A library process (no janitor) whose
+    untrack and clear met a stalled lock, then made no more calls, kept its ended in-flight row
+    and cancellation row for as long as it lived: only it knows they ended, and it lands them
+    only on a call of its own. It now lands them by itself once the lock is free."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    idle = spawn(owing_tracker, reg.name, 5, "S")
+    assert idle.recv() == "tracked"
+    with stalled_lock(spawn, reg.name):
+        idle.send("end")
+        assert idle.recv() == 2  # the untrack and the clear
+        assert c.in_flight(5, "S") and c.cancelled(5, "S")
+    wait_until(lambda: not c.in_flight(5, "S") and not c.cancelled(5, "S"),
+               time.monotonic() + 10, what="the idle process to land its owed ends")
+    idle.send("exit")
+    assert idle.wait() == 0

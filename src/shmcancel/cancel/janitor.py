@@ -26,7 +26,7 @@ __all__ = ["Janitor"]
 log = logging.getLogger("shmcancel.janitor")
 
 MIN_WAIT = 0.05  # seconds: the loop never spins faster, even when a claim keeps failing
-OWED_RETRY = 0.25  # seconds between two tries at landing request ends this process owes
+OWED_RETRY = owed.RETRY  # seconds between two tries at landing request ends this process owes
 
 
 class Janitor:

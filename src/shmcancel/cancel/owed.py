@@ -3,7 +3,10 @@
 An end that meets :class:`~shmcancel.LockTimeout` is queued here (at most ``_OWED_MAX``, the
 oldest dropped, logged once per process) and landed later, oldest first, by
 :func:`settle_owed`: on the process's next write, by ``Cancellation.settle`` and by the
-worker's janitor thread, which ``listeners`` wake. ``running`` holds the tokens of the requests
+worker's janitor thread, which ``listeners`` wake. A process with no janitor (a library user's)
+starts a lander thread instead, which tries every :data:`RETRY` seconds and ends once nothing is
+owed: an idle process still lands its ends once the lock is free, and no other process could
+(which requests ended is known only here). ``running`` holds the tokens of the requests
 this process runs: a token enters before its in-flight row is written and leaves when its end
 begins, so a row of this process whose token is absent belongs to an ended request (and is
 removed by ``Cancellation.settle``). All of it is per process: cleared in a fork child.
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from ..exceptions import LockTimeout, RegistryClosed
@@ -27,6 +31,7 @@ __all__ = ["forgo_untrack", "listeners", "owe", "owed_ends", "queue", "running",
 log = logging.getLogger("shmcancel.cancellation")
 
 _OWED_MAX = 1024
+RETRY = 0.25  # seconds between two tries at landing owed ends (the lander's, the janitor's)
 #: Owed ends, oldest first: (store, scope, rid, owner, ended_at); ``ended_at`` ``None``: only
 #: the untrack of ``owner``'s row (a plain ``Cancellation.untrack``), no clear.
 queue: collections.deque[tuple[Storage, str, str, Owner | None, float | None]] = \
@@ -37,15 +42,19 @@ _dropped_logged = False
 running: set[int] = set()
 #: Called (from the thread that owes) whenever an end becomes owed: a janitor's wake-up.
 listeners: set[Callable[[], None]] = set()
+_lander: threading.Thread | None = None  # see the module docstring
+_lander_lock = threading.Lock()  # a lander decides to end under it, and owe() to start one
 
 
 def _reset_after_fork() -> None:
-    global _dropped_logged, _owed_lock
+    global _dropped_logged, _owed_lock, _lander, _lander_lock
     _dropped_logged = False
     queue.clear()  # the parent's requests: the parent (or the reaper of its rows) ends them
     running.clear()
     listeners.clear()  # threads do not survive a fork
     _owed_lock = threading.Lock()
+    _lander = None
+    _lander_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -71,6 +80,40 @@ def owe(st: Storage, scope: str, rid: str, owner: Owner | None,
             wake()
         except Exception:
             log.debug("an owed-end listener failed", exc_info=True)
+    if not listeners:
+        _start_lander()
+
+
+def _start_lander() -> None:
+    """Start the lander thread unless one runs (see the module docstring)."""
+    global _lander
+    with _lander_lock:
+        if _lander is not None:
+            return
+        t = threading.Thread(target=_land_until_settled, name="shmcancel-owed", daemon=True)
+        _lander = t
+    try:
+        t.start()
+    except RuntimeError:  # no thread to be had (interpreter shutting down): the next write lands
+        with _lander_lock:
+            _lander = None
+
+
+def _land_until_settled() -> None:
+    """The lander: every :data:`RETRY` seconds, land what is owed; end once nothing is (or a
+    janitor took over). Decided under ``_lander_lock``, which :func:`owe`'s start takes too: an
+    end owed as it decides either is seen here or starts the next lander."""
+    global _lander
+    while True:
+        time.sleep(RETRY)
+        try:
+            settle_owed()
+        except Exception:  # never ends the thread with ends still owed
+            log.debug("landing owed request ends failed", exc_info=True)
+        with _lander_lock:
+            if not queue or listeners:
+                _lander = None
+                return
 
 
 def forgo_untrack(st: Storage, scope: str, rid: str, owner: Owner) -> bool:
