@@ -56,6 +56,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import time
@@ -305,7 +306,7 @@ def _registry_row(name: str) -> dict[str, Any]:
         bad = _bad_own(own, skip=skip)
         # the command for this registry alone: --stale without a NAME removes every stale one
         note([problem, *bad.values()],
-             f"shmtool {'unlink' if bad else 'cleanup --stale'} {name} removes it")
+             f"{_prog()} {'unlink' if bad else 'cleanup --stale'} {name} removes it")
         return row
 
     try:
@@ -325,7 +326,11 @@ def _registry_row(name: str) -> dict[str, Any]:
             owner = creator_of(name, any_owner=True)
             if owner is not None:
                 row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
-        if row["creator_alive"] is False:
+        if row["creator_alive"] is False and isinstance(e, NotOurs):
+            # cleanup --stale leaves another user's segment alone (check_entry)
+            row["state"] = "stale"
+            note([_short(e)], f"{_prog()} unlink {name}, run by its owner or root, removes it")
+        elif row["creator_alive"] is False:
             removable("stale", _short(e), [seg])
         elif row["creator_alive"]:  # not one to remove, whoever can: a server uses it
             problem = _short(e.problem if isinstance(e, NotOurs) else e)
@@ -360,7 +365,7 @@ def _registry_row(name: str) -> dict[str, Any]:
     if users:  # the creator gone, its workers not (a master killed): not for cleanup --stale
         row["state"] = "orphaned"
         note([f"creator gone, but {_still_used(users)}"],
-             f"shmtool unlink {name} removes it under them")
+             f"{_prog()} unlink {name} removes it under them")
         return row
     return removable("stale", "creator gone", [seg])
 
@@ -503,7 +508,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
         "recoveries": info["recoveries"],
         "evictions": info["evictions"],
         "sweeps": info["sweeps"],
-        "last_sweep": info["last_sweep"],
+        "last_sweep": info["last_sweep"] if info["sweeps"] else None,  # the creation's stamp
         "last_sweeper_pid": info["last_sweeper_pid"],
     }
 
@@ -650,7 +655,7 @@ def _refuse_unreadable(name: str) -> None:
         raise ShmCancelError(
             f"registry {name}: {path} cannot be read (mode {stat.S_IMODE(st.st_mode):o}), so "
             f"whether its creator is alive is unknown: kept (chmod 600 it to inspect it, or "
-            f"shmtool unlink {name} --force removes it)")
+            f"{_prog()} unlink {name} --force removes it)")
 
 
 def _live_creator(name: str) -> int | None:
@@ -694,12 +699,12 @@ def _cleanup_stale(only: list[str]) -> int:
                 users = _users(segment_path(name))
                 if users:  # its creator is gone, its workers are not (a master killed)
                     print(f"shmtool: kept {name}: its creator is gone, but {_still_used(users)} "
-                          f"(shmtool unlink {name} removes it under them)", file=sys.stderr)
+                          f"({_prog()} unlink {name} removes it under them)", file=sys.stderr)
                     skipped += 1
                     continue
                 if headerless:
                     print(f"shmtool: skipped {name}: its segment has no shmcancel header, so "
-                          f"whether it is in use is unknown (shmtool unlink {name} removes it)",
+                          f"whether it is in use is unknown ({_prog()} unlink {name} removes it)",
                           file=sys.stderr)
                     skipped += 1
                     continue
@@ -781,6 +786,18 @@ def _escaping_stdout() -> Iterator[None]:
     finally:
         with contextlib.suppress(Exception):
             reconfigure(errors=errors)
+
+
+def _prog() -> str:
+    """How to name this command in advice: as it was run (``.venv/bin/shmtool``), unless that
+    is the ``shmtool`` found on ``PATH``."""
+    run = sys.argv[0] if sys.argv else ""
+    if os.path.basename(run) != "shmtool":
+        return "shmtool"  # python -m shmcancel.shmtool, or main() called from Python
+    found = shutil.which("shmtool")
+    if found and os.path.realpath(found) == os.path.realpath(run):
+        return "shmtool"
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

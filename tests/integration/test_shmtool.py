@@ -134,6 +134,7 @@ def test_stats_json(reg):
     p = shmtool("stats", reg.name, "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
+    assert (s["sweeps"], s["last_sweep"]) == (0, None)  # not the creation's stamp
     assert [(x["table"], x["pid"], x["alive"], x["rows"]) for x in s["lanes"]] \
         == [("in_flight", os.getpid(), True, 1)]
     d = json.loads(shmtool("dump", reg.name, "--json").stdout)
@@ -389,6 +390,37 @@ def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_remove
     assert p.stderr == f"shmtool: kept {reg.name}: its creator, pid {os.getpid()}, is alive\n"
     assert _entries(stale) == []
     Registry.attach(reg.name).close()  # the live one is untouched
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_stale_registry_of_another_user_is_advised_to_unlink_not_to_cleanup(shm_name):
+    """``cleanup --stale`` leaves another user's segment alone, yet ``list`` advised it for
+    such a stale registry (and the command then refused it): it advises ``unlink``, which its
+    owner or root can run."""
+    _stale(shm_name)
+    os.chown(f"/dev/shm/shmcancel.{shm_name}", 65534, 65534)
+    rows = {r["name"]: r for r in json.loads(shmtool("list", "--json").stdout)["registries"]}
+    assert rows[shm_name]["state"] == "stale", rows[shm_name]
+    error = rows[shm_name]["error"]
+    assert f"shmtool unlink {shm_name}, run by its owner or root, removes it" in error, error
+    assert "cleanup --stale" not in error
+    p = shmtool("unlink", shm_name)
+    assert p.returncode == 0, p.stderr
+    assert _entries(shm_name) == []
+
+
+def test_advice_names_shmtool_as_it_was_run(shm_name):
+    """The README runs ``.venv/bin/shmtool`` without activating the venv: advice naming a bare
+    ``shmtool`` was not a command that shell could run."""
+    script = os.path.join(os.path.dirname(sys.executable), "shmtool")
+    if not os.path.exists(script):
+        pytest.skip("no shmtool script beside this interpreter")
+    _stale(shm_name)
+    p = subprocess.run([script, "list"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": "/usr/bin:/bin"})
+    line = next(x for x in p.stdout.splitlines() if x.startswith(shm_name + " "))
+    assert f"{script} cleanup --stale {shm_name} removes it" in line, line
+    assert shmtool("unlink", shm_name).returncode == 0
 
 
 def test_a_registry_whose_creator_died_but_whose_users_live_is_orphaned_not_stale(shm_name):
