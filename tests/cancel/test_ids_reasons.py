@@ -4,6 +4,7 @@ test_cancellation.py)."""
 from __future__ import annotations
 
 import enum
+import re
 
 import pytest
 
@@ -192,3 +193,13 @@ def test_plain_ascii_fast_path_matches_the_general_rules():
     for s in samples:
         assert sanitize(s) == sanitize(Text(s)), repr(s)
         assert type(sanitize(s)) is str
+
+
+def test_an_id_with_a_lone_surrogate_is_refused_for_what_it_is():
+    """It is refused (no UTF-8 encodes it), and the message said "at most 256 UTF-8 bytes, got
+    a str of 3 bytes": true of its size, silent on its problem."""
+    problem = re.escape("not valid UTF-8 (a lone surrogate at index 1)")
+    with pytest.raises(InvalidRequestId, match=problem):
+        require_key("a\ud800")
+    with pytest.raises(InvalidRequestId, match="got a str of 257 bytes"):
+        require_key("x" * 257)

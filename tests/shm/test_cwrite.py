@@ -31,8 +31,8 @@ from shmcancel.shm import hashing, writer
 from shmcancel.shm.base import TableCorrupted
 from shmcancel.shm.table import Table
 
-pytestmark = pytest.mark.skipif(writer._add_small is None and bool(
-    os.environ.get("SHMCANCEL_PURE_PYTHON")), reason="SHMCANCEL_PURE_PYTHON is set")
+pytestmark = pytest.mark.skipif(writer._add_small is None and hashing.PURE_PYTHON,
+                                reason="SHMCANCEL_PURE_PYTHON is set")
 
 C_ADD = writer._add_small
 C_DELETE = writer._delete_small
@@ -56,13 +56,17 @@ def test_the_c_path_is_built_where_a_compiler_is() -> None:
     assert C_ADD is not None, "shmcancel.shm._cwrite was not built (see the pip install log)"
 
 
-def test_shmcancel_pure_python_selects_the_python_path() -> None:
+@pytest.mark.parametrize(("value", "pure"), [("1", True), ("yes", True), ("0", False),
+                                             ("", False), (" 0 ", False)])
+def test_shmcancel_pure_python_selects_the_python_path(value: str, pure: bool) -> None:
+    """``=1`` selects it; ``=0`` (or empty) does not, as the documented ``=1`` implies (``=0``
+    selected it)."""
     out = subprocess.run(
         [sys.executable, "-c", "from shmcancel.shm import hashing, writer; "
-         "print(writer._add_small, hashing.siphash is hashing.siphash_py)"],
-        env={**os.environ, "SHMCANCEL_PURE_PYTHON": "1"}, capture_output=True, text=True,
+         "print(writer._add_small is None, hashing.siphash is hashing.siphash_py)"],
+        env={**os.environ, "SHMCANCEL_PURE_PYTHON": value}, capture_output=True, text=True,
         timeout=60, check=True)
-    assert out.stdout.split() == ["None", "True"]
+    assert out.stdout.split() == [str(pure), str(pure)]
     assert hashing.siphash is not hashing.siphash_py  # and here, the C one
 
 

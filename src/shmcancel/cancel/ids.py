@@ -109,5 +109,8 @@ def require_row_key(text: object) -> str:
 
 def _describe(v: object) -> str:
     if isinstance(v, str):
-        return f"a str of {len(v.encode('utf-8', 'surrogatepass'))} bytes"
+        try:
+            return f"a str of {len(v.encode('utf-8'))} bytes"
+        except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 at all, whatever its size
+            return f"a str that is not valid UTF-8 (a lone surrogate at index {e.start})"
     return type(v).__name__

@@ -3,10 +3,10 @@
 ``siphash(key16, data)``: SipHash-2-4, the index hash of a row's packed key, 64 bits: a keyed PRF
 made for hash tables whose keys an attacker chooses (a client cannot aim its ids at one bucket
 without the segment's random key). One C call (~40 ns) from the optional extension
-(``_cwrite.c``); where it is not built, or ``SHMCANCEL_PURE_PYTHON`` is set (non-empty), the
-same function in Python (:func:`siphash_py`, ~17 µs for a 40-byte key), so processes of both kinds
-share a registry. :func:`table_key` derives its 16-byte key from a table's hash key (1..64
-bytes).
+(``_cwrite.c``); where it is not built, or ``SHMCANCEL_PURE_PYTHON`` is set
+(:data:`PURE_PYTHON`), the same function in Python (:func:`siphash_py`, ~17 µs for a 40-byte
+key), so processes of both kinds share a registry. :func:`table_key` derives its 16-byte key from
+a table's hash key (1..64 bytes).
 
 ``blake2b`` without importing ``hashlib``, which loads OpenSSL's libcrypto (about 4 MB of
 resident memory per process) for algorithms the table does not use: CPython's ``hashlib.blake2b``
@@ -75,8 +75,11 @@ def _contiguous(b: bytes) -> bytes:
     return m.tobytes()
 
 
+#: ``SHMCANCEL_PURE_PYTHON`` set to anything but empty or ``0``: the C part is not used.
+PURE_PYTHON = os.environ.get("SHMCANCEL_PURE_PYTHON", "").strip() not in ("", "0")
+
 siphash: Callable[[bytes, bytes], int] = siphash_py
-if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
+if not PURE_PYTHON:
     # not built (no compiler), or built from an older source: the Python one
     with contextlib.suppress(ImportError):
         from ._cwrite import siphash

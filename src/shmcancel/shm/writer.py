@@ -26,7 +26,6 @@ process and table) and the operation retried once; still corrupt, it raises ``Ta
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
@@ -35,16 +34,17 @@ from typing import Any, TypeVar
 from ..exceptions import TableFull
 from .base import LargeRowsFull, PreparedKey, TableCorrupted, _crc32
 from .fsck import Fsck
+from .hashing import PURE_PYTHON
 from .layout import _LTOP, _M32, _M64, _REC, _ROWS, _SEED, _STAMP, _STAMP_MAX, _TOP, _WORD, _pack
 
 _T = TypeVar("_T")
 
 # The common cases in C (_cwrite.c): a new small row (_append, so add_held, and _add) and a key's
 # small rows removed (_delete), unless it was not built or SHMCANCEL_PURE_PYTHON is set
-# (non-empty): then the Python path stores the same bytes
+# (hashing.PURE_PYTHON): then the Python path stores the same bytes
 _add_small: Callable[[memoryview, tuple[int, ...], int, int, bytes, bytes], int] | None = None
 _delete_small: Callable[[memoryview, tuple[int, ...], int, int, bytes], int] | None = None
-if not os.environ.get("SHMCANCEL_PURE_PYTHON"):
+if not PURE_PYTHON:
     with contextlib.suppress(ImportError):
         from ._cwrite import add_small as _add_small
         from ._cwrite import delete_small as _delete_small
