@@ -353,6 +353,32 @@ def test_session_on_fresh_connections(server):
             assert r.status_code == 404, r.text
 
 
+@pytest.mark.parametrize("server", ["stateful"], indirect=True)
+def test_a_get_naming_a_last_event_id_without_an_event_store_opens_a_fresh_stream(server):
+    """The example keeps no events to replay. The SDK (mcp 2.3.0) answered such a GET with no
+    response at all, which uvicorn turns into a 500 (and logs an ERROR): the stream now opens
+    as a plain GET, on whichever worker the request lands (forwarded to the session's)."""
+    _kind, g, reg = server
+    before = len(g.log())
+    with httpx.Client(timeout=10) as h:
+        hdrs = _initialize(h, g.url)
+    opened = 0
+    for _ in range(6):  # fresh connections: served here and forwarded
+        with httpx.Client(timeout=10) as h, h.stream(
+                "GET", g.url, headers={**hdrs, "accept": "text/event-stream",
+                                       "last-event-id": "abc"}) as r:
+            # 409: the SDK has not yet seen the previous stream's client leave (one at a time)
+            assert r.status_code in (200, 409), r.read()
+            if r.status_code == 200:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                opened += 1
+    assert opened, "no stream opened"
+    log = g.log()[before:]
+    assert "without starting response" not in log and " 500" not in log, log[-2000:]
+    with httpx.Client(timeout=10) as h:
+        assert h.delete(g.url, headers=hdrs).status_code == 200
+
+
 def test_concurrent_sdk_calls_in_one_session(server):
     """The #520 repro with the SDK client: 8 concurrent calls of one session (the client opens
     connections as it needs them, and its GET stream) all succeed."""

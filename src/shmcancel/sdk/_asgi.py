@@ -168,6 +168,9 @@ class Layer:
         self.stateful = stateful
         self.router = router
         self.max_body = int(getattr(manager, "max_request_body_size", 4 * 1024 * 1024))
+        # the SDK replays a stream only from its event store; without one it answers a GET
+        # naming a Last-Event-ID with no response at all (uvicorn's 500), mcp 2.3.0
+        self.resumable = stateful and getattr(manager, "event_store", None) is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -190,6 +193,10 @@ class Layer:
                 await router.forward(owner, scope, None, receive, send)
             elif scope.get("method") == "DELETE" and self.stateful:
                 await self._delete(scope, receive, send)
+            elif scope.get("method") == "GET" and not self.resumable:
+                # nothing to resume from: the stream opens afresh, as a server that does not
+                # resume answers such a GET (the MCP spec's resumability is optional)
+                await self.app(_without_header(scope, b"last-event-id"), receive, send)
             else:
                 await self.app(scope, receive, send)
             return
@@ -433,6 +440,14 @@ class Layer:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+
+def _without_header(scope: Scope, name: bytes) -> Scope:
+    """``scope`` without its ``name`` headers (lowercase: ASGI's header names are)."""
+    headers = scope.get("headers") or []
+    if not any(k.lower() == name for k, _ in headers):
+        return scope
+    return {**scope, "headers": [(k, v) for k, v in headers if k.lower() != name]}
 
 
 def _json_media_type(scope: Scope) -> bool:
