@@ -358,7 +358,7 @@ def test_a_get_naming_a_last_event_id_without_an_event_store_opens_a_fresh_strea
     """The example keeps no events to replay. The SDK (mcp 2.3.0) answered such a GET with no
     response at all, which uvicorn turns into a 500 (and logs an ERROR): the stream now opens
     as a plain GET, on whichever worker the request lands (forwarded to the session's)."""
-    _kind, g, reg = server
+    _kind, g, _reg = server
     before = len(g.log())
     with httpx.Client(timeout=10) as h:
         hdrs = _initialize(h, g.url)
