@@ -386,6 +386,32 @@ def test_delete_ends_the_session_and_cancels_its_requests(app: McpServer, reg: R
 
 
 
+def test_a_session_minted_for_a_principal_is_unknown_to_another(app: McpServer,
+                                                                   signals: Signals) -> None:
+    """A leaked session id is no key to another principal's session: bob's requests with
+    alice's session id (a call, a cancel of her running call, a DELETE) are answered 404, as
+    for a session he does not know, and her session and call carry on."""
+    alice, bob = ({"shmcancel.principal": {"id": who}} for who in ("alice", "bob"))
+    r = post(app, INIT, extra=alice)
+    assert r.status == 200, r
+    h = legacy_headers(r.headers["mcp-session-id"])
+    assert post(app, note("notifications/initialized"), headers=h, extra=alice).status == 202
+    call = start_call(app, 1, "wait", {"tag": "alice"}, h, extra=alice)
+    wait_ev(signals.ev(signals.started, "alice"))
+    assert post(app, rpc(2, "ping"), headers=h, extra=bob).status == 404
+    assert post(app, note("notifications/cancelled", {"requestId": 1}), headers=h,
+                extra=bob).status == 404
+    assert run(app, environ_for("DELETE", None, headers=h, content_type=None,
+                                extra=bob)).status == 404
+    assert post(app, rpc(3, "ping"), headers=h, extra=alice).status == 200
+    assert not signals.ev(signals.saw_cancel, "alice").is_set()
+    # a request without a principal is not checked (its client is an address, which moves)
+    assert post(app, rpc(4, "ping"), headers=h).status == 200
+    assert run(app, environ_for("DELETE", None, headers=h, content_type=None,
+                                extra=alice)).status == 204
+    assert call.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+
+
 def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_it(
         app: McpServer, reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch) -> None:
     """contract §6.1: a DELETE cancels every request still in flight in its session. A

@@ -56,7 +56,10 @@ class LegacyWire(CallLifecycle):
         if bad is not None:
             return _error_reply(bad.status, None, bad.code, bad.message)
         st = self._process_state()
-        if st.sessions.get(sid) is None and _adopt_session(st, sid) is None:
+        session = st.sessions.get(sid)
+        if session is None:
+            session = _adopt_session(st, sid)
+        if session is None or not _yours(st, session, environ):
             return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
         c = st.cancellation
@@ -100,6 +103,8 @@ class LegacyWire(CallLifecycle):
             session = st.sessions.get(sid)
             if session is None:
                 session = _adopt_session(st, sid)  # minted on another host
+            if session is not None and not _yours(st, session, environ):
+                session = None
             if session is not None and isinstance(msg, Request) and msg.method == "tools/call":
                 # recorded for the call's whole run: a session with a call in flight is never
                 # displaced by its client's new sessions
@@ -241,6 +246,17 @@ def _client_of(environ: dict[str, Any]) -> str:
     ``initialize`` counts a session it mints."""
     return principal.scope({k: environ[k] for k in (PRINCIPAL_KEY, REMOTE_ADDR_KEY)
                             if k in environ})
+
+
+def _yours(st: _ProcessState, session: Any, environ: dict[str, Any]) -> bool:
+    """Whether an authenticated caller may use ``session``: only the principal it was minted
+    for may (another's request is answered as for a session it does not know, 404: a leaked id
+    is no key to someone else's session and calls). A request without a principal is not
+    checked: an anonymous session's client is its address bucket, which moves with the
+    client's address, and the digest a session keeps cannot tell the two kinds apart."""
+    if type(principal.id(environ)) is not str:
+        return True
+    return session.client == st.sessions.client_digest(_client_of(environ))
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:

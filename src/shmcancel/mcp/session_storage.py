@@ -36,5 +36,7 @@ class SessionStorage(Protocol):
     def end_call(self, call: Call) -> None:
         """The call ended: drop its record and touch the session. Never raises (a store that
         does not answer in time owes it and lands it later)."""
+    def client_digest(self, client: str) -> bytes:
+        """What :attr:`Session.client` holds for a session minted for ``client``."""
     def sweep(self) -> int:
         """Remove a bounded piece of the expired sessions (and damage); how many went."""
