@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from helpers.background import lock_held
 from helpers.clock import Clock
+from helpers.owed import as_if_a_janitor_listened
 
 import shmcancel
 from shmcancel import Cancellation, RegistryClosed, ShmCancelError
@@ -164,18 +165,13 @@ def test_an_end_owed_to_a_registry_closed_since_is_dropped_in_one_line(registry,
     c = Cancellation(reg, clock=Clock())
     h = c.begin(1, S)
     c.cancel(1, "why", S)  # so the end has a row to clear, under the lock
-    def janitor() -> None:  # a listener, as a janitor is: no lander lands the end meanwhile
-        pass
-    owed.listeners.add(janitor)
-    try:
+    with as_if_a_janitor_listened():  # no lander lands the end meanwhile
         with lock_held(reg):
             h.end()  # the lock times out: owed
         assert owed.owed_ends() == 1
         reg.close()
         with caplog.at_level(logging.WARNING, logger="shmcancel"):
             assert owed.settle_owed() == 0
-    finally:
-        owed.listeners.discard(janitor)
     assert owed.owed_ends() == 0
     _no_traceback_logged(caplog)
     assert any(f"registry {reg.name} is closed" in r.getMessage() for r in caplog.records)
