@@ -13,11 +13,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from helpers.background import lock_held
 from helpers.gunicorn_harness import Gunicorn, wait_until
 from helpers.mcp_client import dump
 from helpers.rows import in_flight_count
 
 from shmcancel import Cancellation, Config, Registry, cancelled
+from shmcancel.cancel import owed
 from shmcancel.cancel.janitor import Janitor
 from shmcancel.shm import procinfo
 
@@ -159,3 +161,21 @@ def test_a_tick_on_a_closed_registry_returns_false(registry) -> None:
     c = Cancellation(reg)
     reg.close()
     assert c.tick() is False
+
+
+def test_ends_owed_when_the_janitor_stops_are_left_to_a_lander(registry) -> None:
+    """contract §4.3: a janitor's process starts no lander (the janitor lands what it owes);
+    a janitor stopped with ends still owed left them owed until the process wrote again, for
+    as long as it stayed idle. Its stop now hands them to a lander."""
+    reg = registry(lock_timeout=0.2, janitor_interval=3600.0)
+    c = Cancellation(reg)
+    j = Janitor(c)
+    j.start()
+    h = c.begin(1, "s")
+    c.cancel(1, "stop", "s")
+    with lock_held(reg):
+        h.end()  # the clear meets the held lock: owed, to the janitor
+        assert owed.owed_ends() == 1
+        j.stop()
+    wait_until(lambda: owed.owed_ends() == 0 and not c.cancelled(1, "s"),
+               time.monotonic() + 10, what="the owed clear to land")

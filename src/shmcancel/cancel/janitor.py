@@ -68,7 +68,7 @@ class Janitor:
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
         self._wake.set()
-        owed.listeners.discard(self._wake.set)
+        owed.unlisten(self._wake.set)
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
@@ -109,5 +109,5 @@ class Janitor:
 
     def _on_closed(self) -> None:
         """The registry was closed: this thread ends (no sweep can run through it again)."""
-        owed.listeners.discard(self._wake.set)
+        owed.unlisten(self._wake.set)
         log.info("janitor: registry %s was closed; the janitor stops", self._reg.name)

@@ -26,7 +26,7 @@ from ..exceptions import LockTimeout, RegistryClosed
 from .storage import Owner, Storage
 
 __all__ = ["forgo_untrack", "listeners", "owe", "owed_ends", "queue", "running",
-           "settle_owed"]
+           "settle_owed", "unlisten"]
 
 log = logging.getLogger("shmcancel.cancellation")
 
@@ -81,6 +81,14 @@ def owe(st: Storage, scope: str, rid: str, owner: Owner | None,
         except Exception:
             log.debug("an owed-end listener failed", exc_info=True)
     if not listeners:
+        _start_lander()
+
+
+def unlisten(listener: Callable[[], None]) -> None:
+    """Remove ``listener`` (a janitor stopping); the last one to go leaves the ends still owed
+    to a lander."""
+    listeners.discard(listener)
+    if queue and not listeners:
         _start_lander()
 
 
