@@ -6,6 +6,7 @@ where an interleaving must be forced."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -827,3 +828,53 @@ def test_a_cancellation_through_redis_is_reported_once(
             telemetry.detach("test-once")
             handle.end()
             a.untrack(token)
+
+
+def test_another_principals_request_neither_adopts_nor_renews_a_session(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A session minted for a principal is unknown to another (contract §6.1, docs). On a host
+    with no copy yet, bob's request with alice's session id was answered 404 only after the
+    session was adopted there and renewed in Redis: a leaked id kept someone else's session
+    alive, counted on that host against its owner. It is now refused before either."""
+    from helpers.wsgi import environ_for, run
+
+    from shmcancel.mcp import remote
+    from shmcancel.server import McpServer
+
+    def post(app: McpServer, obj: dict, sid: str | None, who: str | None) -> Any:
+        h = {"MCP-Protocol-Version": "2025-11-25"}
+        if sid is not None:
+            h["Mcp-Session-Id"] = sid
+        extra = {"REMOTE_ADDR": "203.0.113.70"}
+        if who is not None:
+            extra["shmcancel.principal"] = {"id": who}
+        return run(app, environ_for("POST", json.dumps(obj).encode(), headers=h, extra=extra))
+
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "1"}}}
+    ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    current: list[Bridge | None] = [None]
+    remote.install(lambda: current[0])
+    try:
+        with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+            host_a = McpServer(name="a", version="1", registry=ra)
+            host_b = McpServer(name="b", version="1", registry=rb)
+            current[0] = a
+            sid = post(host_a, init, None, "alice").headers["mcp-session-id"]
+            anonymous = post(host_a, init, None, None).headers["mcp-session-id"]
+            current[0] = b
+            held = redis.Redis.from_url(redis_server.url)
+            keys = held.keys(f"{a.store.prefix}*{sid}*")
+            assert keys, "the session is in Redis"
+            for k in keys:
+                held.pexpire(k, 60_000)
+            assert post(host_b, ping, sid, "bob").status == 404
+            assert SessionStore(rb).get(sid) is None  # not adopted on B
+            assert all(held.pttl(k) <= 60_000 for k in keys)  # not renewed (to session_ttl)
+            assert post(host_b, ping, sid, "alice").status == 200  # its owner's: adopted
+            # minted anonymously from an address, used under a principal from that address
+            assert post(host_b, ping, anonymous, "dave").status == 200
+            held.close()
+    finally:
+        remote.install(None)

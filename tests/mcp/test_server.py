@@ -410,6 +410,13 @@ def test_a_session_minted_for_a_principal_is_unknown_to_another(app: McpServer,
     assert run(app, environ_for("DELETE", None, headers=h, content_type=None,
                                 extra=alice)).status == 204
     assert call.result().json["error"]["code"] == errors.REQUEST_CANCELLED
+    # minted anonymously: its own address, authenticated since, may use it; elsewhere not
+    h = legacy_headers(session(app))
+    assert post(app, rpc(5, "ping"), headers=h, extra=bob).status == 200
+    assert post(app, rpc(6, "ping"), headers=h,
+                extra={**bob, "REMOTE_ADDR": "198.51.100.1"}).status == 404
+    assert post(app, rpc(7, "ping"), headers=h,
+                extra={"REMOTE_ADDR": "198.51.100.1"}).status == 200  # anonymous: unchecked
 
 
 def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_it(

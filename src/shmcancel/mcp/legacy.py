@@ -58,7 +58,7 @@ class LegacyWire(CallLifecycle):
         st = self._process_state()
         session = st.sessions.get(sid)
         if session is None:
-            session = _adopt_session(st, sid)
+            session = _adopt_session(st, sid, environ)
         if session is None or not _yours(st, session, environ):
             return _error_reply(404, None, codes.INVALID_REQUEST, "Session not found")
         environ[SESSION_KEY] = sid
@@ -102,7 +102,7 @@ class LegacyWire(CallLifecycle):
             st = self._process_state()
             session = st.sessions.get(sid)
             if session is None:
-                session = _adopt_session(st, sid)  # minted on another host
+                session = _adopt_session(st, sid, environ)  # minted on another host
             if session is not None and not _yours(st, session, environ):
                 session = None
             if session is not None and isinstance(msg, Request) and msg.method == "tools/call":
@@ -249,14 +249,26 @@ def _client_of(environ: dict[str, Any]) -> str:
 
 
 def _yours(st: _ProcessState, session: Any, environ: dict[str, Any]) -> bool:
-    """Whether an authenticated caller may use ``session``: only the principal it was minted
-    for may (another's request is answered as for a session it does not know, 404: a leaked id
-    is no key to someone else's session and calls). A request without a principal is not
-    checked: an anonymous session's client is its address bucket, which moves with the
-    client's address, and the digest a session keeps cannot tell the two kinds apart."""
-    if type(principal.id(environ)) is not str:
+    """Whether the caller may use ``session``: a request under a principal may use only a
+    session minted for that principal, or one minted anonymously from its own address (the
+    same client, authenticated since); another's is answered as for a session it does not
+    know, 404: a leaked id is no key to someone else's session and calls. A request without a
+    principal is not checked: an anonymous client's address bucket moves with its address,
+    and the digest a session keeps cannot tell which kind of client minted it."""
+    mine = _clients_of(environ)
+    if mine is None:
         return True
-    return session.client == st.sessions.client_digest(_client_of(environ))
+    digest = st.sessions.client_digest
+    return any(session.client == digest(client) for client in mine)
+
+
+def _clients_of(environ: dict[str, Any]) -> tuple[str, ...] | None:
+    """The clients whose sessions a request under a principal may use (its principal's, its
+    address bucket's); None for a request without one (any)."""
+    if type(principal.id(environ)) is not str:
+        return None
+    anonymous = {k: environ[k] for k in (REMOTE_ADDR_KEY,) if k in environ}
+    return _client_of(environ), principal.scope(anonymous)
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:
@@ -276,18 +288,20 @@ def _unsupported_header(requested: str) -> RpcError:
                     data={"supported": list(SUPPORTED_VERSIONS), "requested": shown})
 
 
-def _adopt_session(st: _ProcessState, sid: str | None) -> Any:
+def _adopt_session(st: _ProcessState, sid: str | None, environ: dict[str, Any]) -> Any:
     """A session another host minted (found through the remote), stored here under the same id
     and counted against the same client; None when there is none. Raises ``RemoteUnavailable``
     when the remote gave no answer, ``LockTimeout`` when the registry lock was held too long and
     ``SessionsFull`` when this host cannot take it for its client now (every session of the
     client here has a call in flight, or the table is full of other clients'): the session may
     well exist (for ``SessionsFull`` it does), so the front end answers 503 with
-    ``Retry-After``, not 404."""
+    ``Retry-After``, not 404. A session the caller may not use (:func:`_yours`) is None
+    before it is adopted or renewed in Redis."""
     rb = remote.current()
     if rb is None or sid is None or not valid_session_id(sid):
         return None
-    got = rb.lookup_session(sid)
+    mine = _clients_of(environ)
+    got = rb.lookup_session(sid, None if mine is None else mine.__contains__)
     if got is None:
         return None
     try:

@@ -45,9 +45,11 @@ class Remote(Protocol):
         then, never on every request; stored again when the remote lost it and ``client``,
         the request's client, is the session's). Never raises."""
 
-    def lookup_session(self, sid: str) -> tuple[str, str] | None:
+    def lookup_session(self, sid: str, may_use: Callable[[str], bool] | None = None
+                       ) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; ``None`` only when
-        the remote answered that there is no such session. Raises
+        the remote answered that there is no such session, or when ``may_use(client)`` is
+        false (the caller may not use it: not renewed, this host not listed). Raises
         :class:`~shmcancel.exceptions.RemoteUnavailable` when it gave no answer."""
 
     def delete_session(self, sid: str) -> None:

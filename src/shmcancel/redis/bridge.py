@@ -495,17 +495,21 @@ class Bridge:
             return None
         return s.protocol_version, client
 
-    def lookup_session(self, sid: str) -> tuple[str, str] | None:
+    def lookup_session(self, sid: str, may_use: Callable[[str], bool] | None = None
+                       ) -> tuple[str, str] | None:
         """``(protocol_version, client)`` of a session another host minted; the caller adopts
         it, so this worker is listed as a holder. None when Redis says there is no such session
         (or it was deleted here, or the id is not of the form this transport mints: it is not
-        looked up); raises ``RemoteUnavailable`` when Redis gave no answer."""
+        looked up), or when ``may_use(client)`` is false (the caller may not use it: it is
+        neither renewed nor listed); raises ``RemoteUnavailable`` when Redis gave no answer."""
         if sid in self._deleted or not _minted_form(sid):
             return None
         try:
             got = self._ask("session", self.store.get_session, sid)
         except _NoAnswer as e:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
+        if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
+            return None
         if isinstance(got, tuple):
             self.publish_session(sid, got[0], got[1])
             if sid in self._deleted:  # deleted since the lookup: Redis refused to store it
