@@ -56,6 +56,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import stat
 import sys
@@ -789,15 +790,15 @@ def _escaping_stdout() -> Iterator[None]:
 
 
 def _prog() -> str:
-    """How to name this command in advice: as it was run (``.venv/bin/shmtool``), unless that
-    is the ``shmtool`` found on ``PATH``."""
+    """How to name this command in advice: as it was run (``.venv/bin/shmtool``, quoted for a
+    shell), unless that is the ``shmtool`` found on ``PATH``."""
     run = sys.argv[0] if sys.argv else ""
     if os.path.basename(run) != "shmtool":
         return "shmtool"  # python -m shmcancel.shmtool, or main() called from Python
     found = shutil.which("shmtool")
     if found and os.path.realpath(found) == os.path.realpath(run):
         return "shmtool"
-    return run
+    return shlex.quote(run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

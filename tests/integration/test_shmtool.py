@@ -409,17 +409,23 @@ def test_a_stale_registry_of_another_user_is_advised_to_unlink_not_to_cleanup(sh
     assert _entries(shm_name) == []
 
 
-def test_advice_names_shmtool_as_it_was_run(shm_name):
+def test_advice_names_shmtool_as_it_was_run(shm_name, tmp_path):
     """The README runs ``.venv/bin/shmtool`` without activating the venv: advice naming a bare
     ``shmtool`` was not a command that shell could run."""
-    script = os.path.join(os.path.dirname(sys.executable), "shmtool")
-    if not os.path.exists(script):
+    installed = os.path.join(os.path.dirname(sys.executable), "shmtool")
+    if not os.path.exists(installed):
         pytest.skip("no shmtool script beside this interpreter")
     _stale(shm_name)
-    p = subprocess.run([script, "list"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PATH": "/usr/bin:/bin"})
-    line = next(x for x in p.stdout.splitlines() if x.startswith(shm_name + " "))
-    assert f"{script} cleanup --stale {shm_name} removes it" in line, line
+    spaced = tmp_path / "my tools"
+    spaced.mkdir()
+    for script, shown in ((installed, installed),
+                          (str(spaced / "shmtool"), f"'{spaced}/shmtool'")):
+        if script != installed:
+            shutil.copy(installed, script)
+        p = subprocess.run([script, "list"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PATH": "/usr/bin:/bin"})
+        line = next(x for x in p.stdout.splitlines() if x.startswith(shm_name + " "))
+        assert f"{shown} cleanup --stale {shm_name} removes it" in line, line
     assert shmtool("unlink", shm_name).returncode == 0
 
 
