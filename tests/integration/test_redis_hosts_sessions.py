@@ -878,3 +878,28 @@ def test_another_principals_request_neither_adopts_nor_renews_a_session(
             held.close()
     finally:
         remote.install(None)
+
+
+def test_sessions_redis_lost_while_it_answered_are_stored_again(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A FLUSHALL (or an eviction, or a restart between two looks) while Redis answered lost a
+    live session's copy for good: only an outage (a refused connection) made a worker store its
+    sessions again, so every other host answered the session 404 until a worker of its own
+    host renewed it (a minute at most per worker, and only on a request). The worker's alive
+    key, missing though it set it, now says Redis lost data: it stores its sessions again."""
+    client = "ip:203.0.113.79"
+    with hosts_in_process(redis_server, shm_name, shm_names, thread_a=True) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            wait_until(lambda: r.exists(a.store.alive_key(a.remote.box)), time.monotonic() + 10,
+                       what="A's bridge thread to set its alive key")
+            assert b.store.get_session(s.id) == ("2025-11-25", client)
+            # as a FLUSHALL would, but of this deployment's keys only (others share the server)
+            r.delete(*r.keys(f"{a.store.prefix}*"))
+            wait_until(lambda: b.store.get_session(s.id) is not None, time.monotonic() + 10,
+                       what="A to store its session again")
+            assert b.lookup_session(s.id) == ("2025-11-25", client)
+        finally:
+            r.close()

@@ -185,6 +185,8 @@ class Bridge:
         # Redis answered again after an outage, but the rows and sessions it may have lost are
         # not all back yet: the thread tries again each turn until they are
         self._recovering = False
+        self._forgot = False  # why it recovers: Redis answered all along but lost data
+        self._alive_set = False  # this worker's alive key was set since its last recovery
         self.delivered = 0
         self._health = threading.Lock()
         self._failures = 0  # calls in a row that timed out or got an error answer
@@ -575,6 +577,7 @@ class Bridge:
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
         box = self.store.box_key(self.remote.box)
         taken = self.store.taken_key(self.remote.box)
+        alive = self.store.alive_key(self.remote.box)
         lease_ms = int(self.remote.lease * 1000)  # the box's and the taken list's
         unconfirmed = True  # the taken list may hold items (a failed call, or a restart)
         next_renew = 0.0
@@ -599,9 +602,15 @@ class Bridge:
                     with self._owed_lock:  # Redis may have lost them: each session's next
                         self._kept.clear()  # request here renews (or stores) it at once
                     self._recovering = False
-                    log.warning("Redis answers again: cross-host cancellation resumed "
-                                "(%d in-flight rows added back, %d sessions stored again, %d "
-                                "writes owed)", added, republished, self.owed())
+                    self._alive_set = False  # set again from here: its absence says nothing
+                    log.warning("%s (%d in-flight rows added back, %d sessions stored again, "
+                                "%d writes owed)",
+                                "Redis lost data while it answered (a FLUSHALL, an eviction, "
+                                "or a restart between two looks): restoring what this worker "
+                                "holds" if self._forgot else
+                                "Redis answers again: cross-host cancellation resumed",
+                                added, republished, self.owed())
+                    self._forgot = False
                     next_renew = time.monotonic() + self.block
                 if self._owed:
                     self._settle()
@@ -611,6 +620,8 @@ class Bridge:
                         self.remote.renew()
                         for k in (box, taken):
                             self.store.client.pexpire(k, lease_ms)
+                        if self._lost(alive, lease_ms):  # restored from the next turn on
+                            self._recovering = self._forgot = True
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                     self._answered()
@@ -662,6 +673,20 @@ class Bridge:
             except Exception:
                 log.exception("shmcancel redis bridge: unexpected error")
                 self._stop.wait(self.retry)
+
+    def _lost(self, alive: bytes, lease_ms: int) -> bool:
+        """Set ``alive`` for another lease; whether it was missing though this worker had set it
+        (a lease ago at most): Redis answered all along, yet lost data, which the down-and-back
+        path never sees. What the worker holds is then restored as after an outage (rows added
+        back, its sessions stored again): until then other hosts answer its sessions 404. Loss
+        of other keys alone (an eviction policy that spares this one) goes unseen: run Redis
+        with ``noeviction``."""
+        p = self.store.client.pipeline(transaction=False)
+        p.exists(alive)
+        p.set(alive, b"1", px=lease_ms)
+        existed, _ = p.execute()
+        was_set, self._alive_set = self._alive_set, True
+        return was_set and not existed
 
     def _lock_stalled(self) -> bool:
         """True when a live process has held the registry lock, in one acquisition, for

@@ -296,6 +296,11 @@ class RedisStore:
         got: bytes | None = self.call("take", [box, taken], [lease_ms])
         return got
 
+    def alive_key(self, box: str) -> bytes:
+        """A key ``box``'s reader keeps set (a lease's TTL): found missing while Redis answers,
+        Redis lost data meanwhile (``FLUSHALL``, an eviction, a restart between two looks)."""
+        return _b(f"{self.prefix}alive:{box}")
+
     def taken_key(self, box: str) -> bytes:
         """The list of items moved out of ``box`` by its reader and not yet applied (see
         ``bridge.py``: a reply lost to a timeout leaves the item there, not nowhere)."""
