@@ -771,3 +771,29 @@ def test_recovery_after_an_outage_is_tried_again_until_it_is_done(
         wait_until(lambda: b.remote.in_flight(7, "session:" + s.id) or None,
                    time.monotonic() + 20, interval=0.05, what="the call's row added back")
         assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_redis_is_not_taken_for_one_that_lost_data(
+        reg: Registry, srv: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's alive key, refused while Redis is full (``noeviction``), expires on its own:
+    once Redis took writes again, every worker logged that Redis had lost data and restored
+    what it held, though nothing had been lost."""
+    r = redis.Redis.from_url(srv.url)
+    try:
+        with caplog.at_level(logging.WARNING, logger="shmcancel"), \
+                bridge(reg, srv, thread=True, lease=1.5) as b:  # a turn every 0.5 s
+            alive = b.store.alive_key(b.remote.box)
+            wait_until(lambda: r.exists(alive), time.monotonic() + 10, what="the alive key")
+            r.config_set("maxmemory", 1)
+            wait_until(lambda: not r.exists(alive), time.monotonic() + 10,
+                       what="the alive key to expire, refused")
+            r.config_set("maxmemory", 0)
+            wait_until(lambda: r.exists(alive), time.monotonic() + 10, what="the key set again")
+            first = r.pttl(alive)
+            # a later turn set it again: a restore the first one decided has been logged
+            wait_until(lambda: r.pttl(alive) > first, time.monotonic() + 10,
+                       what="a later turn")
+        assert not [m for m in caplog.messages if "lost data" in m], caplog.messages
+    finally:
+        r.config_set("maxmemory", 0)
+        r.close()

@@ -624,6 +624,7 @@ class Bridge:
                             self._recovering = self._forgot = True
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
+                        self._alive_set = False  # refused: its expiry is no loss
                     self._answered()
                     next_renew = now + self.block
                 if now >= self._next_sweep:
