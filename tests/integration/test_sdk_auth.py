@@ -134,3 +134,48 @@ def test_a_cancel_waiting_for_the_lock_does_not_stall_the_worker(module_shm_name
         status, cancel_took, other_took = anyio.run(scenario)
         assert status == 503 and cancel_took >= 0.9 * lock_timeout, (status, cancel_took)
         assert other_took < 0.5 * lock_timeout, other_took
+
+
+def test_an_anonymous_caller_cannot_cancel_in_an_authenticated_clients_session(shm_name):
+    """With optional authentication, an anonymous ``notifications/cancelled`` naming alice's
+    session was answered 202 by a worker not holding it, and cancelled her call (the worker
+    holding it, as the SDK, answers 404: the caller is not the session's creator). It is
+    forwarded there now, on whichever worker it lands."""
+    with Gunicorn("tests.apps.sdk_optional_auth_app:app", registry_name=shm_name, config=CONF,
+                  workers=2, worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_STATELESS": "0"},
+                  extra_args=["--pythonpath", "examples/sdk"]) as g, \
+            Registry.attach(shm_name, readonly=True) as reg:
+        mine = _session(g, "alice")
+        session = {k: v for k, v in mine.items() if k == "mcp-session-id"}
+
+        async def main() -> None:
+            answers: list[Any] = []
+            async with httpx.AsyncClient(timeout=30) as h, anyio.create_task_group() as tg:
+                async def post_call() -> None:
+                    r = await h.post(g.url, headers=mine, json={
+                        "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                        "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
+                    text = r.text
+                    answers.append(json.loads(text[text.index("{"):text.rindex("}") + 1]))
+
+                tg.start_soon(post_call)
+                await until(lambda: in_flight_rows(reg), 10, "the call")
+                note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                        "params": {"requestId": 7, "reason": "hijack"}}
+                statuses = []
+                for _ in range(8):  # fresh connections: on either worker
+                    async with httpx.AsyncClient(timeout=10) as h2:
+                        r = await h2.post(g.url, headers=dict(HEADERS, **session), json=note)
+                        statuses.append(r.status_code)
+                assert 202 not in statuses, statuses
+                await anyio.sleep(0.3)  # a wrongly recorded cancel would end it meanwhile
+                assert in_flight_rows(reg) and not answers
+                async with httpx.AsyncClient(timeout=10) as h2:
+                    r = await h2.post(g.url, headers=mine, json=note)
+                    assert r.status_code == 202, r.text
+                await until(lambda: answers, 2.0, "the call's answer")
+            assert answers[0]["error"]["code"] == -32800, answers
+
+        anyio.run(main)
+        assert in_flight_rows(reg) == []

@@ -362,15 +362,17 @@ class Layer:
     def _creator_asks(self, scope: Scope, local: bool) -> bool:
         """Whether the caller presents the credential that created the session, as the SDK's
         session manager checks it (a session is used only with that credential: else 404).
-        Only the worker holding the session knows its creator: elsewhere an authenticated
-        caller's cancel is forwarded there (``False``); an anonymous caller's is answered here,
-        as the SDK would (anonymous sessions have no creator to compare)."""
+        Only the worker holding the session knows its creator: elsewhere a cancel is answered
+        here only on a server without authentication (no ``user`` in the scope: every session
+        is anonymous), else forwarded there (``False``): an anonymous caller may not cancel in
+        an authenticated client's session (the SDK answers it 404), which this worker cannot
+        tell from an anonymous one."""
         user = scope.get("user")
         authed = bool(getattr(user, "is_authenticated", False)) and hasattr(user, "access_token")
         owners = getattr(self.manager, "_session_owners", None)
         live = getattr(self.manager, "_server_instances", None)
         if not local or not isinstance(owners, dict) or not isinstance(live, dict):
-            return not authed
+            return "user" not in scope
         sid = _header(scope, SESSION_HEADER)
         if sid not in live:
             return False
