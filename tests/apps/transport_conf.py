@@ -3,6 +3,7 @@
 ``-b``, ``-w``, ``-k``, ``--threads`` and the app on the command line."""
 
 import os
+import sys
 
 import shmcancel
 import shmcancel.gunicorn
@@ -21,3 +22,12 @@ shmcancel.gunicorn.configure(config=shmcancel.Config(
     session_ttl=float(os.environ.get("SHMCANCEL_TEST_SESSION_TTL", "3600")),
     sessions_per_client=int(os.environ.get("SHMCANCEL_TEST_SESSIONS_PER_CLIENT", "32")),
 ))
+
+
+if os.environ.get("SHMCANCEL_TEST_RINGS_ONLY") == "1":
+    # nothing looks at a worker's waits but a ring (tests/helpers/rings.py): a missing ring shows
+    def post_fork(server, worker):
+        shmcancel.gunicorn.post_fork(server, worker)
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from helpers.rings import set_rings_only
+        set_rings_only()

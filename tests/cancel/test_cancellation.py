@@ -30,7 +30,7 @@ from shmcancel import (
     principal,
     telemetry,
 )
-from shmcancel.cancel import ids
+from shmcancel.cancel import ids, owed
 from shmcancel.cancellation import (
     CANCELLED_EVENT,
     CLEANUP_EVENT,
@@ -1221,3 +1221,34 @@ def test_two_requests_of_one_id_in_one_thread_hold_a_row_each(rc):
     assert not c.in_flight(1, "ip:192.0.2.9")
     c.untrack(1, "ip:192.0.2.9")  # no row left: nothing to do
     assert reg.table("in_flight").count() == 0
+
+
+def test_cleanup_while_holding_the_lock_is_as_strict_and_keeps_the_counts(make):
+    """contract §4.6: ``cleanup`` removes rows strictly older than ``ttl``. Called by a thread
+    that holds the registry lock, it takes another path (every row read and removed in that
+    hold), which no test reached."""
+    reg, c = make(ttl=10.0)
+    for i, age in enumerate([5.0, 10.0, 10.5, 100.0]):
+        c.clock.t = 1000.0 - age
+        c.cancel(i, None, "s")
+    c.clock.t = 1000.0
+    with reg.lock:
+        assert c.cleanup() == 2  # 10.5 and 100 s old; 10 s is not strictly older
+    assert [c.cancelled(i, "s") for i in range(4)] == [True, True, False, False]
+    assert c._store.scope_rows("s") == 2
+
+
+def test_cleanup_removes_a_live_processs_row_whose_end_was_dropped(make):
+    """``cleanup`` also removes in-flight rows of requests that ended in this (live) process
+    without their row going (contract §4.3: an owed end dropped, the queue full); only the
+    janitor's tick did, and a direct ``cleanup`` or ``sweep`` left them."""
+    _reg, c = make()
+    h = c.begin(1, "s")
+    assert h.tracked and c.in_flight(1, "s")
+    owed.running.discard(h._token)  # its end ran, and its untrack was dropped
+    try:
+        assert c.sweep(3600) == (0, 1)
+        assert not c.in_flight(1, "s")
+    finally:
+        owed.running.add(h._token)
+        h.end()

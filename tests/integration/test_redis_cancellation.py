@@ -67,6 +67,41 @@ def test_eviction_matches_shared_memory_policy(redis_server, redis_prefix, shm_n
         reg.unlink()
 
 
+def test_eviction_breaks_a_tie_of_one_scopes_rows_by_id_as_shared_memory_does(
+        redis_server, redis_prefix, shm_name):
+    """contract §4.4: rows of one age in one scope go in id order. The random test above
+    rarely ties two rows of a scope that a batch then cuts between, so the eviction script's
+    own id comparison went unchecked (reversed, Redis evicted A/y where shared memory evicts
+    A/x)."""
+    cfg = Config(max_rows=40, capacity=200, max_rows_per_scope=30)  # batch 2
+    clock = Clock()
+    r = make(redis_server, redis_prefix, cfg, clock)
+    reg = shmcancel.Registry.create(shm_name, config=cfg)
+    try:
+        s = shmcancel.Cancellation(reg, clock=clock)
+
+        def put(scope: str, rid: str, at: float) -> None:
+            clock.t = at
+            for c in (r, s):
+                c.cancel(rid, "x", scope=scope)
+
+        put("B", "b0", 1000.0)  # the oldest row: the first to go
+        put("A", "x", 1001.0)
+        put("A", "y", 1001.0)  # as old as A/x: the id decides the second
+        for i in range(18):
+            put("A", f"z{i:02}", 1010.0)
+        for i in range(19):
+            put("B", f"w{i:02}", 1010.0)  # A and B: 20 rows each, the largest scopes
+        put("C", "new", 1020.0)  # at the cap (40): a batch of 2 goes
+        want = sorted((sc, i) for sc, i, _r, _a in s._store.cancellations())
+        got = sorted((sc, i) for sc, i, _r, _a in r.store.cancellations())
+        assert ("B", "b0") not in want and ("A", "x") not in want and ("A", "y") in want
+        assert got == want
+    finally:
+        reg.close()
+        reg.unlink()
+
+
 @pytest.fixture
 def collating_redis(tmp_path):
     """A redis-server whose locale collates unlike bytes (en_US.UTF-8: "a" < "B", punctuation

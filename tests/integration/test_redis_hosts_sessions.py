@@ -44,8 +44,10 @@ def test_a_waiting_tool_is_woken_by_a_cancellation_sent_to_another_host(
     """``wait_cancelled`` returns as soon as its call is cancelled (README): the worker that
     records a cancellation rings the doorbells. A cancellation (or a DELETE) sent to B reaches
     A's worker through its bridge, which recorded it in A's segment without ringing: the tool
-    slept its whole 20 s."""
-    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, _):
+    slept its whole 20 s. Nothing but a ring looks at A's waits here (``RINGS_ONLY``): the
+    watcher's own look every 5 ms would otherwise hide a missing ring."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names,
+                   env_extra={"SHMCANCEL_TEST_RINGS_ONLY": "1"}) as (a, b, _):
         c = Client(a.url)
         assert c.call(b.url, 0, "echo", {"text": "x"})["result"]  # adopted on B
         for how in ("notification", "delete"):

@@ -646,6 +646,26 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
     assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
 
 
+def test_a_notification_wakes_the_call_it_cancels(short_reg: Registry, signals: Signals,
+                                                  rings_only: None) -> None:
+    """README: ``wait_cancelled`` returns as soon as its call is cancelled: the worker that
+    records a ``notifications/cancelled`` rings the doorbells of the processes running it. With
+    nothing else looking at the waits (``rings_only``), a notification that did not ring would
+    leave the call waiting its 30 s."""
+    app = make_server(short_reg, signals)
+    waiting_tool(app, signals)
+    h, call = call_in_a_session(app, signals, "waiter", "w")
+    end = time.monotonic() + DEADLINE
+    while wake.waiting() < 1:  # its wait registered: only a ring ends it (rings_only)
+        assert time.monotonic() < end, "the tool never waited"
+        time.sleep(0.001)
+    assert post(app, note("notifications/cancelled", {"requestId": 1}), headers=h).status == 202
+    call.join(DEADLINE)
+    assert not call.is_alive(), "the waiting call was not woken"
+    assert call.reply is not None
+    assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+
+
 def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
         short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
         rings_only: None) -> None:
