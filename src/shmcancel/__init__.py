@@ -71,15 +71,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:  # a module __getattr__ seen by a type checker makes every name Any
+    def __getattr__(name: str) -> Any:
+        mod = _LAZY.get(name)
+        if mod is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
 
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
+        value = getattr(importlib.import_module(f".{mod}", __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
 
 
 def __dir__() -> list[str]:

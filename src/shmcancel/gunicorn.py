@@ -75,7 +75,7 @@ _log = logging.getLogger("shmcancel.gunicorn")
 class _State:
     config: Config | None = None
     name: str | None = None  # from configure()
-    registry: Any = None  # the Registry this process uses (created, or attached)
+    registry: Registry | None = None  # the Registry this process uses (created, or attached)
     registry_name: str | None = None
     # The master's registry's identity (Registry.identity), inherited by its workers over fork:
     # a worker attaches by name and must find that very registry there, not one created again
@@ -105,7 +105,7 @@ def configure(config: Config | None = None, *, name: str | None = None) -> None:
     _state.name = name
 
 
-def registry() -> Any:
+def registry() -> Registry | None:
     """The registry this process set up through these hooks (``None`` before)."""
     return _state.registry if _state.owner_pid == os.getpid() else None
 

@@ -16,7 +16,8 @@ from .wire import (
     param_headers,
 )
 
-ToolFn = Callable[[Mapping[str, Any], dict[str, Any]], Any]
+# the conn is the request's WSGI environ (a dict): a tool may take it as a dict or a Mapping
+ToolFn = Callable[[dict[str, Any], dict[str, Any]], Any]
 
 _MAX_TEXT = 1000  # characters of an exception message put into an isError result
 
