@@ -20,7 +20,7 @@ from helpers.rows import in_flight_count
 from helpers.wsgi import Reply, environ_for, run
 
 import shmcancel
-from shmcancel import errors
+from shmcancel import InvalidRegistryName, errors
 from shmcancel.config import Config
 from shmcancel.mcp import disconnect, wake
 from shmcancel.mcp.sessions import SessionStore
@@ -1489,3 +1489,25 @@ def test_origin_opt_out(reg: Registry, signals: Signals) -> None:
         assert (r.status, r.json["result"]) == (200, {}), origin
     with pytest.raises(ValueError, match="allowed_origins"):
         make_server(reg, signals, allowed_origins=["http://localhost/mcp"])
+
+
+@pytest.mark.parametrize(("kw", "error"), [
+    ({"registry": 5}, TypeError), ({"registry": "bad/name"}, InvalidRegistryName),
+    ({"path": 5}, TypeError), ({"title": 5}, TypeError), ({"instructions": {"x": 1}}, TypeError),
+    ({"sessions": "no"}, TypeError), ({"watch_disconnects": 1}, TypeError)])
+def test_bad_constructor_arguments_are_refused_at_once(kw: dict[str, Any],
+                                                       error: type[Exception]) -> None:
+    """A wrong type or name was stored as given: every request then failed with a 500 and a
+    logged traceback (``registry``, ``path``), or the ``initialize`` result broke the MCP schema
+    (a non-string ``title`` or ``instructions``), or ``sessions="no"`` meant sessions on."""
+    with pytest.raises(error):
+        McpServer("t", "1", **kw)
+
+
+def test_a_registry_name_that_names_none_is_a_503_not_a_500(shm_name: str) -> None:
+    """Like a server given no registry at all: the deployment's mistake, answered 503 "Server
+    misconfigured", not 500 with a traceback logged per request."""
+    app = McpServer("t", "1", registry=shm_name)  # nothing created under that name
+    r = post(app, INIT)
+    assert r.status == 503, r
+    assert "Server misconfigured" in r.json["error"]["message"]

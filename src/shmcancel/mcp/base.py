@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from ..cancel.policy import Cancellation
-from ..exceptions import ShmCancelError
+from ..exceptions import RegistryNotFound, ShmCancelError
 from ..shm import procinfo, registry
 from . import jsonrpc
 from .jsonrpc import Request
@@ -86,7 +86,10 @@ class ServerBase:
                     raise _NoRegistry("no shmcancel registry is attached in this process "
                                       "(use the shmcancel.gunicorn hooks, or pass registry=)")
             elif isinstance(spec, str):
-                reg = registry.Registry.attach(spec)
+                try:
+                    reg = registry.Registry.attach(spec)
+                except RegistryNotFound as e:  # the server's configuration, not the request
+                    raise _NoRegistry(str(e)) from None
             else:
                 reg = spec
             self._state = st = _ProcessState(reg)

@@ -99,6 +99,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..exceptions import LockTimeout, RegistryClosed, RemoteUnavailable, TableFull
+from ..shm.names import check_name
+from ..shm.registry import Registry
 from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .body import EndingConnection, body_left_unread, read_body
@@ -175,7 +177,8 @@ class McpServer(LegacyWire, ModernWire):
     raises ``ValueError`` here.
     """
 
-    def __init__(self, name: str, version: str, *, sessions: bool = True, registry: Any = None,
+    def __init__(self, name: str, version: str, *, sessions: bool = True,
+                 registry: Registry | str | None = None,
                  max_body_bytes: int = 1_000_000, poll_interval: float = 0.01,
                  path: str | None = "/mcp", instructions: str | None = None,
                  title: str | None = None, cache_ttl_ms: int = 60_000,
@@ -199,6 +202,17 @@ class McpServer(LegacyWire, ModernWire):
                              f"got {body_timeout!r}")
         if cache_scope not in ("public", "private"):
             raise ValueError(f'cache_scope must be "public" or "private", got {cache_scope!r}')
+        for what, value in (("title", title), ("instructions", instructions), ("path", path)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{what} must be a str or None, got {type(value).__name__}")
+        for what, flag in (("sessions", sessions), ("watch_disconnects", watch_disconnects)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{what} must be a bool, got {flag!r:.80}")
+        if isinstance(registry, str):
+            check_name(registry)  # InvalidRegistryName now, not a 500 per request
+        elif registry is not None and not isinstance(registry, Registry):
+            raise TypeError("registry must be a Registry, a registry name or None, got "
+                            f"{type(registry).__name__}")
         self.name = name
         self.version = version
         self.title = title
