@@ -20,7 +20,7 @@ from helpers.rows import in_flight_count
 
 from shmcancel import Cancellation, Config, Registry, cancelled
 from shmcancel.cancel import owed
-from shmcancel.cancel.janitor import Janitor
+from shmcancel.cancel.janitor import MIN_WAIT, Janitor
 from shmcancel.shm import procinfo
 
 FAST = Config(max_rows=100, capacity=100, in_flight_capacity=16, session_capacity=16,
@@ -179,3 +179,21 @@ def test_ends_owed_when_the_janitor_stops_are_left_to_a_lander(registry) -> None
         j.stop()
     wait_until(lambda: owed.owed_ends() == 0 and not c.cancelled(1, "s"),
                time.monotonic() + 10, what="the owed clear to land")
+
+
+def test_a_tiny_janitor_interval_does_not_make_the_thread_spin(registry) -> None:
+    """``Config`` takes any positive ``janitor_interval``; the janitor's wait floor
+    (``MIN_WAIT``, "never spins faster") was undone by capping the wait at the interval: at
+    1e-6 s it swept ~200 times a second, a CPU core per worker."""
+    reg = registry(janitor_interval=1e-6)
+    j = Janitor(Cancellation(reg))
+    j.start()
+    try:
+        start, t0 = reg.info()["sweeps"], time.monotonic()
+        wait_until(lambda: reg.info()["sweeps"] >= start + 3, t0 + 10, what="a few sweeps")
+        while time.monotonic() - t0 < 0.5:  # the loop's pace over half a second
+            time.sleep(0.05)
+        swept, took = reg.info()["sweeps"] - start, time.monotonic() - t0
+    finally:
+        j.stop()
+    assert swept <= took / MIN_WAIT + 3, (swept, took)

@@ -102,7 +102,7 @@ class Janitor:
                 due = interval
             if owed_ends():
                 due = min(due, OWED_RETRY)
-            self._wake.wait(min(max(due, MIN_WAIT), interval))
+            self._wake.wait(max(MIN_WAIT, min(due, interval)))  # MIN_WAIT: a tiny interval too
             self._wake.clear()
             if self._stop.is_set():
                 return
