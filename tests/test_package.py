@@ -49,3 +49,14 @@ def test_the_public_api_type_checks_and_a_misspelled_name_does_not(tmp_path: Pat
     assert len(errors) == 1 and "user.py:10:" in errors[0] and "Regsitry" in errors[0], \
         done.stdout
 
+
+def test_shmcancel_sdk_without_its_extra_names_the_extra() -> None:
+    """Without the SDK (or httpx, which forwarding needs) ``import shmcancel.sdk`` raised a bare
+    ``No module named 'mcp'`` (httpx's absence showed only at a session's first forward)."""
+    for missing in ("mcp", "httpx"):
+        done = subprocess.run(
+            [sys.executable, "-c", f"import sys; sys.modules[{missing!r}] = None\n"
+             "try:\n    import shmcancel.sdk\nexcept ImportError as e:\n    print(e)\n"],
+            capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == (f"shmcancel.sdk needs the {missing} package: pip install "
+                                       "'shmcancel[sdk]'"), done

@@ -175,6 +175,13 @@ def when_ready(server: Any) -> None:
     """Master: create the registry (or, under a ``USR2`` upgrade, attach to the live one)."""
     if registry() is not None:
         return
+    if os.environ.get(ENV_REDIS_URL):
+        try:  # else every worker would fail to boot on it, with a traceback each
+            import redis  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"shmcancel: {ENV_REDIS_URL} is set but the redis package "
+                               f"cannot be imported ({e}): pip install 'shmcancel[redis]'") \
+                from None
     name = registry_name(server)
     log = _logger(server)
     with _sigchld_blocked():

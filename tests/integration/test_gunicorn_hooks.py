@@ -929,3 +929,31 @@ def test_the_janitor_sweeps_on_after_the_clock_steps_back(shm_name, tmp_path):
                    what="five more sweeps")
         assert time.monotonic() - t0 >= 4 * interval
         assert alive(g.pid)
+
+
+def test_a_redis_url_without_the_redis_package_stops_the_master_in_one_line(shm_name, tmp_path):
+    """``SHMCANCEL_REDIS_URL`` set where redis-py cannot be imported: the master started, then
+    every worker failed to boot on the import with a traceback each, and gunicorn halted. The
+    master now says what is missing in one line, before it creates anything."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['redis'] = None\n")
+    log = tmp_path / "gunicorn.log"
+    env = {**os.environ, "SHMCANCEL_REGISTRY": shm_name,
+           "SHMCANCEL_REDIS_URL": "redis://127.0.0.1:1/0",
+           "PYTHONPATH": os.pathsep.join(
+               [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with open(log, "wb") as out:
+        p = subprocess.Popen([*gunicorn_command(), "-c", CONF, "-b", "127.0.0.1:0", "-w", "2",
+                              APP], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=env,
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        status = p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    text = log.read_text()
+    assert status != 0, text[-3000:]
+    assert "SHMCANCEL_REDIS_URL is set but the redis package cannot be imported" in text, \
+        text[-3000:]
+    assert "pip install 'shmcancel[redis]'" in text and "Traceback" not in text, text[-3000:]
+    assert not segment_exists(shm_name)

@@ -25,8 +25,20 @@ A session dies with its worker (crash, ``max_requests``, ``HUP``): its requests 
 
 from __future__ import annotations
 
+try:
+    import httpx  # noqa: F401  (forwarding a session's requests to its worker)
+    import mcp  # noqa: F401
+except ImportError as e:
+    raise ImportError(f"shmcancel.sdk needs the {e.name} package: pip install "
+                      "'shmcancel[sdk]'", name=e.name) from e
+
 from ._asgi import asgi
-from ._calls import RequestCancelled, cancelled, current_handle, raise_if_cancelled
+from ._calls import (
+    RequestCancelled,
+    cancelled,
+    current_handle,
+    raise_if_cancelled,
+)
 from ._routing import SocketDirTooLong, SocketDirUnsafe
 
 __all__ = ["RequestCancelled", "SocketDirTooLong", "SocketDirUnsafe", "asgi", "cancelled",
