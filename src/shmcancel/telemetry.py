@@ -66,6 +66,13 @@ def attach(handler_id: str, event: Event, handler: Handler, config: Any = None) 
     """
     if not callable(handler):
         raise TypeError(f"telemetry handler must be callable, got {handler!r}")
+    if not isinstance(handler_id, str):
+        raise TypeError(f"telemetry handler id must be a str, got {handler_id!r:.80}")
+    if isinstance(event, str) or not isinstance(event, tuple | list) \
+            or not all(isinstance(part, str) for part in event):
+        # a str would be taken apart into characters: an event that never fires
+        raise TypeError("telemetry event must be a tuple of str, e.g. "
+                        f"('shmcancel', 'request', 'cancelled'), got {event!r:.80}")
     event = tuple(event)
     with _lock:
         _handlers.pop(handler_id, None)

@@ -75,6 +75,16 @@ def test_attach_rejects_non_callable():
         telemetry.attach("x", EV, "not callable")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("handler_id", "event"), [
+    ("x", "shmcancel"), ("x", ("shmcancel", 5)), ("x", None), (5, ("shmcancel",))])
+def test_attach_rejects_an_event_or_id_that_could_never_be_meant(handler_id, event):
+    """A str event was taken apart into its characters (``('s', 'h', ...)``): a handler that
+    never fired, silently."""
+    with pytest.raises(TypeError):
+        telemetry.attach(handler_id, event, lambda *a: None)
+    assert handler_id not in telemetry.list_handlers()
+
+
 def test_a_fork_child_emits_when_a_parent_thread_held_the_lock_at_the_fork(registry, spawn):
     """A thread of the parent (a worker's janitor emitting its cleanup event) inside
     ``execute`` when the process forks must not leave the child's telemetry lock taken: the
