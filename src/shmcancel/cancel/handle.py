@@ -146,6 +146,12 @@ class RequestHandle:
         except Exception as e:  # a backend's own error (Redis unreachable): never the caller's
             self.error = e
             _log_failed(e)
+        except BaseException:
+            # a signal handler's exception (or an async one), its row perhaps written: the
+            # caller gets no handle to end it, so the request is no longer running, and this
+            # process's reap of ended rows removes the row (Cancellation.settle, cleanup)
+            owed.running.discard(token)
+            raise
         else:
             if owed.queue:
                 settle_owed()  # the lock answered: land what this process owes

@@ -88,14 +88,14 @@ def fence() -> None:
     """A full memory barrier: a successful non-blocking acquire and its release are locked
     instructions (``sem_trywait``'s compare-and-swap, ``sem_post``'s add), which x86-64 orders
     with every load and store around them (a failed try need not be one: then the next lock).
-    Never blocks unless 4 other threads are each between the two calls (switched out there)."""
+    Never blocks: with all 4 taken (threads between the two calls, or locks left taken for good
+    by an exception, a signal handler's, raised between them) a fresh lock's acquire is the
+    barrier."""
     for lk in _fences:
         if lk.acquire(False):
             lk.release()
             return
-    lk = _fences[0]
-    lk.acquire()
-    lk.release()
+    threading.Lock().acquire()
 
 
 def region_size() -> int:
@@ -340,8 +340,13 @@ class Lanes:
             self._free[w // (LANES * WAYS)].append(w)  # after the hash: the way is empty now
             fence()
             return True
-        except Exception:
-            self._if_closed()
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self._if_closed()  # raises RegistryClosed when that is why
+            if token not in self._held and self._q[_HQ + w] and self._body(w)[1] == token:
+                # cut short (a signal handler's exception) with its row still there: listed
+                # again, for this process's reap of ended rows (else in flight for good)
+                self._held[token] = w
             raise
 
     def own_rows(self) -> list[tuple[int, bytes, int, int]]:

@@ -390,15 +390,17 @@ class RegistryLock:
             if st.dirty:
                 self._run_repair()
         finally:
-            if st.dirty:
-                self._repair_again()
-            st.depth = 0
-            st.holder = None
-            self._w[_OWNER] = 0
             try:
-                self._sem.release()
+                if st.dirty:
+                    self._repair_again()  # a third exception may leave it: released anyway
             finally:
-                st.tlock.release()
+                st.depth = 0
+                st.holder = None
+                self._w[_OWNER] = 0
+                try:
+                    self._sem.release()
+                finally:
+                    st.tlock.release()
         if st.recovered:  # a recovery's event, now that the hold's writes are complete
             self._emit_recovered()
 
