@@ -71,7 +71,7 @@ def attach(handler_id: str, event: Event, handler: Handler, config: Any = None) 
     if isinstance(event, str) or not isinstance(event, tuple | list) \
             or not all(isinstance(part, str) for part in event):
         # a str would be taken apart into characters: an event that never fires
-        raise TypeError("telemetry event must be a tuple of str, e.g. "
+        raise TypeError("telemetry event must be a tuple (or list) of str, e.g. "
                         f"('shmcancel', 'request', 'cancelled'), got {event!r:.80}")
     event = tuple(event)
     with _lock:

@@ -86,3 +86,17 @@ def test_a_begin_cut_short_as_its_row_is_written_leaves_no_row_for_good(registry
     assert [k for k, _ in in_flight_rows(reg)] == [(S, "1")]  # written (read without a call)
     c.settle()
     assert not c.in_flight(1, S)
+
+
+def test_a_begin_cut_short_in_its_tick_leaves_no_row_for_good(registry) -> None:
+    """After its row is written, ``begin`` lands owed ends and ticks the janitor (a sweep, when
+    one is due): cut short there, the caller got no handle, and the request's token stayed
+    running, its row in flight for the process's life."""
+    reg = registry()
+    c = Cancellation(reg)
+    with pytest.raises(Interrupt), interrupted_at(
+            lambda f, e, a: e == "call" and f.f_code.co_name == "_tick"):
+        c.begin(1, S)
+    assert [k for k, _ in in_flight_rows(reg)] == [(S, "1")]
+    c.settle()
+    assert not c.in_flight(1, S)

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import gc
 import json
+import os
 import socket
 import threading
 import time
@@ -1511,3 +1512,12 @@ def test_a_registry_name_that_names_none_is_a_503_not_a_500(shm_name: str) -> No
     r = post(app, INIT)
     assert r.status == 503, r
     assert "Server misconfigured" in r.json["error"]["message"]
+    assert "/dev/shm" not in r.json["error"]["message"]  # the reason is the operator's (logged)
+    with open(f"/dev/shm/shmcancel.{shm_name}", "w") as f:  # one it cannot use (not a segment)
+        f.write("x")
+    try:
+        r = post(McpServer("t", "1", registry=shm_name), INIT)
+        assert r.status == 503, r
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/shmcancel.{shm_name}")

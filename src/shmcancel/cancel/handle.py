@@ -129,33 +129,34 @@ class RequestHandle:
         # it out, which makes end() idempotent (see there).
         owed.running.add(token)
         try:
-            pid, start = procinfo.me()
-            owner = (pid, start, threading.get_ident(), token)
-            self._receipt = c._store.track(scope, rid, owner)
-            self._owner = owner
-            self.tracked = True
-        except LockTimeout as e:
-            self.error = e
-            log.warning("a request could not be tracked: %s", e)
-        except RegistryClosed as e:  # not a full table: no advice about its capacity
-            self.error = e
-            _log_failed(e)
-        except ShmCancelError as e:
-            self.error = e
-            _log_untracked(e)
-        except Exception as e:  # a backend's own error (Redis unreachable): never the caller's
-            self.error = e
-            _log_failed(e)
+            try:
+                pid, start = procinfo.me()
+                owner = (pid, start, threading.get_ident(), token)
+                self._receipt = c._store.track(scope, rid, owner)
+                self._owner = owner
+                self.tracked = True
+            except LockTimeout as e:
+                self.error = e
+                log.warning("a request could not be tracked: %s", e)
+            except RegistryClosed as e:  # not a full table: no advice about its capacity
+                self.error = e
+                _log_failed(e)
+            except ShmCancelError as e:
+                self.error = e
+                _log_untracked(e)
+            except Exception as e:  # a backend's own error (Redis unreachable): never the caller's
+                self.error = e
+                _log_failed(e)
+            else:
+                if owed.queue:
+                    settle_owed()  # the lock answered: land what this process owes
+            c._tick()
         except BaseException:
-            # a signal handler's exception (or an async one), its row perhaps written: the
+            # a signal handler's exception (or an async one), the row perhaps written: the
             # caller gets no handle to end it, so the request is no longer running, and this
             # process's reap of ended rows removes the row (Cancellation.settle, cleanup)
             owed.running.discard(token)
             raise
-        else:
-            if owed.queue:
-                settle_owed()  # the lock answered: land what this process owes
-        c._tick()
 
     def __repr__(self) -> str:
         return (f"<RequestHandle {self.scope!r} {self._rid!r} tracked={self.tracked} "

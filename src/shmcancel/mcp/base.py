@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from ..cancel.policy import Cancellation
-from ..exceptions import RegistryNotFound, ShmCancelError
+from ..exceptions import RegistryIncompatible, RegistryNotFound, ShmCancelError
 from ..shm import procinfo, registry
 from . import jsonrpc
 from .jsonrpc import Request
@@ -88,8 +88,8 @@ class ServerBase:
             elif isinstance(spec, str):
                 try:
                     reg = registry.Registry.attach(spec)
-                except RegistryNotFound as e:  # the server's configuration, not the request
-                    raise _NoRegistry(str(e)) from None
+                except (RegistryNotFound, RegistryIncompatible) as e:  # the deployment's
+                    raise _NoRegistry(str(e)) from None  # configuration, not the request
             else:
                 reg = spec
             self._state = st = _ProcessState(reg)

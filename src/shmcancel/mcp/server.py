@@ -238,9 +238,10 @@ class McpServer(LegacyWire, ModernWire):
         try:
             reply = self._handle(environ, start_response)
         except _NoRegistry as e:
-            log.error("%s", e)
+            log.error("%s", e)  # the reason, with paths, for the operator only
             reply = _error_reply(503, None, codes.INTERNAL_ERROR,
-                                 "Server misconfigured: " + str(e))
+                                 "Server misconfigured: no usable shmcancel registry (the "
+                                 "server's log says why)")
         except RequestStopped:
             reply = _error_reply(200, None, codes.REQUEST_CANCELLED, "Request cancelled")
         except RegistryClosed as e:
