@@ -1094,6 +1094,20 @@ def test_modern_rejections(stateless: McpServer, params: dict, hdrs: dict, statu
         assert MODERN in r.json["error"]["data"]["supported"]
 
 
+@pytest.mark.parametrize("params", ["[]", "[1]", "5", '"x"', "null"])
+def test_modern_params_that_is_no_object_fails_the_ladders_first_rung(stateless: McpServer,
+                                                                      params: str) -> None:
+    """contract §6.2: no ``_meta`` is the ladder's first rung, 400 ``-32602`` with ``"id":
+    null``. A ``params`` that was no object at all was refused earlier, as on the 2025 wire
+    (200, for the request's id): the more malformed request got the gentler answer, and a
+    header that disagreed with it no ``-32020`` either."""
+    body = f'{{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{params}}}'.encode()
+    r = post(stateless, None, raw=body, headers={"MCP-Protocol-Version": MODERN,
+                                                 "Mcp-Method": "tools/list"})
+    assert (r.status, r.json["error"]["code"], r.json["id"]) == (400, errors.INVALID_PARAMS,
+                                                                 None), r
+
+
 def test_modern_unknown_method_is_404(stateless: McpServer) -> None:
     for method in ("resources/list", "initialize", "ping"):
         r = modern(stateless, 1, method)

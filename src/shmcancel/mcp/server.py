@@ -368,7 +368,16 @@ class McpServer(LegacyWire, ModernWire):
         if isinstance(body_or_reply, _Reply):
             return body_or_reply
         try:
-            msg = jsonrpc.parse(jsonrpc.decode(body_or_reply))
+            try:
+                msg = jsonrpc.parse(jsonrpc.decode(body_or_reply))
+            except RpcError as e:
+                if e.code == codes.INVALID_PARAMS and \
+                        detect_without_body(headers) is Wire.MODERN:
+                    # params is no object, so has no _meta: the 2026-07-28 ladder's first rung
+                    # (400, "id": null), as for params without _meta (contract §6.2)
+                    raise RpcError(codes.INVALID_PARAMS, "Invalid params: params._meta must "
+                                   "be an object (params is not one)") from None
+                raise
             wire = detect(msg, headers)
             if wire is Wire.MODERN:
                 return self._modern(environ, start_response, headers, msg, json_ok, sse_ok)

@@ -620,8 +620,9 @@ class Bridge:
                         self.remote.renew()
                         for k in (box, taken):
                             self.store.client.pexpire(k, lease_ms)
-                        if self._lost(alive, lease_ms):  # restored from the next turn on
+                        if self._lost(alive, lease_ms):  # restored at once: the next turn
                             self._recovering = self._forgot = True
+                            continue  # (not after this turn's wait for the box)
                     except OutOfMemoryError as e:  # full: the box is read all the same
                         log.debug("renewing leases: Redis is full (%s)", e)
                         self._alive_set = False  # refused: its expiry is no loss
