@@ -378,7 +378,7 @@ def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
     h = c.begin(5, "s")
     c.cancel(5, "r", "s")  # so that its end must clear a row: under the lock
     try:
-        with stalled_lock(spawn, reg.name):
+        with as_if_a_janitor_listened(), stalled_lock(spawn, reg.name):  # no lander
             h.end()
         assert sorted(_rows(reg)) == []  # the in-flight row went without the lock
         assert reg.table("cancellations").count() == 1 and owed_mod.owed_ends() == 1
@@ -417,13 +417,14 @@ def test_a_plain_untrack_and_clear_meeting_a_stalled_lock_are_owed_not_lost(
     ``LockTimeout`` and leave the row in flight for as long as the process lived (``cleanup``
     never removed it: its owner is alive). Now neither call raises; once the holder lets go the
     process finishes both (its ``cleanup``, or its next write), and nothing is left in flight
-    or cancelled."""
+    or cancelled. (No lander: it would land them on its own schedule, and a ``cleanup`` that
+    meets it mid-landing leaves them to it.)"""
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
     c.track(5, "s")
     c.cancel(5, "r", "s")
     try:
-        with stalled_lock(spawn, reg.name):
+        with as_if_a_janitor_listened(), stalled_lock(spawn, reg.name):
             c.untrack(5, "s")
             c.clear(5, "s")
             assert c.in_flight(5, "s") and c.cancelled(5, "s")  # not yet: owed
@@ -453,7 +454,7 @@ def test_an_owed_end_landing_late_leaves_a_cancellation_made_since(registry, spa
     h = c.begin(5, "s") if owed == "end" else None
     c.cancel(5, "old", "s")
     try:
-        with stalled_lock(spawn, reg.name):
+        with as_if_a_janitor_listened(), stalled_lock(spawn, reg.name):  # no lander
             if h is None:
                 c.clear(5, "s")
             else:
@@ -477,7 +478,7 @@ def test_an_owed_untrack_and_a_new_track_of_the_id_leave_one_row(registry, spawn
     c = Cancellation(reg)
     c.track(7, "s")
     try:
-        with stalled_lock(spawn, reg.name):
+        with as_if_a_janitor_listened(), stalled_lock(spawn, reg.name):  # no lander
             c.untrack(7, "s")
             assert owed_mod.owed_ends() == 1
         c.track(7, "s")

@@ -833,7 +833,8 @@ def test_a_cancellation_through_redis_is_reported_once(
 
 
 def test_another_principals_request_neither_adopts_nor_renews_a_session(
-        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+        redis_server: Any, shm_name: str, shm_names: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A session minted for a principal is unknown to another (contract §6.1, docs). On a host
     with no copy yet, bob's request with alice's session id was answered 404 only after the
     session was adopted there and renewed in Redis: a leaked id kept someone else's session
@@ -857,29 +858,27 @@ def test_another_principals_request_neither_adopts_nor_renews_a_session(
                        "clientInfo": {"name": "t", "version": "1"}}}
     ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
     current: list[Bridge | None] = [None]
-    remote.install(lambda: current[0])
-    try:
-        with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
-            host_a = McpServer(name="a", version="1", registry=ra)
-            host_b = McpServer(name="b", version="1", registry=rb)
-            current[0] = a
-            sid = post(host_a, init, None, "alice").headers["mcp-session-id"]
-            anonymous = post(host_a, init, None, None).headers["mcp-session-id"]
-            current[0] = b
-            held = redis.Redis.from_url(redis_server.url)
-            keys = held.keys(f"{a.store.prefix}*{sid}*")
-            assert keys, "the session is in Redis"
-            for k in keys:
-                held.pexpire(k, 60_000)
-            assert post(host_b, ping, sid, "bob").status == 404
-            assert SessionStore(rb).get(sid) is None  # not adopted on B
-            assert all(held.pttl(k) <= 60_000 for k in keys)  # not renewed (to session_ttl)
-            assert post(host_b, ping, sid, "alice").status == 200  # its owner's: adopted
-            # minted anonymously from an address, used under a principal from that address
-            assert post(host_b, ping, anonymous, "dave").status == 200
-            held.close()
-    finally:
-        remote.install(None)
+    # the provider the bridge module installed is put back after (later tests consult it)
+    monkeypatch.setattr(remote, "_provider", lambda: current[0])
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        host_a = McpServer(name="a", version="1", registry=ra)
+        host_b = McpServer(name="b", version="1", registry=rb)
+        current[0] = a
+        sid = post(host_a, init, None, "alice").headers["mcp-session-id"]
+        anonymous = post(host_a, init, None, None).headers["mcp-session-id"]
+        current[0] = b
+        held = redis.Redis.from_url(redis_server.url)
+        keys = held.keys(f"{a.store.prefix}*{sid}*")
+        assert keys, "the session is in Redis"
+        for k in keys:
+            held.pexpire(k, 60_000)
+        assert post(host_b, ping, sid, "bob").status == 404
+        assert SessionStore(rb).get(sid) is None  # not adopted on B
+        assert all(held.pttl(k) <= 60_000 for k in keys)  # not renewed (to session_ttl)
+        assert post(host_b, ping, sid, "alice").status == 200  # its owner's: adopted
+        # minted anonymously from an address, used under a principal from that address
+        assert post(host_b, ping, anonymous, "dave").status == 200
+        held.close()
 
 
 def test_sessions_redis_lost_while_it_answered_are_stored_again(
