@@ -652,6 +652,21 @@ def pre_fork(server, worker):
 """
 
 
+def _run_master(conf: str, env: dict[str, str], log: Any) -> int:
+    """Run a gunicorn of ``APP`` (2 workers) with config ``conf`` that is expected to stop by
+    itself, its output to ``log``; its exit status (killed by pid past 30 s)."""
+    with open(log, "wb") as out:
+        p = subprocess.Popen([*gunicorn_command(), "-c", conf, "-b", "127.0.0.1:0", "-w", "2",
+                              APP], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=env,
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        return p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def test_a_master_ended_by_an_exception_still_unlinks_its_registry(shm_name, tmp_path):
     """gunicorn skips ``on_exit`` when its arbiter ends by an exception: here a hook of the
     master failing in its main loop ("Unhandled exception in main loop", exit -1); several
@@ -661,17 +676,7 @@ def test_a_master_ended_by_an_exception_still_unlinks_its_registry(shm_name, tmp
     conf = tmp_path / "failing.conf.py"
     conf.write_text(_FAILING_MASTER_CONF)
     log = tmp_path / "gunicorn.log"
-    with open(log, "wb") as out:
-        p = subprocess.Popen([*gunicorn_command(), "-c", str(conf), "-b", "127.0.0.1:0",
-                              "-w", "2", APP], cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, "SHMCANCEL_REGISTRY": shm_name},
-                             stdout=out, stderr=subprocess.STDOUT)
-    try:
-        status = p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+    status = _run_master(str(conf), {**os.environ, "SHMCANCEL_REGISTRY": shm_name}, log)
     text = log.read_text()
     assert f"created registry {shm_name!r}" in text, text[-3000:]
     assert "Unhandled exception in main loop" in text and status != 0, text[-3000:]
@@ -941,16 +946,7 @@ def test_a_redis_url_without_the_redis_package_stops_the_master_in_one_line(shm_
            "SHMCANCEL_REDIS_URL": "redis://127.0.0.1:1/0",
            "PYTHONPATH": os.pathsep.join(
                [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with open(log, "wb") as out:
-        p = subprocess.Popen([*gunicorn_command(), "-c", CONF, "-b", "127.0.0.1:0", "-w", "2",
-                              APP], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, env=env,
-                             stdout=out, stderr=subprocess.STDOUT)
-    try:
-        status = p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+    status = _run_master(CONF, env, log)
     text = log.read_text()
     assert status != 0, text[-3000:]
     assert "SHMCANCEL_REDIS_URL is set but the redis package cannot be imported" in text, \

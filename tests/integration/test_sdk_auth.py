@@ -7,7 +7,7 @@ sharing a subject cannot cancel each other's calls."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -47,6 +47,39 @@ def _session(g: Gunicorn, token: str) -> dict[str, str]:
     return open_session(g.url, dict(HEADERS, **_auth(token)))
 
 
+async def _call_7(h: httpx.AsyncClient, url: str, headers: dict[str, str], tool: str,
+                  answers: list[Any]) -> None:
+    """Call ``tool`` (id 7) for ``SLEEP`` seconds; its answer (the JSON of a JSON or SSE reply)
+    appended to ``answers``."""
+    r = await h.post(url, headers=headers, json={
+        "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": tool, "arguments": {"seconds": SLEEP}}})
+    text = r.text
+    answers.append(json.loads(text[text.index("{"):text.rindex("}") + 1]))
+
+
+async def _only_its_creator_cancels(url: str, reg: Registry, mine: dict[str, str], tool: str,
+                                    others: Callable[[dict[str, Any]], Awaitable[None]]
+                                    ) -> None:
+    """A ``tool`` call (id 7) with the creator's headers ``mine``: ``others(note)`` posts its
+    ``notifications/cancelled`` as others (and checks their answers), which must leave the call
+    running; the creator's then cancels it (``-32800``)."""
+    answers: list[Any] = []
+    async with httpx.AsyncClient(timeout=30) as h, anyio.create_task_group() as tg:
+        tg.start_soon(_call_7, h, url, mine, tool, answers)
+        await until(lambda: in_flight_rows(reg), 10, "the call")
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 7, "reason": "hijack"}}
+        await others(note)
+        await anyio.sleep(0.3)  # a wrongly recorded cancel would end it meanwhile
+        assert in_flight_rows(reg) and not answers
+        async with httpx.AsyncClient(timeout=10) as h2:
+            r = await h2.post(url, headers=mine, json=note)
+            assert r.status_code == 202, r.text
+        await until(lambda: answers, 2.0, "the call's answer")
+    assert answers[0]["error"]["code"] == -32800, answers
+
+
 def test_only_the_calls_principal_cancels_it(server):
     """Alice's call (client ``a``): a cancel without a token is the SDK's 401, one with a token
     lacking the scope its 403, one from client ``b`` with the same subject (another principal)
@@ -55,35 +88,16 @@ def test_only_the_calls_principal_cancels_it(server):
     mine = _session(g, "alice-at-a") if kind == "stateful" else dict(HEADERS, **_auth("alice-at-a"))
     session = {k: v for k, v in mine.items() if k == "mcp-session-id"}
 
-    async def main() -> None:
-        answers: list[Any] = []
-        async with httpx.AsyncClient(timeout=20) as h, anyio.create_task_group() as tg:
-            async def post_call() -> None:
-                r = await h.post(g.url, headers=mine, json={
-                    "jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                    "params": {"name": "sleep_sync", "arguments": {"seconds": SLEEP}}})
-                text = r.text
-                answers.append(json.loads(text[text.index("{"):text.rindex("}") + 1]))
+    async def others(note: dict[str, Any]) -> None:
+        async with httpx.AsyncClient(timeout=10) as h2:
+            for token, want in ((None, 401), ("nobody", 401), ("bare", 403),
+                                ("alice-at-b", None)):
+                hdrs = dict(HEADERS, **session, **(_auth(token) if token else {}))
+                r = await h2.post(g.url, headers=hdrs, json=note)
+                if want is not None:
+                    assert r.status_code == want, (token, r.status_code, r.text)
 
-            tg.start_soon(post_call)
-            await until(lambda: in_flight_rows(reg), 10, "the call")
-            note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                    "params": {"requestId": 7}}
-            async with httpx.AsyncClient(timeout=10) as h2:
-                for token, want in ((None, 401), ("nobody", 401), ("bare", 403),
-                                    ("alice-at-b", None)):
-                    hdrs = dict(HEADERS, **session, **(_auth(token) if token else {}))
-                    r = await h2.post(g.url, headers=hdrs, json=note)
-                    if want is not None:
-                        assert r.status_code == want, (token, r.status_code, r.text)
-                await anyio.sleep(0.3)  # a wrongly recorded cancel would end it meanwhile
-                assert in_flight_rows(reg) and not answers
-                r = await h2.post(g.url, headers=mine, json=note)
-                assert r.status_code == 202, r.text
-            await until(lambda: answers, 2.0, "the call's answer")
-        assert answers[0]["error"]["code"] == -32800, answers
-
-    anyio.run(main)
+    anyio.run(_only_its_creator_cancels, g.url, reg, mine, "sleep_sync", others)
     assert in_flight_rows(reg) == []
 
 
@@ -149,33 +163,13 @@ def test_an_anonymous_caller_cannot_cancel_in_an_authenticated_clients_session(s
         mine = _session(g, "alice")
         session = {k: v for k, v in mine.items() if k == "mcp-session-id"}
 
-        async def main() -> None:
-            answers: list[Any] = []
-            async with httpx.AsyncClient(timeout=30) as h, anyio.create_task_group() as tg:
-                async def post_call() -> None:
-                    r = await h.post(g.url, headers=mine, json={
-                        "jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                        "params": {"name": "sleep", "arguments": {"seconds": SLEEP}}})
-                    text = r.text
-                    answers.append(json.loads(text[text.index("{"):text.rindex("}") + 1]))
-
-                tg.start_soon(post_call)
-                await until(lambda: in_flight_rows(reg), 10, "the call")
-                note = {"jsonrpc": "2.0", "method": "notifications/cancelled",
-                        "params": {"requestId": 7, "reason": "hijack"}}
-                statuses = []
-                for _ in range(8):  # fresh connections: on either worker
-                    async with httpx.AsyncClient(timeout=10) as h2:
-                        r = await h2.post(g.url, headers=dict(HEADERS, **session), json=note)
-                        statuses.append(r.status_code)
-                assert 202 not in statuses, statuses
-                await anyio.sleep(0.3)  # a wrongly recorded cancel would end it meanwhile
-                assert in_flight_rows(reg) and not answers
+        async def anonymous(note: dict[str, Any]) -> None:
+            statuses = []
+            for _ in range(8):  # fresh connections: on either worker
                 async with httpx.AsyncClient(timeout=10) as h2:
-                    r = await h2.post(g.url, headers=mine, json=note)
-                    assert r.status_code == 202, r.text
-                await until(lambda: answers, 2.0, "the call's answer")
-            assert answers[0]["error"]["code"] == -32800, answers
+                    r = await h2.post(g.url, headers=dict(HEADERS, **session), json=note)
+                    statuses.append(r.status_code)
+            assert 202 not in statuses, statuses
 
-        anyio.run(main)
+        anyio.run(_only_its_creator_cancels, g.url, reg, mine, "sleep", anonymous)
         assert in_flight_rows(reg) == []

@@ -624,6 +624,25 @@ def test_a_delete_retried_after_a_stall_reports_each_call_cancelled_once(
         call.join(DEADLINE)
 
 
+def waiting_in_a_session(app: McpServer, signals: Signals) -> tuple[dict[str, str], Call]:
+    """A session's headers and its call 1 of ``waiter`` once the tool waits in
+    ``wait_cancelled`` (with ``rings_only``, only a ring ends that wait)."""
+    waiting_tool(app, signals)
+    h, call = call_in_a_session(app, signals, "waiter", "w")
+    end = time.monotonic() + DEADLINE
+    while wake.waiting() < 1:
+        assert time.monotonic() < end, "the tool never waited"
+        time.sleep(0.001)
+    return h, call
+
+
+def assert_woken_and_cancelled(call: Call) -> None:
+    call.join(DEADLINE)
+    assert not call.is_alive(), "the waiting call was not woken"
+    assert call.reply is not None
+    assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+
+
 def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
         short_reg: Registry, signals: Signals, monkeypatch: pytest.MonkeyPatch,
         rings_only: None) -> None:
@@ -632,19 +651,11 @@ def test_a_delete_stalled_after_ending_the_session_wakes_its_waiting_calls(
     lock in its pass after (503) rang no bell: the retry finds no session (404) and rings
     none either, so a call waiting in ``wait_cancelled`` slept its whole wait."""
     app = make_server(short_reg, signals)
-    waiting_tool(app, signals)
-    h, call = call_in_a_session(app, signals, "waiter", "w")
-    end = time.monotonic() + DEADLINE
-    while wake.waiting() < 1:  # its wait registered: only a ring ends it (rings_only)
-        assert time.monotonic() < end, "the tool never waited"
-        time.sleep(0.001)
+    h, call = waiting_in_a_session(app, signals)
     with stall_session_delete(monkeypatch, app, after=True):
         r = run(app, environ_for("DELETE", None, headers=h, content_type=None))
         assert r.status == 503, r
-    call.join(DEADLINE)
-    assert not call.is_alive(), "the waiting call was not woken"
-    assert call.reply is not None
-    assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+    assert_woken_and_cancelled(call)
 
 
 def test_a_notification_wakes_the_call_it_cancels(short_reg: Registry, signals: Signals,
@@ -654,17 +665,9 @@ def test_a_notification_wakes_the_call_it_cancels(short_reg: Registry, signals: 
     nothing else looking at the waits (``rings_only``), a notification that did not ring would
     leave the call waiting its 30 s."""
     app = make_server(short_reg, signals)
-    waiting_tool(app, signals)
-    h, call = call_in_a_session(app, signals, "waiter", "w")
-    end = time.monotonic() + DEADLINE
-    while wake.waiting() < 1:  # its wait registered: only a ring ends it (rings_only)
-        assert time.monotonic() < end, "the tool never waited"
-        time.sleep(0.001)
+    h, call = waiting_in_a_session(app, signals)
     assert post(app, note("notifications/cancelled", {"requestId": 1}), headers=h).status == 202
-    call.join(DEADLINE)
-    assert not call.is_alive(), "the waiting call was not woken"
-    assert call.reply is not None
-    assert call.reply.json["error"]["code"] == errors.REQUEST_CANCELLED, call.reply.json
+    assert_woken_and_cancelled(call)
 
 
 def test_a_delete_stalled_in_its_first_pass_wakes_the_calls_it_cancelled(
