@@ -372,7 +372,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def test_owed_end_lands_on_the_next_write(registry, spawn) -> None:
-    """Without any janitor: the next write of the process that owes an end lands it."""
+    """Without a janitor (nor a lander: a listener stands in): the next write of the process
+    that owes an end lands it."""
     reg = registry(lock_timeout=0.3)
     c = Cancellation(reg)
     h = c.begin(5, "s")

@@ -602,7 +602,11 @@ class Bridge:
                     with self._owed_lock:  # Redis may have lost them: each session's next
                         self._kept.clear()  # request here renews (or stores) it at once
                     self._recovering = False
-                    self._alive_set = False  # set again from here: its absence says nothing
+                    try:  # marked from here: a loss right after this restore is seen too
+                        self.store.client.set(alive, b"1", px=lease_ms)
+                        self._alive_set = True
+                    except OutOfMemoryError:
+                        self._alive_set = False  # refused: its absence says nothing
                     log.warning("%s (%d in-flight rows added back, %d sessions stored again, "
                                 "%d writes owed)",
                                 "Redis lost data while it answered (a FLUSHALL, an eviction, "
