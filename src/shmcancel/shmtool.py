@@ -791,11 +791,12 @@ def _escaping_stdout() -> Iterator[None]:
 
 def _prog() -> str:
     """How to name this command in advice: as it was run (``.venv/bin/shmtool``, quoted for a
-    shell), unless that is the ``shmtool`` found on ``PATH``."""
+    shell; ``python -m shmcancel.shmtool`` with this interpreter), unless a ``shmtool`` on
+    ``PATH`` runs it."""
     run = sys.argv[0] if sys.argv else ""
-    if os.path.basename(run) != "shmtool":
-        return "shmtool"  # python -m shmcancel.shmtool, or main() called from Python
     found = shutil.which("shmtool")
+    if os.path.basename(run) != "shmtool":  # python -m shmcancel.shmtool, or main() from Python
+        return "shmtool" if found else f"{shlex.quote(sys.executable)} -m shmcancel.shmtool"
     if found and os.path.realpath(found) == os.path.realpath(run):
         return "shmtool"
     return shlex.quote(run)

@@ -198,9 +198,13 @@ def stuck_mid_write(reg: Any) -> Callable[[int], None]:
 
 def shmtool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``python -m shmcancel.shmtool ARGS`` in a fresh interpreter (this one's), its output
-    captured as text; ``subprocess.TimeoutExpired`` past ``timeout`` seconds (the child killed)."""
+    captured as text; ``subprocess.TimeoutExpired`` past ``timeout`` seconds (the child killed).
+    The interpreter's directory (the venv's ``shmtool``) is on its ``PATH``, as under
+    ``tools/test.sh``: its advice names ``shmtool`` however pytest was started."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     return subprocess.run([sys.executable, "-m", "shmcancel.shmtool", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PATH": path})
 
 
 _SIGQUIT_BIT = 1 << (signal.SIGQUIT - 1)

@@ -426,6 +426,12 @@ def test_advice_names_shmtool_as_it_was_run(shm_name, tmp_path):
                            env={**os.environ, "PATH": "/usr/bin:/bin"})
         line = next(x for x in p.stdout.splitlines() if x.startswith(shm_name + " "))
         assert f"{shown} cleanup --stale {shm_name} removes it" in line, line
+    # python -m, with no shmtool on PATH: the advice names this interpreter's -m
+    p = subprocess.run([sys.executable, "-m", "shmcancel.shmtool", "list"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    line = next(x for x in p.stdout.splitlines() if x.startswith(shm_name + " "))
+    assert f"{sys.executable} -m shmcancel.shmtool cleanup --stale {shm_name} removes it" \
+        in line, line
     assert shmtool("unlink", shm_name).returncode == 0
 
 
