@@ -53,7 +53,7 @@ from ._calls import (
     stop_calls_in_scope,
     stop_running_calls,
 )
-from ._routing import Router, token_pid
+from ._routing import Router, set_header, token_pid
 
 __all__ = ["asgi"]
 
@@ -196,7 +196,8 @@ class Layer:
             elif scope.get("method") == "GET" and not self.resumable:
                 # nothing to resume from: the stream opens afresh, as a server that does not
                 # resume answers such a GET (the MCP spec's resumability is optional)
-                await self.app(_without_header(scope, b"last-event-id"), receive, send)
+                set_header(scope, b"last-event-id", None)
+                await self.app(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
             return
@@ -442,14 +443,6 @@ class Layer:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
-
-
-def _without_header(scope: Scope, name: bytes) -> Scope:
-    """``scope`` without its ``name`` headers (lowercase: ASGI's header names are)."""
-    headers = scope.get("headers") or []
-    if not any(k.lower() == name for k, _ in headers):
-        return scope
-    return {**scope, "headers": [(k, v) for k, v in headers if k.lower() != name]}
 
 
 def _json_media_type(scope: Scope) -> bool:

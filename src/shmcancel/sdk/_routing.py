@@ -251,7 +251,9 @@ def token_pid(token: str) -> int | None:
         return None
 
 
-def _set_header(scope: MutableMapping[str, Any], name: bytes, value: bytes | None) -> None:
+def set_header(scope: MutableMapping[str, Any], name: bytes, value: bytes | None) -> None:
+    """Replace ``scope``'s ``name`` headers (ASGI's lowercase names) by one of ``value``, or
+    by none when it is ``None``."""
     headers = [(k, v) for k, v in scope.get("headers") or () if k != name]
     if value is not None:
         headers.append((name, value))
@@ -472,7 +474,7 @@ class Router:
         if scope.get("type") == "http":
             scope[INTERNAL_KEY] = True
             addr = _header(scope, CLIENT_HEADER)
-            _set_header(scope, CLIENT_HEADER, None)
+            set_header(scope, CLIENT_HEADER, None)
             if addr:
                 scope["client"] = (addr.decode("latin-1"), 0)
         elif scope.get("type") == "lifespan":  # pragma: no cover - lifespan is off
@@ -493,7 +495,7 @@ class Router:
         """A copy of ``scope`` whose session header carries the SDK's own id."""
         copy = dict(scope)
         sid = Router.sdk_id(scope)
-        _set_header(copy, SESSION_HEADER, sid.encode("latin-1") if sid else None)
+        set_header(copy, SESSION_HEADER, sid.encode("latin-1") if sid else None)
         return copy
 
     def route(self, scope: MutableMapping[str, Any]) -> str | None:
@@ -506,10 +508,10 @@ class Router:
             return None
         parts = split(raw.decode("latin-1"))
         if parts is not None and parts[0] == self.token:
-            _set_header(scope, SESSION_HEADER, parts[1].encode("latin-1"))
+            set_header(scope, SESSION_HEADER, parts[1].encode("latin-1"))
             return None
         if parts is None or scope.get(INTERNAL_KEY):
-            _set_header(scope, SESSION_HEADER, b"unknown-session")
+            set_header(scope, SESSION_HEADER, b"unknown-session")
             return None
         return parts[0]
 
