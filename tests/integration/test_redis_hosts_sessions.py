@@ -873,11 +873,13 @@ def test_another_principals_request_neither_adopts_nor_renews_a_session(
         for k in keys:
             held.pexpire(k, 60_000)
         assert post(host_b, ping, sid, "bob").status == 404
+        assert post(host_b, ping, sid, None).status == 404  # nor anonymously
         assert SessionStore(rb).get(sid) is None  # not adopted on B
         assert all(held.pttl(k) <= 60_000 for k in keys)  # not renewed (to session_ttl)
         assert post(host_b, ping, sid, "alice").status == 200  # its owner's: adopted
         # minted anonymously from an address, used under a principal from that address
         assert post(host_b, ping, anonymous, "dave").status == 200
+        assert post(host_b, ping, anonymous, None).status == 200
         held.close()
 
 

@@ -390,8 +390,9 @@ def test_delete_ends_the_session_and_cancels_its_requests(app: McpServer, reg: R
 def test_a_session_minted_for_a_principal_is_unknown_to_another(app: McpServer,
                                                                    signals: Signals) -> None:
     """A leaked session id is no key to another principal's session: bob's requests with
-    alice's session id (a call, a cancel of her running call, a DELETE) are answered 404, as
-    for a session he does not know, and her session and call carry on."""
+    alice's session id (a call, a cancel of her running call, a DELETE), and those of a caller
+    without a principal (a server whose authentication is optional), are answered 404, as for
+    a session they do not know, and her session and call carry on."""
     alice, bob = ({"shmcancel.principal": {"id": who}} for who in ("alice", "bob"))
     r = post(app, INIT, extra=alice)
     assert r.status == 200, r
@@ -406,8 +407,12 @@ def test_a_session_minted_for_a_principal_is_unknown_to_another(app: McpServer,
                                 extra=bob)).status == 404
     assert post(app, rpc(3, "ping"), headers=h, extra=alice).status == 200
     assert not signals.ev(signals.saw_cancel, "alice").is_set()
-    # a request without a principal is not checked (its client is an address, which moves)
-    assert post(app, rpc(4, "ping"), headers=h).status == 200
+    # nor a request without a principal (an optional-auth server's anonymous caller)
+    assert post(app, rpc(4, "ping"), headers=h).status == 404
+    assert post(app, note("notifications/cancelled", {"requestId": 1}),
+                headers=h).status == 404
+    assert run(app, environ_for("DELETE", None, headers=h, content_type=None)).status == 404
+    assert not signals.ev(signals.saw_cancel, "alice").is_set()
     assert run(app, environ_for("DELETE", None, headers=h, content_type=None,
                                 extra=alice)).status == 204
     assert call.result().json["error"]["code"] == errors.REQUEST_CANCELLED
@@ -416,8 +421,9 @@ def test_a_session_minted_for_a_principal_is_unknown_to_another(app: McpServer,
     assert post(app, rpc(5, "ping"), headers=h, extra=bob).status == 200
     assert post(app, rpc(6, "ping"), headers=h,
                 extra={**bob, "REMOTE_ADDR": "198.51.100.1"}).status == 404
+    # anonymous, from any address (an anonymous client's address moves)
     assert post(app, rpc(7, "ping"), headers=h,
-                extra={"REMOTE_ADDR": "198.51.100.1"}).status == 200  # anonymous: unchecked
+                extra={"REMOTE_ADDR": "198.51.100.1"}).status == 200
 
 
 def test_delete_landing_between_a_calls_session_check_and_its_tracking_cancels_it(

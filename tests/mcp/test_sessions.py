@@ -96,6 +96,22 @@ def test_a_client_only_displaces_its_own_sessions(store: SessionStore, clock: Cl
     assert live(store, p) == p and live(store, flood) == flood[-4:]
 
 
+def test_a_session_remembers_whether_a_principal_minted_it(store: SessionStore) -> None:
+    """The transport keeps a request without a principal out of a principal's sessions: the
+    session's client digest says which kind of client minted it, for every client (a set bit
+    taken from the hash would say "principal" for about half of the addresses)."""
+    for i in range(64):
+        for client, principal in ((f"ip:192.0.2.{i}", False), (f"principal:u{i}", True),
+                                  (f"ip:2001:db8:{i:x}::/64", False), ("global", False),
+                                  (f"principal:~sha256:{i:064x}", True)):
+            s = store.create("2025-11-25", client)
+            assert store.minted_for_principal(s) is principal, client
+            assert store.minted_for_principal(store.get(s.id)) is principal, client
+            assert s.client == store.client_digest(client)
+            store.delete(s.id)
+    assert not store.minted_for_principal(Session("x", 0.0, 0.0, "2025-11-25", b""))
+
+
 def test_the_least_recently_seen_goes_first(store: SessionStore, clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 4)
     clock.t += 5

@@ -251,24 +251,29 @@ def _client_of(environ: dict[str, Any]) -> str:
 def _yours(st: _ProcessState, session: Any, environ: dict[str, Any]) -> bool:
     """Whether the caller may use ``session``: a request under a principal may use only a
     session minted for that principal, or one minted anonymously from its own address (the
-    same client, authenticated since); another's is answered as for a session it does not
-    know, 404: a leaked id is no key to someone else's session and calls. A request without a
-    principal is not checked: an anonymous client's address bucket moves with its address,
-    and the digest a session keeps cannot tell which kind of client minted it."""
+    same client, authenticated since); a request without one only a session minted
+    anonymously (from any address: an anonymous client's address bucket moves with its
+    address). Another's is answered as for a session it does not know, 404: a leaked id is no
+    key to someone else's session and calls."""
     mine = _clients_of(environ)
     if mine is None:
-        return True
+        return not st.sessions.minted_for_principal(session)
     digest = st.sessions.client_digest
     return any(session.client == digest(client) for client in mine)
 
 
 def _clients_of(environ: dict[str, Any]) -> tuple[str, ...] | None:
     """The clients whose sessions a request under a principal may use (its principal's, its
-    address bucket's); None for a request without one (any)."""
+    address bucket's); None for a request without one (any anonymous client's)."""
     if type(principal.id(environ)) is not str:
         return None
     anonymous = {k: environ[k] for k in (REMOTE_ADDR_KEY,) if k in environ}
     return _client_of(environ), principal.scope(anonymous)
+
+
+def _anonymous(client: str) -> bool:
+    """Whether a session published for ``client`` (a scope) was minted without a principal."""
+    return not client.startswith(principal.PRINCIPAL_PREFIX)
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:
@@ -301,7 +306,7 @@ def _adopt_session(st: _ProcessState, sid: str | None, environ: dict[str, Any]) 
     if rb is None or sid is None or not valid_session_id(sid):
         return None
     mine = _clients_of(environ)
-    got = rb.lookup_session(sid, None if mine is None else mine.__contains__)
+    got = rb.lookup_session(sid, _anonymous if mine is None else mine.__contains__)
     if got is None:
         return None
     try:

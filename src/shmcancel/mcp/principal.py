@@ -98,6 +98,7 @@ REMOTE_ADDR_KEY = "REMOTE_ADDR"
 MAX_SCOPE_BYTES = 512
 UNKNOWN = "unknown"
 GLOBAL = "global"
+PRINCIPAL_PREFIX = "principal:"  # of a principal's scope (the others: "session:", "ip:")
 
 _MAX_DEPTH = 8  # how deep {"id": {"id": ...}} nesting is followed by normalize()
 
@@ -262,5 +263,5 @@ def scope(environ: object) -> str:
         return _prefixed("session:", str.__str__(sid))
     pid = id(environ)
     if pid is not None:
-        return _prefixed("principal:", pid)
+        return _prefixed(PRINCIPAL_PREFIX, pid)
     return "ip:" + client_bucket(environ)

@@ -38,5 +38,8 @@ class SessionStorage(Protocol):
         does not answer in time owes it and lands it later)."""
     def client_digest(self, client: str) -> bytes:
         """What :attr:`Session.client` holds for a session minted for ``client``."""
+    def minted_for_principal(self, session: Session) -> bool:
+        """Whether ``session`` was minted for a principal (``principal:<id>``), not for an
+        address bucket."""
     def sweep(self) -> int:
         """Remove a bounded piece of the expired sessions (and damage); how many went."""

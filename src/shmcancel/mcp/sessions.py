@@ -5,7 +5,9 @@ Tables (declared in :mod:`shmcancel.mcp.session_tables`):
 
 - ``sessions``: ``session_id -> (created, last_seen, protocol_version, client)`` — wall-clock
   seconds (the ``clock``, default :func:`time.time`, shared by every process), the version
-  ``initialize`` negotiated, and the 16-byte keyed digest of the minting client's scope;
+  ``initialize`` negotiated, and the 16-byte keyed digest of the minting client's scope (the
+  top bit of its first byte set exactly for a principal's: a request without a principal is
+  kept out of a principal's sessions);
 - ``session_clients``: ``client -> (session_id, ...)``, the client's sessions in minting order,
   at most ``config.sessions_per_client``;
 - ``session_calls`` (bag): ``session_id -> (pid, start, thread_ident, token)``, one row per
@@ -65,6 +67,7 @@ from ..shm import procinfo
 from ..shm.base import PreparedKey, ShmFull
 from ..shm.lanes import fence
 from ..shm.reader import Watch
+from .principal import PRINCIPAL_PREFIX
 from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
 from .wire import valid_session_id
 
@@ -83,6 +86,7 @@ _PLAN_TRIES = 4  # lock-free plans re-checked under the lock before planning und
 _OWED_MAX = 4096  # call ends kept for a retry after a lock timeout
 _KEYS_MAX = 1024  # session ids whose prepared keys and watch a process keeps (then starts over)
 _NUM = (int, float)
+_PRINCIPAL_BIT = 0x80  # in a client digest's first byte: minted for a principal
 
 _tokens = itertools.count(1)
 
@@ -177,9 +181,22 @@ class SessionStore:
         self._keys: dict[str, tuple[PreparedKey, PreparedKey, Watch]] = {}
 
     def client_digest(self, client: str) -> bytes:
-        """The 16-byte keyed digest a client scope is counted under."""
-        return hashlib.blake2b(client.encode("utf-8", "surrogatepass"), key=self._hash_key,
-                               digest_size=16).digest()
+        """The 16-byte keyed digest a client scope is counted under. The top bit of its first
+        byte is set exactly for a principal's scope (``principal:<id>``): a session remembers
+        whether it was minted for one (:meth:`minted_for_principal`)."""
+        d = bytearray(hashlib.blake2b(client.encode("utf-8", "surrogatepass"),
+                                      key=self._hash_key, digest_size=16).digest())
+        if client.startswith(PRINCIPAL_PREFIX):
+            d[0] |= _PRINCIPAL_BIT
+        else:
+            d[0] &= ~_PRINCIPAL_BIT & 0xFF
+        return bytes(d)
+
+    @staticmethod
+    def minted_for_principal(session: Session) -> bool:
+        """Whether ``session`` was minted for a principal (not for an address bucket)."""
+        c = session.client
+        return type(c) is bytes and len(c) > 0 and bool(c[0] & _PRINCIPAL_BIT)
 
     # ------------------------------------------------------------------ mint
 
