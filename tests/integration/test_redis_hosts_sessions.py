@@ -68,11 +68,11 @@ def test_a_waiting_tool_is_woken_by_a_cancellation_sent_to_another_host(
 @contextlib.contextmanager
 def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
                      config: Config | None = None, *, lease: float = 30.0,
-                     thread_a: bool = False
+                     thread_a: bool = False, thread_b: bool = False
                      ) -> Iterator[tuple[tuple[Registry, Bridge], tuple[Registry, Bridge]]]:
     """Hosts A and B as two registries, each with a thread-less bridge (only the calls a test
-    makes reach Redis; ``thread_a``: A's thread runs), of one deployment (one key prefix),
-    their in-flight rows on a ``lease`` of that many seconds."""
+    makes reach Redis; ``thread_a``, ``thread_b``: that host's thread runs), of one deployment
+    (one key prefix), their in-flight rows on a ``lease`` of that many seconds."""
     cfg = config or Config(capacity=400, max_rows=200, in_flight_capacity=64,
                            session_capacity=16)
     other = shm_name + "b"
@@ -81,7 +81,7 @@ def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
     ra, rb = Registry.create(shm_name, cfg), Registry.create(other, cfg)
     try:
         with bridge(ra, srv, prefix=prefix, host="A", lease=lease, thread=thread_a) as a, \
-                bridge(rb, srv, prefix=prefix, host="B", lease=lease) as b:
+                bridge(rb, srv, prefix=prefix, host="B", lease=lease, thread=thread_b) as b:
             yield (ra, a), (rb, b)
     finally:
         for r in (ra, rb):
@@ -905,5 +905,44 @@ def test_sessions_redis_lost_while_it_answered_are_stored_again(
                 wait_until(lambda: b.store.get_session(s.id) is not None,
                            time.monotonic() + 10, what="A to store its session again")
             assert b.lookup_session(s.id) == ("2025-11-25", client)
+        finally:
+            r.close()
+
+
+def test_a_session_redis_lost_is_not_answered_unknown_before_its_host_restores_it(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """After a FLUSHALL, another host looking up a live session before the session's host had
+    stored it again found nothing and answered 404: the client, told its session is gone for
+    good, dropped it (and its running call's cancellation with it). The lookup reads the
+    worker's alive key with the session: missing though the worker set it, Redis lost data,
+    and the lookup raises ``RemoteUnavailable`` (503 with ``Retry-After``) instead."""
+    client = "ip:203.0.113.81"
+    with hosts_in_process(redis_server, shm_name, shm_names, thread_b=True) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        r = redis.Redis.from_url(redis_server.url)
+        alive = b.store.alive_key(b.remote.box)
+        try:
+            wait_until(lambda: r.exists(alive), time.monotonic() + 10,
+                       what="B's bridge thread to set its alive key")
+            assert b.lookup_session(s.id) == ("2025-11-25", client)
+            for _ in range(5):
+                # as a FLUSHALL would, but of this deployment's keys only (others share Redis);
+                # A has no thread: it does not store its session again
+                r.delete(*r.keys(f"{a.store.prefix}*"))
+                try:
+                    got = b.lookup_session(s.id)
+                except RemoteUnavailable as e:
+                    assert "lost data" in str(e)
+                    break
+                # B's thread set its key again between the two (it noticed the loss first)
+                assert got is None and r.exists(alive)
+            else:
+                pytest.fail("the lookup never saw that Redis lost data")
+            # once the worker has seen the loss (its thread restored), the session is unknown
+            wait_until(lambda: r.exists(alive), time.monotonic() + 30,
+                       what="B's bridge thread to see the loss")
+            wait_until(lambda: b.lookup_session(s.id) is None, time.monotonic() + 10,
+                       what="the lookup to answer again")
         finally:
             r.close()

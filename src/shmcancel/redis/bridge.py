@@ -503,13 +503,23 @@ class Bridge:
         it, so this worker is listed as a holder. None when Redis says there is no such session
         (or it was deleted here, or the id is not of the form this transport mints: it is not
         looked up), or when ``may_use(client)`` is false (the caller may not use it: it is
-        neither renewed nor listed); raises ``RemoteUnavailable`` when Redis gave no answer."""
+        neither renewed nor listed); raises ``RemoteUnavailable`` when Redis gave no answer, or
+        when it has none but lost data since this worker's last look (its alive key is gone:
+        the session's host may not have stored it again yet)."""
         if sid in self._deleted or not _minted_form(sid):
             return None
+        # this worker's alive key, read with the session: missing though it was set, Redis
+        # lost data since (a FLUSHALL) and the session's host has not stored it again yet
+        was_set = self._alive_set
         try:
-            got = self._ask("session", self.store.get_session, sid)
+            got, alive = self._ask("session", self.store.get_session_and_alive, sid,
+                                   self.store.alive_key(self.remote.box) if was_set else None)
         except _NoAnswer as e:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
+        if got is None and not alive and self._alive_set:
+            raise RemoteUnavailable("session lookup: Redis lost data (a FLUSHALL, an eviction, "
+                                    "a restart) and its hosts have not stored their sessions "
+                                    "again yet")
         if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
             return None
         if isinstance(got, tuple):

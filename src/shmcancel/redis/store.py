@@ -357,22 +357,35 @@ class RedisStore:
     def get_session(self, sid: str) -> tuple[str, str] | None:
         """``(version, client)`` of a stored session; None when there is none (a key of
         another type, another client's, holds none either)."""
+        return self.get_session_and_alive(sid, None)[0]
+
+    def get_session_and_alive(self, sid: str, alive: bytes | None
+                              ) -> tuple[tuple[str, str] | None, bool]:
+        """:meth:`get_session`, and whether the key ``alive`` (an :meth:`alive_key`) exists,
+        read in the same round trip (``True`` when ``alive`` is None)."""
         from redis.exceptions import ResponseError
-        try:
-            raw = self.client.get(self._sess_key(sid))
-        except ResponseError as e:
-            if wrong_type(e):
-                return None
-            raise
+        p = self.client.pipeline(transaction=False)
+        p.get(self._sess_key(sid))
+        if alive is not None:
+            p.exists(alive)
+        got = p.execute(raise_on_error=False)
+        raw = got[0]
+        there = alive is None or got[1] == 1
+        if isinstance(got[-1], Exception):
+            raise got[-1]
+        if isinstance(raw, ResponseError) and wrong_type(raw):
+            return None, there
+        if isinstance(raw, Exception):
+            raise raw
         if raw is None:
-            return None
+            return None, there
         try:
             version, client = msgpack.unpackb(raw)
         except Exception:
-            return None
+            return None, there
         if type(version) is not str or type(client) is not str:
-            return None
-        return version, client
+            return None, there
+        return (version, client), there
 
     def touch_session(self, sid: str, client: str | None = None, *, box: str) -> int:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
