@@ -73,6 +73,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -187,6 +188,10 @@ class Bridge:
         self._recovering = False
         self._forgot = False  # why it recovers: Redis answered all along but lost data
         self._alive_set = False  # this worker's alive key was set since its last recovery
+        # monotonic time until which a session Redis does not have may be one another host has
+        # not stored again yet, after this worker restored what it holds (each host's thread
+        # sees a loss within a renewal period, an outage's end within a retry)
+        self._restoring_until = -math.inf
         self.delivered = 0
         self._health = threading.Lock()
         self._failures = 0  # calls in a row that timed out or got an error answer
@@ -504,8 +509,9 @@ class Bridge:
         (or it was deleted here, or the id is not of the form this transport mints: it is not
         looked up), or when ``may_use(client)`` is false (the caller may not use it: it is
         neither renewed nor listed); raises ``RemoteUnavailable`` when Redis gave no answer, or
-        when it has none but lost data since this worker's last look (its alive key is gone:
-        the session's host may not have stored it again yet)."""
+        when it has none but lost data since this worker's last look (its alive key is gone),
+        or within a renewal period and a retry after this worker restored what it holds: the
+        session's host may not have stored it again yet."""
         if sid in self._deleted or not _minted_form(sid):
             return None
         # this worker's alive key, read with the session: missing though it was set, Redis
@@ -516,10 +522,11 @@ class Bridge:
                                    self.store.alive_key(self.remote.box) if was_set else None)
         except _NoAnswer as e:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
-        if got is None and not alive and self._alive_set:
+        if got is None and ((not alive and self._alive_set)
+                            or time.monotonic() < self._restoring_until):
             raise RemoteUnavailable("session lookup: Redis lost data (a FLUSHALL, an eviction, "
-                                    "a restart) and its hosts have not stored their sessions "
-                                    "again yet")
+                                    "a restart) and its hosts may not have stored their "
+                                    "sessions again yet")
         if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
             return None
         if isinstance(got, tuple):
@@ -626,6 +633,7 @@ class Bridge:
                                 added, republished, self.owed())
                     self._forgot = False
                     next_renew = time.monotonic() + self.block
+                    self._restoring_until = next_renew + self.block + self.retry
                 if self._owed:
                     self._settle()
                 now = time.monotonic()

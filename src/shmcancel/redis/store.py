@@ -371,8 +371,8 @@ class RedisStore:
         got = p.execute(raise_on_error=False)
         raw = got[0]
         there = alive is None or got[1] == 1
-        if isinstance(got[-1], Exception):
-            raise got[-1]
+        if alive is not None and isinstance(got[1], Exception):
+            raise got[1]
         if isinstance(raw, ResponseError) and wrong_type(raw):
             return None, there
         if isinstance(raw, Exception):
