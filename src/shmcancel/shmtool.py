@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--json", action="store_true", help="one JSON object")
     s = sub.add_parser("cleanup", help="remove expired rows and dead processes' rows now; "
-                       "with --stale, remove every registry whose creator is gone")
+                       "with --stale, remove every registry whose creator is gone and that no "
+                       "process uses")
     s.add_argument("name", nargs="*")
     s.add_argument("--ttl", type=float, default=None, help="seconds (default: the config's)")
     s.add_argument("--stale", action="store_true",
