@@ -419,6 +419,33 @@ def test_track_reclaims_dead_owners_rows_before_table_full(registry, spawn):
     assert in_flight_count(reg) == 1 and c.in_flight(5, "s")
 
 
+def reaper(chan: Chan, name: str) -> None:
+    """Remove dead owners' rows (a track that found the table full does it), report how many."""
+    c = Cancellation(Registry.attach(name))
+    chan.send(c._store.reap())
+
+
+def test_track_adds_after_another_process_reaped_the_dead_rows_first(registry, spawn):
+    """Two processes finding the table full of dead owners' rows reap at once: the one that
+    reaps second finds nothing left to remove, and raised ``TableFull`` for a table with room
+    (a reviewer's race: 19 of 80 tracks of four processes; contract §4.5 refuses only a table
+    full *after* dead owners' rows are removed). Here the other process reaps in between."""
+    reg = registry(in_flight_capacity=4)
+    c = Cancellation(reg)
+    k = spawn(tracker, reg.name, [1, 2, 3, 4], "s")
+    k.recv()
+    k.kill()
+    own = c._store.reap
+
+    def reap_second(pid: int | None = None) -> int:
+        other = spawn(reaper, reg.name)
+        assert other.recv() == 4 and other.wait() == 0
+        return own(pid)
+    c._store.reap = reap_second
+    c.track(5, "s")
+    assert in_flight_count(reg) == 1 and c.in_flight(5, "s")
+
+
 def test_janitor_runs_in_whichever_process_is_active(registry, spawn):
     reg = registry(janitor_interval=0.3, ttl=0.05)
     Cancellation(reg).cancel(1, None, "s")

@@ -638,8 +638,9 @@ class ShmBackend:
         try:
             receipt = self._f.add(key, owner)
         except TableFull:
-            if not self.reap():
-                raise
+            # added again whatever the reap removed: another process reaping at once may have
+            # removed the dead owners' rows first
+            self.reap()
             receipt = self._f.add(key, owner)
         return receipt if owner[3] else None
 
