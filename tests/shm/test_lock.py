@@ -25,7 +25,7 @@ from shmcancel import telemetry
 from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
-from shmcancel.shm.names import lock_path, open_lockfile
+from shmcancel.shm.names import lock_path, open_lockfile, segment_path
 from shmcancel.shm.segment import OFF_RECOVERIES, Segment
 
 pytestmark = pytest.mark.timeout(30)
@@ -616,6 +616,32 @@ def test_dead_holder_recovered_once(seg: Segment, events: list[tuple[Any, ...]])
             pass
         assert seg.u64(OFF_RECOVERIES) == 1 and calls == [0]
     finally:
+        ch.stop()
+        lock.close()
+
+
+def test_a_dead_holder_whose_recovery_is_blocked_is_not_called_live(seg: Segment) -> None:
+    """A dead holder's recovery takes the flock on the segment's file: held elsewhere (a
+    recovering process stopped), every write timed out saying the lock was "held by live pid",
+    a dead one, and naming nothing of what blocked. The message says the holder is dead and
+    that the recovery flock is held."""
+    lock = RegistryLock(seg, timeout=0.3)
+    ch = Child(holding(lock))
+    fd = os.open(segment_path(seg.name), os.O_RDONLY)
+    try:
+        assert ch.recv() == b"h"
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a recovering process stopped mid-way would
+        ch.kill()
+        with pytest.raises(LockTimeout) as e, lock:
+            pass
+        msg = str(e.value)
+        assert f"dead pid {ch.pid}" in msg and "live" not in msg, msg
+        assert f"recovery flock on {segment_path(seg.name)}" in msg, msg
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        with lock:  # recovered once the flock is free
+            assert lock.owner() == procinfo.me()
+    finally:
+        os.close(fd)
         ch.stop()
         lock.close()
 

@@ -61,7 +61,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from . import procinfo
-from .names import SHM_DIR, close_with, kept_by, sem_path
+from .names import SHM_DIR, close_with, kept_by, segment_path, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
 if TYPE_CHECKING:
@@ -626,6 +626,13 @@ class RegistryLock:
 
     def _timeout_message(self, owner: int, busy: list[int]) -> str:
         p = procinfo.unpack_owner(owner)
+        if p is not None and self._owner_dead(owner):
+            # its recovery needs the flock on the segment's file, held elsewhere all along
+            return (f"registry {self.name}: lock held by dead pid {p[0]} for more than "
+                    f"{self._timeout:.1f}s (generation {self._w[_GEN]}): its recovery is "
+                    "blocked, another process holds the recovery flock on "
+                    f"{segment_path(self.name)} (a recovering process stopped or stalled; "
+                    "/proc/locks names it)")
         who = (f"live pid {p[0]}" if p is not None
                else "a process that has not recorded itself yet (one of the busy pids "
                     f"{sorted(busy)} that have the semaphore open)" if busy
