@@ -79,3 +79,30 @@ def test_a_request_after_the_servers_registry_was_closed_is_answered_503(
         assert other.check() == {}  # consistent
     finally:
         other.close()
+
+
+def test_a_503_answers_a_request_read_with_its_id(shm_name: str, spawn: Any) -> None:
+    """A request whose id was read and that then met a registry lock held past
+    ``lock_timeout`` (an ``initialize``: minting a session writes) was answered 503 with
+    ``"id": null``, which JSON-RPC keeps for an id that could not be read: its client could not
+    match the error to its request. It carries the request's id."""
+    import json
+
+    from helpers.stalled_lock import stalled_lock
+
+    from shmcancel import Config, Registry
+
+    reg = Registry.create(shm_name, Config(lock_timeout=0.3))
+    try:
+        server = McpServer("t", "1", registry=reg)
+        init = json.dumps({"jsonrpc": "2.0", "id": "init-7", "method": "initialize",
+                           "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                                      "clientInfo": {"name": "c", "version": "1"}}}).encode()
+        with stalled_lock(spawn, shm_name):
+            reply = run(server, environ_for("POST", init))
+        assert reply.status == 503 and reply.headers["retry-after"] == "1"
+        assert reply.json["id"] == "init-7"
+        assert reply.json["error"]["code"] == -32000
+    finally:
+        reg.close()
+        reg.unlink()

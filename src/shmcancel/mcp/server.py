@@ -105,7 +105,7 @@ from . import codes, jsonrpc
 from .base import _NoRegistry, _ProcessState
 from .body import EndingConnection, body_left_unread, read_body
 from .call import _hang_up
-from .jsonrpc import RpcError
+from .jsonrpc import Request, RpcError
 from .legacy import LegacyWire
 from .modern import ModernWire
 from .origin import OriginPolicy
@@ -135,6 +135,7 @@ __all__ = ["McpServer", "RequestStopped", "Tool", "ToolError", "progress"]
 log = logging.getLogger("shmcancel.server")
 
 _READ_CHUNK = 65536
+_REPLY_ID_KEY = "shmcancel._reply_id"  # the id of the request being served, once read
 _RETRY_AFTER = "1"  # seconds, the Retry-After of a 503 for a registry lock held past its timeout
 
 
@@ -145,7 +146,7 @@ def _retry_later(environ: dict[str, Any], e: Exception, message: str, retry_afte
     (``stacklevel=2``: a format's ``funcName``/``lineno`` name the handler, as before)."""
     log.log(level, "%s %s: %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), e,
             stacklevel=2)
-    return _error_reply(503, None, codes.SERVER_ERROR, message,
+    return _error_reply(503, environ.get(_REPLY_ID_KEY), codes.SERVER_ERROR, message,
                         headers=[("Retry-After", str(retry_after))])
 
 
@@ -370,6 +371,8 @@ class McpServer(LegacyWire, ModernWire):
         try:
             try:
                 msg = jsonrpc.parse(jsonrpc.decode(body_or_reply))
+                if type(msg) is Request:  # for a reply made without it (__call__'s 503s)
+                    environ[_REPLY_ID_KEY] = msg.id
             except RpcError as e:
                 if e.code == codes.INVALID_PARAMS and \
                         detect_without_body(headers) is Wire.MODERN:
