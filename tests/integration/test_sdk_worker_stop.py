@@ -6,7 +6,10 @@ stopped at the app's lifespan shutdown: the worker exits at once and no row stay
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -63,3 +66,104 @@ def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path
         assert not t.is_alive()
         # whatever reached the client, it is not the tool's result (which never came)
         assert "slept" not in getattr(done.get("r"), "text", ""), done
+
+
+def _worker_of(local_port: int, pids: list[int]) -> int | None:
+    """The worker whose socket is the server's end of this test's connection from
+    ``local_port`` (read from ``/proc/net/tcp`` and the workers' descriptors)."""
+    inode = None
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if int(parts[2].split(":")[1], 16) == local_port:  # its remote end is us
+                inode = parts[9]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                        return pid
+    return None
+
+
+def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) -> None:
+    """A worker carrying a GET stream of a session another worker holds (forwarded there:
+    the official client opens one after initializing, so most sessions of a server with
+    several workers) could not finish uvicorn's drain when stopped alone (``TERM``,
+    ``max_requests``): the stream never ends, and the worker stayed until gunicorn's
+    ``timeout`` (90 s here) killed it, its client's stream cut. It ends the forwarded stream
+    as it begins to exit, as sse_starlette ends the SDK's own, and exits at once."""
+    name = f"sdkfwd-{uuid.uuid4().hex[:10]}"
+    with Gunicorn(None, registry_name=name, config=CONF, workers=2,
+                  worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_STATELESS": "0",
+                       "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "fwd")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        assert owner in pids
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        head = (f"GET /mcp HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
+                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
+                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        carrier = s = None
+        for _ in range(40):  # until a connection lands on the other worker
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(head)
+            got = s.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200"), got
+            carrier = _worker_of(s.getsockname()[1], pids)
+            if carrier is not None and carrier != owner:
+                break
+            s.close()
+            carrier = s = None
+        assert s is not None and carrier is not None, "no stream landed on the other worker"
+        try:
+            t0 = time.monotonic()
+            os.kill(carrier, signal.SIGTERM)
+            s.settimeout(15)
+            while s.recv(65536):  # the stream ends (chunked end, then the close)
+                pass
+            wait_until(lambda: not alive(carrier), time.monotonic() + 15,
+                       what="the stopped worker's exit")
+            assert time.monotonic() - t0 < 15  # not gunicorn's timeout (90 s)
+        finally:
+            s.close()
+
+
+def test_a_worker_exiting_answers_forwarded_requests_404() -> None:
+    """While a session's worker drains, a request forwarded to it got sse_starlette's empty
+    event stream (its client's call "ended without a response"), not the 404 that tells the
+    client its session is gone with the worker: its socket server now answers 404."""
+    import asyncio
+
+    from shmcancel.sdk._routing import Router
+
+    class Exiting:
+        should_exit = True
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # pragma: no cover
+            pass
+
+    served: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover
+        served.append(scope)
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:  # pragma: no cover
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/mcp", "headers": []}
+    old = signal.signal(signal.SIGTERM, Exiting().handle_exit)
+    try:
+        asyncio.run(Router(app)._internal(scope, receive, send))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert not served and sent[0]["status"] == 404
+    asyncio.run(Router(app)._internal(dict(scope), receive, send))  # not exiting: served
+    assert len(served) == 1

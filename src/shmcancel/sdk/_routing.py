@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
 import stat
 import tempfile
@@ -60,6 +61,7 @@ FORWARD_ORIGIN = "http://shmcancel-worker"
 # Seconds to connect to the owner. No bound on its response head: a JSON response starts only
 # when the call ends.
 FORWARD_TIMEOUT = 10.0
+EXIT_LOOK = 0.25  # seconds between looks, in a forwarded event stream, for this worker's exit
 # Seconds between a worker's looks at its own socket (bound again when found removed)
 KEEP_BOUND_EVERY = 1.0
 # Seconds a pooled connection to another worker is reused after its last answer, and seconds the
@@ -472,6 +474,12 @@ class Router:
     async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """The app as served on the socket: a forwarded request, its client address restored."""
         if scope.get("type") == "http":
+            if _worker_exiting():
+                # the session dies with this worker, which is draining: what sse_starlette
+                # would answer now is an empty stream (a client's call then "ended without a
+                # response"); 404 tells its client to open a new session
+                await _not_found(send)
+                return
             scope[INTERNAL_KEY] = True
             addr = _header(scope, CLIENT_HEADER)
             set_header(scope, CLIENT_HEADER, None)
@@ -607,19 +615,27 @@ class Router:
             watcher = asyncio.get_running_loop().create_task(watch())
             tail = b""  # an event stream's last TAIL_MAX bytes so far (for _cut_short)
             sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
+            stop = asyncio.ensure_future(gone.wait())
+            nxt: asyncio.Future[bytes] | None = None
             try:
                 chunks = resp.aiter_raw().__aiter__()
                 while True:
-                    nxt = asyncio.ensure_future(chunks.__anext__())
-                    stop = asyncio.ensure_future(gone.wait())
-                    done, _ = await asyncio.wait({nxt, stop},
+                    if nxt is None:
+                        nxt = asyncio.ensure_future(chunks.__anext__())
+                    # An event stream (a GET's has no end) is also ended when this worker
+                    # begins to exit, as sse_starlette ends the SDK's own: uvicorn's drain
+                    # waits for every response, and for this one until gunicorn's timeout.
+                    done, _ = await asyncio.wait({nxt, stop}, timeout=EXIT_LOOK if sse else None,
                                                  return_when=asyncio.FIRST_COMPLETED)
-                    if nxt not in done:  # the client left: drop the upstream stream
-                        nxt.cancel()
+                    if nxt not in done and (stop in done or _worker_exiting()):
+                        nxt.cancel()  # the client left, or this worker exits: dropped upstream
                         with contextlib.suppress(BaseException):
                             await nxt
+                        if stop not in done:
+                            await _cut_short(send, token, None, sse, tail, body)
                         return
-                    stop.cancel()
+                    if nxt not in done:
+                        continue
                     try:
                         chunk = nxt.result()
                     except StopAsyncIteration:
@@ -627,12 +643,14 @@ class Router:
                     except httpx.HTTPError as e:
                         await _cut_short(send, token, e, sse, tail, body)
                         return
+                    nxt = None
                     if sse:
                         tail = (tail + chunk)[-TAIL_MAX:]
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
+                stop.cancel()
                 watcher.cancel()
         finally:
             await resp.aclose()
@@ -711,17 +729,24 @@ def _refused(path: str) -> bool:
 TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if it is cut short
 
 
-async def _cut_short(send: Any, token: str, e: Exception, sse: bool, tail: bytes,
+async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail: bytes,
                      body: bytes | None) -> None:
-    """The owner broke a forwarded answer it had begun (it was killed). An event stream that
+    """The owner broke a forwarded answer it had begun (it was killed: ``e``), or this worker
+    ends it as it exits (``e`` None). An event stream that
     stopped between events ends there: with one more event, the request's JSON-RPC error
     (-32000), so that its client learns the call failed, unless its last event was the
     request's answer already (or cannot be read: longer than ``TAIL_MAX``). Any other answer
     is left incomplete (uvicorn then drops the client's connection, as the owner's was
     dropped): ended cleanly, a body cut short would pass for whole, and an event cut mid-way
     would be dispatched with its data cut."""
-    log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: %r",
-                token, e)
+    if e is None:
+        log.info("shmcancel.sdk: this worker is stopping: a forwarded stream of worker %s "
+                 "ended", token)
+        why = "the worker carrying this stream is stopping; the call may still run"
+    else:
+        log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: "
+                    "%r", token, e)
+        why = "the worker holding the session stopped before answering"
     lines = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # SSE's three line ends
     if not sse or (tail and not lines.endswith(b"\n\n")):
         return  # not an event stream, or cut inside an event: incomplete
@@ -730,10 +755,18 @@ async def _cut_short(send: Any, token: str, e: Exception, sse: bool, tail: bytes
     rid = _request_id(body)
     if rid is not None and whole and not _answers(events[-1], rid):
         error = {"jsonrpc": "2.0", "id": rid[0], "error": {
-            "code": -32000, "message": "the worker holding the session stopped before answering"}}
+            "code": -32000, "message": why}}
         event = b"event: message\r\ndata: " + json.dumps(error).encode() + b"\r\n\r\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _worker_exiting() -> bool:
+    """Whether this worker's server has begun to exit (gunicorn's ``TERM``, ``max_requests``):
+    the uvicorn server whose ``handle_exit`` is the ``SIGTERM`` handler says ``should_exit``,
+    where sse_starlette looks too (this worker's socket server installs no handler)."""
+    server = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return getattr(server, "should_exit", False) is True
 
 
 def _answers(event: bytes, rid: tuple[int | str]) -> bool:
