@@ -273,7 +273,7 @@ def _clients_of(environ: dict[str, Any]) -> tuple[str, ...] | None:
 
 def _anonymous(client: str) -> bool:
     """Whether a session published for ``client`` (a scope) was minted without a principal."""
-    return not client.startswith(principal.PRINCIPAL_PREFIX)
+    return not principal.of_principal(client)
 
 
 def _session_error(sid: str | None, rid: int | str | None) -> RpcError | None:

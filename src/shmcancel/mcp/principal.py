@@ -232,6 +232,11 @@ def _prefixed(prefix: str, ident: str) -> str:
     return prefix + _DIGEST_TAG + hashlib.sha256(raw).hexdigest()
 
 
+def of_principal(scope: str) -> bool:
+    """Whether ``scope`` (as :func:`scope` gives it) is a principal's."""
+    return scope.startswith(PRINCIPAL_PREFIX)
+
+
 def scope(environ: object) -> str:
     """The caller's scope: session, then principal, then address bucket; ``"global"`` when
     ``environ`` is not a mapping (contract §3). Never raises."""

@@ -67,7 +67,7 @@ from ..shm import procinfo
 from ..shm.base import PreparedKey, ShmFull
 from ..shm.lanes import fence
 from ..shm.reader import Watch
-from .principal import PRINCIPAL_PREFIX
+from .principal import of_principal
 from .session_tables import SESSION_CALLS, SESSION_CLIENTS, SESSIONS
 from .wire import valid_session_id
 
@@ -186,7 +186,7 @@ class SessionStore:
         whether it was minted for one (:meth:`minted_for_principal`)."""
         d = bytearray(hashlib.blake2b(client.encode("utf-8", "surrogatepass"),
                                       key=self._hash_key, digest_size=16).digest())
-        if client.startswith(PRINCIPAL_PREFIX):
+        if of_principal(client):
             d[0] |= _PRINCIPAL_BIT
         else:
             d[0] &= ~_PRINCIPAL_BIT & 0xFF

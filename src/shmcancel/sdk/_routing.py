@@ -732,10 +732,10 @@ TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if 
 async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail: bytes,
                      body: bytes | None) -> None:
     """The owner broke a forwarded answer it had begun (it was killed: ``e``), or this worker
-    ends it as it exits (``e`` None). An event stream that
-    stopped between events ends there: with one more event, the request's JSON-RPC error
-    (-32000), so that its client learns the call failed, unless its last event was the
-    request's answer already (or cannot be read: longer than ``TAIL_MAX``). Any other answer
+    ends it as it exits (``e`` None). An event stream that stopped between events ends there:
+    with one more event, the request's JSON-RPC error (-32000), so that its client learns the
+    call failed, unless its last event was the request's answer already (or cannot be read:
+    longer than ``TAIL_MAX``). Any other answer
     is left incomplete (uvicorn then drops the client's connection, as the owner's was
     dropped): ended cleanly, a body cut short would pass for whole, and an event cut mid-way
     would be dispatched with its data cut."""
