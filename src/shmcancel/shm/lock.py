@@ -626,7 +626,7 @@ class RegistryLock:
 
     def _timeout_message(self, owner: int, busy: list[int]) -> str:
         p = procinfo.unpack_owner(owner)
-        if p is not None and self._owner_dead(owner):
+        if p is not None and not procinfo.alive(*p):  # (not _owner_dead: never our own pid)
             # its recovery needs the flock on the segment's file, held elsewhere all along
             return (f"registry {self.name}: lock held by dead pid {p[0]} for more than "
                     f"{self._timeout:.1f}s (generation {self._w[_GEN]}): its recovery is "
