@@ -794,9 +794,12 @@ def test_a_full_redis_is_not_taken_for_one_that_lost_data(
             r.config_set("maxmemory", 0)
             wait_until(lambda: r.exists(alive), time.monotonic() + 10, what="the key set again")
             first = r.pttl(alive)
-            # a later turn set it again: a restore the first one decided has been logged
-            wait_until(lambda: r.pttl(alive) > first, time.monotonic() + 10,
-                       what="a later turn")
+            # a later turn set it again: a restore the first one decided has been logged.
+            # Seen as its TTL going up again, after it went down (read within a millisecond
+            # of the set, ``first`` is the whole lease: no later set could exceed it)
+            low = wait_until(lambda: 0 < (p := r.pttl(alive)) < first - 100 and p,
+                             time.monotonic() + 10, what="time to pass since that set")
+            wait_until(lambda: r.pttl(alive) > low, time.monotonic() + 10, what="a later turn")
         assert not [m for m in caplog.messages if "lost data" in m], caplog.messages
     finally:
         r.config_set("maxmemory", 0)
