@@ -3,7 +3,7 @@
 
     python tools/bench_burst.py [--calls 50] [--rounds 5] [--seq 20] [--workers 4]
                                 [--threads 16] [--wire legacy|modern|both] [--target-ms 15]
-                                [--by-thread] [--check]
+                                [--by-thread] [--count-calls] [--check]
 
 The example app (``examples/gunicorn``, as shipped) under gunicorn ``gthread`` (``--workers`` x
 ``--threads``, ``--reuse-port``: a listening socket per worker, so that the kernel spreads the
@@ -31,6 +31,9 @@ cheapest cross-worker cancellation there is, no MCP and no registry.
 ``--by-thread``: the workers' CPU a burst also by thread (``pool``: gunicorn's request threads,
 ``main``: its main threads, ``disconnect``: our watcher threads, ...), each thread of the two
 gunicorns named by its role (``prctl``) by a ``sitecustomize`` given to them only.
+``--count-calls``: the interpreter calls (Python functions and builtins) the workers make per
+cancelled call, by the kind of code that makes them (``_callcount.py``): the Python work a burst
+costs, a figure that load does not move; the counting itself slows that run's latencies.
 Prints p50/p99/max of the latencies over all rounds (ms), the range of the rounds' p99, and
 whether the burst p99 meets ``--target-ms`` (``--check``: exit 1 when it does not). A run that
 measured no burst, or in which a cancelled call was not answered ``-32800`` (legacy) or did not
@@ -55,10 +58,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from _benchlib import GunicornServer, call_request, post_request, response_body, session
+from _callcount import KINDS, SITECUSTOMIZE, CallCounter
 from bench_watch import Server, write_wrapper
 
 from shmcancel.cancel.shm_storage import ShmBackend
@@ -302,6 +307,8 @@ class Bench:
         self.cpu: dict[str, list[tuple[float, float, float]]] = {}
         self.by_thread: dict[str, list[dict[str, int]]] | None = None  # mode -> per burst
         self._names0: dict[str, int] = {}  # by thread name, at the span's start
+        self.counter: CallCounter | None = None  # --count-calls
+        self.calls: dict[str, list[tuple[int, Counter[str]]]] = {}  # mode -> (calls, counts)
 
     def close(self) -> None:
         self.reader.close()
@@ -323,6 +330,8 @@ class Bench:
 
     def _cpu0(self, server: GunicornServer | None = None) -> tuple[int, float, float]:
         self._names0 = {}
+        if self.counter is not None:  # acknowledged before the span starts
+            self.counter.start((server or self.server).worker_pids)
         names = self._names0 if self.by_thread is not None else None
         return (server or self.server).worker_run_ns(names), time.process_time(), _now()
 
@@ -336,6 +345,10 @@ class Bench:
         names: dict[str, int] | None = {} if self.by_thread is not None else None
         workers = ((server or self.server).worker_run_ns(names) - t0[0]) / 1e9
         ends = [t for t in last if t is not None]
+        if self.counter is not None:
+            counts = self.counter.stop((server or self.server).worker_pids)
+            if counts is not None and ends:
+                self.calls.setdefault(mode, []).append((len(last), counts))
         if ends:
             self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
             if names is not None and self.by_thread is not None:
@@ -506,6 +519,29 @@ def _print_by_thread(by_thread: dict[str, list[dict[str, int]]]) -> None:
                                            sorted(names, key=lambda k: -med[k])))
 
 
+def _print_calls(calls: dict[str, list[tuple[int, Counter[str]]]]) -> None:
+    """Per mode, the interpreter calls the workers made per call cancelled (burst: the call,
+    its notification and the release; floor, bare: per notification), by the calling code's
+    kind (Python functions + builtins), summed over every counted span."""
+    print("  interpreter calls per call cancelled (floor, bare: per notification), all workers,"
+          " Python + builtin (--count-calls; the counting slowed this run's latencies):")
+    totals: dict[str, float] = {}
+    for mode in ("sequential", "burst", "floor", "bare", "bare burst"):
+        spans = calls.get(mode)
+        if not spans:
+            continue
+        n = sum(k for k, _ in spans)
+        counts: Counter[str] = Counter()
+        for _, c in spans:
+            counts.update(c)
+        per = {k: (counts[f"{k} py"] / n, counts[f"{k} c"] / n) for k in KINDS}
+        total = totals[mode] = sum(py + c for py, c in per.values())
+        print(f"  {mode:10s} total {total:7.1f}  " + "  ".join(
+            f"{k} {py + c:6.1f} ({py:.0f}+{c:.0f})" for k, (py, c) in per.items()))
+    if "burst" in totals and "bare burst" in totals:
+        print(f"  burst / bare burst: {totals['burst'] / totals['bare burst']:.2f}x the calls")
+
+
 def run(a: argparse.Namespace) -> tuple[bool, bool]:
     """Run and print the benchmark; ``(every target met, every run valid)``: a run is not
     valid when it measured nothing or a cancelled call was lost."""
@@ -514,11 +550,17 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
         write_wrapper(tmp)
         Path(tmp, "bench_burst_bare.py").write_text(_BARE_APP)
         saved_path = os.environ.get("PYTHONPATH")
-        if a.by_thread:  # the gunicorns only: this process started without it
+        saved_dir = os.environ.get("BENCH_CALLS_DIR")
+        if a.by_thread or a.count_calls:  # the gunicorns only: this process started without
             Path(tmp, "names").mkdir()
-            Path(tmp, "names", "sitecustomize.py").write_text(_THREAD_NAMES)
+            Path(tmp, "names", "sitecustomize.py").write_text(
+                (_THREAD_NAMES if a.by_thread else "")
+                + (SITECUSTOMIZE if a.count_calls else ""))
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(Path(tmp, "names")), saved_path) if p)
+        if a.count_calls:
+            Path(tmp, "calls").mkdir()
+            os.environ["BENCH_CALLS_DIR"] = str(Path(tmp, "calls"))
         servers: list[GunicornServer] = []
         try:  # the first one stopped too when the second does not start
             servers.append(Server(tmp, "gthread", True, a.src, threads=a.threads,
@@ -531,6 +573,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                 b = Bench(server, wire, a.threads)
                 if a.by_thread:
                     b.by_thread = {}
+                if a.count_calls:
+                    b.counter = CallCounter(str(Path(tmp, "calls")))
                 try:
                     # warm every worker up, never with all of one worker's threads: its
                     # notifications would queue behind the calls they cancel (gthread accepts
@@ -586,6 +630,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                     _print_cpu(b.cpu)
                     if b.by_thread is not None:
                         _print_by_thread(b.by_thread)
+                    if b.calls:
+                        _print_calls(b.calls)
                     flat = [x for r in got["burst"] for x in r]
                     if b.lost:
                         valid = False  # a cancelled call not answered -32800: a failure
@@ -614,10 +660,11 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
         finally:
             for s in servers:
                 s.close()
-            if saved_path is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = saved_path
+            for var, saved in (("PYTHONPATH", saved_path), ("BENCH_CALLS_DIR", saved_dir)):
+                if saved is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = saved
     return ok, valid
 
 
@@ -633,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", help="the src directory gunicorn serves (default: this checkout)")
     ap.add_argument("--by-thread", action="store_true",
                     help="also the workers' CPU per burst by thread (request, main, watcher)")
+    ap.add_argument("--count-calls", action="store_true",
+                    help="also the interpreter calls the workers make per cancelled call, by "
+                         "kind of code (shmcancel, gunicorn, app, other): a figure load does "
+                         "not move (slows the run's latencies)")
     ap.add_argument("--check", action="store_true", help="exit 1 when the target is missed")
     a = ap.parse_args(argv)
     if not 1 <= a.calls <= 1000 or not 1 <= a.rounds <= 100 or not 0 <= a.seq <= 1000:

@@ -128,6 +128,29 @@ def test_burst_bench_by_thread_names_each_kind_of_thread() -> None:
     assert leftovers(pid) == []
 
 
+def test_burst_bench_counts_the_workers_calls_by_kind_of_code() -> None:
+    """``--count-calls`` counts the interpreter calls the workers make per cancelled call while
+    each burst runs (switched on and off in every worker, acknowledged): our code's calls in
+    the burst, none in the bare app's, and gunicorn's in both; with ``--by-thread`` beside it
+    (both go to the gunicorns through one ``sitecustomize``)."""
+    rc, out, pid = run_bench("--calls", "3", "--rounds", "1", "--seq", "1", "--workers", "2",
+                             "--threads", "4", "--wire", "legacy", "--by-thread",
+                             "--count-calls", script=BURST)
+    assert rc == 0, out[-3000:]
+    assert "by thread (--by-thread" in out, out[-3000:]
+    block = out.split("(--count-calls", 1)[1].split("target burst", 1)[0]
+    lines = {m[1]: m[2] for m in re.finditer(r"^  (burst|bare burst|floor|bare) +(total .*)$",
+                                             block, re.M)}
+    calls = {mode: {k: float(v) for k, v in re.findall(r"(total|\w+) +([\d.]+) ?", text)}
+             for mode, text in lines.items()}
+    assert set(calls) == {"burst", "floor", "bare", "bare burst"}, block
+    assert calls["burst"]["shmcancel"] > 0 and calls["bare burst"]["shmcancel"] == 0, block
+    assert calls["burst"]["gunicorn"] > 0 and calls["bare burst"]["gunicorn"] > 0, block
+    assert calls["burst"]["total"] >= calls["burst"]["shmcancel"] + calls["burst"]["gunicorn"]
+    assert re.search(r"^  burst / bare burst: [\d.]+x the calls$", block, re.M), block
+    assert leftovers(pid) == []
+
+
 def test_burst_bench_check_fails_a_missed_target() -> None:
     """``--check`` turns a missed target into exit 1 (a target no burst can meet here)."""
     rc, out, pid = run_bench("--calls", "2", "--rounds", "1", "--seq", "1", "--workers", "2",
