@@ -19,12 +19,16 @@
                                      named); a live one is never removed (named: exit 1), nor
                                      an orphaned one or a segment without a shmcancel header
                                      (exit 1)
+    shmtool fsck NAME                check and repair every table under the lock, as a worker's
+                                     lock recovery does; the one repair for a table's damaged
+                                     region header, which makes new attachments fail
     shmtool unlink NAME [--force]    remove whatever exists of the registry's segment, semaphore,
                                      lock file and temporaries (attached processes keep their
                                      mapping until they exit); refused while its creator lives
 
 ``list``, ``dump`` and ``stats`` attach read-only: they never take the registry lock, never block
-on it and never write. ``cleanup`` attaches read-write and takes the lock like any worker.
+on it and never write. ``cleanup`` and ``fsck`` attach read-write and take the lock like any
+worker.
 No command follows, blocks on or uses an entry of /dev/shm that is not a regular file owned by the
 current user (a symbolic link, a FIFO, another user's file): it is reported in one line.
 Another user's entry under a registry's names (``shmcancel.NAME~x``, say) is not part of that
@@ -125,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ttl", type=float, default=None, help="seconds (default: the config's)")
     s.add_argument("--stale", action="store_true",
                    help="remove all stale and leftover registries (with NAMEs: only those)")
+    s = sub.add_parser("fsck", help="check and repair every table under the lock (a damaged "
+                       "region header included, which new attachments refuse)")
+    s.add_argument("name")
     s = sub.add_parser("unlink", help="remove the registry's segment, semaphore, lock file and "
                        "temporaries")
     s.add_argument("name")
@@ -587,6 +594,20 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    reg = Registry.attach(check_name(args.name), repair=True)
+    try:
+        rep = reg.repair()
+    finally:
+        reg.close()
+    if not rep:
+        print(f"registry {args.name}: clean, nothing to repair")
+    for table, counts in rep.items():
+        what = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+        print(f"table {table}: repaired ({what})")
+    return 0
+
+
 class _UsageError(Exception):
     pass
 
@@ -765,7 +786,7 @@ def cmd_unlink(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"list": cmd_list, "dump": cmd_dump, "stats": cmd_stats, "cleanup": cmd_cleanup,
-            "unlink": cmd_unlink}
+            "fsck": cmd_fsck, "unlink": cmd_unlink}
 
 
 @contextlib.contextmanager

@@ -58,6 +58,14 @@ class TableCorrupted(ShmCancelError):
     and one retry of the operation; nothing was half-written (the repair ran)."""
 
 
+class RegionHeaderDamaged(RegistryIncompatible):
+    """A table's region header (``layout.py``: magic, capacity, record size, index and class
+    geometry) disagrees with what the segment header's descriptor and the schema define:
+    garbage over it. A new attachment refuses the segment until ``fsck`` (``shmtool fsck``, or
+    an attached process's ``Registry.check``) rewrites it; processes attached already go on
+    with the geometry they checked."""
+
+
 class LargeRowsFull(TableFull):
     """The table holds its ``large_count`` rows larger than a small record already (see
     ``layout.py``): a new large row (or a row growing past a small record) is refused, nothing
@@ -113,6 +121,19 @@ class PreparedKey:
         return f"PreparedKey({self.key!r}, home={self.home})"
 
 
+_HEADER_FIELDS = ("magic", "capacity", "record_size", "nslots", "nbuckets", "small_size",
+                  "large_count")
+
+
+def _header_damage(buf: memoryview, want: tuple[Any, ...]) -> str | None:
+    """Which geometry fields of the region header in ``buf`` differ from ``want`` (the fields
+    of ``_HDR`` then ``_CLS``), as "field got (expected want)", or None when none does."""
+    got = _HDR.unpack_from(buf, 0) + _CLS.unpack_from(buf, _CLS_OFF)
+    bad = [f"{f} {g!r} (expected {w!r})" for f, g, w in zip(_HEADER_FIELDS, got, want,
+                                                              strict=True) if g != w]
+    return ", ".join(bad) or None
+
+
 class TableBase:
     """A table's geometry and views on its region, its keys and records (see the module
     docstring); the parts of :class:`~shmcancel.shm.table.Table` build on it."""
@@ -128,7 +149,8 @@ class TableBase:
     def __init__(self, name: str, buf: memoryview, *, kind: Kind, capacity: int,
                  record_size: int, hash_key: bytes, lock: Lock, small_size: int = 0,
                  large_count: int = 0,
-                 back: Callable[[int, int], None] | None = None) -> None:
+                 back: Callable[[int, int], None] | None = None,
+                 damaged_ok: bool = False) -> None:
         if kind not in ("set", "bag"):
             raise ValueError(f"table kind must be 'set' or 'bag', got {kind!r}")
         if not isinstance(hash_key, bytes | bytearray) or not 1 <= len(hash_key) <= 64:
@@ -138,11 +160,13 @@ class TableBase:
         if len(buf) < size:
             raise RegistryIncompatible(
                 f"table {name!r}: region of {len(buf)} bytes, layout needs {size}")
-        header = _HDR.unpack_from(buf, 0) + _CLS.unpack_from(buf, _CLS_OFF)
-        want = (MAGIC, capacity, record_size, nslots, nbuckets, g.small_size, large_count)
-        if header != want:
-            raise RegistryIncompatible(
-                f"table {name!r}: header {header!r} does not match the layout {want!r}")
+        # the region header's geometry fields, as they must read (_header_damage)
+        self._header_want = (MAGIC, capacity, record_size, nslots, nbuckets, g.small_size,
+                             large_count)
+        damage = _header_damage(buf, self._header_want)
+        if damage is not None and not damaged_ok:
+            raise RegionHeaderDamaged(f"table {name!r}: region header damaged ({damage}): it "
+                                      "does not match the layout")
         self.name = name
         self.kind: Kind = kind
         self.capacity = capacity

@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableBase
-from .layout import _CLS, _CLS_OFF, _LTOP, _M64, _ROWS, _STAMP, _STAMP_MAX, _TOP
+from .base import _SPIN_BEFORE_YIELD, READ_RETRIES, TableBase, _header_damage
+from .layout import _CLS, _CLS_OFF, _HDR, _LTOP, _M64, _ROWS, _STAMP, _STAMP_MAX, _TOP
 
 T = TypeVar("T")
 Snapshot = tuple[tuple[int, int, int, int], bytes, bytes, bytes]
@@ -135,8 +135,9 @@ class Fsck(TableBase):
                     f"{nrec} records")
         if stamp >= _STAMP_MAX - 1:  # the next stamp would be past its bound
             return f"stamp counter {stamp}"
-        if self._class_header() is not None:
-            return f"class geometry {self._class_header()} in the header"
+        damage = _header_damage(self._buf, self._header_want)
+        if damage is not None:
+            return f"region header damaged ({damage})"
         if snap is None:
             words = self._idx.tolist()
         refs = [r for h, r in zip(words[::2], words[1::2], strict=True) if h]
@@ -202,11 +203,6 @@ class Fsck(TableBase):
             why = self._implausible(True, deep)
             return None if why is None else self._repair(f"table {self.name!r}: {why}")
 
-    def _class_header(self) -> tuple[int, int] | None:
-        """The header's (small_size, large_count) when they differ from this table's."""
-        got = _CLS.unpack_from(self._buf, _CLS_OFF)
-        return None if got == (self.small_size, self.large_count) else got
-
     # ---------------------------------------------------------------- recovery
     def fsck(self) -> dict[str, int]:
         """Check and repair the table; the caller holds the lock. Returns counts of repairs,
@@ -217,13 +213,14 @@ class Fsck(TableBase):
         a record; for a set keeps only the newest (highest stamp) row of a key; moves entries
         back so that no empty slot lies between an entry's home and the entry; rebuilds the
         free stack of each size class from the records referenced; recounts the rows; rewrites
-        the header's class geometry (from this table's, which ``Table`` checked at attach) when
+        the region header's geometry (magic, capacity, record size, index and class geometry:
+        from this table's, which the segment header's descriptor and the schema define) when
         garbage overwrote it; makes every bucket version even. Every step leaves a state fsck
         handles, so a killed fsck is finished by the next.
         """
         self._check_open()
         rep = {"odd_versions": 0, "bad_entries": 0, "duplicate_entries": 0,
-               "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0, "class_header": 0}
+               "stale_rows": 0, "moved": 0, "free_stack": 0, "rows": 0, "region_header": 0}
         idx = self._idx
         ver = self._ver
         words = idx.tolist()
@@ -289,9 +286,12 @@ class Fsck(TableBase):
             hq[_TOP] = len(small)
             hq[_LTOP] = len(large)
             rep["free_stack"] = 1
-        if self._class_header() is not None:
-            _CLS.pack_into(self._buf, _CLS_OFF, self.small_size, self.large_count)
-            rep["class_header"] = 1
+        if _header_damage(self._buf, self._header_want) is not None:
+            # only derived fields: a store torn by a kill here is rewritten by the next fsck
+            want = self._header_want
+            _HDR.pack_into(self._buf, 0, *want[:5])
+            _CLS.pack_into(self._buf, _CLS_OFF, *want[5:])
+            rep["region_header"] = 1
         if hq[_ROWS] != len(by_rec):
             hq[_ROWS] = len(by_rec)
             rep["rows"] = 1

@@ -64,7 +64,7 @@ from .segment import (
     effective_creator,
     peek_semaphore,
 )
-from .table import Table
+from .table import RegionHeaderDamaged, Table
 
 __all__ = ["Registry", "current", "lane_tables", "record_sizes", "replaced_error", "sweep_due",
            "table_specs", "unlink"]
@@ -296,7 +296,8 @@ class Registry:
     the segment until they close it.
     """
 
-    def __init__(self, seg: Segment, decls: Sequence[TableDecl]) -> None:
+    def __init__(self, seg: Segment, decls: Sequence[TableDecl], *,
+                 repair: bool = False) -> None:
         global _current
         self._seg = seg
         self._name = seg.name
@@ -319,13 +320,19 @@ class Registry:
             specs = {sp.name: sp for sp in _specs(self._config, decls)}
             for i, desc in enumerate(seg.tables):
                 sp = specs[desc.name]
-                self._tables[desc.name] = Table(
-                    desc.name, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
-                    capacity=desc.capacity, record_size=desc.record_size,
-                    hash_key=seg.hash_key, lock=self.lock,
-                    small_size=sp.small_size, large_count=sp.large_count,
-                    back=(None if seg.readonly or self._config.preallocate
-                          else _backer(seg, desc.offset)))
+                try:
+                    self._tables[desc.name] = Table(
+                        desc.name, seg.region(i), kind=desc.kind,  # type: ignore[arg-type]
+                        capacity=desc.capacity, record_size=desc.record_size,
+                        hash_key=seg.hash_key, lock=self.lock,
+                        small_size=sp.small_size, large_count=sp.large_count,
+                        back=(None if seg.readonly or self._config.preallocate
+                              else _backer(seg, desc.offset)),
+                        damaged_ok=repair)
+                except RegionHeaderDamaged as e:
+                    raise RegionHeaderDamaged(
+                        f"registry {self._name}: {e}: run `shmtool fsck {self._name}` to "
+                        "rebuild it") from None
             names = _lane_tables(decls)
             region = seg.lanes_region
             size = lanes_size()
@@ -415,7 +422,7 @@ class Registry:
     @classmethod
     def attach(cls, name: str, *, readonly: bool = False,
                tables: Iterable[TableDecl] | None = None,
-               expect: tuple[int, bytes] | None = None) -> Registry:
+               expect: tuple[int, bytes] | None = None, repair: bool = False) -> Registry:
         """Attach to registry ``name``; its config is read from the segment header. It must
         hold exactly ``tables`` (default: every table declared in this process), else
         :class:`RegistryIncompatible`. ``readonly``: map it read-only, take no lock (for
@@ -423,14 +430,20 @@ class Registry:
         (:meth:`check`). ``expect``: the :attr:`identity` of the registry the caller means
         (a gunicorn worker: its master's); a registry created again at the name since (the
         one meant was unlinked) is refused with :class:`RegistryIncompatible` before anything
-        in it is read beyond its header or written."""
+        in it is read beyond its header or written. ``repair`` (writable only): accept tables
+        whose region header is damaged (else :class:`RegionHeaderDamaged`) and skip the check
+        on attach, for the caller to :meth:`repair` at once (``shmtool fsck``)."""
+        if repair and readonly:
+            raise ValueError("a read-only attachment repairs nothing")
         decls = _decls(tables)
         seg = Segment.attach(name, readonly=readonly)
         if expect is not None and (seg.ino, seg.hash_key) != tuple(expect):
             err = replaced_error(name, seg.creator)
             seg.close()
             raise err
-        reg = cls(seg, decls)
+        reg = cls(seg, decls, repair=repair)
+        if repair:
+            return reg
         try:
             reg._check_on_attach()
         except BaseException:
@@ -726,6 +739,20 @@ class Registry:
         Returns each table's repair counts (all zero when nothing was wrong)."""
         self._check_open()
         return {n: t.fsck() for n, t in self._tables.items()}
+
+    def repair(self) -> dict[str, dict[str, int]]:
+        """Take the lock and :meth:`fsck` every table (``shmtool fsck``); a kill in between
+        leaves the repair to the lock's recovery (``dirty`` is set throughout). Returns the
+        repair counts of the tables repaired (empty: nothing was wrong)."""
+        self._check_open()
+        if self.readonly:
+            raise ValueError("a read-only attachment repairs nothing")
+        lock = self.lock
+        with lock:
+            lock.dirty = True
+            rep = self.fsck()
+            lock.dirty = False
+        return {n: r for n, r in rep.items() if any(r.values())}
 
     def attach_problems(self) -> dict[str, str]:
         """Why a writable :meth:`attach` would refuse this registry's semaphore now, by path

@@ -9,14 +9,22 @@ memory-ordering assumption is stated in ``reader``.
 
 from __future__ import annotations
 
-from .base import Kind, LargeRowsFull, Lock, PreparedKey, ShmFull, TableCorrupted
+from .base import (
+    Kind,
+    LargeRowsFull,
+    Lock,
+    PreparedKey,
+    RegionHeaderDamaged,
+    ShmFull,
+    TableCorrupted,
+)
 from .layout import _geometry as _geometry  # re-exported: the tests import it from here
 from .layout import _unpack as _unpack  # re-exported: cancel.shm_storage imports it from here
 from .reader import Reads, Watch
 from .sweep import Sweeps
 
-__all__ = ["Kind", "LargeRowsFull", "Lock", "PreparedKey", "ShmFull", "Table", "TableCorrupted",
-           "Watch"]
+__all__ = ["Kind", "LargeRowsFull", "Lock", "PreparedKey", "RegionHeaderDamaged", "ShmFull",
+           "Table", "TableCorrupted", "Watch"]
 
 
 class Table(Sweeps, Reads):
