@@ -11,10 +11,14 @@
                                      and a one-line note: what is wrong, which command removes
                                      it, other users' entries under its names
     shmtool dump NAME [--json]       every cancellation and in-flight row (the shared table's
-                                     and the processes' lanes')
+                                     and the processes' lanes'), and every unreadable entry
+                                     (a corrupted record: table, slot, record number)
     shmtool stats NAME [--json]      capacity, rows per table, top scopes, probe lengths, lock,
-                                     recoveries, evictions, sweeps, the processes' lanes
-    shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows)
+                                     recoveries, evictions, sweeps, the processes' lanes,
+                                     unreadable entries per table
+    shmtool cleanup NAME [--ttl S]   run a cleanup now (expired rows, dead owners' rows; it
+                                     repairs the tables first and prints per table what it
+                                     repaired: unreadable entries dropped, counters)
     shmtool cleanup --stale [NAME..] remove every stale or leftover registry (or only those
                                      named); a live one is never removed (named: exit 1), nor
                                      an orphaned one or a segment without a shmcancel header
@@ -37,10 +41,11 @@ blocks removing the rest nor changes their exit status. A link or FIFO of the cu
 is removed by ``unlink`` only (``cleanup --stale`` removes regular files), and ``list`` advises
 accordingly.
 
-Exit status: 0 on success; 1 for a shmcancel error (a missing registry, a bad name, an
-incompatible segment, a live creator's registry to unlink, ...) with one line on stderr and no
-traceback, or for ``cleanup --stale`` when it skipped any registry (one line each); 2 for a usage
-error.
+Exit status (also in ``shmtool --help``): 0 on success (``dump`` and ``stats`` report unreadable
+entries in their output, with 0: the rest was read); 1 for a shmcancel error (a missing registry,
+a bad name, an incompatible segment, a table's damaged region header, a live creator's registry
+to unlink, ...) with one line on stderr and no traceback, or for ``cleanup --stale`` when it
+skipped any registry (one line each); 2 for a usage error.
 
 Every ``--json`` output is strict JSON: a time or number that is not finite (a row written with a
 broken clock, a garbled header) is ``null``, never ``NaN`` or ``Infinity``.
@@ -50,7 +55,8 @@ broken clock, a garbled header) is ``null``, never ``NaN`` or ``Infinity``.
     {"name": ..., "now": <time.time()>,
      "cancellations": [{"scope", "request_id", "reason", "cancelled_at"}, ...],
      "in_flight": [{"scope", "request_id", "pid", "alive", "start_time", "thread", "token"}, ...],
-     "sessions": <how many session rows>}
+     "sessions": <how many session rows>,
+     "unreadable": [{"table", "slot", "record"}, ...]}  (entries whose record is corrupted)
 """
 
 from __future__ import annotations
@@ -104,6 +110,14 @@ TOP_SCOPES = 10
 LOCK_WAIT = 1.0  # seconds unlink / cleanup --stale wait for a creation to finish
 
 
+_EXIT_STATUS = """\
+exit status: 0 on success (dump and stats also when they report unreadable entries, fsck
+also when it repaired the registry); 1 for a shmcancel error (one line on stderr: a missing
+registry, a bad name, a registry a worker cannot attach, e.g. a table's damaged region
+header, which `fsck` repairs), or for cleanup --stale when it skipped a registry; 2 for a
+usage error."""
+
+
 class _Usage(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -112,7 +126,8 @@ class _Usage(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Usage(prog="shmtool", description="Inspect and maintain shmcancel registries.")
+    p = _Usage(prog="shmtool", description="Inspect and maintain shmcancel registries.",
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXIT_STATUS)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Usage)
     s = sub.add_parser("list", help="registries in /dev/shm")
     s.add_argument("--json", action="store_true", help="one JSON object")
@@ -439,8 +454,10 @@ def _dump(reg: Registry) -> dict[str, Any]:
         flights.append({"scope": scope, "request_id": rid, "pid": pid, "alive": alive,
                         "start_time": start, "thread": tid, "token": token})
     flights.sort(key=lambda r: (str(r["scope"]), str(r["request_id"]), r["pid"] or 0))
+    unreadable = [{"table": name, "slot": slot, "record": r}
+                  for name, t in reg.tables.items() for slot, r in t.unreadable()]
     return {"name": reg.name, "now": now, "cancellations": cancels, "in_flight": flights,
-            "sessions": reg.table(SESSIONS).count()}
+            "sessions": reg.table(SESSIONS).count(), "unreadable": unreadable}
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -449,9 +466,17 @@ def cmd_dump(args: argparse.Namespace) -> int:
         _print_json(d)
         return 0
     now = d["now"]
+    bad = d["unreadable"]
     print(f"registry {d['name']}: {len(d['cancellations'])} cancellations, "
-          f"{len(d['in_flight'])} in flight, {d['sessions']} sessions")
+          f"{len(d['in_flight'])} in flight, {d['sessions']} sessions"
+          + (f", {len(bad)} UNREADABLE entries" if bad else ""))
     print()
+    if bad:
+        print(f"unreadable entries (corrupted records, not shown below; `shmtool cleanup "
+              f"{d['name']}` drops them)")
+        print(_table(("TABLE", "SLOT", "RECORD"),
+                     [(r["table"], r["slot"], r["record"]) for r in bad]))
+        print()
     if d["cancellations"]:
         print(_table(("SCOPE", "REQUEST_ID", "CANCELLED", "REASON"), [
             (_printable(r["scope"]), _printable(r["request_id"]),
@@ -505,6 +530,7 @@ def _stats(reg: Registry) -> dict[str, Any]:
         "max_rows": cfg["max_rows"],
         "max_rows_per_scope": cfg["max_rows_per_scope"],
         "rows": {n: st["rows"] for n, st in tables.items()},
+        "unreadable": {n: st["unreadable"] for n, st in tables.items()},
         "tables": tables,
         "top_scopes": [{"scope": s, "rows": n} for s, n in per_scope.most_common(TOP_SCOPES)],
         "scopes": len(per_scope),
@@ -561,6 +587,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
          f"{t['small_size']}/{t['record_size']}" if t["large_count"] else t["record_size"],
          f"{t['large_rows']}/{t['large_count']}" if t["large_count"] else "-")
         for n, t in s["tables"].items()]))
+    bad = {n: t["unreadable"] for n, t in s["tables"].items() if t["unreadable"]}
+    if bad:
+        print("UNREADABLE entries (corrupted records, counted in ROWS; `shmtool cleanup "
+              f"{s['name']}` drops them): " + ", ".join(f"{n} {k}" for n, k in bad.items()))
     print()
     print("probe lengths (distance from home slot: entries)")
     for n, t in s["tables"].items():
@@ -587,10 +617,17 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise _UsageError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
     reg = Registry.attach(check_name(args.name[0]))
     try:
+        repaired = reg.check()  # what the sweep checks first: here to say what it repaired
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
     finally:
         reg.close()
     print(f"removed {removed} cancellation rows, {in_flight_removed} in-flight rows")
+    for table, counts in repaired.items():
+        bad = counts.get("bad_entries", 0)
+        what = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k != "bad_entries")
+        print(f"table {table}: " + ", ".join(
+            ([f"dropped {bad} unreadable entries"] if bad else [])
+            + ([f"repaired ({what})"] if what else [])))
     return 0
 
 

@@ -281,6 +281,42 @@ def test_fsck_rebuilds_a_damaged_region_header(reg):
         r2.close()
 
 
+def test_dump_stats_and_cleanup_report_unreadable_entries(reg):
+    """A row whose record is corrupted (a byte of its key flipped): ``dump`` lists its entry
+    and ``stats`` counts it (exit 0, the other rows shown); ``cleanup`` drops it and says so;
+    afterwards neither reports any."""
+    c = Cancellation(reg)
+    for i in range(3):
+        c.cancel(f"r{i}", "why", "s")
+    t = reg.table("cancellations")
+    slot, rec = next((s, r) for s, r, _, _, _ in t._entries(t._idx.tolist()))
+    t._buf[t._offset(rec) + t.RECORD_HEADER] ^= 0xFF
+    p = shmtool("dump", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["unreadable"] == [{"table": "cancellations", "slot": slot, "record": rec}]
+    assert len(d["cancellations"]) == 2
+    p = shmtool("dump", reg.name)
+    assert p.returncode == 0
+    assert "2 cancellations, 0 in flight, 0 sessions, 1 UNREADABLE" in p.stdout
+    assert any(line.split() == ["cancellations", str(slot), str(rec)]
+               for line in p.stdout.splitlines())
+    p = shmtool("stats", reg.name, "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["unreadable"]["cancellations"] == 1 and s["tables"]["cancellations"]["unreadable"] == 1
+    assert sum(s["unreadable"].values()) == 1
+    p = shmtool("stats", reg.name)
+    assert p.returncode == 0 and "UNREADABLE entries" in p.stdout and "cancellations 1" in p.stdout
+    p = shmtool("cleanup", reg.name)
+    assert p.returncode == 0, p.stderr
+    assert "table cancellations: dropped 1 unreadable entries" in p.stdout
+    assert json.loads(shmtool("dump", reg.name, "--json").stdout)["unreadable"] == []
+    s = json.loads(shmtool("stats", reg.name, "--json").stdout)
+    assert s["unreadable"]["cancellations"] == 0 and s["rows"]["cancellations"] == 2
+    assert "UNREADABLE" not in shmtool("stats", reg.name).stdout
+
+
 def _stale(name: str) -> int:
     """Registry ``name`` created by a child that is then SIGKILLed (a killed master); its pid."""
     return _killed_after(lambda: Registry.create(name, SMALL))

@@ -44,28 +44,46 @@ class Fsck(TableBase):
                 return got
         return None
 
-    def _index_words(self) -> list[int]:
-        """The index as a list of u64 words, consistent (optimistic, else under the lock; on a
-        read-only attachment, which has no lock, as it is then)."""
-        words = self._optimistic(list)
-        if words is not None:
-            return words
+    def _consistent(self, read: Callable[[list[int]], T]) -> T:
+        """``read(index words)`` from a consistent copy of the index (optimistic, else under
+        the lock; on a read-only attachment, which has no lock, as it is then)."""
+        got = self._optimistic(read)
+        if got is not None:
+            return got
         if self._lockless:
-            return self._idx.tolist()
+            return read(self._idx.tolist())
         with self._lock:
-            return self._idx.tolist()
+            return read(self._idx.tolist())
+
+    def _index_words(self) -> list[int]:
+        """The index as a list of u64 words, consistent (see :meth:`_consistent`)."""
+        return self._consistent(list)
+
+    def _unreadable(self, words: list[int]) -> list[tuple[int, int]]:
+        hash_ = self._hash
+        return [(s, r) for s, r, kb, _, stamp in self._entries(words)
+                if stamp < 0 or hash_(kb) != words[2 * s]]
+
+    def unreadable(self) -> list[tuple[int, int]]:
+        """(slot, record number) of every index entry whose record fails validation or holds a
+        key that does not hash to the entry: corrupted rows no read returns, which fsck drops
+        (its ``bad_entries``). From one consistent read of the index and the records (see
+        :meth:`_consistent`)."""
+        self._check_open()
+        return self._consistent(self._unreadable)
 
     def stats(self) -> dict[str, Any]:
         """``rows``, ``capacity``, ``nslots``, ``load`` (rows / nslots), ``probe_histogram``
         {distance from home slot: entries}, ``max_probe``, the size classes (``small_size``,
         ``record_size``, ``large_count``) and ``large_rows`` (rows in large records); from one
-        consistent index read."""
+        consistent index read; and ``unreadable``: how many of ``rows`` are entries whose record
+        is corrupted (:meth:`unreadable`), from the same read."""
         self._check_open()
         hist: dict[int, int] = {}
         mask = self._mask
         cap = self.capacity
         nlarge = 0
-        words = self._index_words()
+        words, bad = self._consistent(lambda w: (w, self._unreadable(w)))
         for j in range(0, self._nwords, 2):
             h = words[j]
             if h:
@@ -85,6 +103,7 @@ class Fsck(TableBase):
             "record_size": self.record_size,
             "large_count": self.large_count,
             "large_rows": nlarge,
+            "unreadable": len(bad),
         }
 
     # ---------------------------------------------------------------- corruption
