@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -551,3 +553,77 @@ def test_an_idle_process_lands_its_owed_ends_once_the_lock_is_free(registry, spa
                time.monotonic() + 10, what="the idle process to land its owed ends")
     idle.send("exit")
     assert idle.wait() == 0
+
+
+# A process that owes a plain clear() (met a stalled lock) and then exits normally: a worker
+# whose janitor listens for owed ends (so no lander thread runs), told when to exit on stdin.
+_CLEAR_THEN_EXIT = """
+import sys
+from shmcancel import Cancellation, Registry
+from shmcancel.cancel import owed
+owed.listeners.add(lambda: None)  # a running janitor's wake-up: no lander thread starts
+c = Cancellation(Registry.attach(sys.argv[1]))
+c.clear(5, "S")
+print(owed.owed_ends(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _owing_exiter(name: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _CLEAR_THEN_EXIT, name],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen[str]) -> tuple[int, str]:
+    """Tell ``p`` to exit; its status and stderr (killed by pid past TIMEOUT)."""
+    try:
+        _, err = p.communicate("exit\n", timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err
+
+
+def test_a_clear_owed_at_exit_lands_before_the_process_ends(registry, spawn):
+    """contract §4.3: a clear is never lost. A plain ``clear()`` that met a stalled lock was
+    owed, and lost when its process exited before landing it (nothing else knows of it: unlike
+    a handle's end, no in-flight row of the dead process leads a reaper to it), leaving the
+    cancellation row until its TTL. An exiting process now lands what it owes first."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    c.cancel(5, "stop", "S")
+    with stalled_lock(spawn, reg.name):
+        p = _owing_exiter(reg.name)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "1"
+        except BaseException:
+            _finish(p)
+            raise
+        assert c.cancelled(5, "S")
+    status, err = _finish(p)  # the lock is free: the exit lands the clear
+    assert status == 0, err
+    assert not c.cancelled(5, "S")
+
+
+def test_an_exit_waits_for_a_stalled_lock_only_so_long(registry, spawn):
+    """The lock stays stalled: the exiting process gives up after ``owed.EXIT_WAIT`` seconds of
+    tries (each at most the lock timeout), says so in one line, and exits 0."""
+    reg = registry(lock_timeout=0.3)
+    c = Cancellation(reg)
+    c.cancel(5, "stop", "S")
+    with stalled_lock(spawn, reg.name):
+        p = _owing_exiter(reg.name)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "1"
+        except BaseException:
+            _finish(p)
+            raise
+        t0 = time.monotonic()
+        status, err = _finish(p)
+        took = time.monotonic() - t0
+        assert status == 0, err
+        assert "exiting with 1 request ends still owed" in err
+        assert owed.EXIT_WAIT <= took < owed.EXIT_WAIT + 10  # bounded (generous for load)
+    assert c.cancelled(5, "S")

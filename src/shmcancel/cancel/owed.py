@@ -2,8 +2,9 @@
 
 An end that meets :class:`~shmcancel.LockTimeout` is queued here (at most ``_OWED_MAX``, the
 oldest dropped, logged once per process) and landed later, oldest first, by
-:func:`settle_owed`: on the process's next write, by ``Cancellation.settle`` and by the
-worker's janitor thread, which ``listeners`` wake. A process with no janitor (a library user's)
+:func:`settle_owed`: on the process's next write, by ``Cancellation.settle``, by the
+worker's janitor thread, which ``listeners`` wake, and at interpreter exit (tries for at most
+:data:`EXIT_WAIT` seconds, :func:`_settle_at_exit`). A process with no janitor (a library user's)
 starts a lander thread instead, which tries every :data:`RETRY` seconds and ends once nothing is
 owed: an idle process still lands its ends once the lock is free, and no other process could
 (which requests ended is known only here). ``running`` holds the tokens of the requests
@@ -14,6 +15,7 @@ removed by ``Cancellation.settle``). All of it is per process: cleared in a fork
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -32,6 +34,9 @@ log = logging.getLogger("shmcancel.cancellation")
 
 _OWED_MAX = 1024
 RETRY = 0.25  # seconds between two tries at landing owed ends (the lander's, the janitor's)
+# seconds an exiting process goes on trying to land what it owes (each try waits at most the
+# store's lock timeout): a plain clear() has no row of the process a reaper could find after it
+EXIT_WAIT = 2.0
 #: Owed ends, oldest first: (store, scope, rid, owner, ended_at); ``ended_at`` ``None``: only
 #: the untrack of ``owner``'s row (a plain ``Cancellation.untrack``), no clear.
 queue: collections.deque[tuple[Storage, str, str, Owner | None, float | None]] = \
@@ -122,6 +127,33 @@ def _land_until_settled() -> None:
             if not queue or listeners:
                 _lander = None
                 return
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit, where the lander and the janitor (daemon threads) die: land what
+    is owed, a try every :data:`RETRY` seconds until :data:`EXIT_WAIT` seconds have passed (a
+    try that meets the stalled lock waits at most the store's lock timeout). An owed handle
+    end is left to the reaper of the dead process's rows, but a plain clear would be lost:
+    its cancellation row would stand until its TTL. What still cannot land is logged."""
+    if not queue:
+        return
+    deadline = time.monotonic() + EXIT_WAIT
+    while True:
+        try:
+            settle_owed()
+        except Exception:
+            log.debug("landing owed request ends at exit failed", exc_info=True)
+        left = deadline - time.monotonic()
+        if not queue or left <= 0:
+            break
+        time.sleep(min(RETRY, left))
+    if queue:
+        log.warning("exiting with %d request ends still owed to a stalled registry: their "
+                    "in-flight rows are reaped later; a cancellation row a clear() owed stays "
+                    "until its TTL", len(queue))
+
+
+atexit.register(_settle_at_exit)
 
 
 def forgo_untrack(st: Storage, scope: str, rid: str, owner: Owner) -> bool:
