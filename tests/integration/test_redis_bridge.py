@@ -430,7 +430,7 @@ def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
     session key holding a hash made its lookup raise RemoteUnavailable (503 for good, never
     404), and DOWN_AFTER such answers (that lookup, or notifications into a scope whose rows
     key is a string) marked Redis down: every session of another host 503, cross-host
-    cancellation off for every call of the worker."""
+    cancellation off for every call of the worker. The scripts mend such keys (deleted)."""
     prefix = unique_prefix()
     with bridge(reg, srv, prefix=prefix) as b:
         b.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
@@ -444,7 +444,7 @@ def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
         assert handle is not None and handle[3]
         for _ in range(DOWN_AFTER + 1):
             assert b.lookup_session("h" * 32) is None  # no such session: 404
-            b.cancel(7, "stop", "session:w")  # owed, not an outage
+            assert b.cancel(7, "stop", "session:w")  # its rows key mended
         assert not b.down
         assert b.lookup_session(SID) == ("2025-11-25", "ip:1.2.3.4")
 
@@ -455,7 +455,8 @@ def test_an_owed_write_redis_can_never_take_does_not_stop_the_bridge_thread(
     first that fails. One Redis refuses for good (its session's holders set is a string another
     client wrote: WRONGTYPE) failed every turn for its whole deadline (the session TTL): the
     worker read its box no more, so a cross-host cancellation of its call never landed, and
-    its leases went unrenewed. Such a write can never land: it is dropped."""
+    its leases went unrenewed. The scripts now mend such a key (deleted, then written as
+    theirs): the write lands."""
     prefix = unique_prefix()
     c = Cancellation(reg)
     with bridge(reg, srv, prefix=prefix, host="A") as a, \
@@ -463,11 +464,12 @@ def test_an_owed_write_redis_can_never_take_does_not_stop_the_bridge_thread(
         r = redis.Redis.from_url(srv.url)
         try:
             r.set(f"{prefix}sess:{SID}:boxes", "a string")
+            a.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
+            assert a.owed() == 0
+            assert r.smembers(f"{prefix}sess:{SID}:boxes") == {a.remote.box.encode()}
         finally:
             r.close()
-        a.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
-        assert a.owed() == 1
-        a.start()  # its first turn meets the owed write
+        a.start()
         handle = c.begin(7, "session:x")
         assert handle.tracked and a.track(7, "session:x") is not None
         assert b.cancel(7, "stop", "session:x") is True
@@ -704,7 +706,7 @@ def test_a_calls_row_key_another_client_wrote_over_does_not_stop_the_bridge_thre
     every turn, for as long as the call ran: the worker read its box no more (a cross-host
     cancellation of its other call never landed), renewed none of its leases, and logged a
     warning every turn; as did the add back of a row whose scope's running-id set is a string.
-    Such a row can never be held in Redis: skipped, the others renewed."""
+    The scripts mend such keys (deleted, the row added back): every row is renewed."""
     prefix = unique_prefix()
     c = Cancellation(reg)
     with bridge(reg, srv, prefix=prefix, host="A", lease=1.5) as a, \

@@ -5,7 +5,8 @@ An integration (``shmcancel.redis``) installs a provider with :func:`install`; u
 only where the local registry has no answer (a session minted elsewhere, a call not in flight
 here), so a poll never reaches it. Every method is bounded by the remote's own timeout.
 
-Only :meth:`Remote.lookup_session` may raise into a request, and only
+Only :meth:`Remote.lookup_session` may raise into a request (and :meth:`Remote.cancel`, when
+the remote answered that it could not deliver it), and only
 :class:`~shmcancel.exceptions.RemoteUnavailable`: "no answer" must not read as "no such
 session", which a client takes as its session gone for good (404); the transport answers 503
 with ``Retry-After`` instead. The other methods never raise: a write the remote could not make
@@ -32,7 +33,9 @@ class Remote(Protocol):
 
     def cancel(self, request_id: Any, reason: Any, scope: str) -> bool:
         """Cancel a call running on another host; False when not in flight anywhere or
-        unknown (no answer). May raise ``CancellationLimitReached``."""
+        unknown (no answer). May raise ``CancellationLimitReached``, and
+        :class:`~shmcancel.exceptions.RemoteUnavailable` when the remote answered that it
+        could not deliver it (its store damaged)."""
 
     def cancel_scope(self, scope: str, reason: Any) -> int:
         """Cancel every call of ``scope`` on any host; how many were recorded."""

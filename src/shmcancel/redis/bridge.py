@@ -135,6 +135,15 @@ class _NoAnswer(Exception):
     """A Redis call got no answer: skipped, failed or timed out."""
 
 
+class _Refused(_NoAnswer):
+    """A full Redis (``noeviction``) refused a write that needs memory (``OOM``)."""
+
+
+class _Damaged(_NoAnswer):
+    """Redis answered ``WRONGTYPE``: a key of ours held what another client wrote (the scripts
+    mend their keys first, so this is one they could not)."""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _Owed:
     key: tuple[Any, ...]
@@ -266,12 +275,14 @@ class Bridge:
         other Redis call held on past the wait (skipped)."""
         if self.down:
             raise _NoAnswer(f"{what}: Redis is down")
-        from redis.exceptions import RedisError
+        from redis.exceptions import OutOfMemoryError, RedisError
         try:
             got = fn(*a, **kw)
         except (RedisError, OSError) as e:
             self._failed(what, e)
-            raise _NoAnswer(f"{what}: {e}") from None
+            kind = (_Refused if isinstance(e, OutOfMemoryError)
+                    else _Damaged if wrong_type(e) else _NoAnswer)
+            raise kind(f"{what}: {e}") from None
         except LockTimeout as e:
             log.debug("skipped a Redis call: %s", e)
             raise _NoAnswer(f"{what}: {e}") from None
@@ -392,15 +403,19 @@ class Bridge:
 
     def cancel(self, request_id: object, reason: object, scope: str) -> bool:
         """A notification found nothing in flight here: record it if the request runs on some
-        host (it is delivered there). Raises ``CancellationLimitReached`` (quota); False when
-        not in flight anywhere, or when Redis gave no answer: then the cancellation is owed
-        for :data:`CANCEL_TTL` seconds (still gated on the request being in flight when it
-        lands, so a call that ended meanwhile gets no row, and recorded as of now, so a call
-        of the id that began since ignores it)."""
+        host (it is delivered there). Raises ``CancellationLimitReached`` (quota), and
+        ``RemoteUnavailable`` when Redis answered ``WRONGTYPE`` (a key of ours another client
+        wrote over that the script could not mend: an owed retry would meet it too, so the
+        client is asked to retry instead); False when not in flight anywhere, or when Redis gave
+        no answer: then the cancellation is owed for :data:`CANCEL_TTL` seconds (still gated on
+        the request being in flight when it lands, so a call that ended meanwhile gets no row,
+        and recorded as of now, so a call of the id that began since ignores it)."""
         at = self.remote.clock()
         try:
             return bool(self._ask("cancel", self.remote.cancel_if_in_flight, request_id,
                                   reason, scope))
+        except _Damaged as e:
+            raise RemoteUnavailable(f"cross-host cancellation not delivered: {e}") from None
         except _NoAnswer:
             rid = ids.key(request_id)
             if rid is not None:

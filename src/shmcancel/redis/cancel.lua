@@ -11,12 +11,16 @@
 local c, t, all, scopes, ifk, pc, pend = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6],
                                          KEYS[7]
 local P, scope, rid, reason, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+-- keys of another type (another client's writes) are mended first: an in-flight key so mended
+-- holds nothing in flight until its owner's renewal adds its row back, which the cancellation
+-- waits for (pending, below)
+for k, kind in pairs({[c] = 'hash', [t] = 'zset', [ifk] = 'zset', [pc] = 'hash',
+                      [pend] = 'zset'}) do
+  mend(k, kind)
+end
+mend_index(P, all, scopes)
 local owners = {}
 if ARGV[9] == '1' then
-  -- an in-flight key another client wrote with another type holds no running request of ours:
-  -- not in flight (a session's DELETE goes on to the scope's other ids)
-  local kind = redis.call('TYPE', ifk).ok
-  if kind ~= 'zset' and kind ~= 'none' then return {0} end
   owners = live(ifk, ARGV[10])
   if #owners == 0 then
     local ms, now = tonumber(ARGV[12]), tonumber(ARGV[10])

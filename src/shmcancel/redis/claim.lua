@@ -3,6 +3,7 @@
 -- A last claim more than an interval ahead of now is due too: the claimer's clock stepped back
 -- (NTP, a restored VM), and waiting for it to catch up would stop the sweeps for as long as the
 -- step (as Registry.claim_sweep, shm/registry.py's sweep_due).
+mend(KEYS[1], 'string')
 local last = redis.call('GET', KEYS[1])
 local now, interval = tonumber(ARGV[1]), tonumber(ARGV[2])
 if last and now - tonumber(last) < interval and tonumber(last) - now <= interval then return 0 end

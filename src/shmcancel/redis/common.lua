@@ -23,12 +23,44 @@ local function unmember(m)  -- nil for a member not of that form (written by ano
   return string.sub(m, colon + 1, colon + n), string.sub(m, colon + n + 1)
 end
 local function skey(P, scope, kind) return P .. '{' .. redis.sha1hex(scope) .. '}:' .. kind end
+-- A key of ours that holds another type (another client wrote over it) is damage: it is deleted,
+-- so that the script goes on (a WRONGTYPE would fail it, and every later one touching the key)
+-- and what belongs there is written again (the next renew adds a lost in-flight row back, the
+-- next publish a session). True when it was deleted.
+local function mend(k, kind)
+  local got = redis.call('TYPE', k).ok
+  if got == kind or got == 'none' then return false end
+  redis.call('DEL', k)
+  return true
+end
 local function remove(P, all, scopes, scope, rid)
-  if redis.call('HDEL', skey(P, scope, 'c'), rid) == 0 then return 0 end
-  redis.call('ZREM', skey(P, scope, 't'), rid)
+  local c, t = skey(P, scope, 'c'), skey(P, scope, 't')
+  mend(c, 'hash')
+  mend(t, 'zset')
+  if redis.call('HDEL', c, rid) == 0 then return 0 end
+  redis.call('ZREM', t, rid)
   redis.call('ZREM', all, member(scope, rid))
   if tonumber(redis.call('ZINCRBY', scopes, -1, scope)) <= 0 then redis.call('ZREM', scopes, scope) end
   return 1
+end
+-- The global index (all) and the scopes' row counts (scopes), either rebuilt from the other when
+-- it was damaged (mend): every row keeps its place in the cap's eviction order and its expiry.
+local function mend_index(P, all, scopes)
+  local lost_all, lost_scopes = mend(all, 'zset'), mend(scopes, 'zset')
+  if lost_all and not lost_scopes then
+    for _, scope in ipairs(redis.call('ZRANGE', scopes, 0, -1)) do
+      local t = skey(P, scope, 't')
+      if not mend(t, 'zset') then
+        local rows = redis.call('ZRANGE', t, 0, -1, 'WITHSCORES')
+        for j = 1, #rows, 2 do redis.call('ZADD', all, rows[j + 1], member(scope, rows[j])) end
+      end
+    end
+  elseif lost_scopes and not lost_all then
+    for _, m in ipairs(redis.call('ZRANGE', all, 0, -1)) do
+      local scope = unmember(m)
+      if scope ~= nil then redis.call('ZINCRBY', scopes, 1, scope) end
+    end
+  end
 end
 -- Whether x sorts before y byte by byte (as code points: UTF-8), the contract's order. Lua's "<"
 -- is strcoll in the server's locale (redis-server sets LC_COLLATE from its environment).
@@ -64,6 +96,7 @@ local function evict(P, all, scopes, batch, spare)
     local cand = {}
     while i <= #groups and tonumber(groups[i + 1]) == size do
       local scope = groups[i]
+      mend(skey(P, scope, 't'), 'zset')
       local rows = redis.call('ZRANGE', skey(P, scope, 't'), 0, batch - #victims - 1, 'WITHSCORES')
       for j = 1, #rows, 2 do cand[#cand + 1] = {tonumber(rows[j + 1]), scope, rows[j]} end
       i = i + 2
@@ -115,6 +148,7 @@ end
 local BOX_MAX = 4096
 local function push_box(P, box, item, box_lease_ms)
   local k = P .. 'box:' .. box
+  mend(k, 'list')
   redis.call('LPUSH', k, item)
   redis.call('LTRIM', k, 0, BOX_MAX - 1)
   redis.call('PEXPIRE', k, box_lease_ms)
@@ -136,13 +170,16 @@ end
 local function prune_pending(P, pend, now_ms, n)
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', pend, '-inf', '(' .. now_ms, 'LIMIT', 0, n)) do
     local scope, rid = unmember(m)
-    if scope ~= nil then redis.call('HDEL', skey(P, scope, 'pc'), rid) end
+    if scope ~= nil and not mend(skey(P, scope, 'pc'), 'hash') then
+      redis.call('HDEL', skey(P, scope, 'pc'), rid)
+    end
     redis.call('ZREM', pend, m)
   end
 end
 -- Whether some owner's lease on (scope, rid) still runs at now_ms (read only: nothing dropped).
 local function running(P, scope, rid, now_ms)
-  return redis.call('ZCOUNT', skey(P, scope, 'if:' .. redis.sha1hex(rid)), now_ms, '+inf') > 0
+  local ifk = skey(P, scope, 'if:' .. redis.sha1hex(rid))
+  return not mend(ifk, 'zset') and redis.call('ZCOUNT', ifk, now_ms, '+inf') > 0
 end
 -- Drop owners whose lease ran out; the owners left.
 local function live(ifk, now_ms)
@@ -151,7 +188,8 @@ local function live(ifk, now_ms)
 end
 -- Whether a box's bridge stopped (its worker exited): nobody reads that box again. A worker killed
 -- without stopping stays listed until the session ends. An error reading the mark (a key of
--- another type at P{g}:stopped) counts as not stopped: the box is kept, and told.
+-- another type at P{g}:stopped, which the scripts mend first) counts as not stopped: the box is
+-- kept, and told.
 local function stopped_box(stopped, box)
   return type(redis.pcall('ZSCORE', stopped, box)) == 'string'
 end
@@ -160,6 +198,7 @@ end
 -- DELETE told them all.
 local HOLDERS_LOOKED = 32
 local function set_holder(boxes, box, stopped)
+  mend(boxes, 'set')
   redis.call('SADD', boxes, box)
   for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
     if b ~= box and stopped_box(stopped, b) then redis.call('SREM', boxes, b) end

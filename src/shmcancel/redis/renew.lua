@@ -3,23 +3,20 @@
 -- them: restarted, or the lease ran out and someone dropped them) or whose lease ran out before
 -- now_ms (the host stalled past it: what was pushed to its box meanwhile may have expired with
 -- the box), for the caller to add again (track.lua, which hands the owner a cancellation recorded
--- for its request). A key another client wrote with another type holds no row of ours and never
--- will (its add back would fail too): skipped, neither renewed nor reported, so that it fails
--- neither this script nor the renewal of the caller's other rows.
+-- for its request). A key another client wrote with another type is mended (deleted): its row is
+-- missing, and added back (as is the scope's set of running ids, mended so, by track.lua).
 local missing = {}
 local now = tonumber(ARGV[2])
 for i, k in ipairs(KEYS) do
-  local kind = redis.call('TYPE', k).ok
-  if kind == 'zset' or kind == 'none' then  -- another type: not ours, skipped
-    local old = redis.call('ZSCORE', k, ARGV[i + 2])
-    if not old or tonumber(old) < now then
-      missing[#missing + 1] = i
-    else
-      redis.call('ZADD', k, ARGV[1], ARGV[i + 2])
-      local ifs = string.match(k, '^(.*):if:%x+$') .. ':ifs'
-      for _, key in ipairs({k, ifs}) do
-        if redis.call('PEXPIRETIME', key) < tonumber(ARGV[1]) then redis.call('PEXPIREAT', key, ARGV[1]) end
-      end
+  mend(k, 'zset')
+  local old = redis.call('ZSCORE', k, ARGV[i + 2])
+  local ifs = string.match(k, '^(.*):if:%x+$') .. ':ifs'
+  if not old or tonumber(old) < now or mend(ifs, 'set') then
+    missing[#missing + 1] = i
+  else
+    redis.call('ZADD', k, ARGV[1], ARGV[i + 2])
+    for _, key in ipairs({k, ifs}) do
+      if redis.call('PEXPIRETIME', key) < tonumber(ARGV[1]) then redis.call('PEXPIREAT', key, ARGV[1]) end
     end
   end
 end

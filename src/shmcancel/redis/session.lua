@@ -10,12 +10,16 @@
 -- until those calls end.
 local function busy(sid)
   local scope = 'session:' .. sid
+  if mend(skey(ARGV[1], scope, 'ifs'), 'set') then return false end
   for _, rid in ipairs(redis.call('SMEMBERS', skey(ARGV[1], scope, 'ifs'))) do
     if running(ARGV[1], scope, rid, ARGV[6]) then return true end
   end
   return false
 end
+mend(KEYS[4], 'string')
 if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+mend(KEYS[2], 'zset')
+mend(KEYS[5], 'zset')
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 set_holder(KEYS[3], ARGV[7], KEYS[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])

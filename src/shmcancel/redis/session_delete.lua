@@ -4,6 +4,8 @@
 -- again meanwhile (its renewal racing this, an adoption between its lookup and its store, its
 -- recovery after Redis lost the session and so the boxes to tell) is refused and ends its copy.
 -- Returns how many boxes were told (a stopped holder's is not: nobody reads it, see stopped_box).
+mend(KEYS[2], 'set')
+mend(KEYS[4], 'zset')
 local n = 0
 for _, box in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if box ~= ARGV[4] and not stopped_box(KEYS[4], box) then

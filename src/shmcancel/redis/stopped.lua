@@ -4,6 +4,7 @@
 -- (Redis's clock) are forgotten: a session still listing that box has been renewed since.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+mend(KEYS[1], 'zset')
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[2])))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])

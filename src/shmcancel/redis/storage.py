@@ -358,9 +358,10 @@ class RedisStorage:
         """Extend the lease of every row this process holds, adding back any Redis lost (a
         restart, a lease run out) with its request's start, so that a cancellation sent since
         that found nothing in flight meanwhile lands (``track.lua``). Returns how many were
-        added back. A row whose keys another client wrote with another type (``WRONGTYPE``)
-        can never be held in Redis: skipped, so that it stops neither the renewal of the other
-        rows nor the bridge thread's turn (its box read)."""
+        added back. A row's key another client wrote with another type is mended by the
+        scripts (deleted, the row added back); one Redis still answers ``WRONGTYPE`` for is
+        skipped, so that it stops neither the renewal of the other rows nor the bridge
+        thread's turn (its box read)."""
         from redis.exceptions import ResponseError
         now = self._now_ms()
         deadline = now + int(self.lease * 1000)

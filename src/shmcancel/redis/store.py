@@ -68,6 +68,18 @@ def wrong_type(e: BaseException) -> bool:
     return isinstance(e, ResponseError) and str(e).startswith("WRONGTYPE")
 
 
+def _or_empty(fn: Any, *a: Any, empty: Any) -> Any:
+    """``fn(*a)``, or ``empty`` when Redis answered ``WRONGTYPE``: a key of ours another client
+    wrote over holds nothing of ours (the next script touching it deletes it: ``mend``)."""
+    from redis.exceptions import ResponseError
+    try:
+        return fn(*a)
+    except ResponseError as e:
+        if not wrong_type(e):
+            raise
+        return empty
+
+
 def _ordered(x: float) -> int:
     """An int that orders finite floats as they compare (-0.0 just below 0.0)."""
     (i,) = struct.unpack("<q", struct.pack("<d", x))
@@ -185,8 +197,11 @@ class RedisStore:
         p = self.client.pipeline(transaction=False)
         p.hget(c, _b(rid))
         p.zscore(t, _b(rid))
-        raw, at = p.execute()
-        if raw is None or at is None:
+        raw, at = p.execute(raise_on_error=False)
+        for got in (raw, at):
+            if isinstance(got, Exception) and not wrong_type(got):
+                raise got
+        if raw is None or at is None or isinstance(raw, Exception) or isinstance(at, Exception):
             return None
         return decode_reason(raw), float(at)
 
@@ -196,15 +211,16 @@ class RedisStore:
                                "" if before is None else repr(float(before))]))
 
     def rows(self) -> int:
-        return int(self.client.zcard(self._all))
+        return int(_or_empty(self.client.zcard, self._all, empty=0))
 
     def scope_rows(self, scope: str) -> int:
-        return int(self.client.hlen(self._skeys(scope)[0]))
+        return int(_or_empty(self.client.hlen, self._skeys(scope)[0], empty=0))
 
     def cancellations(self) -> list[tuple[str, str, str | None, float]]:
         """Every row ``(scope, rid, reason, at)`` (a scan: for tests and tools)."""
         out = []
-        for m, at in self.client.zrange(self._all, 0, -1, withscores=True):
+        for m, at in _or_empty(
+                lambda: self.client.zrange(self._all, 0, -1, withscores=True), empty=[]):
             n, _, rest = bytes(m).partition(b":")
             if not n.isdigit() or int(n) > len(rest):
                 continue  # not a row's member (written by another client)
@@ -232,7 +248,7 @@ class RedisStore:
         return total
 
     def exists(self, scope: str, rid: str) -> bool:
-        return bool(self.client.hexists(self._skeys(scope)[0], _b(rid)))
+        return bool(_or_empty(self.client.hexists, self._skeys(scope)[0], _b(rid), empty=0))
 
     def claim_sweep(self, now: float, interval: float) -> bool:
         """True for one caller per ``interval`` seconds across every host (the first claim one
@@ -266,7 +282,7 @@ class RedisStore:
         client's write) names no request: skipped, never raised (a session's ``DELETE`` reads
         this)."""
         out = []
-        for m in self.client.smembers(self.ifs_key(scope)):
+        for m in _or_empty(self.client.smembers, self.ifs_key(scope), empty=set()):
             try:
                 out.append(bytes(m).decode("utf-8", "surrogatepass"))
             except UnicodeDecodeError:
@@ -274,7 +290,8 @@ class RedisStore:
         return out
 
     def in_flight(self, scope: str, rid: str, *, now_ms: int) -> bool:
-        return bool(self.client.zcount(self.if_key(scope, rid), now_ms, "+inf"))
+        return bool(_or_empty(self.client.zcount, self.if_key(scope, rid), now_ms, "+inf",
+                              empty=0))
 
     def renew(self, entries: list[tuple[bytes, bytes]], deadline_ms: int, *,
               now_ms: int) -> list[int]:

@@ -11,6 +11,10 @@
 local ifk = KEYS[1]
 local P, scope, rid, owner, started = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[7])
 local box, box_lease_ms = box_of(owner), tonumber(ARGV[5]) - tonumber(ARGV[6])
+for i, kind in ipairs({'zset', 'hash', 'zset', false, false, 'set', 'hash', 'zset'}) do
+  if kind then mend(KEYS[i], kind) end
+end
+mend_index(P, KEYS[4], KEYS[5])
 if #live(ifk, ARGV[6]) == 0 then
   local at = redis.call('ZSCORE', KEYS[3], rid)
   if at and tonumber(at) < started then

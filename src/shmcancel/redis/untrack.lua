@@ -2,6 +2,10 @@
 -- Ends a running request; when no namesake runs on, its cancellation row goes too (the end of a
 -- request is untrack, then clear), only when cancelled_at < before if given (an end landing
 -- late: a row recorded since is a later cancellation's). Returns 1 when the owner was in flight.
+for i, kind in ipairs({'zset', 'hash', 'zset', false, false, 'set'}) do
+  if kind then mend(KEYS[i], kind) end
+end
+mend_index(ARGV[1], KEYS[4], KEYS[5])
 local removed = redis.call('ZREM', KEYS[1], ARGV[4])
 if #live(KEYS[1], ARGV[5]) == 0 then
   local at = ARGV[6] ~= '' and redis.call('ZSCORE', KEYS[3], ARGV[3])

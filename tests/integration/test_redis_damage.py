@@ -1,0 +1,101 @@
+"""Keys of ours in Redis that another client wrote over (another type): no cancellation is lost
+without a word. Real redis-server; two gunicorn "hosts" where the transport matters, two bridges
+over two registries in this process elsewhere."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from helpers.background import Background
+from helpers.gunicorn_harness import wait_until
+from helpers.mcp_client import tag, wait_file
+from test_redis_hosts import Client, outdir, two_hosts
+from test_redis_hosts_sessions import hosts_in_process
+
+from shmcancel import Cancellation, RemoteUnavailable, errors
+from shmcancel.redis.bridge import Bridge
+
+__all__ = ["outdir"]  # the module fixture, shared
+SCOPE = "session:s"
+
+
+def _key(a: Bridge, which: str) -> bytes:
+    """The key of ours named ``which`` for request 7 of :data:`SCOPE` run by ``a``."""
+    st = a.store
+    return {"all": st._all, "scopes": st._scopes, "pend": st._pend,
+            "c": st._skeys(SCOPE)[0], "t": st._skeys(SCOPE)[1],
+            "if": st.if_key(SCOPE, "7"), "ifs": st.ifs_key(SCOPE), "pc": st.pc_key(SCOPE),
+            "box": st.box_key(a.remote.box), "stopped": st._stopped}[which]
+
+
+@pytest.mark.parametrize("which", ["all", "scopes", "c", "t", "if", "ifs", "pc", "pend", "box"])
+def test_a_cancellation_through_a_key_another_client_wrote_over_still_lands(
+        redis_server: Any, shm_name: str, shm_names: list[str], which: str) -> None:
+    """A string over one of our keys (the global index ``{g}:all``, say) made the cancel
+    script fail with WRONGTYPE: B answered the notification 202, owed the cancellation, then
+    gave it up (it could never land), and A's call ran on. An in-flight key so written made
+    the call look not in flight. The scripts mend such a key (deleted; the index rebuilt
+    from the scopes' rows): the cancellation lands, at once or, for a lost in-flight row,
+    once A's renewal adds it back."""
+    with hosts_in_process(redis_server, shm_name, shm_names, lease=1.5,
+                          thread_a=True) as ((ra, a), (_, b)):
+        handle = Cancellation(ra).begin(7, SCOPE)
+        assert handle.tracked and a.track(7, SCOPE) is not None
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.set(_key(a, which), b"garbage")
+            try:
+                b.cancel(7, "stop", SCOPE)
+            except RemoteUnavailable:
+                pytest.fail("the key was not mended")
+            wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10,
+                       interval=0.02, what="the cancellation delivered on A")
+            assert handle.reason() == "stop"
+            assert not b.down and b.owed() == 0
+            handle.end()
+        finally:
+            r.close()
+
+
+@pytest.mark.parametrize("which", ["all", "scopes"])
+def test_a_damaged_row_index_is_rebuilt_from_the_other(
+        redis_server: Any, shm_name: str, shm_names: list[str], which: str) -> None:
+    """The global index and the per-scope row counts rank every row for the cap's eviction and
+    its expiry: one written over is rebuilt from the other, so no row is left out of either."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((_, a), _):
+        for i in range(3):
+            assert a.remote.storage.record(f"session:{i}", "1", "x", time.time, quota=None,
+                                           cap=200, batch=10, only_in_flight=False)
+        before = dict(a.store.client.zrange(_key(a, which), 0, -1, withscores=True))
+        a.store.client.set(_key(a, which), b"garbage")
+        assert a.remote.storage.record("session:new", "1", "x", time.time, quota=None,
+                                       cap=200, batch=10, only_in_flight=False)
+        after = dict(a.store.client.zrange(_key(a, which), 0, -1, withscores=True))
+        assert len(before) == 3 and len(after) == 4
+        assert all(after[m] == at for m, at in before.items())
+        assert a.store.expire(time.time() + 3600, 1.0) == 4  # every row still expires
+
+
+def test_a_cross_host_cancellation_through_a_garbled_index_ends_the_call(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """End to end, as found: ``SET <prefix>{g}:all garbage``, then a call on A cancelled
+    through B was answered 202 and ran on."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
+        c = Client(a.url)
+        t = tag()
+        call = Background(lambda: c.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+        call.start()
+        wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.set(prefix + "{g}:all", b"garbage")
+        finally:
+            r.close()
+        sent = time.monotonic()
+        assert c.cancel(b.url, 1).status_code == 202
+        reply = call.result(25)
+        assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
+        assert call.done_at - sent < 5.0  # not the tool's 20 s
