@@ -1,9 +1,12 @@
-"""Keys of ours in Redis that another client wrote over (another type): no cancellation is lost
-without a word. Real redis-server; two gunicorn "hosts" where the transport matters, two bridges
-over two registries in this process elsewhere."""
+"""Keys of ours in Redis that another client wrote over (another type), and a Redis too full to
+store a new session: no cancellation is lost without a word, no session is handed out that
+other hosts would answer 404. Real redis-server; two gunicorn "hosts" where the transport
+matters, two bridges over two registries in this process elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from typing import Any
 
@@ -12,10 +15,14 @@ import redis
 from helpers.background import Background
 from helpers.gunicorn_harness import wait_until
 from helpers.mcp_client import tag, wait_file
+from helpers.redis_server import RedisServer, running, unique_prefix
+from helpers.wsgi import environ_for, run
+from test_redis_bridge import _served
 from test_redis_hosts import Client, outdir, two_hosts
 from test_redis_hosts_sessions import hosts_in_process
 
 from shmcancel import Cancellation, RemoteUnavailable, errors
+from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis.bridge import Bridge
 
 __all__ = ["outdir"]  # the module fixture, shared
@@ -99,3 +106,47 @@ def test_a_cross_host_cancellation_through_a_garbled_index_ends_the_call(
         reply = call.result(25)
         assert reply["error"]["code"] == errors.REQUEST_CANCELLED, reply
         assert call.done_at - sent < 5.0  # not the tool's 20 s
+
+
+# ------------------------------------------------------------ a full Redis and initialize
+
+def test_an_initialize_whose_session_a_full_redis_refuses_is_503(shm_name: str) -> None:
+    """A full Redis (``maxmemory`` reached, ``noeviction``) refused the new session's store:
+    the initialize was answered 200 with an id other hosts (Redis answering them) answered
+    404. It is 503 with ``Retry-After`` and the request's id, and no session is left here."""
+    from shmcancel import Config
+    from shmcancel.shm.registry import Registry
+    reg = Registry.create(shm_name, Config(capacity=400, max_rows=200, in_flight_capacity=64,
+                                           session_capacity=16))
+    try:
+        with running() as srv, contextlib.contextmanager(_served)(
+                reg, srv, unique_prefix()) as (app, b):
+            r = redis.Redis.from_url(srv.url)
+            try:
+                r.config_set("maxmemory", 1)  # noeviction (the default)
+                reply = _initialize(app, srv)
+                assert reply.status == 503, reply
+                assert int(reply.headers["retry-after"]) >= 1
+                body = json.loads(reply.body)
+                assert body["id"] == 9 and body["error"]["code"] == errors.SERVER_ERROR, body
+                assert "mcp-session-id" not in reply.headers
+                assert SessionStore(reg).count() == 0
+                assert b.owed() == 0 and not b.down
+                r.config_set("maxmemory", 0)
+                reply = _initialize(app, srv)
+                assert reply.status == 200, reply
+                sid = reply.headers["mcp-session-id"]
+                assert b.store.get_session(sid) is not None
+            finally:
+                r.config_set("maxmemory", 0)
+                r.close()
+    finally:
+        reg.close()
+        reg.unlink()
+
+
+def _initialize(app: Any, srv: RedisServer) -> Any:
+    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}).encode()
+    return run(app, environ_for("POST", body))

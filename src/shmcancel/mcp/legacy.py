@@ -13,6 +13,7 @@ from ..exceptions import (
     CancellationLimitReached,
     InvalidRequestId,
     LockTimeout,
+    RemoteUnavailable,
     ShmCancelError,
 )
 from ..shm.lanes import fence
@@ -179,8 +180,9 @@ class LegacyWire(CallLifecycle):
         if self.sessions:
             # Minting counts against the client: its principal, else its address bucket.
             client = _client_of(environ)
+            st = self._process_state()
             try:
-                session = self._process_state().sessions.create(version, client)
+                session = st.sessions.create(version, client)
             except SessionsFull as e:
                 # a request the client could read: 200 with its error (contract §5), which an
                 # SDK client raises as such, not a transport failure; Retry-After says when
@@ -189,7 +191,13 @@ class LegacyWire(CallLifecycle):
                                     headers=[("Retry-After", str(e.retry_after))])
             extra.append(("Mcp-Session-Id", session.id))
             if (rb := remote.current()) is not None:
-                rb.publish_session(session.id, version, client)
+                try:
+                    rb.publish_session(session.id, version, client, minted=True)
+                except RemoteUnavailable:
+                    # Redis refused to store it (full): other hosts would answer it 404. Not
+                    # handed out, so not kept here either: 503, the client retries.
+                    st.sessions.delete(session.id)
+                    raise
         reply = self._result(Wire.LEGACY, msg, result, json_ok)
         reply.headers.extend(extra)
         return reply

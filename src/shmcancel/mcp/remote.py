@@ -5,11 +5,11 @@ An integration (``shmcancel.redis``) installs a provider with :func:`install`; u
 only where the local registry has no answer (a session minted elsewhere, a call not in flight
 here), so a poll never reaches it. Every method is bounded by the remote's own timeout.
 
-Only :meth:`Remote.lookup_session` may raise into a request (and :meth:`Remote.cancel`, when
-the remote answered that it could not deliver it), and only
-:class:`~shmcancel.exceptions.RemoteUnavailable`: "no answer" must not read as "no such
-session", which a client takes as its session gone for good (404); the transport answers 503
-with ``Retry-After`` instead. The other methods never raise: a write the remote could not make
+Only :meth:`Remote.lookup_session` may raise into a request (and :meth:`Remote.cancel` and a
+minted session's :meth:`Remote.publish_session`, when the remote answered that it could not do
+it), and only :class:`~shmcancel.exceptions.RemoteUnavailable`: "no answer" must not read as "no
+such session", which a client takes as its session gone for good (404); the transport answers
+503 with ``Retry-After`` instead. The other methods never raise: a write the remote could not make
 now is its own to retry or drop (the Redis bridge owes the ones that matter and retries them off
 the request path).
 """
@@ -40,8 +40,11 @@ class Remote(Protocol):
     def cancel_scope(self, scope: str, reason: Any) -> int:
         """Cancel every call of ``scope`` on any host; how many were recorded."""
 
-    def publish_session(self, sid: str, version: str, client: str) -> None:
-        """A session minted or adopted here (owed when it cannot be stored now)."""
+    def publish_session(self, sid: str, version: str, client: str, *,
+                        minted: bool = False) -> None:
+        """A session minted or adopted here (owed when it cannot be stored now). One ``minted``
+        here that the remote answered it will not store (full) raises
+        :class:`~shmcancel.exceptions.RemoteUnavailable`: other hosts would not know it."""
 
     def keep_session(self, sid: str, client: str | None = None) -> None:
         """A request used a session here: its copy on the remote lives on (renewed now and

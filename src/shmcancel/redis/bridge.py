@@ -429,15 +429,28 @@ class Bridge:
         except CancellationLimitReached as e:  # the quota filled meanwhile: nothing to retry
             log.warning("an owed cross-host cancellation was refused: %s", e)
 
-    def publish_session(self, sid: str, version: str, client: str) -> None:
+    def publish_session(self, sid: str, version: str, client: str, *,
+                        minted: bool = False) -> None:
         """A session minted (or adopted) here: stored for other hosts, and this worker's box
-        listed to hear of its deletion elsewhere. Owed when Redis gives no answer."""
+        listed to hear of its deletion elsewhere. Owed when Redis gives no answer. One
+        ``minted`` here that a full Redis refused (``OOM``) raises ``RemoteUnavailable``
+        instead, forgotten here: Redis answers the other hosts, which would answer it 404 (the
+        caller does not hand it out)."""
         with self._owed_lock:
             _put_newest(self._held, sid, (version, client))
             _put_newest(self._kept, sid, time.monotonic())
         put = functools.partial(self._put, sid, version, client)
         try:
             self._ask("session", put)
+        except _Refused as e:
+            if not minted:
+                self._owe(("publish", sid), self._session_ttl, put)
+                return
+            with self._owed_lock:
+                self._held.pop(sid, None)
+                self._kept.pop(sid, None)
+            raise RemoteUnavailable(f"a new session could not be stored in Redis: {e}"
+                                    ) from None
         except _NoAnswer:
             self._owe(("publish", sid), self._session_ttl, put)
 
