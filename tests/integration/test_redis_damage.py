@@ -108,6 +108,28 @@ def test_a_cross_host_cancellation_through_a_garbled_index_ends_the_call(
         assert call.done_at - sent < 5.0  # not the tool's 20 s
 
 
+def test_a_taken_list_written_over_loses_nothing_waiting_in_the_box(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A worker's thread meeting WRONGTYPE on its box or taken list deleted both: a cancellation
+    waiting in the box (pushed there since, into a box cancel.lua mended) went with them, and
+    the call ran on. The thread mends them (take.lua deletes only a key of another type) and
+    applies what waited."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (_, b)):
+        handle = Cancellation(ra).begin(7, SCOPE)
+        assert handle.tracked and a.track(7, SCOPE) is not None
+        assert b.cancel(7, "stop", SCOPE) is True  # waits in A's box: A's thread not started
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.set(a.store.taken_key(a.remote.box), b"garbage")
+        finally:
+            r.close()
+        a.start()  # its first turn reads the taken list
+        wait_until(lambda: handle.cancelled() or None, time.monotonic() + 10, interval=0.02,
+                   what="the cancellation delivered on A")
+        assert handle.reason() == "stop"
+        handle.end()
+
+
 # ------------------------------------------------------------ a full Redis and initialize
 
 def test_an_initialize_whose_session_a_full_redis_refuses_is_503(shm_name: str) -> None:

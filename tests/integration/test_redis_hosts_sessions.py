@@ -288,7 +288,7 @@ def test_a_box_overwritten_by_another_client_is_given_back(
     """Someone with Redis access writes a string over a worker's box. Every cancellation for
     that worker's calls then failed with WRONGTYPE on every host (each failure counting
     towards marking the canceller's Redis down), and the worker's thread, failing its reads,
-    kept the key alive with its renewals: it never recovered. Its thread drops the key."""
+    kept the key alive with its renewals: it never recovered. Its thread mends the key."""
     cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16)
     with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), _):
         a.start()  # A's thread reads its box

@@ -710,11 +710,14 @@ class Bridge:
                 except ResponseError as e:
                     if not wrong_type(e):
                         raise
-                    # another client wrote over this worker's box: every cancellation for its
-                    # calls would fail (on every host) and its renewals keep the key alive
+                    # another client wrote over this worker's box (or its taken list): take.lua
+                    # mends both, deleting only a key of another type (a cancellation pushed
+                    # since into the box, which cancel.lua mended, stays: it is moved to the
+                    # taken list, applied next turn)
                     log.warning("this worker's Redis box was not a list (written by another "
-                                "client): dropped")
-                    self.store.client.delete(box, taken)
+                                "client): mended")
+                    self.store.take(box, taken, lease_ms)
+                    unconfirmed = True
                     continue
             except (RedisError, OSError) as e:
                 unconfirmed = True
