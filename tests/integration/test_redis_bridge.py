@@ -430,7 +430,9 @@ def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
     session key holding a hash made its lookup raise RemoteUnavailable (503 for good, never
     404), and DOWN_AFTER such answers (that lookup, or notifications into a scope whose rows
     key is a string) marked Redis down: every session of another host 503, cross-host
-    cancellation off for every call of the worker. The scripts mend such keys (deleted)."""
+    cancellation off for every call of the worker. The scripts mend such keys (deleted): the
+    damaged session is 503 once (its holders, none here, are told to store it again), then
+    unknown."""
     prefix = unique_prefix()
     with bridge(reg, srv, prefix=prefix) as b:
         b.publish_session(SID, "2025-11-25", "ip:1.2.3.4")
@@ -442,6 +444,8 @@ def test_keys_of_the_wrong_type_are_answers_not_an_outage(reg: Registry,
             r.close()
         handle = b.track(7, "session:w")
         assert handle is not None and handle[3]
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session("h" * 32)  # damaged: mended, its holders told
         for _ in range(DOWN_AFTER + 1):
             assert b.lookup_session("h" * 32) is None  # no such session: 404
             assert b.cancel(7, "stop", "session:w")  # its rows key mended

@@ -1,7 +1,7 @@
-"""Keys of ours in Redis that another client wrote over (another type), and a Redis too full to
-store a new session: no cancellation is lost without a word, no session is handed out that
-other hosts would answer 404. Real redis-server; two gunicorn "hosts" where the transport
-matters, two bridges over two registries in this process elsewhere."""
+"""Keys of ours in Redis that another client wrote over (another type, bytes that are not ours),
+and a Redis too full to store a new session: no cancellation is lost without a word, no live
+session is answered 404. Real redis-server; two gunicorn "hosts" where the transport matters,
+two bridges over two registries in this process elsewhere."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from helpers.mcp_client import tag, wait_file
 from helpers.redis_server import RedisServer, running, unique_prefix
 from helpers.wsgi import environ_for, run
 from test_redis_bridge import _served
-from test_redis_hosts import Client, outdir, two_hosts
+from test_redis_hosts import PING, Client, assert_retry_later, outdir, two_hosts
 from test_redis_hosts_sessions import hosts_in_process
 
 from shmcancel import Cancellation, RemoteUnavailable, errors
@@ -172,3 +172,67 @@ def _initialize(app: Any, srv: RedisServer) -> Any:
         "protocolVersion": "2025-11-25", "capabilities": {},
         "clientInfo": {"name": "t", "version": "1"}}}).encode()
     return run(app, environ_for("POST", body))
+
+
+# ------------------------------------------------------------ a session's copy written over
+
+@pytest.mark.parametrize("junk", ["bytes", "a hash"])
+def test_a_sessions_copy_written_over_is_503_then_stored_again(
+        redis_server: Any, shm_name: str, shm_names: list[str], junk: str) -> None:
+    """Junk over a live session's copy in Redis made every other host answer the session 404
+    (the client drops it for good) until its holder's next renewal stored it again, which a
+    copy still there never did. The lookup deletes the junk and tells the holders' boxes:
+    503 meanwhile, and the holder stores the session again at once."""
+    client = "ip:203.0.113.90"
+    with hosts_in_process(redis_server, shm_name, shm_names, thread_a=True) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        key = f"{a.store.prefix}sess:{s.id}"
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.delete(key)
+            if junk == "bytes":
+                r.set(key, b"\xc1junk")
+            else:
+                r.hset(key, "a", "b")
+            with pytest.raises(RemoteUnavailable):
+                b.lookup_session(s.id)
+
+            def found() -> Any:
+                try:
+                    return b.lookup_session(s.id)
+                except RemoteUnavailable:
+                    return None
+            got = wait_until(found, time.monotonic() + 10, interval=0.05,
+                             what="A to store its session again")
+            assert got == ("2025-11-25", client)
+        finally:
+            r.close()
+
+
+def test_a_holders_renewal_stores_a_junk_copy_of_its_session_again(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A holder's renewal of a copy Redis still held only extended its life, junk or not: the
+    renewal (keep.lua) deletes a copy no host can adopt and the holder stores its own."""
+    client = "ip:203.0.113.91"
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        a.store.client.set(f"{a.store.prefix}sess:{s.id}", b"junk")
+        a._keep(s.id, ("2025-11-25", client), None)
+        assert b.store.get_session(s.id) == ("2025-11-25", client)
+
+
+def test_a_sessions_copy_written_over_is_never_404_on_another_host(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """End to end: a session minted on A whose copy in Redis is junk, first used on B: 503
+    with ``Retry-After``, then served (A stored it again), never 404."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names) as (a, b, prefix):
+        c = Client(a.url)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            r.set(f"{prefix}sess:{c.sid}", b"junk")
+        finally:
+            r.close()
+        assert_retry_later(c.post(b.url, PING, retry_for=0))
+        assert c.post(b.url, PING).status_code == 200  # retried as a client does

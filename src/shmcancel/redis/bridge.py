@@ -81,7 +81,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from shmcancel.config import Config
 from shmcancel.exceptions import (
@@ -97,7 +97,7 @@ from ..mcp.principal import SESSION_KEY
 from ..mcp.sessions import SessionStore
 from ..shm import procinfo
 from .cancellation import RedisCancellation, connect
-from .store import RedisStore, wrong_type
+from .store import Damaged, RedisStore, wrong_type
 
 __all__ = ["CANCEL_TTL", "DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env",
            "stop"]
@@ -550,6 +550,8 @@ class Bridge:
                                    self.store.alive_key(self.remote.box) if was_set else None)
         except _NoAnswer as e:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
+        if isinstance(got, Damaged):
+            self._mend_session(sid, got)
         if got is None and ((not alive and self._alive_set)
                             or time.monotonic() < self._restoring_until):
             raise RemoteUnavailable("session lookup: Redis lost data (a FLUSHALL, an eviction, "
@@ -563,6 +565,37 @@ class Bridge:
                 return None
             return got
         return None
+
+    def _mend_session(self, sid: str, got: Damaged) -> NoReturn:
+        """A lookup met a copy of session ``sid`` no host can adopt (another client wrote over
+        it): it is deleted and its holders are told to store it again (:meth:`_store_again`),
+        and the lookup raises ``RemoteUnavailable``: the session may well live on its holders'
+        hosts, so not 404. A copy stored again since it was read is looked up anew."""
+        try:
+            told = self._ask("session", self.store.mend_session, sid, got.seen,
+                             box_lease_ms=int(self.remote.lease * 1000))
+        except _NoAnswer as e:
+            raise RemoteUnavailable(f"session lookup: its copy in Redis is damaged ({e})"
+                                    ) from None
+        if told < 0:
+            raise RemoteUnavailable("session lookup: its copy in Redis changed meanwhile")
+        log.warning("a session's copy in Redis was not one (another client's write): deleted, "
+                    "%d holder(s) told to store it again", told)
+        raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its holders "
+                                "store it again")
+
+    def _store_again(self, sid: str) -> None:
+        """The thread: session ``sid``'s copy in Redis was damaged (:meth:`_mend_session`):
+        stored again when this process published or adopted it and it lives here."""
+        with self._owed_lock:
+            held = self._held.get(sid)
+        if held is None or self._session_store().get(sid) is None:
+            return
+        put = functools.partial(self._put, sid, *held)
+        try:
+            self._ask("session", put)
+        except _NoAnswer:
+            self._owe(("publish", sid), self._session_ttl, put)
 
     def delete_session(self, sid: str) -> None:
         """A session ended here: forgotten in Redis, and every other host holding it deletes
@@ -815,6 +848,9 @@ class Bridge:
         item is kept for :meth:`_redeliver`)."""
         got = RedisStore.decode_box_item(raw)
         if got is None:
+            return True
+        if isinstance(got, tuple) and len(got) == 2:  # its copy in Redis was damaged
+            self._store_again(got[1])
             return True
         stalled = self._lock_stalled()  # kept as at a lock timeout, without its wait (_run)
         if isinstance(got, str):  # a session deleted on another host

@@ -193,6 +193,13 @@ end
 local function stopped_box(stopped, box)
   return type(redis.pcall('ZSCORE', stopped, box)) == 'string'
 end
+-- Whether session key k holds what a host can adopt: a string, msgpack [version, client].
+local function session_ok(k)
+  if redis.call('TYPE', k).ok ~= 'string' then return false end
+  local ok, v = pcall(cmsgpack.unpack, redis.call('GET', k))
+  return ok and type(v) == 'table' and #v == 2 and type(v[1]) == 'string'
+         and type(v[2]) == 'string'
+end
 -- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
 -- each worker that ever served a long-lived session stayed listed, recycled ones too, and a
 -- DELETE told them all.

@@ -3,9 +3,11 @@
 -- and lists its box among the holders a DELETE tells (session_delete.lua): a host's copy lives
 -- in its registry for every worker there, so the one that adopted it may have died since.
 -- Returns -1 when the session was deleted lately (`gone`: the caller ends its copy), 0 when
--- Redis holds no copy, 1 when renewed.
+-- Redis holds no copy (a copy no host can adopt, another client's write, is deleted: the
+-- caller stores its own again), 1 when renewed.
 mend(KEYS[3], 'string')
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+if not session_ok(KEYS[1]) then redis.call('DEL', KEYS[1]) end
 if KEYS[4] ~= '' then mend(KEYS[4], 'zset') end
 mend(KEYS[5], 'zset')
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end

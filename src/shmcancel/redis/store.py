@@ -32,10 +32,10 @@ import msgpack
 
 from ..config import Config
 
-__all__ = ["BOX_MAX", "GONE_TTL", "RedisStore", "wrong_type"]
+__all__ = ["BOX_MAX", "GONE_TTL", "Damaged", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete", "claim", "keep", "stopped", "take")
+            "session_delete", "claim", "keep", "stopped", "take", "session_mend")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
@@ -78,6 +78,17 @@ def _or_empty(fn: Any, *a: Any, empty: Any) -> Any:
         if not wrong_type(e):
             raise
         return empty
+
+
+class Damaged:
+    """A session's copy in Redis that no host can adopt (another client wrote over it: another
+    type, or bytes that are not ``[version, client]``); ``seen``: what was read (None for
+    another type), for :meth:`RedisStore.mend_session`."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self, seen: bytes | None) -> None:
+        self.seen = seen
 
 
 def _ordered(x: float) -> int:
@@ -324,10 +335,12 @@ class RedisStore:
         return _b(f"{self.prefix}taken:{box}")
 
     @staticmethod
-    def decode_box_item(raw: bytes) -> tuple[str, str, str | None, float | None] | str | None:
+    def decode_box_item(raw: bytes) -> (tuple[str, str, str | None, float | None]
+                                        | tuple[str, str] | str | None):
         """``(scope, rid, reason, at)`` of a cancellation (``at``: its ``cancelled_at``; None
         from a writer that sent none, or not a finite number), the id of a deleted session (a
-        str), or None when malformed."""
+        str), ``("store", sid)`` for a session whose copy in Redis was lost to another client's
+        write (:meth:`mend_session`: its holder stores it again), or None when malformed."""
         try:
             v = msgpack.unpackb(raw, raw=True)
             # only byte strings: bytes(n) of an int would allocate n bytes (a hostile writer)
@@ -335,6 +348,8 @@ class RedisStore:
                 return None
             if len(v) == 2 and v[0] == b"d":
                 return v[1].decode("ascii")
+            if len(v) == 2 and v[0] == b"p":
+                return "store", v[1].decode("ascii")
             scope, rid, reason, *rest = v
             at: float | None = None
             if len(rest) == 1 and len(rest[0]) <= 32:
@@ -374,12 +389,14 @@ class RedisStore:
     def get_session(self, sid: str) -> tuple[str, str] | None:
         """``(version, client)`` of a stored session; None when there is none (a key of
         another type, another client's, holds none either)."""
-        return self.get_session_and_alive(sid, None)[0]
+        got = self.get_session_and_alive(sid, None)[0]
+        return None if isinstance(got, Damaged) else got
 
     def get_session_and_alive(self, sid: str, alive: bytes | None
-                              ) -> tuple[tuple[str, str] | None, bool]:
-        """:meth:`get_session`, and whether the key ``alive`` (an :meth:`alive_key`) exists,
-        read in the same round trip (``True`` when ``alive`` is None)."""
+                              ) -> tuple[tuple[str, str] | Damaged | None, bool]:
+        """:meth:`get_session` (but :class:`Damaged` for a copy no host can adopt), and whether
+        the key ``alive`` (an :meth:`alive_key`) exists, read in the same round trip (``True``
+        when ``alive`` is None)."""
         from redis.exceptions import ResponseError
         p = self.client.pipeline(transaction=False)
         p.get(self._sess_key(sid))
@@ -391,7 +408,7 @@ class RedisStore:
         if alive is not None and isinstance(got[1], Exception):
             raise got[1]
         if isinstance(raw, ResponseError) and wrong_type(raw):
-            return None, there
+            return Damaged(None), there
         if isinstance(raw, Exception):
             raise raw
         if raw is None:
@@ -399,10 +416,19 @@ class RedisStore:
         try:
             version, client = msgpack.unpackb(raw)
         except Exception:
-            return None, there
+            return Damaged(raw), there
         if type(version) is not str or type(client) is not str:
-            return None, there
+            return Damaged(raw), there
         return (version, client), there
+
+    def mend_session(self, sid: str, seen: bytes | None, *, box_lease_ms: int) -> int:
+        """Delete a session's copy no host can adopt (:class:`Damaged`; ``seen`` as read) and
+        tell every holder's box to store the session again (:meth:`decode_box_item`'s
+        ``("store", sid)``); how many were told, -1 when the copy changed since it was read."""
+        key = self._sess_key(sid)
+        return int(self.call("session_mend", [key, key + b":boxes", self._stopped],
+                             [self.prefix, msgpack.packb([b"p", _b(sid)]), box_lease_ms,
+                              b"" if seen is None else b"=" + seen]))
 
     def touch_session(self, sid: str, client: str | None = None, *, box: str) -> int:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
