@@ -68,14 +68,18 @@ def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path
         assert "slept" not in getattr(done.get("r"), "text", ""), done
 
 
-def _worker_of(local_port: int, pids: list[int]) -> int | None:
-    """The worker whose socket is the server's end of this test's connection from
-    ``local_port`` (read from ``/proc/net/tcp`` and the workers' descriptors)."""
+def _worker_of(conn: socket.socket, pids: list[int]) -> int | None:
+    """The worker whose socket is the server's end of this test's connection ``conn`` (read
+    from ``/proc/net/tcp`` and the workers' descriptors)."""
+    ours, theirs = conn.getsockname()[1], conn.getpeername()[1]
     inode = None
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
             parts = line.split()
-            if int(parts[2].split(":")[1], 16) == local_port:  # its remote end is us
+            # the server's end: its port, and its remote end is us (another process's client
+            # may use that local port too, towards another server; a closed one's inode is 0)
+            if (int(parts[1].split(":")[1], 16) == theirs
+                    and int(parts[2].split(":")[1], 16) == ours and parts[9] != "0"):
                 inode = parts[9]
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -112,7 +116,7 @@ def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) ->
             s.sendall(head)
             got = s.recv(65536)
             assert got.startswith(b"HTTP/1.1 200"), got
-            carrier = _worker_of(s.getsockname()[1], pids)
+            carrier = _worker_of(s, pids)
             if carrier is not None and carrier != owner:
                 break
             s.close()
@@ -127,6 +131,8 @@ def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) ->
             wait_until(lambda: not alive(carrier), time.monotonic() + 15,
                        what="the stopped worker's exit")
             assert time.monotonic() - t0 < 15  # not gunicorn's timeout (90 s)
+            # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
+            g.wait_workers(2, time.monotonic() + 20)
         finally:
             s.close()
 
