@@ -7,6 +7,8 @@ stopped at the app's lifespan shutdown: the worker exits at once and no row stay
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import signal
 import socket
@@ -22,6 +24,7 @@ from helpers.gunicorn_harness import Gunicorn, alive, wait_until
 from helpers.mcp_client import open_session
 from helpers.rows import in_flight_count
 
+from shmcancel import errors
 from shmcancel.shm.registry import Registry
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -173,3 +176,64 @@ def test_a_worker_exiting_answers_forwarded_requests_404() -> None:
     assert not served and sent[0]["status"] == 404
     asyncio.run(Router(app)._internal(dict(scope), receive, send))  # not exiting: served
     assert len(served) == 1
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
+        short_tmp: Path, tool: str) -> None:
+    """A call with a JSON response (``json_response=True``), forwarded to its session's worker,
+    which is stopped alone (``TERM``, ``max_requests``) while it runs: the worker stops the call
+    at its lifespan shutdown, but tore the SDK's session manager down before the stopped call
+    had answered, and its client got the SDK's HTTP 500 ``-32603`` ("Session terminated before
+    the request completed"). It gets the call's own JSON-RPC error, with its id."""
+    name = f"sdkjson-{uuid.uuid4().hex[:10]}"
+    with Gunicorn("tests.apps.sdk_json_app:app", registry_name=name, config=CONF, workers=2,
+                  worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
+            Registry.attach(name, readonly=True) as reg:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "json")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        assert owner in pids
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                           "params": {"name": tool,
+                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
+        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Accept: application/json, text/event-stream\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
+                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        s = None
+        for _ in range(40):  # until a connection is accepted by the other worker
+            s = socket.create_connection((host, int(port)), timeout=10)
+            carrier = wait_until(lambda s=s: _worker_of(s, pids), time.monotonic() + 10,
+                                 what="a worker to accept the connection")
+            if carrier != owner:
+                break
+            s.close()
+            s = None
+        assert s is not None, "no connection landed on the other worker"
+        try:
+            s.sendall(head + body)
+            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+                       what="the call in flight")
+            t0 = time.monotonic()
+            os.kill(owner, signal.SIGTERM)
+            s.settimeout(15)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            text = resp.read()
+            took = time.monotonic() - t0
+        finally:
+            s.close()
+        assert resp.status == 200, (resp.status, text)
+        msg = json.loads(text)
+        assert msg["id"] == 7 and msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
+        assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
+        assert took < 10, took  # not gunicorn's timeout (90 s), nor the tool's 60 s
+        wait_until(lambda: not alive(owner), time.monotonic() + 15,
+                   what="the stopped worker's exit")
+        assert in_flight_count(reg) == 0
+        # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
+        g.wait_workers(2, time.monotonic() + 20)

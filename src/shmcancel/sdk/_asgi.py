@@ -116,8 +116,9 @@ def _is_auth(endpoint: Any) -> bool:
 
 def _with_shutdown(app: Any, router: Router | None) -> None:
     """Around the SDK's own lifespan: start the worker's socket server (if it routes sessions)
-    and, at the shutdown, stop the calls still running (:func:`stop_running_calls`), then the
-    socket server (removing the socket)."""
+    and, at the shutdown, stop the calls still running and wait (bounded) for their answers
+    (:func:`stop_running_calls`), then the socket server (removing the socket), all before the
+    SDK's session manager is torn down."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -129,7 +130,7 @@ def _with_shutdown(app: Any, router: Router | None) -> None:
                 yield state
             finally:
                 try:
-                    if n := stop_running_calls("the worker is stopping"):
+                    if n := await stop_running_calls("the worker is stopping"):
                         log.info("stopped %d call(s) still running at the worker's shutdown", n)
                 finally:
                     if router is not None:
@@ -228,7 +229,12 @@ class Layer:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        exchange = Exchange()  # not watched: its session outlives the connection
+        scope[EXCHANGE_KEY] = exchange
+        try:
+            await self.app(scope, replay, _answering(send, exchange))
+        finally:
+            exchange.answered.set()
 
     async def _delete(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The SDK ends the session; once it said so (2xx), every call still in flight in it is
@@ -438,8 +444,9 @@ class Layer:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self.app(scope, replay, tx)
+            await self.app(scope, replay, _answering(tx, exchange))
         finally:
+            exchange.answered.set()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
@@ -480,6 +487,16 @@ _ESCAPES = [(b"\\/", b"/")] + [
     (b"\\u00" + spelling.encode(), bytes([c]))
     for c in sorted(set(CANCELLED_METHOD.encode()))
     for spelling in {f"{c:02x}", f"{c:02X}"}]
+
+
+def _answering(send: Send, exchange: Exchange) -> Send:
+    """``send``, marking ``exchange`` answered once its response's last part is sent."""
+    async def answering(message: Message) -> None:
+        await send(message)
+        if message.get("type") == "http.response.body" and not message.get("more_body"):
+            exchange.answered.set()
+
+    return answering
 
 
 def _tagging(send: Send, router: Router) -> Send:

@@ -36,6 +36,11 @@ log = logging.getLogger("shmcancel.sdk")
 
 #: Seconds between two looks of the per-worker poller at the running calls' handles.
 POLL_INTERVAL = 0.002
+#: Seconds the worker's shutdown waits for the calls it stopped to be answered (their HTTP
+#: responses sent) before the SDK's session manager is torn down, which answers a JSON response
+#: still waiting for its call HTTP 500 ``-32603``: a tool that polls for cancellation (<= 10 ms)
+#: is answered well within it.
+STOPPED_ANSWER_WAIT = 2.0
 SESSION_HEADER = b"mcp-session-id"
 VERSION_HEADER = b"mcp-protocol-version"
 
@@ -187,13 +192,15 @@ def conn_of(scope: Mapping[str, Any] | None, stateful: bool) -> dict[str, Any]:
 # --- the running calls and the poller ----------------------------------------------------------
 
 class Call:
-    """One running ``tools/call``: its handle and the cancel scope its handler runs in."""
+    """One running ``tools/call``: its handle, the cancel scope its handler runs in and the HTTP
+    exchange carrying it (``None`` when not served through the ASGI layer)."""
 
-    __slots__ = ("cancel_scope", "handle")
+    __slots__ = ("cancel_scope", "exchange", "handle")
 
-    def __init__(self, handle: RequestHandle) -> None:
+    def __init__(self, handle: RequestHandle, exchange: Exchange | None = None) -> None:
         self.handle = handle
         self.cancel_scope = anyio.CancelScope()
+        self.exchange = exchange
 
     def stop(self, reason: str | None = None) -> None:
         """Cancel this call only, in this process (a disconnect): the handle latches, the scope is
@@ -241,31 +248,43 @@ def stop_calls_in_scope(scope: str, reason: str) -> int:
     session's calls get when the registry could not record their cancellations (a stalled
     lock). A stateful session's calls all run in the worker that owns it, which serves its
     ``DELETE``. Call from the event loop's thread. Returns how many were stopped."""
-    return _stop_calls(reason, scope)
+    return len(_stop_calls(reason, scope))
 
 
-def stop_running_calls(reason: str) -> int:
+async def stop_running_calls(reason: str, wait: float = STOPPED_ANSWER_WAIT) -> int:
     """Stop, in this process only, every call running on the current event loop
-    (:meth:`Call.stop`): what the calls still running at the app's lifespan shutdown get. By
-    then the server has drained its connections, and an SSE stream ended as the server's exit
-    began (``sse_starlette`` ends them all at once), its session dying with this worker: a
-    sync tool would run on, unheard, for up to gunicorn's ``graceful_timeout``. (A call
-    forwarded from another worker with a JSON response, whose socket server drains only after
-    this, for 1 s, gets its ``-32800`` there instead of that second.) Call from the event
-    loop's thread. Returns how many were stopped."""
-    return _stop_calls(reason)
+    (:meth:`Call.stop`): what the calls still running at the app's lifespan shutdown get; then
+    wait up to ``wait`` seconds until each stopped call's exchange is answered. By then the
+    server has drained its connections, and an SSE stream ended as the server's exit began
+    (``sse_starlette`` ends them all at once), its session dying with this worker: a sync tool
+    would run on, unheard, for up to gunicorn's ``graceful_timeout``. A call forwarded from
+    another worker with a JSON response is still awaited on the worker's socket server, which
+    the main server's drain does not wait for: it gets its ``-32800`` once answered here,
+    before the lifespan tears down the SDK's session manager. Call from the event loop's
+    thread. Returns how many were stopped."""
+    stopped = _stop_calls(reason)
+    waits = [asyncio.ensure_future(call.exchange.answered.wait()) for call in stopped
+             if call.exchange is not None and not call.exchange.answered.is_set()]
+    if waits:
+        _, late = await asyncio.wait(waits, timeout=wait)
+        for w in late:
+            w.cancel()
+        if late:
+            log.warning("shmcancel.sdk: %d call(s) stopped at the worker's shutdown were not "
+                        "answered within %g s", len(late), wait)
+    return len(stopped)
 
 
-def _stop_calls(reason: str, scope: str | None = None) -> int:
+def _stop_calls(reason: str, scope: str | None = None) -> list[Call]:
     """:meth:`Call.stop` every call running on the current event loop (of ``scope`` only,
-    unless None); how many."""
+    unless None); those stopped."""
     p = _pollers.get(id(asyncio.get_running_loop()))
     if p is None:
-        return 0
+        return []
     stopped = [call for call in list(p.calls) if scope is None or call.handle.scope == scope]
     for call in stopped:
         call.stop(reason)
-    return len(stopped)
+    return stopped
 
 
 def _poller() -> _Poller:
@@ -280,14 +299,17 @@ EXCHANGE_KEY = "shmcancel.sdk.exchange"
 
 
 class Exchange:
-    """What the ASGI layer shares with the middleware about one HTTP exchange: the calls it carries
-    and whether the client went away before its response was complete."""
+    """What the ASGI layer shares with the middleware about one HTTP exchange: the calls it carries,
+    whether the client went away before its response was complete (set only where the layer
+    watches the connection) and whether it is answered (its response sent whole, or the SDK
+    done with it)."""
 
-    __slots__ = ("calls", "gone")
+    __slots__ = ("answered", "calls", "gone")
 
     def __init__(self) -> None:
         self.calls: set[Call] = set()
         self.gone = False
+        self.answered = asyncio.Event()
 
     def disconnected(self) -> None:
         self.gone = True
@@ -332,8 +354,8 @@ class Tracker:
         scope = getattr(ctx.request, "scope", None)
         conn = conn_of(scope, self.stateful)
         handle = await _registry_write(c, c.begin, ctx.request_id, principal.scope(conn))
-        call = Call(handle)
         exchange = scope.get(EXCHANGE_KEY) if isinstance(scope, MutableMapping) else None
+        call = Call(handle, exchange if isinstance(exchange, Exchange) else None)
         poller = _poller()
         token = _current.set(handle)
         result: Any = None
