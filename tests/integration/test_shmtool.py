@@ -25,6 +25,7 @@ from shmcancel.cancel.tables import SMALL_CANCELLATION
 from shmcancel.cancellation import Cancellation
 from shmcancel.exceptions import ShmCancelError
 from shmcancel.shm.registry import Registry
+from shmcancel.shm.segment import OFF_LOCK_GENERATION
 
 SMALL = Config(capacity=200, max_rows=100, max_rows_per_scope=50, in_flight_capacity=32,
                session_capacity=8)
@@ -279,6 +280,30 @@ def test_fsck_rebuilds_a_damaged_region_header(reg):
         assert Cancellation(r2).cancelled("r1", "s")
     finally:
         r2.close()
+
+
+def test_garbage_over_the_lock_generation_word_fails_no_write_nor_command(reg):
+    """All ones over the lock's generation word (segment header offset 264): cancel and clear
+    still work, and ``fsck`` and ``cleanup`` exit 0 without a traceback (each locked write
+    raised a raw ValueError before, and ``fsck`` died with one)."""
+    def garble() -> None:
+        fd = os.open(reg.info()["path"], os.O_RDWR)
+        try:
+            os.pwrite(fd, b"\xff" * 8, OFF_LOCK_GENERATION)
+        finally:
+            os.close(fd)
+
+    garble()
+    c = Cancellation(reg)
+    c.cancel("r1", None, "s")
+    assert c.cancelled("r1", "s")
+    c.clear("r1", "s")
+    assert not c.cancelled("r1", "s")
+    for args, out in ((("fsck", reg.name), f"registry {reg.name}: clean, nothing to repair"),
+                      (("cleanup", reg.name), "removed 0 cancellation rows, 0 in-flight rows")):
+        garble()
+        p = shmtool(*args)
+        assert (p.returncode, p.stdout.strip(), p.stderr) == (0, out, ""), args
 
 
 def test_dump_stats_and_cleanup_report_unreadable_entries(reg):

@@ -26,7 +26,7 @@ from shmcancel.exceptions import LockTimeout
 from shmcancel.shm import procinfo
 from shmcancel.shm.lock import _GEN, _OWNER, RegistryLock
 from shmcancel.shm.names import lock_path, open_lockfile, segment_path
-from shmcancel.shm.segment import OFF_RECOVERIES, Segment
+from shmcancel.shm.segment import OFF_LOCK_GENERATION, OFF_RECOVERIES, Segment
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -615,6 +615,36 @@ def test_dead_holder_recovered_once(seg: Segment, events: list[tuple[Any, ...]])
         with lock:  # business as usual
             pass
         assert seg.u64(OFF_RECOVERIES) == 1 and calls == [0]
+    finally:
+        ch.stop()
+        lock.close()
+
+
+def test_garbage_over_the_generation_and_recovery_counters_wraps_them(seg: Segment) -> None:
+    """All ones over the generation and recovery-count words (garbage: no holder leaves it):
+    an acquire, and a dead holder's recovery, still go through, each counter wrapping to 0 (a
+    raw ValueError from the 'Q' view before, failing every locked write)."""
+    lock = RegistryLock(seg, repair=lambda: None)
+
+    def holder(ctl: Child) -> None:
+        ctl.recv()
+        holding(lock)(ctl)
+
+    ch = Child(holder)
+    try:
+        seg.set_u64(OFF_LOCK_GENERATION, 2**64 - 1)
+        with lock:
+            assert lock.generation == 0
+        ch.send(b"go")
+        assert ch.recv() == b"h"
+        seg.set_u64(OFF_LOCK_GENERATION, 2**64 - 1)
+        seg.set_u64(OFF_RECOVERIES, 2**64 - 1)
+        ch.kill()
+        with lock:  # the dead holder's recovery
+            assert lock.owner() == procinfo.me()
+            assert (lock.generation, seg.u64(OFF_RECOVERIES)) == (0, 0)
+        with lock:
+            assert lock.generation == 1
     finally:
         ch.stop()
         lock.close()

@@ -33,6 +33,7 @@ from shmcancel.mcp import session_tables as st
 from shmcancel.shm import procinfo, registry, schema
 from shmcancel.shm.names import lock_path, segment_path, sem_path
 from shmcancel.shm.registry import Registry, record_sizes
+from shmcancel.shm.segment import OFF_EVICTIONS, OFF_SWEEPS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -354,6 +355,18 @@ def test_claim_sweep(shm_name: str) -> None:
         assert reg.claim_sweep(t0 + 2 * iv + 5, iv)
         assert reg.last_sweep == t0 + 2 * iv + 5
         assert reg.info()["sweeps"] == 2 and reg.info()["last_sweeper_pid"] == os.getpid()
+        reg.unlink()
+
+
+def test_garbage_over_the_sweep_and_eviction_counters_wraps_them(shm_name: str) -> None:
+    """All ones over the sweep and eviction counters (garbage): a sweep is still claimed and
+    evictions still counted, each counter wrapping (a ValueError of the store before)."""
+    with Registry.create(shm_name, SMALL) as reg:
+        reg._seg.set_u64(OFF_SWEEPS, 2**64 - 1)
+        reg._seg.set_u64(OFF_EVICTIONS, 2**64 - 1)
+        assert reg.claim_sweep(reg.created_at + 60.0, 60.0)
+        reg.add_evictions(2)
+        assert (reg.info()["sweeps"], reg.evictions) == (0, 1)
         reg.unlink()
 
 

@@ -61,6 +61,7 @@ except ImportError:  # pragma: no cover - CPython on Linux always has it
 from .. import telemetry
 from ..exceptions import LockTimeout, RegistryClosed, ShmCancelError
 from . import procinfo
+from .layout import _M64
 from .names import SHM_DIR, close_with, kept_by, segment_path, sem_path
 from .segment import OFF_LOCK_GENERATION, OFF_LOCK_OWNER, OFF_RECOVERIES
 
@@ -357,7 +358,7 @@ class RegistryLock:
                 st.holder = tid
                 st.depth = 1
                 w = self._w
-                w[_GEN] += 1
+                w[_GEN] = (w[_GEN] + 1) & _M64  # garbage there must not fail the hold
                 w[_OWNER] = st.me  # ordering: see _stamp
             return self
         except BaseException as e:
@@ -479,7 +480,7 @@ class RegistryLock:
 
     def _stamp(self) -> None:
         w = self._w
-        w[_GEN] += 1
+        w[_GEN] = (w[_GEN] + 1) & _M64
         # Memory ordering: x86-64 (TSO) makes plain stores visible in program order and never
         # reorders loads with older loads, so a waiter that reads this owner also reads the
         # generation bumped above; each u64 store through the 'Q' memoryview is one aligned
@@ -670,12 +671,12 @@ class RegistryLock:
             if owner == 0 and self._busy_mappers():
                 return False  # a live holder may be between its acquire and its record
             st = self._st
-            w[_GEN] = gen + 1
+            w[_GEN] = (gen + 1) & _M64
             w[_OWNER] = st.me
             st.holder = tid
             st.depth = 1
             st.dirty = True
-            w[_RECOVERIES] = w[_RECOVERIES] + 1
+            w[_RECOVERIES] = (w[_RECOVERIES] + 1) & _M64
             return True
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)

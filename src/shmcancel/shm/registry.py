@@ -34,7 +34,7 @@ from .lanes import Lanes
 from .lanes import format_region as lanes_format
 from .lanes import region_size as lanes_size
 from .lanes import region_table as lanes_table
-from .layout import lazy_span
+from .layout import _M64, lazy_span
 from .lock import RegistryLock
 from .names import (
     check_name,
@@ -691,7 +691,7 @@ class Registry:
         self._check_open()
         with self.lock:
             self._seg.set_u64(OFF_EVICTIONS,
-                              (self._seg.u64(OFF_EVICTIONS) if base is None else base) + n)
+                              ((self._seg.u64(OFF_EVICTIONS) if base is None else base) + n) & _M64)
 
     @property
     def last_sweep(self) -> float:
@@ -712,7 +712,7 @@ class Registry:
             if not sweep_due(seg.f64(OFF_LAST_SWEEP), now, interval):
                 return False
             seg.set_f64(OFF_LAST_SWEEP, now)
-            seg.set_u64(OFF_SWEEPS, seg.u64(OFF_SWEEPS) + 1)
+            seg.set_u64(OFF_SWEEPS, (seg.u64(OFF_SWEEPS) + 1) & _M64)
             seg.set_u64(OFF_LAST_SWEEPER, procinfo.pack_owner(*procinfo.me()))
             return True
 
