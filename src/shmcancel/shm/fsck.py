@@ -64,13 +64,54 @@ class Fsck(TableBase):
         return [(s, r) for s, r, kb, _, stamp in self._entries(words)
                 if stamp < 0 or hash_(kb) != words[2 * s]]
 
+    def _confirmed(self, words: list[int], bad: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Of ``bad`` (:meth:`_unreadable` of ``words``, read without the lock on a read-only
+        attachment, where a writer may have freed and rewritten a record since), the entries
+        a stable re-read confirms: the slot holds the same hash and record, its bucket version
+        even and unchanged across the re-read, and the record still fails. An entry that
+        changed, reads valid, or is never read stable within ``READ_RETRIES`` tries is left
+        out: a corrupted entry is never reported that may be a writer's."""
+        ver, idx, rec, hash_ = self._ver, self._idx, self._record, self._hash
+        out = []
+        for s, r in bad:
+            b = s >> 4
+            h = words[2 * s]
+            for attempt in range(READ_RETRIES):
+                if attempt >= _SPIN_BEFORE_YIELD:
+                    os.sched_yield()
+                v = ver[b]
+                if v & 1:
+                    continue
+                same = idx[2 * s] == h and idx[2 * s + 1] == r
+                got = rec(r) if same else None
+                if ver[b] != v:
+                    continue
+                if same and (got is None or hash_(got[0]) != h):
+                    out.append((s, r))
+                break
+        return out
+
+    def _unreadable_read(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """The index words and their :meth:`_unreadable` entries, from one consistent read
+        (see :meth:`_consistent`); on a read-only attachment whose optimistic read failed,
+        only the entries :meth:`_confirmed` confirms."""
+        got = self._optimistic(lambda w: (w, self._unreadable(w)))
+        if got is not None:
+            return got
+        if self._lockless:
+            words = self._idx.tolist()
+            return words, self._confirmed(words, self._unreadable(words))
+        with self._lock:
+            words = self._idx.tolist()
+            return words, self._unreadable(words)
+
     def unreadable(self) -> list[tuple[int, int]]:
         """(slot, record number) of every index entry whose record fails validation or holds a
         key that does not hash to the entry: corrupted rows no read returns, which fsck drops
         (its ``bad_entries``). From one consistent read of the index and the records (see
-        :meth:`_consistent`)."""
+        :meth:`_unreadable_read`): a row a writer is replacing is never one."""
         self._check_open()
-        return self._consistent(self._unreadable)
+        return self._unreadable_read()[1]
 
     def stats(self) -> dict[str, Any]:
         """``rows``, ``capacity``, ``nslots``, ``load`` (rows / nslots), ``probe_histogram``
@@ -83,7 +124,7 @@ class Fsck(TableBase):
         mask = self._mask
         cap = self.capacity
         nlarge = 0
-        words, bad = self._consistent(lambda w: (w, self._unreadable(w)))
+        words, bad = self._unreadable_read()
         for j in range(0, self._nwords, 2):
             h = words[j]
             if h:
