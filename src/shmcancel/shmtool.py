@@ -635,13 +635,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     reg = Registry.attach(check_name(args.name), repair=True)
     try:
         rep = reg.repair()
+        recovered = reg.recovery_repairs
     finally:
         reg.close()
     if not rep:
         print(f"registry {args.name}: clean, nothing to repair")
     for table, counts in rep.items():
         what = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
-        print(f"table {table}: repaired ({what})")
+        by = (" (by the lock's recovery from a dead holder, as fsck took the lock)"
+              if table in recovered else "")
+        print(f"table {table}: repaired ({what}){by}")
     return 0
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import posix_ipc
 import pytest
 from helpers.background import lock_held
-from helpers.procs import child, first_message, reap, recv, stuck_mid_write
+from helpers.procs import child, first_message, fork, reap, recv, stuck_mid_write, wait_exit
 from helpers.procs import shmtool_cli as shmtool
 from helpers.rows import in_flight_count
 from helpers.stalled_lock import stalled_lock
@@ -251,18 +251,23 @@ def test_cleanup_prints_counts(reg):
     assert p.stdout.strip() == "removed 1 cancellation rows, 0 in-flight rows"
 
 
+def _damage_region_header(reg: Registry, table: str = "cancellations") -> None:
+    """Garbage over ``table``'s region header, written through the segment's file."""
+    off = next(t["offset"] for t in reg.info()["tables"] if t["name"] == table)
+    fd = os.open(reg.info()["path"], os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\xff" * 64, off)
+    finally:
+        os.close(fd)
+
+
 def test_fsck_rebuilds_a_damaged_region_header(reg):
     """Garbage over a table's region header (written through the segment's file): a new
     attachment (``cleanup`` here) fails in one line naming the damage and ``shmtool fsck``;
     ``fsck`` rebuilds the header under the lock and says so; new attachments work again, rows
     intact."""
     Cancellation(reg).cancel("r1", None, "s")
-    off = next(t["offset"] for t in reg.info()["tables"] if t["name"] == "cancellations")
-    fd = os.open(reg.info()["path"], os.O_RDWR)
-    try:
-        os.pwrite(fd, b"\xff" * 64, off)
-    finally:
-        os.close(fd)
+    _damage_region_header(reg)
     p = shmtool("cleanup", reg.name)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "table 'cancellations': region header damaged (magic" in p.stderr
@@ -280,6 +285,36 @@ def test_fsck_rebuilds_a_damaged_region_header(reg):
         assert Cancellation(r2).cancelled("r1", "s")
     finally:
         r2.close()
+
+
+def test_fsck_reports_what_the_recovery_of_a_killed_fsck_repaired(reg):
+    """An fsck killed while it holds the lock, before it repaired a damaged region header:
+    the next ``fsck`` takes the lock over from the dead holder, whose recovery runs the repair;
+    it reports that repair (it said "clean, nothing to repair" before, its own fsck finding
+    nothing left), and says the recovery did it."""
+    Cancellation(reg).cancel("r1", None, "s")
+    _damage_region_header(reg)
+
+    def killed_holding() -> None:
+        r = Registry.attach(reg.name, repair=True)
+        r.lock.__enter__()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    pid = fork(killed_holding)
+    try:
+        assert os.waitstatus_to_exitcode(wait_exit(pid, 10)) == -signal.SIGKILL
+    finally:
+        reap(pid)
+    p = shmtool("fsck", reg.name)
+    assert p.returncode == 0, p.stderr
+    line = next(x for x in p.stdout.splitlines() if x.startswith("table cancellations:"))
+    assert "region_header 1" in line and "by the lock's recovery from a dead holder" in line
+    assert "clean" not in p.stdout
+    p = shmtool("fsck", reg.name)
+    assert (p.returncode, p.stdout.strip()) == (0, f"registry {reg.name}: clean, nothing to "
+                                                   "repair")
+    assert json.loads(shmtool("dump", reg.name, "--json").stdout)["cancellations"][0][
+        "request_id"] == "r1"
 
 
 def test_garbage_over_the_lock_generation_word_fails_no_write_nor_command(reg):

@@ -307,6 +307,12 @@ class Registry:
         self._tables: dict[str, Table] = {}
         # the lanes of each table declared with them (TableDecl.lanes), by table name
         self.lanes: dict[str, Lanes] = {}
+        # what the lock's repairs (a dead holder's recovery, an interrupted write's) repaired
+        # since :meth:`repair` last asked, by table: ``_recovery_fsck``
+        self._lock_repairs: dict[str, dict[str, int]] = {}
+        #: of :meth:`repair`'s last answer, the tables (and counts) the lock's recovery of a
+        #: dead holder repaired as it took the lock (``shmtool fsck`` says so)
+        self.recovery_repairs: dict[str, dict[str, int]] = {}
         try:
             try:
                 self._config = Config.unpack(seg.config)
@@ -316,7 +322,8 @@ class Registry:
             self._check_tables(decls)
             self.lock: RegistryLock | _ReadOnlyLock = (
                 _ReadOnlyLock(seg) if seg.readonly else
-                RegistryLock(seg, repair=self.fsck, timeout=self._config.lock_timeout))
+                RegistryLock(seg, repair=self._recovery_fsck,
+                             timeout=self._config.lock_timeout))
             specs = {sp.name: sp for sp in _specs(self._config, decls)}
             for i, desc in enumerate(seg.tables):
                 sp = specs[desc.name]
@@ -740,19 +747,39 @@ class Registry:
         self._check_open()
         return {n: t.fsck() for n, t in self._tables.items()}
 
+    def _recovery_fsck(self) -> None:
+        """The lock's repair callback: :meth:`fsck`, its counts kept for :meth:`repair`."""
+        for n, r in self.fsck().items():
+            if any(r.values()):
+                kept = self._lock_repairs.setdefault(n, dict.fromkeys(r, 0))
+                for k, v in r.items():
+                    kept[k] = kept.get(k, 0) + v
+
     def repair(self) -> dict[str, dict[str, int]]:
         """Take the lock and :meth:`fsck` every table (``shmtool fsck``); a kill in between
         leaves the repair to the lock's recovery (``dirty`` is set throughout). Returns the
-        repair counts of the tables repaired (empty: nothing was wrong)."""
+        repair counts of the tables repaired (empty: nothing was wrong), including what the
+        lock's recovery of a dead holder repaired as this call took the lock (a killed
+        ``fsck``'s, say: that fsck then finds it done); those are also in
+        :attr:`recovery_repairs`."""
         self._check_open()
         if self.readonly:
             raise ValueError("a read-only attachment repairs nothing")
         lock = self.lock
+        self._lock_repairs = {}
         with lock:
+            recovered, self._lock_repairs = self._lock_repairs, {}
             lock.dirty = True
             rep = self.fsck()
             lock.dirty = False
-        return {n: r for n, r in rep.items() if any(r.values())}
+        self.recovery_repairs = recovered
+        out = {n: dict(r) for n, r in recovered.items()}
+        for n, r in rep.items():
+            if any(r.values()):
+                merged = out.setdefault(n, dict.fromkeys(r, 0))
+                for k, v in r.items():
+                    merged[k] = merged.get(k, 0) + v
+        return out
 
     def attach_problems(self) -> dict[str, str]:
         """Why a writable :meth:`attach` would refuse this registry's semaphore now, by path
