@@ -617,7 +617,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise _UsageError(f"--ttl must be a number of seconds >= 0, got {args.ttl}")
     reg = Registry.attach(check_name(args.name[0]))
     try:
-        repaired = reg.check()  # what the sweep checks first: here to say what it repaired
+        # what the attach's own check repaired, then what the sweep checks first: here to say
+        repaired: dict[str, Counter[str]] = {}
+        for rep in (reg.attach_repairs, reg.check()):
+            for table, counts in rep.items():
+                repaired.setdefault(table, Counter()).update(counts)
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
     finally:
         reg.close()

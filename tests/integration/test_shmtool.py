@@ -24,6 +24,7 @@ from shmcancel import Config
 from shmcancel.cancel.tables import SMALL_CANCELLATION
 from shmcancel.cancellation import Cancellation
 from shmcancel.exceptions import ShmCancelError
+from shmcancel.shm.layout import _ROWS
 from shmcancel.shm.registry import Registry
 from shmcancel.shm.segment import OFF_LOCK_GENERATION
 
@@ -375,6 +376,25 @@ def test_dump_stats_and_cleanup_report_unreadable_entries(reg):
     s = json.loads(shmtool("stats", reg.name, "--json").stdout)
     assert s["unreadable"]["cancellations"] == 0 and s["rows"]["cancellations"] == 2
     assert "UNREADABLE" not in shmtool("stats", reg.name).stdout
+
+
+def test_cleanup_prints_what_the_check_on_its_attach_repaired(reg):
+    """Corrupted records and a row counter that does not add up: ``cleanup``'s attach checks
+    the counters and repairs the table before its own check, which then finds nothing; it
+    still prints what was repaired (only the removed rows before)."""
+    c = Cancellation(reg)
+    for i in range(5):
+        c.cancel(f"r{i}", "why", "s")
+    t = reg.table("cancellations")
+    for _, rec, _, _, _ in t._entries(t._idx.tolist())[:2]:
+        t._buf[t._offset(rec) + t.RECORD_HEADER] ^= 0xFF
+    t._hq[_ROWS] = 4
+    p = shmtool("cleanup", reg.name)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        "removed 0 cancellation rows, 0 in-flight rows",
+        "table cancellations: dropped 2 unreadable entries, repaired (free_stack 1, rows 1)"]
+    assert t.count() == 3
 
 
 def _stale(name: str) -> int:

@@ -313,6 +313,8 @@ class Registry:
         #: of :meth:`repair`'s last answer, the tables (and counts) the lock's recovery of a
         #: dead holder repaired as it took the lock (``shmtool fsck`` says so)
         self.recovery_repairs: dict[str, dict[str, int]] = {}
+        #: the repair counts of the tables :meth:`attach`'s own check repaired (empty: none)
+        self.attach_repairs: dict[str, dict[str, int]] = {}
         try:
             try:
                 self._config = Config.unpack(seg.config)
@@ -461,9 +463,12 @@ class Registry:
     def _check_on_attach(self) -> None:
         """:meth:`check` (not deep), never failing the attach and waiting at most
         ATTACH_CHECK_LOCK_TIMEOUT for the lock (it takes it only to repair): a lock held longer
-        (or any other error of ours) leaves the counters to the janitor's next sweep."""
+        (or any other error of ours) leaves the counters to the janitor's next sweep. What it
+        repaired goes to :attr:`attach_repairs` (``shmtool cleanup`` prints it)."""
         if not self.readonly:
-            self._briefly(lambda: self.check(deep=False), "counter check on attach skipped")
+            def check() -> None:
+                self.attach_repairs = self.check(deep=False)
+            self._briefly(check, "counter check on attach skipped")
 
     def _briefly(self, fn: Callable[[], object], failed: str) -> None:
         """``fn()`` under a lock timeout of at most ATTACH_CHECK_LOCK_TIMEOUT (for work that may
