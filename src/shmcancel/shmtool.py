@@ -9,7 +9,8 @@
                                      pid namespace (its processes cannot be judged here),
                                      unusable: unreadable, or a worker could not attach it)
                                      and a one-line note: what is wrong, which command removes
-                                     it, other users' entries under its names
+                                     it (or, for a damaged region header, `fsck` repairs it),
+                                     other users' entries under its names
     shmtool dump NAME [--json]       every cancellation and in-flight row (the shared table's
                                      and the processes' lanes'), and every unreadable entry
                                      (a corrupted record: table, slot, record number)
@@ -100,6 +101,7 @@ from .shm.names import (
 from .shm.names import unlink_names as _unlink_names
 from .shm.registry import Registry
 from .shm.segment import ForeignPidNamespace, creator_of
+from .shm.table import RegionHeaderDamaged
 
 __all__ = ["main"]
 
@@ -344,13 +346,25 @@ def _registry_row(name: str) -> dict[str, Any]:
         row["size"], row["allocated"] = st.st_size, st.st_blocks * 512
         reg = _attach_ro(name)
     except ShmCancelError as e:
-        note([_short(e)])
+        # a damaged region header: the long field-by-field message would hide the advice, and
+        # the registry is one to repair, never to remove
+        fix = (f"{_prog()} fsck {name} repairs it" if isinstance(e, RegionHeaderDamaged)
+               else None)
+        problem = (f"table {_printable(e.table)!r}: region header damaged"
+                   if isinstance(e, RegionHeaderDamaged) else _short(e))
+        note([problem], fix)
         with contextlib.suppress(ShmCancelError, OSError):
             # a readable header of another layout, or of another user's, still has one
             owner = creator_of(name, any_owner=True)
             if owner is not None:
                 row["creator_pid"], row["creator_alive"] = owner[0], procinfo.alive(*owner)
-        if row["creator_alive"] is False and isinstance(e, NotOurs):
+        if fix is not None:
+            if row["creator_alive"] is False:
+                row["state"] = "stale"
+                note([problem, "creator gone"], fix)
+            elif row["creator_alive"]:
+                note([f"{problem}; its creator, pid {row['creator_pid']}, is alive"], fix)
+        elif row["creator_alive"] is False and isinstance(e, NotOurs):
             # cleanup --stale leaves another user's segment alone (check_entry)
             row["state"] = "stale"
             note([_short(e)], f"{_prog()} unlink {name}, run by its owner or root, removes it")

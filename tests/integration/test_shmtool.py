@@ -539,6 +539,36 @@ def test_list_shows_a_killed_creators_registry_as_stale_and_cleanup_stale_remove
     Registry.attach(reg.name).close()  # the live one is untouched
 
 
+def test_list_advises_fsck_for_a_damaged_region_header(reg, shm_names):
+    """A table's damaged region header, in a live registry and in a stale one: ``list`` (and
+    ``list --json``) gives a short note ending with the ``fsck`` that repairs it (the long
+    field-by-field message was cut before its advice), and never advises ``cleanup --stale``
+    (which would delete a repairable registry)."""
+    stale = reg.name + "-dead"
+    shm_names.append(stale)
+    _stale(stale)
+    dead = Registry.attach(stale, readonly=True)
+    try:
+        _damage_region_header(dead)
+    finally:
+        dead.close()
+    _damage_region_header(reg)
+    p = shmtool("list", "--json")
+    assert p.returncode == 0, p.stderr
+    rows = {r["name"]: r for r in json.loads(p.stdout)["registries"]}
+    lines = shmtool("list").stdout.splitlines()
+    for name, state in ((reg.name, "unusable"), (stale, "stale")):
+        note = rows[name]["error"]
+        assert rows[name]["state"] == state
+        assert note.startswith("table 'cancellations': region header damaged"), note
+        assert note.endswith(f": shmtool fsck {name} repairs it"), note
+        assert "cleanup" not in note
+        line = next(x for x in lines if x.startswith(name + " "))
+        assert line.endswith(note) and state in line.split(), line
+    p = shmtool("fsck", stale)
+    assert p.returncode == 0 and "region_header 1" in p.stdout, p.stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_a_stale_registry_of_another_user_is_advised_to_unlink_not_to_cleanup(shm_name):
     """``cleanup --stale`` leaves another user's segment alone, yet ``list`` advised it for

@@ -63,7 +63,11 @@ class RegionHeaderDamaged(RegistryIncompatible):
     geometry) disagrees with what the segment header's descriptor and the schema define:
     garbage over it. A new attachment refuses the segment until ``fsck`` (``shmtool fsck``, or
     an attached process's ``Registry.check``) rewrites it; processes attached already go on
-    with the geometry they checked."""
+    with the geometry they checked. ``table``: the damaged table's name."""
+
+    def __init__(self, message: str, table: str = "") -> None:
+        super().__init__(message)
+        self.table = table
 
 
 class LargeRowsFull(TableFull):
@@ -166,7 +170,7 @@ class TableBase:
         damage = _header_damage(buf, self._header_want)
         if damage is not None and not damaged_ok:
             raise RegionHeaderDamaged(f"table {name!r}: region header damaged ({damage}): it "
-                                      "does not match the layout")
+                                      "does not match the layout", name)
         self.name = name
         self.kind: Kind = kind
         self.capacity = capacity

@@ -341,7 +341,7 @@ class Registry:
                 except RegionHeaderDamaged as e:
                     raise RegionHeaderDamaged(
                         f"registry {self._name}: {e}: run `shmtool fsck {self._name}` to "
-                        "rebuild it") from None
+                        "rebuild it", e.table) from None
             names = _lane_tables(decls)
             region = seg.lanes_region
             size = lanes_size()
