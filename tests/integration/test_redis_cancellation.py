@@ -277,6 +277,20 @@ def test_the_sweep_claim_goes_on_after_the_clock_steps_back(redis_server, redis_
     assert c.store.claim_sweep(1002.0 - 3600 + 2.0, 2.0)
 
 
+@pytest.mark.parametrize("junk", [b"garbage", b""])
+def test_a_sweep_claim_written_over_with_junk_is_claimed_again(redis_server, redis_prefix, junk):
+    """A string that is no number at ``{g}:sweep`` (another client's write, the right type)
+    failed the claim script with a Lua error on every call of every host, for good: no sweep
+    ran again. It counts as no claim and is written over."""
+    c = make(redis_server, redis_prefix)
+    key = (redis_prefix + "{g}:sweep").encode()
+    assert not c.store.claim_sweep(100.0, 2.0)
+    c.store.client.set(key, junk)
+    assert not c.store.claim_sweep(103.0, 2.0)  # as a first claim: one interval later
+    assert c.store.client.get(key) == b"103.0"
+    assert c.store.claim_sweep(105.0, 2.0)
+
+
 def test_rows_of_a_dead_host_expire_with_its_lease(redis_server, redis_prefix):
     dead = make(redis_server, redis_prefix, lease=0.3, host="dead")
     live = make(redis_server, redis_prefix, lease=0.3, host="live")
