@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import msgpack
+import pytest
 import redis
 from helpers.background import Background
 from helpers.clock import Clock
@@ -282,6 +283,29 @@ def test_a_pending_cancellation_waits_pending_seconds_however_busy_its_scope(
     assert b.store.client.exists(b.store.pc_key(S))  # the scope's other ones still wait
     assert a.renew() == 1
     assert box(a) == [] and not a.cancelled("7", S)
+
+
+@pytest.mark.parametrize("lost", ["pend written over", "no end anywhere"])
+def test_a_pending_cancellation_outlives_its_wait_index_written_over(
+        redis_server: Any, redis_prefix: str, lost: str) -> None:
+    """Junk over ``{g}:pend`` (another client's write; mended: deleted) took every waiting
+    cancellation's end with it, and track.lua read "no end" as "wait over": the row added
+    back dropped the cancellation, and the call ran on. The entry keeps its own end; one with
+    no end anywhere still waits (its scope's hash has a TTL)."""
+    clock = Clock()
+    a, b = (make(redis_server.url, redis_prefix, clock, h) for h in "AB")
+    for rid in ("7", "8"):
+        a.track_token(rid, S)
+        lose_row(a, rid)
+    clock.tick(1.0)
+    assert b.cancel_if_in_flight("7", "stop", S) is False
+    r = a.store.client
+    if lost == "no end anywhere":  # as an entry written before the end was kept in it
+        r.hset(a.store.pc_key(S), "7", msgpack.packb([b"=stop", repr(clock.t)], use_bin_type=False))
+    r.set(a.store.prefix + "{g}:pend", b"junk")
+    assert a.renew() == 2
+    assert box(a) == [(S, "7", "stop")] and a.reason("7", S) == "stop"
+    assert not a.cancelled("8", S)
 
 
 def test_pending_cancellations_are_bounded_across_scopes(redis_server: Any,

@@ -29,7 +29,8 @@ if ARGV[9] == '1' then
       local m = member(scope, rid)
       if redis.call('ZSCORE', pend, m) or (redis.call('HLEN', pc) < tonumber(ARGV[13])
           and redis.call('ZCARD', pend) < tonumber(ARGV[14])) then
-        redis.call('HSET', pc, rid, cmsgpack.pack({reason, at}))
+        -- the wait's end in the entry too: pend written over (mended) loses it
+        redis.call('HSET', pc, rid, cmsgpack.pack({reason, at, now + ms}))
         redis.call('ZADD', pend, now + ms, m)
         outlive(pc, ms)
         outlive(pend, ms)

@@ -3,8 +3,9 @@
 --   P{<sha1(scope)>}:t          zset   rid -> cancelled_at (float seconds)
 --   P{<sha1(scope)>}:if:<sha1(rid)>  zset   owner -> lease deadline (ms); one member per running request
 --   P{<sha1(scope)>}:ifs        set    ids in flight in the scope (pruned as their owners go)
---   P{<sha1(scope)>}:pc         hash   rid -> {reason, at}: gated cancellations that found nothing
---                                      in flight, for a row added back later (track.lua)
+--   P{<sha1(scope)>}:pc         hash   rid -> {reason, at, until (ms)}: gated cancellations that
+--                                      found nothing in flight, for a row added back later
+--                                      (track.lua)
 --   P{g}:all                    zset   <#scope>:<scope><rid> -> cancelled_at (global count, TTL, cap)
 --   P{g}:pend                   zset   <#scope>:<scope><rid> -> until when (ms) its pc entry waits
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)

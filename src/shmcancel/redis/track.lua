@@ -42,12 +42,16 @@ for _, k in ipairs({ifk, KEYS[6]}) do
 end
 local raw = redis.call('HGET', KEYS[7], rid)
 local m = member(scope, rid)
-local waits = raw and redis.call('ZSCORE', KEYS[8], m)
-if raw and not (waits and tonumber(waits) >= tonumber(ARGV[6])) then
+local ok, p
+if raw then ok, p = pcall(cmsgpack.unpack, raw) end
+ok = ok and type(p) == 'table'
+-- until when it waits: its score in pend, else (pend written over, so mended) the end kept in
+-- the entry; an entry with neither still waits (its scope's pc has a TTL: the wait is bounded)
+local waits = raw and tonumber(redis.call('ZSCORE', KEYS[8], m) or (ok and p[3]))
+if raw and waits and not (waits >= tonumber(ARGV[6])) then
   unpend(KEYS[7], KEYS[8], rid, m)  -- its wait is over
 elseif raw then
-  local ok, p = pcall(cmsgpack.unpack, raw)
-  local at = ok and type(p) == 'table' and type(p[1]) == 'string' and tonumber(p[2])
+  local at = ok and type(p[1]) == 'string' and tonumber(p[2])
   -- the entry may be another client's: only a finite time, written as ZADD reads it (tonumber
   -- takes ' 5', '1e400' that ZADD refuses, failing the script after the row was added)
   if at and at == at and at > -math.huge and at < math.huge and at >= started then
