@@ -236,3 +236,58 @@ def test_a_sessions_copy_written_over_is_never_404_on_another_host(
             r.close()
         assert_retry_later(c.post(b.url, PING, retry_for=0))
         assert c.post(b.url, PING).status_code == 200  # retried as a client does
+
+
+def _lookup(b: Bridge, sid: str) -> Any:
+    """``b``'s lookup of ``sid``: None while it answers "retry later"; a 404 (no session) fails
+    the test."""
+    try:
+        got = b.lookup_session(sid)
+    except RemoteUnavailable:
+        return None
+    assert got is not None, "a live session answered 404"
+    return got
+
+
+def test_a_sessions_copy_and_holders_written_over_are_stored_again(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Junk over a live session's copy and over its holders' set: the lookup that mended them
+    told nobody (the holders were in the junk), and the next one answered 404 while A served
+    the session. Every live box is told then: A stores it again, 503 meanwhile."""
+    client = "ip:203.0.113.92"
+    with hosts_in_process(redis_server, shm_name, shm_names, thread_a=True) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        r = a.store.client
+        wait_until(lambda: r.exists(a.store.alive_key(a.remote.box)) or None,
+                   time.monotonic() + 10, interval=0.02, what="A's bridge to run")
+        key = f"{a.store.prefix}sess:{s.id}"
+        r.set(key + ":boxes", b"junk")
+        r.set(key, b"junk")
+        with pytest.raises(RemoteUnavailable):
+            b.lookup_session(s.id)
+        got = wait_until(lambda: _lookup(b, s.id), time.monotonic() + 10, interval=0.05,
+                         what="A to store its session again")
+        assert got == ("2025-11-25", client)
+
+
+def test_a_junk_copy_no_live_holder_can_store_is_503_until_its_host_serves_it(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """The worker that minted a session exited (its box stopped) and no other worker holds
+    its client yet: the lookup mending its junk copy could tell nobody, and the next one
+    answered 404 on B while A's other workers served the session. Lookups answer "retry
+    later" for a box lease, and the next request A serves stores the session again."""
+    client = "ip:203.0.113.93"
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (_, b)):
+        s = SessionStore(ra).create("2025-11-25", client)
+        a.publish_session(s.id, s.protocol_version, client)
+        a.store.box_stopped(a.remote.box)
+        with a._owed_lock:
+            a._held.clear()  # as in another worker of A, which never served it
+            a._kept.clear()
+        a.store.client.set(f"{a.store.prefix}sess:{s.id}", b"junk")
+        for _ in range(3):
+            with pytest.raises(RemoteUnavailable):
+                b.lookup_session(s.id)
+        a.keep_session(s.id, client)  # a request of the session served on A
+        assert b.lookup_session(s.id) == ("2025-11-25", client)

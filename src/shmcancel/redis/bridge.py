@@ -557,6 +557,15 @@ class Bridge:
             raise RemoteUnavailable("session lookup: Redis lost data (a FLUSHALL, an eviction, "
                                     "a restart) and its hosts may not have stored their "
                                     "sessions again yet")
+        if got is None:
+            try:
+                mending = self._ask("session", self.store.mending, sid)
+            except _NoAnswer as e:
+                raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})"
+                                        ) from None
+            if mending:
+                raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its "
+                                        "holders store it again")
         if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
             return None
         if isinstance(got, tuple):
@@ -681,7 +690,7 @@ class Bridge:
                         self._kept.clear()  # request here renews (or stores) it at once
                     self._recovering = False
                     try:  # marked from here: a loss right after this restore is seen too
-                        self.store.client.set(alive, b"1", px=lease_ms)
+                        self.store.set_alive(self.remote.box, lease_ms)
                         self._alive_set = True
                     except OutOfMemoryError:
                         self._alive_set = False  # refused: its absence says nothing
@@ -769,10 +778,7 @@ class Bridge:
         back, its sessions stored again): until then other hosts answer its sessions 404. Loss
         of other keys alone (an eviction policy that spares this one) goes unseen: run Redis
         with ``noeviction``."""
-        p = self.store.client.pipeline(transaction=False)
-        p.exists(alive)
-        p.set(alive, b"1", px=lease_ms)
-        existed, _ = p.execute()
+        existed = self.store.set_alive(self.remote.box, lease_ms)
         was_set, self._alive_set = self._alive_set, True
         return was_set and not existed
 

@@ -15,6 +15,13 @@
 --   P{g}:stopped                zset   box -> Redis time (ms) its bridge stopped (stopped.lua)
 --   Psess:<sid>:gone            string it was deleted lately: never stored again meanwhile
 --   P{cl:<sha1(client)>}:s      zset   a client's sessions (per_client bound)
+--   Palive:<box>                string its worker's bridge runs (a lease's TTL)
+--   P{g}:live                   zset   box -> when (ms, its host's clock) it last set its alive
+--                                      key: the boxes to tell when a session's holders are unknown
+--   Psess:<sid>:mending         string its damaged copy was deleted and workers told to store it
+--                                      again (session_mend.lua): a lookup meanwhile is 503
+-- How long a box stays in P{g}:live after it last renewed its alive key.
+local LIVE_KEPT_MS = 600000
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
 local function unmember(m)  -- nil for a member not of that form (written by another client)
   local colon = string.find(m, ':', 1, true)

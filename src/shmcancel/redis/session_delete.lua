@@ -13,6 +13,6 @@ for _, box in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     n = n + 1
   end
 end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[1] .. ':mending')
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
 return n

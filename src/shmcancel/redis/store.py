@@ -25,6 +25,7 @@ import hashlib
 import math
 import struct
 import sys
+import time
 from importlib import resources
 from typing import Any
 
@@ -138,6 +139,7 @@ class RedisStore:
         self._scopes = _b(prefix + "{g}:scopes")
         self._pend = _b(prefix + "{g}:pend")
         self._stopped = _b(prefix + "{g}:stopped")
+        self._live = _b(prefix + "{g}:live")
         common = resources.files(__package__).joinpath("common.lua").read_text()
         self._src = {n: common + resources.files(__package__).joinpath(f"{n}.lua").read_text()
                      for n in _SCRIPTS}
@@ -424,11 +426,36 @@ class RedisStore:
     def mend_session(self, sid: str, seen: bytes | None, *, box_lease_ms: int) -> int:
         """Delete a session's copy no host can adopt (:class:`Damaged`; ``seen`` as read) and
         tell every holder's box to store the session again (:meth:`decode_box_item`'s
-        ``("store", sid)``); how many were told, -1 when the copy changed since it was read."""
+        ``("store", sid)``), every live box's (:meth:`set_alive`) when no holder is left to
+        tell; :meth:`mending` is true for ``box_lease_ms`` after. How many were told, -1 when
+        the copy changed since it was read."""
         key = self._sess_key(sid)
-        return int(self.call("session_mend", [key, key + b":boxes", self._stopped],
+        return int(self.call("session_mend",
+                             [key, key + b":boxes", self._stopped, self._live,
+                              key + b":mending"],
                              [self.prefix, msgpack.packb([b"p", _b(sid)]), box_lease_ms,
-                              b"" if seen is None else b"=" + seen]))
+                              b"" if seen is None else b"=" + seen, int(time.time() * 1000)]))
+
+    def mending(self, sid: str) -> bool:
+        """Whether session ``sid``'s damaged copy was deleted lately (:meth:`mend_session`)
+        and its holders may not have stored it again yet."""
+        return bool(_or_empty(self.client.exists, self._sess_key(sid) + b":mending", empty=0))
+
+    def set_alive(self, box: str, lease_ms: int) -> bool:
+        """Set ``box``'s :meth:`alive_key` for ``lease_ms`` and list the box among the live
+        ones (``{g}:live``, which :meth:`mend_session` tells when a session's holders are
+        unknown); whether the alive key existed before. A live index another client wrote
+        over is left to the mend script (its entry here is then skipped, not an error)."""
+        p = self.client.pipeline(transaction=False)
+        p.exists(self.alive_key(box))
+        p.set(self.alive_key(box), b"1", px=lease_ms)
+        p.zadd(self._live, {_b(box): int(time.time() * 1000)})
+        p.pexpire(self._live, 600_000)
+        existed, done, *_ = p.execute(raise_on_error=False)
+        for got in (existed, done):
+            if isinstance(got, Exception):
+                raise got
+        return bool(existed)
 
     def touch_session(self, sid: str, client: str | None = None, *, box: str) -> int:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
