@@ -67,6 +67,12 @@ class RemoteUnavailable(ShmCancelError):
     """The cross-host layer (``shmcancel.redis``) gave no answer: its call timed out, failed or
     was skipped (Redis down, this process's other Redis call holding on). What it would have said
     is unknown, so nothing may be concluded from it (a session it may hold is not "unknown"): the
-    transport answers HTTP 503 with ``Retry-After: retry_after`` seconds."""
+    transport answers HTTP 503 with ``Retry-After: retry_after`` seconds, saying why: the shared
+    store ``cause`` (a phrase sent to the client: "did not answer", "is full", ...; the
+    message, which may carry Redis's own words, is only logged)."""
 
     retry_after = 1
+
+    def __init__(self, *args: object, cause: str = "did not answer") -> None:
+        super().__init__(*args)
+        self.cause = cause

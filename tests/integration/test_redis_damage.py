@@ -151,6 +151,7 @@ def test_an_initialize_whose_session_a_full_redis_refuses_is_503(shm_name: str) 
                 assert int(reply.headers["retry-after"]) >= 1
                 body = json.loads(reply.body)
                 assert body["id"] == 9 and body["error"]["code"] == errors.SERVER_ERROR, body
+                assert "is full" in body["error"]["message"], body  # not "did not answer"
                 assert "mcp-session-id" not in reply.headers
                 assert SessionStore(reg).count() == 0
                 assert b.owed() == 0 and not b.down
@@ -234,7 +235,9 @@ def test_a_sessions_copy_written_over_is_never_404_on_another_host(
             r.set(f"{prefix}sess:{c.sid}", b"junk")
         finally:
             r.close()
-        assert_retry_later(c.post(b.url, PING, retry_for=0))
+        reply = c.post(b.url, PING, retry_for=0)
+        assert_retry_later(reply)
+        assert "damaged copy" in reply.json()["error"]["message"], reply.text
         assert c.post(b.url, PING).status_code == 200  # retried as a client does
 
 

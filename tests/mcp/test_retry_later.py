@@ -23,11 +23,14 @@ CASES = [
      "Server busy: the session cannot be taken up here now (all busy)"),
     (RemoteUnavailable("redis silent"), logging.INFO, "1",
      "Service unavailable: the session store of other hosts did not answer; retry later"),
+    (RemoteUnavailable("OOM", cause="is full"), logging.INFO, "1",
+     "Service unavailable: the session store of other hosts is full; retry later"),
 ]
 
 
 @pytest.mark.parametrize(("exc", "level", "retry_after", "message"), CASES,
-                         ids=["lock-timeout", "sessions-full", "remote-unavailable"])
+                         ids=["lock-timeout", "sessions-full", "remote-unavailable",
+                              "remote-full"])
 def test_a_retry_later_answer_is_what_it_was(monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture, exc: Exception,
                                              level: int, retry_after: str, message: str) -> None:

@@ -267,10 +267,11 @@ class McpServer(LegacyWire, ModernWire):
             reply = _retry_later(environ, e, "Service unavailable: the registry has no room "
                                  "left; retry later", _RETRY_AFTER, logging.ERROR)
         except RemoteUnavailable as e:
-            # The cross-host layer gave no answer about a session minted elsewhere: it may well
-            # exist, so not 404 (a client takes that as its session gone for good). Retry.
+            # The cross-host layer gave no answer about a session minted elsewhere (or could
+            # not store or deliver): it may well exist, so not 404 (a client takes that as its
+            # session gone for good). Retry.
             reply = _retry_later(environ, e, "Service unavailable: the session store of other "
-                                 "hosts did not answer; retry later", e.retry_after)
+                                 f"hosts {e.cause}; retry later", e.retry_after)
         except SystemExit as e:
             # gunicorn stops this sync worker (worker timeout, shutdown) while the request waits
             # (for the registry lock, say): not served, nothing half-done, so a retry is safe;

@@ -118,6 +118,10 @@ HELD_MAX = 4096  # sessions a process remembers publishing, and renewal times it
 _SID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
+#: RemoteUnavailable's cause for a session's copy no host could adopt (another client's write).
+_DAMAGED = "holds a damaged copy of this session; it is being stored again"
+
+
 def _minted_form(sid: str) -> bool:
     return 0 < len(sid) <= 128 and _SID_CHARS.issuperset(sid)
 
@@ -415,7 +419,8 @@ class Bridge:
             return bool(self._ask("cancel", self.remote.cancel_if_in_flight, request_id,
                                   reason, scope))
         except _Damaged as e:
-            raise RemoteUnavailable(f"cross-host cancellation not delivered: {e}") from None
+            raise RemoteUnavailable(f"cross-host cancellation not delivered: {e}",
+                                    cause="is damaged") from None
         except _NoAnswer:
             rid = ids.key(request_id)
             if rid is not None:
@@ -449,8 +454,8 @@ class Bridge:
             with self._owed_lock:
                 self._held.pop(sid, None)
                 self._kept.pop(sid, None)
-            raise RemoteUnavailable(f"a new session could not be stored in Redis: {e}"
-                                    ) from None
+            raise RemoteUnavailable(f"a new session could not be stored in Redis: {e}",
+                                    cause="is full") from None
         except _NoAnswer:
             self._owe(("publish", sid), self._session_ttl, put)
 
@@ -556,7 +561,8 @@ class Bridge:
                             or time.monotonic() < self._restoring_until):
             raise RemoteUnavailable("session lookup: Redis lost data (a FLUSHALL, an eviction, "
                                     "a restart) and its hosts may not have stored their "
-                                    "sessions again yet")
+                                    "sessions again yet",
+                                    cause="lost data; its hosts store it again")
         if got is None:
             try:
                 mending = self._ask("session", self.store.mending, sid)
@@ -565,7 +571,7 @@ class Bridge:
                                         ) from None
             if mending:
                 raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its "
-                                        "holders store it again")
+                                        "holders store it again", cause=_DAMAGED)
         if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
             return None
         if isinstance(got, tuple):
@@ -587,11 +593,12 @@ class Bridge:
             raise RemoteUnavailable(f"session lookup: its copy in Redis is damaged ({e})"
                                     ) from None
         if told < 0:
-            raise RemoteUnavailable("session lookup: its copy in Redis changed meanwhile")
+            raise RemoteUnavailable("session lookup: its copy in Redis changed meanwhile",
+                                    cause=_DAMAGED)
         log.warning("a session's copy in Redis was not one (another client's write): deleted, "
                     "%d holder(s) told to store it again", told)
         raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its holders "
-                                "store it again")
+                                "store it again", cause=_DAMAGED)
 
     def _store_again(self, sid: str) -> None:
         """The thread: session ``sid``'s copy in Redis was damaged (:meth:`_mend_session`):
