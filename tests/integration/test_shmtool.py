@@ -391,9 +391,15 @@ def test_cleanup_prints_what_the_check_on_its_attach_repaired(reg):
     t._hq[_ROWS] = 4
     p = shmtool("cleanup", reg.name)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines() == [
-        "removed 0 cancellation rows, 0 in-flight rows",
-        "table cancellations: dropped 2 unreadable entries, repaired (free_stack 1, rows 1)"]
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == "removed 0 cancellation rows, 0 in-flight rows", lines
+    # which entries move up their probe chains once the two are dropped depends on where the
+    # registry's random hash key put them: "moved N" may be among the repairs
+    head, _, repairs = lines[1].partition(", repaired (")
+    assert head == "table cancellations: dropped 2 unreadable entries", lines
+    done = dict(kv.split(" ") for kv in repairs.removesuffix(")").split(", "))
+    assert done.pop("free_stack") == "1" and done.pop("rows") == "1", lines
+    assert set(done) <= {"moved"}, lines
     assert t.count() == 3
 
 
