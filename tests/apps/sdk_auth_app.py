@@ -10,14 +10,13 @@ stateless with JSON responses.
 from __future__ import annotations
 
 import os
-import time
 
-import anyio
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
 
 import shmcancel.sdk
+from tests.apps.sdk_tools import add_sleep_tools
 
 _TOKENS = {"alice-at-a": ("a", "alice", ["mcp"]), "alice-at-b": ("b", "alice", ["mcp"]),
            "bare": ("a", "alice", [])}
@@ -36,20 +35,7 @@ mcp = MCPServer("auth-test", token_verifier=_Verifier(), auth=AuthSettings(
     issuer_url="http://127.0.0.1:9/", resource_server_url="http://127.0.0.1:9/mcp",
     required_scopes=["mcp"]))
 
-
-@mcp.tool()
-async def sleep(seconds: float) -> str:
-    await anyio.sleep(seconds)
-    return f"slept {seconds:g} s"
-
-
-@mcp.tool()
-def sleep_sync(seconds: float) -> str:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        shmcancel.sdk.raise_if_cancelled()
-        time.sleep(0.005)
-    return f"slept {seconds:g} s"
+add_sleep_tools(mcp)
 
 
 _stateless = os.environ.get("SHMCANCEL_TEST_SDK_STATELESS") == "1"

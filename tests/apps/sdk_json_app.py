@@ -5,29 +5,14 @@ not an event stream."""
 
 from __future__ import annotations
 
-import time
-
-import anyio
 from mcp.server.mcpserver import MCPServer
 
 import shmcancel.sdk
+from tests.apps.sdk_tools import add_sleep_tools
 
 mcp = MCPServer("shmcancel-sdk-json")
 
-
-@mcp.tool()
-async def sleep(seconds: float) -> str:
-    await anyio.sleep(seconds)
-    return f"slept {seconds:g} s"
-
-
-@mcp.tool()
-def sleep_sync(seconds: float) -> str:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        shmcancel.sdk.raise_if_cancelled()
-        time.sleep(0.005)
-    return f"slept {seconds:g} s"
+add_sleep_tools(mcp)
 
 
 app = shmcancel.sdk.asgi(mcp, json_response=True)

@@ -586,6 +586,17 @@ def _finish(p: subprocess.Popen[str]) -> tuple[int, str]:
     return p.returncode, err
 
 
+def _owing_exiter_started(name: str) -> subprocess.Popen[str]:
+    """:func:`_owing_exiter` once it owes its clear (it says how many ends it owes: 1)."""
+    p = _owing_exiter(name)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "1"
+    except BaseException:
+        _finish(p)
+        raise
+    return p
+
+
 def test_a_clear_owed_at_exit_lands_before_the_process_ends(registry, spawn):
     """contract §4.3: a clear is never lost. A plain ``clear()`` that met a stalled lock was
     owed, and lost when its process exited before landing it (nothing else knows of it: unlike
@@ -595,12 +606,7 @@ def test_a_clear_owed_at_exit_lands_before_the_process_ends(registry, spawn):
     c = Cancellation(reg)
     c.cancel(5, "stop", "S")
     with stalled_lock(spawn, reg.name):
-        p = _owing_exiter(reg.name)
-        try:
-            assert p.stdout is not None and p.stdout.readline().strip() == "1"
-        except BaseException:
-            _finish(p)
-            raise
+        p = _owing_exiter_started(reg.name)
         assert c.cancelled(5, "S")
     status, err = _finish(p)  # the lock is free: the exit lands the clear
     assert status == 0, err
@@ -614,12 +620,7 @@ def test_an_exit_waits_for_a_stalled_lock_only_so_long(registry, spawn):
     c = Cancellation(reg)
     c.cancel(5, "stop", "S")
     with stalled_lock(spawn, reg.name):
-        p = _owing_exiter(reg.name)
-        try:
-            assert p.stdout is not None and p.stdout.readline().strip() == "1"
-        except BaseException:
-            _finish(p)
-            raise
+        p = _owing_exiter_started(reg.name)
         t0 = time.monotonic()
         status, err = _finish(p)
         took = time.monotonic() - t0
