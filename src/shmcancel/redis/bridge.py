@@ -551,8 +551,9 @@ class Bridge:
         # lost data since (a FLUSHALL) and the session's host has not stored it again yet
         was_set = self._alive_set
         try:
-            got, alive = self._ask("session", self.store.get_session_and_alive, sid,
-                                   self.store.alive_key(self.remote.box) if was_set else None)
+            got, alive, mending = self._ask(
+                "session", self.store.get_session_and_alive, sid,
+                self.store.alive_key(self.remote.box) if was_set else None)
         except _NoAnswer as e:
             raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})") from None
         if isinstance(got, Damaged):
@@ -563,15 +564,9 @@ class Bridge:
                                     "a restart) and its hosts may not have stored their "
                                     "sessions again yet",
                                     cause="lost data; its hosts store it again")
-        if got is None:
-            try:
-                mending = self._ask("session", self.store.mending, sid)
-            except _NoAnswer as e:
-                raise RemoteUnavailable(f"session lookup got no answer from Redis ({e})"
-                                        ) from None
-            if mending:
-                raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its "
-                                        "holders store it again", cause=_DAMAGED)
+        if got is None and mending:
+            raise RemoteUnavailable("session lookup: its copy in Redis was damaged; its "
+                                    "holders store it again", cause=_DAMAGED)
         if isinstance(got, tuple) and may_use is not None and not may_use(got[1]):
             return None
         if isinstance(got, tuple):

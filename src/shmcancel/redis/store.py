@@ -395,51 +395,54 @@ class RedisStore:
         return None if isinstance(got, Damaged) else got
 
     def get_session_and_alive(self, sid: str, alive: bytes | None
-                              ) -> tuple[tuple[str, str] | Damaged | None, bool]:
-        """:meth:`get_session` (but :class:`Damaged` for a copy no host can adopt), and whether
-        the key ``alive`` (an :meth:`alive_key`) exists, read in the same round trip (``True``
-        when ``alive`` is None)."""
+                              ) -> tuple[tuple[str, str] | Damaged | None, bool, bool]:
+        """:meth:`get_session` (but :class:`Damaged` for a copy no host can adopt), whether
+        the key ``alive`` (an :meth:`alive_key`) exists (``True`` when ``alive`` is None), and
+        whether the session's damaged copy was deleted lately and its holders may not have
+        stored it again yet (:meth:`mend_session`), all read in one round trip."""
         from redis.exceptions import ResponseError
+        key = self._sess_key(sid)
         p = self.client.pipeline(transaction=False)
-        p.get(self._sess_key(sid))
+        p.get(key)
+        p.exists(key + b":mending")
         if alive is not None:
             p.exists(alive)
         got = p.execute(raise_on_error=False)
-        raw = got[0]
-        there = alive is None or got[1] == 1
-        if alive is not None and isinstance(got[1], Exception):
-            raise got[1]
+        raw, mending = got[0], got[1]
+        if isinstance(mending, Exception):
+            if not wrong_type(mending):
+                raise mending
+            mending = 0  # another client's key there: nothing of ours (mend_session mends it)
+        there = alive is None or got[2] == 1
+        if alive is not None and isinstance(got[2], Exception):
+            raise got[2]
+        mend = mending == 1
         if isinstance(raw, ResponseError) and wrong_type(raw):
-            return Damaged(None), there
+            return Damaged(None), there, mend
         if isinstance(raw, Exception):
             raise raw
         if raw is None:
-            return None, there
+            return None, there, mend
         try:
             version, client = msgpack.unpackb(raw)
         except Exception:
-            return Damaged(raw), there
+            return Damaged(raw), there, mend
         if type(version) is not str or type(client) is not str:
-            return Damaged(raw), there
-        return (version, client), there
+            return Damaged(raw), there, mend
+        return (version, client), there, mend
 
     def mend_session(self, sid: str, seen: bytes | None, *, box_lease_ms: int) -> int:
         """Delete a session's copy no host can adopt (:class:`Damaged`; ``seen`` as read) and
         tell every holder's box to store the session again (:meth:`decode_box_item`'s
         ``("store", sid)``), every live box's (:meth:`set_alive`) when no holder is left to
-        tell; :meth:`mending` is true for ``box_lease_ms`` after. How many were told, -1 when
-        the copy changed since it was read."""
+        tell; :meth:`get_session_and_alive` says it is mending for ``box_lease_ms`` after. How
+        many were told, -1 when the copy changed since it was read."""
         key = self._sess_key(sid)
         return int(self.call("session_mend",
                              [key, key + b":boxes", self._stopped, self._live,
                               key + b":mending"],
                              [self.prefix, msgpack.packb([b"p", _b(sid)]), box_lease_ms,
                               b"" if seen is None else b"=" + seen, int(time.time() * 1000)]))
-
-    def mending(self, sid: str) -> bool:
-        """Whether session ``sid``'s damaged copy was deleted lately (:meth:`mend_session`)
-        and its holders may not have stored it again yet."""
-        return bool(_or_empty(self.client.exists, self._sess_key(sid) + b":mending", empty=0))
 
     def set_alive(self, box: str, lease_ms: int) -> bool:
         """Set ``box``'s :meth:`alive_key` for ``lease_ms`` and list the box among the live
