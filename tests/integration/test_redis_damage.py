@@ -294,3 +294,20 @@ def test_a_junk_copy_no_live_holder_can_store_is_503_until_its_host_serves_it(
                 b.lookup_session(s.id)
         a.keep_session(s.id, client)  # a request of the session served on A
         assert b.lookup_session(s.id) == ("2025-11-25", client)
+
+
+def test_the_live_index_keeps_only_boxes_renewed_lately(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Every renewal lists its box in ``{g}:live`` (the boxes a damaged session's mend tells
+    when its holders are unknown), and the key's TTL never runs out while any worker renews:
+    without a prune the boxes of recycled workers piled up there for as long as the cluster
+    ran. A renewal drops the boxes not renewed for ``LIVE_KEPT_MS``."""
+    from shmcancel.redis.store import LIVE_KEPT_MS
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((_, a), _b):
+        r = a.store.client
+        live = a.store._live
+        old_ms = int(time.time() * 1000) - LIVE_KEPT_MS - 60_000
+        r.zadd(live, {f"recycled-{i}".encode(): old_ms + i for i in range(100)})
+        r.zadd(live, {b"renewed-lately": old_ms + 120_000})
+        a.store.set_alive(a.remote.box, 5000)
+        assert set(r.zrange(live, 0, -1)) == {a.remote.box.encode(), b"renewed-lately"}

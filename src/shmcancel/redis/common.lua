@@ -21,7 +21,7 @@
 --   Psess:<sid>:mending         string its damaged copy was deleted and workers told to store it
 --                                      again (session_mend.lua): a lookup meanwhile is 503
 -- How long a box stays in P{g}:live after it last renewed its alive key.
-local LIVE_KEPT_MS = 600000
+local LIVE_KEPT_MS = 600000  -- store.py's LIVE_KEPT_MS: set_alive prunes by it too
 local function member(scope, rid) return #scope .. ':' .. scope .. rid end
 local function unmember(m)  -- nil for a member not of that form (written by another client)
   local colon = string.find(m, ':', 1, true)

@@ -45,6 +45,9 @@ BOX_MAX = 4096
 #: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
 #: holder stores it again after the outage) is refused its store and ends its copy.
 GONE_TTL = 300.0
+#: Milliseconds a box stays in the live index (``{g}:live``) after its last renewal
+#: (``common.lua``'s ``LIVE_KEPT_MS``): older ones are not told, and are pruned.
+LIVE_KEPT_MS = 600_000
 
 
 def _b(s: str) -> bytes:
@@ -447,13 +450,17 @@ class RedisStore:
     def set_alive(self, box: str, lease_ms: int) -> bool:
         """Set ``box``'s :meth:`alive_key` for ``lease_ms`` and list the box among the live
         ones (``{g}:live``, which :meth:`mend_session` tells when a session's holders are
-        unknown); whether the alive key existed before. A live index another client wrote
-        over is left to the mend script (its entry here is then skipped, not an error)."""
+        unknown; boxes not renewed for :data:`LIVE_KEPT_MS` leave it here, so that recycled
+        workers' boxes do not pile up); whether the alive key existed before. A live index
+        another client wrote over is left to the mend script (its entries here are then
+        skipped, not an error)."""
+        now_ms = int(time.time() * 1000)
         p = self.client.pipeline(transaction=False)
         p.exists(self.alive_key(box))
         p.set(self.alive_key(box), b"1", px=lease_ms)
-        p.zadd(self._live, {_b(box): int(time.time() * 1000)})
-        p.pexpire(self._live, 600_000)
+        p.zadd(self._live, {_b(box): now_ms})
+        p.zremrangebyscore(self._live, "-inf", f"({now_ms - LIVE_KEPT_MS}")
+        p.pexpire(self._live, LIVE_KEPT_MS)
         existed, done, *_ = p.execute(raise_on_error=False)
         for got in (existed, done):
             if isinstance(got, Exception):
