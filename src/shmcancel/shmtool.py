@@ -99,7 +99,7 @@ from .shm.names import (
     stat_problem,
 )
 from .shm.names import unlink_names as _unlink_names
-from .shm.registry import Registry
+from .shm.registry import Registry, add_repairs
 from .shm.segment import ForeignPidNamespace, creator_of
 from .shm.table import RegionHeaderDamaged
 
@@ -634,8 +634,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         # what the attach's own check repaired, then what the sweep checks first: here to say
         repaired: dict[str, Counter[str]] = {}
         for rep in (reg.attach_repairs, reg.check()):
-            for table, counts in rep.items():
-                repaired.setdefault(table, Counter()).update(counts)
+            add_repairs(repaired, rep)
         removed, in_flight_removed = Cancellation(reg).sweep(args.ttl)
     finally:
         reg.close()

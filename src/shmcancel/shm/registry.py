@@ -24,7 +24,8 @@ import fcntl
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..config import Config
@@ -66,7 +67,8 @@ from .segment import (
 )
 from .table import RegionHeaderDamaged, Table
 
-__all__ = ["Registry", "current", "lane_tables", "record_sizes", "replaced_error", "sweep_due",
+__all__ = ["Registry", "add_repairs", "current", "lane_tables", "record_sizes", "replaced_error",
+           "sweep_due",
            "table_specs", "unlink"]
 
 log = logging.getLogger("shmcancel.registry")
@@ -80,6 +82,16 @@ def sweep_due(last: float, now: float, interval: float) -> bool:
     stepped back since; a smaller step delays the next sweep by less than an interval, and a
     claim whose ``now`` was read just before another's store is not taken for one)."""
     return now - last >= interval or last - now > interval
+
+
+def add_repairs(into: dict[str, Counter[str]], repairs: Mapping[str, Mapping[str, int]]
+                ) -> None:
+    """Add each table's repair counts in ``repairs`` (:meth:`Registry.fsck`'s or
+    :meth:`Registry.check`'s) to its counts in ``into``; a table that repaired nothing is left
+    out."""
+    for table, counts in repairs.items():
+        if any(counts.values()):
+            into.setdefault(table, Counter()).update(counts)
 
 
 def _decls(tables: Iterable[TableDecl] | None) -> tuple[TableDecl, ...]:
@@ -309,10 +321,10 @@ class Registry:
         self.lanes: dict[str, Lanes] = {}
         # what the lock's repairs (a dead holder's recovery, an interrupted write's) repaired
         # since :meth:`repair` last asked, by table: ``_recovery_fsck``
-        self._lock_repairs: dict[str, dict[str, int]] = {}
+        self._lock_repairs: dict[str, Counter[str]] = {}
         #: of :meth:`repair`'s last answer, the tables (and counts) the lock's recovery of a
         #: dead holder repaired as it took the lock (``shmtool fsck`` says so)
-        self.recovery_repairs: dict[str, dict[str, int]] = {}
+        self.recovery_repairs: dict[str, Counter[str]] = {}
         #: the repair counts of the tables :meth:`attach`'s own check repaired (empty: none)
         self.attach_repairs: dict[str, dict[str, int]] = {}
         try:
@@ -754,13 +766,9 @@ class Registry:
 
     def _recovery_fsck(self) -> None:
         """The lock's repair callback: :meth:`fsck`, its counts kept for :meth:`repair`."""
-        for n, r in self.fsck().items():
-            if any(r.values()):
-                kept = self._lock_repairs.setdefault(n, dict.fromkeys(r, 0))
-                for k, v in r.items():
-                    kept[k] = kept.get(k, 0) + v
+        add_repairs(self._lock_repairs, self.fsck())
 
-    def repair(self) -> dict[str, dict[str, int]]:
+    def repair(self) -> dict[str, Counter[str]]:
         """Take the lock and :meth:`fsck` every table (``shmtool fsck``); a kill in between
         leaves the repair to the lock's recovery (``dirty`` is set throughout). Returns the
         repair counts of the tables repaired (empty: nothing was wrong), including what the
@@ -778,12 +786,9 @@ class Registry:
             rep = self.fsck()
             lock.dirty = False
         self.recovery_repairs = recovered
-        out = {n: dict(r) for n, r in recovered.items()}
-        for n, r in rep.items():
-            if any(r.values()):
-                merged = out.setdefault(n, dict.fromkeys(r, 0))
-                for k, v in r.items():
-                    merged[k] = merged.get(k, 0) + v
+        out: dict[str, Counter[str]] = {}
+        add_repairs(out, recovered)
+        add_repairs(out, rep)
         return out
 
     def attach_problems(self) -> dict[str, str]:
