@@ -44,14 +44,16 @@ class Fsck(TableBase):
                 return got
         return None
 
-    def _consistent(self, read: Callable[[list[int]], T]) -> T:
+    def _consistent(self, read: Callable[[list[int]], T],
+                    unlocked: Callable[[list[int]], T] | None = None) -> T:
         """``read(index words)`` from a consistent copy of the index (optimistic, else under
-        the lock; on a read-only attachment, which has no lock, as it is then)."""
+        the lock; on a read-only attachment, which has no lock, as it is then, and read by
+        ``unlocked`` when given: a writer may be changing what it reads)."""
         got = self._optimistic(read)
         if got is not None:
             return got
         if self._lockless:
-            return read(self._idx.tolist())
+            return (unlocked or read)(self._idx.tolist())
         with self._lock:
             return read(self._idx.tolist())
 
@@ -95,15 +97,8 @@ class Fsck(TableBase):
         """The index words and their :meth:`_unreadable` entries, from one consistent read
         (see :meth:`_consistent`); on a read-only attachment whose optimistic read failed,
         only the entries :meth:`_confirmed` confirms."""
-        got = self._optimistic(lambda w: (w, self._unreadable(w)))
-        if got is not None:
-            return got
-        if self._lockless:
-            words = self._idx.tolist()
-            return words, self._confirmed(words, self._unreadable(words))
-        with self._lock:
-            words = self._idx.tolist()
-            return words, self._unreadable(words)
+        return self._consistent(lambda w: (w, self._unreadable(w)),
+                                lambda w: (w, self._confirmed(w, self._unreadable(w))))
 
     def unreadable(self) -> list[tuple[int, int]]:
         """(slot, record number) of every index entry whose record fails validation or holds a
