@@ -93,6 +93,26 @@ def _worker_of(conn: socket.socket, pids: list[int]) -> int | None:
     return None
 
 
+def _connect_past(owner: int, pids: list[int], host: str, port: int) -> tuple[socket.socket, int]:
+    """A connection accepted by a worker other than ``owner``, and that worker's pid. The kernel
+    hands a connection to whichever worker wakes first, and one can win every time (under load
+    it did, 40 tries in a row): ``owner`` is stopped (``SIGSTOP``) until another worker has
+    accepted, so it cannot take it."""
+    os.kill(owner, signal.SIGSTOP)
+    try:
+        s = socket.create_connection((host, port), timeout=10)
+        try:
+            carrier = wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
+                                 what="another worker to accept the connection")
+        except BaseException:
+            s.close()
+            raise
+    finally:
+        os.kill(owner, signal.SIGCONT)
+    assert carrier != owner
+    return s, carrier
+
+
 def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) -> None:
     """A worker carrying a GET stream of a session another worker holds (forwarded there:
     the official client opens one after initializing, so most sessions of a server with
@@ -113,19 +133,11 @@ def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) ->
         head = (f"GET /mcp HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
                 f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
                 "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
-        carrier = s = None
-        for _ in range(40):  # until a connection lands on the other worker
-            s = socket.create_connection((host, int(port)), timeout=10)
+        s, carrier = _connect_past(owner, pids, host, int(port))
+        try:
             s.sendall(head)
             got = s.recv(65536)
             assert got.startswith(b"HTTP/1.1 200"), got
-            carrier = _worker_of(s, pids)
-            if carrier is not None and carrier != owner:
-                break
-            s.close()
-            carrier = s = None
-        assert s is not None and carrier is not None, "no stream landed on the other worker"
-        try:
             t0 = time.monotonic()
             os.kill(carrier, signal.SIGTERM)
             s.settimeout(15)
@@ -204,16 +216,7 @@ def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
                 "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
-        s = None
-        for _ in range(40):  # until a connection is accepted by the other worker
-            s = socket.create_connection((host, int(port)), timeout=10)
-            carrier = wait_until(lambda s=s: _worker_of(s, pids), time.monotonic() + 10,
-                                 what="a worker to accept the connection")
-            if carrier != owner:
-                break
-            s.close()
-            s = None
-        assert s is not None, "no connection landed on the other worker"
+        s, _ = _connect_past(owner, pids, host, int(port))
         try:
             s.sendall(head + body)
             wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
