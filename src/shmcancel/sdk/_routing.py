@@ -474,7 +474,7 @@ class Router:
     async def _internal(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         """The app as served on the socket: a forwarded request, its client address restored."""
         if scope.get("type") == "http":
-            if _worker_exiting():
+            if worker_exiting():
                 # the session dies with this worker, which is draining: what sse_starlette
                 # would answer now is an empty stream (a client's call then "ended without a
                 # response"); 404 tells its client to open a new session
@@ -627,7 +627,7 @@ class Router:
                     # waits for every response, and for this one until gunicorn's timeout.
                     done, _ = await asyncio.wait({nxt, stop}, timeout=EXIT_LOOK if sse else None,
                                                  return_when=asyncio.FIRST_COMPLETED)
-                    if nxt not in done and (stop in done or _worker_exiting()):
+                    if nxt not in done and (stop in done or worker_exiting()):
                         nxt.cancel()  # the client left, or this worker exits: dropped upstream
                         with contextlib.suppress(BaseException):
                             await nxt
@@ -732,13 +732,10 @@ TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if 
 async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail: bytes,
                      body: bytes | None) -> None:
     """The owner broke a forwarded answer it had begun (it was killed: ``e``), or this worker
-    ends it as it exits (``e`` None). An event stream that stopped between events ends there:
-    with one more event, the request's JSON-RPC error (-32000), so that its client learns the
-    call failed, unless its last event was the request's answer already (or cannot be read:
-    longer than ``TAIL_MAX``). Any other answer
-    is left incomplete (uvicorn then drops the client's connection, as the owner's was
-    dropped): ended cleanly, a body cut short would pass for whole, and an event cut mid-way
-    would be dispatched with its data cut."""
+    ends it as it exits (``e`` None). An event stream ends as :func:`end_event_stream` ends it,
+    its error ``-32000``. Any other answer is left incomplete (uvicorn then drops the client's
+    connection, as the owner's was dropped): ended cleanly, a body cut short would pass for
+    whole."""
     if e is None:
         log.info("shmcancel.sdk: this worker is stopping: a forwarded stream of worker %s "
                  "ended", token)
@@ -747,21 +744,54 @@ async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail
         log.warning("shmcancel.sdk: worker %s stopped in the middle of a forwarded answer: "
                     "%r", token, e)
         why = "the worker holding the session stopped before answering"
-    lines = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # SSE's three line ends
-    if not sse or (tail and not lines.endswith(b"\n\n")):
-        return  # not an event stream, or cut inside an event: incomplete
-    events = lines.rstrip(b"\n").split(b"\n\n")
+    if sse:
+        await end_event_stream(send, tail, body, {"code": -32000, "message": why})
+
+
+def _unanswered(tail: bytes, body: bytes | None) -> tuple[int | str] | None:
+    """``(id,)`` of the JSON-RPC request in ``body`` when an event stream answering it, whose
+    last bytes (at most :data:`TAIL_MAX`) are ``tail``, stopped between events without its
+    answer as its last event; ``None`` when it carried it, when its last event cannot be read
+    (longer than ``TAIL_MAX``), when it stopped inside an event, or for a notification."""
+    if _inside_event(tail):
+        return None
+    events = _lines(tail).rstrip(b"\n").split(b"\n\n")
     whole = len(events) > 1 or len(tail) < TAIL_MAX  # the last event's start is in the tail
     rid = _request_id(body)
-    if rid is not None and whole and not _answers(events[-1], rid):
-        error = {"jsonrpc": "2.0", "id": rid[0], "error": {
-            "code": -32000, "message": why}}
-        event = b"event: message\r\ndata: " + json.dumps(error).encode() + b"\r\n\r\n"
+    if rid is None or not whole or _answers(events[-1], rid):
+        return None
+    return rid
+
+
+async def end_event_stream(send: Any, tail: bytes, body: bytes | None,
+                           error: dict[str, Any]) -> None:
+    """End an event stream answering the request in ``body`` that stops early, ``tail`` its
+    last bytes sent (at most :data:`TAIL_MAX`). One that stopped between events ends there:
+    with one more event, the request's JSON-RPC error response (``error``, its ``code``,
+    ``message`` and perhaps ``data``), so that its client learns the call failed, unless it
+    already carried the answer (:func:`_unanswered`). One cut inside an event is left incomplete
+    (nothing is sent): ended cleanly, the event would be dispatched with its data cut."""
+    if _inside_event(tail):
+        return
+    rid = _unanswered(tail, body)
+    if rid is not None:
+        msg = {"jsonrpc": "2.0", "id": rid[0], "error": error}
+        event = b"event: message\r\ndata: " + json.dumps(msg).encode() + b"\r\n\r\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _worker_exiting() -> bool:
+def _lines(tail: bytes) -> bytes:
+    """An event stream's bytes with its three line ends (CRLF, CR, LF) made ``\\n``."""
+    return tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def _inside_event(tail: bytes) -> bool:
+    """Whether an event stream whose last bytes are ``tail`` stopped inside an event."""
+    return bool(tail) and not _lines(tail).endswith(b"\n\n")
+
+
+def worker_exiting() -> bool:
     """Whether this worker's server has begun to exit (gunicorn's ``TERM``, ``max_requests``):
     the uvicorn server whose ``handle_exit`` is the ``SIGTERM`` handler says ``should_exit``,
     where sse_starlette looks too (this worker's socket server installs no handler)."""
