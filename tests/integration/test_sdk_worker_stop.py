@@ -240,3 +240,88 @@ def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
         assert in_flight_count(reg) == 0
         # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
         g.wait_workers(2, time.monotonic() + 20)
+
+
+def _events(stream: bytes) -> list[dict[str, Any]]:
+    """The JSON-RPC messages of an event stream's ``data`` lines, in order."""
+    text = stream.replace(b"\r\n", b"\n").decode()
+    return [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")
+            and line[5:].strip()]
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["direct", "forwarded"])
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
+        short_tmp: Path, tool: str, forwarded: bool) -> None:
+    """A stateful call answered as an event stream, running in its session's worker when that
+    worker is stopped alone (``TERM``, ``max_requests``), accepted there or by another worker
+    that forwards it: sse_starlette ended the stream as the exit began and the call was stopped
+    later, at the lifespan shutdown, its answer going nowhere: the client's stream ended with
+    no response to its request, and an official client waits for one until its own timeout
+    (60 s for the TS SDK's). The stream ends with the call's own JSON-RPC error, its only
+    answer."""
+    name = f"sdksse-{uuid.uuid4().hex[:10]}"
+    with Gunicorn(None, registry_name=name, config=CONF, workers=2,
+                  worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_STATELESS": "0",
+                       "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
+            Registry.attach(name, readonly=True) as reg:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "sse")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        assert owner in pids
+        [other] = [p for p in pids if p != owner]
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                           "params": {"name": tool,
+                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
+        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Accept: application/json, text/event-stream\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
+                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        # The session's GET stream, held by its worker as an official client opens it: the
+        # worker's drain waits for it until sse_starlette ends every stream at once (without
+        # it, a worker holding no connection of its own ran its lifespan shutdown at once, and
+        # the stopped call's answer could beat the end of its forwarded stream).
+        get = (f"GET /mcp HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
+               f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
+               "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        g_sock, _ = _connect_past(other, pids, host, int(port))
+        # forwarded: accepted by the other worker; direct: by the owner (the other stopped)
+        try:
+            g_sock.sendall(get)
+            assert g_sock.recv(65536).startswith(b"HTTP/1.1 200")
+            s, carrier = _connect_past(owner if forwarded else other, pids, host, int(port))
+        except BaseException:
+            g_sock.close()
+            raise
+        assert carrier == (other if forwarded else owner)
+        try:
+            s.sendall(head + body)
+            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+                       what="the call in flight")
+            t0 = time.monotonic()
+            os.kill(owner, signal.SIGTERM)
+            s.settimeout(15)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            assert resp.status == 200, (resp.status, resp.read())
+            assert resp.getheader("content-type", "").startswith("text/event-stream")
+            stream = resp.read()  # the whole stream: a clean end (IncompleteRead otherwise)
+            took = time.monotonic() - t0
+        finally:
+            s.close()
+            g_sock.close()
+        answers = [m for m in _events(stream) if m.get("id") == 7]
+        assert len(answers) == 1, stream  # one answer, never a second one
+        [msg] = answers
+        assert msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
+        assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
+        assert took < 10, took  # not gunicorn's timeout (90 s), nor the tool's 60 s
+        wait_until(lambda: not alive(owner), time.monotonic() + 15,
+                   what="the stopped worker's exit")
+        assert time.monotonic() - t0 < 10  # well before graceful_timeout (30 s)
+        assert in_flight_count(reg) == 0
+        # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
+        g.wait_workers(2, time.monotonic() + 20)

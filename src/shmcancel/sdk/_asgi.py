@@ -45,6 +45,7 @@ from ._calls import (
     EXCHANGE_KEY,
     SESSION_HEADER,
     Exchange,
+    RequestCancelled,
     Tracker,
     _header,
     conn_of,
@@ -53,7 +54,14 @@ from ._calls import (
     stop_calls_in_scope,
     stop_running_calls,
 )
-from ._routing import Router, set_header, token_pid
+from ._routing import (
+    TAIL_MAX,
+    Router,
+    end_event_stream,
+    set_header,
+    token_pid,
+    worker_exiting,
+)
 
 __all__ = ["asgi"]
 
@@ -68,6 +76,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 CANCELLED_METHOD = "notifications/cancelled"
 RETRY_AFTER = "1"  # seconds, for a 503 on a stalled registry
 MAX_ESCAPED = 64 * 1024  # bytes: the largest body with JSON escapes read for a cancellation
+STOPPING = "the worker is stopping"  # the reason of the calls a worker's exit stops
 
 
 def asgi(server: Any, *, route_sessions: bool = True, **options: Any) -> Any:
@@ -130,7 +139,7 @@ def _with_shutdown(app: Any, router: Router | None) -> None:
                 yield state
             finally:
                 try:
-                    if n := await stop_running_calls("the worker is stopping"):
+                    if n := await stop_running_calls(STOPPING):
                         log.info("stopped %d call(s) still running at the worker's shutdown", n)
                 finally:
                     if router is not None:
@@ -232,7 +241,8 @@ class Layer:
         exchange = Exchange()  # not watched: its session outlives the connection
         scope[EXCHANGE_KEY] = exchange
         try:
-            await self.app(scope, replay, _answering(send, exchange))
+            await self.app(scope, replay, _answering(_ending_at_exit(send, exchange, body),
+                                                     exchange))
         finally:
             exchange.answered.set()
 
@@ -497,6 +507,40 @@ def _answering(send: Send, exchange: Exchange) -> Send:
             exchange.answered.set()
 
     return answering
+
+
+def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> Send:
+    """``send`` for a stateful exchange. An event stream the SDK ends while this worker exits
+    (sse_starlette ends them all as the exit begins, the lifespan shutdown stops the calls only
+    later: their answers went nowhere, and the client's stream ended with no answer) stops the
+    exchange's calls then, and ends as :func:`end_event_stream` ends it: with the request's
+    ``-32800`` error, as every call the exit stops, unless it carried the answer already."""
+    sse = False
+    tail = b""  # the stream's last TAIL_MAX bytes so far
+
+    async def ending(message: Message) -> None:
+        nonlocal sse, tail
+        kind = message.get("type")
+        if kind == "http.response.start":
+            sse = any(k.lower() == b"content-type"
+                      and bytes(v).lower().startswith(b"text/event-stream")
+                      for k, v in message.get("headers") or ())
+        elif kind == "http.response.body" and sse:
+            chunk = bytes(message.get("body") or b"")
+            if not message.get("more_body", False) and worker_exiting():
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                    tail = (tail + chunk)[-TAIL_MAX:]
+                exchange.stop(STOPPING)
+                error = RequestCancelled(STOPPING).error.model_dump(mode="json",
+                                                                     exclude_none=True)
+                await end_event_stream(send, tail, body, error)
+                return
+            tail = (tail + chunk)[-TAIL_MAX:]
+        await send(message)
+
+    return ending
 
 
 def _tagging(send: Send, router: Router) -> Send:

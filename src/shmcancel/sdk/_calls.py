@@ -313,8 +313,12 @@ class Exchange:
 
     def disconnected(self) -> None:
         self.gone = True
+        self.stop("client disconnected")
+
+    def stop(self, reason: str) -> None:
+        """:meth:`Call.stop` every call this exchange carries."""
         for call in list(self.calls):
-            call.stop("client disconnected")
+            call.stop(reason)
 
 
 async def _registry_write(c: Cancellation, fn: Callable[..., _T], *args: Any) -> _T:
