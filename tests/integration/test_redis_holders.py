@@ -38,7 +38,7 @@ def holders(st: RedisStore, sid: str) -> set[str]:
 
 def put(st: RedisStore, sid: str, box: str) -> None:
     assert st.put_session(sid, "2025-11-25", "ip:203.0.113.9", now_ms=int(time.time() * 1000),
-                          box=box)
+                          box=box, box_lease_ms=10_000) == []
 
 
 def test_a_long_lived_sessions_holders_stay_bounded_as_workers_come_and_go(

@@ -795,6 +795,100 @@ def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str
     assert s3.id in held and len(held) == 2, held
 
 
+def _next_ms() -> None:
+    """Return once the wall clock's millisecond has changed: Redis orders a client's sessions
+    by the millisecond of their last store (ties by id), and a test relies on that order."""
+    now = int(time.time() * 1000)
+    wait_until(lambda: int(time.time() * 1000) > now, time.monotonic() + 1, interval=0.0005,
+               what="the next millisecond")
+
+
+def test_a_session_given_up_for_its_clients_bound_ends_on_every_host(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """README: Redis keeps at most sessions_per_client sessions of a client, giving up its
+    oldest without a call in flight. It deleted only its own copy: the hosts holding one (A
+    minted it, B adopted it) served it on, every other host answered it 404. Now it ends as at
+    a DELETE: A, whose store gave it up, ends its own copy at once (its box is not told), B is
+    told through its box, and a holder that missed that (its renewal before its box is read)
+    is refused its store (the gone marker) and ends its copy too."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
+        sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.80"
+        s1 = sa.create("2025-11-25", client)
+        a.publish_session(s1.id, s1.protocol_version, client)
+        got = b.lookup_session(s1.id)  # adopted on B
+        assert got is not None and sb.create(*got, session_id=s1.id) is not None
+        _next_ms()
+        s2 = sb.create("2025-11-25", client)
+        b.publish_session(s2.id, s2.protocol_version, client)
+        _next_ms()
+        s3 = sa.create("2025-11-25", client)
+        a.publish_session(s3.id, s3.protocol_version, client)  # s1 is given up
+        assert sa.get(s1.id) is None
+        assert take_box(redis_server, a) == []
+        assert [RedisStore.decode_box_item(x) for x in take_box(redis_server, b)] == [s1.id]
+        b._kept.pop(s1.id)  # B's renewal of its copy is due, its box not read (taken above)
+        b.keep_session(s1.id, client)
+        assert sb.get(s1.id) is None
+        with bridge(ra, redis_server, prefix=a.store.prefix, host="C") as c:
+            assert c.lookup_session(s1.id) is None
+            assert c.lookup_session(s2.id) == c.lookup_session(s3.id) == ("2025-11-25", client)
+        assert a.owed() == 0 and b.owed() == 0
+
+
+def test_a_session_given_up_for_its_clients_bound_is_unknown_on_both_hosts(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """README: a client holds at most sessions_per_client sessions in Redis. With a bound of 2
+    the client mints s1 on A (used on B too), s2 on B, s3 on A: Redis gave up s1 but A (which
+    minted it, and whose only worker stored s3) and B (which adopted it) kept their copies: s1
+    was served on both, and answered 404 by any third host. Now s1 is 404 on both hosts; s2
+    and s3 are served on both."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1,
+                   env_extra={"SHMCANCEL_TEST_SESSIONS_PER_CLIENT": "2"}) as (a, b, _p):
+        s1 = Client(a.url)
+        assert s1.post(b.url, PING).status_code == 200  # adopted on B
+        _next_ms()
+        s2 = Client(b.url)
+        _next_ms()
+        s3 = Client(a.url)
+        for h in (a, b):
+            wait_until(lambda h=h: s1.post(h.url, PING, retry_for=0).status_code == 404 or None,
+                       time.monotonic() + 10, interval=0.05, what=f"s1 to end on {h.url}")
+        for c in (s2, s3):
+            for h in (a, b):
+                assert c.post(h.url, PING).status_code == 200
+
+
+def test_a_session_with_a_call_in_flight_is_not_given_up_for_its_clients_bound(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: a session with a call in flight is never given up. With a bound of 2 the
+    client runs a call in s1 on A, mints s2 on B and s3 on A: Redis gives up s2, not s1, and s2
+    ends on both hosts (B, which minted it, served it on); s1's call runs on."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names,
+                   env_extra={"SHMCANCEL_TEST_SESSIONS_PER_CLIENT": "2"}) as (a, b, prefix):
+        r = redis.Redis.from_url(redis_server.url)
+        s1 = Client(a.url)
+        t = tag()
+        call = Background(lambda: s1.call(a.url, 1, "sleep", {"seconds": 20, "tag": t}))
+        call.start()
+        wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+        wait_until(lambda: list(r.scan_iter(match=prefix + "*:if:*")) or None,
+                   time.monotonic() + 5, what="the call's in-flight row")
+        s2 = Client(b.url)
+        s3 = Client(a.url)
+        for h in (a, b):
+            wait_until(lambda h=h: s2.post(h.url, PING, retry_for=0).status_code == 404 or None,
+                       time.monotonic() + 10, interval=0.05, what=f"s2 to end on {h.url}")
+        for c in (s1, s3):
+            for h in (a, b):
+                assert c.post(h.url, PING).status_code == 200
+        assert call.is_alive()  # not cancelled
+        assert s1.cancel(b.url, 1).status_code == 202
+        assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
+        r.close()
+
+
 @pytest.mark.parametrize("how", ["a notification on B", "a DELETE on A"])
 def test_a_cancellation_through_redis_is_reported_once(
         redis_server: Any, shm_name: str, shm_names: list[str], how: str) -> None:

@@ -461,17 +461,24 @@ class Bridge:
 
     def _put(self, sid: str, version: str, client: str) -> bool:
         """Store the session in Redis; False when Redis refused it, deleted lately on another
-        host (then it is ended here too: :meth:`_gone`)."""
-        stored = self.store.put_session(sid, version, client, now_ms=int(time.time() * 1000),
-                                        box=self.remote.box)
-        if not stored:
+        host (then it is ended here too: :meth:`_gone`). The client's sessions Redis gave up
+        for its bound end here too (their other holders were told through their boxes, this
+        worker's was not), so that no host serves one the others answer 404."""
+        given_up = self.store.put_session(sid, version, client,
+                                          now_ms=int(time.time() * 1000), box=self.remote.box,
+                                          box_lease_ms=int(self.remote.lease * 1000))
+        if given_up is None:
             self._gone(sid)
-        return stored
+            return False
+        for old in given_up:
+            self._gone(old)
+        return True
 
     def _gone(self, sid: str) -> None:
-        """Session ``sid`` was deleted on another host, and this process had not heard of it
-        (its store raced the DELETE, or Redis had lost the boxes to tell): never published or
-        adopted again here, and this host's copy and calls end."""
+        """Session ``sid`` was ended elsewhere (deleted on another host, or given up in Redis
+        for its client's bound), and this process had not heard of it (its store raced the
+        DELETE, Redis had lost the boxes to tell, or this process's store gave it up): never
+        published or adopted again here, and this host's copy and calls end."""
         self._forget(sid)
         self._end_session(sid)
 
@@ -938,8 +945,9 @@ class Bridge:
 
     def _end_session(self, sid: str, deadline: float | None = None, retry: bool = False,
                      reported: tuple[str, ...] = (), stalled: bool = False) -> bool:
-        """Session ``sid`` was deleted on another host: end this host's copy and cancel its
-        calls in flight here, as a local ``DELETE`` does (``Cancellation.cancel_scope_around``:
+        """Session ``sid`` ended elsewhere (deleted on another host, or given up in Redis for
+        its client's bound): end this host's copy and cancel its calls in flight here, as a
+        local ``DELETE`` does (``Cancellation.cancel_scope_around``:
         before the copy goes, and again after for a call begun in between). That DELETE
         cancelled the calls Redis listed in flight; a call that began here since passed its
         session check on this copy, and is cancelled now (it re-reads its session once

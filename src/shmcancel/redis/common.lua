@@ -11,9 +11,10 @@
 --   P{g}:scopes                 zset   scope -> its row count (eviction order)
 --   Pbox:<host>:<pid>:<tag>     list   cancellations for one worker to apply to its host's segment
 --   Psess:<sid>                 string a session for other hosts to adopt (msgpack [version, client])
---   Psess:<sid>:boxes           set    the boxes of the workers holding it (told of its DELETE)
+--   Psess:<sid>:boxes           set    the boxes of the workers holding it (told of its end)
 --   P{g}:stopped                zset   box -> Redis time (ms) its bridge stopped (stopped.lua)
---   Psess:<sid>:gone            string it was deleted lately: never stored again meanwhile
+--   Psess:<sid>:gone            string it ended lately (a DELETE, its client's bound): never
+--                                      stored again meanwhile
 --   P{cl:<sha1(client)>}:s      zset   a client's sessions (per_client bound)
 --   Palive:<box>                string its worker's bridge runs (a lease's TTL)
 --   P{g}:live                   zset   box -> when (ms, its host's clock) it last set its alive
@@ -207,6 +208,26 @@ local function session_ok(k)
   local ok, v = pcall(cmsgpack.unpack, redis.call('GET', k))
   return ok and type(v) == 'table' and #v == 2 and type(v[1]) == 'string'
          and type(v[2]) == 'string'
+end
+-- End a session everywhere (a DELETE, or its client's bound giving it up): every holder's box
+-- but own_box (its caller ends its own copy) is told with `payload` (msgpack ['d', sid]: it
+-- deletes its host's copy and cancels the calls begun on it), then its copy (sess), holders
+-- (boxes) and mending mark go, leaving `gone` for gone_ms: a holder that stores it again
+-- meanwhile (its renewal racing this, an adoption between its lookup and its store, its
+-- recovery after Redis lost the session and so the boxes to tell) is refused and ends its copy.
+-- Returns how many boxes were told (a stopped holder's is not: nobody reads it, see stopped_box).
+local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms, own_box, gone_ms)
+  mend(boxes, 'set')
+  local n = 0
+  for _, box in ipairs(redis.call('SMEMBERS', boxes)) do
+    if box ~= own_box and not stopped_box(stopped, box) then
+      push_box(P, box, payload, box_lease_ms)
+      n = n + 1
+    end
+  end
+  redis.call('DEL', sess, boxes, sess .. ':mending')
+  redis.call('SET', gone, '1', 'PX', gone_ms)
+  return n
 end
 -- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
 -- each worker that ever served a long-lived session stayed listed, recycled ones too, and a

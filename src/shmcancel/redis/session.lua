@@ -1,10 +1,11 @@
 -- KEYS: sess, client_set, boxes, gone, stopped. ARGV: P, sid, value, ttl_ms, per_client, now_ms,
--- box
--- Stores a session for other hosts to adopt (returns 1), unless it was deleted lately (`gone`,
+-- box, box_lease_ms, gone_ms
+-- Stores a session for other hosts to adopt, unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
--- sessions here
--- (ids whose session is gone already leave its count first, then its oldest go; hosts that
--- adopted one keep their local copy under contract 6.1's rules).
+-- sessions here: ids whose session is gone already leave its count first, then its oldest are
+-- given up, ended everywhere as by a DELETE (end_session: every other holder's box told, `gone`
+-- set), so that no host serves one that the others answer 404. Returns {1, the ids given up}:
+-- the caller ends its own host's copies of them (its box is not told).
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
 -- until those calls end.
@@ -25,6 +26,7 @@ set_holder(KEYS[3], ARGV[7], KEYS[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
+local given_up = {1}
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
 if extra > 0 then
   -- sessions gone already (deleted, expired, given up) count no more: they go first, so
@@ -40,10 +42,13 @@ if extra > 0 then
   for _, old in ipairs(olds) do
     if extra <= 0 then break end
     if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then
-      redis.call('DEL', ARGV[1] .. 'sess:' .. old, ARGV[1] .. 'sess:' .. old .. ':boxes')
+      local k = ARGV[1] .. 'sess:' .. old
+      end_session(ARGV[1], k, k .. ':boxes', k .. ':gone', KEYS[5],
+                  cmsgpack.pack({'d', old}), ARGV[8], ARGV[7], ARGV[9])
       redis.call('ZREM', KEYS[2], old)
+      given_up[#given_up + 1] = old
       extra = extra - 1
     end
   end
 end
-return 1
+return given_up

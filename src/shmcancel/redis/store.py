@@ -41,9 +41,10 @@ _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Re
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
 BOX_MAX = 4096
-#: Seconds a deleted session is remembered (at most its TTL): a holder that had not heard of the
-#: DELETE (its renewal raced it, or Redis had lost the session with its holders' boxes and the
-#: holder stores it again after the outage) is refused its store and ends its copy.
+#: Seconds a deleted session (or one its client's bound gave up) is remembered (at most its
+#: TTL): a holder that had not heard of its end (its renewal raced it, or Redis had lost the
+#: session with its holders' boxes and the holder stores it again after the outage) is refused
+#: its store and ends its copy.
 GONE_TTL = 300.0
 #: Milliseconds a box stays in the live index (``{g}:live``) after its last renewal
 #: (``common.lua``'s ``LIVE_KEPT_MS``): older ones are not told, and are pruned.
@@ -378,18 +379,25 @@ class RedisStore:
         return _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
 
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
-                    box: str) -> bool:
+                    box: str, box_lease_ms: int) -> list[str] | None:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
-        another host deletes it). False when it was deleted within :data:`GONE_TTL` seconds
-        (not stored: the caller's copy is of a session ended elsewhere)."""
+        another host deletes it). None when it was deleted within :data:`GONE_TTL` seconds
+        (not stored: the caller's copy is of a session ended elsewhere); else the ids of the
+        client's sessions given up for its ``sessions_per_client`` bound (its oldest without a
+        call in flight), ended as by :meth:`delete_session`: every holder's box but ``box`` told
+        (``box_lease_ms``: a box's lease), a later store of one refused. The caller ends its
+        host's copies of those."""
         cl = self._client_key(client)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
-        return int(self.call("session",
-                             [key, cl, key + b":boxes", key + b":gone", self._stopped],
-                             [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
-                              int(self.config.sessions_per_client or 32), now_ms,
-                              _b(box)])) == 1
+        got = self.call("session",
+                        [key, cl, key + b":boxes", key + b":gone", self._stopped],
+                        [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
+                         int(self.config.sessions_per_client or 32), now_ms, _b(box),
+                         box_lease_ms, self._gone_ms()])
+        if not isinstance(got, list):
+            return None
+        return [bytes(old).decode("utf-8", "surrogatepass") for old in got[1:]]
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
         """``(version, client)`` of a stored session; None when there is none (a key of
@@ -483,11 +491,14 @@ class RedisStore:
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it; how many were told."""
         key = self._sess_key(sid)
-        gone_ms = int(min(self.config.session_ttl, GONE_TTL) * 1000)
         return int(self.call("session_delete",
                              [key, key + b":boxes", key + b":gone", self._stopped],
                              [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
-                              _b(own_box), gone_ms]))
+                              _b(own_box), self._gone_ms()]))
+
+    def _gone_ms(self) -> int:
+        """Milliseconds an ended session is remembered (:data:`GONE_TTL`, at most its TTL)."""
+        return int(min(self.config.session_ttl, GONE_TTL) * 1000)
 
     def box_stopped(self, box: str) -> None:
         """Worker ``box``'s bridge stopped: nobody reads that box again. It leaves the holders
