@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers.gunicorn_harness import Gunicorn, alive, wait_until
-from helpers.mcp_client import open_session
+from helpers.mcp_client import modern_call_bytes, open_session
 from helpers.rows import in_flight_count
 
 from shmcancel import errors
@@ -325,3 +325,90 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
         assert in_flight_count(reg) == 0
         # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
         g.wait_workers(2, time.monotonic() + 20)
+
+
+STATELESS_SSE_APP = "tests.apps.sdk_stateless_sse_app:app"
+
+
+def _stopped_stream(g: Gunicorn, reg: Registry, request: bytes) -> tuple[bytes, float, int]:
+    """Send ``request`` (raw HTTP/1.1) to the server's only worker, ``TERM`` that worker once
+    the call is in flight, and read its event stream to the end: the stream, the seconds from
+    the ``TERM`` to its end, and the worker's pid."""
+    [worker] = [int(p) for p in g.worker_pids()]
+    host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        s.sendall(request)
+        wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+                   what="the call in flight")
+        t0 = time.monotonic()
+        os.kill(worker, signal.SIGTERM)
+        s.settimeout(30)
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert resp.status == 200, (resp.status, resp.read())
+        assert resp.getheader("content-type", "").startswith("text/event-stream")
+        stream = resp.read()  # the whole stream: a clean end (IncompleteRead otherwise)
+        return stream, time.monotonic() - t0, worker
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> None:
+    """A stateless server's call answered as an event stream (``stateless_http=True`` without
+    ``json_response``), running when its worker is stopped (``TERM``, ``max_requests``): as a
+    stateful one's, its stream was ended by sse_starlette as the exit began and the call was
+    stopped only at the lifespan shutdown, its client's stream ending with no answer. It ends
+    with the call's own JSON-RPC error, its only answer, and the worker exits at once."""
+    name = f"sdkssl-{uuid.uuid4().hex[:10]}"
+    with Gunicorn(STATELESS_SSE_APP, registry_name=name, config=CONF, workers=1,
+                  worker_class="uvicorn_worker.UvicornWorker") as g, \
+            Registry.attach(name, readonly=True) as reg:
+        host = g.url.split("//", 1)[1].split("/", 1)[0]
+        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                           "params": {"name": tool,
+                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
+        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}\r\n"
+                f"Accept: application/json, text/event-stream\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        stream, took, worker = _stopped_stream(g, reg, head + body)
+        answers = [m for m in _events(stream) if m.get("id") == 7]
+        assert len(answers) == 1, stream  # one answer, never a second one
+        [msg] = answers
+        assert msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
+        assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
+        assert took < 10, took  # not gunicorn's timeout (90 s), nor the tool's 60 s
+        t0 = time.monotonic()
+        wait_until(lambda: not alive(worker), time.monotonic() + 15,
+                   what="the stopped worker's exit")
+        assert time.monotonic() - t0 < 10  # well before graceful_timeout (30 s)
+        assert in_flight_count(reg) == 0
+        g.wait_workers(1, time.monotonic() + 20)
+
+
+MODERN_SSE_AFTER = 15.0  # seconds: the SDK (mcp 2.3.0) commits a silent 2026-07-28 call to SSE
+
+
+def test_a_modern_sse_call_on_a_stopping_worker_keeps_its_one_answer() -> None:
+    """A 2026-07-28 call on a server with SSE responses is answered as an event stream the SDK
+    writes itself (no sse_starlette: a silent call's, once it ran past 15 s), which the exit does
+    not end: its worker drains it, and it ends with the call's answer while the worker exits.
+    That end is not taken for one the exit cut short: no second answer follows."""
+    name = f"sdkmod-{uuid.uuid4().hex[:10]}"
+    seconds = MODERN_SSE_AFTER + 2
+    with Gunicorn(STATELESS_SSE_APP, registry_name=name, config=CONF, workers=1,
+                  worker_class="uvicorn_worker.UvicornWorker") as g, \
+            Registry.attach(name, readonly=True) as reg:
+        host = g.url.split("//", 1)[1].split("/", 1)[0]
+        stream, took, worker = _stopped_stream(
+            g, reg, modern_call_bytes("sleep", {"seconds": seconds}, 7, host=host))
+        answers = [m for m in _events(stream) if m.get("id") == 7]
+        assert len(answers) == 1, stream  # its answer, and nothing after it
+        assert answers[0]["result"]["structuredContent"] == {"result": f"slept {seconds:g} s"}
+        assert took < seconds + 10, took
+        wait_until(lambda: not alive(worker), time.monotonic() + 15,
+                   what="the stopped worker's exit")
+        assert in_flight_count(reg) == 0
+        g.wait_workers(1, time.monotonic() + 20)

@@ -424,7 +424,7 @@ class Layer:
 
     async def _watched(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """Serve an exchange, stopping its calls if the client leaves before the response is
-        complete."""
+        complete, or when the worker's exit ends its event stream (:func:`_ending_at_exit`)."""
         exchange = Exchange()
         scope[EXCHANGE_KEY] = exchange
         gone = asyncio.Event()
@@ -454,7 +454,8 @@ class Layer:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self.app(scope, replay, _answering(tx, exchange))
+            await self.app(scope, replay, _answering(_ending_at_exit(tx, exchange, body),
+                                                     exchange))
         finally:
             exchange.answered.set()
             watcher.cancel()
@@ -510,11 +511,13 @@ def _answering(send: Send, exchange: Exchange) -> Send:
 
 
 def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> Send:
-    """``send`` for a stateful exchange. An event stream the SDK ends while this worker exits
-    (sse_starlette ends them all as the exit begins, the lifespan shutdown stops the calls only
-    later: their answers went nowhere, and the client's stream ended with no answer) stops the
-    exchange's calls then, and ends as :func:`end_event_stream` ends it: with the request's
-    ``-32800`` error, as every call the exit stops, unless it carried the answer already."""
+    """``send`` for an exchange answering a POST. An event stream the SDK ends while this worker
+    exits (sse_starlette ends them all as the exit begins, stateful or stateless; the lifespan
+    shutdown stops the calls only later: their answers went nowhere, and the client's stream
+    ended with no answer) stops the exchange's calls then, and ends as :func:`end_event_stream`
+    ends it: with the request's ``-32800`` error, as every call the exit stops, unless it
+    carried the answer already (a 2026-07-28 stream, which the SDK writes itself, ends only
+    with its answer)."""
     sse = False
     tail = b""  # the stream's last TAIL_MAX bytes so far
 
