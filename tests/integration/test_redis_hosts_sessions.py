@@ -803,6 +803,18 @@ def _next_ms() -> None:
                what="the next millisecond")
 
 
+def _ended_on_both(gone: Client, kept: tuple[Client, ...], hosts: tuple[Any, ...],
+                   within: float = 10) -> None:
+    """Session ``gone`` comes to answer 404 on every host of ``hosts`` within ``within``
+    seconds; each of ``kept`` is served on every one."""
+    for h in hosts:
+        wait_until(lambda h=h: gone.post(h.url, PING, retry_for=0).status_code == 404 or None,
+                   time.monotonic() + within, interval=0.05, what=f"the session to end on {h.url}")
+    for c in kept:
+        for h in hosts:
+            assert c.post(h.url, PING).status_code == 200, h.url
+
+
 def test_a_session_given_up_for_its_clients_bound_ends_on_every_host(
         redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
     """README: Redis keeps at most sessions_per_client sessions of a client, giving up its
@@ -852,12 +864,7 @@ def test_a_session_given_up_for_its_clients_bound_is_unknown_on_both_hosts(
         s2 = Client(b.url)
         _next_ms()
         s3 = Client(a.url)
-        for h in (a, b):
-            wait_until(lambda h=h: s1.post(h.url, PING, retry_for=0).status_code == 404 or None,
-                       time.monotonic() + 10, interval=0.05, what=f"s1 to end on {h.url}")
-        for c in (s2, s3):
-            for h in (a, b):
-                assert c.post(h.url, PING).status_code == 200
+        _ended_on_both(s1, (s2, s3), (a, b))
 
 
 def test_a_session_with_a_call_in_flight_is_not_given_up_for_its_clients_bound(
@@ -877,12 +884,7 @@ def test_a_session_with_a_call_in_flight_is_not_given_up_for_its_clients_bound(
                    time.monotonic() + 5, what="the call's in-flight row")
         s2 = Client(b.url)
         s3 = Client(a.url)
-        for h in (a, b):
-            wait_until(lambda h=h: s2.post(h.url, PING, retry_for=0).status_code == 404 or None,
-                       time.monotonic() + 10, interval=0.05, what=f"s2 to end on {h.url}")
-        for c in (s1, s3):
-            for h in (a, b):
-                assert c.post(h.url, PING).status_code == 200
+        _ended_on_both(s2, (s1, s3), (a, b))
         assert call.is_alive()  # not cancelled
         assert s1.cancel(b.url, 1).status_code == 202
         assert call.result()["error"]["code"] == errors.REQUEST_CANCELLED
@@ -914,12 +916,7 @@ def test_a_session_its_host_gives_up_for_its_clients_bound_ends_on_every_host(
         _next_ms()
         with srv.paused() if redis_at_mint == "stopped" else contextlib.nullcontext():
             s3 = Client(a.url)
-        for h in (a, b):
-            wait_until(lambda h=h: s2.post(h.url, PING, retry_for=0).status_code == 404 or None,
-                       time.monotonic() + 20, interval=0.05, what=f"s2 to end on {h.url}")
-        for c in (s1, s3):
-            for h in (a, b):
-                assert c.post(h.url, PING).status_code == 200, h.url
+        _ended_on_both(s2, (s1, s3), (a, b), within=20)
         assert "Traceback" not in a.log() + b.log()
 
 

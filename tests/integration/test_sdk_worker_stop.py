@@ -249,6 +249,24 @@ def _events(stream: bytes) -> list[dict[str, Any]]:
             and line[5:].strip()]
 
 
+def _stopped_with_its_error(g: Gunicorn, reg: Registry, stream: bytes, termed_at: float,
+                            worker: int, workers: int) -> None:
+    """The call (id 7) whose worker was ``TERM``ed at ``termed_at`` (monotonic seconds) got one
+    answer in ``stream``, its ``-32800`` "the worker is stopping", within 10 s (not gunicorn's
+    ``timeout``, nor the tool's 60 s); the worker exited within 10 s (well before
+    ``graceful_timeout``, 30 s), leaving no row, and its replacement booted (a ``TERM`` it gets
+    before that is lost: the stop waits 30 s)."""
+    answers = [m for m in _events(stream) if m.get("id") == 7]
+    assert len(answers) == 1, stream  # one answer, never a second one
+    [msg] = answers
+    assert msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
+    assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
+    assert time.monotonic() - termed_at < 10
+    wait_until(lambda: not alive(worker), termed_at + 10, what="the stopped worker's exit")
+    assert in_flight_count(reg) == 0
+    g.wait_workers(workers, time.monotonic() + 20)
+
+
 @pytest.mark.parametrize("forwarded", [False, True], ids=["direct", "forwarded"])
 @pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
 def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
@@ -309,22 +327,10 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
             assert resp.status == 200, (resp.status, resp.read())
             assert resp.getheader("content-type", "").startswith("text/event-stream")
             stream = resp.read()  # the whole stream: a clean end (IncompleteRead otherwise)
-            took = time.monotonic() - t0
         finally:
             s.close()
             g_sock.close()
-        answers = [m for m in _events(stream) if m.get("id") == 7]
-        assert len(answers) == 1, stream  # one answer, never a second one
-        [msg] = answers
-        assert msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
-        assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
-        assert took < 10, took  # not gunicorn's timeout (90 s), nor the tool's 60 s
-        wait_until(lambda: not alive(owner), time.monotonic() + 15,
-                   what="the stopped worker's exit")
-        assert time.monotonic() - t0 < 10  # well before graceful_timeout (30 s)
-        assert in_flight_count(reg) == 0
-        # its replacement booted: a TERM it gets before that is lost (the stop waits 30 s)
-        g.wait_workers(2, time.monotonic() + 20)
+        _stopped_with_its_error(g, reg, stream, t0, owner, 2)
 
 
 STATELESS_SSE_APP = "tests.apps.sdk_stateless_sse_app:app"
@@ -374,18 +380,7 @@ def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> N
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
         stream, took, worker = _stopped_stream(g, reg, head + body)
-        answers = [m for m in _events(stream) if m.get("id") == 7]
-        assert len(answers) == 1, stream  # one answer, never a second one
-        [msg] = answers
-        assert msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
-        assert msg["error"]["data"] == {"reason": "the worker is stopping"}, msg
-        assert took < 10, took  # not gunicorn's timeout (90 s), nor the tool's 60 s
-        t0 = time.monotonic()
-        wait_until(lambda: not alive(worker), time.monotonic() + 15,
-                   what="the stopped worker's exit")
-        assert time.monotonic() - t0 < 10  # well before graceful_timeout (30 s)
-        assert in_flight_count(reg) == 0
-        g.wait_workers(1, time.monotonic() + 20)
+        _stopped_with_its_error(g, reg, stream, time.monotonic() - took, worker, 1)
 
 
 MODERN_SSE_AFTER = 15.0  # seconds: the SDK (mcp 2.3.0) commits a silent 2026-07-28 call to SSE
