@@ -1070,7 +1070,9 @@ def test_a_session_redis_lost_is_not_answered_unknown_before_its_host_restores_i
         r = redis.Redis.from_url(redis_server.url)
         alive = b.store.alive_key(b.remote.box)
         try:
-            wait_until(lambda: r.exists(alive), time.monotonic() + 10,
+            # the key, and the thread's note that it set it (a moment later: a lookup between
+            # the two cannot tell the key's loss, nor could this test)
+            wait_until(lambda: r.exists(alive) and b._alive_set, time.monotonic() + 10,
                        what="B's bridge thread to set its alive key")
             assert b.lookup_session(s.id) == ("2025-11-25", client)
             for _ in range(5):
