@@ -35,13 +35,18 @@ HEADERS = {"content-type": "application/json", "accept": "application/json, text
 TOOL_SECONDS = 60  # far past gunicorn's graceful_timeout: only the stop ends it in time
 
 
+def _stateful(short_tmp: Path, kind: str, workers: int) -> Gunicorn:
+    """The SDK example, stateful, on ``workers`` uvicorn workers, its registry named after
+    ``kind`` and unique, its workers' sockets under ``short_tmp``."""
+    return Gunicorn(None, registry_name=f"{kind}-{uuid.uuid4().hex[:10]}", config=CONF,
+                    workers=workers, worker_class="uvicorn_worker.UvicornWorker",
+                    env={"SHMCANCEL_SDK_STATELESS": "0",
+                         "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")})
+
+
 def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path) -> None:
-    name = f"sdkstop-{uuid.uuid4().hex[:10]}"
-    with Gunicorn(None, registry_name=name, config=CONF, workers=1,
-                  worker_class="uvicorn_worker.UvicornWorker",
-                  env={"SHMCANCEL_SDK_STATELESS": "0",
-                       "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
-            Registry.attach(name, readonly=True) as reg:
+    with _stateful(short_tmp, "sdkstop", 1) as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
         [old] = g.worker_pids()
         session = open_session(g.url, HEADERS, "stop")
         done: dict[str, Any] = {}
@@ -93,6 +98,26 @@ def _worker_of(conn: socket.socket, pids: list[int]) -> int | None:
     return None
 
 
+def _call_request(host: str, tool: str, session_id: str | None = None) -> bytes:
+    """A raw HTTP/1.1 ``POST`` of ``tools/call`` ``tool`` (id 7, :data:`TOOL_SECONDS`) to
+    ``host`` (``name:port``), in session ``session_id`` if given."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                       "params": {"name": tool,
+                                  "arguments": {"seconds": TOOL_SECONDS}}}).encode()
+    sid = f"Mcp-Session-Id: {session_id}\r\n" if session_id is not None else ""
+    return (f"POST /mcp HTTP/1.1\r\nHost: {host}\r\n"
+            f"Accept: application/json, text/event-stream\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{sid}"
+            "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode() + body
+
+
+def _get_request(host: str, session_id: str) -> bytes:
+    """A raw HTTP/1.1 ``GET`` of session ``session_id``'s event stream from ``host``."""
+    return (f"GET /mcp HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n"
+            f"Mcp-Session-Id: {session_id}\r\n"
+            "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+
+
 def _connect_past(owner: int, pids: list[int], host: str, port: int) -> tuple[socket.socket, int]:
     """A connection accepted by a worker other than ``owner``, and that worker's pid. The kernel
     hands a connection to whichever worker wakes first, and one can win every time (under load
@@ -120,19 +145,13 @@ def test_a_worker_stopped_alone_ends_the_streams_it_forwards(short_tmp: Path) ->
     ``max_requests``): the stream never ends, and the worker stayed until gunicorn's
     ``timeout`` (90 s here) killed it, its client's stream cut. It ends the forwarded stream
     as it begins to exit, as sse_starlette ends the SDK's own, and exits at once."""
-    name = f"sdkfwd-{uuid.uuid4().hex[:10]}"
-    with Gunicorn(None, registry_name=name, config=CONF, workers=2,
-                  worker_class="uvicorn_worker.UvicornWorker",
-                  env={"SHMCANCEL_SDK_STATELESS": "0",
-                       "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g:
+    with _stateful(short_tmp, "sdkfwd", 2) as g:
         pids = [int(p) for p in g.worker_pids()]
         session = open_session(g.url, HEADERS, "fwd")
         owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
         assert owner in pids
         host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        head = (f"GET /mcp HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
-                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
-                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        head = _get_request(f"{host}:{port}", session["mcp-session-id"])
         s, carrier = _connect_past(owner, pids, host, int(port))
         try:
             s.sendall(head)
@@ -208,24 +227,10 @@ def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
         owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
         assert owner in pids
         host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                           "params": {"name": tool,
-                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
-        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                f"Accept: application/json, text/event-stream\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
-                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        request = _call_request(f"{host}:{port}", tool, session["mcp-session-id"])
         s, _ = _connect_past(owner, pids, host, int(port))
         try:
-            s.sendall(head + body)
-            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
-                       what="the call in flight")
-            t0 = time.monotonic()
-            os.kill(owner, signal.SIGTERM)
-            s.settimeout(15)
-            resp = http.client.HTTPResponse(s)
-            resp.begin()
+            resp, t0 = _stopped_answer(s, reg, request, owner)
             text = resp.read()
             took = time.monotonic() - t0
         finally:
@@ -278,33 +283,20 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
     no response to its request, and an official client waits for one until its own timeout
     (60 s for the TS SDK's). The stream ends with the call's own JSON-RPC error, its only
     answer."""
-    name = f"sdksse-{uuid.uuid4().hex[:10]}"
-    with Gunicorn(None, registry_name=name, config=CONF, workers=2,
-                  worker_class="uvicorn_worker.UvicornWorker",
-                  env={"SHMCANCEL_SDK_STATELESS": "0",
-                       "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
-            Registry.attach(name, readonly=True) as reg:
+    with _stateful(short_tmp, "sdksse", 2) as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
         pids = [int(p) for p in g.worker_pids()]
         session = open_session(g.url, HEADERS, "sse")
         owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
         assert owner in pids
         [other] = [p for p in pids if p != owner]
         host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                           "params": {"name": tool,
-                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
-        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                f"Accept: application/json, text/event-stream\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
-                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        request = _call_request(f"{host}:{port}", tool, session["mcp-session-id"])
         # The session's GET stream, held by its worker as an official client opens it: the
         # worker's drain waits for it until sse_starlette ends every stream at once (without
         # it, a worker holding no connection of its own ran its lifespan shutdown at once, and
         # the stopped call's answer could beat the end of its forwarded stream).
-        get = (f"GET /mcp HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
-               f"Mcp-Session-Id: {session['mcp-session-id']}\r\n"
-               "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
+        get = _get_request(f"{host}:{port}", session["mcp-session-id"])
         g_sock, _ = _connect_past(other, pids, host, int(port))
         # forwarded: accepted by the other worker; direct: by the owner (the other stopped)
         try:
@@ -316,48 +308,48 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
             raise
         assert carrier == (other if forwarded else owner)
         try:
-            s.sendall(head + body)
-            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
-                       what="the call in flight")
-            t0 = time.monotonic()
-            os.kill(owner, signal.SIGTERM)
-            s.settimeout(15)
-            resp = http.client.HTTPResponse(s)
-            resp.begin()
-            assert resp.status == 200, (resp.status, resp.read())
-            assert resp.getheader("content-type", "").startswith("text/event-stream")
-            stream = resp.read()  # the whole stream: a clean end (IncompleteRead otherwise)
+            stream, termed_at = _stopped_stream(s, reg, request, owner)
         finally:
             s.close()
             g_sock.close()
-        _stopped_with_its_error(g, reg, stream, t0, owner, 2)
+        _stopped_with_its_error(g, reg, stream, termed_at, owner, 2)
 
 
 STATELESS_SSE_APP = "tests.apps.sdk_stateless_sse_app:app"
 
 
-def _stopped_stream(g: Gunicorn, reg: Registry, request: bytes) -> tuple[bytes, float, int]:
-    """Send ``request`` (raw HTTP/1.1) to the server's only worker, ``TERM`` that worker once
-    the call is in flight, and read its event stream to the end: the stream, the seconds from
-    the ``TERM`` to its end, and the worker's pid."""
+def _stopped_answer(s: socket.socket, reg: Registry, request: bytes,
+                    worker: int) -> tuple[http.client.HTTPResponse, float]:
+    """Send ``request`` (raw HTTP/1.1) on ``s``, ``TERM`` ``worker`` once the call is in flight,
+    and read the response's head: the response, and when the ``TERM`` was sent
+    (``time.monotonic()``)."""
+    s.sendall(request)
+    wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+               what="the call in flight")
+    termed_at = time.monotonic()
+    os.kill(worker, signal.SIGTERM)
+    s.settimeout(30)
+    resp = http.client.HTTPResponse(s)
+    resp.begin()
+    return resp, termed_at
+
+
+def _stopped_stream(s: socket.socket, reg: Registry, request: bytes,
+                    worker: int) -> tuple[bytes, float]:
+    """:func:`_stopped_answer`, an event stream read to its end: the stream, and when the
+    ``TERM`` was sent."""
+    resp, termed_at = _stopped_answer(s, reg, request, worker)
+    assert resp.status == 200, (resp.status, resp.read())
+    assert resp.getheader("content-type", "").startswith("text/event-stream")
+    return resp.read(), termed_at  # the whole stream: a clean end (IncompleteRead otherwise)
+
+
+def _stopped_stream_alone(g: Gunicorn, reg: Registry, request: bytes) -> tuple[bytes, float, int]:
+    """:func:`_stopped_stream` on the server's only worker: also that worker's pid."""
     [worker] = [int(p) for p in g.worker_pids()]
     host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=10)
-    try:
-        s.sendall(request)
-        wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
-                   what="the call in flight")
-        t0 = time.monotonic()
-        os.kill(worker, signal.SIGTERM)
-        s.settimeout(30)
-        resp = http.client.HTTPResponse(s)
-        resp.begin()
-        assert resp.status == 200, (resp.status, resp.read())
-        assert resp.getheader("content-type", "").startswith("text/event-stream")
-        stream = resp.read()  # the whole stream: a clean end (IncompleteRead otherwise)
-        return stream, time.monotonic() - t0, worker
-    finally:
-        s.close()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        return (*_stopped_stream(s, reg, request, worker), worker)
 
 
 @pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
@@ -372,15 +364,9 @@ def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> N
                   worker_class="uvicorn_worker.UvicornWorker") as g, \
             Registry.attach(name, readonly=True) as reg:
         host = g.url.split("//", 1)[1].split("/", 1)[0]
-        body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                           "params": {"name": tool,
-                                      "arguments": {"seconds": TOOL_SECONDS}}}).encode()
-        head = (f"POST /mcp HTTP/1.1\r\nHost: {host}\r\n"
-                f"Accept: application/json, text/event-stream\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
-        stream, took, worker = _stopped_stream(g, reg, head + body)
-        _stopped_with_its_error(g, reg, stream, time.monotonic() - took, worker, 1)
+        request = _call_request(host, tool)
+        stream, termed_at, worker = _stopped_stream_alone(g, reg, request)
+        _stopped_with_its_error(g, reg, stream, termed_at, worker, 1)
 
 
 MODERN_SSE_AFTER = 15.0  # seconds: the SDK (mcp 2.3.0) commits a silent 2026-07-28 call to SSE
@@ -397,8 +383,9 @@ def test_a_modern_sse_call_on_a_stopping_worker_keeps_its_one_answer() -> None:
                   worker_class="uvicorn_worker.UvicornWorker") as g, \
             Registry.attach(name, readonly=True) as reg:
         host = g.url.split("//", 1)[1].split("/", 1)[0]
-        stream, took, worker = _stopped_stream(
+        stream, termed_at, worker = _stopped_stream_alone(
             g, reg, modern_call_bytes("sleep", {"seconds": seconds}, 7, host=host))
+        took = time.monotonic() - termed_at
         answers = [m for m in _events(stream) if m.get("id") == 7]
         assert len(answers) == 1, stream  # its answer, and nothing after it
         assert answers[0]["result"]["structuredContent"] == {"result": f"slept {seconds:g} s"}
