@@ -86,6 +86,27 @@ def test_a_key_of_another_type_at_the_marks_keeps_every_holder_and_delete_tells_
     assert not store.client.exists(f"{store.prefix}sess:{sid}")
 
 
+def test_a_delete_tells_one_live_box_of_each_host_whose_holders_all_stopped(
+        store: RedisStore) -> None:
+    """A host's copy of a session lives in its registry for every worker there: when all its
+    listed holders stopped (recycled), a DELETE told nobody on that host. Now it tells one live
+    box of it (alive key set, not stopped; the newest in the live index first), and none of a
+    host a holder was told on, of the DELETE's own host, or of a host with no live box."""
+    sid = "s-recycled"
+    put(store, sid, "A:1:a")  # the DELETE's own box
+    for box in ("B:1:a", "B:2:a", "C:1:a", "D:1:a"):
+        assert store.touch_session(sid, box=box) == 1
+    for box in ("B:1:a", "B:2:a", "D:1:a"):
+        store.box_stopped(box)
+    for box in ("A:2:a", "B:3:a", "B:4:a", "C:2:a"):
+        assert not store.set_alive(box, 10_000)
+    store.client.zadd(f"{store.prefix}{{g}}:live", {"B:5:a": int(time.time() * 1000) + 1000})
+    assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 2
+    told = {b for b in ("A:2:a", "B:1:a", "B:2:a", "B:3:a", "B:4:a", "B:5:a", "C:1:a", "C:2:a",
+                        "D:1:a") if store.client.exists(store.box_key(b))}
+    assert told in ({"C:1:a", "B:3:a"}, {"C:1:a", "B:4:a"}), told
+
+
 EXITING = """
 import os, sys, time
 from shmcancel import Config

@@ -696,6 +696,34 @@ def test_a_client_keeps_its_session_bound_in_redis_past_one_session_ttl(
         _a_third_mint_leaves_two(redis_server, a, sa, client, kept)
 
 
+def test_a_session_end_reaches_a_live_worker_when_its_hosts_holders_stopped(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """A session's end skips the box of a stopped holder (nobody reads it). When every holder
+    of host B stopped, one live box of B is told instead (its alive key set): its worker never
+    held the session, yet ends B's copy and cancels the call begun on it since A's DELETE
+    cancelled those Redis listed, as a holder would. Nobody on B was told."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b1)), \
+            bridge(rb, redis_server, prefix=a.store.prefix, host="B") as b2:
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        sid, scope = adopted(a, sa, b1, sb)  # b1 adopts it: B's only holder
+        b1.keep_session(sid)
+        b2.store.set_alive(b2.remote.box, 10_000)  # as b2's thread does
+        b1.store.box_stopped(b1.remote.box)  # b1's worker exits
+        handle = Cancellation(rb).begin(7, scope)  # a call begins on B, in another worker
+        assert handle.tracked and sb.get(sid) is not None
+        assert sa.delete(sid)  # A's DELETE
+        assert Cancellation(ra).cancel_scope(scope, "session deleted") == 0
+        a.delete_session(sid)
+        assert take_box(redis_server, b1) == []
+        told = take_box(redis_server, b2)
+        assert [RedisStore.decode_box_item(x) for x in told] == [sid]
+        for raw in told:
+            b2._apply(raw)  # b2's bridge thread
+        assert sb.get(sid) is None
+        assert handle.cancelled() and handle.reason() == "session deleted"
+        handle.end()
+
+
 def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
         redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
     """README: a DELETE on any host ends the copies other hosts adopted. A copy lives in its
@@ -713,6 +741,37 @@ def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
         assert c.delete(b.url).status_code == 204
         wait_until(lambda: c.post(a.url, PING, retry_for=0).status_code == 404 or None,
                    time.monotonic() + 10, interval=0.1, what="A to end its copy")
+
+
+def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """README: a DELETE on any host ends the copies other hosts adopted. B's copy lives in its
+    registry for both its workers, but only the one that adopted it was listed among the
+    holders; recycled (SIGTERM, as max_requests does) its box was marked stopped, and a DELETE
+    skips stopped boxes: no live worker of B was told, and B served the deleted session on
+    (200 until its own lookup in Redis, or past the gone marker until its TTL). Now a live box
+    of B is told instead, and its worker, which never held the session, ends B's copy."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, prefix):
+        b_registry = shm_names[-1]  # two_hosts' second registry
+        r = redis.Redis.from_url(redis_server.url)
+        c = Client(a.url)
+        assert c.post(b.url, PING).status_code == 200  # adopted on B by one of its workers
+        (holder,) = [m.decode() for m in r.smembers(f"{prefix}sess:{c.sid}:boxes")
+                     if m.startswith(b"B:")]
+        pid = int(holder.split(":")[1])
+        assert pid in b.worker_pids()
+        os.kill(pid, signal.SIGTERM)  # recycled: its bridge marks its box stopped
+        wait_until(lambda: r.zscore(f"{prefix}{{g}}:stopped", holder) is not None or None,
+                   time.monotonic() + 20, interval=0.05, what="the holder's stopped mark")
+        wait_until(lambda: (len(p := b.worker_pids()) == 2 and pid not in p) or None,
+                   time.monotonic() + 20, what="B's new worker")
+        assert c.delete(a.url).status_code == 204
+        with Registry.attach(b_registry) as reg:
+            sb = SessionStore(reg)
+            wait_until(lambda: sb.get(c.sid) is None or None, time.monotonic() + 10,
+                       interval=0.05, what="B's copy to end")
+        assert c.post(b.url, PING, retry_for=0).status_code == 404  # its very next request
+        r.close()
 
 
 def test_a_session_whose_minting_worker_died_is_found_again_after_redis_restarts(

@@ -19,6 +19,7 @@
 --   Palive:<box>                string its worker's bridge runs (a lease's TTL)
 --   P{g}:live                   zset   box -> when (ms, its host's clock) it last set its alive
 --                                      key: the boxes to tell when a session's holders are unknown
+--                                      (session_mend.lua), or a host's have stopped (end_session)
 --   Psess:<sid>:mending         string its damaged copy was deleted and workers told to store it
 --                                      again (session_mend.lua): a lookup meanwhile is 503
 -- How long a box stays in P{g}:live after it last renewed its alive key.
@@ -218,21 +219,66 @@ local function session_ok(k)
   return ok and type(v) == 'table' and #v == 2 and type(v[1]) == 'string'
          and type(v[2]) == 'string'
 end
+-- The host a box names (Pbox:<host>:<pid>:<tag>, storage.py's box): nil for a box not of that
+-- form (written by another client).
+local function host_of(box)
+  return string.match(box, '^(.*):[^:]*:[^:]*$')
+end
+-- Live boxes of the live index (P{g}:live) looked at, at most, newest first, by end_session for
+-- the hosts whose holders all stopped.
+local LIVE_LOOKED = 256
+-- For each host of `wanted` (host -> true), one live box of that host: its alive key set and
+-- not marked stopped. The hosts none was found for are left out (their workers set no alive key
+-- lately, or are older than LIVE_LOOKED others).
+local function live_of_hosts(P, stopped, wanted)
+  local found, left = {}, 0
+  for _ in pairs(wanted) do left = left + 1 end
+  local live = P .. '{g}:live'
+  if left == 0 or mend(live, 'zset') then return found end
+  for _, box in ipairs(redis.call('ZREVRANGE', live, 0, LIVE_LOOKED - 1)) do
+    local host = host_of(box)
+    if host and wanted[host] and not found[host]
+        and redis.call('EXISTS', P .. 'alive:' .. box) == 1 and not stopped_box(stopped, box) then
+      found[host] = box
+      left = left - 1
+      if left == 0 then break end
+    end
+  end
+  return found
+end
 -- End a session everywhere (a DELETE, or its client's bound giving it up): every holder's box
 -- but own_box (its caller ends its own copy) is told with `payload` (msgpack ['d', sid]: it
 -- deletes its host's copy and cancels the calls begun on it), then its copy (sess), holders
 -- (boxes) and mending mark go, leaving `gone` for gone_ms: a holder that stores it again
 -- meanwhile (its renewal racing this, an adoption between its lookup and its store, its
 -- recovery after Redis lost the session and so the boxes to tell) is refused and ends its copy.
--- Returns how many boxes were told (a stopped holder's is not: nobody reads it, see stopped_box).
+-- A stopped holder's box is not told (nobody reads it, see stopped_box); the copy lives in its
+-- host's registry for every worker there, so when no holder of that host (nor own_box's host)
+-- was told, one live box of that host is (live_of_hosts), which ends the host's copy as a
+-- holder would. When that host has no live box either, no worker of it is told (one serving
+-- the copy while `gone` lasts is refused its renewal and ends it). Returns how many were told.
 local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms, own_box, gone_ms)
   mend(boxes, 'set')
   local n = 0
+  local reached, wanted = {}, {}
+  local own_host = host_of(own_box)
+  if own_host then reached[own_host] = true end
   for _, box in ipairs(redis.call('SMEMBERS', boxes)) do
-    if box ~= own_box and not stopped_box(stopped, box) then
-      push_box(P, box, payload, box_lease_ms)
-      n = n + 1
+    local host = host_of(box)
+    if box ~= own_box then
+      if not stopped_box(stopped, box) then
+        push_box(P, box, payload, box_lease_ms)
+        n = n + 1
+        if host then reached[host] = true end
+      elseif host then
+        wanted[host] = true
+      end
     end
+  end
+  for host in pairs(reached) do wanted[host] = nil end
+  for _, box in pairs(live_of_hosts(P, stopped, wanted)) do
+    push_box(P, box, payload, box_lease_ms)
+    n = n + 1
   end
   redis.call('DEL', sess, boxes, sess .. ':mending')
   redis.call('SET', gone, '1', 'PX', gone_ms)

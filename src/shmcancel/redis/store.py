@@ -490,7 +490,9 @@ class RedisStore:
                              [int(self.config.session_ttl * 1000), _b(box)]))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
-        """Forget a session and tell every other worker box holding it; how many were told."""
+        """Forget a session and tell every other worker box holding it, and for a host whose
+        listed holders all stopped (:meth:`box_stopped`) one live box of it (:meth:`set_alive`)
+        instead; how many were told."""
         key = self._sess_key(sid)
         return int(self.call("session_delete",
                              [key, key + b":boxes", key + b":gone", self._stopped],
@@ -514,7 +516,8 @@ class RedisStore:
     def box_stopped(self, box: str) -> None:
         """Worker ``box``'s bridge stopped: nobody reads that box again. It leaves the holders
         of every session at the session's next renewal or store (each listed every worker that
-        ever served it, recycled ones too, until the session ended), and a ``DELETE`` skips it.
+        ever served it, recycled ones too, until the session ended), and a ``DELETE`` skips it
+        (telling a live box of its host instead when no holder there was told).
         The mark is kept a session TTL and a minute: a session still listing the box has been
         renewed since, and a mark forgotten only keeps a box listed, as before the marks."""
         keep_ms = int((self.config.session_ttl + 60) * 1000)
