@@ -120,28 +120,6 @@ def test_the_least_recently_seen_goes_first(store: SessionStore, clock: Clock) -
     assert live(store, s) == [s[0], s[2], s[3]]
 
 
-def test_the_session_given_up_is_reported_once_gone(store: SessionStore, clock: Clock) -> None:
-    """A mint or an adoption that gives up one of its client's sessions names it to
-    ``given_up`` (the transport ends it on other hosts through Redis) once it is gone; one that
-    gives up none, and an adoption of a session already here, name none."""
-    seen: list[tuple[str, bool]] = []
-
-    def given_up(sid: str) -> None:
-        seen.append((sid, store.get(sid) is None))
-
-    s = [store.create(LEGACY, "ip:192.0.2.9", given_up=given_up).id for _ in range(4)]
-    assert seen == []
-    clock.t += 5
-    store.touch(store.get(s[0]))  # type: ignore[arg-type]
-    new = store.create(LEGACY, "ip:192.0.2.9", given_up=given_up)
-    assert seen == [(s[1], True)]
-    adopted = "a" * 32
-    assert store.create(LEGACY, "ip:192.0.2.9", session_id=adopted, given_up=given_up)
-    assert seen == [(s[1], True), (s[2], True)]
-    store.create(LEGACY, "ip:192.0.2.9", session_id=adopted, given_up=given_up)  # here already
-    assert len(seen) == 2 and live(store, [*s, new.id, adopted]) == [s[0], s[3], new.id, adopted]
-
-
 def test_a_session_with_a_call_in_flight_is_never_displaced(store: SessionStore,
                                                             clock: Clock) -> None:
     s = mint(store, clock, "ip:192.0.2.9", 4)

@@ -182,7 +182,7 @@ class LegacyWire(CallLifecycle):
             client = _client_of(environ)
             st = self._process_state()
             try:
-                session = st.sessions.create(version, client, given_up=_given_up)
+                session = st.sessions.create(version, client)
             except SessionsFull as e:
                 # a request the client could read: 200 with its error (contract §5), which an
                 # SDK client raises as such, not a transport failure; Retry-After says when
@@ -301,13 +301,6 @@ def _unsupported_header(requested: str) -> RpcError:
                     data={"supported": list(SUPPORTED_VERSIONS), "requested": shown})
 
 
-def _given_up(sid: str) -> None:
-    """This host's table gave session ``sid`` up for its client's bound: it ends on the other
-    hosts too, else they serve it on and this host adopts it again (the bound not in force)."""
-    if (rb := remote.current()) is not None:
-        rb.give_up_session(sid)
-
-
 def _adopt_session(st: _ProcessState, sid: str | None, environ: dict[str, Any]) -> Any:
     """A session another host minted (found through the remote), stored here under the same id
     and counted against the same client; None when there is none. Raises ``RemoteUnavailable``
@@ -325,7 +318,7 @@ def _adopt_session(st: _ProcessState, sid: str | None, environ: dict[str, Any]) 
     if got is None:
         return None
     try:
-        return st.sessions.create(got[0], got[1], session_id=sid, given_up=_given_up)
+        return st.sessions.create(got[0], got[1], session_id=sid)
     except (LockTimeout, SessionsFull):
         raise  # not adopted *now*: a 404 would tell the client its session is gone for good
     except ShmCancelError:

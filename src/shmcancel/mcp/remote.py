@@ -61,11 +61,6 @@ class Remote(Protocol):
     def delete_session(self, sid: str) -> None:
         """A session ended here (owed when it cannot be deleted now)."""
 
-    def give_up_session(self, sid: str) -> None:
-        """This host's table gave a session up for its client's bound: ended everywhere as by
-        :meth:`delete_session`, unless a call runs in it on another host (owed when it cannot
-        be ended now)."""
-
 
 _provider: Callable[[], Remote | None] | None = None
 

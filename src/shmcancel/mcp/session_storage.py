@@ -8,7 +8,6 @@ per-client bound is the store's: ``create`` never displaces another client's ses
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from .sessions import Call, Session
@@ -21,12 +20,10 @@ class SessionStorage(Protocol):
     """Sessions bounded per client, their calls in flight, and their expiry."""
 
     def create(self, protocol_version: str, client: str = "global", *,
-               session_id: str | None = None,
-               given_up: Callable[[str], None] | None = None) -> Session:
+               session_id: str | None = None) -> Session:
         """Mint (or adopt, with ``session_id``) a session for ``client``, giving up the
-        client's own least recently seen idle session at its bound (or a full store), whose
-        id goes to ``given_up`` once it is gone; :class:`~shmcancel.mcp.sessions.SessionsFull`
-        when it has none to give up."""
+        client's own least recently seen idle session at its bound (or a full store);
+        :class:`~shmcancel.mcp.sessions.SessionsFull` when it has none to give up."""
     def get(self, session_id: str | None) -> Session | None:
         """The live session, or ``None`` (malformed, unknown, expired)."""
     def touch(self, session: Session) -> None:

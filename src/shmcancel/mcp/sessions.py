@@ -201,22 +201,18 @@ class SessionStore:
     # ------------------------------------------------------------------ mint
 
     def create(self, protocol_version: str, client: str = "global", *,
-               session_id: str | None = None,
-               given_up: Callable[[str], None] | None = None) -> Session:
+               session_id: str | None = None) -> Session:
         """Mint and store a new session for ``client`` (its scope: ``principal:<id>`` or
         ``ip:<bucket>``). Gives up the client's own least recently seen idle session when it
         holds ``sessions_per_client`` or the table is full; raises :class:`SessionsFull` when
         it has none to give up. Costs the same at any fill of the table. ``session_id``: store
-        under this id (a session another host minted, adopted here) instead of minting one.
-        ``given_up(id)`` is called with the id of the session given up, if any, once it is
-        gone and the lock released (never the one created)."""
+        under this id (a session another host minted, adopted here) instead of minting one."""
         self._tick()
         now = self._clock()
         digest = self.client_digest(client)
         sid = session_id if session_id is not None and valid_session_id(session_id) \
             else secrets.token_urlsafe(24)
         value = (now, now, protocol_version, digest)
-        victim: str | None = None
         for attempt in range(_PLAN_TRIES + 1):
             last = attempt == _PLAN_TRIES
             plan = None if last else self._plan(digest, now)
@@ -230,10 +226,7 @@ class SessionStore:
                 elif not self._current(plan, digest):
                     continue
                 self._commit(plan, digest, sid, value)
-                victim = plan.victim
                 break
-        if victim is not None and given_up is not None:
-            given_up(victim)
         return Session(sid, now, now, protocol_version, digest)
 
     def _plan(self, digest: bytes, now: float) -> _Plan:

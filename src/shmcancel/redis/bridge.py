@@ -628,27 +628,6 @@ class Bridge:
         self.store.delete_session(sid, own_box=self.remote.box,
                                   box_lease_ms=int(self.remote.lease * 1000))
 
-    def give_up_session(self, sid: str) -> None:
-        """This host's table gave session ``sid`` up for its client's bound (contract §6.1):
-        ended in Redis as by :meth:`delete_session` (every other holder told, a later store
-        refused), so no host serves it on nor adopts it again, unless a call runs in it on
-        another host (it lives on there). Before the store of the session minted in its place:
-        Redis then counts it gone and gives up no other. Owed when Redis gives no answer."""
-        if not _minted_form(sid):
-            return
-        give_up = functools.partial(self._give_up, sid)
-        try:
-            self._ask("session", give_up)
-        except _NoAnswer:
-            self._owe(("give up", sid), self._session_ttl, give_up)
-
-    def _give_up(self, sid: str) -> None:
-        ended = self.store.give_up_session(sid, own_box=self.remote.box,
-                                           box_lease_ms=int(self.remote.lease * 1000),
-                                           now_ms=int(time.time() * 1000))
-        if ended >= 0:
-            self._forget(sid)
-
     def cancel_scope(self, scope: str, reason: object) -> int:
         """Cancel every request in flight in ``scope`` on any host (a session's ``DELETE``);
         how many were recorded. Every one, past the scope's quota too, as the local one does

@@ -191,15 +191,6 @@ local function running(P, scope, rid, now_ms)
   local ifk = skey(P, scope, 'if:' .. redis.sha1hex(rid))
   return not mend(ifk, 'zset') and redis.call('ZCOUNT', ifk, now_ms, '+inf') > 0
 end
--- Whether a call runs in session sid on some host at now_ms (its scope's ids in flight).
-local function session_busy(P, sid, now_ms)
-  local scope = 'session:' .. sid
-  if mend(skey(P, scope, 'ifs'), 'set') then return false end
-  for _, rid in ipairs(redis.call('SMEMBERS', skey(P, scope, 'ifs'))) do
-    if running(P, scope, rid, now_ms) then return true end
-  end
-  return false
-end
 -- Drop owners whose lease ran out; the owners left.
 local function live(ifk, now_ms)
   redis.call('ZREMRANGEBYSCORE', ifk, '-inf', '(' .. now_ms)

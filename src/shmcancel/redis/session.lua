@@ -9,6 +9,14 @@
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
 -- until those calls end.
+local function busy(sid)
+  local scope = 'session:' .. sid
+  if mend(skey(ARGV[1], scope, 'ifs'), 'set') then return false end
+  for _, rid in ipairs(redis.call('SMEMBERS', skey(ARGV[1], scope, 'ifs'))) do
+    if running(ARGV[1], scope, rid, ARGV[6]) then return true end
+  end
+  return false
+end
 mend(KEYS[4], 'string')
 if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 mend(KEYS[2], 'zset')
@@ -33,8 +41,7 @@ if extra > 0 then
   end
   for _, old in ipairs(olds) do
     if extra <= 0 then break end
-    if old ~= ARGV[2] and not session_busy(ARGV[1], old, ARGV[6])
-        and redis.call('ZSCORE', KEYS[2], old) then
+    if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then
       local k = ARGV[1] .. 'sess:' .. old
       end_session(ARGV[1], k, k .. ':boxes', k .. ':gone', KEYS[5],
                   cmsgpack.pack({'d', old}), ARGV[8], ARGV[7], ARGV[9])

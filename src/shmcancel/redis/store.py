@@ -36,8 +36,7 @@ from ..config import Config
 __all__ = ["BOX_MAX", "GONE_TTL", "Damaged", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
-            "session_delete", "session_give_up", "claim", "keep", "stopped", "take",
-            "session_mend")
+            "session_delete", "claim", "keep", "stopped", "take", "session_mend")
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
@@ -498,16 +497,6 @@ class RedisStore:
                              [key, key + b":boxes", key + b":gone", self._stopped],
                              [self.prefix, msgpack.packb([b"d", _b(sid)]), box_lease_ms,
                               _b(own_box), self._gone_ms()]))
-
-    def give_up_session(self, sid: str, *, own_box: str, box_lease_ms: int, now_ms: int) -> int:
-        """A host's table gave session ``sid`` up for its client's bound: ended as by
-        :meth:`delete_session` (how many boxes were told), unless a call runs in it on some
-        host at ``now_ms`` (ms): then -1, and nothing changed."""
-        key = self._sess_key(sid)
-        return int(self.call("session_give_up",
-                             [key, key + b":boxes", key + b":gone", self._stopped],
-                             [self.prefix, _b(sid), msgpack.packb([b"d", _b(sid)]),
-                              box_lease_ms, _b(own_box), self._gone_ms(), now_ms]))
 
     def _gone_ms(self) -> int:
         """Milliseconds an ended session is remembered (:data:`GONE_TTL`, at most its TTL)."""
