@@ -856,7 +856,7 @@ def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str
 
 def _next_ms() -> None:
     """Return once the wall clock's millisecond has changed: Redis orders a client's sessions
-    by the millisecond of their last store (ties by id), and a test relies on that order."""
+    by the millisecond of their last use (ties by id), and a test relies on that order."""
     now = int(time.time() * 1000)
     wait_until(lambda: int(time.time() * 1000) > now, time.monotonic() + 1, interval=0.0005,
                what="the next millisecond")
@@ -971,6 +971,77 @@ def test_a_session_a_hosts_table_drops_stays_in_redis_and_is_served_everywhere(
         s3 = Client(a.url)
         _ended_on_both(s2, (s1, s3), (a, b))
         assert "Traceback" not in a.log() + b.log()
+
+
+@pytest.mark.parametrize("renewed_on", ["A", "B"])
+def test_a_session_renewed_in_use_is_not_given_up_before_an_idle_one(
+        redis_server: Any, shm_name: str, shm_names: list[str], renewed_on: str) -> None:
+    """README: Redis gives up a client's least recently used sessions, by their use on any
+    host as fresh as the renewal period. It ordered them by their last store (a mint, an
+    adoption), which a renewal never moved: s1, minted first and in use since (its renewal on
+    A, which minted it, or on B, which adopted it), was given up at s3's mint while s2, idle,
+    lived on. Now a renewal moves s1 past s2: s2 is given up, s1 and s3 kept."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2, session_ttl=4.0)  # renewals every ttl/4: 1 s
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
+        sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.82"
+        s1 = sa.create("2025-11-25", client)
+        a.publish_session(s1.id, s1.protocol_version, client)
+        got = b.lookup_session(s1.id)  # adopted on B
+        assert got is not None and sb.create(*got, session_id=s1.id) is not None
+        _next_ms()
+        s2 = sa.create("2025-11-25", client)
+        a.publish_session(s2.id, s2.protocol_version, client)
+        host, store = (a, sa) if renewed_on == "A" else (b, sb)
+        adopted_at = time.monotonic()
+        wait_until(lambda: time.monotonic() - adopted_at > 1.05 or None,
+                   time.monotonic() + 5, interval=0.02, what="the renewal period to pass")
+        store.touch(store.get(s1.id))  # type: ignore[arg-type]
+        host.keep_session(s1.id, client)  # a request of s1, as legacy.py makes it
+        _next_ms()
+        s3 = sa.create("2025-11-25", client)
+        a.publish_session(s3.id, s3.protocol_version, client)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
+        finally:
+            r.close()
+        assert held == [s1.id, s3.id]
+        assert a.owed() == 0 and b.owed() == 0
+
+
+def test_sessions_stored_again_after_redis_lost_them_keep_their_clients_order(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """README: a session's place in its client's order is its last use; a restore is none.
+    Redis lost the deployment's keys; the client mints s3 on B before A stores s1 and s2 (used
+    before s3) again. Those were stored with the time of their restore, newer than s3's mint,
+    so the client's newest session was its oldest in Redis (its bound gave s3 up first). Now
+    they keep their last use on A: s1, s2, s3 in Redis's order."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=4)
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
+        sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.83"
+        s1 = sa.create("2025-11-25", client)
+        a.publish_session(s1.id, s1.protocol_version, client)
+        _next_ms()
+        s2 = sa.create("2025-11-25", client)
+        a.publish_session(s2.id, s2.protocol_version, client)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            for k in list(r.scan_iter(match=a.store.prefix + "*")):  # the deployment's data lost
+                r.delete(k)
+            _next_ms()
+            s3 = sb.create("2025-11-25", client)
+            b.publish_session(s3.id, s3.protocol_version, client)
+            _next_ms()
+            assert a._republish() == 2
+            a._settle()
+            assert a.owed() == 0
+            (cl,) = r.scan_iter(match=a.store.prefix + "{cl:*")
+            order = [m.decode() for m in r.zrange(cl, 0, -1)]
+        finally:
+            r.close()
+        assert order == [s1.id, s2.id, s3.id]
 
 
 @pytest.mark.parametrize("how", ["a notification on B", "a DELETE on A"])

@@ -459,13 +459,17 @@ class Bridge:
         except _NoAnswer:
             self._owe(("publish", sid), self._session_ttl, put)
 
-    def _put(self, sid: str, version: str, client: str) -> bool:
+    def _put(self, sid: str, version: str, client: str, seen: float | None = None) -> bool:
         """Store the session in Redis; False when Redis refused it, deleted lately on another
         host (then it is ended here too: :meth:`_gone`). The client's sessions Redis gave up
         for its bound end here too (their other holders were told through their boxes, this
-        worker's was not), so that no host serves one the others answer 404."""
-        given_up = self.store.put_session(sid, version, client,
-                                          now_ms=int(time.time() * 1000), box=self.remote.box,
+        worker's was not), so that no host serves one the others answer 404. ``seen``: when
+        the session was last used (wall-clock seconds), for a store that is no use of it (a
+        restore after Redis lost it): its place in its client's order; now when None."""
+        now_ms = int(time.time() * 1000)
+        given_up = self.store.put_session(sid, version, client, now_ms=now_ms,
+                                          seen_ms=now_ms if seen is None else int(seen * 1000),
+                                          box=self.remote.box,
                                           box_lease_ms=int(self.remote.lease * 1000))
         if given_up is None:
             self._gone(sid)
@@ -522,7 +526,7 @@ class Bridge:
         if held is None and client is not None:
             held = served = self._served(sid, client)
         kept = self.store.touch_session(sid, None if held is None else held[1],
-                                        box=self.remote.box)
+                                        box=self.remote.box, now_ms=int(time.time() * 1000))
         if kept < 0:  # deleted on another host, and this worker's box was not told
             self._gone(sid)
         elif kept == 0 and held is not None:
@@ -607,9 +611,10 @@ class Bridge:
         stored again when this process published or adopted it and it lives here."""
         with self._owed_lock:
             held = self._held.get(sid)
-        if held is None or self._session_store().get(sid) is None:
+        here = None if held is None else self._session_store().get(sid)
+        if held is None or here is None:
             return
-        put = functools.partial(self._put, sid, *held)
+        put = functools.partial(self._put, sid, *held, here.last_seen)
         try:
             self._ask("session", put)
         except _NoAnswer:
@@ -811,18 +816,19 @@ class Bridge:
 
     def _republish(self) -> int:
         """After an outage (Redis may have restarted empty): owe a store of every session this
-        process published that still lives here, so other hosts find it again; how many."""
+        process published that still lives here, so other hosts find it again; how many. Each
+        keeps its place in its client's order (its last use here): a restore is no use."""
         sessions = self._session_store()
         with self._owed_lock:
             held = list(self._held.items())
         n = 0
         for sid, (version, client) in held:
-            if sessions.get(sid) is None:  # ended here meanwhile: not brought back
+            if (here := sessions.get(sid)) is None:  # ended here meanwhile: not brought back
                 with self._owed_lock:
                     self._held.pop(sid, None)
                 continue
             self._owe(("publish", sid), self._session_ttl,
-                      functools.partial(self._put, sid, version, client))
+                      functools.partial(self._put, sid, version, client, here.last_seen))
             n += 1
         return n
 

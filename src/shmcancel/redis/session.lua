@@ -1,11 +1,14 @@
 -- KEYS: sess, client_set, boxes, gone, stopped. ARGV: P, sid, value, ttl_ms, per_client, now_ms,
--- box, box_lease_ms, gone_ms
+-- box, box_lease_ms, gone_ms, seen_ms
 -- Stores a session for other hosts to adopt, unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here: ids whose session is gone already leave its count first, then its oldest are
 -- given up, ended everywhere as by a DELETE (end_session: every other holder's box told, `gone`
 -- set), so that no host serves one that the others answer 404. Returns {1, the ids given up}:
 -- the caller ends its own host's copies of them (its box is not told).
+-- The set orders a client's sessions by their last use on any host (ms): seen_ms, now at a mint
+-- or an adoption, the holder's own last-seen when it stores one again after Redis lost it (a
+-- restore is no use), moved on by each renewal (keep.lua); never back.
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
 -- until those calls end.
@@ -24,7 +27,7 @@ mend(KEYS[5], 'zset')
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 set_holder(KEYS[3], ARGV[7], KEYS[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[6], ARGV[2])
+redis.call('ZADD', KEYS[2], 'GT', ARGV[10], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 local given_up = {1}
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])

@@ -379,14 +379,16 @@ class RedisStore:
         return _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
 
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
-                    box: str, box_lease_ms: int) -> list[str] | None:
+                    box: str, box_lease_ms: int, seen_ms: int | None = None
+                    ) -> list[str] | None:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
         another host deletes it). None when it was deleted within :data:`GONE_TTL` seconds
         (not stored: the caller's copy is of a session ended elsewhere); else the ids of the
         client's sessions given up for its ``sessions_per_client`` bound (its oldest without a
         call in flight), ended as by :meth:`delete_session`: every holder's box but ``box`` told
         (``box_lease_ms``: a box's lease), a later store of one refused. The caller ends its
-        host's copies of those."""
+        host's copies of those. The client's sessions are ordered by their last use (ms), here
+        ``seen_ms`` (``now_ms`` when None), never moved back."""
         cl = self._client_key(client)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
@@ -394,7 +396,8 @@ class RedisStore:
                         [key, cl, key + b":boxes", key + b":gone", self._stopped],
                         [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
                          int(self.config.sessions_per_client or 32), now_ms, _b(box),
-                         box_lease_ms, self._gone_ms()])
+                         box_lease_ms, self._gone_ms(),
+                         now_ms if seen_ms is None else seen_ms])
         if not isinstance(got, list):
             return None
         return [bytes(old).decode("utf-8", "surrogatepass") for old in got[1:]]
@@ -475,10 +478,12 @@ class RedisStore:
                 raise got
         return bool(existed)
 
-    def touch_session(self, sid: str, client: str | None = None, *, box: str) -> int:
+    def touch_session(self, sid: str, client: str | None = None, *, box: str,
+                      now_ms: int | None = None) -> int:
         """Renew the session's lifetime, and its holders' boxes' with it (a ``DELETE`` tells
         them: the set must live as long as the session), and its ``client``'s set of sessions
-        when given (the per-client bound counts the sessions in use), listing worker ``box``
+        when given (the per-client bound counts the sessions in use; the session's place in
+        its order moves on to ``now_ms``, ms, now when None: a use), listing worker ``box``
         among its holders (the worker that adopted this host's copy may be gone). 1 when
         renewed, 0 when Redis holds no copy, -1 when it was deleted within :data:`GONE_TTL`
         seconds (the caller's copy is of a session ended elsewhere)."""
@@ -486,7 +491,8 @@ class RedisStore:
         return int(self.call("keep", [key, key + b":boxes", key + b":gone",
                                       b"" if client is None else self._client_key(client),
                                       self._stopped],
-                             [int(self.config.session_ttl * 1000), _b(box)]))
+                             [int(self.config.session_ttl * 1000), _b(box),
+                              int(time.time() * 1000) if now_ms is None else now_ms, _b(sid)]))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it, and for a host whose
