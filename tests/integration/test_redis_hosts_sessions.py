@@ -1044,6 +1044,61 @@ def test_sessions_stored_again_after_redis_lost_them_keep_their_clients_order(
         assert order == [s1.id, s2.id, s3.id]
 
 
+@pytest.mark.parametrize("stored_again_by", ["B's renewals, before it saw the loss",
+                                             "B's thread, restoring"])
+def test_no_session_is_given_up_while_redis_may_be_restoring(
+        redis_server: Any, shm_name: str, shm_names: list[str], stored_again_by: str) -> None:
+    """contract §6.1: a session with a call in flight is never given up. Redis lost the
+    deployment's data (a FLUSHALL); each worker stores its in-flight rows and sessions again on
+    its own schedule. B stored s1 and s2 again before A added back the row of the call it runs
+    in s1; the client's s3, minted on A meanwhile, made Redis give up s1 (oldest, its call
+    unseen): ended everywhere, its call cancelled "session deleted". Now no session is given
+    up while Redis may be restoring (a lease and a renewal period after a worker saw the loss,
+    or a store found its worker's alive key gone): the client holds three meanwhile."""
+    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
+                 sessions_per_client=2)
+    restoring = stored_again_by == "B's thread, restoring"
+    with hosts_in_process(redis_server, shm_name, shm_names, cfg,
+                          thread_b=restoring) as ((ra, a), (rb, b)):
+        sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.84"
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            s1 = sb.create("2025-11-25", client)
+            b.publish_session(s1.id, s1.protocol_version, client)
+            handle = a.track(7, f"session:{s1.id}")  # a call of s1's runs on A
+            assert handle is not None and handle[3]
+            _next_ms()
+            s2 = sb.create("2025-11-25", client)
+            b.publish_session(s2.id, s2.protocol_version, client)
+            alive = b.store.alive_key(b.remote.box)
+            if restoring:
+                wait_until(lambda: r.exists(alive) or None, time.monotonic() + 10,
+                           interval=0.02, what="B's thread to set its alive key")
+            else:
+                b._lost(alive, 30_000)  # as B's thread does at its start
+            for k in list(r.scan_iter(match=a.store.prefix + "*")):  # Redis lost the data
+                r.delete(k)
+            if restoring:
+                wait_until(lambda: r.exists(*(b.store._sess_key(s.id) for s in (s1, s2))) == 2
+                           or None, time.monotonic() + 10, interval=0.02,
+                           what="B to store s1 and s2 again")
+            else:
+                for s in (s1, s2):  # each one's renewal is due: its copy is missing
+                    b._kept.pop(s.id)
+                    sb.touch(s)
+                    b.keep_session(s.id, client)
+            _next_ms()
+            s3 = sa.create("2025-11-25", client)
+            a.publish_session(s3.id, s3.protocol_version, client)
+            held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
+            assert take_box(redis_server, b) == []
+        finally:
+            r.close()
+        assert held == [s1.id, s2.id, s3.id]
+        assert sb.get(s1.id) is not None and a.owed() == 0 and b.owed() == 0
+        a.untrack(handle)
+
+
 @pytest.mark.parametrize("how", ["a notification on B", "a DELETE on A"])
 def test_a_cancellation_through_redis_is_reported_once(
         redis_server: Any, shm_name: str, shm_names: list[str], how: str) -> None:

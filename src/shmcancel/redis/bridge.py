@@ -205,6 +205,10 @@ class Bridge:
         # not stored again yet, after this worker restored what it holds (each host's thread
         # sees a loss within a renewal period, an outage's end within a retry)
         self._restoring_until = -math.inf
+        # how long, after Redis lost data, no session store gives up a client's sessions
+        # (RedisStore.set_restoring): every worker sees the loss within a renewal period (an
+        # outage's end within a retry) and adds its in-flight rows back at once; a lease more
+        self._restoring_ms = int((lease + self.block + self.retry) * 1000)
         self.delivered = 0
         self._health = threading.Lock()
         self._failures = 0  # calls in a row that timed out or got an error answer
@@ -467,10 +471,12 @@ class Bridge:
         the session was last used (wall-clock seconds), for a store that is no use of it (a
         restore after Redis lost it): its place in its client's order; now when None."""
         now_ms = int(time.time() * 1000)
-        given_up = self.store.put_session(sid, version, client, now_ms=now_ms,
-                                          seen_ms=now_ms if seen is None else int(seen * 1000),
-                                          box=self.remote.box,
-                                          box_lease_ms=int(self.remote.lease * 1000))
+        given_up = self.store.put_session(
+            sid, version, client, now_ms=now_ms,
+            seen_ms=now_ms if seen is None else int(seen * 1000), box=self.remote.box,
+            box_lease_ms=int(self.remote.lease * 1000),
+            alive=self.store.alive_key(self.remote.box) if self._alive_set else None,
+            restoring_ms=self._restoring_ms)
         if given_up is None:
             self._gone(sid)
             return False
@@ -698,6 +704,7 @@ class Bridge:
                         self._answered()
                         self._recovering = True
                         self.down = False
+                        self._set_restoring()  # it may have restarted empty
                     added = self.remote.renew()
                     republished = self._republish()
                     with self._owed_lock:  # Redis may have lost them: each session's next
@@ -789,12 +796,23 @@ class Bridge:
         """Set ``alive`` for another lease; whether it was missing though this worker had set it
         (a lease ago at most): Redis answered all along, yet lost data, which the down-and-back
         path never sees. What the worker holds is then restored as after an outage (rows added
-        back, its sessions stored again): until then other hosts answer its sessions 404. Loss
+        back, its sessions stored again): until then other hosts answer its sessions 404, and
+        Redis gives up no client's sessions for a while (:meth:`_set_restoring`). Loss
         of other keys alone (an eviction policy that spares this one) goes unseen: run Redis
         with ``noeviction``."""
         existed = self.store.set_alive(self.remote.box, lease_ms)
         was_set, self._alive_set = self._alive_set, True
+        if was_set and not existed:
+            self._set_restoring()
         return was_set and not existed
+
+    def _set_restoring(self) -> None:
+        """Redis may have lost data: no session store gives up a client's sessions while the
+        workers restore theirs and their in-flight rows (``session.lua``). A full Redis that
+        refuses the mark refuses those stores too."""
+        from redis.exceptions import OutOfMemoryError
+        with contextlib.suppress(OutOfMemoryError):
+            self.store.set_restoring(self._restoring_ms)
 
     def _lock_stalled(self) -> bool:
         """True when a live process has held the registry lock, in one acquisition, for

@@ -1,5 +1,5 @@
--- KEYS: sess, client_set, boxes, gone, stopped. ARGV: P, sid, value, ttl_ms, per_client, now_ms,
--- box, box_lease_ms, gone_ms, seen_ms
+-- KEYS: sess, client_set, boxes, gone, stopped, alive ("" : none), restoring. ARGV: P, sid,
+-- value, ttl_ms, per_client, now_ms, box, box_lease_ms, gone_ms, seen_ms, restoring_ms
 -- Stores a session for other hosts to adopt, unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here: ids whose session is gone already leave its count first, then its oldest are
@@ -11,7 +11,13 @@
 -- restore is no use), moved on by each renewal (keep.lua); never back.
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
--- until those calls end.
+-- until those calls end. Nor is any while `restoring` lives: Redis lost data (a FLUSHALL, a
+-- restart) and the workers store their in-flight rows and sessions again each on its own
+-- schedule, so a busy session may be back before its call's row. A bridge sets it as it sees
+-- the loss (its alive key gone, or Redis back after an outage: bridge.py), and so does a store
+-- whose worker's `alive` key (given once set) is gone: it stores before its bridge has seen the
+-- loss. For restoring_ms (a lease and a renewal period: every worker restores within it); the
+-- client may hold more meanwhile.
 local function busy(sid)
   local scope = 'session:' .. sid
   if mend(skey(ARGV[1], scope, 'ifs'), 'set') then return false end
@@ -22,6 +28,9 @@ local function busy(sid)
 end
 mend(KEYS[4], 'string')
 if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+if KEYS[6] ~= '' and redis.call('EXISTS', KEYS[6]) == 0 then
+  redis.call('SET', KEYS[7], '1', 'PX', ARGV[11])
+end
 mend(KEYS[2], 'zset')
 mend(KEYS[5], 'zset')
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
@@ -42,6 +51,7 @@ if extra > 0 then
       extra = extra - 1
     end
   end
+  if redis.call('EXISTS', KEYS[7]) == 1 then extra = 0 end
   for _, old in ipairs(olds) do
     if extra <= 0 then break end
     if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then

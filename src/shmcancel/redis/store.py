@@ -37,6 +37,9 @@ __all__ = ["BOX_MAX", "GONE_TTL", "Damaged", "RedisStore", "wrong_type"]
 
 _SCRIPTS = ("cancel", "clear", "track", "untrack", "renew", "expire", "session",
             "session_delete", "claim", "keep", "stopped", "take", "session_mend")
+#: Milliseconds Redis may be restoring after a loss (:meth:`RedisStore.set_restoring`) at the
+#: bridge's defaults: a lease (10 s), a renewal period (1 s) and a retry (0.5 s).
+RESTORING_MS = 11_500
 _EXPIRE_LIMIT = 500  # rows per expire call: bounds the time one script holds Redis
 #: Items a worker's box keeps, the newest (``common.lua``'s ``BOX_MAX``): a box its worker does
 #: not read (its registry lock stalled) grew with every cancellation repeated for one call.
@@ -144,6 +147,7 @@ class RedisStore:
         self._pend = _b(prefix + "{g}:pend")
         self._stopped = _b(prefix + "{g}:stopped")
         self._live = _b(prefix + "{g}:live")
+        self._restoring = _b(prefix + "{g}:restoring")
         common = resources.files(__package__).joinpath("common.lua").read_text()
         self._src = {n: common + resources.files(__package__).joinpath(f"{n}.lua").read_text()
                      for n in _SCRIPTS}
@@ -379,7 +383,8 @@ class RedisStore:
         return _b(f"{self.prefix}{{cl:{_sha(client)}}}:s")
 
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
-                    box: str, box_lease_ms: int, seen_ms: int | None = None
+                    box: str, box_lease_ms: int, seen_ms: int | None = None,
+                    alive: bytes | None = None, restoring_ms: int = RESTORING_MS
                     ) -> list[str] | None:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
         another host deletes it). None when it was deleted within :data:`GONE_TTL` seconds
@@ -388,19 +393,28 @@ class RedisStore:
         call in flight), ended as by :meth:`delete_session`: every holder's box but ``box`` told
         (``box_lease_ms``: a box's lease), a later store of one refused. The caller ends its
         host's copies of those. The client's sessions are ordered by their last use (ms), here
-        ``seen_ms`` (``now_ms`` when None), never moved back."""
+        ``seen_ms`` (``now_ms`` when None), never moved back. None is given up while Redis may
+        be restoring (:meth:`set_restoring`), which this store starts for ``restoring_ms`` when
+        ``alive`` (the storing worker's :meth:`alive_key`, once its bridge set it) is gone."""
         cl = self._client_key(client)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
         got = self.call("session",
-                        [key, cl, key + b":boxes", key + b":gone", self._stopped],
+                        [key, cl, key + b":boxes", key + b":gone", self._stopped,
+                         b"" if alive is None else alive, self._restoring],
                         [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
                          int(self.config.sessions_per_client or 32), now_ms, _b(box),
                          box_lease_ms, self._gone_ms(),
-                         now_ms if seen_ms is None else seen_ms])
+                         now_ms if seen_ms is None else seen_ms, restoring_ms])
         if not isinstance(got, list):
             return None
         return [bytes(old).decode("utf-8", "surrogatepass") for old in got[1:]]
+
+    def set_restoring(self, ms: int) -> None:
+        """Redis lost data: for ``ms`` milliseconds no session store gives up any of a client's
+        sessions for its bound (``session.lua``): the workers store their in-flight rows and
+        sessions again each on its own schedule, a busy session's perhaps before its row."""
+        self.client.set(self._restoring, b"1", px=ms)
 
     def get_session(self, sid: str) -> tuple[str, str] | None:
         """``(version, client)`` of a stored session; None when there is none (a key of
