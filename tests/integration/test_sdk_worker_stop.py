@@ -35,13 +35,16 @@ HEADERS = {"content-type": "application/json", "accept": "application/json, text
 TOOL_SECONDS = 60  # far past gunicorn's graceful_timeout: only the stop ends it in time
 
 
-def _stateful(short_tmp: Path, kind: str, workers: int) -> Gunicorn:
-    """The SDK example, stateful, on ``workers`` uvicorn workers, its registry named after
-    ``kind`` and unique, its workers' sockets under ``short_tmp``."""
-    return Gunicorn(None, registry_name=f"{kind}-{uuid.uuid4().hex[:10]}", config=CONF,
+def _stateful(short_tmp: Path, kind: str, workers: int, target: str | None = None,
+              extra_args: tuple[str, ...] = ()) -> Gunicorn:
+    """The SDK example (or the app ``target``), stateful, on ``workers`` uvicorn workers, its
+    registry named after ``kind`` and unique, its workers' sockets under ``short_tmp``;
+    ``extra_args`` go to gunicorn."""
+    return Gunicorn(target, registry_name=f"{kind}-{uuid.uuid4().hex[:10]}", config=CONF,
                     workers=workers, worker_class="uvicorn_worker.UvicornWorker",
                     env={"SHMCANCEL_SDK_STATELESS": "0",
-                         "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")})
+                         "SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")},
+                    extra_args=extra_args)
 
 
 def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path) -> None:
@@ -394,3 +397,40 @@ def test_a_modern_sse_call_on_a_stopping_worker_keeps_its_one_answer() -> None:
                    what="the stopped worker's exit")
         assert in_flight_count(reg) == 0
         g.wait_workers(1, time.monotonic() + 20)
+
+
+# uvicorn counts a request once its response is complete (never the running call's): the
+# session's 2, then 4 more
+MAX_REQUESTS = 6
+
+
+def test_an_sse_call_on_a_worker_at_its_request_limit_gets_its_error(short_tmp: Path) -> None:
+    """A worker reaching gunicorn's ``max_requests`` while an SSE call runs in it: uvicorn left
+    its main loop without setting ``should_exit``, so nothing saw an exit: the stream was not
+    ended, the call ran on and the drain waited for it until gunicorn's ``timeout`` (90 s)
+    killed the worker, the stream cut with no answer and the call's row left until reaped. The
+    limit is an exit as a ``TERM`` is: the stream ends with the call's ``-32800``, the worker
+    exits at once and no row stays."""
+    with _stateful(short_tmp, "sdkmax", 1,
+                   extra_args=("--max-requests", str(MAX_REQUESTS))) as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
+        [worker] = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "max")  # requests 1 and 2
+        host = g.url.split("//", 1)[1].split("/", 1)[0]
+        h, port = host.rsplit(":", 1)
+        with socket.create_connection((h, int(port)), timeout=10) as s:
+            s.sendall(_call_request(host, "sleep", session["mcp-session-id"]))
+            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+                       what="the call in flight")
+            with httpx.Client(timeout=10) as c:
+                for i in range(MAX_REQUESTS - 2):
+                    r = c.post(g.url, headers=session, json={
+                        "jsonrpc": "2.0", "id": 100 + i, "method": "tools/list"})
+                    assert r.status_code == 200, r.text
+            limit_at = time.monotonic()
+            s.settimeout(30)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            assert resp.status == 200
+            stream = resp.read()
+        _stopped_with_its_error(g, reg, stream, limit_at, worker, 1)

@@ -58,6 +58,7 @@ from ._routing import (
     TAIL_MAX,
     Router,
     end_event_stream,
+    exit_at_request_limit,
     set_header,
     token_pid,
     worker_exiting,
@@ -124,15 +125,17 @@ def _is_auth(endpoint: Any) -> bool:
 
 
 def _with_shutdown(app: Any, router: Router | None) -> None:
-    """Around the SDK's own lifespan: start the worker's socket server (if it routes sessions)
-    and, at the shutdown, stop the calls still running and wait (bounded) for their answers
-    (:func:`stop_running_calls`), then the socket server (removing the socket), all before the
-    SDK's session manager is torn down."""
+    """Around the SDK's own lifespan: make the worker's request limit an exit that its streams
+    see (:func:`exit_at_request_limit`), start the worker's socket server (if it routes
+    sessions) and, at the shutdown, stop the calls still running and wait (bounded) for their
+    answers (:func:`stop_running_calls`), then the socket server (removing the socket), all
+    before the SDK's session manager is torn down."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
     async def lifespan(a: Any) -> AsyncIterator[Any]:
         async with inner(a) as state:
+            exit_at_request_limit()
             if router is not None:
                 await router.ensure()
             try:

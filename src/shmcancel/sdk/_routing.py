@@ -799,6 +799,29 @@ def worker_exiting() -> bool:
     return getattr(server, "should_exit", False) is True
 
 
+def exit_at_request_limit() -> None:
+    """Make this worker's request limit (gunicorn's ``max_requests``) begin its exit as a
+    ``TERM`` does: uvicorn's server only leaves its main loop when ``on_tick`` finds the limit
+    reached, its ``should_exit`` left False, so neither :func:`worker_exiting` nor
+    sse_starlette saw an exit (event streams were not ended, and the drain waited for them
+    until gunicorn's ``timeout`` killed the worker). Wraps the ``on_tick`` of the server whose
+    ``handle_exit`` is the ``SIGTERM`` handler (called from the app's lifespan startup, before
+    its main loop) so that its ``True`` sets ``should_exit`` too; once per server."""
+    server: Any = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    tick = getattr(server, "on_tick", None)
+    if tick is None or not hasattr(server, "should_exit") or getattr(tick, "_exits", False):
+        return
+
+    async def on_tick(counter: int) -> bool:
+        done = bool(await tick(counter))
+        if done:
+            server.should_exit = True
+        return done
+
+    on_tick._exits = True  # type: ignore[attr-defined]
+    server.on_tick = on_tick
+
+
 def _answers(event: bytes, rid: tuple[int | str]) -> bool:
     """Whether ``event`` (an event stream's event, its lines ended by ``\\n``) carries the
     JSON-RPC response to the request ``rid``."""
