@@ -7,11 +7,12 @@ from __future__ import annotations
 from mcp.server.mcpserver import MCPServer
 
 import shmcancel.sdk
-from tests.apps.sdk_tools import add_sleep_tools
+from tests.apps.sdk_tools import add_sleep_tools, add_stream_tools
 
 mcp = MCPServer("shmcancel-sdk-stateless-sse")
 
 add_sleep_tools(mcp)
+add_stream_tools(mcp)
 
 
 app = shmcancel.sdk.asgi(mcp, stateless_http=True)

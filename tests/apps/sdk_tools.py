@@ -1,12 +1,13 @@
 """The tools the SDK test apps serve: ``sleep`` (async, cancelled at its await) and
-``sleep_sync`` (in a worker thread, polling for its cancellation every 5 ms)."""
+``sleep_sync`` (in a worker thread, polling for its cancellation every 5 ms); and, on some, tools
+whose event streams carry notifications (:func:`add_stream_tools`)."""
 
 from __future__ import annotations
 
 import time
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 
 import shmcancel.sdk
 
@@ -26,3 +27,32 @@ def add_sleep_tools(mcp: MCPServer) -> None:
             shmcancel.sdk.raise_if_cancelled()
             time.sleep(0.005)
         return f"slept {seconds:g} s"
+
+
+NOTIFY_EVERY = 0.2  # seconds between progress_sleep's notifications
+
+
+def add_stream_tools(mcp: MCPServer) -> None:
+    """Register ``progress_sleep`` (a log notification every :data:`NOTIFY_EVERY` seconds until
+    ``seconds`` have passed), ``log_then_sleep`` (one log notification of ``size`` characters,
+    then ``seconds`` asleep) and ``big_answer`` (a result of ``size`` characters)."""
+
+    @mcp.tool()
+    async def progress_sleep(seconds: float, ctx: Context) -> str:
+        deadline = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            await ctx.info(f"step {n}")
+            await anyio.sleep(NOTIFY_EVERY)
+        return f"slept {seconds:g} s"
+
+    @mcp.tool()
+    async def log_then_sleep(size: int, seconds: float, ctx: Context) -> str:
+        await ctx.info("L" * size)
+        await anyio.sleep(seconds)
+        return f"slept {seconds:g} s"
+
+    @mcp.tool()
+    async def big_answer(size: int) -> str:
+        return "A" * size

@@ -101,12 +101,14 @@ def _worker_of(conn: socket.socket, pids: list[int]) -> int | None:
     return None
 
 
-def _call_request(host: str, tool: str, session_id: str | None = None) -> bytes:
-    """A raw HTTP/1.1 ``POST`` of ``tools/call`` ``tool`` (id 7, :data:`TOOL_SECONDS`) to
-    ``host`` (``name:port``), in session ``session_id`` if given."""
+def _call_request(host: str, tool: str, session_id: str | None = None,
+                  arguments: dict[str, Any] | None = None) -> bytes:
+    """A raw HTTP/1.1 ``POST`` of ``tools/call`` ``tool`` (id 7, ``arguments``, by default
+    :data:`TOOL_SECONDS`) to ``host`` (``name:port``), in session ``session_id`` if given."""
+    if arguments is None:
+        arguments = {"seconds": TOOL_SECONDS}
     body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                       "params": {"name": tool,
-                                  "arguments": {"seconds": TOOL_SECONDS}}}).encode()
+                       "params": {"name": tool, "arguments": arguments}}).encode()
     sid = f"Mcp-Session-Id: {session_id}\r\n" if session_id is not None else ""
     return (f"POST /mcp HTTP/1.1\r\nHost: {host}\r\n"
             f"Accept: application/json, text/event-stream\r\n"
@@ -434,3 +436,45 @@ def test_an_sse_call_on_a_worker_at_its_request_limit_gets_its_error(short_tmp: 
             assert resp.status == 200
             stream = resp.read()
         _stopped_with_its_error(g, reg, stream, limit_at, worker, 1)
+
+
+STREAM_APP = "tests.apps.sdk_stream_app:app"
+
+
+def test_a_worker_stopped_alone_ends_a_busy_stream_it_forwards(short_tmp: Path) -> None:
+    """A worker forwarding a call's event stream that gets an event every 0.2 s (a tool's
+    progress), ``TERM``ed alone: it looked for its exit only when no event had come for 0.25 s,
+    so it never ended that stream: the call's stream went on until the call ended, and the
+    worker with it. It ends with the request's ``-32000`` at the next event, and the worker
+    exits at once."""
+    seconds = 30  # the tool's, far past the bound below
+    with _stateful(short_tmp, "sdkbusy", 2, target=STREAM_APP) as g:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "busy")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        s, carrier = _connect_past(owner, pids, host, int(port))
+        try:
+            s.sendall(_call_request(f"{host}:{port}", "progress_sleep",
+                                    session["mcp-session-id"], {"seconds": seconds}))
+            s.settimeout(30)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            assert resp.status == 200
+            head = b""
+            while b"step 2" not in head:  # forwarded events are flowing
+                line = resp.readline()
+                assert line, head
+                head += line
+            termed_at = time.monotonic()
+            os.kill(carrier, signal.SIGTERM)
+            stream = head + resp.read()  # a clean end (IncompleteRead otherwise)
+            took = time.monotonic() - termed_at
+        finally:
+            s.close()
+        answers = [m for m in _events(stream) if m.get("id") == 7]
+        assert len(answers) == 1, stream[-400:]
+        assert answers[0]["error"]["code"] == errors.SERVER_ERROR, answers
+        assert took < 10, took
+        wait_until(lambda: not alive(carrier), termed_at + 10, what="the stopped worker's exit")
+        g.wait_workers(2, time.monotonic() + 20)

@@ -648,6 +648,11 @@ class Router:
                         tail = (tail + chunk)[-TAIL_MAX:]
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
+                    # looked at on every event too: a stream that never pauses for EXIT_LOOK
+                    # (progress every 0.2 s) was never ended
+                    if sse and worker_exiting() and not _inside_event(tail):
+                        await _cut_short(send, token, None, sse, tail, body)
+                        return
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 stop.cancel()
