@@ -34,8 +34,8 @@ NOTIFY_EVERY = 0.2  # seconds between progress_sleep's notifications
 
 def add_stream_tools(mcp: MCPServer) -> None:
     """Register ``progress_sleep`` (a log notification every :data:`NOTIFY_EVERY` seconds until
-    ``seconds`` have passed), ``log_then_sleep`` (one log notification of ``size`` characters,
-    then ``seconds`` asleep) and ``big_answer`` (a result of ``size`` characters)."""
+    ``seconds`` have passed) and ``log_then_sleep`` (one log notification of ``size``
+    characters, then ``seconds`` asleep)."""
 
     @mcp.tool()
     async def progress_sleep(seconds: float, ctx: Context) -> str:
@@ -52,7 +52,3 @@ def add_stream_tools(mcp: MCPServer) -> None:
         await ctx.info("L" * size)
         await anyio.sleep(seconds)
         return f"slept {seconds:g} s"
-
-    @mcp.tool()
-    async def big_answer(size: int) -> str:
-        return "A" * size

@@ -33,6 +33,9 @@ CONF = "examples/sdk/gunicorn.conf.py"
 HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream",
            "mcp-protocol-version": "2025-11-25"}
 TOOL_SECONDS = 60  # far past gunicorn's graceful_timeout: only the stop ends it in time
+STREAM_APP = "tests.apps.sdk_stream_app:app"  # the example's tools and add_stream_tools'
+# log_then_sleep: its log notification is an event over the 64 KiB kept of one (TAIL_MAX)
+BIG_LOG = {"size": 100_000, "seconds": TOOL_SECONDS}
 
 
 def _stateful(short_tmp: Path, kind: str, workers: int, target: str | None = None,
@@ -214,6 +217,58 @@ def test_a_worker_exiting_answers_forwarded_requests_404() -> None:
     assert len(served) == 1
 
 
+@pytest.mark.parametrize("last", ["a big answer", "a big log"])
+def test_a_stream_ended_at_the_exit_after_a_big_event(last: str) -> None:
+    """The SDK ends a call's event stream while the worker exits, its last event longer than
+    the 64 KiB kept of one (``TAIL_MAX``), sent in chunks: the call's answer (a large result
+    just before the stop) gets no second answer; a log notification is not taken for the
+    answer (the stream ended with none): the call's ``-32800`` follows it."""
+    import asyncio
+
+    from shmcancel.sdk._asgi import _ending_at_exit
+    from shmcancel.sdk._calls import Exchange
+
+    class Exiting:
+        should_exit = True
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # pragma: no cover
+            pass
+
+    big = "x" * 100_000
+    msg = ({"jsonrpc": "2.0", "id": 7, "result": {"content": [{"type": "text", "text": big}]}}
+           if last == "a big answer" else
+           {"jsonrpc": "2.0", "method": "notifications/message",
+            "params": {"level": "info", "data": big}})
+    event = b"event: message\r\ndata: " + json.dumps(msg).encode() + b"\r\n\r\n"
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                       "params": {"name": "t", "arguments": {}}}).encode()
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def main() -> None:
+        tx = _ending_at_exit(send, Exchange(), body)
+        await tx({"type": "http.response.start", "status": 200,
+                  "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        for i in range(0, len(event), 4096):
+            await tx({"type": "http.response.body", "body": event[i:i + 4096],
+                      "more_body": True})
+        await tx({"type": "http.response.body", "body": b"", "more_body": False})
+
+    old = signal.signal(signal.SIGTERM, Exiting().handle_exit)
+    try:
+        asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    stream = b"".join(m.get("body", b"") for m in sent[1:])
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    answers = [m for m in _events(stream) if m.get("id") == 7]
+    assert len(answers) == 1, stream[-300:]
+    if last == "a big log":
+        assert answers[0]["error"]["code"] == errors.REQUEST_CANCELLED, answers
+
+
 @pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
 def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
         short_tmp: Path, tool: str) -> None:
@@ -278,7 +333,7 @@ def _stopped_with_its_error(g: Gunicorn, reg: Registry, stream: bytes, termed_at
 
 
 @pytest.mark.parametrize("forwarded", [False, True], ids=["direct", "forwarded"])
-@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync", "log_then_sleep"])
 def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
         short_tmp: Path, tool: str, forwarded: bool) -> None:
     """A stateful call answered as an event stream, running in its session's worker when that
@@ -287,8 +342,10 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
     later, at the lifespan shutdown, its answer going nowhere: the client's stream ended with
     no response to its request, and an official client waits for one until its own timeout
     (60 s for the TS SDK's). The stream ends with the call's own JSON-RPC error, its only
-    answer."""
-    with _stateful(short_tmp, "sdksse", 2) as g, \
+    answer; also when its last event so far is longer than the bytes kept of one (a 100 KB
+    log notification: it was taken for the answer)."""
+    big = tool == "log_then_sleep"
+    with _stateful(short_tmp, "sdksse", 2, target=STREAM_APP if big else None) as g, \
             Registry.attach(g.registry_name, readonly=True) as reg:
         pids = [int(p) for p in g.worker_pids()]
         session = open_session(g.url, HEADERS, "sse")
@@ -296,7 +353,8 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
         assert owner in pids
         [other] = [p for p in pids if p != owner]
         host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        request = _call_request(f"{host}:{port}", tool, session["mcp-session-id"])
+        request = _call_request(f"{host}:{port}", tool, session["mcp-session-id"],
+                                BIG_LOG if big else None)
         # The session's GET stream, held by its worker as an official client opens it: the
         # worker's drain waits for it until sse_starlette ends every stream at once (without
         # it, a worker holding no connection of its own ran its lifespan shutdown at once, and
@@ -313,7 +371,8 @@ def test_an_sse_call_on_a_worker_stopped_alone_gets_its_error(
             raise
         assert carrier == (other if forwarded else owner)
         try:
-            stream, termed_at = _stopped_stream(s, reg, request, owner)
+            stream, termed_at = _stopped_stream(s, reg, request, owner,
+                                                after=b"L" * 1000 if big else None)
         finally:
             s.close()
             g_sock.close()
@@ -339,25 +398,41 @@ def _stopped_answer(s: socket.socket, reg: Registry, request: bytes,
     return resp, termed_at
 
 
-def _stopped_stream(s: socket.socket, reg: Registry, request: bytes,
-                    worker: int) -> tuple[bytes, float]:
+def _stopped_stream(s: socket.socket, reg: Registry, request: bytes, worker: int,
+                    after: bytes | None = None) -> tuple[bytes, float]:
     """:func:`_stopped_answer`, an event stream read to its end: the stream, and when the
-    ``TERM`` was sent."""
-    resp, termed_at = _stopped_answer(s, reg, request, worker)
+    ``TERM`` was sent; with ``after``, sent once a line of the stream holds it."""
+    if after is None:
+        resp, termed_at = _stopped_answer(s, reg, request, worker)
+        head = b""
+    else:
+        s.sendall(request)
+        s.settimeout(30)
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        head = line = b""
+        while after not in line:
+            line = resp.readline()
+            assert line, head
+            head += line
+        termed_at = time.monotonic()
+        os.kill(worker, signal.SIGTERM)
     assert resp.status == 200, (resp.status, resp.read())
     assert resp.getheader("content-type", "").startswith("text/event-stream")
-    return resp.read(), termed_at  # the whole stream: a clean end (IncompleteRead otherwise)
+    # the whole stream: a clean end (IncompleteRead otherwise)
+    return head + resp.read(), termed_at
 
 
-def _stopped_stream_alone(g: Gunicorn, reg: Registry, request: bytes) -> tuple[bytes, float, int]:
+def _stopped_stream_alone(g: Gunicorn, reg: Registry, request: bytes,
+                          after: bytes | None = None) -> tuple[bytes, float, int]:
     """:func:`_stopped_stream` on the server's only worker: also that worker's pid."""
     [worker] = [int(p) for p in g.worker_pids()]
     host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        return (*_stopped_stream(s, reg, request, worker), worker)
+        return (*_stopped_stream(s, reg, request, worker, after), worker)
 
 
-@pytest.mark.parametrize("tool", ["sleep", "sleep_sync"])
+@pytest.mark.parametrize("tool", ["sleep", "sleep_sync", "log_then_sleep"])
 def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> None:
     """A stateless server's call answered as an event stream (``stateless_http=True`` without
     ``json_response``), running when its worker is stopped (``TERM``, ``max_requests``): as a
@@ -369,8 +444,10 @@ def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> N
                   worker_class="uvicorn_worker.UvicornWorker") as g, \
             Registry.attach(name, readonly=True) as reg:
         host = g.url.split("//", 1)[1].split("/", 1)[0]
-        request = _call_request(host, tool)
-        stream, termed_at, worker = _stopped_stream_alone(g, reg, request)
+        big = tool == "log_then_sleep"  # its last event over the 64 KiB kept of one
+        request = _call_request(host, tool, None, BIG_LOG if big else None)
+        stream, termed_at, worker = _stopped_stream_alone(g, reg, request,
+                                                          b"L" * 1000 if big else None)
         _stopped_with_its_error(g, reg, stream, termed_at, worker, 1)
 
 
@@ -436,9 +513,6 @@ def test_an_sse_call_on_a_worker_at_its_request_limit_gets_its_error(short_tmp: 
             assert resp.status == 200
             stream = resp.read()
         _stopped_with_its_error(g, reg, stream, limit_at, worker, 1)
-
-
-STREAM_APP = "tests.apps.sdk_stream_app:app"
 
 
 def test_a_worker_stopped_alone_ends_a_busy_stream_it_forwards(short_tmp: Path) -> None:

@@ -55,7 +55,7 @@ from ._calls import (
     stop_running_calls,
 )
 from ._routing import (
-    TAIL_MAX,
+    EventTail,
     Router,
     end_event_stream,
     exit_at_request_limit,
@@ -522,10 +522,10 @@ def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> Send:
     carried the answer already (a 2026-07-28 stream, which the SDK writes itself, ends only
     with its answer)."""
     sse = False
-    tail = b""  # the stream's last TAIL_MAX bytes so far
+    tail = EventTail()
 
     async def ending(message: Message) -> None:
-        nonlocal sse, tail
+        nonlocal sse
         kind = message.get("type")
         if kind == "http.response.start":
             sse = any(k.lower() == b"content-type"
@@ -537,13 +537,13 @@ def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> Send:
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
-                    tail = (tail + chunk)[-TAIL_MAX:]
+                    tail.feed(chunk)
                 exchange.stop(STOPPING)
                 error = RequestCancelled(STOPPING).error.model_dump(mode="json",
                                                                      exclude_none=True)
                 await end_event_stream(send, tail, body, error)
                 return
-            tail = (tail + chunk)[-TAIL_MAX:]
+            tail.feed(chunk)
         await send(message)
 
     return ending

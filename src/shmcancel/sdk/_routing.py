@@ -613,7 +613,7 @@ class Router:
                 gone.set()
 
             watcher = asyncio.get_running_loop().create_task(watch())
-            tail = b""  # an event stream's last TAIL_MAX bytes so far (for _cut_short)
+            tail = EventTail()  # an event stream's end so far (for _cut_short)
             sse = resp.headers.get("content-type", "").lower().startswith("text/event-stream")
             stop = asyncio.ensure_future(gone.wait())
             nxt: asyncio.Future[bytes] | None = None
@@ -645,12 +645,12 @@ class Router:
                         return
                     nxt = None
                     if sse:
-                        tail = (tail + chunk)[-TAIL_MAX:]
+                        tail.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk,
                                 "more_body": True})
                     # looked at on every event too: a stream that never pauses for EXIT_LOOK
                     # (progress every 0.2 s) was never ended
-                    if sse and worker_exiting() and not _inside_event(tail):
+                    if sse and worker_exiting() and not tail.inside_event:
                         await _cut_short(send, token, None, sse, tail, body)
                         return
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -731,10 +731,68 @@ def _refused(path: str) -> bool:
     return False
 
 
-TAIL_MAX = 65536  # bytes of a forwarded answer kept to read its last event, if it is cut short
+TAIL_MAX = 65536  # bytes kept of an event stream's last event, and of the one under way
 
 
-async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail: bytes,
+class EventTail:
+    """What an event stream answering a request says about its end so far, in bounded memory:
+    whether it stopped inside an event, and the first :data:`TAIL_MAX` bytes (its line ends
+    made ``\\n``, the blank line ending it left out) and the length of its last event. Fed the
+    stream's bytes in order (:meth:`feed`), in chunks cut anywhere."""
+
+    __slots__ = ("_cr", "_end", "cur", "cur_len", "last", "last_len")
+
+    def __init__(self) -> None:
+        self._cr = False  # the bytes fed end with a CR, held back: it may begin a CRLF
+        self._end = b"\n\n"  # the stream's last two bytes (line ends made \n) so far
+        self.cur = b""  # the head of the event under way, and its length so far
+        self.cur_len = 0
+        self.last = b""  # the head of the last event ended, and its length
+        self.last_len = 0
+
+    def feed(self, chunk: bytes) -> None:
+        data = (b"\r" if self._cr else b"") + chunk
+        self._cr = data.endswith(b"\r")
+        data = _lines(data[:-1] if self._cr else data)
+        if not data:
+            return
+        start = 0
+        if self._end.endswith(b"\n") and data.startswith(b"\n"):
+            self._close()
+            start = 1
+        while (i := data.find(b"\n\n", start)) >= 0:
+            self._add(data[start:i + 1])
+            self._close()
+            start = i + 2
+        self._add(data[start:])
+        self._end = (self._end + data)[-2:]
+
+    def _add(self, part: bytes) -> None:
+        if not self.cur_len:
+            part = part.lstrip(b"\n")  # blank lines between events end nothing
+        if self.cur_len < TAIL_MAX:
+            self.cur += part[:TAIL_MAX - self.cur_len]
+        self.cur_len += len(part)
+
+    def _close(self) -> None:
+        if self.cur_len:
+            self.last, self.last_len = self.cur, self.cur_len
+            self.cur, self.cur_len = b"", 0
+
+    @property
+    def inside_event(self) -> bool:
+        """Whether the stream so far stopped inside an event (a held CR ends a line)."""
+        return (self._end + (b"\n" if self._cr else b""))[-2:] != b"\n\n"
+
+    def last_event(self) -> tuple[bytes, int]:
+        """The head and length of the event the stream ended with, when not inside one
+        (``(b"", 0)`` for none): the one under way when only a held CR ends it."""
+        if self.cur_len:
+            return self.cur, self.cur_len
+        return self.last, self.last_len
+
+
+async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail: EventTail,
                      body: bytes | None) -> None:
     """The owner broke a forwarded answer it had begun (it was killed: ``e``), or this worker
     ends it as it exits (``e`` None). An event stream ends as :func:`end_event_stream` ends it,
@@ -753,30 +811,30 @@ async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail
         await end_event_stream(send, tail, body, {"code": -32000, "message": why})
 
 
-def _unanswered(tail: bytes, body: bytes | None) -> tuple[int | str] | None:
+def _unanswered(tail: EventTail, body: bytes | None) -> tuple[int | str] | None:
     """``(id,)`` of the JSON-RPC request in ``body`` when an event stream answering it, whose
-    last bytes (at most :data:`TAIL_MAX`) are ``tail``, stopped between events without its
-    answer as its last event; ``None`` when it carried it, when its last event cannot be read
-    (longer than ``TAIL_MAX``), when it stopped inside an event, or for a notification."""
-    if _inside_event(tail):
+    end so far is ``tail``, stopped between events without its answer as its last event;
+    ``None`` when it carried it, when it stopped inside an event, or for a notification. A
+    last event longer than :data:`TAIL_MAX` is read from its head (:func:`_head_answers`)."""
+    if tail.inside_event:
         return None
-    events = _lines(tail).rstrip(b"\n").split(b"\n\n")
-    whole = len(events) > 1 or len(tail) < TAIL_MAX  # the last event's start is in the tail
     rid = _request_id(body)
-    if rid is None or not whole or _answers(events[-1], rid):
+    event, size = tail.last_event()
+    if rid is None or (_answers(event, rid) if size <= TAIL_MAX
+                       else _head_answers(event, rid)):
         return None
     return rid
 
 
-async def end_event_stream(send: Any, tail: bytes, body: bytes | None,
+async def end_event_stream(send: Any, tail: EventTail, body: bytes | None,
                            error: dict[str, Any]) -> None:
     """End an event stream answering the request in ``body`` that stops early, ``tail`` its
-    last bytes sent (at most :data:`TAIL_MAX`). One that stopped between events ends there:
+    end so far. One that stopped between events ends there:
     with one more event, the request's JSON-RPC error response (``error``, its ``code``,
     ``message`` and perhaps ``data``), so that its client learns the call failed, unless it
     already carried the answer (:func:`_unanswered`). One cut inside an event is left incomplete
     (nothing is sent): ended cleanly, the event would be dispatched with its data cut."""
-    if _inside_event(tail):
+    if tail.inside_event:
         return
     rid = _unanswered(tail, body)
     if rid is not None:
@@ -789,11 +847,6 @@ async def end_event_stream(send: Any, tail: bytes, body: bytes | None,
 def _lines(tail: bytes) -> bytes:
     """An event stream's bytes with its three line ends (CRLF, CR, LF) made ``\\n``."""
     return tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-
-
-def _inside_event(tail: bytes) -> bool:
-    """Whether an event stream whose last bytes are ``tail`` stopped inside an event."""
-    return bool(tail) and not _lines(tail).endswith(b"\n\n")
 
 
 def worker_exiting() -> bool:
@@ -827,17 +880,67 @@ def exit_at_request_limit() -> None:
     server.on_tick = on_tick
 
 
+def _data(event: bytes) -> bytes:
+    """The data of ``event`` (an event stream's event, its lines ended by ``\\n``)."""
+    return b"\n".join(line[5:].removeprefix(b" ") for line in event.split(b"\n")
+                      if line.startswith(b"data:"))
+
+
 def _answers(event: bytes, rid: tuple[int | str]) -> bool:
     """Whether ``event`` (an event stream's event, its lines ended by ``\\n``) carries the
     JSON-RPC response to the request ``rid``."""
-    data = b"\n".join(line[5:].removeprefix(b" ") for line in event.split(b"\n")
-                      if line.startswith(b"data:"))
+    data = _data(event)
     try:
         msg = json.loads(data)
     except ValueError:
         return False
     return (isinstance(msg, dict) and msg.get("id") == rid[0]
             and ("result" in msg or "error" in msg))
+
+
+def _skip(text: str, pos: int) -> int:
+    """``pos`` past the JSON whitespace at it in ``text``."""
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
+
+
+def _head_answers(head: bytes, rid: tuple[int | str]) -> bool:
+    """Whether an event longer than :data:`TAIL_MAX`, whose first bytes are ``head``, may carry
+    the JSON-RPC response to the request ``rid``, read from its data's first members: the SDK
+    writes a message's ``id`` before its ``result`` or ``error`` (pydantic's field order) and
+    ``method`` before its large parts, so the member after the small ones tells. ``False`` only
+    for a message with a ``method`` (a notification, or a request of the server's) or the
+    response to another id; anything else counts as the answer: never a second one."""
+    text = _data(head).decode("utf-8", "replace")  # the cut may split a character
+    dec = json.JSONDecoder()
+    pos = _skip(text, 0)
+    if not text.startswith("{", pos):
+        return True
+    pos += 1
+    rids: list[Any] = []
+    while True:
+        try:
+            key, pos = dec.raw_decode(text, _skip(text, pos))
+        except ValueError:  # cut before the member that tells
+            return True
+        pos = _skip(text, pos)
+        if not isinstance(key, str) or not text.startswith(":", pos):
+            return True
+        if key == "method":
+            return False
+        if key in ("result", "error"):
+            return not rids or rids[-1] == rid[0]
+        try:
+            value, pos = dec.raw_decode(text, _skip(text, pos + 1))
+        except ValueError:
+            return True
+        if key == "id":
+            rids.append(value)
+        pos = _skip(text, pos)
+        if not text.startswith(",", pos):
+            return True
+        pos += 1
 
 
 def _request_id(body: bytes | None) -> tuple[int | str] | None:
