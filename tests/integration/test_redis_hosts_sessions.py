@@ -313,9 +313,13 @@ def test_a_box_overwritten_by_another_client_is_given_back(
         r.close()
 
 
+def _small(**kw: Any) -> Config:
+    """A small registry's config for in-process hosts (``kw``: what a test sets besides)."""
+    return Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16, **kw)
+
+
 # Hosts whose registry lock a stopped holder stalls past a short lock_timeout.
-STALLS = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                lock_timeout=0.3)
+STALLS = _small(lock_timeout=0.3)
 
 
 def _tracked_on_a(ra: Registry, a: Bridge) -> Any:
@@ -581,8 +585,7 @@ def test_leases_are_renewed_while_the_lock_is_stalled(
     cancellation sent meanwhile found them not in flight and was dropped. It now sees the
     holder stalled and does not wait on it: the leases stay, and the cancellation lands once
     the lock is free."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 lock_timeout=3.0)
+    cfg = _small(lock_timeout=3.0)
     r = redis.Redis.from_url(redis_server.url)
     try:
         with hosts_in_process(redis_server, shm_name, shm_names, cfg, lease=1.5,
@@ -665,8 +668,7 @@ def test_a_deleted_session_does_not_count_against_its_client_in_redis(
     It holds two sessions, its bound, yet Redis still counted the deleted s2 (session_delete.lua
     left it in the client's set) and gave up s1 for s3: B answered s1 404 (lookup: no such
     session), though A serves it on."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2)
+    cfg = _small(sessions_per_client=2)
     with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (_rb, b)):
         sa, client = SessionStore(ra), "ip:203.0.113.77"
         s1, s2 = sa.create("2025-11-25", client), sa.create("2025-11-25", client)
@@ -674,8 +676,7 @@ def test_a_deleted_session_does_not_count_against_its_client_in_redis(
             a.publish_session(s.id, s.protocol_version, client)
         assert sa.delete(s2.id)
         a.delete_session(s2.id)  # A's DELETE of s2 (legacy.LegacyWire._delete)
-        s3 = sa.create("2025-11-25", client)
-        a.publish_session(s3.id, s3.protocol_version, client)
+        s3 = _mint(a, sa, client)
         assert sa.get(s1.id) is not None and sa.get(s3.id) is not None
         assert b.lookup_session(s1.id) == ("2025-11-25", client)
         assert b.lookup_session(s3.id) == ("2025-11-25", client)
@@ -820,8 +821,7 @@ def test_a_clients_session_bound_in_redis_outlives_the_worker_that_minted_its_se
         _a_third_mint_leaves_two(redis_server, a2, sa, client, kept)
 
 
-BOUND_2 = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2, session_ttl=1.0)
+BOUND_2 = _small(sessions_per_client=2, session_ttl=1.0)
 
 
 def _two_sessions_in_use(sa: SessionStore, publisher: Bridge, client: str,
@@ -846,12 +846,26 @@ def _a_third_mint_leaves_two(srv: Any, br: Bridge, sa: SessionStore, client: str
     r = redis.Redis.from_url(srv.url)
     try:
         assert r.exists(*(br.store._sess_key(s.id) for s in kept)) == 2  # kept alive
-        s3 = sa.create("2025-11-25", client)
-        br.publish_session(s3.id, s3.protocol_version, client)
+        s3 = _mint(br, sa, client)
         held = [s.id for s in (*kept, s3) if r.exists(br.store._sess_key(s.id))]
     finally:
         r.close()
     assert s3.id in held and len(held) == 2, held
+
+
+def _mint(host: Any, store: SessionStore, client: str) -> Any:
+    """A session minted in ``store`` (a host's table) for ``client`` and stored in Redis by
+    that host's bridge ``host``, as the transport's ``initialize`` does."""
+    s = store.create("2025-11-25", client)
+    host.publish_session(s.id, s.protocol_version, client)
+    return s
+
+
+def _adopt(host: Any, store: SessionStore, sid: str) -> None:
+    """Session ``sid`` looked up in Redis by bridge ``host`` and adopted in its table ``store``,
+    as the transport does for a session another host minted."""
+    got = host.lookup_session(sid)
+    assert got is not None and store.create(*got, session_id=sid) is not None
 
 
 def _next_ms() -> None:
@@ -882,20 +896,15 @@ def test_a_session_given_up_for_its_clients_bound_ends_on_every_host(
     a DELETE: A, whose store gave it up, ends its own copy at once (its box is not told), B is
     told through its box, and a holder that missed that (its renewal before its box is read)
     is refused its store (the gone marker) and ends its copy too."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2)
+    cfg = _small(sessions_per_client=2)
     with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
         sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.80"
-        s1 = sa.create("2025-11-25", client)
-        a.publish_session(s1.id, s1.protocol_version, client)
-        got = b.lookup_session(s1.id)  # adopted on B
-        assert got is not None and sb.create(*got, session_id=s1.id) is not None
+        s1 = _mint(a, sa, client)
+        _adopt(b, sb, s1.id)  # on B
         _next_ms()
-        s2 = sb.create("2025-11-25", client)
-        b.publish_session(s2.id, s2.protocol_version, client)
+        s2 = _mint(b, sb, client)
         _next_ms()
-        s3 = sa.create("2025-11-25", client)
-        a.publish_session(s3.id, s3.protocol_version, client)  # s1 is given up
+        s3 = _mint(a, sa, client)  # s1 is given up
         assert sa.get(s1.id) is None
         assert take_box(redis_server, a) == []
         assert [RedisStore.decode_box_item(x) for x in take_box(redis_server, b)] == [s1.id]
@@ -981,17 +990,13 @@ def test_a_session_renewed_in_use_is_not_given_up_before_an_idle_one(
     adoption), which a renewal never moved: s1, minted first and in use since (its renewal on
     A, which minted it, or on B, which adopted it), was given up at s3's mint while s2, idle,
     lived on. Now a renewal moves s1 past s2: s2 is given up, s1 and s3 kept."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2, session_ttl=4.0)  # renewals every ttl/4: 1 s
+    cfg = _small(sessions_per_client=2, session_ttl=4.0)  # renewals every ttl/4: 1 s
     with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
         sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.82"
-        s1 = sa.create("2025-11-25", client)
-        a.publish_session(s1.id, s1.protocol_version, client)
-        got = b.lookup_session(s1.id)  # adopted on B
-        assert got is not None and sb.create(*got, session_id=s1.id) is not None
+        s1 = _mint(a, sa, client)
+        _adopt(b, sb, s1.id)  # on B
         _next_ms()
-        s2 = sa.create("2025-11-25", client)
-        a.publish_session(s2.id, s2.protocol_version, client)
+        s2 = _mint(a, sa, client)
         host, store = (a, sa) if renewed_on == "A" else (b, sb)
         adopted_at = time.monotonic()
         wait_until(lambda: time.monotonic() - adopted_at > 1.05 or None,
@@ -999,8 +1004,7 @@ def test_a_session_renewed_in_use_is_not_given_up_before_an_idle_one(
         store.touch(store.get(s1.id))  # type: ignore[arg-type]
         host.keep_session(s1.id, client)  # a request of s1, as legacy.py makes it
         _next_ms()
-        s3 = sa.create("2025-11-25", client)
-        a.publish_session(s3.id, s3.protocol_version, client)
+        s3 = _mint(a, sa, client)
         r = redis.Redis.from_url(redis_server.url)
         try:
             held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
@@ -1017,22 +1021,18 @@ def test_sessions_stored_again_after_redis_lost_them_keep_their_clients_order(
     before s3) again. Those were stored with the time of their restore, newer than s3's mint,
     so the client's newest session was its oldest in Redis (its bound gave s3 up first). Now
     they keep their last use on A: s1, s2, s3 in Redis's order."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=4)
+    cfg = _small(sessions_per_client=4)
     with hosts_in_process(redis_server, shm_name, shm_names, cfg) as ((ra, a), (rb, b)):
         sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.83"
-        s1 = sa.create("2025-11-25", client)
-        a.publish_session(s1.id, s1.protocol_version, client)
+        s1 = _mint(a, sa, client)
         _next_ms()
-        s2 = sa.create("2025-11-25", client)
-        a.publish_session(s2.id, s2.protocol_version, client)
+        s2 = _mint(a, sa, client)
         r = redis.Redis.from_url(redis_server.url)
         try:
             for k in list(r.scan_iter(match=a.store.prefix + "*")):  # the deployment's data lost
                 r.delete(k)
             _next_ms()
-            s3 = sb.create("2025-11-25", client)
-            b.publish_session(s3.id, s3.protocol_version, client)
+            s3 = _mint(b, sb, client)
             _next_ms()
             assert a._republish() == 2
             a._settle()
@@ -1055,21 +1055,18 @@ def test_no_session_is_given_up_while_redis_may_be_restoring(
     unseen): ended everywhere, its call cancelled "session deleted". Now no session is given
     up while Redis may be restoring (a lease and a renewal period after a worker saw the loss,
     or a store found its worker's alive key gone): the client holds three meanwhile."""
-    cfg = Config(capacity=400, max_rows=200, in_flight_capacity=64, session_capacity=16,
-                 sessions_per_client=2)
+    cfg = _small(sessions_per_client=2)
     restoring = stored_again_by == "B's thread, restoring"
     with hosts_in_process(redis_server, shm_name, shm_names, cfg,
                           thread_b=restoring) as ((ra, a), (rb, b)):
         sa, sb, client = SessionStore(ra), SessionStore(rb), "ip:203.0.113.84"
         r = redis.Redis.from_url(redis_server.url)
         try:
-            s1 = sb.create("2025-11-25", client)
-            b.publish_session(s1.id, s1.protocol_version, client)
+            s1 = _mint(b, sb, client)
             handle = a.track(7, f"session:{s1.id}")  # a call of s1's runs on A
             assert handle is not None and handle[3]
             _next_ms()
-            s2 = sb.create("2025-11-25", client)
-            b.publish_session(s2.id, s2.protocol_version, client)
+            s2 = _mint(b, sb, client)
             alive = b.store.alive_key(b.remote.box)
             if restoring:
                 wait_until(lambda: r.exists(alive) or None, time.monotonic() + 10,
@@ -1088,8 +1085,7 @@ def test_no_session_is_given_up_while_redis_may_be_restoring(
                     sb.touch(s)
                     b.keep_session(s.id, client)
             _next_ms()
-            s3 = sa.create("2025-11-25", client)
-            a.publish_session(s3.id, s3.protocol_version, client)
+            s3 = _mint(a, sa, client)
             held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
             assert take_box(redis_server, b) == []
         finally:
