@@ -1014,6 +1014,36 @@ def test_a_session_renewed_in_use_is_not_given_up_before_an_idle_one(
         assert a.owed() == 0 and b.owed() == 0
 
 
+def test_a_session_in_use_on_its_host_between_renewals_is_not_given_up_before_an_idle_one(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """contract §6.1: a client's least recently seen session is given up. Only host A is used:
+    s1 is in use (its table's last_seen moved on past s2's mint), s2 minted after s1's last
+    renewal and idle since. Redis knew of s1's use only at its renewals (its mint marked it
+    renewed): s3's mint gave s1 up and kept s2. Now a store sends the host's last use of the
+    client's other sessions: s2 is given up, s1 and s3 kept, on A too."""
+    with hosts_in_process(redis_server, shm_name, shm_names,
+                          _small(sessions_per_client=2)) as ((ra, a), _b):
+        sa, client = SessionStore(ra), "ip:203.0.113.85"
+        s1 = _mint(a, sa, client)
+        _next_ms()
+        s2 = _mint(a, sa, client)
+        minted = time.time()
+        wait_until(lambda: time.time() - minted > 1.05 or None, time.monotonic() + 5,
+                   interval=0.02, what="a touch interval to pass")
+        sa.touch(sa.get(s1.id))  # type: ignore[arg-type]  # a request of s1 here
+        a.keep_session(s1.id, client)  # its renewal not due: Redis is not told
+        _next_ms()
+        s3 = _mint(a, sa, client)
+        r = redis.Redis.from_url(redis_server.url)
+        try:
+            held = [s.id for s in (s1, s2, s3) if r.exists(a.store._sess_key(s.id))]
+        finally:
+            r.close()
+        assert held == [s1.id, s3.id]
+        assert sa.get(s1.id) is not None and sa.get(s2.id) is None
+        assert a.owed() == 0
+
+
 def test_sessions_stored_again_after_redis_lost_them_keep_their_clients_order(
         redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
     """README: a session's place in its client's order is its last use; a restore is none.

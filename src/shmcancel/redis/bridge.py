@@ -88,6 +88,7 @@ from shmcancel.exceptions import (
     CancellationLimitReached,
     LockTimeout,
     RemoteUnavailable,
+    ShmCancelError,
     TableFull,
 )
 
@@ -476,13 +477,32 @@ class Bridge:
             seen_ms=now_ms if seen is None else int(seen * 1000), box=self.remote.box,
             box_lease_ms=int(self.remote.lease * 1000),
             alive=self.store.alive_key(self.remote.box) if self._alive_set else None,
-            restoring_ms=self._restoring_ms)
+            restoring_ms=self._restoring_ms, others=self._last_uses(sid, client))
         if given_up is None:
             self._gone(sid)
             return False
         for old in given_up:
             self._gone(old)
         return True
+
+    def _last_uses(self, sid: str, client: str) -> list[tuple[str, int]]:
+        """``(id, last_seen in wall-clock ms)`` of the sessions of ``client`` but ``sid`` in
+        this host's table, at most ``sessions_per_client``: a store sends them, so that Redis
+        orders the client's sessions by their use here within a touch interval, not only as of
+        their last renewal (once a minute per process). Empty when the table cannot be read."""
+        sessions = self._session_store()
+        digest = sessions.client_digest(client)
+        out: list[tuple[str, int]] = []
+        try:
+            for other in sessions.client_sessions(client):
+                if len(out) >= sessions.per_client:
+                    break
+                s = None if other == sid else sessions.get(other)
+                if s is not None and s.client == digest:
+                    out.append((other, int(s.last_seen * 1000)))
+        except ShmCancelError:  # its lock stalled, the registry closed: Redis's order as is
+            return []
+        return out
 
     def _gone(self, sid: str) -> None:
         """Session ``sid`` was ended elsewhere (deleted on another host, or given up in Redis

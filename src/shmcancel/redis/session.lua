@@ -1,5 +1,6 @@
 -- KEYS: sess, client_set, boxes, gone, stopped, alive ("" : none), restoring. ARGV: P, sid,
--- value, ttl_ms, per_client, now_ms, box, box_lease_ms, gone_ms, seen_ms, restoring_ms
+-- value, ttl_ms, per_client, now_ms, box, box_lease_ms, gone_ms, seen_ms, restoring_ms, then
+-- pairs (other sid, its last use in ms on the storing host), at most per_client of them
 -- Stores a session for other hosts to adopt, unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here: ids whose session is gone already leave its count first, then its oldest are
@@ -8,7 +9,9 @@
 -- the caller ends its own host's copies of them (its box is not told).
 -- The set orders a client's sessions by their last use on any host (ms): seen_ms, now at a mint
 -- or an adoption, the holder's own last-seen when it stores one again after Redis lost it (a
--- restore is no use), moved on by each renewal (keep.lua); never back.
+-- restore is no use), moved on by each renewal (keep.lua) and by the storing host's last use
+-- of the client's other sessions it holds (the pairs: a renewal comes at most once a minute per
+-- process, the host's table knows each use within its touch interval); never back.
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
 -- until those calls end. Nor is any while `restoring` lives: Redis lost data (a FLUSHALL, a
@@ -37,6 +40,9 @@ redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 set_holder(KEYS[3], ARGV[7], KEYS[5])
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[2], 'GT', ARGV[10], ARGV[2])
+for i = 12, math.min(#ARGV, 11 + 2 * tonumber(ARGV[5])) - 1, 2 do
+  if ARGV[i] ~= ARGV[2] then redis.call('ZADD', KEYS[2], 'XX', 'GT', ARGV[i + 1], ARGV[i]) end
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 local given_up = {1}
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])

@@ -22,10 +22,12 @@ of the *client's* wall clock: hosts are assumed NTP-synchronised to well under a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 import sys
 import time
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
@@ -384,8 +386,8 @@ class RedisStore:
 
     def put_session(self, sid: str, version: str, client: str, *, now_ms: int,
                     box: str, box_lease_ms: int, seen_ms: int | None = None,
-                    alive: bytes | None = None, restoring_ms: int = RESTORING_MS
-                    ) -> list[str] | None:
+                    alive: bytes | None = None, restoring_ms: int = RESTORING_MS,
+                    others: Sequence[tuple[str, int]] = ()) -> list[str] | None:
         """Store (or refresh) a session that worker ``box`` holds locally (it is told when
         another host deletes it). None when it was deleted within :data:`GONE_TTL` seconds
         (not stored: the caller's copy is of a session ended elsewhere); else the ids of the
@@ -395,17 +397,24 @@ class RedisStore:
         host's copies of those. The client's sessions are ordered by their last use (ms), here
         ``seen_ms`` (``now_ms`` when None), never moved back. None is given up while Redis may
         be restoring (:meth:`set_restoring`), which this store starts for ``restoring_ms`` when
-        ``alive`` (the storing worker's :meth:`alive_key`, once its bridge set it) is gone."""
+        ``alive`` (the storing worker's :meth:`alive_key`, once its bridge set it) is gone.
+        ``others``: ``(sid, last use in ms)`` of the client's other sessions the caller holds
+        (at most ``sessions_per_client`` are sent), moved on to that use before any is given
+        up: a use moves a session's place only at its renewals (at most every
+        :data:`~shmcancel.redis.bridge.KEEP_EVERY` seconds per process), which the caller's
+        own table knows better."""
         cl = self._client_key(client)
+        per_client = int(self.config.sessions_per_client or 32)
         value = msgpack.packb([version, client])
         key = self._sess_key(sid)
         got = self.call("session",
                         [key, cl, key + b":boxes", key + b":gone", self._stopped,
                          b"" if alive is None else alive, self._restoring],
                         [self.prefix, _b(sid), value, int(self.config.session_ttl * 1000),
-                         int(self.config.sessions_per_client or 32), now_ms, _b(box),
-                         box_lease_ms, self._gone_ms(),
-                         now_ms if seen_ms is None else seen_ms, restoring_ms])
+                         per_client, now_ms, _b(box), box_lease_ms, self._gone_ms(),
+                         now_ms if seen_ms is None else seen_ms, restoring_ms,
+                         *itertools.chain.from_iterable(
+                             (_b(o), int(ms)) for o, ms in others[:per_client])])
         if not isinstance(got, list):
             return None
         return [bytes(old).decode("utf-8", "surrogatepass") for old in got[1:]]
