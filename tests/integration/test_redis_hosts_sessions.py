@@ -1166,6 +1166,38 @@ def test_no_session_is_given_up_while_redis_may_be_restoring(
         a.untrack(handle)
 
 
+def test_a_store_while_redis_may_be_restoring_does_not_walk_its_clients_sessions(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """While Redis may be restoring no session is given up; yet every store past the bound
+    looked up each of the client's sessions first (to drop those gone), so a client minting in
+    that window made each store cost as many lookups as it held sessions. Now the set is not
+    walked then: an id whose session is gone stays listed while restoring, and goes at the
+    first store after."""
+    with hosts_in_process(redis_server, shm_name, shm_names,
+                          _small(sessions_per_client=2)) as ((_ra, a), _b):
+        st, client = a.store, "ip:203.0.113.87"
+        r = redis.Redis.from_url(redis_server.url)
+
+        def put(sid: str) -> list[str] | None:
+            return st.put_session(sid, "2025-11-25", client, now_ms=int(time.time() * 1000),
+                                  box=a.remote.box, box_lease_ms=10_000)
+
+        try:
+            sids = [c * 32 for c in "pqrs"]
+            assert put(sids[0]) == put(sids[1]) == []
+            r.delete(st._sess_key(sids[0]))  # its session gone (expired), still listed
+            st.set_restoring(60_000)
+            assert put(sids[2]) == put(sids[3]) == []
+            (cl,) = r.scan_iter(match=st.prefix + "{cl:*")
+            assert sorted(m.decode() for m in r.zrange(cl, 0, -1)) == sids
+            r.delete(st._restoring)
+            assert len(put(sids[3]) or ()) == 1  # one of sids[1:3] given up, sids[0] dropped
+            assert sids[0] not in {m.decode() for m in r.zrange(cl, 0, -1)}
+            assert r.zcard(cl) == 2
+        finally:
+            r.close()
+
+
 @pytest.mark.parametrize("how", ["a notification on B", "a DELETE on A"])
 def test_a_cancellation_through_redis_is_reported_once(
         redis_server: Any, shm_name: str, shm_names: list[str], how: str) -> None:

@@ -15,13 +15,13 @@
 -- process, the host's table knows each use within its touch interval); never back.
 -- A session with a call in flight on some host is never given up (contract 6.1): another host
 -- would answer its requests 404, its notifications/cancelled too; the client may hold more
--- until those calls end. Nor is any while `restoring` lives: Redis lost data (a FLUSHALL, a
--- restart) and the workers store their in-flight rows and sessions again each on its own
--- schedule, so a busy session may be back before its call's row. A bridge sets it as it sees
--- the loss (its alive key gone, or Redis back after an outage: bridge.py), and so does a store
--- whose worker's `alive` key (given once set) is gone: it stores before its bridge has seen the
--- loss. For restoring_ms (a lease and a renewal period: every worker restores within it); the
--- client may hold more meanwhile.
+-- until those calls end. Nor is any while `restoring` lives, and the set is not walked then
+-- (nor the gone ids dropped): Redis lost data (a FLUSHALL, a restart) and the workers store
+-- their in-flight rows and sessions again each on its own schedule, so a busy session may be
+-- back before its call's row. A bridge sets it as it sees the loss (its alive key gone, or
+-- Redis back after an outage: bridge.py), and so does a store whose worker's `alive` key (given
+-- once set) is gone: it stores before its bridge has seen the loss. For restoring_ms (a lease
+-- and a renewal period: every worker restores within it); the client may hold more meanwhile.
 local function busy(sid)
   local scope = 'session:' .. sid
   if mend(skey(ARGV[1], scope, 'ifs'), 'set') then return false end
@@ -47,7 +47,9 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 local given_up = {1}
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[5])
-if extra > 0 then
+-- restoring: nothing given up, nor the set walked (a client minting meanwhile would make each
+-- of its stores cost as many lookups as it holds sessions)
+if extra > 0 and redis.call('EXISTS', KEYS[7]) == 0 then
   -- sessions gone already (deleted, expired, given up) count no more: they go first, so
   -- that a client at its bound gives up none of its live sessions for them
   local olds = redis.call('ZRANGE', KEYS[2], 0, -1)
@@ -58,7 +60,6 @@ if extra > 0 then
       extra = extra - 1
     end
   end
-  if redis.call('EXISTS', KEYS[7]) == 1 then extra = 0 end
   for _, old in ipairs(olds) do
     if extra <= 0 then break end
     if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then
