@@ -467,9 +467,8 @@ class Bridge:
     def _put(self, sid: str, version: str, client: str, seen: float | None = None) -> bool:
         """Store the session in Redis; False when Redis refused it, deleted lately on another
         host (then it is ended here too: :meth:`_gone`). The client's sessions Redis gave up
-        for its bound end here at once (their holders are told through their boxes, this
-        worker's too for an answer lost: :meth:`_ended_here` skips it once they ended here), so
-        that no host serves one the others answer 404. ``seen``: when
+        for its bound end here too (their other holders were told through their boxes, this
+        worker's was not), so that no host serves one the others answer 404. ``seen``: when
         the session was last used (wall-clock seconds), for a store that is no use of it (a
         restore after Redis lost it): its place in its client's order; now when None."""
         now_ms = int(time.time() * 1000)
@@ -912,30 +911,13 @@ class Bridge:
         if isinstance(got, tuple) and len(got) == 2:  # its copy in Redis was damaged
             self._store_again(got[1])
             return True
-        if isinstance(got, str) and self._ended_here(got):
-            return True
         stalled = self._lock_stalled()  # kept as at a lock timeout, without its wait (_run)
-        if isinstance(got, str):  # a session deleted on another host, or given up by a store
+        if isinstance(got, str):  # a session deleted on another host
             return self._end_session(got, time.monotonic() + self._session_ttl,
                                      stalled=stalled)
         scope, rid, reason, at = got
         return self._deliver(rid, reason, scope, time.monotonic() + CANCEL_TTL, at,
                              stalled=stalled)
-
-    def _ended_here(self, sid: str) -> bool:
-        """Whether this process ended session ``sid`` already: its store gave it up (Redis
-        tells the storing worker's box too, for a store whose answer was lost) and its copy is
-        gone here, or its end is being retried (:meth:`_redeliver`). Ending it again would
-        report its calls, cancelled by that end, cancelled once more (contract §4.7)."""
-        with self._owed_lock:
-            if sid in self._unended:
-                return True
-            if sid not in self._deleted:
-                return False
-        try:
-            return self._session_store().get(sid) is None
-        except ShmCancelError:  # the lock stalled: ended as any other (kept for a retry)
-            return False
 
     def _deliver(self, rid: str, reason: object, scope: str, deadline: float,
                  at: float | None, retry: bool = False, stalled: bool = False) -> bool:

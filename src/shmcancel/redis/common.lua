@@ -238,9 +238,9 @@ local function live_of_hosts(P, stopped, wanted)
   return found
 end
 -- End a session everywhere (a DELETE, or its client's bound giving it up): every holder's box
--- but own_box (its caller ends its own copy; '' : none) is told with `payload` (msgpack ['d',
--- sid]: it deletes its host's copy and cancels the calls begun on it), then its copy (sess),
--- holders (boxes) and mending mark go, leaving `gone` for gone_ms: a holder that stores it again
+-- but own_box (its caller ends its own copy) is told with `payload` (msgpack ['d', sid]: it
+-- deletes its host's copy and cancels the calls begun on it), then its copy (sess), holders
+-- (boxes) and mending mark go, leaving `gone` for gone_ms: a holder that stores it again
 -- meanwhile (its renewal racing this, an adoption between its lookup and its store, its
 -- recovery after Redis lost the session and so the boxes to tell) is refused and ends its copy.
 -- A stopped holder's box is not told (nobody reads it, see stopped_box); the copy lives in its

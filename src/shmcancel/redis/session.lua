@@ -4,10 +4,9 @@
 -- Stores a session for other hosts to adopt, unless it was deleted lately (`gone`,
 -- session_delete.lua: returns 0, the caller ends its copy); a client keeps at most per_client
 -- sessions here: ids whose session is gone already leave its count first, then its oldest are
--- given up, ended everywhere as by a DELETE (end_session: every holder's box told, `gone` set),
--- so that no host serves one that the others answer 404. Returns {1, the ids given up}: the
--- caller ends its own host's copies of them at once; its own box is told too, for a caller
--- whose answer is lost (a client timeout while this ran: its retry gives up nothing).
+-- given up, ended everywhere as by a DELETE (end_session: every other holder's box told, `gone`
+-- set), so that no host serves one that the others answer 404. Returns {1, the ids given up}:
+-- the caller ends its own host's copies of them (its box is not told).
 -- The set orders a client's sessions by their last use on any host (ms): seen_ms, now at a mint
 -- or an adoption, the holder's own last-seen when it stores one again after Redis lost it (a
 -- restore is no use), moved on by each renewal (keep.lua) and by the storing host's last use
@@ -65,7 +64,7 @@ if extra > 0 and redis.call('EXISTS', KEYS[7]) == 0 then
     if old ~= ARGV[2] and not busy(old) and redis.call('ZSCORE', KEYS[2], old) then
       local k = ARGV[1] .. 'sess:' .. old
       end_session(ARGV[1], k, k .. ':boxes', k .. ':gone', KEYS[5],
-                  cmsgpack.pack({'d', old}), ARGV[8], '', ARGV[9])
+                  cmsgpack.pack({'d', old}), ARGV[8], ARGV[7], ARGV[9])
       redis.call('ZREM', KEYS[2], old)
       given_up[#given_up + 1] = old
       extra = extra - 1

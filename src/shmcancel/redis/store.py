@@ -392,17 +392,17 @@ class RedisStore:
         another host deletes it). None when it was deleted within :data:`GONE_TTL` seconds
         (not stored: the caller's copy is of a session ended elsewhere); else the ids of the
         client's sessions given up for its ``sessions_per_client`` bound (its oldest without a
-        call in flight), ended as by :meth:`delete_session`, but ``box`` is told too (its
-        caller's answer may be lost; ``box_lease_ms``: a box's lease), a later store of one
-        refused. The caller ends its host's copies of those at once. The client's sessions are
-        ordered by their last use (ms), here ``seen_ms`` (``now_ms`` when None), never moved
-        back. None is given up while Redis may be restoring (:meth:`set_restoring`), which this
-        store starts for ``restoring_ms`` when ``alive`` (the storing worker's
-        :meth:`alive_key`, once its bridge set it) is gone. ``others``: ``(sid, last use in
-        ms)`` of the client's other sessions the caller holds (at most ``sessions_per_client``
-        are sent), moved on to that use before any is given up: a use moves a session's place
-        only at its renewals (at most every :data:`~shmcancel.redis.bridge.KEEP_EVERY` seconds
-        per process), which the caller's own table knows better."""
+        call in flight), ended as by :meth:`delete_session`: every holder's box but ``box`` told
+        (``box_lease_ms``: a box's lease), a later store of one refused. The caller ends its
+        host's copies of those. The client's sessions are ordered by their last use (ms), here
+        ``seen_ms`` (``now_ms`` when None), never moved back. None is given up while Redis may
+        be restoring (:meth:`set_restoring`), which this store starts for ``restoring_ms`` when
+        ``alive`` (the storing worker's :meth:`alive_key`, once its bridge set it) is gone.
+        ``others``: ``(sid, last use in ms)`` of the client's other sessions the caller holds
+        (at most ``sessions_per_client`` are sent), moved on to that use before any is given
+        up: a use moves a session's place only at its renewals (at most every
+        :data:`~shmcancel.redis.bridge.KEEP_EVERY` seconds per process), which the caller's
+        own table knows better."""
         cl = self._client_key(client)
         per_client = int(self.config.sessions_per_client or 32)
         value = msgpack.packb([version, client])
