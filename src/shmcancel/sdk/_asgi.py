@@ -244,8 +244,7 @@ class Layer:
         exchange = Exchange()  # not watched: its session outlives the connection
         scope[EXCHANGE_KEY] = exchange
         try:
-            await self.app(scope, replay, _answering(_ending_at_exit(send, exchange, body),
-                                                     exchange))
+            await self.app(scope, replay, _exchange_send(send, exchange, body))
         finally:
             exchange.answered.set()
 
@@ -457,8 +456,7 @@ class Layer:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self.app(scope, replay, _answering(_ending_at_exit(tx, exchange, body),
-                                                     exchange))
+            await self.app(scope, replay, _exchange_send(tx, exchange, body))
         finally:
             exchange.answered.set()
             watcher.cancel()
@@ -501,6 +499,12 @@ _ESCAPES = [(b"\\/", b"/")] + [
     (b"\\u00" + spelling.encode(), bytes([c]))
     for c in sorted(set(CANCELLED_METHOD.encode()))
     for spelling in {f"{c:02x}", f"{c:02X}"}]
+
+
+def _exchange_send(send: Send, exchange: Exchange, body: bytes) -> Send:
+    """``send`` for ``exchange``, answering the POST ``body``: :func:`_ending_at_exit`'s, marked
+    answered by :func:`_answering`."""
+    return _answering(_ending_at_exit(send, exchange, body), exchange)
 
 
 def _answering(send: Send, exchange: Exchange) -> Send:

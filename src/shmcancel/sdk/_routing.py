@@ -813,11 +813,9 @@ async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail
 
 def _unanswered(tail: EventTail, body: bytes | None) -> tuple[int | str] | None:
     """``(id,)`` of the JSON-RPC request in ``body`` when an event stream answering it, whose
-    end so far is ``tail``, stopped between events without its answer as its last event;
-    ``None`` when it carried it, when it stopped inside an event, or for a notification. A
-    last event longer than :data:`TAIL_MAX` is read from its head (:func:`_head_answers`)."""
-    if tail.inside_event:
-        return None
+    end so far is ``tail`` (between events), ended without its answer as its last event;
+    ``None`` when it carried it, or for a notification. A last event longer than
+    :data:`TAIL_MAX` is read from its head (:func:`_head_answers`)."""
     rid = _request_id(body)
     event, size = tail.last_event()
     if rid is None or (_answers(event, rid) if size <= TAIL_MAX
