@@ -98,13 +98,31 @@ def test_a_delete_tells_one_live_box_of_each_host_whose_holders_all_stopped(
         assert store.touch_session(sid, box=box) == 1
     for box in ("B:1:a", "B:2:a", "D:1:a"):
         store.box_stopped(box)
-    for box in ("A:2:a", "B:3:a", "B:4:a", "C:2:a"):
+    for box in ("A:2:a", "B:3:a", "B:4:a", "C:1:a", "C:2:a"):  # C:1:a's bridge renews its key
         assert not store.set_alive(box, 10_000)
     store.client.zadd(f"{store.prefix}{{g}}:live", {"B:5:a": int(time.time() * 1000) + 1000})
     assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 2
     told = {b for b in ("A:2:a", "B:1:a", "B:2:a", "B:3:a", "B:4:a", "B:5:a", "C:1:a", "C:2:a",
                         "D:1:a") if store.client.exists(store.box_key(b))}
     assert told in ({"C:1:a", "B:3:a"}, {"C:1:a", "B:4:a"}), told
+
+
+def test_a_delete_tells_a_live_box_of_a_host_whose_holder_was_killed(store: RedisStore) -> None:
+    """A worker killed outright (SIGKILL, the OOM killer) never marks its box stopped, so a
+    DELETE counted its host told through a box nobody reads, and the host's other workers served
+    the ended session on (past the gone marker, storing it again). A holder whose alive key has
+    expired is still told, but a live box of its host is told as well; a host whose listed
+    holder is alive is told through that holder only."""
+    sid = "s-killed"
+    put(store, sid, "A:1:a")  # the DELETE's own box
+    for box in ("B:1:a", "C:1:a"):
+        assert store.touch_session(sid, box=box) == 1
+    for box in ("B:2:a", "C:1:a", "C:2:a"):  # B:1:a was killed: its alive key expired
+        assert not store.set_alive(box, 10_000)
+    assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 3
+    told = {b for b in ("B:1:a", "B:2:a", "C:1:a", "C:2:a")
+            if store.client.exists(store.box_key(b))}
+    assert told == {"B:1:a", "B:2:a", "C:1:a"}, told
 
 
 EXITING = """

@@ -775,6 +775,36 @@ def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
         r.close()
 
 
+def test_a_delete_ends_a_copy_whose_only_holder_was_killed(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+    """README: a DELETE on any host ends the copies other hosts adopted. B's copy lives in its
+    registry for both its workers; only the one that adopted it was listed. Killed outright
+    (SIGKILL: the OOM killer), its box was never marked stopped, so the DELETE counted B told
+    through a box nobody reads, and B served the deleted session on (past the gone marker,
+    storing it again). Its alive key expired with it: a live box of B is told as well."""
+    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, prefix):
+        b_registry = shm_names[-1]  # two_hosts' second registry
+        r = redis.Redis.from_url(redis_server.url)
+        c = Client(a.url)
+        assert c.post(b.url, PING).status_code == 200  # adopted on B by one of its workers
+        (holder,) = [m.decode() for m in r.smembers(f"{prefix}sess:{c.sid}:boxes")
+                     if m.startswith(b"B:")]
+        pid = int(holder.split(":")[1])
+        os.kill(pid, signal.SIGKILL)  # no exit hook runs: its box is never marked stopped
+        wait_until(lambda: not r.exists(f"{prefix}alive:{holder}") or None,
+                   time.monotonic() + 20, interval=0.05, what="the killed holder's alive key")
+        wait_until(lambda: (len(p := b.worker_pids()) == 2 and pid not in p) or None,
+                   time.monotonic() + 20, what="B's new worker")
+        assert r.zscore(f"{prefix}{{g}}:stopped", holder) is None
+        assert c.delete(a.url).status_code == 204
+        with Registry.attach(b_registry) as reg:
+            sb = SessionStore(reg)
+            wait_until(lambda: sb.get(c.sid) is None or None, time.monotonic() + 10,
+                       interval=0.05, what="B's copy to end")
+        assert c.post(b.url, PING, retry_for=0).status_code == 404
+        r.close()
+
+
 def test_a_session_whose_minting_worker_died_is_found_again_after_redis_restarts(
         outdir: str, shm_name: str, shm_names: list[str]) -> None:
     """README: Redis back, even empty after a restart, other hosts find the sessions again:

@@ -246,8 +246,11 @@ end
 -- A stopped holder's box is not told (nobody reads it, see stopped_box); the copy lives in its
 -- host's registry for every worker there, so when no holder of that host (nor own_box's host)
 -- was told, one live box of that host is (live_of_hosts), which ends the host's copy as a
--- holder would. When that host has no live box either, no worker of it is told (one serving
--- the copy while `gone` lasts is refused its renewal and ends it). Returns how many were told.
+-- holder would. A holder whose alive key is gone (a worker killed outright never marks its box
+-- stopped; its bridge renewed that key every few seconds) is told all the same, but does not
+-- count as its host told. When that host has no live box either, no worker of it is told (one
+-- serving the copy while `gone` lasts is refused its renewal and ends it). Returns how many
+-- were told.
 local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms, own_box, gone_ms)
   mend(boxes, 'set')
   local n = 0
@@ -260,7 +263,11 @@ local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms,
       if not stopped_box(stopped, box) then
         push_box(P, box, payload, box_lease_ms)
         n = n + 1
-        if host then reached[host] = true end
+        if host and redis.call('EXISTS', P .. 'alive:' .. box) == 1 then
+          reached[host] = true
+        elseif host then
+          wanted[host] = true
+        end
       elseif host then
         wanted[host] = true
       end

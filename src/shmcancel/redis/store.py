@@ -519,8 +519,8 @@ class RedisStore:
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it, and for a host whose
-        listed holders all stopped (:meth:`box_stopped`) one live box of it (:meth:`set_alive`)
-        instead; how many were told."""
+        listed holders all stopped (:meth:`box_stopped`) or lost their alive key (killed
+        outright) one live box of it (:meth:`set_alive`) as well; how many were told."""
         key = self._sess_key(sid)
         return int(self.call("session_delete",
                              [key, key + b":boxes", key + b":gone", self._stopped],
