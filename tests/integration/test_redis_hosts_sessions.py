@@ -142,7 +142,8 @@ def test_a_delete_ends_the_copies_of_a_session_used_past_its_ttl(
         i = 0
         while time.monotonic() < end:
             i += 1
-            assert c.post((a.url, b.url)[i % 2], PING, retry_for=0).status_code == 200
+            # a 503 (Redis slow to answer under load) is retried as a client does; a 404 fails
+            assert c.post((a.url, b.url)[i % 2], PING).status_code == 200
             time.sleep(0.1)  # the client's pace, not a synchronisation
         assert r.exists(f"{prefix}sess:{c.sid}") and r.exists(boxes)
         assert c.delete(a.url).status_code == 204
@@ -771,7 +772,9 @@ def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
             sb = SessionStore(reg)
             wait_until(lambda: sb.get(c.sid) is None or None, time.monotonic() + 10,
                        interval=0.05, what="B's copy to end")
-        assert c.post(b.url, PING, retry_for=0).status_code == 404  # its very next request
+        # its next request: never served (a 503 "retry later" when B's Redis calls time out
+        # under load, then the 404 the retry gets)
+        assert c.post(b.url, PING).status_code == 404
         r.close()
 
 
@@ -801,7 +804,7 @@ def test_a_delete_ends_a_copy_whose_only_holder_was_killed(
             sb = SessionStore(reg)
             wait_until(lambda: sb.get(c.sid) is None or None, time.monotonic() + 10,
                        interval=0.05, what="B's copy to end")
-        assert c.post(b.url, PING, retry_for=0).status_code == 404
+        assert c.post(b.url, PING).status_code == 404  # retrying a 503 as a client does
         r.close()
 
 
