@@ -745,14 +745,17 @@ def test_a_delete_ends_a_copy_whose_adopting_worker_has_died(
                    time.monotonic() + 10, interval=0.1, what="A to end its copy")
 
 
-def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
-        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
+@pytest.mark.parametrize("how", ["recycled", "killed"])
+def test_a_delete_ends_a_copy_whose_only_holder_is_gone(
+        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str], how: str) -> None:
     """README: a DELETE on any host ends the copies other hosts adopted. B's copy lives in its
     registry for both its workers, but only the one that adopted it was listed among the
-    holders; recycled (SIGTERM, as max_requests does) its box was marked stopped, and a DELETE
-    skips stopped boxes: no live worker of B was told, and B served the deleted session on
-    (200 until its own lookup in Redis, or past the gone marker until its TTL). Now a live box
-    of B is told instead, and its worker, which never held the session, ends B's copy."""
+    holders. Recycled (SIGTERM, as max_requests does), its box was marked stopped, and a DELETE
+    skips stopped boxes; killed outright (SIGKILL: the OOM killer), its box was never marked, so
+    the DELETE counted B told through a box nobody reads. Either way no live worker of B was
+    told, and B served the deleted session on (past the gone marker, storing it again). Now a
+    live box of B is told (for a killed holder once its alive key expired with it), and its
+    worker, which never held the session, ends B's copy."""
     with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, prefix):
         b_registry = shm_names[-1]  # two_hosts' second registry
         r = redis.Redis.from_url(redis_server.url)
@@ -762,11 +765,17 @@ def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
                      if m.startswith(b"B:")]
         pid = int(holder.split(":")[1])
         assert pid in b.worker_pids()
-        os.kill(pid, signal.SIGTERM)  # recycled: its bridge marks its box stopped
-        wait_until(lambda: r.zscore(f"{prefix}{{g}}:stopped", holder) is not None or None,
-                   time.monotonic() + 20, interval=0.05, what="the holder's stopped mark")
+        if how == "recycled":
+            os.kill(pid, signal.SIGTERM)  # its bridge marks its box stopped
+            wait_until(lambda: r.zscore(f"{prefix}{{g}}:stopped", holder) is not None or None,
+                       time.monotonic() + 20, interval=0.05, what="the holder's stopped mark")
+        else:
+            os.kill(pid, signal.SIGKILL)  # no exit hook runs: its box is never marked stopped
+            wait_until(lambda: not r.exists(f"{prefix}alive:{holder}") or None,
+                       time.monotonic() + 20, interval=0.05, what="its alive key to expire")
         wait_until(lambda: (len(p := b.worker_pids()) == 2 and pid not in p) or None,
                    time.monotonic() + 20, what="B's new worker")
+        assert (r.zscore(f"{prefix}{{g}}:stopped", holder) is None) == (how == "killed")
         assert c.delete(a.url).status_code == 204
         with Registry.attach(b_registry) as reg:
             sb = SessionStore(reg)
@@ -775,36 +784,6 @@ def test_a_delete_ends_a_copy_whose_only_holder_was_recycled(
         # its next request: never served (a 503 "retry later" when B's Redis calls time out
         # under load, then the 404 the retry gets)
         assert c.post(b.url, PING).status_code == 404
-        r.close()
-
-
-def test_a_delete_ends_a_copy_whose_only_holder_was_killed(
-        redis_server: Any, outdir: str, shm_name: str, shm_names: list[str]) -> None:
-    """README: a DELETE on any host ends the copies other hosts adopted. B's copy lives in its
-    registry for both its workers; only the one that adopted it was listed. Killed outright
-    (SIGKILL: the OOM killer), its box was never marked stopped, so the DELETE counted B told
-    through a box nobody reads, and B served the deleted session on (past the gone marker,
-    storing it again). Its alive key expired with it: a live box of B is told as well."""
-    with two_hosts(redis_server.url, outdir, shm_name, shm_names, a_workers=1) as (a, b, prefix):
-        b_registry = shm_names[-1]  # two_hosts' second registry
-        r = redis.Redis.from_url(redis_server.url)
-        c = Client(a.url)
-        assert c.post(b.url, PING).status_code == 200  # adopted on B by one of its workers
-        (holder,) = [m.decode() for m in r.smembers(f"{prefix}sess:{c.sid}:boxes")
-                     if m.startswith(b"B:")]
-        pid = int(holder.split(":")[1])
-        os.kill(pid, signal.SIGKILL)  # no exit hook runs: its box is never marked stopped
-        wait_until(lambda: not r.exists(f"{prefix}alive:{holder}") or None,
-                   time.monotonic() + 20, interval=0.05, what="the killed holder's alive key")
-        wait_until(lambda: (len(p := b.worker_pids()) == 2 and pid not in p) or None,
-                   time.monotonic() + 20, what="B's new worker")
-        assert r.zscore(f"{prefix}{{g}}:stopped", holder) is None
-        assert c.delete(a.url).status_code == 204
-        with Registry.attach(b_registry) as reg:
-            sb = SessionStore(reg)
-            wait_until(lambda: sb.get(c.sid) is None or None, time.monotonic() + 10,
-                       interval=0.05, what="B's copy to end")
-        assert c.post(b.url, PING).status_code == 404  # retrying a 503 as a client does
         r.close()
 
 
