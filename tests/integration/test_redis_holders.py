@@ -19,6 +19,7 @@ from helpers.redis_server import unique_prefix
 
 from shmcancel import Config
 from shmcancel.redis import RedisStore, connect
+from shmcancel.redis.storage import default_host_id
 
 STORE = Config(session_ttl=600)
 
@@ -70,6 +71,29 @@ def test_a_long_lived_sessions_holders_stay_bounded_as_workers_come_and_go(
     assert not store.client.exists(store.box_key("worker-late"))
     assert store.client.exists(store.box_key("live0"))
     assert store.client.exists(store.box_key("unmarked"))
+
+
+def test_a_hosts_last_listed_box_stays_though_stopped(store: RedisStore) -> None:
+    """A renewal dropped every stopped holder: once the only listed box of host B stopped (its
+    worker recycled), B was no longer listed at all, and a DELETE told no worker of B, whose
+    registry keeps the copy for its other workers (they served the ended session on, and
+    stored it again once Redis forgot the end). A stopped box now stays while no other box of
+    its host is listed, so a DELETE tells a live box of B."""
+    sid = "s-last-of-host"
+    put(store, sid, "A:1:a")
+    assert store.touch_session(sid, box="B:1:a") == 1
+    store.box_stopped("B:1:a")
+    assert store.touch_session(sid, box="A:1:a") == 1
+    assert holders(store, sid) == {"A:1:a", "B:1:a"}  # B's one box stays
+    assert store.touch_session(sid, box="B:2:a") == 1
+    assert holders(store, sid) == {"A:1:a", "B:2:a"}  # another box of B listed: it leaves
+    store.box_stopped("B:2:a")
+    assert store.touch_session(sid, box="A:1:a") == 1
+    assert holders(store, sid) == {"A:1:a", "B:2:a"}
+    assert not store.set_alive("B:3:a", 10_000)  # B's live worker
+    assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 1
+    assert store.client.exists(store.box_key("B:3:a"))
+    assert not store.client.exists(store.box_key("B:2:a"))
 
 
 def test_a_key_of_another_type_at_the_marks_keeps_every_holder_and_delete_tells_them(
@@ -154,8 +178,10 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
     stopped by hand): its box is marked stopped, and it leaves the session at the next
     renewal; so does a bridge the process replaced (its thread read its box to the end). A
     SIGKILLed one cannot mark: it stays listed and told (the session's TTL ends it), never
-    dropped for what another process guesses."""
-    put(store, "s-exit", "live")
+    dropped for what another process guesses. ``live`` is a worker of the same host (a stopped
+    box stays while it is its host's last one listed)."""
+    live = f"{default_host_id()}:1:live"
+    put(store, "s-exit", live)
     proc = subprocess.Popen([sys.executable, "-c", EXITING, redis_server.url, shm_name,
                              store.prefix, how], stdout=subprocess.PIPE, text=True)
     try:
@@ -170,8 +196,8 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert store.touch_session("s-exit", box="live") == 1
+    assert store.touch_session("s-exit", box=live) == 1
     if how == "kill":
-        assert holders(store, "s-exit") == {"live", *boxes}
+        assert holders(store, "s-exit") == {live, *boxes}
     else:  # marked before the process ended
-        assert holders(store, "s-exit") == {"live"}
+        assert holders(store, "s-exit") == {live}

@@ -284,12 +284,29 @@ local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms,
 end
 -- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
 -- each worker that ever served a long-lived session stayed listed, recycled ones too, and a
--- DELETE told them all.
+-- DELETE told them all. A stopped box stays while no other box of its host is seen staying:
+-- the host's registry keeps the copy for its other workers, and end_session finds the host
+-- (a live box of it is told) only through a box of it listed here.
 local HOLDERS_LOOKED = 32
 local function set_holder(boxes, box, stopped)
   mend(boxes, 'set')
   redis.call('SADD', boxes, box)
+  local stays, gone = {}, {}
   for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
-    if b ~= box and stopped_box(stopped, b) then redis.call('SREM', boxes, b) end
+    if b ~= box and stopped_box(stopped, b) then
+      gone[#gone + 1] = b
+    elseif host_of(b) then
+      stays[host_of(b)] = true
+    end
+  end
+  local host = host_of(box)
+  if host then stays[host] = true end
+  for _, b in ipairs(gone) do
+    local h = host_of(b)
+    if h and not stays[h] then
+      stays[h] = true  -- the host's one box left listed
+    else
+      redis.call('SREM', boxes, b)
+    end
   end
 end
