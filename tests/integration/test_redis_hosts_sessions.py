@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from test_redis_bridge import bridge
 from test_redis_hosts import PING, Client, outdir, two_hosts
 
 from shmcancel import Cancellation, Config, RemoteUnavailable, errors, telemetry
-from shmcancel.mcp import wake
+from shmcancel.mcp import legacy, remote, wake
 from shmcancel.mcp.conn import HANDLE_KEY
 from shmcancel.mcp.sessions import SessionStore
 from shmcancel.redis import RedisCancellation, RedisStore, connect
@@ -160,6 +161,41 @@ def adopted(a: Bridge, sa: SessionStore, b: Bridge, sb: SessionStore) -> tuple[s
     got = b.lookup_session(s.id)
     assert got is not None and sb.create(*got, session_id=s.id) is not None
     return s.id, f"session:{s.id}"
+
+
+def test_a_delete_between_an_adoptions_store_and_its_insert_ends_the_copy(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """An adoption (legacy._adopt_session) stores the session in Redis, listing this worker
+    among its holders, then inserts the copy here. A DELETE on A in between told this worker,
+    whose bridge found no copy to end; the insert then made one, served until a renewal was
+    refused (a minute), or for good once Redis forgot the end. The bridge now marks the
+    session ended before it ends the copy, and the adoption looks after its insert."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        sa, sb = SessionStore(ra), SessionStore(rb)
+        s = sa.create("2025-11-25", "ip:203.0.113.9")
+        a.publish_session(s.id, s.protocol_version, "ip:203.0.113.9")
+        lookup = b.lookup_session
+
+        def lookup_then_delete(sid: str, may_use: Any = None) -> Any:
+            got = lookup(sid, may_use)  # stored, B listed: now A's DELETE, told to B
+            assert sa.delete(sid)
+            a.delete_session(sid)
+            told = take_box(redis_server, b)
+            assert [RedisStore.decode_box_item(x) for x in told] == [sid]
+            for raw in told:
+                b._apply(raw)  # B's bridge thread, before the insert
+            return got
+
+        b.lookup_session = lookup_then_delete  # type: ignore[method-assign]
+        st = types.SimpleNamespace(sessions=sb)
+        saved = remote._provider  # the bridge module's: this process's bridge
+        remote.install(lambda: b)
+        try:
+            assert legacy._adopt_session(st, s.id, {"REMOTE_ADDR": "203.0.113.9"}) is None
+        finally:
+            remote.install(saved)
+        assert sb.get(s.id) is None
+        assert b.session_ended(s.id)
 
 
 def test_a_delete_made_before_the_holders_store_their_sessions_again_is_not_undone(

@@ -318,8 +318,15 @@ def _adopt_session(st: _ProcessState, sid: str | None, environ: dict[str, Any]) 
     if got is None:
         return None
     try:
-        return st.sessions.create(got[0], got[1], session_id=sid)
+        session = st.sessions.create(got[0], got[1], session_id=sid)
     except (LockTimeout, SessionsFull):
         raise  # not adopted *now*: a 404 would tell the client its session is gone for good
     except ShmCancelError:
         return None
+    # The lookup listed this worker among the holders before the copy was here: an end told
+    # to it meanwhile found nothing to end. The bridge marks a session ended before it ends
+    # the copy, and this looks after the insert: one of the two sees the other.
+    if rb.session_ended(sid):
+        st.sessions.delete(sid)
+        return None
+    return session

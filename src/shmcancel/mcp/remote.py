@@ -61,6 +61,10 @@ class Remote(Protocol):
     def delete_session(self, sid: str) -> None:
         """A session ended here (owed when it cannot be deleted now)."""
 
+    def session_ended(self, sid: str) -> bool:
+        """Whether this process heard that session ``sid`` ended (here, or elsewhere: a
+        ``DELETE``, a give-up for its client's bound). Once it has, it stays so. Never raises."""
+
 
 _provider: Callable[[], Remote | None] | None = None
 

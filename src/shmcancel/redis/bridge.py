@@ -512,6 +512,11 @@ class Bridge:
         self._forget(sid)
         self._end_session(sid)
 
+    def session_ended(self, sid: str) -> bool:
+        """Whether session ``sid`` ended, here or elsewhere, as far as this process heard
+        (:meth:`_forget`: the newest :data:`OWED_MAX` kept)."""
+        return sid in self._deleted
+
     def _forget(self, sid: str) -> None:
         """Session ``sid`` ended: remembered as deleted here, no longer published (nor its
         publish owed) or renewed."""
@@ -913,6 +918,7 @@ class Bridge:
             return True
         stalled = self._lock_stalled()  # kept as at a lock timeout, without its wait (_run)
         if isinstance(got, str):  # a session deleted on another host
+            self._forget(got)  # first: an adoption under way looks after its insert
             return self._end_session(got, time.monotonic() + self._session_ttl,
                                      stalled=stalled)
         scope, rid, reason, at = got
