@@ -19,7 +19,6 @@ from helpers.redis_server import unique_prefix
 
 from shmcancel import Config
 from shmcancel.redis import RedisStore, connect
-from shmcancel.redis.storage import default_host_id
 
 STORE = Config(session_ttl=600)
 
@@ -180,8 +179,7 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
     SIGKILLed one cannot mark: it stays listed and told (the session's TTL ends it), never
     dropped for what another process guesses. ``live`` is a worker of the same host (a stopped
     box stays while it is its host's last one listed)."""
-    live = f"{default_host_id()}:1:live"
-    put(store, "s-exit", live)
+    put(store, "s-exit", "first")
     proc = subprocess.Popen([sys.executable, "-c", EXITING, redis_server.url, shm_name,
                              store.prefix, how], stdout=subprocess.PIPE, text=True)
     try:
@@ -189,6 +187,8 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
         boxes = set(proc.stdout.readline().split())
         assert len(boxes) == (2 if how == "twice" else 1)
         assert boxes <= holders(store, "s-exit")
+        live = next(iter(boxes)).rsplit(":", 2)[0] + ":1:live"  # host part: host/registry
+        assert store.touch_session("s-exit", box=live) == 1
         if how == "kill":
             os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == (-signal.SIGKILL if how == "kill" else 0)
@@ -198,6 +198,6 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
             proc.wait()
     assert store.touch_session("s-exit", box=live) == 1
     if how == "kill":
-        assert holders(store, "s-exit") == {live, *boxes}
+        assert holders(store, "s-exit") == {"first", live, *boxes}
     else:  # marked before the process ended
-        assert holders(store, "s-exit") == {live}
+        assert holders(store, "s-exit") == {"first", live}

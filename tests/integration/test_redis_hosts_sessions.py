@@ -198,6 +198,38 @@ def test_a_delete_between_an_adoptions_store_and_its_insert_ends_the_copy(
         assert b.session_ended(s.id)
 
 
+def test_two_registries_under_one_host_name_are_two_hosts_to_a_session_end(
+        redis_server: Any, shm_name: str, shm_names: list[str]) -> None:
+    """Two servers on one machine (or containers sharing its name) have one host id and a
+    registry each, and each registry keeps its own copy of an adopted session. A DELETE took
+    them for one host: told through B's live holder, it told no worker of the other registry,
+    whose only holder had stopped, and that copy was served on. A box's host part now names its
+    registry too."""
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((ra, a), (rb, b)):
+        rc = Registry.create(shm_name + "c", ra.config)
+        shm_names.append(shm_name + "c")
+        try:
+            with bridge(rc, redis_server, prefix=a.store.prefix, host="B") as c1, \
+                    bridge(rc, redis_server, prefix=a.store.prefix, host="B") as c2:
+                sa, sb, sc = SessionStore(ra), SessionStore(rb), SessionStore(rc)
+                sid, _scope = adopted(a, sa, b, sb)
+                got = c1.lookup_session(sid)  # the second server adopts it too
+                assert got is not None and sc.create(*got, session_id=sid) is not None
+                for live in (b, c2):
+                    live.store.set_alive(live.remote.box, 10_000)  # as their threads do
+                c1.store.box_stopped(c1.remote.box)  # its only holder recycled
+                assert sa.delete(sid)
+                a.delete_session(sid)
+                told = take_box(redis_server, c2)
+                assert [RedisStore.decode_box_item(x) for x in told] == [sid]
+                for raw in told:
+                    c2._apply(raw)
+                assert sc.get(sid) is None
+        finally:
+            rc.close()
+            rc.unlink()
+
+
 def test_a_delete_made_before_the_holders_store_their_sessions_again_is_not_undone(
         shm_name: str, shm_names: list[str]) -> None:
     """Redis restarts empty while A runs a call in a session B adopted; the client's DELETE
@@ -798,7 +830,7 @@ def test_a_delete_ends_a_copy_whose_only_holder_is_gone(
         c = Client(a.url)
         assert c.post(b.url, PING).status_code == 200  # adopted on B by one of its workers
         (holder,) = [m.decode() for m in r.smembers(f"{prefix}sess:{c.sid}:boxes")
-                     if m.startswith(b"B:")]
+                     if m.startswith(b"B/")]
         pid = int(holder.split(":")[1])
         assert pid in b.worker_pids()
         if how == "recycled":

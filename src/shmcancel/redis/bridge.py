@@ -5,7 +5,8 @@ when ``SHMCANCEL_REDIS_URL`` is set; never in the master). It does three things:
 
 - the transport tells it when a ``tools/call`` starts and ends (:meth:`track` / :meth:`untrack`:
   one Redis script each, bounded by the client timeout), so Redis holds a cross-host in-flight
-  index owned by ``<host>:<pid>:<tag>`` (a random tag) with a lease;
+  index owned by ``<host>/<registry>:<pid>:<tag>`` (:func:`registry_host`; a random tag)
+  with a lease;
 - a ``notifications/cancelled`` that finds nothing in flight on this host asks Redis
   (:meth:`cancel`): one script gates on that index, applies the quota / cap / eviction rules and
   pushes the cancellation into the box (a list) of each worker running the request;
@@ -71,6 +72,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -98,6 +100,7 @@ from ..mcp.principal import SESSION_KEY
 from ..mcp.sessions import SessionStore
 from ..shm import procinfo
 from .cancellation import RedisCancellation, connect
+from .storage import default_host_id
 from .store import Damaged, RedisStore, wrong_type
 
 __all__ = ["CANCEL_TTL", "DOWN_AFTER", "OWED_MAX", "Bridge", "current", "start", "start_from_env",
@@ -171,6 +174,17 @@ _current_lock = threading.Lock()
 _started: weakref.WeakSet[Bridge] = weakref.WeakSet()  # bridges started (a child's: the parent's)
 
 
+
+def registry_host(host: str, registry: Any) -> str:
+    """The host part of a bridge's box: ``host`` (``SHMCANCEL_HOST_ID``, the host name) and a
+    digest of its registry's random hash key. A session's copy lives in one registry, for every
+    worker attached to it: a session's end tells one worker of each such registry
+    (``common.lua``'s ``end_session``), and two registries under one host name (two servers on
+    one machine, containers sharing its name) are two hosts there. The digest names the
+    registry without giving its key away."""
+    digest = hashlib.blake2b(registry.hash_key, digest_size=5, person=b"shmc-host").hexdigest()
+    return f"{host}/{digest}"
+
 class Bridge:
     """See the module docstring. ``registry``: this host's attached registry (the local
     segment cancellations are delivered into); ``url``: the Redis URL; ``timeout``: seconds any
@@ -194,7 +208,8 @@ class Bridge:
         # wait that long plus the timeout.
         self._blocking = RedisStore(connect(url, timeout=2 * (self.block + timeout)), cfg,
                                     prefix=prefix)
-        self.remote = RedisCancellation(self.store, lease=lease, host=host,
+        self.remote = RedisCancellation(self.store, lease=lease,
+                                        host=registry_host(host or default_host_id(), registry),
                                         io_wait=timeout / 3)
         self.down = False
         # Redis answered again after an outage, but the rows and sessions it may have lost are

@@ -210,8 +210,9 @@ local function session_ok(k)
   return ok and type(v) == 'table' and #v == 2 and type(v[1]) == 'string'
          and type(v[2]) == 'string'
 end
--- The host a box names (Pbox:<host>:<pid>:<tag>, storage.py's box): nil for a box not of that
--- form (written by another client).
+-- The host a box names (Pbox:<host>:<pid>:<tag>, storage.py's box; a bridge's <host> names its
+-- registry too, bridge.py's registry_host: the copy a host's workers share): nil for a box not
+-- of that form (written by another client).
 local function host_of(box)
   return string.match(box, '^(.*):[^:]*:[^:]*$')
 end

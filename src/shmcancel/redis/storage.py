@@ -5,8 +5,9 @@ read), hence atomic by itself; a poll costs a round trip (the gunicorn integrati
 on the local registry: :mod:`shmcancel.redis.bridge`).
 
 In-flight rows are owned by ``<host>:<pid>:<tag>`` (the worker's box, where gated cancellations
-are pushed; ``tag`` is random, so workers of two hosts that share a host name and number their
-processes alike, containers with host networking, keep apart) with a lease: a row lives
+are pushed; a bridge's ``host`` also names its registry; ``tag`` is random, so workers of two
+hosts that share a host name and number their processes alike, containers with host networking,
+keep apart) with a lease: a row lives
 ``lease`` seconds past its last :meth:`RedisStorage.renew`, so whoever runs requests renews
 every ``lease / 3``: by default a daemon thread of this
 storage does, started when the process first holds a row and ending when it holds none (a
