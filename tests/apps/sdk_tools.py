@@ -1,5 +1,6 @@
-"""The tools the SDK test apps serve: ``sleep`` (async, cancelled at its await) and
-``sleep_sync`` (in a worker thread, polling for its cancellation every 5 ms); and, on some, tools
+"""The tools the SDK test apps serve: ``sleep`` (async, cancelled at its await), ``sleep_sync``
+(in a worker thread, polling for its cancellation every 5 ms) and ``sleep_then_clean_up``
+(async, its cleanup running on, shielded, once cancelled); and, on some, tools
 whose event streams carry notifications (:func:`add_stream_tools`)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shmcancel.sdk
 
 
 def add_sleep_tools(mcp: MCPServer) -> None:
-    """Register ``sleep`` and ``sleep_sync`` on ``mcp``."""
+    """Register ``sleep``, ``sleep_sync`` and ``sleep_then_clean_up`` on ``mcp``."""
 
     @mcp.tool()
     async def sleep(seconds: float) -> str:
@@ -26,6 +27,15 @@ def add_sleep_tools(mcp: MCPServer) -> None:
         while time.monotonic() < deadline:
             shmcancel.sdk.raise_if_cancelled()
             time.sleep(0.005)
+        return f"slept {seconds:g} s"
+
+    @mcp.tool()
+    async def sleep_then_clean_up(seconds: float, cleanup: float) -> str:
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            with anyio.CancelScope(shield=True):  # a rollback, say: runs even when cancelled
+                await anyio.sleep(cleanup)
         return f"slept {seconds:g} s"
 
 

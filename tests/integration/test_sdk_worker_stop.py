@@ -307,6 +307,55 @@ def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
         g.wait_workers(2, time.monotonic() + 20)
 
 
+CLEANUP = 1.0  # seconds sleep_then_clean_up runs on once cancelled: past the exit's start
+
+
+def test_a_cancelled_json_call_still_cleaning_up_at_the_stop_gets_its_error(
+        short_tmp: Path) -> None:
+    """A forwarded call with a JSON response, cancelled (``notifications/cancelled``) just
+    before its session's worker is stopped alone, its tool still running its cleanup: the
+    poller had forgotten it once its cancel scope was cancelled, so the shutdown waited for
+    no answer and tore the SDK's session manager down at once: its client got HTTP 500. It
+    gets its ``-32800``, with its id."""
+    name = f"sdkjcc-{uuid.uuid4().hex[:10]}"
+    with Gunicorn("tests.apps.sdk_json_app:app", registry_name=name, config=CONF, workers=2,
+                  worker_class="uvicorn_worker.UvicornWorker",
+                  env={"SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
+            Registry.attach(name, readonly=True) as reg:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "jcc")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        request = _call_request(f"{host}:{port}", "sleep_then_clean_up",
+                                session["mcp-session-id"],
+                                {"seconds": TOOL_SECONDS, "cleanup": CLEANUP})
+        s, _ = _connect_past(owner, pids, host, int(port))
+        try:
+            s.sendall(request)
+            wait_until(lambda: in_flight_count(reg) == 1, time.monotonic() + 20,
+                       what="the call in flight")
+            with httpx.Client(timeout=10) as c:
+                r = c.post(g.url, headers=session, json={
+                    "jsonrpc": "2.0", "method": "notifications/cancelled",
+                    "params": {"requestId": 7, "reason": "user stop"}})
+            assert r.status_code == 202, r.text
+            termed_at = time.monotonic()
+            os.kill(owner, signal.SIGTERM)
+            s.settimeout(30)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            text = resp.read()
+        finally:
+            s.close()
+        assert resp.status == 200, (resp.status, text)
+        msg = json.loads(text)
+        assert msg["id"] == 7 and msg["error"]["code"] == errors.REQUEST_CANCELLED, msg
+        assert time.monotonic() - termed_at < 10
+        wait_until(lambda: not alive(owner), termed_at + 10, what="the stopped worker's exit")
+        assert in_flight_count(reg) == 0
+        g.wait_workers(2, time.monotonic() + 20)
+
+
 def _events(stream: bytes) -> list[dict[str, Any]]:
     """The JSON-RPC messages of an event stream's ``data`` lines, in order."""
     text = stream.replace(b"\r\n", b"\n").decode()

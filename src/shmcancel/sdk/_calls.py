@@ -210,21 +210,25 @@ class Call:
 
 
 class _Poller:
-    """The running calls of one event loop, and the task that looks at their handles every
-    ``POLL_INTERVAL`` seconds while there are any."""
+    """The running calls of one event loop (``running``: from before its handler starts until
+    it ended, cancelled or not), and the task that looks every ``POLL_INTERVAL`` seconds at the
+    handles of those not yet seen cancelled (``calls``) while there are any."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.calls: set[Call] = set()
+        self.running: set[Call] = set()
         self.task: asyncio.Task[None] | None = None
 
     def add(self, call: Call) -> None:
+        self.running.add(call)
         self.calls.add(call)
         if self.task is None or self.task.done():
             self.task = self.loop.create_task(self._run())
 
     def discard(self, call: Call) -> None:
         self.calls.discard(call)
+        self.running.discard(call)
 
     async def _run(self) -> None:
         while self.calls:
@@ -277,11 +281,12 @@ async def stop_running_calls(reason: str, wait: float = STOPPED_ANSWER_WAIT) -> 
 
 def _stop_calls(reason: str, scope: str | None = None) -> list[Call]:
     """:meth:`Call.stop` every call running on the current event loop (of ``scope`` only,
-    unless None); those stopped."""
+    unless None), those already cancelled included (a sync tool, or cleanup code, still runs
+    after its cancel scope was cancelled: its answer is still to come); those stopped."""
     p = _pollers.get(id(asyncio.get_running_loop()))
     if p is None:
         return []
-    stopped = [call for call in list(p.calls) if scope is None or call.handle.scope == scope]
+    stopped = [call for call in list(p.running) if scope is None or call.handle.scope == scope]
     for call in stopped:
         call.stop(reason)
     return stopped
