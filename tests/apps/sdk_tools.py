@@ -44,8 +44,10 @@ NOTIFY_EVERY = 0.2  # seconds between progress_sleep's notifications
 
 def add_stream_tools(mcp: MCPServer) -> None:
     """Register ``progress_sleep`` (a log notification every :data:`NOTIFY_EVERY` seconds until
-    ``seconds`` have passed) and ``log_then_sleep`` (one log notification of ``size``
-    characters, then ``seconds`` asleep)."""
+    ``seconds`` have passed), ``log_then_sleep`` (one log notification of ``size``
+    characters, then ``seconds`` asleep) and ``flood`` (a log notification of ``size``
+    characters every 10 ms until ``seconds`` have passed: a client that stops reading fills
+    every buffer on the way within a second)."""
 
     @mcp.tool()
     async def progress_sleep(seconds: float, ctx: Context) -> str:
@@ -62,3 +64,13 @@ def add_stream_tools(mcp: MCPServer) -> None:
         await ctx.info("L" * size)
         await anyio.sleep(seconds)
         return f"slept {seconds:g} s"
+
+    @mcp.tool()
+    async def flood(seconds: float, size: int, ctx: Context) -> str:
+        deadline = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            await ctx.info("P" * size)
+            await anyio.sleep(0.01)
+        return f"flooded {n} times"

@@ -500,6 +500,122 @@ def test_a_stateless_sse_call_on_a_stopped_worker_gets_its_error(tool: str) -> N
         _stopped_with_its_error(g, reg, stream, termed_at, worker, 1)
 
 
+FLOOD = {"seconds": TOOL_SECONDS, "size": 100_000}  # 10 MB/s of log notifications
+SMALL_RCVBUF = 4096  # bytes: the client's receive buffer, full at once
+
+
+def _server_send_queue(conn: socket.socket) -> int | None:
+    """The bytes queued unsent on the server's end of this test's connection ``conn`` (the
+    ``tx_queue`` of ``/proc/net/tcp``), or None when not found."""
+    ours, theirs = conn.getsockname()[1], conn.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if (int(parts[1].split(":")[1], 16) == theirs
+                    and int(parts[2].split(":")[1], 16) == ours and parts[9] != "0"):
+                return int(parts[4].split(":")[0], 16)
+    return None
+
+
+def _wait_stalled(conn: socket.socket) -> None:
+    """Return once the server's end of ``conn`` has bytes queued that stay unsent (the client
+    reads nothing): every buffer up to the server's is full, its sends wait for the client."""
+    seen: list[int | None] = []
+
+    def stalled() -> bool:
+        seen.append(_server_send_queue(conn))
+        return len(seen) > 5 and bool(seen[-1]) and len(set(seen[-5:])) == 1
+
+    wait_until(stalled, time.monotonic() + 20, what="the server's sends to wait for the client")
+
+
+def _slow_read_stream(connect: Any, reg: Registry, request: bytes,
+                      worker: int) -> tuple[bytes, float]:
+    """Send ``request`` on the connection ``connect(rcvbuf)`` makes (a ``socket`` with the
+    receive buffer given, connected), read nothing until the server's sends wait for the client
+    (the call floods its stream), ``TERM`` ``worker``, still read nothing until the exit
+    stopped the call (its row gone: the exit cancelled the stream's writer in its send), then
+    read the stream to its end (a clean end: IncompleteRead otherwise): the stream, and when
+    the ``TERM`` was sent."""
+    s = connect(SMALL_RCVBUF)
+    try:
+        s.sendall(request)
+        _wait_stalled(s)
+        termed_at = time.monotonic()
+        os.kill(worker, signal.SIGTERM)
+        wait_until(lambda: in_flight_count(reg) == 0, time.monotonic() + 10,
+                   what="the exit to stop the call")
+        s.settimeout(30)
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert resp.status == 200, resp.status
+        return resp.read(), termed_at
+    finally:
+        s.close()
+
+
+def _small_rcvbuf_socket(rcvbuf: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return s
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["direct", "forwarded"])
+def test_a_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error(
+        short_tmp: Path, forwarded: bool) -> None:
+    """A call's event stream whose client reads slowly (its events fill every buffer on the
+    way) when its worker is stopped alone: the exit cancelled sse_starlette in a send waiting
+    for the client, after which it sends no end: the stream was cut (no chunked end) with no
+    answer, forwarded or not. It ends with the call's ``-32800``, its only answer, once the
+    client reads."""
+    with _stateful(short_tmp, "sdkslow", 2, target=STREAM_APP) as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
+        pids = [int(p) for p in g.worker_pids()]
+        session = open_session(g.url, HEADERS, "slow")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        [other] = [p for p in pids if p != owner]
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        request = _call_request(f"{host}:{port}", "flood", session["mcp-session-id"], FLOOD)
+
+        def connect(rcvbuf: int) -> socket.socket:
+            s = _small_rcvbuf_socket(rcvbuf)
+            os.kill(owner if forwarded else other, signal.SIGSTOP)  # see _connect_past
+            try:
+                s.connect((host, int(port)))
+                carrier = wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
+                                     what="a worker to accept the connection")
+            except BaseException:
+                s.close()
+                raise
+            finally:
+                os.kill(owner if forwarded else other, signal.SIGCONT)
+            assert carrier == (other if forwarded else owner)
+            return s
+
+        stream, termed_at = _slow_read_stream(connect, reg, request, owner)
+        _stopped_with_its_error(g, reg, stream, termed_at, owner, 2)
+
+
+def test_a_stateless_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error() -> None:
+    """:func:`test_a_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error` on a
+    stateless server answering with event streams."""
+    name = f"sdksls-{uuid.uuid4().hex[:10]}"
+    with Gunicorn(STATELESS_SSE_APP, registry_name=name, config=CONF, workers=1,
+                  worker_class="uvicorn_worker.UvicornWorker") as g, \
+            Registry.attach(name, readonly=True) as reg:
+        [worker] = [int(p) for p in g.worker_pids()]
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+
+        def connect(rcvbuf: int) -> socket.socket:
+            s = _small_rcvbuf_socket(rcvbuf)
+            s.connect((host, int(port)))
+            return s
+
+        stream, termed_at = _slow_read_stream(
+            connect, reg, _call_request(f"{host}:{port}", "flood", None, FLOOD), worker)
+        _stopped_with_its_error(g, reg, stream, termed_at, worker, 1)
+
+
 MODERN_SSE_AFTER = 15.0  # seconds: the SDK (mcp 2.3.0) commits a silent 2026-07-28 call to SSE
 
 
@@ -601,3 +717,45 @@ def test_a_worker_stopped_alone_ends_a_busy_stream_it_forwards(short_tmp: Path) 
         assert took < 10, took
         wait_until(lambda: not alive(carrier), termed_at + 10, what="the stopped worker's exit")
         g.wait_workers(2, time.monotonic() + 20)
+
+
+@pytest.mark.parametrize("cut", ["in its data", "after its data line"])
+def test_a_stream_ended_inside_an_event(cut: str) -> None:
+    """An event stream ended early inside an event (a forward whose owner went mid-event) was
+    left cut: no end, no answer. The event is ended first: a cut answer (unparseable) under an
+    event type clients ignore, then the request's error; an answer cut only before its blank
+    line as it is (whole), nothing after it."""
+    import asyncio
+
+    from shmcancel.sdk._routing import EventTail, end_event_stream
+
+    answer = json.dumps({"jsonrpc": "2.0", "id": 7, "result": {"content": []}}).encode()
+    head = b"event: message\r\ndata: " + answer + b"\r\n"
+    before = b"event: message\r\ndata: {\"jsonrpc\": \"2.0\", \"method\": \"x\"}\r\n\r\n"
+    sent_so_far = before + (head[:len(head) // 2] if cut == "in its data" else head)
+    body = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                       "params": {"name": "t", "arguments": {}}}).encode()
+    tail = EventTail()
+    tail.feed(sent_so_far)
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(end_event_stream(send, tail, body, {"code": -32000, "message": "gone"}))
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    stream = sent_so_far + b"".join(m["body"] for m in sent)
+    # as an SSE client reads it: events end at a blank line; only "message" events count
+    messages = []
+    for event in stream.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = event.split(b"\n")
+        kind = [ln[6:].strip() for ln in lines if ln.startswith(b"event:")]
+        data = b"\n".join(ln[5:].strip() for ln in lines if ln.startswith(b"data:"))
+        if data and (not kind or kind[-1] == b"message"):
+            messages.append(json.loads(data))
+    answers = [m for m in messages if m.get("id") == 7]
+    assert len(answers) == 1, stream
+    if cut == "in its data":
+        assert answers[0]["error"]["code"] == -32000
+    else:
+        assert answers[0]["result"] == {"content": []}

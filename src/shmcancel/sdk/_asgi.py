@@ -44,6 +44,7 @@ from ..cancel import ids
 from ._calls import (
     EXCHANGE_KEY,
     SESSION_HEADER,
+    STOPPED_ANSWER_WAIT,
     Exchange,
     RequestCancelled,
     Tracker,
@@ -144,6 +145,7 @@ def _with_shutdown(app: Any, router: Router | None) -> None:
                 try:
                     if n := await stop_running_calls(STOPPING):
                         log.info("stopped %d call(s) still running at the worker's shutdown", n)
+                    await _streams_ended(STOPPED_ANSWER_WAIT)
                 finally:
                     if router is not None:
                         router.close()
@@ -243,8 +245,10 @@ class Layer:
 
         exchange = Exchange()  # not watched: its session outlives the connection
         scope[EXCHANGE_KEY] = exchange
+        ending = _exchange_send(send, exchange, body)
         try:
-            await self.app(scope, replay, _exchange_send(send, exchange, body))
+            await self.app(scope, replay, ending.outer)
+            await ending.finish()
         finally:
             exchange.answered.set()
 
@@ -455,8 +459,10 @@ class Layer:
             await send(message)
 
         watcher = asyncio.get_running_loop().create_task(watch())
+        ending = _exchange_send(tx, exchange, body)
         try:
-            await self.app(scope, replay, _exchange_send(tx, exchange, body))
+            await self.app(scope, replay, ending.outer)
+            await ending.finish()
         finally:
             exchange.answered.set()
             watcher.cancel()
@@ -501,10 +507,12 @@ _ESCAPES = [(b"\\/", b"/")] + [
     for spelling in {f"{c:02x}", f"{c:02X}"}]
 
 
-def _exchange_send(send: Send, exchange: Exchange, body: bytes) -> Send:
+def _exchange_send(send: Send, exchange: Exchange, body: bytes) -> _StreamEnd:
     """``send`` for ``exchange``, answering the POST ``body``: :func:`_ending_at_exit`'s, marked
-    answered by :func:`_answering`."""
-    return _answering(_ending_at_exit(send, exchange, body), exchange)
+    answered by :func:`_answering`. Its ``finish()`` is awaited once the app returned."""
+    ending = _ending_at_exit(send, exchange, body)
+    ending.outer = _answering(ending, exchange)
+    return ending
 
 
 def _answering(send: Send, exchange: Exchange) -> Send:
@@ -517,40 +525,95 @@ def _answering(send: Send, exchange: Exchange) -> Send:
     return answering
 
 
-def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> Send:
-    """``send`` for an exchange answering a POST. An event stream the SDK ends while this worker
-    exits (sse_starlette ends them all as the exit begins, stateful or stateless; the lifespan
-    shutdown stops the calls only later: their answers went nowhere, and the client's stream
-    ended with no answer) stops the exchange's calls then, and ends as :func:`end_event_stream`
-    ends it: with the request's ``-32800`` error, as every call the exit stops, unless it
-    carried the answer already (a 2026-07-28 stream, which the SDK writes itself, ends only
-    with its answer)."""
-    sse = False
-    tail = EventTail()
+# the exchanges whose event streams this worker's exit is ending (_StreamEnd.end): the
+# lifespan shutdown awaits them (bounded) before the worker goes
+_ending: set[Exchange] = set()
 
-    async def ending(message: Message) -> None:
-        nonlocal sse
+
+class _StreamEnd:
+    """``send`` for an exchange answering a POST (:func:`_ending_at_exit`). ``outer``: what the
+    app is given (this, or a wrapper of it)."""
+
+    def __init__(self, send: Send, exchange: Exchange, body: bytes) -> None:
+        self.send = send
+        self.outer: Send = self
+        self.exchange = exchange
+        self.body = body
+        self.sse = False
+        self.complete = False  # the response's last part was sent
+        self.tail = EventTail()  # the stream's bytes sent so far (uvicorn wrote them whole)
+
+    async def __call__(self, message: Message) -> None:
         kind = message.get("type")
         if kind == "http.response.start":
-            sse = any(k.lower() == b"content-type"
-                      and bytes(v).lower().startswith(b"text/event-stream")
-                      for k, v in message.get("headers") or ())
-        elif kind == "http.response.body" and sse:
+            self.sse = any(k.lower() == b"content-type"
+                           and bytes(v).lower().startswith(b"text/event-stream")
+                           for k, v in message.get("headers") or ())
+        elif kind == "http.response.body" and self.sse:
             chunk = bytes(message.get("body") or b"")
             if not message.get("more_body", False) and worker_exiting():
                 if chunk:
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-                    tail.feed(chunk)
-                exchange.stop(STOPPING)
-                error = RequestCancelled(STOPPING).error.model_dump(mode="json",
-                                                                     exclude_none=True)
-                await end_event_stream(send, tail, body, error)
+                    await self.send({"type": "http.response.body", "body": chunk,
+                                     "more_body": True})
+                    self.tail.feed(chunk)
+                await self.end()
                 return
-            tail.feed(chunk)
-        await send(message)
+            # fed once sent: a send cancelled while it waits for the client (uvicorn waits
+            # for the drain before it writes) wrote nothing
+            await self.send(message)
+            self.tail.feed(chunk)
+            self.complete = not message.get("more_body", False)
+            return
+        await self.send(message)
 
-    return ending
+    async def finish(self) -> None:
+        """After the app returned: an event stream it left unended while this worker exits
+        (the exit cancelled sse_starlette in a send that waited for a slow client: it then
+        sends no end) ends as :meth:`end` ends it."""
+        if self.sse and not self.complete and not self.exchange.gone and worker_exiting():
+            await self.end()
+
+    async def end(self) -> None:
+        """Stop the exchange's calls and end its stream as :func:`end_event_stream` ends it:
+        with the request's ``-32800`` error, as every call the exit stops, unless it carried
+        the answer already. Within :data:`STOPPED_ANSWER_WAIT` seconds: a client that does not
+        read cannot hold the worker on it (the send given up wrote nothing; uvicorn then
+        drops the connection)."""
+        self.exchange.stop(STOPPING)
+        error = RequestCancelled(STOPPING).error.model_dump(mode="json", exclude_none=True)
+        _ending.add(self.exchange)
+        try:
+            async with asyncio.timeout(STOPPED_ANSWER_WAIT):
+                await end_event_stream(self.send, self.tail, self.body, error)
+        except TimeoutError:
+            log.warning("shmcancel.sdk: a stream ended at the worker's exit was not read "
+                        "within %g s: cut", STOPPED_ANSWER_WAIT)
+        finally:
+            self.complete = True
+            _ending.discard(self.exchange)
+            self.exchange.answered.set()
+
+
+def _ending_at_exit(send: Send, exchange: Exchange, body: bytes) -> _StreamEnd:
+    """``send`` for an exchange answering a POST. An event stream the SDK ends while this worker
+    exits (sse_starlette ends them all as the exit begins, stateful or stateless; the lifespan
+    shutdown stops the calls only later: their answers went nowhere, and the client's stream
+    ended with no answer), or leaves unended (cancelled in a send: :meth:`_StreamEnd.finish`),
+    stops the exchange's calls then, and ends as :func:`end_event_stream` ends it: with the
+    request's ``-32800`` error, as every call the exit stops, unless it carried the answer
+    already (a 2026-07-28 stream, which the SDK writes itself, ends only with its answer)."""
+    return _StreamEnd(send, exchange, body)
+
+
+async def _streams_ended(wait: float) -> None:
+    """Wait up to ``wait`` seconds for the streams this worker's exit is ending
+    (:meth:`_StreamEnd.end`): a forwarded one is served by the socket server, whose requests
+    the main server's drain does not wait for."""
+    waits = [asyncio.ensure_future(x.answered.wait()) for x in _ending]
+    if waits:
+        _, late = await asyncio.wait(waits, timeout=wait)
+        for w in late:
+            w.cancel()
 
 
 def _tagging(send: Send, router: Router) -> Send:

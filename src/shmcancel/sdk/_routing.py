@@ -784,6 +784,11 @@ class EventTail:
         """Whether the stream so far stopped inside an event (a held CR ends a line)."""
         return (self._end + (b"\n" if self._cr else b""))[-2:] != b"\n\n"
 
+    @property
+    def at_line_start(self) -> bool:
+        """Whether the stream so far ends with a line end (a held CR ends a line)."""
+        return self._cr or self._end.endswith(b"\n")
+
     def last_event(self) -> tuple[bytes, int]:
         """The head and length of the event the stream ended with, when not inside one
         (``(b"", 0)`` for none): the one under way when only a held CR ends it."""
@@ -824,21 +829,37 @@ def _unanswered(tail: EventTail, body: bytes | None) -> tuple[int | str] | None:
     return rid
 
 
+# Ends an event cut short without dispatching it as a message: the last "event" field names
+# its type, and MCP clients take only "message" events (an unknown type is ignored)
+VOID_EVENT = b"event: shmcancel-cut\r\n\r\n"
+
+
 async def end_event_stream(send: Any, tail: EventTail, body: bytes | None,
                            error: dict[str, Any]) -> None:
     """End an event stream answering the request in ``body`` that stops early, ``tail`` its
-    end so far. One that stopped between events ends there:
-    with one more event, the request's JSON-RPC error response (``error``, its ``code``,
-    ``message`` and perhaps ``data``), so that its client learns the call failed, unless it
-    already carried the answer (:func:`_unanswered`). One cut inside an event is left incomplete
-    (nothing is sent): ended cleanly, the event would be dispatched with its data cut."""
+    end so far, with one more event, the request's JSON-RPC error response (``error``, its
+    ``code``, ``message`` and perhaps ``data``), so that its client learns the call failed,
+    unless it already carried the answer (:func:`_unanswered`). One cut inside an event first
+    ends that event: as it is when, ended there, it is the answer (whole, and at most
+    :data:`TAIL_MAX` bytes), else as :data:`VOID_EVENT` (its data cut, or the answer only
+    perhaps: never dispatched as a message). The bytes ending the stream go in one message,
+    then the end (a send given up writes nothing with uvicorn)."""
+    out = b""
+    rid = _request_id(body)
     if tail.inside_event:
-        return
-    rid = _unanswered(tail, body)
+        nl = b"" if tail.at_line_start else b"\r\n"
+        event, size = tail.cur, tail.cur_len
+        if rid is not None and size <= TAIL_MAX and _answers(event, rid):
+            out, rid = nl + b"\r\n", None
+        else:
+            out = nl + VOID_EVENT
+    elif _unanswered(tail, body) is None:
+        rid = None
     if rid is not None:
         msg = {"jsonrpc": "2.0", "id": rid[0], "error": error}
-        event = b"event: message\r\ndata: " + json.dumps(msg).encode() + b"\r\n\r\n"
-        await send({"type": "http.response.body", "body": event, "more_body": True})
+        out += b"event: message\r\ndata: " + json.dumps(msg).encode() + b"\r\n\r\n"
+    if out:
+        await send({"type": "http.response.body", "body": out, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
