@@ -303,11 +303,12 @@ def test_the_live_index_keeps_only_boxes_renewed_lately(
     without a prune the boxes of recycled workers piled up there for as long as the cluster
     ran. A renewal drops the boxes not renewed for ``LIVE_KEPT_MS``."""
     from shmcancel.redis.store import LIVE_KEPT_MS
-    with hosts_in_process(redis_server, shm_name, shm_names) as ((_, a), _b):
+    with hosts_in_process(redis_server, shm_name, shm_names) as ((_, a), (_rb, b)):
         r = a.store.client
         live = a.store._live
         old_ms = int(time.time() * 1000) - LIVE_KEPT_MS - 60_000
         r.zadd(live, {f"recycled-{i}".encode(): old_ms + i for i in range(100)})
         r.zadd(live, {b"renewed-lately": old_ms + 120_000})
         a.store.set_alive(a.remote.box, 5000)
-        assert set(r.zrange(live, 0, -1)) == {a.remote.box.encode(), b"renewed-lately"}
+        assert set(r.zrange(live, 0, -1)) == {a.remote.box.encode(), b.remote.box.encode(),
+                                              b"renewed-lately"}  # b's: set as hosts start

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers.gunicorn_harness import wait_until
 from helpers.redis_server import unique_prefix
 
 from shmcancel import Config
@@ -79,6 +80,8 @@ def test_a_hosts_last_listed_box_stays_though_stopped(store: RedisStore) -> None
     stored it again once Redis forgot the end). A stopped box now stays while no other box of
     its host is listed, so a DELETE tells a live box of B."""
     sid = "s-last-of-host"
+    for box in ("A:1:a", "B:1:a", "B:3:a"):  # live workers (their bridges renew these keys)
+        assert not store.set_alive(box, 10_000)
     put(store, sid, "A:1:a")
     assert store.touch_session(sid, box="B:1:a") == 1
     store.box_stopped("B:1:a")
@@ -89,10 +92,15 @@ def test_a_hosts_last_listed_box_stays_though_stopped(store: RedisStore) -> None
     store.box_stopped("B:2:a")
     assert store.touch_session(sid, box="A:1:a") == 1
     assert holders(store, sid) == {"A:1:a", "B:2:a"}
-    assert not store.set_alive("B:3:a", 10_000)  # B's live worker
     assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 1
-    assert store.client.exists(store.box_key("B:3:a"))
+    assert store.client.exists(store.box_key("B:3:a"))  # B's live worker
     assert not store.client.exists(store.box_key("B:2:a"))
+    # a host gone for good (its server restarted: a new registry, a new host part) leaves
+    put(store, "s-gone-host", "A:1:a")
+    assert store.touch_session("s-gone-host", box="C:1:a") == 1
+    store.box_stopped("C:1:a")
+    assert store.touch_session("s-gone-host", box="A:1:a") == 1
+    assert holders(store, "s-gone-host") == {"A:1:a"}
 
 
 def test_a_key_of_another_type_at_the_marks_keeps_every_holder_and_delete_tells_them(
@@ -116,13 +124,14 @@ def test_a_delete_tells_one_live_box_of_each_host_whose_holders_all_stopped(
     box of it (alive key set, not stopped; the newest in the live index first), and none of a
     host a holder was told on, of the DELETE's own host, or of a host with no live box."""
     sid = "s-recycled"
+    for box in ("A:1:a", "A:2:a", "B:1:a", "B:2:a", "B:3:a", "B:4:a", "C:1:a", "C:2:a",
+                "D:1:a"):  # live workers: their bridges renew these keys
+        assert not store.set_alive(box, 10_000)
     put(store, sid, "A:1:a")  # the DELETE's own box
     for box in ("B:1:a", "B:2:a", "C:1:a", "D:1:a"):
         assert store.touch_session(sid, box=box) == 1
     for box in ("B:1:a", "B:2:a", "D:1:a"):
         store.box_stopped(box)
-    for box in ("A:2:a", "B:3:a", "B:4:a", "C:1:a", "C:2:a"):  # C:1:a's bridge renews its key
-        assert not store.set_alive(box, 10_000)
     store.client.zadd(f"{store.prefix}{{g}}:live", {"B:5:a": int(time.time() * 1000) + 1000})
     assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 2
     told = {b for b in ("A:2:a", "B:1:a", "B:2:a", "B:3:a", "B:4:a", "B:5:a", "C:1:a", "C:2:a",
@@ -137,11 +146,12 @@ def test_a_delete_tells_a_live_box_of_a_host_whose_holder_was_killed(store: Redi
     expired is still told, but a live box of its host is told as well; a host whose listed
     holder is alive is told through that holder only."""
     sid = "s-killed"
+    for box in ("A:1:a", "B:1:a", "B:2:a", "C:1:a", "C:2:a"):  # live workers
+        assert not store.set_alive(box, 10_000)
     put(store, sid, "A:1:a")  # the DELETE's own box
     for box in ("B:1:a", "C:1:a"):
         assert store.touch_session(sid, box=box) == 1
-    for box in ("B:2:a", "C:1:a", "C:2:a"):  # B:1:a was killed: its alive key expired
-        assert not store.set_alive(box, 10_000)
+    store.client.delete(store.alive_key("B:1:a"))  # B:1:a was killed: its alive key expired
     assert store.delete_session(sid, own_box="A:1:a", box_lease_ms=10_000) == 3
     told = {b for b in ("B:1:a", "B:2:a", "C:1:a", "C:2:a")
             if store.client.exists(store.box_key(b))}
@@ -176,9 +186,9 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
     """A process with a bridge exits as a recycled worker does (normally, its bridge never
     stopped by hand): its box is marked stopped, and it leaves the session at the next
     renewal; so does a bridge the process replaced (its thread read its box to the end). A
-    SIGKILLed one cannot mark: it stays listed and told (the session's TTL ends it), never
-    dropped for what another process guesses. ``live`` is a worker of the same host (a stopped
-    box stays while it is its host's last one listed)."""
+    SIGKILLed one cannot mark: it stays listed and told while its alive key lives (a lease),
+    then leaves like a stopped one. ``live`` is a worker of the same host (a gone box stays
+    while it is its host's last one listed)."""
     put(store, "s-exit", "first")
     proc = subprocess.Popen([sys.executable, "-c", EXITING, redis_server.url, shm_name,
                              store.prefix, how], stdout=subprocess.PIPE, text=True)
@@ -188,6 +198,9 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
         assert len(boxes) == (2 if how == "twice" else 1)
         assert boxes <= holders(store, "s-exit")
         live = next(iter(boxes)).rsplit(":", 2)[0] + ":1:live"  # host part: host/registry
+        if how == "kill":  # once its bridge's thread set its alive key
+            wait_until(lambda: all(store.client.exists(store.alive_key(b)) for b in boxes)
+                       or None, time.monotonic() + 10, interval=0.01, what="its alive key")
         assert store.touch_session("s-exit", box=live) == 1
         if how == "kill":
             os.kill(proc.pid, signal.SIGKILL)
@@ -199,5 +212,8 @@ def test_a_worker_that_exits_marks_its_box_stopped_and_a_killed_one_stays_listed
     assert store.touch_session("s-exit", box=live) == 1
     if how == "kill":
         assert holders(store, "s-exit") == {"first", live, *boxes}
-    else:  # marked before the process ended
-        assert holders(store, "s-exit") == {"first", live}
+        # its alive key (lease 3 s) expires: then it leaves, as another box of its host stays
+        wait_until(lambda: not any(store.client.exists(store.alive_key(b)) for b in boxes)
+                   or None, time.monotonic() + 10, interval=0.05, what="its alive key to expire")
+        assert store.touch_session("s-exit", box=live) == 1
+    assert holders(store, "s-exit") == {"first", live}

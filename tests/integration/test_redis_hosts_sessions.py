@@ -73,7 +73,8 @@ def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
                      ) -> Iterator[tuple[tuple[Registry, Bridge], tuple[Registry, Bridge]]]:
     """Hosts A and B as two registries, each with a thread-less bridge (only the calls a test
     makes reach Redis; ``thread_a``, ``thread_b``: that host's thread runs), of one deployment
-    (one key prefix), their in-flight rows on a ``lease`` of that many seconds."""
+    (one key prefix), their in-flight rows on a ``lease`` of that many seconds. A thread-less
+    bridge's alive key is set as its thread would set it first: a live worker's box."""
     cfg = config or Config(capacity=400, max_rows=200, in_flight_capacity=64,
                            session_capacity=16)
     other = shm_name + "b"
@@ -83,6 +84,9 @@ def hosts_in_process(srv: Any, shm_name: str, shm_names: list[str],
     try:
         with bridge(ra, srv, prefix=prefix, host="A", lease=lease, thread=thread_a) as a, \
                 bridge(rb, srv, prefix=prefix, host="B", lease=lease, thread=thread_b) as b:
+            for br, threaded in ((a, thread_a), (b, thread_b)):
+                if not threaded:
+                    br.store.set_alive(br.remote.box, int(lease * 1000))
             yield (ra, a), (rb, b)
     finally:
         for r in (ra, rb):

@@ -283,28 +283,33 @@ local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms,
   redis.call('SET', gone, '1', 'PX', gone_ms)
   return n
 end
--- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
+-- List `box` among a session's holders; the gone among (up to) HOLDERS_LOOKED of them leave:
 -- each worker that ever served a long-lived session stayed listed, recycled ones too, and a
--- DELETE told them all. A stopped box stays while no other box of its host is seen staying:
--- the host's registry keeps the copy for its other workers, and end_session finds the host
--- (a live box of it is told) only through a box of it listed here.
+-- DELETE told them all. Gone: marked stopped, or, for a box of the <host>:<pid>:<tag> form,
+-- its alive key expired (killed outright; a forgotten stop mark). A gone box stays while it
+-- is the one box of its host listed and that host lives (its host alive key, set with each of
+-- its workers' alive keys): the host's registry keeps the copy for its other workers, and
+-- end_session finds the host (and tells a live box of it) only through a box of it listed
+-- here. A host that went away for good (a restarted server's old registry) leaves with it.
 local HOLDERS_LOOKED = 32
-local function set_holder(boxes, box, stopped)
+local function set_holder(P, boxes, box, stopped)
   mend(boxes, 'set')
   redis.call('SADD', boxes, box)
   local stays, gone = {}, {}
+  if host_of(box) then stays[host_of(box)] = true end
   for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
-    if b ~= box and stopped_box(stopped, b) then
-      gone[#gone + 1] = b
-    elseif host_of(b) then
-      stays[host_of(b)] = true
+    if b ~= box then
+      local h = host_of(b)
+      if stopped_box(stopped, b) or (h and redis.call('EXISTS', P .. 'alive:' .. b) == 0) then
+        gone[#gone + 1] = b
+      elseif h then
+        stays[h] = true
+      end
     end
   end
-  local host = host_of(box)
-  if host then stays[host] = true end
   for _, b in ipairs(gone) do
     local h = host_of(b)
-    if h and not stays[h] then
+    if h and not stays[h] and redis.call('EXISTS', P .. 'alive-host:' .. h) == 1 then
       stays[h] = true  -- the host's one box left listed
     else
       redis.call('SREM', boxes, b)

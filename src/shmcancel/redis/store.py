@@ -482,7 +482,8 @@ class RedisStore:
                               b"" if seen is None else b"=" + seen, int(time.time() * 1000)]))
 
     def set_alive(self, box: str, lease_ms: int) -> bool:
-        """Set ``box``'s :meth:`alive_key` for ``lease_ms`` and list the box among the live
+        """Set ``box``'s :meth:`alive_key` for ``lease_ms``, and its host's (``alive-host:``,
+        for a box of the ``<host>:<pid>:<tag>`` form), and list the box among the live
         ones (``{g}:live``, which :meth:`mend_session` tells when a session's holders are
         unknown; boxes not renewed for :data:`LIVE_KEPT_MS` leave it here, so that recycled
         workers' boxes do not pile up); whether the alive key existed before. A live index
@@ -492,6 +493,8 @@ class RedisStore:
         p = self.client.pipeline(transaction=False)
         p.exists(self.alive_key(box))
         p.set(self.alive_key(box), b"1", px=lease_ms)
+        if box.count(":") >= 2:  # its host lives (common.lua's set_holder keeps its last box)
+            p.set(_b(f"{self.prefix}alive-host:{box.rsplit(':', 2)[0]}"), b"1", px=lease_ms)
         p.zadd(self._live, {_b(box): now_ms})
         p.zremrangebyscore(self._live, "-inf", f"({now_ms - LIVE_KEPT_MS}")
         p.pexpire(self._live, LIVE_KEPT_MS)
@@ -515,7 +518,8 @@ class RedisStore:
                                       b"" if client is None else self._client_key(client),
                                       self._stopped],
                              [int(self.config.session_ttl * 1000), _b(box),
-                              int(time.time() * 1000) if now_ms is None else now_ms, _b(sid)]))
+                              int(time.time() * 1000) if now_ms is None else now_ms, _b(sid),
+                              self.prefix]))
 
     def delete_session(self, sid: str, *, own_box: str, box_lease_ms: int) -> int:
         """Forget a session and tell every other worker box holding it, and for a host whose
@@ -534,8 +538,10 @@ class RedisStore:
     def box_stopped(self, box: str) -> None:
         """Worker ``box``'s bridge stopped: nobody reads that box again. It leaves the holders
         of every session at the session's next renewal or store (each listed every worker that
-        ever served it, recycled ones too, until the session ended), and a ``DELETE`` skips it
-        (telling a live box of its host instead when no holder there was told).
+        ever served it, recycled ones too, until the session ended), unless it is its host's
+        one box listed while that host lives (``common.lua``'s ``set_holder``), and a
+        ``DELETE`` skips it (telling a live box of its host instead when no holder there was
+        told).
         The mark is kept a session TTL and a minute: a session still listing the box has been
         renewed since, and a mark forgotten only keeps a box listed, as before the marks."""
         keep_ms = int((self.config.session_ttl + 60) * 1000)
