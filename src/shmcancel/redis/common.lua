@@ -283,34 +283,42 @@ local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms,
   redis.call('SET', gone, '1', 'PX', gone_ms)
   return n
 end
--- List `box` among a session's holders; the gone among (up to) HOLDERS_LOOKED of them leave:
+-- List `box` among a session's holders; the stopped among (up to) HOLDERS_LOOKED of them leave:
 -- each worker that ever served a long-lived session stayed listed, recycled ones too, and a
--- DELETE told them all. Gone: marked stopped, or, for a box of the <host>:<pid>:<tag> form,
--- its alive key expired (killed outright; a forgotten stop mark). A gone box stays while it
--- is the one box of its host listed and that host lives (its host alive key, set with each of
--- its workers' alive keys): the host's registry keeps the copy for its other workers, and
--- end_session finds the host (and tells a live box of it) only through a box of it listed
--- here. A host that went away for good (a restarted server's old registry) leaves with it.
+-- DELETE told them all. A stopped box stays while it is the one box of its host listed and
+-- that host lives (`alive-host:<host>`, set with its workers' alive keys, kept LIVE_KEPT_MS):
+-- the host's registry keeps the copy for its other workers, and end_session finds the host
+-- (and tells a live box of it) only through a box of it listed here. Its stop mark is kept as
+-- long (keep_ms past now at least): forgotten, the box would count as live and stay for good.
+-- A host gone for good (a restarted server has a new registry, so a new host part) leaves. A
+-- box never marked (a worker killed outright) stays until the session ends: an alive key
+-- that lapsed says too little (Redis full, a starved thread) to drop a holder for.
 local HOLDERS_LOOKED = 32
-local function set_holder(P, boxes, box, stopped)
+local function set_holder(P, boxes, box, stopped, keep_ms)
   mend(boxes, 'set')
   redis.call('SADD', boxes, box)
   local stays, gone = {}, {}
   if host_of(box) then stays[host_of(box)] = true end
   for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
     if b ~= box then
-      local h = host_of(b)
-      if stopped_box(stopped, b) or (h and redis.call('EXISTS', P .. 'alive:' .. b) == 0) then
+      if stopped_box(stopped, b) then
         gone[#gone + 1] = b
-      elseif h then
-        stays[h] = true
+      elseif host_of(b) then
+        stays[host_of(b)] = true
       end
     end
   end
+  local now
   for _, b in ipairs(gone) do
     local h = host_of(b)
     if h and not stays[h] and redis.call('EXISTS', P .. 'alive-host:' .. h) == 1 then
       stays[h] = true  -- the host's one box left listed
+      if not now then
+        local t = redis.call('TIME')
+        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      end
+      redis.pcall('ZADD', stopped, now, b)
+      outlive(stopped, keep_ms)
     else
       redis.call('SREM', boxes, b)
     end

@@ -13,7 +13,7 @@ if not session_ok(KEYS[1]) then redis.call('DEL', KEYS[1]) end
 if KEYS[4] ~= '' then mend(KEYS[4], 'zset') end
 mend(KEYS[5], 'zset')
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then return 0 end
-set_holder(ARGV[5], KEYS[2], ARGV[2], KEYS[5])
+set_holder(ARGV[5], KEYS[2], ARGV[2], KEYS[5], tonumber(ARGV[1]) + 60000)
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 if KEYS[4] ~= '' then
   redis.call('ZADD', KEYS[4], 'XX', 'GT', ARGV[3], ARGV[4])

@@ -37,7 +37,7 @@ end
 mend(KEYS[2], 'zset')
 mend(KEYS[5], 'zset')
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
-set_holder(ARGV[1], KEYS[3], ARGV[7], KEYS[5])
+set_holder(ARGV[1], KEYS[3], ARGV[7], KEYS[5], tonumber(ARGV[4]) + 60000)
 redis.call('PEXPIRE', KEYS[3], ARGV[4])
 redis.call('ZADD', KEYS[2], 'GT', ARGV[10], ARGV[2])
 for i = 12, math.min(#ARGV, 11 + 2 * tonumber(ARGV[5])) - 1, 2 do

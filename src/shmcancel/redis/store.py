@@ -483,7 +483,8 @@ class RedisStore:
 
     def set_alive(self, box: str, lease_ms: int) -> bool:
         """Set ``box``'s :meth:`alive_key` for ``lease_ms``, and its host's (``alive-host:``,
-        for a box of the ``<host>:<pid>:<tag>`` form), and list the box among the live
+        for a box of the ``<host>:<pid>:<tag>`` form; for :data:`LIVE_KEPT_MS`: a host that
+        went quiet a while still holds its copies), and list the box among the live
         ones (``{g}:live``, which :meth:`mend_session` tells when a session's holders are
         unknown; boxes not renewed for :data:`LIVE_KEPT_MS` leave it here, so that recycled
         workers' boxes do not pile up); whether the alive key existed before. A live index
@@ -494,7 +495,8 @@ class RedisStore:
         p.exists(self.alive_key(box))
         p.set(self.alive_key(box), b"1", px=lease_ms)
         if box.count(":") >= 2:  # its host lives (common.lua's set_holder keeps its last box)
-            p.set(_b(f"{self.prefix}alive-host:{box.rsplit(':', 2)[0]}"), b"1", px=lease_ms)
+            p.set(_b(f"{self.prefix}alive-host:{box.rsplit(':', 2)[0]}"), b"1",
+                  px=max(lease_ms, LIVE_KEPT_MS))
         p.zadd(self._live, {_b(box): now_ms})
         p.zremrangebyscore(self._live, "-inf", f"({now_ms - LIVE_KEPT_MS}")
         p.pexpire(self._live, LIVE_KEPT_MS)
