@@ -47,7 +47,8 @@ def add_stream_tools(mcp: MCPServer) -> None:
     ``seconds`` have passed), ``log_then_sleep`` (one log notification of ``size``
     characters, then ``seconds`` asleep) and ``flood`` (a log notification of ``size``
     characters every 10 ms until ``seconds`` have passed: a client that stops reading fills
-    every buffer on the way within a second)."""
+    every buffer on the way within a second) and ``big_then_done`` (a log notification of
+    ``size`` characters, then its answer: a client that stops reading holds the answer's send)."""
 
     @mcp.tool()
     async def progress_sleep(seconds: float, ctx: Context) -> str:
@@ -64,6 +65,11 @@ def add_stream_tools(mcp: MCPServer) -> None:
         await ctx.info("L" * size)
         await anyio.sleep(seconds)
         return f"slept {seconds:g} s"
+
+    @mcp.tool()
+    async def big_then_done(size: int, ctx: Context) -> str:
+        await ctx.info("B" * size)
+        return "done"
 
     @mcp.tool()
     async def flood(seconds: float, size: int, ctx: Context) -> str:

@@ -596,6 +596,59 @@ def test_a_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error(
         _stopped_with_its_error(g, reg, stream, termed_at, owner, 2)
 
 
+def test_an_answer_held_by_a_slow_client_at_the_stop_is_the_streams_answer(
+        short_tmp: Path) -> None:
+    """A call that finished, its answer's send waiting for a slow client (an 8 MB event before
+    it fills every buffer) when its worker is stopped alone: the exit cancelled that send,
+    which wrote nothing, and the stream was ended with ``-32800`` "the worker is stopping",
+    telling the client a call that ran to its end did not (it may retry a tool that is not
+    idempotent). The answer in hand is written first, and is the stream's only answer."""
+    with _stateful(short_tmp, "sdkheld", 2, target=STREAM_APP) as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
+        session = open_session(g.url, HEADERS, "held")
+        owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
+        host, port = g.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        request = _call_request(f"{host}:{port}", "big_then_done", session["mcp-session-id"],
+                                {"size": 8_000_000})
+        pids = [int(p) for p in g.worker_pids()]
+        [other] = [p for p in pids if p != owner]
+        s = _small_rcvbuf_socket(SMALL_RCVBUF)
+        os.kill(other, signal.SIGSTOP)  # the owner accepts it (see _connect_past)
+        try:
+            s.connect((host, int(port)))
+            assert wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
+                              what="the owner to accept the connection") == owner
+        except BaseException:
+            s.close()
+            raise
+        finally:
+            os.kill(other, signal.SIGCONT)
+        try:
+            s.sendall(request)
+            wait_until(lambda: in_flight_count(reg) == 0, time.monotonic() + 20,
+                       what="the call to finish")  # its answer's send waits for the client
+            _wait_stalled(s)
+            termed_at = time.monotonic()
+            os.kill(owner, signal.SIGTERM)
+            # read nothing until its exit began (the send was cancelled at the signal; uvicorn
+            # then waits for this connection)
+            wait_until(lambda: f"[{owner}] [INFO] Waiting for connections to close" in g.log()
+                       or None, time.monotonic() + 10, what="the owner's exit to begin")
+            s.settimeout(30)
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            assert resp.status == 200, resp.status
+            stream = resp.read()
+        finally:
+            s.close()
+        answers = [m for m in _events(stream) if m.get("id") == 7]
+        assert len(answers) == 1, stream[-500:]
+        assert answers[0].get("result", {}).get("content", [{}])[0].get("text") == "done", \
+            answers[0]
+        wait_until(lambda: not alive(owner), termed_at + 10, what="the stopped worker's exit")
+        g.wait_workers(2, time.monotonic() + 20)
+
+
 def test_a_stateless_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error() -> None:
     """:func:`test_a_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error` on a
     stateless server answering with event streams."""

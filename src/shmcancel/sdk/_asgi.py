@@ -542,6 +542,7 @@ class _StreamEnd:
         self.sse = False
         self.complete = False  # the response's last part was sent
         self.tail = EventTail()  # the stream's bytes sent so far (uvicorn wrote them whole)
+        self.pending = b""  # bytes whose send has not returned (a cancelled one wrote nothing)
 
     async def __call__(self, message: Message) -> None:
         kind = message.get("type")
@@ -552,15 +553,15 @@ class _StreamEnd:
         elif kind == "http.response.body" and self.sse:
             chunk = bytes(message.get("body") or b"")
             if not message.get("more_body", False) and worker_exiting():
-                if chunk:
-                    await self.send({"type": "http.response.body", "body": chunk,
-                                     "more_body": True})
-                    self.tail.feed(chunk)
+                self.pending = chunk
                 await self.end()
                 return
             # fed once sent: a send cancelled while it waits for the client (uvicorn waits
-            # for the drain before it writes) wrote nothing
+            # for the drain before it writes) wrote nothing, and is still pending (it may be
+            # the answer: end() writes it first)
+            self.pending = chunk
             await self.send(message)
+            self.pending = b""
             self.tail.feed(chunk)
             self.complete = not message.get("more_body", False)
             return
@@ -576,7 +577,8 @@ class _StreamEnd:
     async def end(self) -> None:
         """Stop the exchange's calls and end its stream as :func:`end_event_stream` ends it:
         with the request's ``-32800`` error, as every call the exit stops, unless it carried
-        the answer already. Within :data:`STOPPED_ANSWER_WAIT` seconds: a client that does not
+        the answer already (a part the app sent that was not written yet, the answer perhaps,
+        is written first). Within :data:`STOPPED_ANSWER_WAIT` seconds: a client that does not
         read cannot hold the worker on it (the send given up wrote nothing; uvicorn then
         drops the connection)."""
         self.exchange.stop(STOPPING)
@@ -584,6 +586,11 @@ class _StreamEnd:
         _ending.add(self.exchange)
         try:
             async with asyncio.timeout(STOPPED_ANSWER_WAIT):
+                if self.pending:  # first what the app sent that was not written
+                    await self.send({"type": "http.response.body", "body": self.pending,
+                                     "more_body": True})
+                    self.tail.feed(self.pending)
+                    self.pending = b""
                 await end_event_stream(self.send, self.tail, self.body, error)
         except TimeoutError:
             log.warning("shmcancel.sdk: a stream ended at the worker's exit was not read "
