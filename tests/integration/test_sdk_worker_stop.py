@@ -50,6 +50,14 @@ def _stateful(short_tmp: Path, kind: str, workers: int, target: str | None = Non
                     extra_args=extra_args)
 
 
+def _json_app(short_tmp: Path, kind: str) -> Gunicorn:
+    """The test app answering with JSON (``json_response=True``), stateful, on 2 uvicorn
+    workers, as :func:`_stateful`."""
+    return Gunicorn("tests.apps.sdk_json_app:app", registry_name=f"{kind}-{uuid.uuid4().hex[:10]}",
+                    config=CONF, workers=2, worker_class="uvicorn_worker.UvicornWorker",
+                    env={"SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")})
+
+
 def test_a_sync_call_running_at_a_hup_is_stopped_with_its_worker(short_tmp: Path) -> None:
     with _stateful(short_tmp, "sdkstop", 1) as g, \
             Registry.attach(g.registry_name, readonly=True) as reg:
@@ -126,20 +134,24 @@ def _get_request(host: str, session_id: str) -> bytes:
             "MCP-Protocol-Version: 2025-11-25\r\n\r\n").encode()
 
 
-def _connect_past(owner: int, pids: list[int], host: str, port: int) -> tuple[socket.socket, int]:
-    """A connection accepted by a worker other than ``owner``, and that worker's pid. The kernel
-    hands a connection to whichever worker wakes first, and one can win every time (under load
-    it did, 40 tries in a row): ``owner`` is stopped (``SIGSTOP``) until another worker has
-    accepted, so it cannot take it."""
+def _connect_past(owner: int, pids: list[int], host: str, port: int,
+                  rcvbuf: int | None = None) -> tuple[socket.socket, int]:
+    """A connection accepted by a worker other than ``owner`` (its receive buffer ``rcvbuf``
+    bytes when given), and that worker's pid. The kernel hands a connection to whichever worker
+    wakes first, and one can win every time (under load it did, 40 tries in a row): ``owner``
+    is stopped (``SIGSTOP``) until another worker has accepted, so it cannot take it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
     os.kill(owner, signal.SIGSTOP)
     try:
-        s = socket.create_connection((host, port), timeout=10)
-        try:
-            carrier = wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
-                                 what="another worker to accept the connection")
-        except BaseException:
-            s.close()
-            raise
+        s.connect((host, port))
+        carrier = wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
+                             what="another worker to accept the connection")
+    except BaseException:
+        s.close()
+        raise
     finally:
         os.kill(owner, signal.SIGCONT)
     assert carrier != owner
@@ -277,11 +289,8 @@ def test_a_json_call_forwarded_to_a_worker_stopped_alone_gets_its_error(
     at its lifespan shutdown, but tore the SDK's session manager down before the stopped call
     had answered, and its client got the SDK's HTTP 500 ``-32603`` ("Session terminated before
     the request completed"). It gets the call's own JSON-RPC error, with its id."""
-    name = f"sdkjson-{uuid.uuid4().hex[:10]}"
-    with Gunicorn("tests.apps.sdk_json_app:app", registry_name=name, config=CONF, workers=2,
-                  worker_class="uvicorn_worker.UvicornWorker",
-                  env={"SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
-            Registry.attach(name, readonly=True) as reg:
+    with _json_app(short_tmp, "sdkjson") as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
         pids = [int(p) for p in g.worker_pids()]
         session = open_session(g.url, HEADERS, "json")
         owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
@@ -317,11 +326,8 @@ def test_a_cancelled_json_call_still_cleaning_up_at_the_stop_gets_its_error(
     poller had forgotten it once its cancel scope was cancelled, so the shutdown waited for
     no answer and tore the SDK's session manager down at once: its client got HTTP 500. It
     gets its ``-32800``, with its id."""
-    name = f"sdkjcc-{uuid.uuid4().hex[:10]}"
-    with Gunicorn("tests.apps.sdk_json_app:app", registry_name=name, config=CONF, workers=2,
-                  worker_class="uvicorn_worker.UvicornWorker",
-                  env={"SHMCANCEL_SDK_SOCKET_DIR": str(short_tmp / "socks")}) as g, \
-            Registry.attach(name, readonly=True) as reg:
+    with _json_app(short_tmp, "sdkjcc") as g, \
+            Registry.attach(g.registry_name, readonly=True) as reg:
         pids = [int(p) for p in g.worker_pids()]
         session = open_session(g.url, HEADERS, "jcc")
         owner = int(session["mcp-session-id"].split("x", 1)[0], 16)
@@ -578,17 +584,8 @@ def test_a_stream_stalled_by_a_slow_client_at_the_stop_gets_its_error(
         request = _call_request(f"{host}:{port}", "flood", session["mcp-session-id"], FLOOD)
 
         def connect(rcvbuf: int) -> socket.socket:
-            s = _small_rcvbuf_socket(rcvbuf)
-            os.kill(owner if forwarded else other, signal.SIGSTOP)  # see _connect_past
-            try:
-                s.connect((host, int(port)))
-                carrier = wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
-                                     what="a worker to accept the connection")
-            except BaseException:
-                s.close()
-                raise
-            finally:
-                os.kill(owner if forwarded else other, signal.SIGCONT)
+            s, carrier = _connect_past(owner if forwarded else other, pids, host, int(port),
+                                       rcvbuf)
             assert carrier == (other if forwarded else owner)
             return s
 
@@ -612,17 +609,7 @@ def test_an_answer_held_by_a_slow_client_at_the_stop_is_the_streams_answer(
                                 {"size": 8_000_000})
         pids = [int(p) for p in g.worker_pids()]
         [other] = [p for p in pids if p != owner]
-        s = _small_rcvbuf_socket(SMALL_RCVBUF)
-        os.kill(other, signal.SIGSTOP)  # the owner accepts it (see _connect_past)
-        try:
-            s.connect((host, int(port)))
-            assert wait_until(lambda: _worker_of(s, pids), time.monotonic() + 10,
-                              what="the owner to accept the connection") == owner
-        except BaseException:
-            s.close()
-            raise
-        finally:
-            os.kill(other, signal.SIGCONT)
+        s, _ = _connect_past(other, pids, host, int(port), SMALL_RCVBUF)  # to the owner
         try:
             s.sendall(request)
             wait_until(lambda: in_flight_count(reg) == 0, time.monotonic() + 20,
