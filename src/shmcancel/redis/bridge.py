@@ -174,7 +174,6 @@ _current_lock = threading.Lock()
 _started: weakref.WeakSet[Bridge] = weakref.WeakSet()  # bridges started (a child's: the parent's)
 
 
-
 def registry_host(host: str, registry: Any) -> str:
     """The host part of a bridge's box: ``host`` (``SHMCANCEL_HOST_ID``, the host name) and a
     digest of its registry's random hash key. A session's copy lives in one registry, for every
@@ -184,6 +183,7 @@ def registry_host(host: str, registry: Any) -> str:
     registry without giving its key away."""
     digest = hashlib.blake2b(registry.hash_key, digest_size=5, person=b"shmc-host").hexdigest()
     return f"{host}/{digest}"
+
 
 class Bridge:
     """See the module docstring. ``registry``: this host's attached registry (the local

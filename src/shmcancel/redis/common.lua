@@ -203,6 +203,15 @@ end
 local function stopped_box(stopped, box)
   return type(redis.pcall('ZSCORE', stopped, box)) == 'string'
 end
+-- Whether a box's bridge runs: its alive key set (renewed every turn, for a lease).
+local function alive_box(P, box)
+  return redis.call('EXISTS', P .. 'alive:' .. box) == 1
+end
+-- Redis's clock, in ms (the stop marks' time, stopped.lua and set_holder).
+local function redis_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 -- Whether session key k holds what a host can adopt: a string, msgpack [version, client].
 local function session_ok(k)
   if redis.call('TYPE', k).ok ~= 'string' then return false end
@@ -230,7 +239,7 @@ local function live_of_hosts(P, stopped, wanted)
   for _, box in ipairs(redis.call('ZREVRANGE', live, 0, LIVE_LOOKED - 1)) do
     local host = host_of(box)
     if host and wanted[host] and not found[host]
-        and redis.call('EXISTS', P .. 'alive:' .. box) == 1 and not stopped_box(stopped, box) then
+        and alive_box(P, box) and not stopped_box(stopped, box) then
       found[host] = box
       left = left - 1
       if left == 0 then break end
@@ -264,7 +273,7 @@ local function end_session(P, sess, boxes, gone, stopped, payload, box_lease_ms,
       if not stopped_box(stopped, box) then
         push_box(P, box, payload, box_lease_ms)
         n = n + 1
-        if host and redis.call('EXISTS', P .. 'alive:' .. box) == 1 then
+        if host and alive_box(P, box) then
           reached[host] = true
         elseif host then
           wanted[host] = true
@@ -300,12 +309,11 @@ local function set_holder(P, boxes, box, stopped, keep_ms)
   local stays, gone = {}, {}
   if host_of(box) then stays[host_of(box)] = true end
   for _, b in ipairs(redis.call('SRANDMEMBER', boxes, HOLDERS_LOOKED)) do
-    if b ~= box then
-      if stopped_box(stopped, b) then
-        gone[#gone + 1] = b
-      elseif host_of(b) then
-        stays[host_of(b)] = true
-      end
+    local h = host_of(b)
+    if b ~= box and stopped_box(stopped, b) then
+      gone[#gone + 1] = b
+    elseif h then
+      stays[h] = true
     end
   end
   local now
@@ -313,10 +321,7 @@ local function set_holder(P, boxes, box, stopped, keep_ms)
     local h = host_of(b)
     if h and not stays[h] and redis.call('EXISTS', P .. 'alive-host:' .. h) == 1 then
       stays[h] = true  -- the host's one box left listed
-      if not now then
-        local t = redis.call('TIME')
-        now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      end
+      now = now or redis_ms()
       redis.pcall('ZADD', stopped, now, b)
       outlive(stopped, keep_ms)
     else

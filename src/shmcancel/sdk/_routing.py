@@ -816,17 +816,12 @@ async def _cut_short(send: Any, token: str, e: Exception | None, sse: bool, tail
         await end_event_stream(send, tail, body, {"code": -32000, "message": why})
 
 
-def _unanswered(tail: EventTail, body: bytes | None) -> tuple[int | str] | None:
-    """``(id,)`` of the JSON-RPC request in ``body`` when an event stream answering it, whose
-    end so far is ``tail`` (between events), ended without its answer as its last event;
-    ``None`` when it carried it, or for a notification. A last event longer than
+def _carries_answer(tail: EventTail, rid: tuple[int | str]) -> bool:
+    """Whether an event stream answering request ``rid``, whose end so far is ``tail``
+    (between events), ended with its answer as its last event. A last event longer than
     :data:`TAIL_MAX` is read from its head (:func:`_head_answers`)."""
-    rid = _request_id(body)
     event, size = tail.last_event()
-    if rid is None or (_answers(event, rid) if size <= TAIL_MAX
-                       else _head_answers(event, rid)):
-        return None
-    return rid
+    return _answers(event, rid) if size <= TAIL_MAX else _head_answers(event, rid)
 
 
 # Ends an event cut short without dispatching it as a message: the last "event" field names
@@ -839,7 +834,7 @@ async def end_event_stream(send: Any, tail: EventTail, body: bytes | None,
     """End an event stream answering the request in ``body`` that stops early, ``tail`` its
     end so far, with one more event, the request's JSON-RPC error response (``error``, its
     ``code``, ``message`` and perhaps ``data``), so that its client learns the call failed,
-    unless it already carried the answer (:func:`_unanswered`). One cut inside an event first
+    unless it already carried the answer (:func:`_carries_answer`). One cut inside an event first
     ends that event: as it is when, ended there, it is the answer (whole, and at most
     :data:`TAIL_MAX` bytes), else as :data:`VOID_EVENT` (its data cut, or the answer only
     perhaps: never dispatched as a message). The bytes ending the stream go in one message,
@@ -853,7 +848,7 @@ async def end_event_stream(send: Any, tail: EventTail, body: bytes | None,
             out, rid = nl + b"\r\n", None
         else:
             out = nl + VOID_EVENT
-    elif _unanswered(tail, body) is None:
+    elif rid is not None and _carries_answer(tail, rid):
         rid = None
     if rid is not None:
         msg = {"jsonrpc": "2.0", "id": rid[0], "error": error}
