@@ -79,13 +79,15 @@ def _cc_ack(name, data):
 def _cc_switch(signum, frame):
     # runs in the worker's main thread, wherever it was: it must never raise into gunicorn
     global _cc_on
-    _cc_on = signum == {int(ON)}
+    on = signum == {int(ON)}
+    _cc_on = False  # the acknowledgement's own calls are not the window's
     try:
         seq = int(open(f"{{_cc_dir}}/seq").read())
         counts = {{f"{{k}} {{w}}": n for (k, w), n in list(_cc_counts.items())}}
-        _cc_ack("ack", {{"seq": seq, "on": _cc_on, "counts": counts}})
+        _cc_ack("ack", {{"seq": seq, "on": on, "counts": counts}})
     except Exception:
         pass
+    _cc_on = on
 
 
 def _cc_child():
