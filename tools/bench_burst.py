@@ -614,7 +614,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                           + ("; bare burst: the burst to an app that holds calls and releases "
                              "each by a datagram" if wire == "legacy" else "")
                           + "), gthread "
-                          f"{a.workers}x{a.threads}, {a.rounds} rounds:")
+                          f"{a.workers}x{a.threads}, {a.rounds} "
+                          f"round{'s' if a.rounds != 1 else ''}:")
                     for mode, rounds in got.items():
                         flat = [x for r in rounds for x in r]
                         if not flat:

@@ -78,13 +78,14 @@ _WINDOW = 200  # rows a writer keeps in its scope (below the default quota of 25
 
 
 _PAUSE = 16 * 64  # byte offset of the pause word in the writers' counters (up to 64 writers)
+_STOP = 2  # the pause word's value that ends the writers
 
 
 def _writer(name: str, w: int, counters: mmap.mmap) -> None:
     """Child ``w``: cancel and clear requests of its own scope until killed, keeping at most
     ``_WINDOW`` rows there; its count of write pairs that succeeded (and of failed ones) goes
-    to ``counters[16 w:16 w + 16]`` after every pair. While the pause word is non-zero it only
-    sleeps (0.2 ms steps)."""
+    to ``counters[16 w:16 w + 16]`` after every pair. While the pause word is 1 it only sleeps
+    (0.2 ms steps); at 2 it returns, between two pairs (never with the lock held)."""
     c = Cancellation(Registry.attach(name))
     scope = f"ip:writer{w}"
     i = done = errors = 0
@@ -92,6 +93,8 @@ def _writer(name: str, w: int, counters: mmap.mmap) -> None:
     pause = _PAUSE // 8
     while True:
         if words[pause]:
+            if words[pause] == _STOP:
+                return
             time.sleep(0.0002)
             continue
         try:
@@ -113,8 +116,27 @@ def _writers(name: str, n: int) -> Iterator[tuple[mmap.mmap, list[int]]]:
     counters = mmap.mmap(-1, _PAUSE + 8)  # anonymous and shared: inherited by the forks
     with ExitStack() as st:
         pids = [st.enter_context(running(_writer, name, w, counters)) for w in range(n)]
-        _wait_all_wrote(counters, n, [0] * n)
-        yield counters, pids
+        try:
+            _wait_all_wrote(counters, n, [0] * n)
+            yield counters, pids
+        finally:  # ended between pairs: a SIGKILL mid-pair leaves the lock to recover
+            struct.pack_into("<Q", counters, _PAUSE, _STOP)
+            _reap(pids, time.monotonic() + 5)
+
+
+def _reap(pids: list[int], deadline: float) -> None:
+    """Wait (until ``deadline``, monotonic) for ``pids`` to exit; what is left, the caller's
+    ``running`` kills."""
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    left.discard(pid)
+            except ChildProcessError:
+                left.discard(pid)
+        if left:
+            time.sleep(0.001)
 
 
 def _wait_all_wrote(counters: mmap.mmap, n: int, since: list[int]) -> None:
