@@ -396,8 +396,6 @@ def main(argv: list[str] | None = None) -> int:
                     c, counters, args.writers, floor, wrounds, max(50, batch // 4))
                 writer_trouble += [f"{x} (begin + end rounds)" for x in
                                    _writers_wrote(c1, _pairs(counters, args.writers), pids)]
-            with reg.lock:  # a writer may have died holding it: recovered here
-                pass
 
             writes = _write_measures(c, floor, max(20, args.batches // 4), batch)
             scaling = _thread_scaling(c, 3, 0.3)

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from helpers.gunicorn_harness import REPO_ROOT
 from helpers.procs import communicate
+from helpers.tools import load_tool
+
+from shmcancel.shm.registry import Registry
 
 BENCH = REPO_ROOT / "tools" / "bench.py"
 BURST = REPO_ROOT / "tools" / "bench_burst.py"
@@ -261,6 +264,25 @@ def test_cancel_and_table_benches_have_their_writers_write() -> None:
     assert rc == 0 and "INVALID" not in out, out[-3000:]
     assert re.search(r"writer: ~\d+k insert\+delete pairs/s", out), out
     assert re.search(r"^overall: ", out, re.M) and leftovers(pid) == []
+
+
+def test_cancel_bench_ends_its_writers_between_pairs(shm_name: str) -> None:
+    """bench_cancel's writer processes end between two write pairs, never killed inside one:
+    a writer SIGKILLed with the registry lock held left the bench a dead holder to recover
+    (and a "took over the lock" warning in most runs)."""
+    bench = load_tool("bench_cancel")
+    reg = Registry.create(shm_name)
+    try:
+        for _ in range(3):
+            with bench._writers(shm_name, 4) as (_counters, pids):
+                assert len(pids) == 4
+            assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+            with reg.lock:  # a dead holder would be recovered, and counted, here
+                pass
+            assert reg.recoveries == 0
+    finally:
+        reg.close()
+        reg.unlink()
 
 
 @pytest.mark.parametrize("mode", ["", "--chunks", "--writer"])
