@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,9 @@ def squat(shm_name, tmp_path) -> Iterator[Callable[[str, str], str]]:
         path = paths(shm_name)[which]
         if kind == "fifo":
             os.mkfifo(path, 0o600)
+        elif kind == "socket":
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(path)
         elif kind in ("dir", "full-dir"):
             os.mkdir(path, 0o700)
             if kind == "full-dir":
@@ -143,6 +147,19 @@ def test_attach_refuses_a_squatted_segment(shm_name, squat, kind, mode):
     p = run_py(ATTACH, shm_name, mode)
     assert p.returncode == 3, (p.stdout, p.stderr)
     assert path in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
+
+
+def test_a_unix_socket_squatting_a_segment_is_not_called_a_fifo(shm_name, squat):
+    """Defect: opening a Unix socket fails with ENXIO, as a FIFO without a reader does, and
+    attach, create and ``shmtool dump`` all called the socket "a FIFO"."""
+    path = squat("socket", "segment")
+    for p in (run_py(ATTACH, shm_name, "ro"), run_py(CREATE, shm_name)):
+        assert p.returncode == 3, (p.stdout, p.stderr)
+        assert f"{path} is not a regular file" in p.stdout, p.stdout
+        assert "FIFO" not in p.stdout and len(p.stdout.splitlines()) == 1, p.stdout
+    p = shmtool_cli("dump", shm_name)
+    assert p.returncode == 1 and f"{path} is not a regular file" in p.stderr, p
+    assert "FIFO" not in p.stderr, p
 
 
 def test_attach_refuses_a_replaced_semaphore(shm_name, squat):
@@ -619,7 +636,8 @@ def test_another_users_entry_with_a_hostile_name_is_reported_in_one_escaped_line
         assert p.returncode == 0, p
         out = p.stdout + p.stderr
         assert "\x1b" not in out and "\x07" not in out, out
-        lines = [x for x in out.splitlines() if "prod" in x or "65534" in x]
+        lines = [x for x in out.splitlines()  # this test's, not a concurrent test's entries
+                 if shm_name in x and ("prod" in x or "65534" in x)]
         assert len(lines) == 1 and "belongs to uid 65534" in lines[0], out
         assert "~\\nprod" in lines[0], lines
         assert os.path.lexists(path)

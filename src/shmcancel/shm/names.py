@@ -130,11 +130,18 @@ def not_ours(what: str, path: str, problem: str) -> NotOurs:
     return NotOurs(f"{what} {path} {problem}")
 
 
-def _os_problem(e: OSError) -> str:
+def _os_problem(e: OSError, path: str) -> str:
+    """Why opening ``path`` failed with ``e``, in the words of :func:`_problem` where its
+    ``lstat`` says (``ENXIO`` is both a FIFO without a reader and a Unix socket)."""
+    if e.errno in (errno.ELOOP, errno.ENXIO):
+        with contextlib.suppress(OSError):
+            problem = _problem(os.lstat(path))
+            if problem is not None:
+                return problem
     if e.errno == errno.ELOOP:
         return "is a symbolic link"
-    if e.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader
-        return "is a FIFO"
+    if e.errno == errno.ENXIO:
+        return "is not a regular file"
     return f"cannot be opened ({e.strerror})"
 
 
@@ -146,7 +153,7 @@ def check_entry(what: str, path: str) -> os.stat_result | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise not_ours(what, path, _os_problem(e)) from None
+        raise not_ours(what, path, _os_problem(e, path)) from None
     problem = _problem(st)
     if problem is not None:
         raise not_ours(what, path, problem)
@@ -163,7 +170,7 @@ def open_entry(what: str, path: str, flags: int, mode: int = MODE, *,
     except (FileNotFoundError, FileExistsError):
         raise
     except OSError as e:
-        raise not_ours(what, path, _os_problem(e)) from None
+        raise not_ours(what, path, _os_problem(e, path)) from None
     try:
         problem = _problem(os.fstat(fd), any_owner)
     except BaseException:
