@@ -88,6 +88,7 @@ class _State:
     # A worker's graceful_timeout: how long a stuck tool's worker asked to exit may take to
     # finish its other calls before it ends itself (mcp/stop.py)
     graceful_timeout: float | None = None
+    worker: Any = None  # a worker's own gunicorn Worker (mcp/stop.py reads its open connections)
 
 
 _state = _State()
@@ -261,6 +262,7 @@ def post_fork(server: Any, worker: Any) -> None:
     _keep_stop_signals(worker)
     with contextlib.suppress(AttributeError, TypeError, ValueError):
         _state.graceful_timeout = float(worker.cfg.graceful_timeout)
+    _state.worker = worker
     name = _state.registry_name
     if name is None:
         raise RuntimeError("shmcancel: the master made no registry; add shmcancel.gunicorn's "

@@ -283,6 +283,71 @@ def test_gthread_tool_stuck_in_c_does_not_keep_its_stopped_worker(shm_name: str,
             s.close()
 
 
+def test_gthread_stuck_tool_never_cuts_another_clients_call(shm_name: str,
+                                                              outdir: str) -> None:
+    """Defect (contract §6.3: a disconnect cancels exactly its request, never another
+    client's): a ``gthread`` tool stuck in a C call had its worker asked to exit at once, and
+    ended ``graceful_timeout`` later with whatever else it ran: another client's well-behaved
+    call was cut (its client saw the connection close without a response). The worker now
+    serves on without the stuck thread, new requests too, and retires once no other call runs
+    in it."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "1"]) as g:
+        (worker,) = g.worker_pids()
+        other, stuck = tag(), tag()
+        keep = send_call(g.port, "sleep", {"seconds": 6, "tag": other}, id=2)
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        try:
+            deadline = time.monotonic() + 10
+            wait_file(f"{outdir}/{other}.started", deadline)
+            wait_file(f"{outdir}/{stuck}.started", deadline)
+            closed = time.monotonic()
+            s.close()
+            # grace 0.5 s, then RequestStopped's second 1 s: the thread is given up
+            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
+                       what="the stuck tool's thread to be given up")
+            assert whoami(g) == worker  # still accepting, with its other threads
+            reply = read_reply(keep)
+            assert reply["result"]["content"][0]["text"] == "slept 6s", reply
+            assert not Path(f"{outdir}/{other}.cancelled").exists()
+            # then, nothing else running, it retires and a replacement serves
+            wait_until(lambda: not alive(worker), time.monotonic() + 1 + 1 + 5,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert replacement != worker and whoami(g) == replacement
+            assert in_flight(g.registry_name) == []
+        finally:
+            s.close()
+            keep.close()
+
+
+def test_gthread_stuck_tool_alone_is_replaced_without_waiting_graceful_timeout(
+        shm_name: str, outdir: str) -> None:
+    """Defect (contract §6.3: the worker goes back to serving): a ``gthread`` worker whose only
+    call is a tool stuck in a C call drained for its whole ``graceful_timeout`` (30 s by
+    default), its stuck connection keeping the drain going, and accepted nothing meanwhile: a
+    sole worker's server answered nothing for that long. It exits once nothing but the stuck
+    connection is left, and its replacement serves."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "60"]) as g:
+        (worker,) = g.worker_pids()
+        t = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": t})
+        try:
+            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
+                       what="the stuck tool's thread to be given up")
+            wait_until(lambda: not alive(worker), time.monotonic() + 10,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert replacement != worker and whoami(g) == replacement
+            assert in_flight(g.registry_name) == []
+        finally:
+            s.close()
+
+
 def tasks(pid: int) -> set[int]:
     """The thread ids (TIDs) of process ``pid`` now."""
     try:
