@@ -62,6 +62,14 @@ def server(module_shm_name: str, outdir: str) -> Iterator[Gunicorn]:
 def send_call(port: int, tool: str, args: dict, *, id: Any = 1, path: str = "/stateless",
               modern: bool = False, extra: bytes = b"") -> socket.socket:
     """Open a connection and send one complete ``tools/call``; the socket is the client."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    s.sendall(call_bytes(tool, args, id=id, path=path, modern=modern) + extra)
+    return s
+
+
+def call_bytes(tool: str, args: dict, *, id: Any = 1, path: str = "/stateless",
+               modern: bool = False) -> bytes:
+    """One complete HTTP/1.1 ``tools/call`` request."""
     params: dict[str, Any] = {"name": tool, "arguments": args}
     headers = [b"Host: 127.0.0.1", b"Content-Type: application/json",
                b"Accept: application/json, text/event-stream"]
@@ -74,10 +82,27 @@ def send_call(port: int, tool: str, args: dict, *, id: Any = 1, path: str = "/st
     body = json.dumps({"jsonrpc": "2.0", "id": id, "method": "tools/call",
                        "params": params}).encode()
     headers.append(f"Content-Length: {len(body)}".encode())
-    s = socket.create_connection(("127.0.0.1", port), timeout=20)
-    s.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"\r\n".join(headers) + b"\r\n\r\n"
-              + body + extra)
-    return s
+    return (f"POST {path} HTTP/1.1\r\n".encode() + b"\r\n".join(headers) + b"\r\n\r\n"
+            + body)
+
+
+def read_one(s: socket.socket) -> dict[str, Any]:
+    """Read one HTTP 200 response with a ``Content-Length`` off a kept-alive connection and
+    return its JSON-RPC."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection ended before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    (n,) = [int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+            if k.strip().lower() == b"content-length"]
+    while len(body) < n:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection ended in a response: {head!r}"
+        body += chunk
+    return json.loads(body[:n])
 
 
 def read_reply(s: socket.socket) -> dict[str, Any]:
@@ -346,6 +371,69 @@ def test_gthread_stuck_tool_alone_is_replaced_without_waiting_graceful_timeout(
             assert in_flight(g.registry_name) == []
         finally:
             s.close()
+
+
+def test_gthread_stuck_tool_never_cuts_a_call_begun_in_the_workers_graceful_stop(
+        shm_name: str, outdir: str) -> None:
+    """Defect: once a worker holding a stuck tool had asked itself to exit, gunicorn (24 and
+    later) still served a request arriving on a kept-alive connection, and the worker then
+    ended itself ``graceful_timeout`` later whatever that call was doing: its client got the
+    connection closed without a response. Such a call is answered, as gunicorn's own graceful
+    stop answers it."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "1", "--keep-alive", "30"]) as g:
+        (worker,) = g.worker_pids()
+        kept = send_call(g.port, "whoami", {})
+        assert read_one(kept)["result"]["content"][0]["text"] == str(worker)
+        stuck, late = tag(), tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        try:
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            wait_until(lambda: "asking the worker to exit gracefully" in g.log(),
+                       closed + GRACE + 4, what="the worker to ask itself to exit")
+            # gunicorn lingers 2 s on kept-alive connections as it stops
+            kept.sendall(call_bytes("sleep", {"seconds": 3, "tag": late}, id=2))
+            reply = read_one(kept)
+            assert reply["result"]["content"][0]["text"] == "slept 3s", reply
+            assert Path(f"{outdir}/{late}.started").read_text() == str(worker)
+            wait_until(lambda: not alive(worker), time.monotonic() + 5,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert whoami(g) == replacement
+        finally:
+            s.close()
+            kept.close()
+
+
+def test_gthread_worker_with_every_thread_stuck_is_replaced_at_once(shm_name: str,
+                                                                    outdir: str) -> None:
+    """A ``gthread`` worker whose only thread runs a stuck tool can serve nothing more: the
+    connections it accepted past its threads wait for a thread that never comes. It exits as
+    soon as the tool is given up (what it queued is reset: no thread of it could serve it), not
+    after ``graceful_timeout``, and its replacement serves."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=1,
+               extra_args=["--graceful-timeout", "60"]) as g:
+        (worker,) = g.worker_pids()
+        stuck = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        queued = None
+        try:
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
+            queued = send_call(g.port, "whoami", {})
+            closed = time.monotonic()
+            s.close()
+            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
+                       what="the stuck tool's thread to be given up")
+            wait_until(lambda: not alive(worker), time.monotonic() + 10,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert replacement != worker and whoami(g) == replacement
+        finally:
+            s.close()
+            if queued is not None:
+                queued.close()
 
 
 def tasks(pid: int) -> set[int]:

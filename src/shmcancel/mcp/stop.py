@@ -2,9 +2,9 @@
 ``sync`` worker the worker quits (``SIGQUIT``, ``os._exit`` if that does not end it), in
 ``gthread`` :class:`RequestStopped` is raised in the tool's thread. A tool that even that does
 not end (blocked in a C call) keeps its thread while the worker serves on with the others; once
-no other call runs in the worker (at most :data:`_RETIRE_WAIT` later) the worker is asked to
-exit gracefully (``SIGTERM``), and ends itself (``os._exit``) once that is over. Called by the
-disconnect watcher's timeout (:mod:`.call`).
+nothing else is busy in the worker (:func:`_quiet`, at most :data:`_RETIRE_WAIT` later) the
+worker is asked to exit gracefully (``SIGTERM``), and ends itself (``os._exit``) as soon as
+nothing but given-up tools is left. Called by the disconnect watcher's timeout (:mod:`.call`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..cancel import owed
@@ -60,8 +60,8 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
     replacement; ``os._exit`` if the tool is stuck where no signal handler can run. In
     ``gthread``, :class:`RequestStopped` is raised in the tool's thread; if it has still not
     returned after another ``grace``, its thread is lost to it, and the worker serves on with
-    the others until no other client's call runs in it (another client's request is never cut
-    for this one: §6.3), then is asked to exit gracefully (``SIGTERM``). Exiting, the process
+    the others until nothing else is busy in it (another client's request is never cut for
+    this one: §6.3), then is asked to exit gracefully (``SIGTERM``). Exiting, the process
     joins every thread of its pool, the stuck one's too: it would linger, accepting nothing and
     not replaced, until the tool returned (or gunicorn's ``timeout`` killed it). So once the
     graceful period is over, it ends itself (``os._exit``) and gunicorn forks a replacement.
@@ -95,15 +95,15 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
             log.error("a stopped tool still runs; the worker serves on without its thread and "
                       "is replaced once none of its %d other call(s) runs", others)
     try:
-        if not _wait_quiet(watcher, time.monotonic() + _RETIRE_WAIT):
+        if not _wait_until(watcher, lambda: _quiet(None), time.monotonic() + _RETIRE_WAIT):
             return
         with watcher.running() as running:
             if not running:
                 return
             log.error("a stopped tool still runs; asking the worker to exit gracefully")
             os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + _graceful_timeout() + _HARD_EXIT_GRACE
-        if _wait_drained(watcher, deadline):
+        drained_by = time.monotonic() + _graceful_timeout() + _HARD_EXIT_GRACE
+        if _wait_until(watcher, lambda: _quiet(drained_by), time.monotonic() + _RETIRE_WAIT):
             _exit_unless_stopped(watcher, b"shmcancel: a stuck tool ignored RequestStopped; "
                                           b"its worker's graceful shutdown is over: exiting "
                                           b"now\n")
@@ -111,37 +111,54 @@ def _stop_request(watcher: Watcher, handle: Any, tool_thread: int, multithread: 
         _given_up.discard(id(watcher))
 
 
-def _wait_quiet(watcher: Watcher, deadline: float) -> bool:
-    """Wait until no request of this process is running but stuck ones (their handles ended:
-    no token in ``owed.running``), or ``deadline`` (monotonic) passed: ``True``; ``False`` when
-    the tool ended first."""
+def _wait_until(watcher: Watcher, ready: Callable[[], bool], deadline: float) -> bool:
+    """Look every :data:`_QUIET_POLL` seconds until ``ready()`` or ``deadline`` (monotonic):
+    ``True``; ``False`` when the tool ended first."""
     while not watcher.wait_stopped(_QUIET_POLL):
-        if not owed.running or time.monotonic() >= deadline:
+        if ready() or time.monotonic() >= deadline:
             return True
     return False
 
 
-def _wait_drained(watcher: Watcher, deadline: float) -> bool:
-    """After the worker was asked to exit: wait until its graceful shutdown has nothing left
-    but given-up tools (gunicorn's count of the worker's open connections, ``nr_conns``, no
-    more than their number, and no call running), or ``deadline`` (monotonic): ``True``;
-    ``False`` when the tool ended first. Without the count (another worker class, a gunicorn
-    without it) only the deadline ends the wait: the stuck connection keeps the graceful
-    shutdown going until its ``graceful_timeout``, and the worker accepts nothing meanwhile."""
-    while not watcher.wait_stopped(_QUIET_POLL):
-        conns = _worker_conns()
-        if time.monotonic() >= deadline or (
-                conns is not None and conns <= len(_given_up) and not owed.running):
-            return True
-    return False
+def _quiet(drained_by: float | None) -> bool:
+    """Whether nothing but given-up tools is left in this worker: no call running (none of its
+    requests' tokens in ``owed.running``: a call started in a graceful shutdown, on a kept-alive
+    connection, is waited for as gunicorn would) and no connection open but theirs (one idle
+    between kept-alive requests aside until the exit was asked for, ``drained_by`` given: then
+    gunicorn lingers on those to answer a request arriving), or every thread given up (no
+    other request could be served). Where gunicorn's worker does not say, the calls alone
+    decide before the exit is asked for, and after it ``drained_by`` (monotonic:
+    ``graceful_timeout`` on) too."""
+    if owed.running:
+        return False
+    conns, threads = _worker_load(stopping=drained_by is not None)
+    if conns is None:
+        return drained_by is None or time.monotonic() >= drained_by
+    return conns <= len(_given_up) or (threads is not None and len(_given_up) >= threads) or (
+        drained_by is not None and time.monotonic() >= drained_by)
 
 
-def _worker_conns() -> int | None:
-    """The open connections of this process's gunicorn worker (``gthread``'s ``nr_conns``),
-    or ``None`` when not known."""
+def _worker_load(stopping: bool) -> tuple[int | None, int | None]:
+    """This process's gunicorn ``gthread`` worker's connections that count, and its threads;
+    ``None`` where not known. Those that count: the open ones (``nr_conns``) less those idle
+    between kept-alive requests (``keepalived_conns`` since gunicorn 24, ``_keep`` before);
+    while ``stopping``, on gunicorn 24 and later every open one (its graceful shutdown serves
+    and then closes the idle ones), on gunicorn 23 the requests it is serving (``futures`` not
+    done: once its loop has ended it serves nothing else, and closes nothing)."""
     hooks = sys.modules.get("shmcancel.gunicorn")
-    n = getattr(getattr(getattr(hooks, "_state", None), "worker", None), "nr_conns", None)
-    return n if type(n) is int else None
+    worker: Any = getattr(getattr(hooks, "_state", None), "worker", None)
+    threads = getattr(getattr(worker, "cfg", None), "threads", None)
+    threads = threads if type(threads) is int else None
+    conns: Any = getattr(worker, "nr_conns", None)
+    idle = getattr(worker, "keepalived_conns", None)
+    try:
+        if idle is not None:
+            return (conns if stopping else conns - len(idle)), threads
+        if stopping:
+            return sum(not f.done() for f in list(worker.futures)), threads
+        return conns - len(worker._keep), threads
+    except (AttributeError, TypeError, RuntimeError):  # not a gthread worker we know
+        return None, threads
 
 
 def _exit_unless_stopped(watcher: Watcher, why: bytes) -> None:
