@@ -4,10 +4,11 @@ threads the worker starts after the import, its ``gthread`` pool and the stop th
 point in the watcher's stop. Files as in ``transport_app`` (``$SHMCANCEL_TEST_DIR``).
 
 ``held`` ignores ``RequestStopped`` (it catches it, as a tool catching ``BaseException`` would)
-until the stop thread's last wait (after it asked the worker to exit) has timed out; that thread
-is then held until the tool's thread has returned from ``Watcher.stop()``, and the tool's thread
-until the stop thread has decided (``_stop_request`` returned, or the process is gone). So the
-tool ends just between that timeout and the stop thread's decision to ``_exit``. It waits in
+until the stop thread, after it asked the worker to exit, has decided to end the process (its
+call of ``_exit_unless_stopped``); that thread is then held until the tool's thread has returned
+from ``Watcher.stop()``, and the tool's thread until the stop thread has decided
+(``_stop_request`` returned, or the process is gone). So the tool ends just between the stop
+thread's last wait and its ``_exit``. It waits in
 short steps, so ``RequestStopped`` is taken at once: while an asynchronous exception is pending
 for a thread blocked in C, CPython 3.11 spins every traced or profiled thread at its next call.
 
@@ -25,22 +26,25 @@ from typing import Any
 
 from shmcancel.mcp import reply as _reply
 from shmcancel.mcp.disconnect import Watcher
-from shmcancel.mcp.stop import _stop_request
+from shmcancel.mcp.stop import _exit_unless_stopped, _stop_request
 from shmcancel.server import RequestStopped, progress
 from tests.apps.transport_app import _record, build
 
-_WAIT_STOPPED = Watcher.wait_stopped.__code__
 _STOP = Watcher.stop.__code__
 _STOP_REQUEST = _stop_request.__code__
+_EXIT = _exit_unless_stopped.__code__
 
-_last_wait_over = threading.Event()  # the stop thread's wait after its SIGTERM timed out
+_last_wait_over = threading.Event()  # the stop thread's last wait is over: it is to _exit
 _tool_stopped = threading.Event()  # the tool's thread returned from Watcher.stop()
 _decided = threading.Event()  # the stop thread returned from _stop_request
-_waits = 0  # wait_stopped calls the stop thread returned from
 
 
 def _profile(frame: FrameType, event: str, arg: Any) -> None:
-    global _waits
+    if event == "call" and frame.f_code is _EXIT:
+        os.write(2, b"stop-race: the stop thread's last wait is over: it is to _exit\n")
+        _last_wait_over.set()
+        _tool_stopped.wait(20)
+        return
     if event != "return":
         return
     if frame.f_code is _STOP:
@@ -50,12 +54,6 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
     elif frame.f_code is _STOP_REQUEST:
         os.write(2, b"stop-race: the stop thread returned\n")
         _decided.set()
-    elif frame.f_code is _WAIT_STOPPED and threading.current_thread().name == "shmcancel-stop":
-        _waits += 1
-        if _waits == 2 and arg is False:  # the wait that decides on _exit
-            os.write(2, b"stop-race: the stop thread's last wait timed out\n")
-            _last_wait_over.set()
-            _tool_stopped.wait(20)
 
 
 threading.setprofile(_profile)

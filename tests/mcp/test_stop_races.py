@@ -57,9 +57,10 @@ def read_all(s: socket.socket) -> bytes:
 def test_a_tool_that_ends_as_the_last_wait_times_out_does_not_lose_its_worker(
         shm_name: str, tmp_path: Path) -> None:
     """``gthread``, ``graceful_timeout`` 0: the tool did not take ``RequestStopped`` (stuck in C),
-    so the worker was asked to exit; the stop thread's last ``wait_stopped`` times out just as
-    the tool ends and calls ``stop()``. The process must not be ``_exit``-ed under it: its tool
-    ended, so the graceful exit it was asked for goes on (code 0), its pool joined."""
+    so the worker was asked to exit; the stop thread's last wait is over, and it is to
+    ``_exit``, just as the tool ends and calls ``stop()``. The process must not be
+    ``_exit``-ed under it: its tool ended, so the graceful exit it was asked for goes on (code
+    0), its pool joined."""
     env = {"SHMCANCEL_TEST_DIR": str(tmp_path), "SHMCANCEL_TEST_STREAM_CANCEL_TIMEOUT": str(GRACE)}
     with Gunicorn("tests.apps.stop_race_app:app", registry_name=shm_name, config=CONF, env=env,
                   workers=1, worker_class="gthread", threads=2,
@@ -74,7 +75,7 @@ def test_a_tool_that_ends_as_the_last_wait_times_out_does_not_lose_its_worker(
                    what="the worker asked to exit to exit")
         g.wait_workers(1, time.monotonic() + 15)
         log = g.log()
-        assert "stop-race: the stop thread's last wait timed out" in log, g.log_tail()
+        assert "stop-race: the stop thread's last wait is over" in log, g.log_tail()
         assert "held caught RequestStopped" in log, g.log_tail()
         assert "stop-race: the stop thread returned" in log, g.log_tail()
         assert "exiting now" not in log, g.log_tail()
