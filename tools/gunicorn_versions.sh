@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Run the gunicorn tests (hooks, SDK, refused bodies) against other gunicorn versions, each in its own venv
-# (build/venv-gunicorn-VERSION, git-ignored): by default 23.0.0, the oldest supported, where
-# child_exit still runs inside the master's SIGCHLD handler.
+# Run the gunicorn tests (hooks, SDK, refused bodies, disconnects and stuck tools) against other
+# gunicorn versions, each in its own venv (build/venv-gunicorn-VERSION, git-ignored): by default
+# 23.0.0, the oldest supported, where child_exit still runs inside the master's SIGCHLD handler
+# and a gthread worker keeps other counts of its connections (mcp/stop.py reads them).
 # Usage: tools/gunicorn_versions.sh [VERSION...] [-- PYTEST_ARGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,6 @@ for v in "${versions[@]}"; do
     echo "== gunicorn $v"
     "$venv/bin/python" -m pytest -n auto --maxprocesses 4 --dist loadfile \
         tests/integration/test_gunicorn_hooks.py tests/integration/test_sdk.py \
-        tests/integration/test_refused_bodies.py "$@" || rc=1
+        tests/integration/test_refused_bodies.py tests/mcp/test_disconnect.py "$@" || rc=1
 done
 exit "$rc"

@@ -407,6 +407,68 @@ def test_gthread_stuck_tool_never_cuts_a_call_begun_in_the_workers_graceful_stop
             kept.close()
 
 
+def test_gthread_stuck_tool_never_cuts_an_answer_being_written(shm_name: str,
+                                                                 outdir: str) -> None:
+    """Defect: a call begun during the stop of a worker holding a stuck tool was waited for
+    only while its tool ran: its request had ended (no call running) while its answer was
+    still being written, and the worker, its graceful shutdown's time over, ended itself in
+    the middle of it. The answer (20 MB, to a client that only starts reading once the tool
+    has returned) arrives whole."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "1", "--keep-alive", "30"]) as g:
+        (worker,) = g.worker_pids()
+        kept = send_call(g.port, "whoami", {})
+        assert read_one(kept)["result"]["content"][0]["text"] == str(worker)
+        stuck, late = tag(), tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        try:
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            wait_until(lambda: "asking the worker to exit gracefully" in g.log(),
+                       closed + GRACE + 4, what="the worker to ask itself to exit")
+            kept.sendall(call_bytes("nap", {"seconds": 3, "tag": late, "pad": 20_000_000}))
+            wait_file(f"{outdir}/{late}.started", time.monotonic() + 5)
+            # past the graceful shutdown's time (1 s, and a second), the tool returns: its
+            # answer is being written, to a client that has not read a byte yet
+            wait_until(lambda: in_flight(g.registry_name) == [], time.monotonic() + 10,
+                       what="the late call's tool to return")
+            kept.settimeout(30)
+            reply = read_one(kept)
+            assert reply["result"]["content"][0]["text"] == "napped 3s" + "x" * 20_000_000
+            wait_until(lambda: not alive(worker), time.monotonic() + 5,
+                       what="the worker of the stuck tool to exit")
+        finally:
+            s.close()
+            kept.close()
+
+
+def test_gthread_silent_connection_does_not_hold_a_stuck_tools_worker(shm_name: str,
+                                                                       outdir: str) -> None:
+    """Defect (gunicorn 23): a connection that has sent nothing (a proxy's pre-opened one)
+    counted as busy, and gunicorn 23 never times it out: the worker holding a stuck tool
+    waited the full 10 minutes to retire, one thread short. A connection counts only once its
+    request is being served; the worker retires (gunicorn 24 and later close such a connection
+    after a few seconds themselves) and its replacement serves."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
+               extra_args=["--graceful-timeout", "1"]) as g:
+        (worker,) = g.worker_pids()
+        stuck = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        silent = socket.create_connection(("127.0.0.1", g.port), timeout=20)
+        try:
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            wait_until(lambda: not alive(worker), closed + GRACE + 1 + 15,
+                       what="the worker of the stuck tool to exit")
+            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+            assert replacement != worker and whoami(g) == replacement
+        finally:
+            s.close()
+            silent.close()
+
+
 def test_gthread_worker_with_every_thread_stuck_is_replaced_at_once(shm_name: str,
                                                                     outdir: str) -> None:
     """A ``gthread`` worker whose only thread runs a stuck tool can serve nothing more: the

@@ -120,7 +120,7 @@ from .reply import (
 )
 from .reply import PROGRESS_KEY as PROGRESS_KEY
 from .sessions import SessionsFull
-from .stop import RequestStopped, gunicorn_quits
+from .stop import RequestStopped, counted, gunicorn_quits
 from .tools import Tool, ToolError
 from .wire import (
     RequestHeaders,
@@ -234,6 +234,7 @@ class McpServer(LegacyWire, ModernWire):
 
     # ------------------------------------------------------------------ WSGI
 
+    @counted
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         held = self._lock_depth()  # holds around this request (a middleware's) go on
         try:

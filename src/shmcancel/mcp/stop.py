@@ -10,13 +10,14 @@ nothing but given-up tools is left. Called by the disconnect watcher's timeout (
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..cancel import owed
@@ -31,6 +32,50 @@ _QUIET_POLL = 0.1  # seconds between two looks for a moment with no other call i
 # past it the worker is retired anyway, its calls given gunicorn's graceful_timeout
 _RETIRE_WAIT = 600.0
 _given_up: set[int] = set()  # ids of the watchers of the tools whose threads were given up
+#: Tokens of the requests this process's MCP app is serving, each from its call until its
+#: answer's ``close()`` (the server calls it once the answer is written): :class:`Served`.
+serving: set[int] = set()
+_tokens = itertools.count()
+
+
+def counted(app: Callable[[Any, Any, Any], Iterable[bytes]]
+            ) -> Callable[[Any, Any, Any], Iterable[bytes]]:
+    """A WSGI app's ``__call__`` whose every request is counted in :data:`serving` from its
+    call until the server closes its answer (:class:`Served`)."""
+    def call(self: Any, environ: Any, start_response: Any) -> Iterable[bytes]:
+        token = next(_tokens)
+        serving.add(token)
+        try:
+            return Served(app(self, environ, start_response), token)
+        except BaseException:
+            serving.discard(token)
+            raise
+    call.__doc__ = app.__doc__
+    return call
+
+
+class Served(list[bytes]):
+    """An answer's body (the chunks of ``inner``, a WSGI iterable) that keeps its request's
+    ``token`` in :data:`serving` until the server closes it (``inner``'s own ``close()``
+    called first)."""
+
+    __slots__ = ("_inner", "_token")
+
+    def __init__(self, inner: Iterable[bytes], token: int) -> None:
+        super().__init__(inner)
+        self._inner = inner
+        self._token = token
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._inner, "close", None)
+            if close is not None:
+                close()
+        finally:
+            serving.discard(self._token)
+
+
+os.register_at_fork(after_in_child=serving.clear)  # a fork child serves none of these
 
 
 class RequestStopped(BaseException):
@@ -121,30 +166,33 @@ def _wait_until(watcher: Watcher, ready: Callable[[], bool], deadline: float) ->
 
 
 def _quiet(drained_by: float | None) -> bool:
-    """Whether nothing but given-up tools is left in this worker: no call running (none of its
-    requests' tokens in ``owed.running``: a call started in a graceful shutdown, on a kept-alive
-    connection, is waited for as gunicorn would) and no connection open but theirs (one idle
-    between kept-alive requests aside until the exit was asked for, ``drained_by`` given: then
-    gunicorn lingers on those to answer a request arriving), or every thread given up (no
-    other request could be served). Where gunicorn's worker does not say, the calls alone
-    decide before the exit is asked for, and after it ``drained_by`` (monotonic:
-    ``graceful_timeout`` on) too."""
-    if owed.running:
+    """Whether nothing but given-up tools is left in this worker: no other request in the MCP
+    app, its answer being written included (:data:`serving`; the given-up ones are still in
+    it), no call running (``owed.running``), and no other connection that counts
+    (:func:`_worker_load`); or every thread given up (no other request could be served).
+    ``drained_by``: the exit was asked for, and its graceful shutdown's time (monotonic) is
+    over then: connections that still count were never read (nothing serves them), and only
+    the requests in the app are waited for. Where gunicorn's worker does not say, the app's
+    requests and calls alone decide before the exit is asked for, and after it ``drained_by``
+    too."""
+    if owed.running or len(serving) > len(_given_up):
         return False
     conns, threads = _worker_load(stopping=drained_by is not None)
+    if threads is not None and len(_given_up) >= threads:
+        return True
     if conns is None:
         return drained_by is None or time.monotonic() >= drained_by
-    return conns <= len(_given_up) or (threads is not None and len(_given_up) >= threads) or (
+    return conns <= len(_given_up) or (
         drained_by is not None and time.monotonic() >= drained_by)
 
 
 def _worker_load(stopping: bool) -> tuple[int | None, int | None]:
     """This process's gunicorn ``gthread`` worker's connections that count, and its threads;
-    ``None`` where not known. Those that count: the open ones (``nr_conns``) less those idle
-    between kept-alive requests (``keepalived_conns`` since gunicorn 24, ``_keep`` before);
-    while ``stopping``, on gunicorn 24 and later every open one (its graceful shutdown serves
-    and then closes the idle ones), on gunicorn 23 the requests it is serving (``futures`` not
-    done: once its loop has ended it serves nothing else, and closes nothing)."""
+    ``None`` where not known. On gunicorn 24 and later the open ones (``nr_conns``) less those
+    idle between kept-alive requests (``keepalived_conns``), and while ``stopping`` all the
+    open ones (its graceful shutdown serves, then closes, the idle ones); on gunicorn 23 the
+    requests it is serving (``futures`` not done: a connection that has sent nothing yet is
+    not busy, and once stopping it serves nothing else and closes nothing)."""
     hooks = sys.modules.get("shmcancel.gunicorn")
     worker: Any = getattr(getattr(hooks, "_state", None), "worker", None)
     threads = getattr(getattr(worker, "cfg", None), "threads", None)
@@ -154,9 +202,7 @@ def _worker_load(stopping: bool) -> tuple[int | None, int | None]:
     try:
         if idle is not None:
             return (conns if stopping else conns - len(idle)), threads
-        if stopping:
-            return sum(not f.done() for f in list(worker.futures)), threads
-        return conns - len(worker._keep), threads
+        return sum(not f.done() for f in list(worker.futures)), threads
     except (AttributeError, TypeError, RuntimeError):  # not a gthread worker we know
         return None, threads
 
