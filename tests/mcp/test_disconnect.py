@@ -278,6 +278,43 @@ def test_gthread_stubborn_tool_is_stopped_and_the_worker_keeps_serving(shm_name:
         print("\n" + g.log_tail(15))
 
 
+@contextlib.contextmanager
+def a_stuck_tool(shm_name: str, outdir: str, *, threads: int = 4, graceful: int
+                 ) -> Iterator[tuple[Gunicorn, int, float]]:
+    """A one-worker ``gthread`` server (``threads``, ``graceful_timeout`` ``graceful`` s)
+    whose tool is stuck in a C call (``nap``, 30 s) and whose client has just left:
+    ``(server, worker pid, when it left)`` (monotonic)."""
+    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=threads,
+               extra_args=["--graceful-timeout", str(graceful)]) as g:
+        (worker,) = g.worker_pids()
+        t = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": t})
+        try:
+            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            yield g, worker, closed
+        finally:
+            s.close()
+
+
+def given_up(g: Gunicorn, closed: float) -> None:
+    """Wait until the stuck tool whose client left at ``closed`` (monotonic) is given up:
+    ``stream_cancel_timeout``, then ``RequestStopped``'s second."""
+    wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
+               what="the stuck tool's thread to be given up")
+
+
+def replaced(g: Gunicorn, worker: int, within: float) -> int:
+    """Wait ``within`` seconds for ``worker`` to exit, then for a replacement that serves; its
+    pid."""
+    wait_until(lambda: not alive(worker), time.monotonic() + within,
+               what="the worker of the stuck tool to exit")
+    (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+    assert replacement != worker and whoami(g) == replacement
+    return replacement
+
+
 def test_gthread_tool_stuck_in_c_does_not_keep_its_stopped_worker(shm_name: str,
                                                                    outdir: str) -> None:
     """A ``gthread`` tool blocked in one C call (``time.sleep``: ``nap``) cannot take
@@ -287,25 +324,11 @@ def test_gthread_tool_stuck_in_c_does_not_keep_its_stopped_worker(shm_name: str,
     replaced (the sole worker here: the server served nothing for the whole 30 s nap). The
     stopped tool's worker must go, and a replacement serve, soon after its graceful period
     (contract §6.3: the worker goes back to serving)."""
-    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
-               extra_args=["--graceful-timeout", "1"]) as g:
-        (worker,) = g.worker_pids()
-        t = tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": t})
-        try:
-            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
-            closed = time.monotonic()
-            s.close()
-            # grace 0.5 s, RequestStopped's second 1 s, graceful_timeout 1 s, then 1 s more
-            wait_until(lambda: not alive(worker), closed + GRACE + 1 + 1 + 1 + 3,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert replacement != worker
-            assert whoami(g) == replacement
-            assert in_flight(g.registry_name) == []
-            assert "ignored RequestStopped" in g.log()
-        finally:
-            s.close()
+    with a_stuck_tool(shm_name, outdir, graceful=1) as (g, worker, closed):
+        # grace 0.5 s, RequestStopped's second 1 s, graceful_timeout 1 s, then 1 s more
+        replaced(g, worker, closed + GRACE + 1 + 1 + 1 + 3 - time.monotonic())
+        assert in_flight(g.registry_name) == []
+        assert "ignored RequestStopped" in g.log()
 
 
 def test_gthread_stuck_tool_never_cuts_another_clients_call(shm_name: str,
@@ -329,17 +352,13 @@ def test_gthread_stuck_tool_never_cuts_another_clients_call(shm_name: str,
             closed = time.monotonic()
             s.close()
             # grace 0.5 s, then RequestStopped's second 1 s: the thread is given up
-            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
-                       what="the stuck tool's thread to be given up")
+            given_up(g, closed)
             assert whoami(g) == worker  # still accepting, with its other threads
             reply = read_reply(keep)
             assert reply["result"]["content"][0]["text"] == "slept 6s", reply
             assert not Path(f"{outdir}/{other}.cancelled").exists()
             # then, nothing else running, it retires and a replacement serves
-            wait_until(lambda: not alive(worker), time.monotonic() + 1 + 1 + 5,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert replacement != worker and whoami(g) == replacement
+            replaced(g, worker, 1 + 1 + 5)
             assert in_flight(g.registry_name) == []
         finally:
             s.close()
@@ -353,24 +372,36 @@ def test_gthread_stuck_tool_alone_is_replaced_without_waiting_graceful_timeout(
     default), its stuck connection keeping the drain going, and accepted nothing meanwhile: a
     sole worker's server answered nothing for that long. It exits once nothing but the stuck
     connection is left, and its replacement serves."""
+    with a_stuck_tool(shm_name, outdir, graceful=60) as (g, worker, closed):
+        given_up(g, closed)
+        replaced(g, worker, 10)
+        assert in_flight(g.registry_name) == []
+
+
+@contextlib.contextmanager
+def stopping_beside_a_kept_connection(shm_name: str, outdir: str
+                                      ) -> Iterator[tuple[Gunicorn, int, socket.socket]]:
+    """A one-worker ``gthread`` server (``graceful_timeout`` 1 s) whose stuck tool (``nap``,
+    its client gone) was given up and which has just asked itself to exit, beside a client's
+    kept-alive connection (its first request answered): ``(server, worker pid, connection)``.
+    gunicorn lingers 2 s on kept-alive connections as it stops."""
     with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
-               extra_args=["--graceful-timeout", "60"]) as g:
+               extra_args=["--graceful-timeout", "1", "--keep-alive", "30"]) as g:
         (worker,) = g.worker_pids()
-        t = tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": t})
+        kept = send_call(g.port, "whoami", {})
+        stuck = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
         try:
-            wait_file(f"{outdir}/{t}.started", time.monotonic() + 10)
+            assert read_one(kept)["result"]["content"][0]["text"] == str(worker)
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
             closed = time.monotonic()
             s.close()
-            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
-                       what="the stuck tool's thread to be given up")
-            wait_until(lambda: not alive(worker), time.monotonic() + 10,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert replacement != worker and whoami(g) == replacement
-            assert in_flight(g.registry_name) == []
+            wait_until(lambda: "asking the worker to exit gracefully" in g.log(),
+                       closed + GRACE + 4, what="the worker to ask itself to exit")
+            yield g, worker, kept
         finally:
             s.close()
+            kept.close()
 
 
 def test_gthread_stuck_tool_never_cuts_a_call_begun_in_the_workers_graceful_stop(
@@ -380,31 +411,16 @@ def test_gthread_stuck_tool_never_cuts_a_call_begun_in_the_workers_graceful_stop
     ended itself ``graceful_timeout`` later whatever that call was doing: its client got the
     connection closed without a response. Such a call is answered, as gunicorn's own graceful
     stop answers it."""
-    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
-               extra_args=["--graceful-timeout", "1", "--keep-alive", "30"]) as g:
-        (worker,) = g.worker_pids()
-        kept = send_call(g.port, "whoami", {})
-        assert read_one(kept)["result"]["content"][0]["text"] == str(worker)
-        stuck, late = tag(), tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
-        try:
-            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
-            closed = time.monotonic()
-            s.close()
-            wait_until(lambda: "asking the worker to exit gracefully" in g.log(),
-                       closed + GRACE + 4, what="the worker to ask itself to exit")
-            # gunicorn lingers 2 s on kept-alive connections as it stops
-            kept.sendall(call_bytes("sleep", {"seconds": 3, "tag": late}, id=2))
-            reply = read_one(kept)
-            assert reply["result"]["content"][0]["text"] == "slept 3s", reply
-            assert Path(f"{outdir}/{late}.started").read_text() == str(worker)
-            wait_until(lambda: not alive(worker), time.monotonic() + 5,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert whoami(g) == replacement
-        finally:
-            s.close()
-            kept.close()
+    with stopping_beside_a_kept_connection(shm_name, outdir) as (g, worker, kept):
+        late = tag()
+        kept.sendall(call_bytes("sleep", {"seconds": 3, "tag": late}, id=2))
+        reply = read_one(kept)
+        assert reply["result"]["content"][0]["text"] == "slept 3s", reply
+        assert Path(f"{outdir}/{late}.started").read_text() == str(worker)
+        wait_until(lambda: not alive(worker), time.monotonic() + 5,
+                   what="the worker of the stuck tool to exit")
+        (replacement,) = g.wait_workers(1, time.monotonic() + 15)
+        assert whoami(g) == replacement
 
 
 def test_gthread_stuck_tool_never_cuts_an_answer_being_written(shm_name: str,
@@ -414,33 +430,19 @@ def test_gthread_stuck_tool_never_cuts_an_answer_being_written(shm_name: str,
     still being written, and the worker, its graceful shutdown's time over, ended itself in
     the middle of it. The answer (20 MB, to a client that only starts reading once the tool
     has returned) arrives whole."""
-    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
-               extra_args=["--graceful-timeout", "1", "--keep-alive", "30"]) as g:
-        (worker,) = g.worker_pids()
-        kept = send_call(g.port, "whoami", {})
-        assert read_one(kept)["result"]["content"][0]["text"] == str(worker)
-        stuck, late = tag(), tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
-        try:
-            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
-            closed = time.monotonic()
-            s.close()
-            wait_until(lambda: "asking the worker to exit gracefully" in g.log(),
-                       closed + GRACE + 4, what="the worker to ask itself to exit")
-            kept.sendall(call_bytes("nap", {"seconds": 3, "tag": late, "pad": 20_000_000}))
-            wait_file(f"{outdir}/{late}.started", time.monotonic() + 5)
-            # past the graceful shutdown's time (1 s, and a second), the tool returns: its
-            # answer is being written, to a client that has not read a byte yet
-            wait_until(lambda: in_flight(g.registry_name) == [], time.monotonic() + 10,
-                       what="the late call's tool to return")
-            kept.settimeout(30)
-            reply = read_one(kept)
-            assert reply["result"]["content"][0]["text"] == "napped 3s" + "x" * 20_000_000
-            wait_until(lambda: not alive(worker), time.monotonic() + 5,
-                       what="the worker of the stuck tool to exit")
-        finally:
-            s.close()
-            kept.close()
+    with stopping_beside_a_kept_connection(shm_name, outdir) as (g, worker, kept):
+        late = tag()
+        kept.sendall(call_bytes("nap", {"seconds": 3, "tag": late, "pad": 20_000_000}))
+        wait_file(f"{outdir}/{late}.started", time.monotonic() + 5)
+        # past the graceful shutdown's time (1 s, and a second), the tool returns: its answer
+        # is being written, to a client that has not read a byte yet
+        wait_until(lambda: in_flight(g.registry_name) == [], time.monotonic() + 10,
+                   what="the late call's tool to return")
+        kept.settimeout(30)
+        reply = read_one(kept)
+        assert reply["result"]["content"][0]["text"] == "napped 3s" + "x" * 20_000_000
+        wait_until(lambda: not alive(worker), time.monotonic() + 5,
+                   what="the worker of the stuck tool to exit")
 
 
 def test_gthread_silent_connection_does_not_hold_a_stuck_tools_worker(shm_name: str,
@@ -450,23 +452,9 @@ def test_gthread_silent_connection_does_not_hold_a_stuck_tools_worker(shm_name: 
     waited the full 10 minutes to retire, one thread short. A connection counts only once its
     request is being served; the worker retires (gunicorn 24 and later close such a connection
     after a few seconds themselves) and its replacement serves."""
-    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=4,
-               extra_args=["--graceful-timeout", "1"]) as g:
-        (worker,) = g.worker_pids()
-        stuck = tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
-        silent = socket.create_connection(("127.0.0.1", g.port), timeout=20)
-        try:
-            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
-            closed = time.monotonic()
-            s.close()
-            wait_until(lambda: not alive(worker), closed + GRACE + 1 + 15,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert replacement != worker and whoami(g) == replacement
-        finally:
-            s.close()
-            silent.close()
+    with a_stuck_tool(shm_name, outdir, graceful=1) as (g, worker, closed), \
+            socket.create_connection(("127.0.0.1", g.port), timeout=20):  # it sends nothing
+        replaced(g, worker, closed + GRACE + 1 + 15 - time.monotonic())
 
 
 def test_gthread_worker_with_every_thread_stuck_is_replaced_at_once(shm_name: str,
@@ -475,27 +463,10 @@ def test_gthread_worker_with_every_thread_stuck_is_replaced_at_once(shm_name: st
     connections it accepted past its threads wait for a thread that never comes. It exits as
     soon as the tool is given up (what it queued is reset: no thread of it could serve it), not
     after ``graceful_timeout``, and its replacement serves."""
-    with start(shm_name, outdir, workers=1, worker_class="gthread", threads=1,
-               extra_args=["--graceful-timeout", "60"]) as g:
-        (worker,) = g.worker_pids()
-        stuck = tag()
-        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
-        queued = None
-        try:
-            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
-            queued = send_call(g.port, "whoami", {})
-            closed = time.monotonic()
-            s.close()
-            wait_until(lambda: "a stopped tool still runs" in g.log(), closed + GRACE + 4,
-                       what="the stuck tool's thread to be given up")
-            wait_until(lambda: not alive(worker), time.monotonic() + 10,
-                       what="the worker of the stuck tool to exit")
-            (replacement,) = g.wait_workers(1, time.monotonic() + 15)
-            assert replacement != worker and whoami(g) == replacement
-        finally:
-            s.close()
-            if queued is not None:
-                queued.close()
+    with a_stuck_tool(shm_name, outdir, threads=1, graceful=60) as (g, worker, closed), \
+            send_call(g.port, "whoami", {}):  # queued behind the stuck tool
+        given_up(g, closed)
+        replaced(g, worker, 10)
 
 
 def tasks(pid: int) -> set[int]:
