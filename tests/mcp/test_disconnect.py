@@ -457,6 +457,31 @@ def test_gthread_silent_connection_does_not_hold_a_stuck_tools_worker(shm_name: 
         replaced(g, worker, closed + GRACE + 1 + 15 - time.monotonic())
 
 
+def test_gthread_stuck_tool_retires_behind_a_middleware_that_never_closes(
+        shm_name: str, outdir: str) -> None:
+    """Defect: the requests the app serves were counted until their answers' ``close()``, and
+    a middleware that never calls it (PEP 3333 says it must) left every request counted: the
+    worker of a stuck tool never found itself quiet and served on one thread short for 10
+    minutes, its count growing by one per request. It retires, and its replacement serves."""
+    env = {"SHMCANCEL_TEST_DIR": outdir, "SHMCANCEL_TEST_STREAM_CANCEL_TIMEOUT": str(GRACE)}
+    with Gunicorn("tests.apps.unclosing_app:app", registry_name=shm_name, config=CONF, env=env,
+                  workers=1, worker_class="gthread", threads=4,
+                  extra_args=["--graceful-timeout", "1"]) as g:
+        (worker,) = g.worker_pids()
+        for _ in range(3):
+            assert whoami(g) == worker
+        stuck = tag()
+        s = send_call(g.port, "nap", {"seconds": 30, "tag": stuck})
+        try:
+            wait_file(f"{outdir}/{stuck}.started", time.monotonic() + 10)
+            closed = time.monotonic()
+            s.close()
+            given_up(g, closed)
+            replaced(g, worker, 10)
+        finally:
+            s.close()
+
+
 def test_gthread_worker_with_every_thread_stuck_is_replaced_at_once(shm_name: str,
                                                                     outdir: str) -> None:
     """A ``gthread`` worker whose only thread runs a stuck tool can serve nothing more: the

@@ -32,9 +32,11 @@ _QUIET_POLL = 0.1  # seconds between two looks for a moment with no other call i
 # past it the worker is retired anyway, its calls given gunicorn's graceful_timeout
 _RETIRE_WAIT = 600.0
 _given_up: set[int] = set()  # ids of the watchers of the tools whose threads were given up
-#: Tokens of the requests this process's MCP app is serving, each from its call until its
-#: answer's ``close()`` (the server calls it once the answer is written): :class:`Served`.
-serving: set[int] = set()
+#: The requests this process's MCP app is serving: the thread that called it -> its token,
+#: from the call until the answer's ``close()`` (the server calls it once the answer is
+#: written): :class:`Served`. One entry per thread: a request whose answer was never closed
+#: (a middleware breaking PEP 3333) is replaced by its thread's next one.
+serving: dict[int, int] = {}
 _tokens = itertools.count()
 
 
@@ -43,27 +45,32 @@ def counted(app: Callable[[Any, Any, Any], Iterable[bytes]]
     """A WSGI app's ``__call__`` whose every request is counted in :data:`serving` from its
     call until the server closes its answer (:class:`Served`)."""
     def call(self: Any, environ: Any, start_response: Any) -> Iterable[bytes]:
-        token = next(_tokens)
-        serving.add(token)
+        ident, token = threading.get_ident(), next(_tokens)
+        serving[ident] = token
         try:
-            return Served(app(self, environ, start_response), token)
+            return Served(app(self, environ, start_response), ident, token)
         except BaseException:
-            serving.discard(token)
+            _served(ident, token)
             raise
     call.__doc__ = app.__doc__
     return call
 
 
+def _served(ident: int, token: int) -> None:
+    if serving.get(ident) == token:
+        serving.pop(ident, None)
+
+
 class Served(list[bytes]):
-    """An answer's body (the chunks of ``inner``, a WSGI iterable) that keeps its request's
-    ``token`` in :data:`serving` until the server closes it (``inner``'s own ``close()``
-    called first)."""
+    """An answer's body (the chunks of ``inner``, a WSGI iterable) that keeps its request in
+    :data:`serving` until the server closes it (``inner``'s own ``close()`` called first)."""
 
-    __slots__ = ("_inner", "_token")
+    __slots__ = ("_ident", "_inner", "_token")
 
-    def __init__(self, inner: Iterable[bytes], token: int) -> None:
+    def __init__(self, inner: Iterable[bytes], ident: int, token: int) -> None:
         super().__init__(inner)
         self._inner = inner
+        self._ident = ident
         self._token = token
 
     def close(self) -> None:
@@ -72,7 +79,7 @@ class Served(list[bytes]):
             if close is not None:
                 close()
         finally:
-            serving.discard(self._token)
+            _served(self._ident, self._token)
 
 
 os.register_at_fork(after_in_child=serving.clear)  # a fork child serves none of these
@@ -166,45 +173,52 @@ def _wait_until(watcher: Watcher, ready: Callable[[], bool], deadline: float) ->
 
 
 def _quiet(drained_by: float | None) -> bool:
-    """Whether nothing but given-up tools is left in this worker: no other request in the MCP
-    app, its answer being written included (:data:`serving`; the given-up ones are still in
-    it), no call running (``owed.running``), and no other connection that counts
-    (:func:`_worker_load`); or every thread given up (no other request could be served).
-    ``drained_by``: the exit was asked for, and its graceful shutdown's time (monotonic) is
-    over then: connections that still count were never read (nothing serves them), and only
-    the requests in the app are waited for. Where gunicorn's worker does not say, the app's
-    requests and calls alone decide before the exit is asked for, and after it ``drained_by``
-    too."""
-    if owed.running or len(serving) > len(_given_up):
+    """Whether nothing but given-up tools is left in this worker: no call running
+    (``owed.running``) and no other connection that counts (:func:`_worker_load`), or every
+    thread given up (no other request could be served). ``drained_by``: the exit was asked for,
+    and its graceful shutdown's time (monotonic) is over then; gunicorn's count stops moving
+    there, and the requests in the app (:data:`serving`, answers being written included: the
+    given-up ones are in it too) are waited for instead, for at most the worker's ``timeout``
+    more (after which gunicorn kills a worker that stopped notifying it). Where gunicorn's
+    worker does not say, those requests decide before the exit is asked for, and after it
+    once ``drained_by`` is over."""
+    if owed.running:
         return False
-    conns, threads = _worker_load(stopping=drained_by is not None)
+    conns, threads, timeout = _worker_load(stopping=drained_by is not None)
     if threads is not None and len(_given_up) >= threads:
         return True
-    if conns is None:
-        return drained_by is None or time.monotonic() >= drained_by
-    return conns <= len(_given_up) or (
-        drained_by is not None and time.monotonic() >= drained_by)
+    if conns is not None and conns <= len(_given_up):
+        return True
+    if drained_by is None:
+        return conns is None and len(serving) <= len(_given_up)
+    now = time.monotonic()
+    return now >= drained_by and (len(serving) <= len(_given_up)
+                                  or now >= drained_by + (timeout or _GRACEFUL_TIMEOUT))
 
 
-def _worker_load(stopping: bool) -> tuple[int | None, int | None]:
-    """This process's gunicorn ``gthread`` worker's connections that count, and its threads;
-    ``None`` where not known. On gunicorn 24 and later the open ones (``nr_conns``) less those
-    idle between kept-alive requests (``keepalived_conns``), and while ``stopping`` all the
-    open ones (its graceful shutdown serves, then closes, the idle ones); on gunicorn 23 the
-    requests it is serving (``futures`` not done: a connection that has sent nothing yet is
-    not busy, and once stopping it serves nothing else and closes nothing)."""
+def _worker_load(stopping: bool) -> tuple[int | None, int | None, float | None]:
+    """This process's gunicorn ``gthread`` worker's connections that count, its threads and
+    its ``timeout`` (seconds); ``None`` where not known. On gunicorn 24 and later the open
+    ones (``nr_conns``) less those idle between kept-alive requests (``keepalived_conns``),
+    and while ``stopping`` all the open ones (its graceful shutdown serves, then closes, the
+    idle ones); on gunicorn 23 the requests it is serving (``futures`` not done: a connection
+    that has sent nothing yet is not busy, and once stopping it serves nothing else and closes
+    nothing)."""
     hooks = sys.modules.get("shmcancel.gunicorn")
     worker: Any = getattr(getattr(hooks, "_state", None), "worker", None)
-    threads = getattr(getattr(worker, "cfg", None), "threads", None)
+    cfg = getattr(worker, "cfg", None)
+    threads = getattr(cfg, "threads", None)
     threads = threads if type(threads) is int else None
+    limit: Any = getattr(cfg, "timeout", None)
+    timeout = float(limit) if type(limit) in (int, float) and limit > 0 else None
     conns: Any = getattr(worker, "nr_conns", None)
     idle = getattr(worker, "keepalived_conns", None)
     try:
         if idle is not None:
-            return (conns if stopping else conns - len(idle)), threads
-        return sum(not f.done() for f in list(worker.futures)), threads
+            return (conns if stopping else conns - len(idle)), threads, timeout
+        return sum(not f.done() for f in list(worker.futures)), threads, timeout
     except (AttributeError, TypeError, RuntimeError):  # not a gthread worker we know
-        return None, threads
+        return None, threads, timeout
 
 
 def _exit_unless_stopped(watcher: Watcher, why: bytes) -> None:
