@@ -311,6 +311,7 @@ class Bench:
         self._names0: dict[str, int] = {}  # by thread name, at the span's start
         self.counter: CallCounter | None = None  # --count-calls
         self.calls: dict[str, list[tuple[int, Counter[str]]]] = {}  # mode -> (calls, counts)
+        self.calls_lost: dict[str, int] = {}  # mode -> spans measured but not counted
 
     def close(self) -> None:
         self.reader.close()
@@ -351,6 +352,8 @@ class Bench:
             counts = self.counter.stop((server or self.server).worker_pids)
             if counts is not None and ends:
                 self.calls.setdefault(mode, []).append((len(last), counts))
+            elif ends:  # a worker did not acknowledge a switch in time, or was replaced
+                self.calls_lost[mode] = self.calls_lost.get(mode, 0) + 1
         if ends:
             self.cpu.setdefault(mode, []).append((workers, client, max(ends) - t0[2]))
             if names is not None and self.by_thread is not None:
@@ -521,7 +524,8 @@ def _print_by_thread(by_thread: dict[str, list[dict[str, int]]]) -> None:
                                            sorted(names, key=lambda k: -med[k])))
 
 
-def _print_calls(calls: dict[str, list[tuple[int, Counter[str]]]]) -> None:
+def _print_calls(calls: dict[str, list[tuple[int, Counter[str]]]], lost: dict[str, int]
+                 ) -> None:
     """Per mode, the interpreter calls the workers made per call cancelled (burst: the call,
     its notification and the release; floor, bare: per notification), by the calling code's
     kind (Python functions + builtins), summed over every counted span."""
@@ -531,6 +535,9 @@ def _print_calls(calls: dict[str, list[tuple[int, Counter[str]]]]) -> None:
     for mode in ("sequential", "burst", "floor", "bare", "bare burst"):
         spans = calls.get(mode)
         if not spans:
+            if lost.get(mode):
+                print(f"  {mode:10s} not counted: a worker did not acknowledge the counting's "
+                      f"switch in time ({lost[mode]} span(s))")
             continue
         n = sum(k for k, _ in spans)
         counts: Counter[str] = Counter()
@@ -633,8 +640,8 @@ def run(a: argparse.Namespace) -> tuple[bool, bool]:
                     _print_cpu(b.cpu)
                     if b.by_thread is not None:
                         _print_by_thread(b.by_thread)
-                    if b.calls:
-                        _print_calls(b.calls)
+                    if b.calls or b.calls_lost:
+                        _print_calls(b.calls, b.calls_lost)
                     flat = [x for r in got["burst"] for x in r]
                     if b.lost:
                         valid = False  # a cancelled call not answered -32800: a failure

@@ -146,11 +146,18 @@ def test_burst_bench_counts_the_workers_calls_by_kind_of_code() -> None:
                                              block, re.M)}
     calls = {mode: {k: float(v) for k, v in re.findall(r"(total|\w+) +([\d.]+) ?", text)}
              for mode, text in lines.items()}
-    assert set(calls) == {"burst", "floor", "bare", "bare burst"}, block
-    assert calls["burst"]["shmcancel"] > 0 and calls["bare burst"]["shmcancel"] == 0, block
-    assert calls["burst"]["gunicorn"] > 0 and calls["bare burst"]["gunicorn"] > 0, block
+    # under a loaded machine a span may go uncounted (a worker acknowledging late) or a round
+    # unmeasured (every try skipped): the report then says so for that mode
+    missing = {m for m in ("burst", "floor", "bare", "bare burst") if re.search(
+        rf"^  {m} +(not counted|no samples)", out, re.M)}
+    assert "burst" not in missing, out[-3000:]
+    assert set(calls) == {"burst", "floor", "bare", "bare burst"} - missing, block
+    assert calls["burst"]["shmcancel"] > 0, block
     assert calls["burst"]["total"] >= calls["burst"]["shmcancel"] + calls["burst"]["gunicorn"]
-    assert re.search(r"^  burst / bare burst: [\d.]+x the calls$", block, re.M), block
+    if "bare burst" not in missing:
+        assert calls["bare burst"]["shmcancel"] == 0, block
+        assert calls["burst"]["gunicorn"] > 0 and calls["bare burst"]["gunicorn"] > 0, block
+        assert re.search(r"^  burst / bare burst: [\d.]+x the calls$", block, re.M), block
     assert leftovers(pid) == []
 
 
