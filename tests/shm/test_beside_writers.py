@@ -236,9 +236,10 @@ def test_a_readonly_unreadable_beside_writers_reports_corruption_only(shm_name: 
                 for _ in range(30):
                     assert rt.unreadable() == []
                     assert rt.stats()["unreadable"] == 0
-                slot, rec = next((s, r) for s, r, kb, _, _ in t._entries(t._idx.tolist())
-                                 if msgpack.unpackb(kb) == ["s", "r5"])
-                t._buf[t._offset(rec) + t.RECORD_HEADER] ^= 0xFF
+                with reg.lock:  # the writers' records hold still only while it is held
+                    slot, rec = next((s, r) for s, r, kb, _, _ in t._entries(t._idx.tolist())
+                                     if msgpack.unpackb(kb) == ["s", "r5"])
+                    t._buf[t._offset(rec) + t.RECORD_HEADER] ^= 0xFF
                 for _ in range(10):
                     assert rt.unreadable() == [(slot, rec)]
                     assert rt.stats()["unreadable"] == 1
