@@ -85,10 +85,9 @@ class _State:
     cancellation: Any = None  # the master's Cancellation over `registry`, for child_exit
     deferred: bool = False  # child_exit skipped a reap (lock busy): the next one reaps all
     janitor: Any = None  # a worker's Janitor thread (never the master's)
-    # A worker's graceful_timeout: how long a stuck tool's worker asked to exit may take to
-    # finish its other calls before it ends itself (mcp/stop.py)
-    graceful_timeout: float | None = None
-    worker: Any = None  # a worker's own gunicorn Worker (mcp/stop.py reads its open connections)
+    # A worker's own gunicorn Worker: mcp/stop.py reads its graceful_timeout, threads and open
+    # connections when a stuck tool's worker is to retire
+    worker: Any = None
 
 
 _state = _State()
@@ -260,8 +259,6 @@ def _attach_parents(name: str, parent: int) -> Registry | None:
 def post_fork(server: Any, worker: Any) -> None:
     """Worker: attach to the master's registry (sets ``shmcancel.shm.registry.current()``)."""
     _keep_stop_signals(worker)
-    with contextlib.suppress(AttributeError, TypeError, ValueError):
-        _state.graceful_timeout = float(worker.cfg.graceful_timeout)
     _state.worker = worker
     name = _state.registry_name
     if name is None:

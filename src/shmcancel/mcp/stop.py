@@ -204,8 +204,7 @@ def _worker_load(stopping: bool) -> tuple[int | None, int | None, float | None]:
     idle ones); on gunicorn 23 the requests it is serving (``futures`` not done: a connection
     that has sent nothing yet is not busy, and once stopping it serves nothing else and closes
     nothing)."""
-    hooks = sys.modules.get("shmcancel.gunicorn")
-    worker: Any = getattr(getattr(hooks, "_state", None), "worker", None)
+    worker = _worker()
     cfg = getattr(worker, "cfg", None)
     threads = getattr(cfg, "threads", None)
     threads = threads if type(threads) is int else None
@@ -234,12 +233,17 @@ def _exit_unless_stopped(watcher: Watcher, why: bytes) -> None:
         os._exit(1)
 
 
-def _graceful_timeout() -> float:
-    """The worker's ``graceful_timeout``, as ``shmcancel.gunicorn``'s ``post_fork`` recorded it
-    (not imported here: without those hooks, gunicorn's default)."""
+def _worker() -> Any:
+    """This process's gunicorn worker, as ``shmcancel.gunicorn``'s ``post_fork`` recorded it
+    (not imported here), or ``None``."""
     hooks = sys.modules.get("shmcancel.gunicorn")
-    value = getattr(getattr(hooks, "_state", None), "graceful_timeout", None)
-    return value if isinstance(value, float) else _GRACEFUL_TIMEOUT
+    return getattr(getattr(hooks, "_state", None), "worker", None)
+
+
+def _graceful_timeout() -> float:
+    """The worker's ``graceful_timeout`` (without those hooks, gunicorn's default)."""
+    value: Any = getattr(getattr(_worker(), "cfg", None), "graceful_timeout", None)
+    return float(value) if type(value) in (int, float) else _GRACEFUL_TIMEOUT
 
 
 def _async_raise(thread_ident: int, exc: type[BaseException]) -> bool:
